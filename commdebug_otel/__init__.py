@@ -1,0 +1,36 @@
+"""commdebug-otel: PyTorch collectives and module passes as live OpenTelemetry.
+
+Module forward, backward and activation-checkpoint recompute become nested
+spans; every collective (and, by detail level, every DTensor op) becomes a
+span event with shape, dtype, bytes, placements, device mesh and process
+group; collective counts, bytes and durations become metrics. Everything
+goes out through the OpenTelemetry SDK: OTLP to a Collector, Jaeger or
+Tempo, or OTLP-JSON files when no endpoint is configured.
+
+Usage::
+
+    import commdebug_otel
+
+    with commdebug_otel.CommTracer():        # settings from OTEL_* variables
+        for step in range(steps):
+            loss = model(batch).sum()
+            loss.backward()
+            optimizer.step()                 # ends the step's train_step trace
+
+    # or as torch's CommDebugMode, plus the same telemetry
+    with commdebug_otel.CommDebugMode() as comm_mode:
+        model(batch).sum().backward()
+    print(comm_mode.get_comm_counts())
+
+What it does not do: it never exports tensor values (only names, shapes,
+dtypes, sizes and placements), it does not see inside ``torch.compile``d
+regions, and it sees collectives issued through the PyTorch dispatcher only
+(not DDP's C++ reducer; see docs/troubleshooting.md).
+"""
+
+from .compat import CommDebugMode
+from .config import Detail, Settings, TraceScope
+from .instrumentation import CommTracer
+from .version import __version__
+
+__all__ = ["CommDebugMode", "CommTracer", "Detail", "Settings", "TraceScope", "__version__"]

@@ -1,0 +1,139 @@
+"""``CommTracer``: module spans, collective events and metrics, switched on and off as one unit.
+
+Every side effect of :meth:`CommTracer.start` has its undo in :meth:`CommTracer.stop`,
+in mirrored order: the optimizer-step hook, the dispatch mode, the module hooks.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from .config import Settings
+from .metrics import LazyCollectiveMetrics
+from .mode import CollectiveDispatchMode
+from .recorder import Recorder
+from .telemetry import Telemetry
+from .tracker import ModuleTracker
+
+_logger = logging.getLogger(__name__)
+
+_shared_lock = threading.Lock()
+_shared_telemetry: dict[tuple, Telemetry] = {}
+
+
+def shared_telemetry(settings: Settings, rank: Any) -> Telemetry:
+    """One process-wide :class:`Telemetry` per output settings, so tracers share providers and files."""
+    key = (settings.output_dir, settings.max_events_per_span, settings.shutdown_timeout_s)
+    with _shared_lock:
+        telemetry = _shared_telemetry.get(key)
+        if telemetry is None:
+            telemetry = _shared_telemetry[key] = Telemetry(settings, rank)
+        return telemetry
+
+
+class CommTracer:
+    """Traces nn.Module passes as spans and collectives as span events, and records metrics.
+
+    Args:
+        settings: :class:`Settings`; default ``Settings.from_env()``.
+        tracer_provider: an OTel ``TracerProvider``; default: our own SDK set-up
+            from the standard ``OTEL_*`` variables (see ``telemetry.py``).
+        meter_provider: an OTel ``MeterProvider``; same default.
+
+    Use as a context manager, or call :meth:`start` and :meth:`stop`. The
+    dispatch mode is pushed on the calling thread's mode stack; collectives
+    issued on other threads are not seen (documented in docs/troubleshooting.md).
+
+    Example::
+
+        with CommTracer():
+            for batch in data:
+                model(batch).sum().backward()
+                optimizer.step()   # ends the step: its spans are exported
+    """
+
+    def __init__(self, settings: Settings | None = None, *, tracer_provider: Any = None,
+                 meter_provider: Any = None) -> None:
+        self.settings = settings if settings is not None else Settings.from_env()
+        if tracer_provider is None and meter_provider is None:
+            self.telemetry = shared_telemetry(self.settings, self._rank)
+        else:
+            self.telemetry = Telemetry(self.settings, self._rank, tracer_provider, meter_provider)
+        metrics = LazyCollectiveMetrics(self.telemetry.meter, self.settings.metric_module_depth)
+        self.recorder = Recorder(self.settings, self.telemetry.emit, metrics)
+        self._tracker = ModuleTracker(self.recorder)
+        self._mode: CollectiveDispatchMode | None = None
+        self._optimizer_handle = None
+        self._started = False
+
+    def _rank(self) -> Any:
+        return self.recorder.rank()
+
+    @property
+    def started(self) -> bool:
+        return self._started
+
+    def start(self) -> CommTracer:
+        """Install the module hooks, the dispatch mode and the optimizer-step hook."""
+        if self._started:
+            _logger.warning("commdebug-otel: CommTracer.start() called twice; ignored")
+            return self
+        self._started = True
+        self.recorder.active = True
+        self._tracker.install()
+        self._mode = CollectiveDispatchMode(self.recorder, self.settings.detail)
+        self._mode.__enter__()
+        self._optimizer_handle = register_optimizer_step_post_hook(
+            self._optimizer_step_post_hook)
+        atexit.register(self.stop)
+        return self
+
+    def _optimizer_step_post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        try:
+            self.recorder.optimizer_step_done()
+        except Exception as error:
+            self.recorder.hook_failed("optimizer step hook", error)
+
+    def stop(self) -> None:
+        """End every open span, remove every hook, export, and leave training untouched."""
+        if not self._started:
+            return
+        self._started = False
+        atexit.unregister(self.stop)
+        try:
+            self.recorder.finish()
+        except Exception as error:
+            self.recorder.hook_failed("closing spans", error)
+        self.recorder.active = False
+        if self._optimizer_handle is not None:
+            self._optimizer_handle.remove()
+            self._optimizer_handle = None
+        self._exit_mode()
+        self._tracker.remove()
+        try:
+            self.telemetry.force_flush()
+        except Exception as error:
+            _logger.warning("commdebug-otel: flush failed: %s", error)
+
+    def _exit_mode(self) -> None:
+        mode, self._mode = self._mode, None
+        if mode is None:
+            return
+        try:
+            mode.__exit__(None, None, None)
+        except Exception:
+            # Not on top of this thread's mode stack (or another thread): it stays
+            # inert (recorder.active is False) rather than pop someone else's mode.
+            _logger.debug("commdebug-otel: dispatch mode left inert on the stack")
+
+    def __enter__(self) -> CommTracer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

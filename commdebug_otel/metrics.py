@@ -1,0 +1,99 @@
+"""Collective metrics: operation and byte counters, an issue-time histogram, and drop counters.
+
+Instruments (OTel name -> Prometheus name after the Collector's translation):
+
+* ``torch.collective.operations`` Counter ``{operation}`` -> ``torch_collective_operations_total``
+* ``torch.collective.io`` Counter ``By`` -> ``torch_collective_io_bytes_total``
+* ``torch.collective.duration`` Histogram ``s`` -> ``torch_collective_duration_seconds_*``:
+  the time the CPU spent issuing the collective (for gloo and blocking
+  c10d calls this includes the transfer; for async work it does not).
+* ``commdebug.telemetry.dropped`` Counter ``{item}`` -> ``commdebug_telemetry_dropped_total``
+
+Labels are low-cardinality only: op, pass, process group name and size, mesh
+dimension name, rank, and the module FQN cut to ``metric_module_depth``
+levels when that setting is above 0. Never shapes or step numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from opentelemetry.metrics import Meter
+
+from . import semconv
+from .ops import GroupFacts
+
+# Collective issue times span microseconds (in-process) to seconds (slow ranks).
+DURATION_BUCKETS_S = (0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05,
+                      0.1, 0.5, 1.0, 5.0, 10.0)
+
+
+class CollectiveMetrics:
+    """Records collective metrics on ``meter``; label dicts are cached per label tuple."""
+
+    def __init__(self, meter: Meter, module_depth: int = 0) -> None:
+        self._module_depth = module_depth
+        self._operations = meter.create_counter(
+            semconv.METRIC_OPERATIONS, unit="{operation}",
+            description="Collectives issued by this rank.")
+        self._io = meter.create_counter(
+            semconv.METRIC_IO, unit="By",
+            description="Input payload bytes of the collectives issued by this rank.")
+        self._duration = meter.create_histogram(
+            semconv.METRIC_DURATION, unit="s",
+            description="CPU time spent issuing each collective.",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS_S)
+        self._dropped = meter.create_counter(
+            semconv.METRIC_DROPPED, unit="{item}",
+            description="Telemetry that commdebug-otel had to drop, by kind.")
+        self._labels: dict[tuple, dict[str, Any]] = {}
+
+    def _module_label(self, fqn: str) -> str:
+        return ".".join(fqn.split(".")[: self._module_depth + 1])
+
+    def collective(self, op: str, pass_: str, group: GroupFacts, rank: int, nbytes: int,
+                   duration_s: float, fqn: str = "") -> None:
+        """Count one collective of ``nbytes`` payload bytes that took ``duration_s`` seconds to issue."""
+        module = self._module_label(fqn) if self._module_depth and fqn else ""
+        key = (op, pass_, group, rank, module)
+        labels = self._labels.get(key)
+        if labels is None:
+            labels = {
+                semconv.COLLECTIVE_OP: op,
+                semconv.MODULE_PASS: pass_,
+                semconv.PROCESS_GROUP_NAME: group.name,
+                semconv.PROCESS_GROUP_SIZE: group.size,
+                semconv.RANK: rank,
+            }
+            if group.dim_name:
+                labels[semconv.DEVICE_MESH_DIM_NAME] = group.dim_name
+            if module:
+                labels[semconv.MODULE_FQN] = module
+            self._labels[key] = labels
+        self._operations.add(1, labels)
+        self._io.add(nbytes, labels)
+        self._duration.record(duration_s, labels)
+
+    def dropped(self, kind: str, count: int) -> None:
+        """Count ``count`` items of telemetry dropped, by ``kind`` (span, event, hook_error, ...)."""
+        self._dropped.add(count, {semconv.DROPPED_KIND: kind})
+
+
+class LazyCollectiveMetrics:
+    """Creates :class:`CollectiveMetrics` at the first record, when the rank is known."""
+
+    def __init__(self, meter_factory: Any, module_depth: int) -> None:
+        self._meter_factory = meter_factory
+        self._module_depth = module_depth
+        self._metrics: CollectiveMetrics | None = None
+
+    def _get(self) -> CollectiveMetrics:
+        if self._metrics is None:
+            self._metrics = CollectiveMetrics(self._meter_factory(), self._module_depth)
+        return self._metrics
+
+    def collective(self, *args: Any) -> None:
+        self._get().collective(*args)
+
+    def dropped(self, kind: str, count: int) -> None:
+        self._get().dropped(kind, count)

@@ -1,0 +1,92 @@
+"""The dispatch mode: collectives and (by detail level) ops, reported to the recorder.
+
+A ``TorchDispatchMode`` sees every aten op, c10d op and functional collective.
+Ops on DTensors reach the mode before DTensor itself; as in torch's
+CommDebugMode we note the op and return ``NotImplemented``, so DTensor runs,
+redistributes (issuing functional collectives that come back through this
+mode on plain tensors) and computes locally.
+
+The hot path for an op that is neither a collective nor recorded is one dict
+lookup and one ``in`` test before redispatch.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .config import Detail
+from .ops import build_registry
+from .recorder import Recorder
+
+# CommDebugMode's trivial ops (torch/distributed/tensor/debug/_comm_mode.py), left out below detail "all".
+TRIVIAL_OPS = frozenset({
+    "aten.detach.default", "aten.t.default", "aten.view.default",
+    "aten._to_copy.default", "aten.as_strided.default", "aten.transpose.int",
+})
+
+_COLLECTIVES = build_registry()
+
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except Exception:  # torch without distributed
+        return None
+    return DTensor
+
+
+class CollectiveDispatchMode(TorchDispatchMode):
+    """Reports collectives (always) and ops (``detail >= dtensor``) to a :class:`Recorder`."""
+
+    supports_higher_order_operators = True
+
+    def __init__(self, recorder: Recorder, detail: Detail) -> None:
+        super().__init__()
+        self._recorder = recorder
+        self._detail = detail
+        self._dtensor = _dtensor_type()
+        self._failed = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
+        spec = _COLLECTIVES.get(func)
+        recorder = self._recorder
+        if spec is None:
+            if self._dtensor is not None and self._dtensor in types:
+                if recorder.active:
+                    self._note_dtensor(func, args)
+                return NotImplemented  # let DTensor desugar into local ops and collectives
+            if self._detail >= Detail.OPS and recorder.active:
+                self._note_op(func, args)
+            return func(*args, **kwargs)
+        start = time.perf_counter_ns()
+        out = func(*args, **kwargs)
+        if recorder.active:
+            try:
+                recorder.collective(spec, args, time.perf_counter_ns() - start)
+            except Exception as error:
+                recorder.hook_failed("collective event", error)
+        return out
+
+    def _note_dtensor(self, func: Any, args: tuple) -> None:
+        try:
+            self._recorder.dtensor_op(func, args)
+            if self._detail >= Detail.DTENSOR and (
+                self._detail >= Detail.ALL or str(func) not in TRIVIAL_OPS
+            ):
+                self._recorder.op_event(func, args, is_dtensor=True)
+        except Exception as error:
+            self._recorder.hook_failed("DTensor op event", error)
+
+    def _note_op(self, func: Any, args: tuple) -> None:
+        try:
+            if self._detail >= Detail.ALL or str(func) not in TRIVIAL_OPS:
+                self._recorder.op_event(func, args, is_dtensor=False)
+        except Exception as error:
+            self._recorder.hook_failed("op event", error)

@@ -1,0 +1,275 @@
+"""The collective registry: which dispatcher ops are collectives, and their facts.
+
+Each collective overload (c10d ``torch.ops.c10d.*``, native functional
+``torch.ops._c10d_functional.*``, legacy ``torch.ops.c10d_functional.*``,
+autograd ``torch.ops._c10d_functional_autograd.*`` and DTensor's
+``_dtensor.shard_dim_alltoall``) maps to a :class:`CollectiveSpec` that says
+where its payload, process group, reduce op and peer sit in the argument list.
+The positions come from each op's schema (``OpOverload._schema``) once, at
+import, so the dispatch hot path only indexes tuples.
+
+No tensor value is ever read: only ``shape``, ``dtype``, ``numel`` and
+``element_size``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from . import semconv
+
+_logger = logging.getLogger(__name__)
+
+# (namespace, op) -> canonical name. CommDebugMode's c10d_collective_ops and
+# NATIVE_TO_PY_MAPPING, plus P2P, barrier and the coalesced/out variants it misses.
+_REGISTRY: dict[str, dict[str, str]] = {
+    "c10d": {
+        "allreduce_": semconv.ALL_REDUCE,
+        "allreduce_coalesced_": semconv.ALL_REDUCE,
+        "allgather_": semconv.ALL_GATHER,
+        "_allgather_base_": semconv.ALL_GATHER,
+        "allgather_coalesced_": semconv.ALL_GATHER,
+        "allgather_into_tensor_coalesced_": semconv.ALL_GATHER,
+        "reduce_scatter_": semconv.REDUCE_SCATTER,
+        "_reduce_scatter_base_": semconv.REDUCE_SCATTER,
+        "reduce_scatter_tensor_coalesced_": semconv.REDUCE_SCATTER,
+        "alltoall_": semconv.ALL_TO_ALL,
+        "alltoall_base_": semconv.ALL_TO_ALL,
+        "broadcast_": semconv.BROADCAST,
+        "reduce_": semconv.REDUCE,
+        "gather_": semconv.GATHER,
+        "scatter_": semconv.SCATTER,
+        "send": semconv.SEND,
+        "recv_": semconv.RECV,
+        "recv_any_source_": semconv.RECV,
+        "barrier": semconv.BARRIER,
+        "monitored_barrier_": semconv.BARRIER,
+    },
+    "_c10d_functional": {
+        "all_reduce": semconv.ALL_REDUCE,
+        "all_reduce_": semconv.ALL_REDUCE,
+        "all_reduce_coalesced": semconv.ALL_REDUCE,
+        "all_reduce_coalesced_": semconv.ALL_REDUCE,
+        "all_gather_into_tensor": semconv.ALL_GATHER,
+        "all_gather_into_tensor_out": semconv.ALL_GATHER,
+        "all_gather_into_tensor_coalesced": semconv.ALL_GATHER,
+        "reduce_scatter_tensor": semconv.REDUCE_SCATTER,
+        "reduce_scatter_tensor_out": semconv.REDUCE_SCATTER,
+        "reduce_scatter_tensor_coalesced": semconv.REDUCE_SCATTER,
+        "all_to_all_single": semconv.ALL_TO_ALL,
+        "broadcast": semconv.BROADCAST,
+        "broadcast_": semconv.BROADCAST,
+        "isend": semconv.SEND,
+        "irecv": semconv.RECV,
+        "batch_p2p_ops": semconv.BATCH_P2P,
+    },
+    "c10d_functional": {
+        "all_reduce": semconv.ALL_REDUCE,
+        "all_reduce_coalesced": semconv.ALL_REDUCE,
+        "all_gather_into_tensor": semconv.ALL_GATHER,
+        "all_gather_into_tensor_coalesced": semconv.ALL_GATHER,
+        "reduce_scatter_tensor": semconv.REDUCE_SCATTER,
+        "reduce_scatter_tensor_coalesced": semconv.REDUCE_SCATTER,
+        "all_to_all_single": semconv.ALL_TO_ALL,
+        "broadcast": semconv.BROADCAST,
+        "isend": semconv.SEND,
+        "irecv": semconv.RECV,
+        "batch_p2p_ops": semconv.BATCH_P2P,
+    },
+    "_c10d_functional_autograd": {
+        "all_gather_into_tensor": semconv.ALL_GATHER,
+        "reduce_scatter_tensor": semconv.REDUCE_SCATTER,
+        "all_to_all_single": semconv.ALL_TO_ALL,
+    },
+    "_dtensor": {"shard_dim_alltoall": semconv.ALL_TO_ALL},
+}
+
+# Argument names, in order of preference, per role. Schemas differ between the
+# c10d, native functional and legacy functional forms (see each op's _schema).
+_PAYLOAD_ARGS = ("input_tensor", "input_tensors", "input_list", "inputs", "input",
+                 "shard", "self", "tensors", "tensor")
+_GROUP_ARGS = ("process_group", "group_name")
+_REDUCE_ARGS = ("reduce_op", "reduceOp")
+_PEER_ARGS = ("dst", "src")
+_LEGACY_RANKS_ARG = "ranks"
+_P2P = (semconv.SEND, semconv.RECV)
+
+# Legacy functional collectives name the namespace so CommDebugMode's counts,
+# which key native ops by their legacy packet, can be reproduced.
+FUNCTIONAL_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional",
+                                   "_c10d_functional_autograd", "_dtensor"})
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveSpec:
+    """Where a collective overload keeps each fact, as argument positions (-1: absent)."""
+
+    op: str  # canonical name, e.g. "all_gather"
+    overload_name: str  # e.g. "_c10d_functional.all_gather_into_tensor.default"
+    namespace: str
+    packet_name: str  # op name within its namespace, e.g. "all_gather_into_tensor"
+    payload_index: int
+    group_index: int
+    reduce_index: int
+    peer_index: int
+    ranks_index: int
+    barrier: bool
+    functional: bool
+
+
+def _arg_index(names: list[str], candidates: tuple[str, ...]) -> int:
+    for candidate in candidates:
+        if candidate in names:
+            return names.index(candidate)
+    return -1
+
+
+def _overloads() -> Iterator[tuple[str, str, str, Any]]:
+    for namespace, ops in _REGISTRY.items():
+        ns = getattr(torch.ops, namespace)
+        for name, canonical in ops.items():
+            try:
+                packet = getattr(ns, name)
+            except (AttributeError, RuntimeError):
+                continue  # op not built into this torch (e.g. no distributed support)
+            for overload in packet.overloads():
+                yield namespace, name, canonical, getattr(packet, overload)
+
+
+def build_registry() -> dict[Any, CollectiveSpec]:
+    """Map every available collective ``OpOverload`` to its :class:`CollectiveSpec`."""
+    # Importing registers the functional ops' Python-side definitions.
+    try:
+        import torch.distributed._functional_collectives  # noqa: F401
+    except Exception:  # pragma: no cover - torch built without distributed
+        pass
+    registry: dict[Any, CollectiveSpec] = {}
+    for namespace, name, canonical, overload in _overloads():
+        names = [argument.name for argument in overload._schema.arguments]
+        registry[overload] = CollectiveSpec(
+            op=canonical,
+            overload_name=f"{namespace}.{name}.{overload._overloadname}",
+            namespace=namespace,
+            packet_name=name,
+            payload_index=_arg_index(names, _PAYLOAD_ARGS),
+            group_index=_arg_index(names, _GROUP_ARGS),
+            reduce_index=_arg_index(names, _REDUCE_ARGS),
+            peer_index=_arg_index(names, _PEER_ARGS) if canonical in _P2P else -1,
+            ranks_index=names.index(_LEGACY_RANKS_ARG) if _LEGACY_RANKS_ARG in names else -1,
+            barrier=canonical == semconv.BARRIER,
+            functional=namespace in FUNCTIONAL_NAMESPACES,
+        )
+    return registry
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+def payload_facts(spec: CollectiveSpec, args: tuple) -> tuple[int, str, list[int]]:
+    """Return ``(bytes, dtype, shape)`` of a collective's input payload on this rank.
+
+    ``bytes`` sums ``numel * element_size`` over every input tensor (a list
+    input counts all its tensors); ``shape`` is the first tensor's shape.
+    A barrier's placeholder tensor counts as 0 bytes.
+    """
+    if spec.payload_index < 0 or spec.payload_index >= len(args):
+        return 0, "", []
+    first: torch.Tensor | None = None
+    total = 0
+    for tensor in _tensors(args[spec.payload_index]):
+        if first is None:
+            first = tensor
+        total += tensor.numel() * tensor.element_size()
+    if first is None:
+        return 0, "", []
+    dtype = str(first.dtype).removeprefix("torch.")
+    return (0 if spec.barrier else total), dtype, [int(size) for size in first.shape]
+
+
+def reduce_op_name(value: Any) -> str:
+    """``"sum"`` for ``ReduceOp.SUM``, a c10d ``ReduceOp`` object, or the string ``"sum"``."""
+    if isinstance(value, str):
+        return value.lower()
+    op = getattr(value, "op", value)  # c10d ReduceOp wraps a RedOpType
+    name = getattr(op, "name", None)
+    if isinstance(name, str):
+        return name.lower()
+    text = str(op)
+    return text.rsplit(".", 1)[-1].lower()
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupFacts:
+    """A process group as telemetry sees it: name, size and device-mesh dimension."""
+
+    name: str
+    size: int
+    dim_name: str  # "" when the group is not a named device-mesh dimension
+
+
+_UNKNOWN_GROUP = GroupFacts("unknown", 0, "")
+
+
+class GroupResolver:
+    """Resolve the group argument of a collective to :class:`GroupFacts`, cached.
+
+    c10d ops pass a ``ProcessGroup``; functional collectives pass its
+    ``group_name`` (a string); legacy functional ones pass ``tag`` and ``ranks``.
+    The mesh dimension comes from ``ProcessGroup.group_desc``, which
+    ``DeviceMesh`` sets to ``mesh_<dim name>`` (torch/distributed/device_mesh.py).
+    """
+
+    def __init__(self) -> None:
+        self._by_key: dict[Any, GroupFacts] = {}
+
+    def resolve(self, spec: CollectiveSpec, args: tuple) -> GroupFacts:
+        if 0 <= spec.group_index < len(args):
+            key = args[spec.group_index]
+        elif 0 <= spec.ranks_index < len(args):
+            key = tuple(args[spec.ranks_index])
+        else:
+            return _UNKNOWN_GROUP
+        if not isinstance(key, (str, tuple)):
+            group = key
+            # id() alone could be reused by a later group; the name disambiguates.
+            key = (id(group), getattr(group, "group_name", ""))
+            facts = self._by_key.get(key)
+            if facts is None:
+                facts = self._by_key[key] = _facts_of_group(group)
+            return facts
+        facts = self._by_key.get(key)
+        if facts is None:
+            facts = self._by_key[key] = _facts_of_key(key)
+        return facts
+
+
+def _facts_of_group(group: Any) -> GroupFacts:
+    try:
+        name = str(getattr(group, "group_name", "") or "unknown")
+        size = int(group.size())
+        desc = str(getattr(group, "group_desc", "") or "")
+    except Exception:  # a group torch can no longer describe
+        return _UNKNOWN_GROUP
+    dim_name = desc[len("mesh_"):] if desc.startswith("mesh_") else ""
+    return GroupFacts(name, size, dim_name)
+
+
+def _facts_of_key(key: str | tuple) -> GroupFacts:
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        if isinstance(key, str):
+            return _facts_of_group(c10d._resolve_process_group(key))
+        return GroupFacts("ranks:" + ",".join(str(rank) for rank in key), len(key), "")
+    except Exception:
+        return GroupFacts(str(key), 0, "")

@@ -1,0 +1,530 @@
+"""The recorder: the one object that knows which span is open where.
+
+The module tracker (``tracker.py``) and the dispatch mode (``mode.py``) only
+report facts here: a module pass began or ended, a collective or op ran. The
+recorder keeps light :class:`Record` objects for the current step and turns
+them into OTel spans when the step ends (``_emit``). Building spans at the end
+lets backward spans nest by the module tree whatever order autograd fires the
+hooks in, and keeps the per-op hot path free of OTel calls.
+
+Ownership rules (DESIGN.md):
+
+* forward / recompute: the innermost module running, its own hooks included;
+* backward: the module whose backward began most recently and is still open
+  (CommDebugMode's rule, which keeps a ColwiseParallel input-gradient
+  all_reduce with that layer and books FSDP2's post-backward reduce-scatter
+  to the FSDP unit);
+* otherwise the step's ``train_step`` span, or an ``outside_step`` root span
+  when no step is open (model set-up, evaluation between steps).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import semconv
+from .config import Detail, Settings, TraceScope
+from .ops import CollectiveSpec, GroupResolver, payload_facts, reduce_op_name
+from .steps import RankInfo, job_nonce, rank_info, step_trace_id
+
+_logger = logging.getLogger(__name__)
+
+_KIND_MODULE = 0
+_KIND_STEP = 1
+_KIND_OUTSIDE = 2
+_ATTR_MAX_CHARS = 1024  # bound on any string attribute we build
+
+
+def _graph_task_id() -> int:
+    return torch._C._current_graph_task_id()
+
+
+class Record:
+    """A span-to-be. Times are ``time.time_ns()`` nanoseconds."""
+
+    __slots__ = (
+        "kind", "name", "fqn", "module_type", "pass_", "call_index", "start_ns", "end_ns",
+        "parent", "fwd", "events", "dropped_events", "error", "unmatched", "params",
+        "open_bw", "bw_records", "graph_task", "input_hooked", "hidden", "attrs",
+    )
+
+    def __init__(self, kind: int, name: str, start_ns: int) -> None:
+        self.kind = kind
+        self.name = name
+        self.fqn = ""
+        self.module_type = ""
+        self.pass_ = ""
+        self.call_index = 0
+        self.start_ns = start_ns
+        self.end_ns = 0
+        self.parent: Record | None = None
+        self.fwd: Record | None = None  # backward record -> its forward record
+        self.events: list[tuple[str, dict, int]] = []
+        self.dropped_events = 0
+        self.error: BaseException | None = None
+        self.unmatched = False
+        self.params: list[str] | None = None
+        self.open_bw: Record | None = None  # forward record -> its open backward record
+        self.bw_records: list[Record] = []
+        self.graph_task = -1
+        self.input_hooked = False
+        self.hidden = False
+        self.attrs: dict[str, Any] = {}
+
+
+class _Step:
+    __slots__ = ("index", "traced", "root", "records", "kind", "backward_done", "had_module")
+
+    def __init__(self, index: int, traced: bool, root: Record, kind: int) -> None:
+        self.index = index
+        self.traced = traced
+        self.root = root
+        self.records: list[Record] = []
+        self.kind = kind
+        self.backward_done = False
+        self.had_module = False
+
+
+class Recorder:
+    """Owns open spans, step boundaries and the collective sequence numbers.
+
+    Args:
+        settings: frozen :class:`Settings`.
+        emit_step: ``emit_step(root_records, trace_id_or_None)`` turns finished
+            records into spans (``telemetry.SpanEmitter``); ``None`` disables spans.
+        metrics: a ``metrics.CollectiveMetrics`` or ``None``.
+    """
+
+    def __init__(self, settings: Settings, emit_step: Callable | None, metrics: Any | None) -> None:
+        self.settings = settings
+        self._emit_step = emit_step
+        self._metrics = metrics
+        self._groups = GroupResolver()
+        self._seq: dict[str, int] = {}
+        self._step: _Step | None = None
+        self._outside: _Step | None = None
+        self._next_step = 0
+        self._seen_optimizer = False
+        self._fwd_stack: list[Record] = []
+        self._open_bw: dict[Record, None] = {}
+        self._bw_callback_task = -1
+        self._depth = 0  # module nesting when records are skipped (untraced steps)
+        self._call_counts: dict[tuple[str, str], int] = {}
+        self._params_seen: weakref.WeakSet = weakref.WeakSet()
+        self._why: tuple[Any, tuple] | None = None
+        self._why_attrs: dict[str, Any] | None = None
+        self._rank: RankInfo | None = None
+        self._nonce: str | None = None
+        self._failed: set[str] = set()
+        self.sinks: list[Callable[[CollectiveSpec, Record | None, str], None]] = []
+        self.module_sinks: list[Callable[[torch.nn.Module, str], None]] = []
+        self.active = True
+
+    # ----------------------------------------------------------------- helpers
+    def rank(self) -> RankInfo:
+        if self._rank is None or not self._rank.distributed:
+            info = rank_info()
+            if info.distributed or self._rank is None:
+                self._rank = info
+        return self._rank
+
+    def _traces_this_rank(self) -> bool:
+        return self._emit_step is not None and self.settings.traces_rank(self.rank().rank)
+
+    def hook_failed(self, where: str, error: BaseException) -> None:
+        """Log a hook failure once per place, count it, and go on."""
+        if self._metrics is not None:
+            self._metrics.dropped(semconv.DROPPED_KIND_HOOK_ERROR, 1)
+        if where not in self._failed:
+            self._failed.add(where)
+            _logger.warning("commdebug-otel: %s failed (%s: %s); telemetry continues, "
+                            "training is unaffected", where, type(error).__name__, error,
+                            exc_info=error)
+
+    def recording(self) -> bool:
+        """True when module records are kept: a traced step, or module labels on metrics."""
+        step = self._step
+        if step is None:
+            return True  # the next pre-hook opens a step; decide there
+        return step.traced or self.settings.metric_module_depth > 0
+
+    # ------------------------------------------------------------------ steps
+    def _open_step(self, now: int) -> _Step:
+        if self._outside is not None:
+            self._close(self._outside, now)
+            self._outside = None
+        index = self._next_step
+        traced = index % self.settings.trace_every == 0 and self._traces_this_rank()
+        root = Record(_KIND_STEP, semconv.SPAN_TRAIN_STEP, now)
+        root.attrs[semconv.STEP] = index
+        step = self._step = _Step(index, traced, root, _KIND_STEP)
+        self._call_counts.clear()
+        return step
+
+    def _outside_step(self, now: int) -> _Step:
+        if self._outside is None:
+            root = Record(_KIND_OUTSIDE, semconv.SPAN_OUTSIDE_STEP, now)
+            self._outside = _Step(-1, self._traces_this_rank(), root, _KIND_OUTSIDE)
+        return self._outside
+
+    def optimizer_step_done(self) -> None:
+        """``optimizer.step()`` returned: the step ends (if a module ran since the last one)."""
+        self._seen_optimizer = True
+        step = self._step
+        if step is not None and step.had_module:
+            self._close_step(time.time_ns())
+
+    def _close_step(self, now: int, inference: bool = False) -> None:
+        step = self._step
+        if step is None:
+            return
+        self._step = None
+        self._next_step += 1
+        self._why = None
+        if inference:
+            step.kind = -1  # no train_step span: each top-level forward is a root
+        self._close(step, now)
+
+    def _close(self, step: _Step, now: int) -> None:
+        for record in reversed(self._fwd_stack):
+            if record.end_ns == 0:
+                record.end_ns, record.unmatched = now, True
+        self._fwd_stack.clear()
+        self._depth = 0
+        for record in self._open_bw:
+            record.end_ns, record.unmatched = now, record.fwd is not None and record.fwd.input_hooked
+        self._open_bw.clear()
+        step.root.end_ns = now
+        if step.traced and self._emit_step is not None:
+            try:
+                self._emit(step)
+            except Exception as error:
+                self.hook_failed("building spans", error)
+
+    def finish(self) -> None:
+        """Close whatever is open (at exit or uninstrument) so every started span ends."""
+        now = time.time_ns()
+        if self._step is not None:
+            inference = not self._seen_optimizer and not self._step.backward_done
+            self._close_step(now, inference=inference)
+        if self._outside is not None:
+            outside, self._outside = self._outside, None
+            self._close(outside, now)
+
+    # ---------------------------------------------------------------- modules
+    def module_pre(self, module: torch.nn.Module, fqn: str, args: tuple) -> Record | None:
+        """A module's forward (or recompute) begins. Returns its record, or None when not recorded."""
+        now = time.time_ns()
+        self._why = None
+        in_backward = _graph_task_id() != -1
+        step = self._step
+        if step is None:
+            step = self._open_step(now)
+        elif (not self._fwd_stack and self._depth == 0 and not in_backward
+              and not self._seen_optimizer and step.backward_done):
+            # No optimizer in this script: a new top-level forward after a backward is a new step.
+            self._close_step(now)
+            step = self._open_step(now)
+        step.had_module = True
+        if not (step.traced or self.settings.metric_module_depth > 0):
+            self._depth += 1
+            return None
+        pass_ = semconv.PASS_RECOMPUTE if in_backward else semconv.PASS_FORWARD
+        record = Record(_KIND_MODULE, "", now)
+        record.fqn = fqn
+        record.pass_ = pass_
+        record.module_type = f"{type(module).__module__}.{type(module).__qualname__}"
+        key = (fqn, pass_)
+        record.call_index = self._call_counts.get(key, 0)
+        self._call_counts[key] = record.call_index + 1
+        record.name = f"{fqn} {pass_}"
+        record.hidden = self._hidden(fqn)
+        if self._fwd_stack:
+            record.parent = self._fwd_stack[-1]
+        elif in_backward and self._open_bw:
+            record.parent = next(reversed(self._open_bw))
+        else:
+            record.parent = step.root
+        if module not in self._params_seen:
+            self._params_seen.add(module)
+            record.params = _parameter_facts(module)
+            for sink in self.module_sinks:
+                sink(module, fqn)
+        self._fwd_stack.append(record)
+        step.records.append(record)
+        return record
+
+    def _hidden(self, fqn: str) -> bool:
+        include, exclude = self.settings.module_include, self.settings.module_exclude
+        if not include and not exclude:
+            return False
+        from fnmatch import fnmatchcase
+
+        if include and not any(fnmatchcase(fqn, pattern) for pattern in include):
+            return True
+        return any(fnmatchcase(fqn, pattern) for pattern in exclude)
+
+    def module_post(self, module: torch.nn.Module, record: Record | None) -> None:
+        """A module's forward ended (its own forward hooks included)."""
+        now = time.time_ns()
+        self._why = None
+        if record is None:
+            self._depth = max(0, self._depth - 1)
+        else:
+            stack = self._fwd_stack
+            while stack:
+                top = stack.pop()
+                top.end_ns = now
+                if top is record:
+                    break
+                top.unmatched = True  # a pre-hook whose post-hook never came
+            error = sys.exc_info()[1]
+            if error is not None:
+                record.error = error
+        if (not self._fwd_stack and self._depth == 0 and not self._seen_optimizer
+                and self._step is not None and _graph_task_id() == -1
+                and not torch.is_grad_enabled()):
+            self._close_step(now, inference=True)
+
+    def backward_began(self, forward: Record) -> None:
+        """Gradients w.r.t. a module call's outputs are ready: its backward begins."""
+        now = time.time_ns()
+        task = _graph_task_id()
+        record = Record(_KIND_MODULE, f"{forward.fqn} {semconv.PASS_BACKWARD}", now)
+        record.fqn, record.module_type = forward.fqn, forward.module_type
+        record.pass_ = semconv.PASS_BACKWARD
+        record.fwd, record.graph_task, record.hidden = forward, task, forward.hidden
+        key = (forward.fqn, semconv.PASS_BACKWARD)
+        record.call_index = self._call_counts.get(key, 0)
+        self._call_counts[key] = record.call_index + 1
+        forward.open_bw = record
+        forward.bw_records.append(record)
+        self._open_bw[record] = None
+        step = self._step
+        if step is not None:
+            step.records.append(record)
+        if self._bw_callback_task != task:
+            self._bw_callback_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self.backward_done)
+
+    def backward_ended(self, forward: Record) -> None:
+        """Gradients w.r.t. a module call's inputs are computed: its backward ends."""
+        record = forward.open_bw
+        if record is not None:
+            forward.open_bw = None
+            record.end_ns = time.time_ns()
+            self._open_bw.pop(record, None)
+
+    def backward_done(self) -> None:
+        """The autograd engine finished this backward; close what never got its post hook."""
+        try:
+            now = time.time_ns()
+            for record in self._open_bw:
+                record.end_ns = now
+                record.unmatched = record.fwd is not None and record.fwd.input_hooked
+                if record.fwd is not None:
+                    record.fwd.open_bw = None
+            self._open_bw.clear()
+            self._bw_callback_task = -1
+            if self._step is not None:
+                self._step.backward_done = True
+        except Exception as error:
+            self.hook_failed("backward end", error)
+
+    # ------------------------------------------------------------- dispatch
+    def _owner(self) -> tuple[Record | None, _Step | None]:
+        if self._fwd_stack:
+            owner = self._fwd_stack[-1]
+        elif self._open_bw:
+            owner = next(reversed(self._open_bw))
+        elif self._step is not None:
+            return self._step.root, self._step
+        else:
+            return None, None
+        while owner.hidden and owner.parent is not None:
+            owner = owner.parent if owner.fwd is None else owner.fwd.parent or owner.parent
+        return owner, self._step
+
+    def dtensor_op(self, func: Any, args: tuple) -> None:
+        """A DTensor op is about to run; its redistribution collectives carry it as the "why"."""
+        self._why = (func, args)
+        self._why_attrs = None
+
+    def collective(self, spec: CollectiveSpec, args: tuple, duration_ns: int) -> None:
+        """A collective was issued (``duration_ns``: issue time on the CPU, in nanoseconds)."""
+        now = time.time_ns()
+        group = self._groups.resolve(spec, args)
+        seq = self._seq.get(group.name, 0)
+        self._seq[group.name] = seq + 1
+        nbytes, dtype, shape = payload_facts(spec, args)
+        owner, step = self._owner()
+        if owner is not None and owner.kind == _KIND_MODULE:
+            pass_ = owner.pass_
+        else:
+            pass_ = semconv.PASS_BACKWARD if _graph_task_id() != -1 else "none"
+        if self._metrics is not None:
+            fqn = owner.fqn if owner is not None else ""
+            self._metrics.collective(spec.op, pass_, group, self.rank().rank, nbytes,
+                                     duration_ns / 1e9, fqn)
+        for sink in self.sinks:
+            sink(spec, owner, pass_)
+        if step is None:
+            if _graph_task_id() != -1:
+                return  # a backward outside any step: counted in metrics only
+            step = self._outside_step(now)
+            owner = step.root
+        if not step.traced or owner is None:
+            return
+        attrs: dict[str, Any] = {
+            semconv.COLLECTIVE_OP: spec.op,
+            semconv.OP_NAME: spec.overload_name,
+            semconv.COLLECTIVE_BYTES: nbytes,
+            semconv.COLLECTIVE_DTYPE: dtype,
+            semconv.COLLECTIVE_SHAPE: shape,
+            semconv.PROCESS_GROUP_NAME: group.name,
+            semconv.PROCESS_GROUP_SIZE: group.size,
+            semconv.COLLECTIVE_SEQ: seq,
+            semconv.MODULE_PASS: pass_,
+            semconv.COLLECTIVE_DURATION: duration_ns / 1e9,
+        }
+        if group.dim_name:
+            attrs[semconv.DEVICE_MESH_DIM_NAME] = group.dim_name
+        if spec.reduce_index >= 0 and spec.reduce_index < len(args):
+            attrs[semconv.COLLECTIVE_REDUCE_OP] = reduce_op_name(args[spec.reduce_index])
+        if 0 <= spec.peer_index < len(args):
+            attrs[semconv.COLLECTIVE_PEER] = int(args[spec.peer_index])
+        if spec.functional and self._why is not None:
+            attrs.update(self._why_facts())
+        self._add_event(owner, spec.op, attrs, now)
+
+    def _why_facts(self) -> dict[str, Any]:
+        if self._why_attrs is None:
+            func, args = self._why
+            facts = _dtensor_facts(args)
+            self._why_attrs = {
+                semconv.DTENSOR_OP: str(func),
+                semconv.DTENSOR_INPUT_PLACEMENTS: facts[semconv.DTENSOR_INPUT_PLACEMENTS],
+            }
+            if semconv.DEVICE_MESH_SHAPE in facts:
+                self._why_attrs[semconv.DEVICE_MESH_SHAPE] = facts[semconv.DEVICE_MESH_SHAPE]
+        return self._why_attrs
+
+    def op_event(self, func: Any, args: tuple, is_dtensor: bool) -> None:
+        """An op ran at detail ``dtensor`` or above: an event named after the overload."""
+        owner, step = self._owner()
+        if step is None or not step.traced or owner is None:
+            return
+        name = str(func)
+        attrs: dict[str, Any] = {semconv.OP_NAME: name}
+        if is_dtensor:
+            attrs.update(_dtensor_facts(args))
+        else:
+            attrs[semconv.OP_INPUT_SHAPES] = [
+                str(list(arg.shape)) for arg in args if isinstance(arg, torch.Tensor)
+            ]
+        self._add_event(owner, name, attrs, time.time_ns())
+
+    def _add_event(self, owner: Record, name: str, attrs: dict, now: int) -> None:
+        if len(owner.events) < self.settings.max_events_per_span:
+            owner.events.append((name, attrs, now))
+            return
+        owner.dropped_events += 1
+        if self._metrics is not None:
+            self._metrics.dropped(semconv.DROPPED_KIND_EVENT, 1)
+
+    # ------------------------------------------------------------ emitting
+    def _trace_id(self, step: _Step) -> int | None:
+        if self.settings.trace_scope is not TraceScope.JOB or step.kind == _KIND_OUTSIDE:
+            return None
+        if self._nonce is None:
+            self._nonce = job_nonce()
+        return step_trace_id(self.rank().run_id, self._nonce, step.index)
+
+    def _emit(self, step: _Step) -> None:
+        children: dict[int, list[Record]] = {}
+        root = step.root
+        for record in step.records:
+            if record.end_ns == 0:
+                record.end_ns, record.unmatched = root.end_ns, True
+            parent = self._parent_of(record, root)
+            if record.hidden:
+                continue
+            children.setdefault(id(parent), []).append(record)
+        _widen(root, children)
+        if step.kind == -1:  # inference: top-level forwards are the roots
+            roots = children.get(id(root), [])
+        else:
+            roots = [root]
+        trace_id = self._trace_id(step)
+        self._emit_step(roots, children, trace_id)
+
+    @staticmethod
+    def _parent_of(record: Record, root: Record) -> Record:
+        if record.pass_ == semconv.PASS_BACKWARD:
+            ancestor = record.fwd.parent if record.fwd is not None else None
+            while ancestor is not None and ancestor.kind == _KIND_MODULE:
+                for candidate in reversed(ancestor.bw_records):
+                    if candidate.graph_task == record.graph_task and not candidate.hidden:
+                        return candidate
+                ancestor = ancestor.parent
+            return root
+        parent = record.parent or root
+        while parent.hidden and parent.parent is not None:
+            parent = parent.parent
+        return parent
+
+
+def _widen(record: Record, children: dict[int, list[Record]]) -> None:
+    """Make every span cover its children (backward hooks can fire child-first)."""
+    kids = children.get(id(record))
+    if not kids:
+        return
+    kids.sort(key=lambda child: child.start_ns)
+    for child in kids:
+        _widen(child, children)
+        if child.start_ns < record.start_ns:
+            record.start_ns = child.start_ns
+        if child.end_ns > record.end_ns:
+            record.end_ns = child.end_ns
+
+
+def _placements_text(tensor: Any) -> str:
+    return str(tuple(tensor.placements))
+
+
+def _dtensor_facts(args: tuple) -> dict[str, Any]:
+    shapes: list[str] = []
+    placements: list[str] = []
+    mesh = None
+    for arg in args:
+        if hasattr(arg, "placements") and hasattr(arg, "device_mesh"):
+            shapes.append(str(list(arg.shape)))
+            placements.append(_placements_text(arg)[:_ATTR_MAX_CHARS])
+            mesh = arg.device_mesh
+    facts: dict[str, Any] = {
+        semconv.DTENSOR_INPUT_SHAPES: shapes,
+        semconv.DTENSOR_INPUT_PLACEMENTS: placements,
+    }
+    if mesh is not None:
+        facts[semconv.DEVICE_MESH] = str(mesh)[:_ATTR_MAX_CHARS]
+        facts[semconv.DEVICE_MESH_SHAPE] = [int(size) for size in mesh.shape]
+        facts[semconv.DEVICE_MESH_DIM_NAMES] = list(mesh.mesh_dim_names or ())
+    return facts
+
+
+def _parameter_facts(module: torch.nn.Module) -> list[str]:
+    """``"name [shape] placements"`` per direct parameter; no values."""
+    facts = []
+    for name, param in module.named_parameters(recurse=False):
+        text = f"{name} {list(param.shape)}"
+        if hasattr(param, "placements"):
+            text += " " + _placements_text(param)
+        facts.append(text[:_ATTR_MAX_CHARS])
+    return facts

@@ -1,0 +1,85 @@
+"""Every span, event, attribute, metric and resource name that commdebug-otel emits.
+
+These names are the data contract that dashboards, docs and users depend on;
+``docs/semantic-conventions.md`` lists each one with type, unit and example,
+and a test checks that every constant here appears there.
+"""
+
+# Span names. Module spans are named "{fqn} {pass}".
+SPAN_TRAIN_STEP = "train_step"
+SPAN_OUTSIDE_STEP = "outside_step"
+
+# Span attributes.
+STEP = "torch.step"
+MODULE_FQN = "torch.module.fqn"
+MODULE_TYPE = "torch.module.type"
+MODULE_PASS = "torch.module.pass"
+MODULE_DEPTH = "torch.module.depth"
+MODULE_CALL_INDEX = "torch.module.call_index"
+MODULE_PARAMETERS = "torch.module.parameters"
+SPAN_UNMATCHED = "commdebug.span.unmatched"
+SPAN_DROPPED_EVENTS = "commdebug.span.dropped_events"
+SPAN_UNOBSERVED = "commdebug.span.unobserved"
+
+# Module pass values.
+PASS_FORWARD = "forward"
+PASS_BACKWARD = "backward"
+PASS_RECOMPUTE = "recompute"
+
+# Collective event attributes.
+COLLECTIVE_OP = "torch.collective.op"
+OP_NAME = "torch.op.name"
+COLLECTIVE_BYTES = "torch.collective.bytes"
+COLLECTIVE_DTYPE = "torch.collective.dtype"
+COLLECTIVE_SHAPE = "torch.collective.shape"
+COLLECTIVE_REDUCE_OP = "torch.collective.reduce_op"
+COLLECTIVE_PEER = "torch.collective.peer"
+COLLECTIVE_SEQ = "torch.collective.seq"
+COLLECTIVE_DURATION = "torch.collective.issue_duration_s"
+COLLECTIVE_FAKE = "torch.collective.fake"
+PROCESS_GROUP_NAME = "torch.process_group.name"
+PROCESS_GROUP_SIZE = "torch.process_group.size"
+DEVICE_MESH = "torch.device_mesh"
+DEVICE_MESH_DIM_NAME = "torch.device_mesh.dim_name"
+DEVICE_MESH_SHAPE = "torch.device_mesh.shape"
+DEVICE_MESH_DIM_NAMES = "torch.device_mesh.dim_names"
+DTENSOR_OP = "torch.dtensor.op"
+DTENSOR_INPUT_SHAPES = "torch.dtensor.input_shapes"
+DTENSOR_INPUT_PLACEMENTS = "torch.dtensor.input_placements"
+OP_INPUT_SHAPES = "torch.op.input_shapes"
+
+# Canonical collective names (span event names and the torch.collective.op value).
+ALL_REDUCE = "all_reduce"
+ALL_GATHER = "all_gather"
+REDUCE_SCATTER = "reduce_scatter"
+ALL_TO_ALL = "all_to_all"
+BROADCAST = "broadcast"
+REDUCE = "reduce"
+GATHER = "gather"
+SCATTER = "scatter"
+SEND = "send"
+RECV = "recv"
+BARRIER = "barrier"
+BATCH_P2P = "batch_p2p"
+COLLECTIVE_OPS = (
+    ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, BROADCAST, REDUCE,
+    GATHER, SCATTER, SEND, RECV, BARRIER, BATCH_P2P,
+)
+
+# Metric instruments.
+METRIC_OPERATIONS = "torch.collective.operations"
+METRIC_IO = "torch.collective.io"
+METRIC_DURATION = "torch.collective.duration"
+METRIC_DROPPED = "commdebug.telemetry.dropped"
+DROPPED_KIND = "commdebug.dropped.kind"
+DROPPED_KIND_EVENT = "event"
+DROPPED_KIND_SPAN = "span"
+DROPPED_KIND_HOOK_ERROR = "hook_error"
+
+# Resource attributes.
+RANK = "torch.distributed.rank"
+WORLD_SIZE = "torch.distributed.world_size"
+LOCAL_RANK = "torch.distributed.local_rank"
+NODE_RANK = "torch.distributed.node_rank"
+RUN_ID = "torch.distributed.run_id"
+BACKEND = "torch.distributed.backend"

@@ -1,0 +1,90 @@
+"""Step identity: rank facts, the job nonce agreed by all ranks, and trace ids.
+
+With trace scope ``job`` every rank derives the trace id of step N from
+``(run id, job nonce, N)``, so Jaeger and Tempo show step N of the whole job
+as one trace. ``TORCHELASTIC_RUN_ID`` is ``none`` for every torchrun job
+started without ``--rdzv-id``, so a random nonce is mixed in. The nonce is
+agreed through the default process group's store with ``compare_set`` (a
+key-value round trip, not a collective, and it never blocks on other ranks):
+the first rank to ask sets it, every other rank reads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import secrets
+
+_logger = logging.getLogger(__name__)
+
+NONCE_KEY = "commdebug_otel/job_nonce"
+
+
+@dataclasses.dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits in the job. From torch.distributed once initialized, else torchrun's env."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    node_rank: int
+    run_id: str
+    backend: str
+    distributed: bool
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def rank_info() -> RankInfo:
+    """Read the rank facts. torch.distributed wins over ``RANK``/``WORLD_SIZE`` once initialized."""
+    rank = _env_int("RANK", 0)
+    world_size = _env_int("WORLD_SIZE", 1)
+    backend = ""
+    distributed = False
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            rank, world_size = dist.get_rank(), dist.get_world_size()
+            backend = str(dist.get_backend())
+            distributed = True
+    except Exception:  # a half-initialized group must not stop telemetry
+        pass
+    return RankInfo(
+        rank=rank,
+        world_size=world_size,
+        local_rank=_env_int("LOCAL_RANK", rank if world_size == 1 else 0),
+        node_rank=_env_int("GROUP_RANK", _env_int("NODE_RANK", 0)),
+        run_id=os.environ.get("TORCHELASTIC_RUN_ID", "none"),
+        backend=backend,
+        distributed=distributed,
+    )
+
+
+def job_nonce() -> str:
+    """A random id shared by every rank of this job (one store round trip), or local if not distributed."""
+    mine = secrets.token_hex(8)
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            store = dist.distributed_c10d._get_default_store()
+            agreed = store.compare_set(NONCE_KEY, "", mine)
+            return agreed.decode() if isinstance(agreed, bytes) else str(agreed)
+    except Exception as error:  # e.g. a store without compare_set
+        _logger.warning("commdebug-otel: ranks could not agree on a job id (%s); "
+                        "step traces are per rank", error)
+    return mine
+
+
+def step_trace_id(run_id: str, nonce: str, step: int) -> int:
+    """The 128-bit trace id of ``step``: the first 16 bytes of SHA-256 over run id, nonce and step."""
+    digest = hashlib.sha256(f"{run_id}/{nonce}/{step}".encode()).digest()
+    return int.from_bytes(digest[:16], "big") or 1

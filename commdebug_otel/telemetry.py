@@ -1,0 +1,344 @@
+"""The only module that touches the OpenTelemetry SDK: resource, providers, exporters, shutdown.
+
+Exporter choice follows the standard variables:
+
+* ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER``: ``otlp``, ``console``,
+  ``none`` or ``file`` (comma lists allowed). When unset, ``otlp`` is used if an
+  OTLP endpoint variable is set, else the embedded default ``file``: OTLP-JSON
+  lines (the format of ``opentelemetry-exporter-otlp-json-file``, readable by
+  the Collector's ``otlpjsonfile`` receiver), one file per rank per signal in
+  ``OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR``.
+* ``OTEL_EXPORTER_OTLP_[TRACES_|METRICS_]PROTOCOL``: ``grpc`` (the default of
+  OTel Python's ``otlp`` exporter) or ``http/protobuf``. Endpoint, headers,
+  certificate, compression and timeout are read by the SDK's exporters.
+* ``OTEL_SDK_DISABLED=true``: no-op providers.
+
+Providers start lazily, at the first span or metric, so a
+``torch.multiprocessing.spawn`` child has its rank (from the initialized
+process group) in its resource.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import metrics as otel_metrics
+from opentelemetry import trace as otel_trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
+from opentelemetry.trace import Status, StatusCode
+
+from . import semconv
+from .config import Settings
+from .steps import RankInfo
+from .version import __version__
+
+_logger = logging.getLogger(__name__)
+
+SCOPE_NAME = "commdebug_otel"
+_ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT",)
+# Span batches stay well under gRPC receivers' 4 MiB default (about 43 KB per
+# span with 128 collective events): OTEL_BSP_MAX_EXPORT_BATCH_SIZE overrides.
+DEFAULT_EXPORT_BATCH_SPANS = 64
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() == "true"
+
+
+class StepIdGenerator(IdGenerator):
+    """Random ids, except that a ``train_step`` root span can be given its trace id."""
+
+    def __init__(self, inner: IdGenerator | None = None) -> None:
+        self._inner = inner or RandomIdGenerator()
+        self._pending = threading.local()
+
+    @contextlib.contextmanager
+    def trace_id(self, trace_id: int | None) -> Iterator[None]:
+        self._pending.value = trace_id
+        try:
+            yield
+        finally:
+            self._pending.value = None
+
+    def generate_span_id(self) -> int:
+        return self._inner.generate_span_id()
+
+    def generate_trace_id(self) -> int:
+        pending = getattr(self._pending, "value", None)
+        return pending if pending else self._inner.generate_trace_id()
+
+
+def exporter_names(signal: str, environ: dict | os._Environ = os.environ) -> list[str]:
+    """The exporters for ``signal`` ("traces"/"metrics") after applying the embedded default."""
+    raw = environ.get(f"OTEL_{signal.upper()}_EXPORTER")
+    if raw is None or not raw.strip():
+        endpoint_set = any(environ.get(name) for name in (
+            *_ENDPOINT_VARS, f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT"))
+        return ["otlp"] if endpoint_set else ["file"]
+    return [name.strip().lower() for name in raw.split(",") if name.strip()]
+
+
+def _protocol(signal: str) -> str:
+    return (os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL")
+            or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc").strip().lower()
+
+
+def build_resource(rank: RankInfo) -> Resource:
+    """Rank facts plus host and pid; OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME still apply."""
+    attributes: dict[str, Any] = {
+        semconv.RANK: rank.rank,
+        semconv.WORLD_SIZE: rank.world_size,
+        semconv.LOCAL_RANK: rank.local_rank,
+        semconv.NODE_RANK: rank.node_rank,
+        semconv.RUN_ID: rank.run_id,
+        "host.name": socket.gethostname(),
+        "process.pid": os.getpid(),
+    }
+    if rank.backend:
+        attributes[semconv.BACKEND] = rank.backend
+    if not os.environ.get("OTEL_SERVICE_NAME") and "service.name" not in os.environ.get(
+            "OTEL_RESOURCE_ATTRIBUTES", ""):
+        attributes["service.name"] = "torch-training"
+    return Resource.create(attributes)
+
+
+class Telemetry:
+    """Tracer and meter for commdebug-otel, from injected providers or our own SDK set-up.
+
+    Args:
+        settings: frozen settings (output dir, event cap, shutdown timeout).
+        rank: a callable returning :class:`RankInfo`, called when providers start.
+        tracer_provider / meter_provider: injected providers; when given we
+            never configure, flush or shut them down (their owner does).
+    """
+
+    def __init__(self, settings: Settings, rank: Any, tracer_provider: Any = None,
+                 meter_provider: Any = None) -> None:
+        self._settings = settings
+        self._rank = rank
+        self._tracer_provider = tracer_provider
+        self._meter_provider = meter_provider
+        self._own_tracer_provider: TracerProvider | None = None
+        self._own_meter_provider: MeterProvider | None = None
+        self._tracer = None
+        self._meter = None
+        self._ids: StepIdGenerator | None = None
+        self._lock = threading.Lock()
+        self._atexit = False
+        self._said_where = False
+        self.disabled = _truthy(os.environ.get("OTEL_SDK_DISABLED"))
+
+    # ------------------------------------------------------------- providers
+    def tracer(self) -> otel_trace.Tracer:
+        if self._tracer is None:
+            with self._lock:
+                if self._tracer is None:
+                    provider = self._tracer_provider
+                    if provider is None:
+                        provider = self._make_tracer_provider()
+                    self._ids = self._attach_id_generator(provider)
+                    self._tracer = otel_trace.get_tracer(SCOPE_NAME, __version__, provider)
+        return self._tracer
+
+    def meter(self) -> otel_metrics.Meter:
+        if self._meter is None:
+            with self._lock:
+                if self._meter is None:
+                    provider = self._meter_provider
+                    if provider is None:
+                        provider = self._make_meter_provider()
+                    self._meter = otel_metrics.get_meter(SCOPE_NAME, __version__, provider)
+        return self._meter
+
+    @staticmethod
+    def _attach_id_generator(provider: Any) -> StepIdGenerator | None:
+        inner = getattr(provider, "id_generator", None)
+        if inner is None:
+            return None  # not an SDK provider (a proxy or no-op): trace ids stay random
+        if not isinstance(inner, StepIdGenerator):
+            provider.id_generator = StepIdGenerator(inner)
+        return provider.id_generator
+
+    def _make_tracer_provider(self) -> Any:
+        if self.disabled:
+            return otel_trace.NoOpTracerProvider()
+        rank = self._rank()
+        limits = SpanLimits(max_events=self._settings.max_events_per_span)
+        provider = TracerProvider(resource=build_resource(rank), span_limits=limits,
+                                  id_generator=StepIdGenerator())
+        batch = None if os.environ.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE") else DEFAULT_EXPORT_BATCH_SPANS
+        for exporter in self._span_exporters(rank):
+            provider.add_span_processor(BatchSpanProcessor(exporter, max_export_batch_size=batch))
+        self._own_tracer_provider = provider
+        self._register_atexit()
+        return provider
+
+    def _make_meter_provider(self) -> Any:
+        if self.disabled:
+            return otel_metrics.NoOpMeterProvider()
+        rank = self._rank()
+        readers: list[MetricReader] = [
+            PeriodicExportingMetricReader(exporter) for exporter in self._metric_exporters(rank)
+        ]
+        provider = MeterProvider(resource=build_resource(rank), metric_readers=readers)
+        self._own_meter_provider = provider
+        self._register_atexit()
+        return provider
+
+    def _register_atexit(self) -> None:
+        if not self._atexit:
+            self._atexit = True
+            atexit.register(self.shutdown)
+
+    # ------------------------------------------------------------- exporters
+    def _file_path(self, signal: str, rank: RankInfo) -> str:
+        directory = os.path.abspath(self._settings.output_dir)
+        os.makedirs(directory, exist_ok=True)
+        if not self._said_where:
+            self._said_where = True
+            log = _logger.warning if rank.rank == 0 else _logger.info
+            log("commdebug-otel: no OTLP endpoint configured; writing OTLP-JSON lines to %s "
+                "(set OTEL_EXPORTER_OTLP_ENDPOINT to send to a collector)", directory)
+        return os.path.join(directory, f"{signal}-rank{rank.rank}.jsonl")
+
+    def _span_exporters(self, rank: RankInfo) -> list[SpanExporter]:
+        exporters: list[SpanExporter] = []
+        for name in exporter_names("traces"):
+            if name == "otlp":
+                if _protocol("traces").startswith("http"):
+                    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+                else:
+                    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+                exporters.append(OTLPSpanExporter())
+            elif name == "file":
+                from opentelemetry.exporter.otlp.json.file import FileSpanExporter
+
+                exporters.append(FileSpanExporter(self._file_path("traces", rank)))
+            elif name == "console":
+                from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+                exporters.append(ConsoleSpanExporter())
+            elif name != "none":
+                _logger.warning("commdebug-otel: ignoring OTEL_TRACES_EXPORTER value %r: "
+                                "expected otlp, file, console or none", name)
+        return exporters
+
+    def _metric_exporters(self, rank: RankInfo) -> list[Any]:
+        exporters: list[Any] = []
+        for name in exporter_names("metrics"):
+            if name == "otlp":
+                if _protocol("metrics").startswith("http"):
+                    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+                else:
+                    from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+                exporters.append(OTLPMetricExporter())
+            elif name == "file":
+                from opentelemetry.exporter.otlp.json.file import FileMetricExporter
+
+                exporters.append(FileMetricExporter(self._file_path("metrics", rank)))
+            elif name == "console":
+                from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
+
+                exporters.append(ConsoleMetricExporter())
+            elif name != "none":
+                _logger.warning("commdebug-otel: ignoring OTEL_METRICS_EXPORTER value %r: "
+                                "expected otlp, file, console or none", name)
+        return exporters
+
+    # ---------------------------------------------------------------- spans
+    def emit(self, roots: list, children: dict[int, list], trace_id: int | None) -> None:
+        """Turn finished records (``recorder.Record``) into spans with their own timestamps."""
+        tracer = self.tracer()
+        ids = self._ids
+        for root in roots:
+            if ids is not None and trace_id is not None:
+                with ids.trace_id(trace_id):
+                    span = tracer.start_span(root.name, context=otel_context.Context(),
+                                             attributes=_span_attributes(root),
+                                             start_time=root.start_ns)
+            else:
+                span = tracer.start_span(root.name, context=otel_context.Context(),
+                                         attributes=_span_attributes(root), start_time=root.start_ns)
+            self._finish(span, root, children, tracer)
+
+    def _finish(self, span: Any, record: Any, children: dict[int, list], tracer: Any) -> None:
+        for name, attributes, timestamp in record.events:
+            span.add_event(name, attributes, timestamp)
+        if record.error is not None:
+            span.set_status(Status(StatusCode.ERROR, type(record.error).__name__))
+            span.record_exception(record.error, timestamp=record.end_ns)
+        kids = children.get(id(record))
+        if kids:
+            parent_context = otel_trace.set_span_in_context(span)
+            for child in kids:
+                child_span = tracer.start_span(child.name, context=parent_context,
+                                               attributes=_span_attributes(child),
+                                               start_time=child.start_ns)
+                self._finish(child_span, child, children, tracer)
+        span.end(end_time=record.end_ns)
+
+    # -------------------------------------------------------------- shutdown
+    def force_flush(self, timeout_s: float | None = None) -> None:
+        """Export what is buffered now (our own providers only)."""
+        timeout_ms = int((timeout_s or self._settings.shutdown_timeout_s) * 1000)
+        for provider in (self._own_tracer_provider, self._own_meter_provider):
+            if provider is not None:
+                provider.force_flush(timeout_ms)
+
+    def shutdown(self) -> None:
+        """Flush and shut our providers down within ``shutdown_timeout_s``, traces and metrics together.
+
+        Runs in a daemon thread joined with the timeout, so an unreachable or
+        black-holed collector costs at most that long and never blocks exit.
+        """
+        providers = [p for p in (self._own_tracer_provider, self._own_meter_provider) if p is not None]
+        self._own_tracer_provider = self._own_meter_provider = None
+        if not providers:
+            return
+        timeout_s = self._settings.shutdown_timeout_s
+
+        def run() -> None:
+            for provider in providers:
+                try:
+                    provider.shutdown(timeout_millis=timeout_s * 1000) if isinstance(
+                        provider, MeterProvider) else provider.shutdown()
+                except Exception as error:  # exporter failures are logged by the SDK too
+                    _logger.warning("commdebug-otel: telemetry shutdown failed: %s", error)
+
+        worker = threading.Thread(target=run, name="commdebug-otel-shutdown", daemon=True)
+        worker.start()
+        worker.join(timeout_s)
+        if worker.is_alive():
+            _logger.warning("commdebug-otel: telemetry flush did not finish within %.1f s "
+                            "(OTEL_PYTHON_COMMDEBUG_SHUTDOWN_TIMEOUT); unsent data is dropped",
+                            timeout_s)
+
+
+def _span_attributes(record: Any) -> dict[str, Any]:
+    attributes = dict(record.attrs)
+    if record.fqn:
+        attributes[semconv.MODULE_FQN] = record.fqn
+        attributes[semconv.MODULE_TYPE] = record.module_type
+        attributes[semconv.MODULE_PASS] = record.pass_
+        attributes[semconv.MODULE_DEPTH] = record.fqn.count(".")
+        attributes[semconv.MODULE_CALL_INDEX] = record.call_index
+    if record.params:
+        attributes[semconv.MODULE_PARAMETERS] = record.params
+    if record.unmatched:
+        attributes[semconv.SPAN_UNMATCHED] = True
+    if record.dropped_events:
+        attributes[semconv.SPAN_DROPPED_EVENTS] = record.dropped_events
+    return attributes

@@ -1,0 +1,155 @@
+"""Module tracking: torch's global module hooks and multi-grad hooks, reported to the recorder.
+
+* Forward begins in a global forward pre-hook
+  (``torch.nn.modules.module.register_module_forward_pre_hook``).
+* Forward ends in a module-local forward hook that we keep *last* in the
+  module's own hooks, with ``always_call=True``: global forward hooks run
+  before module-local ones (``Module._call_impl``), so closing there would
+  miss collectives that tensor parallel issues in the module's own output
+  hook (RowwiseParallel's all_reduce).
+* Backward begins when gradients w.r.t. the call's outputs are ready and ends
+  when gradients w.r.t. its inputs are computed, both through
+  ``torch.autograd.graph.register_multi_grad_hook`` (as
+  ``torch.distributed._tools.mod_tracker.ModTracker`` does). The engine's
+  ``queue_callback`` closes whatever is left at the end of the backward.
+* A forward that runs while the autograd engine is running is activation
+  checkpoint recompute.
+
+Modules are held through weak references only. Every hook catches its own
+errors, logs once and gives up; none raises into training.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.autograd.graph import register_multi_grad_hook
+from torch.nn.modules.module import register_module_forward_pre_hook
+
+from .recorder import Record, Recorder
+
+def _grad_tensors(value: Any, found: list) -> list:
+    if isinstance(value, torch.Tensor):
+        if value.requires_grad:
+            found.append(value)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _grad_tensors(item, found)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _grad_tensors(item, found)
+    return found
+
+
+class ModuleTracker:
+    """Installs and removes the module hooks that feed a :class:`Recorder`."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        self._recorder = recorder
+        self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._post_handles: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._calls: list[tuple[torch.nn.Module, Record | None]] = []  # calls in flight
+        self._pre_handle = None
+
+    def install(self) -> None:
+        self._pre_handle = register_module_forward_pre_hook(self._pre_hook)
+
+    def remove(self) -> None:
+        if self._pre_handle is not None:
+            self._pre_handle.remove()
+            self._pre_handle = None
+        for handle in list(self._post_handles.values()):
+            handle.remove()
+        self._post_handles.clear()
+        self._calls.clear()
+
+    def fqn(self, module: torch.nn.Module) -> str:
+        """CommDebugMode's FQN: the root's class name, then the dotted path."""
+        name = self._names.get(module)
+        if name is None:
+            name = self._names[module] = type(module).__name__
+            self._name_children(module, name)
+        return name
+
+    def _name_children(self, module: torch.nn.Module, prefix: str) -> None:
+        for child_name, child in module.named_children():
+            if child not in self._names:
+                full = f"{prefix}.{child_name}"
+                self._names[child] = full
+                self._name_children(child, full)
+
+    # The hooks. Each one swallows its own failure: training must never see it.
+    def _pre_hook(self, module: torch.nn.Module, args: tuple) -> None:
+        recorder = self._recorder
+        if not recorder.active:
+            return
+        try:
+            if torch._dynamo.eval_frame._is_in_optimized_module():
+                return  # compiled region: not observable, stated on the step span
+            handle = self._post_handles.get(module)
+            hooks = module._forward_hooks
+            if handle is None:
+                handle = module.register_forward_hook(self._post_hook, always_call=True)
+                self._post_handles[module] = handle
+            elif next(reversed(hooks)) != handle.id:
+                hooks.move_to_end(handle.id)  # hooks added after ours must run inside the span
+            name = self._names.get(module)
+            if name is None:
+                name = self.fqn(module)
+            record = recorder.module_pre(module, name, args)
+            self._calls.append((module, record))
+            if record is not None and torch.is_grad_enabled() and record.pass_ == "forward":
+                inputs = _grad_tensors(args, [])
+                if inputs:
+                    record.input_hooked = True
+                    register_multi_grad_hook(inputs, _BackwardEnd(recorder, record))
+        except Exception as error:
+            recorder.hook_failed("module forward pre-hook", error)
+
+    def _post_hook(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        recorder = self._recorder
+        if not recorder.active or not self._calls:
+            return
+        try:
+            calls = self._calls
+            entry_module, record = calls.pop()
+            while entry_module is not module and calls:
+                entry_module, record = calls.pop()  # a call whose hook never came back
+            if entry_module is not module:
+                return
+            recorder.module_post(module, record)
+            if record is not None and record.pass_ == "forward" and torch.is_grad_enabled():
+                outputs = _grad_tensors(output, [])
+                if outputs:
+                    register_multi_grad_hook(outputs, _BackwardBegin(recorder, record), mode="any")
+        except Exception as error:
+            recorder.hook_failed("module forward hook", error)
+
+
+class _BackwardBegin:
+    __slots__ = ("recorder", "record")
+
+    def __init__(self, recorder: Recorder, record: Record) -> None:
+        self.recorder, self.record = recorder, record
+
+    def __call__(self, _grad: Any) -> None:
+        if not self.recorder.active:
+            return
+        try:
+            self.recorder.backward_began(self.record)
+        except Exception as error:
+            self.recorder.hook_failed("module backward pre-hook", error)
+
+
+class _BackwardEnd(_BackwardBegin):
+    __slots__ = ()
+
+    def __call__(self, _grads: Any) -> None:
+        if not self.recorder.active:
+            return
+        try:
+            self.recorder.backward_ended(self.record)
+        except Exception as error:
+            self.recorder.hook_failed("module backward hook", error)
