@@ -62,6 +62,9 @@ class CollectiveDispatchMode(TorchDispatchMode):
                 if recorder.active:
                     self._note_dtensor(func, args)
                 return NotImplemented  # let DTensor desugar into local ops and collectives
+            why = recorder.why_func
+            if why is func:
+                recorder.why_func = None  # DTensor runs its local op: redistribution is over
             if self._detail >= Detail.OPS and recorder.active:
                 self._note_op(func, args)
             return func(*args, **kwargs)

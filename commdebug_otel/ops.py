@@ -196,16 +196,36 @@ def payload_facts(spec: CollectiveSpec, args: tuple) -> tuple[int, str, list[int
     return (0 if spec.barrier else total), dtype, [int(size) for size in first.shape]
 
 
+def _reduce_op_names() -> dict[int, str]:
+    try:
+        from torch.distributed import ReduceOp
+
+        return {int(member): name.lower() for name, member in ReduceOp.RedOpType.__members__.items()}
+    except Exception:  # torch without distributed
+        return {}
+
+
+_REDUCE_OP_NAMES = _reduce_op_names()
+
+
 def reduce_op_name(value: Any) -> str:
-    """``"sum"`` for ``ReduceOp.SUM``, a c10d ``ReduceOp`` object, or the string ``"sum"``."""
+    """``"sum"`` for a functional collective's ``"sum"``, a ``ReduceOp``, or c10d's boxed ReduceOp.
+
+    c10d ops receive the reduce op as a TorchScript object whose ``op()``
+    method returns the ``ReduceOp.RedOpType`` value.
+    """
     if isinstance(value, str):
         return value.lower()
-    op = getattr(value, "op", value)  # c10d ReduceOp wraps a RedOpType
+    if isinstance(value, torch.ScriptObject):
+        try:
+            return _REDUCE_OP_NAMES.get(int(value.op()), "unknown")
+        except Exception:
+            return "unknown"
+    op = getattr(value, "op", value)
     name = getattr(op, "name", None)
     if isinstance(name, str):
         return name.lower()
-    text = str(op)
-    return text.rsplit(".", 1)[-1].lower()
+    return str(op).rsplit(".", 1)[-1].lower()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,8 +261,8 @@ class GroupResolver:
             return _UNKNOWN_GROUP
         if not isinstance(key, (str, tuple)):
             group = key
-            # id() alone could be reused by a later group; the name disambiguates.
-            key = (id(group), getattr(group, "group_name", ""))
+            # A boxed group is a fresh object per call: key by the underlying group's name.
+            key = _group_key(group)
             facts = self._by_key.get(key)
             if facts is None:
                 facts = self._by_key[key] = _facts_of_group(group)
@@ -253,8 +273,23 @@ class GroupResolver:
         return facts
 
 
+def _group_key(group: Any) -> Any:
+    try:
+        if isinstance(group, torch.ScriptObject):
+            from torch.distributed import ProcessGroup
+
+            group = ProcessGroup.unbox(group)
+        return ("group", group.group_name)
+    except Exception:
+        return id(group)
+
+
 def _facts_of_group(group: Any) -> GroupFacts:
     try:
+        if isinstance(group, torch.ScriptObject):  # c10d ops box the group
+            from torch.distributed import ProcessGroup
+
+            group = ProcessGroup.unbox(group)
         name = str(getattr(group, "group_name", "") or "unknown")
         size = int(group.size())
         desc = str(getattr(group, "group_desc", "") or "")

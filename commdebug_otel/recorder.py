@@ -118,7 +118,9 @@ class Recorder:
         self._depth = 0  # module nesting when records are skipped (untraced steps)
         self._call_counts: dict[tuple[str, str], int] = {}
         self._params_seen: weakref.WeakSet = weakref.WeakSet()
-        self._why: tuple[Any, tuple] | None = None
+        self._why_args: tuple = ()
+        # The DTensor op whose redistribution is in progress (the "why" of a collective).
+        self.why_func: Any = None
         self._why_attrs: dict[str, Any] | None = None
         self._rank: RankInfo | None = None
         self._nonce: str | None = None
@@ -187,7 +189,7 @@ class Recorder:
             return
         self._step = None
         self._next_step += 1
-        self._why = None
+        self.why_func = None
         if inference:
             step.kind = -1  # no train_step span: each top-level forward is a root
         self._close(step, now)
@@ -222,7 +224,7 @@ class Recorder:
     def module_pre(self, module: torch.nn.Module, fqn: str, args: tuple) -> Record | None:
         """A module's forward (or recompute) begins. Returns its record, or None when not recorded."""
         now = time.time_ns()
-        self._why = None
+        self.why_func = None
         in_backward = _graph_task_id() != -1
         step = self._step
         if step is None:
@@ -274,7 +276,7 @@ class Recorder:
     def module_post(self, module: torch.nn.Module, record: Record | None) -> None:
         """A module's forward ended (its own forward hooks included)."""
         now = time.time_ns()
-        self._why = None
+        self.why_func = None
         if record is None:
             self._depth = max(0, self._depth - 1)
         else:
@@ -354,7 +356,7 @@ class Recorder:
 
     def dtensor_op(self, func: Any, args: tuple) -> None:
         """A DTensor op is about to run; its redistribution collectives carry it as the "why"."""
-        self._why = (func, args)
+        self.why_func, self._why_args = func, args
         self._why_attrs = None
 
     def collective(self, spec: CollectiveSpec, args: tuple, duration_ns: int) -> None:
@@ -400,13 +402,13 @@ class Recorder:
             attrs[semconv.COLLECTIVE_REDUCE_OP] = reduce_op_name(args[spec.reduce_index])
         if 0 <= spec.peer_index < len(args):
             attrs[semconv.COLLECTIVE_PEER] = int(args[spec.peer_index])
-        if spec.functional and self._why is not None:
+        if spec.functional and self.why_func is not None:
             attrs.update(self._why_facts())
         self._add_event(owner, spec.op, attrs, now)
 
     def _why_facts(self) -> dict[str, Any]:
         if self._why_attrs is None:
-            func, args = self._why
+            func, args = self.why_func, self._why_args
             facts = _dtensor_facts(args)
             self._why_attrs = {
                 semconv.DTENSOR_OP: str(func),
