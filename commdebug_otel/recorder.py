@@ -39,7 +39,11 @@ _logger = logging.getLogger(__name__)
 _KIND_MODULE = 0
 _KIND_STEP = 1
 _KIND_OUTSIDE = 2
-_ATTR_MAX_CHARS = 1024  # bound on any string attribute we build
+_ATTR_MAX_CHARS = 1024
+# Before any optimizer.step() is seen, a step ends at the top-level forward after
+# this many completed backward passes (scripts that never step an optimizer).
+NO_OPTIMIZER_CYCLES = 8
+PASS_NONE = "none"  # a collective outside any module pass (set-up, optimizer, logging)  # bound on any string attribute we build
 
 
 def _graph_task_id() -> int:
@@ -88,7 +92,7 @@ class _Step:
         self.root = root
         self.records: list[Record] = []
         self.kind = kind
-        self.backward_done = False
+        self.backward_done = 0  # backward passes completed in this step
         self.had_module = False
 
 
@@ -230,8 +234,9 @@ class Recorder:
         if step is None:
             step = self._open_step(now)
         elif (not self._fwd_stack and self._depth == 0 and not in_backward
-              and not self._seen_optimizer and step.backward_done):
-            # No optimizer in this script: a new top-level forward after a backward is a new step.
+              and not self._seen_optimizer and step.backward_done >= NO_OPTIMIZER_CYCLES):
+            # No optimizer.step() seen yet: bound the step (gradient accumulation of up to
+            # NO_OPTIMIZER_CYCLES micro-batches before the first optimizer step stays whole).
             self._close_step(now)
             step = self._open_step(now)
         step.had_module = True
@@ -336,7 +341,7 @@ class Recorder:
             self._open_bw.clear()
             self._bw_callback_task = -1
             if self._step is not None:
-                self._step.backward_done = True
+                self._step.backward_done += 1
         except Exception as error:
             self.hook_failed("backward end", error)
 
@@ -369,8 +374,10 @@ class Recorder:
         owner, step = self._owner()
         if owner is not None and owner.kind == _KIND_MODULE:
             pass_ = owner.pass_
-        else:
-            pass_ = semconv.PASS_BACKWARD if _graph_task_id() != -1 else "none"
+        elif _graph_task_id() != -1:
+            pass_ = semconv.PASS_RECOMPUTE if self._depth else semconv.PASS_BACKWARD
+        else:  # untraced steps keep no records, only the module depth
+            pass_ = semconv.PASS_FORWARD if self._depth else PASS_NONE
         if self._metrics is not None:
             fqn = owner.fqn if owner is not None else ""
             self._metrics.collective(spec.op, pass_, group, self.rank().rank, nbytes,

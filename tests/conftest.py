@@ -1,0 +1,51 @@
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from commdebug_otel.testing import InMemoryTelemetry
+
+
+@pytest.fixture
+def telemetry():
+    return InMemoryTelemetry()
+
+
+@pytest.fixture
+def tracer_factory(telemetry):
+    """Build CommTracers wired to the in-memory telemetry; stops them after the test."""
+    from commdebug_otel import CommTracer, Settings
+
+    made = []
+
+    def make(**settings):
+        tracer = CommTracer(Settings(**settings), tracer_provider=telemetry.tracer_provider,
+                            meter_provider=telemetry.meter_provider)
+        made.append(tracer)
+        return tracer
+
+    yield make
+    for tracer in made:
+        tracer.stop()
+
+
+@pytest.fixture(scope="session")
+def single_rank_group():
+    """A real one-rank gloo process group in the test process, for collectives without spawning."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _no_env_leaks(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("OTEL_"):
+            monkeypatch.delenv(name)
+    torch.manual_seed(0)

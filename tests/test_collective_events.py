@@ -1,0 +1,146 @@
+"""Collective events and metrics on a real one-rank gloo group in the test process."""
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from commdebug_otel import Detail, semconv
+from models import AllReduceLinear
+
+
+def test_collective_event_attributes_and_owner(telemetry, tracer_factory, single_rank_group):
+    model = AllReduceLinear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tracer_factory():
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+    span = telemetry.one("AllReduceLinear forward")
+    assert [event.name for event in span.events] == ["all_reduce"]
+    attributes = dict(span.events[0].attributes)
+    assert attributes.pop(semconv.COLLECTIVE_DURATION) > 0
+    assert attributes == {
+        semconv.COLLECTIVE_OP: "all_reduce",
+        semconv.OP_NAME: "c10d.allreduce_.default",
+        semconv.COLLECTIVE_BYTES: 3 * 4 * 4,
+        semconv.COLLECTIVE_DTYPE: "float32",
+        semconv.COLLECTIVE_SHAPE: (3, 4),
+        semconv.COLLECTIVE_REDUCE_OP: "sum",
+        semconv.PROCESS_GROUP_NAME: single_rank_group.group_name,
+        semconv.PROCESS_GROUP_SIZE: 1,
+        semconv.COLLECTIVE_SEQ: 0,
+        semconv.MODULE_PASS: "forward",
+    }
+
+
+def test_outside_step_span_collects_setup_collectives(telemetry, tracer_factory, single_rank_group):
+    model = AllReduceLinear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tracer_factory():
+        dist.broadcast(torch.zeros(5, dtype=torch.int64), src=0)
+        dist.barrier()
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+        dist.all_reduce(torch.ones(2))  # logging after the step
+    outside = telemetry.by_name("outside_step")
+    assert [[event.name for event in span.events] for span in outside] == [
+        ["broadcast", "barrier"], ["all_reduce"]]
+    assert all(span.parent is None for span in outside)
+    broadcast = outside[0].events[0].attributes
+    assert broadcast[semconv.COLLECTIVE_BYTES] == 40 and broadcast[semconv.COLLECTIVE_DTYPE] == "int64"
+    assert outside[0].events[1].attributes[semconv.COLLECTIVE_BYTES] == 0
+    assert [e.attributes[semconv.COLLECTIVE_SEQ] for s in telemetry.spans() for e in s.events] == [0, 1, 2, 3]
+
+
+def test_functional_collectives_and_metrics(telemetry, tracer_factory, single_rank_group):
+    class Funcol(torch.nn.Module):
+        def forward(self, x):
+            x = funcol.all_reduce(x, "sum", single_rank_group)
+            return funcol.all_gather_tensor(x, 0, single_rank_group).wait()
+
+    with tracer_factory():
+        Funcol()(torch.ones(2, 3))
+    span = telemetry.one("Funcol forward")
+    assert [(e.name, e.attributes[semconv.OP_NAME]) for e in span.events] == [
+        ("all_reduce", "_c10d_functional.all_reduce.default"),
+        ("all_gather", "_c10d_functional.all_gather_into_tensor.default")]
+    points = {(labels[semconv.COLLECTIVE_OP], labels[semconv.MODULE_PASS]): value
+              for labels, value in telemetry.metric_points(semconv.METRIC_OPERATIONS)}
+    assert points == {("all_reduce", "forward"): 1, ("all_gather", "forward"): 1}
+    io = {labels[semconv.COLLECTIVE_OP]: value for labels, value in telemetry.metric_points(semconv.METRIC_IO)}
+    assert io == {"all_reduce": 24, "all_gather": 24}
+    labels = telemetry.metric_points(semconv.METRIC_DURATION)[0][0]
+    assert labels == {semconv.COLLECTIVE_OP: labels[semconv.COLLECTIVE_OP], semconv.MODULE_PASS: "forward",
+                      semconv.PROCESS_GROUP_NAME: single_rank_group.group_name,
+                      semconv.PROCESS_GROUP_SIZE: 1, semconv.RANK: 0}
+
+
+def test_metrics_cover_untraced_steps(telemetry, tracer_factory, single_rank_group):
+    model = AllReduceLinear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tracer_factory(trace_every=3):
+        for _ in range(4):
+            model(torch.randn(3, 4)).sum().backward()
+            optimizer.step()
+    assert [s.attributes[semconv.STEP] for s in telemetry.by_name("train_step")] == [0, 3]
+    assert sum(len(s.events) for s in telemetry.spans()) == 2
+    [(labels, count)] = telemetry.metric_points(semconv.METRIC_OPERATIONS)
+    assert count == 4
+
+
+def test_event_cap_counts_overflow_on_span_and_metric(telemetry, tracer_factory, single_rank_group):
+    class Chatty(torch.nn.Module):
+        def forward(self, x):
+            for _ in range(7):
+                dist.all_reduce(x)
+            return x
+
+    with tracer_factory(max_events_per_span=5):
+        Chatty()(torch.ones(1))
+    span = telemetry.one("Chatty forward")
+    assert len(span.events) == 5
+    assert span.attributes[semconv.SPAN_DROPPED_EVENTS] == 2
+    assert telemetry.metric_points(semconv.METRIC_DROPPED) == [({semconv.DROPPED_KIND: "event"}, 2)]
+    [(labels, count)] = telemetry.metric_points(semconv.METRIC_OPERATIONS)
+    assert count == 7  # metrics never drop
+
+
+def test_dtensor_op_events_by_detail(telemetry, tracer_factory, single_rank_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+
+    class MatMul(torch.nn.Module):
+        def forward(self, a, b):
+            return (a @ b.t()).full_tensor()
+
+    a = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])
+    with tracer_factory(detail=Detail.DTENSOR):
+        MatMul()(a, a)
+    names = [event.name for event in telemetry.one("MatMul forward").events]
+    assert "aten.mm.default" in names and "aten.t.default" not in names  # trivial ops only at "all"
+    mm = next(e for e in telemetry.one("MatMul forward").events if e.name == "aten.mm.default")
+    assert dict(mm.attributes) == {
+        semconv.OP_NAME: "aten.mm.default",
+        semconv.DTENSOR_INPUT_SHAPES: ("[4, 4]", "[4, 4]"),
+        semconv.DTENSOR_INPUT_PLACEMENTS: ("(Shard(dim=0),)", "(Shard(dim=1),)"),
+        semconv.DEVICE_MESH: str(mesh),
+        semconv.DEVICE_MESH_SHAPE: (1,),
+        semconv.DEVICE_MESH_DIM_NAMES: ("tp",),
+    }
+    telemetry.clear()
+    with tracer_factory(detail=Detail.ALL):
+        MatMul()(a, a)
+    assert "aten.t.default" in [event.name for event in telemetry.one("MatMul forward").events]
+
+
+def test_no_tensor_values_leave_the_process(telemetry, tracer_factory, single_rank_group):
+    sentinel = 1234.5678
+    with tracer_factory(detail=Detail.ALL):
+        model = AllReduceLinear()
+        with torch.no_grad():
+            model.lin.weight.fill_(sentinel)
+        model(torch.full((2, 4), sentinel))
+    text = repr([(s.name, dict(s.attributes), [(e.name, dict(e.attributes)) for e in s.events])
+                 for s in telemetry.spans()])
+    assert "1234.5" not in text and "aten.addmm.default" in text

@@ -1,0 +1,195 @@
+"""Module spans on one process: exact trees, parent links, errors, recompute, unmatched hooks."""
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from commdebug_otel import semconv
+from models import Block, MaybeBoom, TwoBlocks
+
+FORWARD_TREE = [
+    (1, "TwoBlocks forward"),
+    (2, "TwoBlocks.l0 forward"),
+    (3, "TwoBlocks.l0.a forward"),
+    (3, "TwoBlocks.l0.act forward"),
+    (3, "TwoBlocks.l0.b forward"),
+    (3, "TwoBlocks.l0.act forward"),
+    (2, "TwoBlocks.l1 forward"),
+    (3, "TwoBlocks.l1.a forward"),
+    (3, "TwoBlocks.l1.act forward"),
+    (3, "TwoBlocks.l1.b forward"),
+    (3, "TwoBlocks.l1.act forward"),
+]
+BACKWARD_TREE = [
+    (1, "TwoBlocks backward"),
+    (2, "TwoBlocks.l1 backward"),
+    (3, "TwoBlocks.l1.act backward"),
+    (3, "TwoBlocks.l1.b backward"),
+    (3, "TwoBlocks.l1.act backward"),
+    (3, "TwoBlocks.l1.a backward"),
+    (2, "TwoBlocks.l0 backward"),
+    (3, "TwoBlocks.l0.act backward"),
+    (3, "TwoBlocks.l0.b backward"),
+    (3, "TwoBlocks.l0.act backward"),
+    (3, "TwoBlocks.l0.a backward"),
+]
+
+
+def train(model, steps=1, tracer=None):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+        optimizer.step()
+
+
+def test_forward_and_backward_nest_by_module_tree(telemetry, tracer_factory):
+    model = TwoBlocks()
+    with tracer_factory():
+        train(model, steps=2)
+    tree = telemetry.tree()
+    one_step = [(0, "train_step"), *FORWARD_TREE, *BACKWARD_TREE]
+    assert tree == one_step + one_step
+    step_spans = telemetry.by_name("train_step")
+    assert [span.attributes[semconv.STEP] for span in step_spans] == [0, 1]
+    assert all(span.parent is None for span in step_spans)
+
+
+def test_backward_parent_covers_child_whose_hook_fired_first(telemetry, tracer_factory):
+    # Block returns act's output, so act's backward hook (registered first) fires before Block's.
+    with tracer_factory():
+        train(TwoBlocks())
+    block = telemetry.one("TwoBlocks.l1 backward")
+    first_act = min(telemetry.by_name("TwoBlocks.l1.act backward"), key=lambda s: s.start_time)
+    assert first_act.parent.span_id == block.context.span_id
+    assert block.start_time <= first_act.start_time and first_act.end_time <= block.end_time
+
+
+def test_span_attributes(telemetry, tracer_factory):
+    with tracer_factory():
+        train(TwoBlocks())
+    forward = telemetry.one("TwoBlocks.l0.a forward")
+    assert dict(forward.attributes) == {
+        semconv.MODULE_FQN: "TwoBlocks.l0.a",
+        semconv.MODULE_TYPE: "torch.nn.modules.linear.Linear",
+        semconv.MODULE_PASS: "forward",
+        semconv.MODULE_DEPTH: 2,
+        semconv.MODULE_CALL_INDEX: 0,
+        semconv.MODULE_PARAMETERS: ("weight [4, 4]", "bias [4]"),
+    }
+    backward = telemetry.one("TwoBlocks.l0.a backward")
+    assert backward.attributes[semconv.MODULE_PASS] == "backward"
+    assert semconv.SPAN_UNMATCHED not in backward.attributes
+
+
+def test_module_called_twice_gives_two_spans_where_torch_raises(telemetry, tracer_factory):
+    model = Block()
+    with tracer_factory():
+        train(model)
+    acts = telemetry.by_name("Block.act forward")
+    assert [span.attributes[semconv.MODULE_CALL_INDEX] for span in acts] == [0, 1]
+    assert len(telemetry.by_name("Block.act backward")) == 2
+    from torch.distributed.tensor.debug import CommDebugMode as TorchCommDebugMode
+
+    with pytest.raises(IndexError):
+        with TorchCommDebugMode():
+            model(torch.randn(2, 4)).sum().backward()
+
+
+def test_forward_error_marks_span_and_next_step_is_clean(telemetry, tracer_factory):
+    model = MaybeBoom()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tracer_factory():
+        with pytest.raises(ValueError, match="boom"):
+            model(torch.randn(2, 4), explode=True)
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+    failed = telemetry.one("MaybeBoom.boom forward")
+    assert failed.status.status_code.name == "ERROR"
+    assert [event.name for event in failed.events] == ["exception"]
+    assert failed.events[0].attributes["exception.type"] == "ValueError"
+    outer = [span for span in telemetry.by_name("MaybeBoom forward")]
+    assert outer[0].status.status_code.name == "ERROR"
+    assert outer[1].status.status_code.name == "UNSET"
+    # The failed forward and the retry are in one step (no optimizer step between them).
+    assert telemetry.tree() == [
+        (0, "train_step"),
+        (1, "MaybeBoom forward"), (2, "MaybeBoom.lin forward"), (2, "MaybeBoom.boom forward"),
+        (1, "MaybeBoom forward"), (2, "MaybeBoom.lin forward"),
+        (1, "MaybeBoom backward"), (2, "MaybeBoom.lin backward"),
+    ]
+
+
+class Checkpointed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+        self.head = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.head(checkpoint(self.block, x, use_reentrant=False))
+
+
+def test_checkpoint_recompute_sits_under_the_backward_that_caused_it(telemetry, tracer_factory):
+    with tracer_factory():
+        train(Checkpointed())
+    recompute = telemetry.one("Checkpointed.block recompute")
+    assert telemetry.parent_name(recompute) == "Checkpointed.block backward"
+    assert recompute.attributes[semconv.MODULE_PASS] == "recompute"
+    assert [telemetry.parent_name(s) for s in telemetry.by_name("Checkpointed.block.a recompute")] == [
+        "Checkpointed.block recompute"]
+    assert len(telemetry.by_name("Checkpointed.block forward")) == 1
+
+
+def test_backward_that_never_reaches_inputs_is_closed_and_marked(telemetry, tracer_factory):
+    model = torch.nn.Linear(4, 4)
+    with tracer_factory():
+        out = model(torch.randn(2, 4, requires_grad=True))
+        torch.autograd.grad(out.sum(), [model.weight])  # input grad never computed
+    backward = telemetry.one("Linear backward")
+    assert backward.attributes[semconv.SPAN_UNMATCHED] is True
+    assert backward.end_time >= backward.start_time
+
+
+def test_inference_without_optimizer_makes_each_top_level_forward_a_root(telemetry, tracer_factory):
+    model = Block()
+    with tracer_factory(), torch.no_grad():
+        model(torch.randn(2, 4))
+        model(torch.randn(2, 4))
+    roots = [span for span in telemetry.spans() if span.parent is None]
+    assert [span.name for span in roots] == ["Block forward", "Block forward"]
+    assert roots[0].context.trace_id != roots[1].context.trace_id
+
+
+def test_gradient_accumulation_lands_in_one_step(telemetry, tracer_factory):
+    model = Block()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tracer_factory():
+        for _ in range(3):
+            model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+        optimizer.step()
+    assert len(telemetry.by_name("train_step")) == 1
+    forwards = telemetry.by_name("Block forward")
+    assert [span.attributes[semconv.MODULE_CALL_INDEX] for span in forwards] == [0, 1, 2]
+    assert {telemetry.parent_name(span) for span in telemetry.by_name("Block backward")} == {"train_step"}
+
+
+def test_trace_every_exports_only_sampled_steps(telemetry, tracer_factory):
+    with tracer_factory(trace_every=2):
+        train(Block(), steps=5)
+    steps = telemetry.by_name("train_step")
+    assert [span.attributes[semconv.STEP] for span in steps] == [0, 2, 4]
+
+
+def test_stop_removes_every_hook(telemetry, tracer_factory):
+    model = Block()
+    tracer = tracer_factory()
+    with tracer:
+        train(model)
+    before = len(telemetry.spans())
+    assert all(not module._forward_hooks for module in model.modules())
+    train(model)
+    assert len(telemetry.spans()) == before
+    from torch.nn.modules import module as module_globals
+
+    assert not module_globals._global_forward_pre_hooks
+    assert not torch.utils._python_dispatch._get_current_dispatch_mode_stack()
