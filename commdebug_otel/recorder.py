@@ -56,7 +56,7 @@ class Record:
     __slots__ = (
         "kind", "name", "fqn", "module_type", "pass_", "call_index", "start_ns", "end_ns",
         "parent", "fwd", "events", "dropped_events", "error", "unmatched", "params",
-        "open_bw", "bw_records", "graph_task", "input_hooked", "hidden", "attrs",
+        "open_bw", "bw_records", "graph_task", "input_hooked", "hidden", "attrs", "hooked_outputs",
     )
 
     def __init__(self, kind: int, name: str, start_ns: int) -> None:
@@ -81,6 +81,7 @@ class Record:
         self.input_hooked = False
         self.hidden = False
         self.attrs: dict[str, Any] = {}
+        self.hooked_outputs: set[int] | frozenset = set()  # ids of outputs with a backward hook
 
 
 class _Step:
@@ -117,7 +118,7 @@ class Recorder:
         self._next_step = 0
         self._seen_optimizer = False
         self._fwd_stack: list[Record] = []
-        self._open_bw: dict[Record, None] = {}
+        self._open_bw: list[Record] = []  # open backward records, most recently begun last
         self._bw_callback_task = -1
         self._depth = 0  # module nesting when records are skipped (untraced steps)
         self._call_counts: dict[tuple[str, str], int] = {}
@@ -256,7 +257,7 @@ class Recorder:
         if self._fwd_stack:
             record.parent = self._fwd_stack[-1]
         elif in_backward and self._open_bw:
-            record.parent = next(reversed(self._open_bw))
+            record.parent = self._open_bw[-1]
         else:
             record.parent = step.root
         if module not in self._params_seen:
@@ -304,6 +305,8 @@ class Recorder:
         """Gradients w.r.t. a module call's outputs are ready: its backward begins."""
         now = time.time_ns()
         task = _graph_task_id()
+        if forward.bw_records and forward.bw_records[-1].graph_task == task:
+            return  # outputs hooked twice (before and after the module's own hooks)
         record = Record(_KIND_MODULE, f"{forward.fqn} {semconv.PASS_BACKWARD}", now)
         record.fqn, record.module_type = forward.fqn, forward.module_type
         record.pass_ = semconv.PASS_BACKWARD
@@ -313,7 +316,7 @@ class Recorder:
         self._call_counts[key] = record.call_index + 1
         forward.open_bw = record
         forward.bw_records.append(record)
-        self._open_bw[record] = None
+        self._begin_backward(record)
         step = self._step
         if step is not None:
             step.records.append(record)
@@ -321,23 +324,50 @@ class Recorder:
             self._bw_callback_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self.backward_done)
 
+    def _begin_backward(self, record: Record) -> None:
+        """Open ``record``; if a descendant's hook fired first, the descendant stays most recent.
+
+        A module and its last child share the output tensor, and the child's hook,
+        registered first, fires first: the parent's backward did not begin "after" it.
+        """
+        open_bw = self._open_bw
+        index = len(open_bw)
+        while index > 0 and _descends_from(open_bw[index - 1], record.fwd):
+            index -= 1
+        open_bw.insert(index, record)
+
     def backward_ended(self, forward: Record) -> None:
         """Gradients w.r.t. a module call's inputs are computed: its backward ends."""
         record = forward.open_bw
         if record is not None:
             forward.open_bw = None
             record.end_ns = time.time_ns()
-            self._open_bw.pop(record, None)
+            try:
+                self._open_bw.remove(record)
+            except ValueError:
+                pass
 
     def backward_done(self) -> None:
-        """The autograd engine finished this backward; close what never got its post hook."""
+        """The autograd engine finished computing this backward (an engine final callback).
+
+        Gradient computation is over, so every module's backward but the
+        outermost ones ends here. The outermost stay open for one more round
+        of final callbacks: callbacks queued later (FSDP2's root post-backward
+        reduce-scatter) are booked to the root module's backward.
+        """
         try:
             now = time.time_ns()
-            for record in self._open_bw:
-                record.end_ns = now
-                record.unmatched = record.fwd is not None and record.fwd.input_hooked
-                if record.fwd is not None:
-                    record.fwd.open_bw = None
+            outermost = [r for r in self._open_bw if not any(
+                _descends_from(r, other.fwd) for other in self._open_bw if other is not r)]
+            self._end_backward_records([r for r in self._open_bw if r not in outermost], now)
+            self._open_bw[:] = outermost
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_finally)
+        except Exception as error:
+            self.hook_failed("backward end", error)
+
+    def _backward_finally(self) -> None:
+        try:
+            self._end_backward_records(self._open_bw, time.time_ns())
             self._open_bw.clear()
             self._bw_callback_task = -1
             if self._step is not None:
@@ -345,12 +375,20 @@ class Recorder:
         except Exception as error:
             self.hook_failed("backward end", error)
 
+    @staticmethod
+    def _end_backward_records(records: list[Record], now: int) -> None:
+        for record in records:
+            record.end_ns = now
+            record.unmatched = record.fwd is not None and record.fwd.input_hooked
+            if record.fwd is not None:
+                record.fwd.open_bw = None
+
     # ------------------------------------------------------------- dispatch
     def _owner(self) -> tuple[Record | None, _Step | None]:
         if self._fwd_stack:
             owner = self._fwd_stack[-1]
         elif self._open_bw:
-            owner = next(reversed(self._open_bw))
+            owner = self._open_bw[-1]
         elif self._step is not None:
             return self._step.root, self._step
         else:
@@ -488,6 +526,16 @@ class Recorder:
         while parent.hidden and parent.parent is not None:
             parent = parent.parent
         return parent
+
+
+def _descends_from(record: Record, forward: Record | None) -> bool:
+    """True if ``record`` (a backward record) belongs to a module call inside ``forward``'s call."""
+    ancestor = record.fwd.parent if record.fwd is not None else None
+    while ancestor is not None:
+        if ancestor is forward:
+            return True
+        ancestor = ancestor.parent
+    return False
 
 
 def _widen(record: Record, children: dict[int, list[Record]]) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from torch.autograd.graph import register_multi_grad_hook
-from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from .recorder import Record, Recorder
 
@@ -43,6 +43,9 @@ def _grad_tensors(value: Any, found: list) -> list:
     return found
 
 
+_EMPTY: frozenset = frozenset()
+
+
 class ModuleTracker:
     """Installs and removes the module hooks that feed a :class:`Recorder`."""
 
@@ -52,14 +55,17 @@ class ModuleTracker:
         self._post_handles: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._calls: list[tuple[torch.nn.Module, Record | None]] = []  # calls in flight
         self._pre_handle = None
+        self._early_post_handle = None
 
     def install(self) -> None:
         self._pre_handle = register_module_forward_pre_hook(self._pre_hook)
+        self._early_post_handle = register_module_forward_hook(self._early_post_hook)
 
     def remove(self) -> None:
-        if self._pre_handle is not None:
-            self._pre_handle.remove()
-            self._pre_handle = None
+        for handle in (self._early_post_handle, self._pre_handle):
+            if handle is not None:
+                handle.remove()
+        self._pre_handle = self._early_post_handle = None
         for handle in list(self._post_handles.values()):
             handle.remove()
         self._post_handles.clear()
@@ -108,6 +114,31 @@ class ModuleTracker:
         except Exception as error:
             recorder.hook_failed("module forward pre-hook", error)
 
+    def _early_post_hook(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        """Global forward hooks run before the module's own: hook the raw outputs first.
+
+        A module's own forward hook may put a tensor hook on its outputs that
+        issues collectives in backward (FSDP2's pre-backward all-gather); ours,
+        registered earlier on the same tensors, fires before it.
+        """
+        recorder = self._recorder
+        if not recorder.active or not self._calls:
+            return
+        try:
+            entry_module, record = self._calls[-1]
+            if entry_module is module and record is not None:
+                self._hook_backward_begin(record, output)
+        except Exception as error:
+            recorder.hook_failed("module forward hook", error)
+
+    def _hook_backward_begin(self, record: Record, output: Any) -> None:
+        if record.pass_ != "forward" or not torch.is_grad_enabled():
+            return
+        outputs = [t for t in _grad_tensors(output, []) if id(t) not in record.hooked_outputs]
+        if outputs:
+            record.hooked_outputs.update(id(t) for t in outputs)
+            register_multi_grad_hook(outputs, _BackwardBegin(self._recorder, record), mode="any")
+
     def _post_hook(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         recorder = self._recorder
         if not recorder.active or not self._calls:
@@ -120,10 +151,10 @@ class ModuleTracker:
             if entry_module is not module:
                 return
             recorder.module_post(module, record)
-            if record is not None and record.pass_ == "forward" and torch.is_grad_enabled():
-                outputs = _grad_tensors(output, [])
-                if outputs:
-                    register_multi_grad_hook(outputs, _BackwardBegin(recorder, record), mode="any")
+            if record is not None:
+                # The module's own hooks may have replaced the outputs (tensor parallel).
+                self._hook_backward_begin(record, output)
+                record.hooked_outputs = _EMPTY
         except Exception as error:
             recorder.hook_failed("module forward hook", error)
 
