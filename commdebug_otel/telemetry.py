@@ -193,6 +193,10 @@ class Telemetry:
         readers: list[MetricReader] = [
             PeriodicExportingMetricReader(exporter) for exporter in self._metric_exporters(rank)
         ]
+        if "prometheus" in exporter_names("metrics"):
+            reader = _prometheus_reader(rank)
+            if reader is not None:
+                readers.append(reader)
         provider = MeterProvider(resource=build_resource(rank), metric_readers=readers)
         self._own_meter_provider = provider
         self._register_atexit()
@@ -253,9 +257,9 @@ class Telemetry:
                 from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
 
                 exporters.append(ConsoleMetricExporter())
-            elif name != "none":
+            elif name not in ("none", "prometheus"):
                 _logger.warning("commdebug-otel: ignoring OTEL_METRICS_EXPORTER value %r: "
-                                "expected otlp, file, console or none", name)
+                                "expected otlp, prometheus, file, console or none", name)
         return exporters
 
     # ---------------------------------------------------------------- spans
@@ -325,6 +329,36 @@ class Telemetry:
             _logger.warning("commdebug-otel: telemetry flush did not finish within %.1f s "
                             "(OTEL_PYTHON_COMMDEBUG_SHUTDOWN_TIMEOUT); unsent data is dropped",
                             timeout_s)
+
+
+def prometheus_port(rank: RankInfo) -> int:
+    """``OTEL_EXPORTER_PROMETHEUS_PORT`` (default 9464, as OTel) plus the local rank, one port per worker."""
+    try:
+        base = int(os.environ.get("OTEL_EXPORTER_PROMETHEUS_PORT", "9464"))
+    except ValueError:
+        _logger.warning("commdebug-otel: ignoring OTEL_EXPORTER_PROMETHEUS_PORT=%r: expected a port "
+                        "number; using 9464", os.environ.get("OTEL_EXPORTER_PROMETHEUS_PORT"))
+        base = 9464
+    return base + rank.local_rank
+
+
+def _prometheus_reader(rank: RankInfo) -> MetricReader | None:
+    """A pull endpoint on ``OTEL_EXPORTER_PROMETHEUS_HOST:prometheus_port(rank)`` (needs the ``prometheus`` extra)."""
+    try:
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from prometheus_client import start_http_server
+    except ImportError:
+        _logger.warning("commdebug-otel: OTEL_METRICS_EXPORTER=prometheus needs "
+                        "`pip install commdebug-otel[prometheus]`; metrics are not exported")
+        return None
+    host = os.environ.get("OTEL_EXPORTER_PROMETHEUS_HOST", "localhost")
+    port = prometheus_port(rank)
+    try:
+        start_http_server(port, addr=host)
+    except OSError as error:
+        _logger.warning("commdebug-otel: cannot serve Prometheus metrics on %s:%d (%s)", host, port, error)
+        return None
+    return PrometheusMetricReader()
 
 
 def _span_attributes(record: Any) -> dict[str, Any]:
