@@ -1,0 +1,98 @@
+"""End to end as a user runs it: `commdebug-otel demo` exporting to a real OTLP receiver, or to files."""
+
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+from commdebug_otel import semconv
+from commdebug_otel.testing.otlp_receiver import OtlpReceiver, spans_from_otlp_json
+
+
+def run_demo(tmp_path, env_extra, *args):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update(env_extra)
+    result = subprocess.run([sys.executable, "-m", "commdebug_otel.cli", "demo", "--steps", "2", *args],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    with OtlpReceiver() as rx:
+        yield rx
+
+
+def check_demo_spans(spans):
+    """Both ranks' nested module spans, with collective events carrying the contract's attributes."""
+    by_id = {span["span_id"]: span for span in spans}
+    ranks = {span["resource"][semconv.RANK] for span in spans}
+    assert ranks == {0, 1}
+    for rank in (0, 1):
+        mine = [s for s in spans if s["resource"][semconv.RANK] == rank]
+        steps = [s for s in mine if s["name"] == "train_step"]
+        assert sorted(s["attributes"][semconv.STEP] for s in steps) == [0, 1]
+        wo = [s for s in mine if s["name"] == "Transformer.layers.0.attention.wo forward"]
+        assert len(wo) == 2
+        parent = by_id[wo[0]["parent_span_id"]]
+        assert parent["name"] == "Transformer.layers.0.attention forward"
+        assert by_id[by_id[parent["parent_span_id"]]["parent_span_id"]]["name"] == "Transformer forward"
+        [event] = wo[0]["events"]
+        attributes = event["attributes"]
+        assert event["name"] == "all_reduce"
+        assert attributes[semconv.COLLECTIVE_OP] == "all_reduce"
+        assert attributes[semconv.OP_NAME] == "_c10d_functional.all_reduce.default"
+        assert attributes[semconv.COLLECTIVE_BYTES] == 4 * 32 * 64 * 4
+        assert attributes[semconv.COLLECTIVE_SHAPE] == [4, 32, 64]
+        assert attributes[semconv.COLLECTIVE_DTYPE] == "float32"
+        assert attributes[semconv.COLLECTIVE_REDUCE_OP] == "sum"
+        assert attributes[semconv.PROCESS_GROUP_SIZE] == 2
+        assert attributes[semconv.MODULE_PASS] == "forward"
+        backward = [s for s in mine if s["name"] == "Transformer.layers.0.attention.wq backward"]
+        assert len(backward) == 2
+        assert by_id[backward[0]["parent_span_id"]]["name"] == "Transformer.layers.0.attention backward"
+        assert [e["name"] for e in backward[0]["events"]] == ["all_reduce"]
+    # Step N of both ranks is one trace.
+    trace_ids = {}
+    for span in spans:
+        if span["name"] == "train_step":
+            trace_ids.setdefault(span["attributes"][semconv.STEP], set()).add(span["trace_id"])
+    assert all(len(ids) == 1 for ids in trace_ids.values()) and len(trace_ids) == 2
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_demo_exports_to_a_live_otlp_receiver(tmp_path, receiver, protocol):
+    receiver.clear()
+    endpoint = receiver.grpc_endpoint if protocol == "grpc" else receiver.http_endpoint
+    out = run_demo(tmp_path, {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+                              "OTEL_EXPORTER_OTLP_PROTOCOL": protocol})
+    assert f"OTLP ({protocol}) to {endpoint}" in out
+    transport = "grpc" if protocol == "grpc" else "http"
+    assert {request.transport for request in receiver.requests()} == {transport}
+    check_demo_spans(receiver.spans())
+    # Cumulative counters: the last export of each series holds the total.
+    totals = {}
+    for point in receiver.metrics():
+        if point["name"] == semconv.METRIC_OPERATIONS:
+            key = (point["resource"][semconv.RANK], tuple(sorted(point["attributes"].items())))
+            totals[key] = max(totals.get(key, 0), point["value"])
+    events = sum(1 for s in receiver.spans() for e in s["events"])
+    assert sum(totals.values()) == events
+    assert not os.path.exists(tmp_path / "commdebug-otel-out")
+
+
+def test_demo_without_endpoint_writes_otlp_json_files(tmp_path):
+    out = run_demo(tmp_path, {})
+    [folder] = glob.glob(str(tmp_path / "commdebug-otel-out" / "demo-*"))
+    assert f"writing OTLP-JSON lines to {folder}" in out
+    assert sorted(os.listdir(folder)) == ["metrics-rank0.jsonl", "metrics-rank1.jsonl",
+                                          "traces-rank0.jsonl", "traces-rank1.jsonl"]
+    spans = []
+    for rank in (0, 1):
+        with open(os.path.join(folder, f"traces-rank{rank}.jsonl")) as handle:
+            for line in handle:
+                spans.extend(spans_from_otlp_json(line))
+    check_demo_spans(spans)
