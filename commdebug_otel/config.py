@@ -124,17 +124,17 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("enabled", "ENABLED", _parse_bool, False, "true | false",
+    Option("enabled", "ENABLED", _parse_bool, False, "true or false",
            "Start tracing in every Python process that imports torch (through the "
            "sitecustomize hook of `commdebug-otel run`), no wrapper needed."),
     Option("detail", "DETAIL", _parse_detail, Detail.COLLECTIVES,
-           "collectives | dtensor | ops | all",
+           "collectives, dtensor, ops or all",
            "Which ops become span events, as CommDebugMode's noise levels 0-3."),
     Option("trace_every", "TRACE_EVERY", _parse_positive_int, 1, "an integer >= 1",
            "Trace one optimizer step in N (step % N == 0); metrics cover every step."),
-    Option("ranks", "RANKS", _parse_ranks, None, "all | a comma list of ranks like 0,3",
+    Option("ranks", "RANKS", _parse_ranks, None, "all, or a comma list of ranks like 0,3",
            "Ranks that export spans; metrics come from every rank."),
-    Option("trace_scope", "TRACE_SCOPE", _parse_scope, TraceScope.JOB, "job | rank",
+    Option("trace_scope", "TRACE_SCOPE", _parse_scope, TraceScope.JOB, "job or rank",
            "job: step N of every rank shares one trace id; rank: one trace per rank per step."),
     Option("output_dir", "OUTPUT_DIR", _parse_dir, "./commdebug-otel-out", "a directory path",
            "Where the embedded default writes OTLP-JSON lines when no exporter is configured."),
@@ -231,8 +231,20 @@ def _checked(field: str, parse: Callable[[str], Any], text: str) -> Any:
 def _describe(value: Any) -> str:
     if isinstance(value, enum.Enum):
         return str(value.name.lower() if isinstance(value, Detail) else value.value)
+    if isinstance(value, bool):
+        return str(value).lower()
     if value is None:
         return "all"
     if value == ():
         return "(none)"
-    return repr(value)
+    return str(value)
+
+
+def markdown_table() -> str:
+    """The configuration reference table of ``docs/configuration.md``, generated from ``OPTIONS``."""
+    lines = ["| variable | `commdebug-otel run` flag | accepted values | default | meaning |",
+             "|---|---|---|---|---|"]
+    for option in OPTIONS:
+        lines.append(f"| `{option.env}` | `{option.flag}` | {option.accepted} | "
+                     f"`{_describe(option.default)}` | {option.help} |")
+    return "\n".join(lines) + "\n"

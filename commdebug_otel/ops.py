@@ -175,15 +175,21 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
-def payload_facts(spec: CollectiveSpec, args: tuple) -> tuple[int, str, list[int]]:
-    """Return ``(bytes, dtype, shape)`` of a collective's input payload on this rank.
+def _is_fake(tensor: torch.Tensor) -> bool:
+    """FakeTensorMode or meta-device tensors: traced shapes, no real traffic."""
+    return tensor.is_meta or type(tensor).__name__ == "FakeTensor"
+
+
+def payload_facts(spec: CollectiveSpec, args: tuple) -> tuple[int, str, list[int], bool]:
+    """Return ``(bytes, dtype, shape, fake)`` of a collective's input payload on this rank.
 
     ``bytes`` sums ``numel * element_size`` over every input tensor (a list
     input counts all its tensors); ``shape`` is the first tensor's shape.
-    A barrier's placeholder tensor counts as 0 bytes.
+    A barrier's placeholder tensor counts as 0 bytes. ``fake`` is True for
+    FakeTensor or meta-device payloads (no real traffic).
     """
     if spec.payload_index < 0 or spec.payload_index >= len(args):
-        return 0, "", []
+        return 0, "", [], False
     first: torch.Tensor | None = None
     total = 0
     for tensor in _tensors(args[spec.payload_index]):
@@ -191,9 +197,9 @@ def payload_facts(spec: CollectiveSpec, args: tuple) -> tuple[int, str, list[int
             first = tensor
         total += tensor.numel() * tensor.element_size()
     if first is None:
-        return 0, "", []
+        return 0, "", [], False
     dtype = str(first.dtype).removeprefix("torch.")
-    return (0 if spec.barrier else total), dtype, [int(size) for size in first.shape]
+    return (0 if spec.barrier else total), dtype, [int(size) for size in first.shape], _is_fake(first)
 
 
 def _reduce_op_names() -> dict[int, str]:

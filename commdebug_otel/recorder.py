@@ -155,6 +155,16 @@ class Recorder:
                             "training is unaffected", where, type(error).__name__, error,
                             exc_info=error)
 
+    def unobserved(self, what: str) -> None:
+        """Something ran that we cannot see into (e.g. a ``torch.compile`` region): say it once, mark the step."""
+        if what not in self._failed:
+            self._failed.add(what)
+            _logger.warning("commdebug-otel: modules inside %s regions are not observed; their "
+                            "collectives are booked to the enclosing span (docs/troubleshooting.md)", what)
+        step = self._step
+        if step is not None:
+            step.root.attrs[semconv.SPAN_UNOBSERVED] = what
+
     def recording(self) -> bool:
         """True when module records are kept: a traced step, or module labels on metrics."""
         step = self._step
@@ -408,7 +418,7 @@ class Recorder:
         group = self._groups.resolve(spec, args)
         seq = self._seq.get(group.name, 0)
         self._seq[group.name] = seq + 1
-        nbytes, dtype, shape = payload_facts(spec, args)
+        nbytes, dtype, shape, fake = payload_facts(spec, args)
         owner, step = self._owner()
         if owner is not None and owner.kind == _KIND_MODULE:
             pass_ = owner.pass_
@@ -416,7 +426,7 @@ class Recorder:
             pass_ = semconv.PASS_RECOMPUTE if self._depth else semconv.PASS_BACKWARD
         else:  # untraced steps keep no records, only the module depth
             pass_ = semconv.PASS_FORWARD if self._depth else PASS_NONE
-        if self._metrics is not None:
+        if self._metrics is not None and not fake:  # fake/meta tensors move no bytes
             fqn = owner.fqn if owner is not None else ""
             self._metrics.collective(spec.op, pass_, group, self.rank().rank, nbytes,
                                      duration_ns / 1e9, fqn)
@@ -443,6 +453,8 @@ class Recorder:
         }
         if group.dim_name:
             attrs[semconv.DEVICE_MESH_DIM_NAME] = group.dim_name
+        if fake:
+            attrs[semconv.COLLECTIVE_FAKE] = True
         if spec.reduce_index >= 0 and spec.reduce_index < len(args):
             attrs[semconv.COLLECTIVE_REDUCE_OP] = reduce_op_name(args[spec.reduce_index])
         if 0 <= spec.peer_index < len(args):

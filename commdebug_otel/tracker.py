@@ -93,7 +93,8 @@ class ModuleTracker:
             return
         try:
             if torch._dynamo.eval_frame._is_in_optimized_module():
-                return  # compiled region: not observable, stated on the step span
+                recorder.unobserved("torch.compile")  # module hooks inside compiled code
+                return
             handle = self._post_handles.get(module)
             hooks = module._forward_hooks
             if handle is None:

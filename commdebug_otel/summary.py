@@ -1,0 +1,575 @@
+"""``commdebug-otel summarize``: offline views of OTLP-JSON trace files.
+
+Reads the files that the embedded default writes (``traces-rank*.jsonl``) or
+that an OpenTelemetry Collector's ``file`` exporter writes (one
+``ExportTraceServiceRequest`` JSON object per line), from any mix of files and
+folders, and answers four questions without torch or a live job:
+
+* which module issued which collectives (torch ``CommDebugMode``'s per-module
+  counts, from span parents alone);
+* did every rank issue the same collectives, with how many bytes;
+* which rank reaches collectives last (stragglers);
+* which collectives move the most bytes.
+
+Usage::
+
+    from commdebug_otel import summary
+
+    spans = summary.load_spans(["commdebug-otel-out/demo-20260101-120000"])
+    counts = summary.module_counts(spans, rank=0)
+    # {"Global": {"forward": {"c10d.scatter_": 16, ...}, "backward": {...}}, ...}
+    print(summary.format_report(spans, rank=0))
+
+or ``commdebug-otel summarize PATH... [--rank N] [--top N] [--format text|json]``.
+
+What it does not do: it sees only traced steps (``OTEL_PYTHON_COMMDEBUG_TRACE_EVERY``)
+and traced ranks, and events beyond the per-span cap are counted on the span
+(``commdebug.span.dropped_events``), not listed, so they are missing here too
+(the report says so). Metrics files are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from . import semconv
+from .testing.otlp_receiver import spans_from_otlp_json
+
+__all__ = [
+    "GLOBAL",
+    "add_arguments",
+    "collective_events",
+    "comm_debug_json",
+    "format_report",
+    "format_table",
+    "load_spans",
+    "module_counts",
+    "module_pass_counts",
+    "packet_name",
+    "rank_totals",
+    "run",
+    "stragglers",
+    "top_collectives",
+    "trace_files",
+]
+
+GLOBAL = "Global"
+_FORWARD, _BACKWARD, _RECOMPUTE = semconv.PASS_FORWARD, semconv.PASS_BACKWARD, semconv.PASS_RECOMPUTE
+# torch's NATIVE_TO_PY_MAPPING (CommDebugMode keys native functional collectives by their
+# legacy packet): "namespace" -> ops that map to "c10d_functional.<op>".
+_LEGACY_FUNCTIONAL = {
+    "_c10d_functional": frozenset({
+        "all_gather_into_tensor", "all_gather_into_tensor_coalesced", "all_reduce",
+        "all_reduce_coalesced", "all_to_all_single", "broadcast", "reduce_scatter_tensor",
+        "reduce_scatter_tensor_coalesced"}),
+    "_c10d_functional_autograd": frozenset({"all_to_all_single"}),
+}
+_SUFFIXES = (".jsonl", ".json")
+
+
+# ------------------------------------------------------------------- loading
+
+
+def trace_files(paths: Iterable[str | os.PathLike]) -> list[str]:
+    """The files to read: each file as given, and every ``*.jsonl``/``*.json`` under each folder.
+
+    Raises:
+        FileNotFoundError: a path does not exist.
+    """
+    found: list[str] = []
+    for path in map(os.fspath, paths):
+        if os.path.isdir(path):
+            for folder, dirs, names in os.walk(path):
+                dirs.sort()
+                found.extend(os.path.join(folder, name) for name in sorted(names)
+                             if name.endswith(_SUFFIXES))
+        elif os.path.isfile(path):
+            found.append(path)
+        else:
+            raise FileNotFoundError(f"no such file or folder: {path}")
+    return found
+
+
+def _objects(path: str) -> Iterator[dict]:
+    """JSON objects in a file: one per line, or the whole file as one (pretty-printed) object."""
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    try:
+        objects = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError:
+        try:
+            objects = [json.loads(text)]
+        except json.JSONDecodeError:
+            return  # not JSON: not ours
+    for obj in objects:
+        if isinstance(obj, dict):
+            yield obj
+
+
+def load_spans(paths: Iterable[str | os.PathLike]) -> list[dict[str, Any]]:
+    """Every span in the OTLP-JSON trace files under ``paths`` (files or folders).
+
+    Objects without ``resourceSpans`` (metrics, logs, other JSON) are skipped.
+
+    Returns:
+        span dicts as :func:`commdebug_otel.testing.otlp_receiver.spans_from_otlp_json`
+        makes them (``start_ns``/``end_ns``/event ``time_ns`` in ns since the Unix epoch,
+        ids as lowercase hex), each with ``"rank"`` (int, the resource's
+        ``torch.distributed.rank``, 0 when absent) and ``"file"`` added; sorted by
+        rank, then start time.
+
+    Raises:
+        FileNotFoundError: a path does not exist.
+    """
+    spans: list[dict[str, Any]] = []
+    for path in trace_files(paths):
+        for obj in _objects(path):
+            if "resourceSpans" not in obj:
+                continue
+            for span in spans_from_otlp_json(obj):
+                span["rank"] = int(span["resource"].get(semconv.RANK, 0))
+                span["file"] = path
+                spans.append(span)
+    spans.sort(key=lambda span: (span["rank"], span["start_ns"]))
+    return spans
+
+
+def packet_name(op_name: str) -> str:
+    """CommDebugMode's key for an op: the overload packet, native functional mapped to legacy.
+
+    >>> packet_name("_c10d_functional.all_reduce.default")
+    'c10d_functional.all_reduce'
+    >>> packet_name("c10d._allgather_base_.default")
+    'c10d._allgather_base_'
+    """
+    parts = op_name.split(".")
+    if len(parts) >= 3:
+        parts = parts[:2]
+    if len(parts) == 2 and parts[1] in _LEGACY_FUNCTIONAL.get(parts[0], ()):
+        return f"c10d_functional.{parts[1]}"
+    return ".".join(parts)
+
+
+def _ranks(spans: list[dict]) -> list[int]:
+    return sorted({span["rank"] for span in spans})
+
+
+def _index(spans: list[dict]) -> dict[tuple, dict]:
+    return {(span["rank"], span["trace_id"], span["span_id"]): span for span in spans}
+
+
+def _parent(span: dict, index: dict[tuple, dict]) -> dict | None:
+    if not span["parent_span_id"]:
+        return None
+    return index.get((span["rank"], span["trace_id"], span["parent_span_id"]))
+
+
+def _fqn(span: dict) -> str | None:
+    return span["attributes"].get(semconv.MODULE_FQN)
+
+
+def collective_events(spans: list[dict], rank: int | None = None) -> list[dict[str, Any]]:
+    """Collective events (those with ``torch.collective.op``), oldest first.
+
+    Returns:
+        ``[{"rank", "time_ns", "name", "attributes", "span"}]``; ``span`` is the owning span dict.
+    """
+    out = []
+    for order, span in enumerate(spans):
+        if rank is not None and span["rank"] != rank:
+            continue
+        for number, event in enumerate(span["events"]):
+            if semconv.COLLECTIVE_OP in event["attributes"]:
+                out.append({"rank": span["rank"], "time_ns": event["time_ns"], "name": event["name"],
+                            "attributes": event["attributes"], "span": span,
+                            "_order": (order, number)})
+    out.sort(key=lambda event: (event["time_ns"], event["_order"]))
+    for event in out:
+        del event["_order"]
+    return out
+
+
+# -------------------------------------------------------------- module counts
+
+
+def _event_pass(event: dict) -> str:
+    value = event["attributes"].get(semconv.MODULE_PASS) or event["span"]["attributes"].get(
+        semconv.MODULE_PASS, _FORWARD)
+    return value if value in (_BACKWARD, _RECOMPUTE) else _FORWARD  # "none": set-up, as forward
+
+
+def _module_chain(span: dict, index: dict[tuple, dict]) -> list[str]:
+    """The span's FQN and its ancestor module spans' FQNs (stops at the first non-module span)."""
+    chain = []
+    current: dict | None = span
+    while current is not None and _fqn(current) is not None:
+        chain.append(_fqn(current))
+        current = _parent(current, index)
+    return chain
+
+
+def module_pass_counts(spans: list[dict], rank: int = 0) -> dict[str, dict[str, dict[str, int]]]:
+    """Per-module collective counts on ``rank``, with recompute apart.
+
+    Returns:
+        ``{fqn: {"forward": {packet: n}, "backward": {packet: n}, "recompute": {packet: n}}}``;
+        a collective on a module span counts for that module and every ancestor
+        module span, and always for ``"Global"``; ones on ``train_step`` /
+        ``outside_step`` count for ``"Global"`` only. Set-up collectives (pass
+        ``none``) count as forward, as CommDebugMode does. Keys are in the order
+        modules first issued a collective (``"Global"`` first).
+    """
+    index = _index([span for span in spans if span["rank"] == rank])
+    counts: dict[str, dict[str, dict[str, int]]] = {GLOBAL: _empty(True)}
+    for event in collective_events(spans, rank):
+        packet = packet_name(event["attributes"].get(semconv.OP_NAME, event["name"]))
+        key = _event_pass(event)
+        for fqn in (*_module_chain(event["span"], index), GLOBAL):
+            by_pass = counts.setdefault(fqn, _empty(True))
+            by_pass[key][packet] = by_pass[key].get(packet, 0) + 1
+    return counts
+
+
+def _empty(recompute: bool) -> dict[str, dict[str, int]]:
+    keys = (_FORWARD, _BACKWARD, _RECOMPUTE) if recompute else (_FORWARD, _BACKWARD)
+    return {key: {} for key in keys}
+
+
+def module_counts(spans: list[dict], rank: int = 0) -> dict[str, dict[str, dict[str, int]]]:
+    """``CommDebugMode.comm_module_counts`` for ``rank``, from spans alone, with string keys.
+
+    ``{fqn: {"forward": {packet: n}, "backward": {packet: n}}}``; recompute
+    (activation checkpointing) counts as backward, as torch counts everything
+    that runs during autograd. Packets are torch's, e.g.
+    ``"c10d_functional.all_reduce"`` (see :func:`packet_name`).
+    """
+    out = {}
+    for fqn, by_pass in module_pass_counts(spans, rank).items():
+        backward = dict(by_pass[_BACKWARD])
+        for packet, n in by_pass[_RECOMPUTE].items():
+            backward[packet] = backward.get(packet, 0) + n
+        out[fqn] = {_FORWARD: dict(by_pass[_FORWARD]), _BACKWARD: backward}
+    return out
+
+
+def _module_order(spans: list[dict], rank: int) -> tuple[list[str], dict[str, int], dict[str, str]]:
+    """FQNs in first-forward order, their call depth (Global = 0, root module = 1), their forward parent."""
+    index = _index([span for span in spans if span["rank"] == rank])
+    order: dict[str, int] = {GLOBAL: 0}
+    parents: dict[str, str] = {}
+    module_spans = sorted((span for span in spans if span["rank"] == rank and _fqn(span)),
+                          key=lambda span: (span["attributes"].get(semconv.MODULE_PASS) != _FORWARD,
+                                            span["start_ns"]))
+    for span in module_spans:  # forward spans first: a parent comes before its children
+        fqn = _fqn(span)
+        if span["attributes"].get(semconv.MODULE_PASS) == _FORWARD and fqn not in parents:
+            parent = _parent(span, index)
+            parents[fqn] = _fqn(parent) if parent is not None and _fqn(parent) else GLOBAL
+        if fqn not in order:  # depth in the call tree, as torch's ModTracker counts it
+            order[fqn] = order.get(parents.get(fqn, GLOBAL), 0) + 1
+    return list(order), order, parents
+
+
+def format_table(spans: list[dict], rank: int = 0) -> str:
+    """CommDebugMode's tracing table (``generate_comm_debug_tracing_table(0)``) for ``rank``.
+
+    Same layout and counts (including submodules), without colours, listing
+    only modules that issued collectives, and with recompute collectives under
+    ``ACTIVATION CHECKPOINTING`` instead of inside ``BACKWARD PASS``.
+    """
+    counts = module_pass_counts(spans, rank)
+    fqns, depth, _ = _module_order(spans, rank)
+    lines = []
+    for fqn in fqns + [fqn for fqn in counts if fqn not in depth]:
+        by_pass = counts.get(fqn)
+        if by_pass is None or not any(by_pass.values()):
+            continue
+        indent = "  " * (2 * depth.get(fqn, 1))
+        lines.append(f"{indent}{fqn}")
+        for key, title in ((_FORWARD, "FORWARD PASS"), (_BACKWARD, "BACKWARD PASS"),
+                           (_RECOMPUTE, "ACTIVATION CHECKPOINTING")):
+            if by_pass[key]:
+                lines.append(f"{indent}  {title}")
+                lines.extend(f"{indent}    *{packet}: {n}" for packet, n in by_pass[key].items())
+    return "\n".join(lines)
+
+
+def comm_debug_json(spans: list[dict], rank: int = 0) -> dict[str, Any]:
+    """CommDebugMode's ``generate_json_dump`` tree for ``rank``, as a dict.
+
+    Each node: ``fqn``, ``module_type`` (``"class 'pkg.Class'"``, as torch
+    writes it), ``parameters`` (``[name, placements]`` for DTensor
+    parameters), ``children`` (nodes, in forward order; a module called several
+    times is listed once, unlike torch), ``collectives_forward`` /
+    ``collectives_backward`` (``[packet, count]``, including submodules),
+    ``operations_forward`` / ``operations_backward`` /
+    ``operations_checkpointing`` (op events of that module only, present at
+    detail ``dtensor`` and above: ``name``, ``input_shape``,
+    ``input_sharding``, ``device_mesh``, ``is_bw``,
+    ``is_activation_checkpointing``).
+    """
+    rank_spans = [span for span in spans if span["rank"] == rank]
+    counts = module_counts(rank_spans, rank)
+    fqns, _, parents = _module_order(rank_spans, rank)
+    children: dict[str, list[str]] = defaultdict(list)
+    for fqn in fqns[1:]:
+        children[parents.get(fqn, GLOBAL)].append(fqn)
+    module_type: dict[str, str] = {}
+    parameters: dict[str, list[list[str]]] = {}
+    operations: dict[str, list[dict]] = defaultdict(list)
+    for span in rank_spans:
+        fqn = _fqn(span) or GLOBAL
+        attrs = span["attributes"]
+        if semconv.MODULE_TYPE in attrs:
+            module_type.setdefault(fqn, f"class '{attrs[semconv.MODULE_TYPE]}'")
+        if semconv.MODULE_PARAMETERS in attrs and fqn not in parameters:
+            parameters[fqn] = [p for p in map(_parameter_placement, attrs[semconv.MODULE_PARAMETERS]) if p]
+        for event in span["events"]:
+            if semconv.COLLECTIVE_OP not in event["attributes"]:
+                operations[fqn].append(_operation(event, attrs.get(semconv.MODULE_PASS)))
+
+    def node(fqn: str) -> dict[str, Any]:
+        ops = operations.get(fqn, [])
+        by_pass = counts.get(fqn, _empty(False))
+        return {
+            "fqn": fqn,
+            "module_type": module_type.get(fqn, ""),
+            "parameters": parameters.get(fqn, []),
+            "children": [node(child) for child in children.get(fqn, [])],
+            "collectives_forward": [[packet, n] for packet, n in by_pass[_FORWARD].items()],
+            "collectives_backward": [[packet, n] for packet, n in by_pass[_BACKWARD].items()],
+            "operations_forward": [op for op in ops if not op["is_bw"]],
+            "operations_backward": [op for op in ops if op["is_bw"] and not op["is_activation_checkpointing"]],
+            "operations_checkpointing": [op for op in ops if op["is_activation_checkpointing"]],
+        }
+
+    return node(GLOBAL)
+
+
+def _parameter_placement(text: str) -> list[str] | None:
+    """``"weight [64, 64] (Shard(dim=0),)"`` -> ``["weight", "(Shard(dim=0),)"]``; None if not a DTensor."""
+    name, _, rest = text.partition(" ")
+    _, _, placements = rest.partition("] ")
+    return [name, placements] if placements else None
+
+
+def _operation(event: dict, span_pass: str | None) -> dict[str, Any]:
+    attrs = event["attributes"]
+    pass_ = attrs.get(semconv.MODULE_PASS, span_pass)
+    return {
+        "name": attrs.get(semconv.OP_NAME, event["name"]),
+        "input_shape": list(attrs.get(semconv.DTENSOR_INPUT_SHAPES, [])),
+        "input_sharding": list(attrs.get(semconv.DTENSOR_INPUT_PLACEMENTS, [])),
+        "device_mesh": attrs.get(semconv.DEVICE_MESH, ""),
+        "is_bw": pass_ in (_BACKWARD, _RECOMPUTE),
+        "is_activation_checkpointing": pass_ == _RECOMPUTE,
+    }
+
+
+# ---------------------------------------------------------------- across ranks
+
+
+def rank_totals(spans: list[dict]) -> dict[int, dict[str, Any]]:
+    """Per rank: ``{"events": n, "bytes": total payload bytes, "by_op": {op: n}, "odd": bool}``.
+
+    ``odd`` marks a rank whose per-op counts differ from the most common ones.
+    """
+    totals: dict[int, dict[str, Any]] = {
+        rank: {"events": 0, "bytes": 0, "by_op": Counter()} for rank in _ranks(spans)}
+    for event in collective_events(spans):
+        total = totals[event["rank"]]
+        total["events"] += 1
+        total["bytes"] += int(event["attributes"].get(semconv.COLLECTIVE_BYTES, 0))
+        total["by_op"][event["name"]] += 1
+    shapes = Counter(tuple(sorted(total["by_op"].items())) for total in totals.values())
+    usual = shapes.most_common(1)[0][0] if shapes else ()
+    for total in totals.values():
+        total["by_op"] = dict(total["by_op"])
+        total["odd"] = len(shapes) > 1 and tuple(sorted(total["by_op"].items())) != usual
+    return totals
+
+
+def stragglers(spans: list[dict]) -> dict[str, Any]:
+    """Match each collective across ranks by (process group name, seq) and measure lateness.
+
+    A rank's lateness in a match is its event time minus the earliest rank's
+    (ns). A match is complete when as many ranks as the group's size took part.
+
+    Returns:
+        ``{"matched": complete matches, "incomplete": other matches,
+        "per_rank": {rank: {"matched": complete matches it took part in,
+        "mean_late_ms", "max_late_ms", "last": matches where it was the latest (ties count for all)}},
+        "most_often_last": rank or None}``. Matches of one-rank groups are
+        complete but have no latest rank.
+
+    The times are each host's wall clock when the CPU issued the collective,
+    not when the device ran it; across hosts, clock skew adds to lateness.
+    """
+    matches: dict[tuple[str, int], dict[int, int]] = defaultdict(dict)
+    sizes: dict[tuple[str, int], int] = {}
+    for event in collective_events(spans):
+        attrs = event["attributes"]
+        if semconv.COLLECTIVE_SEQ not in attrs:
+            continue
+        key = (str(attrs.get(semconv.PROCESS_GROUP_NAME, "")), int(attrs[semconv.COLLECTIVE_SEQ]))
+        matches[key].setdefault(event["rank"], event["time_ns"])
+        sizes[key] = int(attrs.get(semconv.PROCESS_GROUP_SIZE, 1))
+    late: dict[int, list[int]] = {rank: [] for rank in _ranks(spans)}
+    last: Counter = Counter()
+    complete = 0
+    for key, arrivals in matches.items():
+        if len(arrivals) != sizes[key]:
+            continue
+        complete += 1
+        first, latest = min(arrivals.values()), max(arrivals.values())
+        for rank, time_ns in arrivals.items():
+            late[rank].append(time_ns - first)
+            if len(arrivals) > 1 and time_ns == latest:
+                last[rank] += 1
+    per_rank = {rank: {
+        "matched": len(values),
+        "mean_late_ms": statistics.fmean(values) / 1e6 if values else 0.0,
+        "max_late_ms": max(values) / 1e6 if values else 0.0,
+        "last": last[rank],
+    } for rank, values in late.items()}
+    return {"matched": complete, "incomplete": len(matches) - complete, "per_rank": per_rank,
+            "most_often_last": last.most_common(1)[0][0] if last else None}
+
+
+def top_collectives(spans: list[dict], rank: int = 0, limit: int = 10) -> list[dict[str, Any]]:
+    """The ``limit`` (op, owning span) pairs on ``rank`` that moved the most payload bytes.
+
+    Returns:
+        ``[{"op", "module" (the owning span's name, e.g. "Transformer.output backward"),
+        "bytes" (sum of ``torch.collective.bytes``), "count"}]``, largest first.
+    """
+    totals: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for event in collective_events(spans, rank):
+        total = totals[(event["name"], event["span"]["name"])]
+        total[0] += int(event["attributes"].get(semconv.COLLECTIVE_BYTES, 0))
+        total[1] += 1
+    ranked = sorted(totals.items(), key=lambda item: (-item[1][0], -item[1][1], item[0]))
+    return [{"op": op, "module": module, "bytes": nbytes, "count": count}
+            for (op, module), (nbytes, count) in ranked[:limit]]
+
+
+# ------------------------------------------------------------------ report
+
+
+def _columns(rows: list[tuple]) -> list[str]:
+    cells = [[str(cell) for cell in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in cells]
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _warnings(spans: list[dict]) -> list[str]:
+    notes = []
+    processes: dict[int, set] = defaultdict(set)
+    dropped: Counter = Counter()
+    for span in spans:
+        resource = span["resource"]
+        processes[span["rank"]].add((resource.get("host.name"), resource.get("process.pid")))
+        dropped[span["rank"]] += int(span["attributes"].get(semconv.SPAN_DROPPED_EVENTS, 0))
+        dropped[span["rank"]] += span.get("dropped_events_count", 0)
+    for rank, seen in sorted(processes.items()):
+        if len(seen) > 1:
+            notes.append(f"warning: rank {rank} has spans from {len(seen)} processes: "
+                         "several runs are mixed; pass one run's folder")
+    for rank, n in sorted(dropped.items()):
+        if n:
+            notes.append(f"warning: rank {rank} dropped {n} events over the per-span cap "
+                         "(OTEL_PYTHON_COMMDEBUG_MAX_EVENTS_PER_SPAN); counts here miss them")
+    return notes
+
+
+def format_report(spans: list[dict], rank: int = 0, top: int = 10) -> str:
+    """The text report of ``commdebug-otel summarize``: module table, per-rank totals, stragglers, top bytes."""
+    ranks = _ranks(spans)
+    files = len({span["file"] for span in spans if "file" in span})
+    out = [f"{len(spans)} spans from {len(ranks)} rank(s) in {files} file(s)", *_warnings(spans), ""]
+    out.append(f"Collectives per module on rank {rank} (CommDebugMode's tracing table; "
+               "counts include submodules; Global = all):")
+    out.append(format_table(spans, rank) or "(no collectives)")
+
+    totals = rank_totals(spans)
+    ops = sorted({op for total in totals.values() for op in total["by_op"]})
+    out += ["", "Collectives per rank:"]
+    rows = [("rank", "events", "bytes", *ops, "")]
+    for r, total in totals.items():
+        rows.append((r, total["events"], _human_bytes(total["bytes"]),
+                     *(total["by_op"].get(op, 0) for op in ops),
+                     "<- differs from the other ranks" if total["odd"] else ""))
+    out += _columns(rows)
+
+    lag = stragglers(spans)
+    out += ["", f"Stragglers: {lag['matched']} collectives matched across ranks by "
+                f"(process group, seq); {lag['incomplete']} seen on fewer ranks than the group size."]
+    rows = [("rank", "matched", "mean late ms", "max late ms", "last")]
+    for r, stats in lag["per_rank"].items():
+        rows.append((r, stats["matched"], f"{stats['mean_late_ms']:.3f}", f"{stats['max_late_ms']:.3f}",
+                     stats["last"]))
+    out += _columns(rows)
+    slowest = lag["most_often_last"]
+    if slowest is not None:
+        out.append(f"Most often last: rank {slowest} "
+                   f"({lag['per_rank'][slowest]['last']} of {lag['per_rank'][slowest]['matched']}).")
+    out.append("Lateness = when a rank's CPU issued the collective minus the earliest rank, by each "
+               "host's wall clock: across hosts, clock skew adds to it.")
+
+    out += ["", f"Top collectives by bytes on rank {rank}:"]
+    biggest = top_collectives(spans, rank, top)
+    rows = [("op", "module", "bytes", "count")]
+    rows += [(c["op"], c["module"], _human_bytes(c["bytes"]), c["count"]) for c in biggest]
+    out += _columns(rows) if biggest else ["(none)"]
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------- CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``summarize``'s arguments to ``parser``."""
+    parser.add_argument("paths", nargs="+", metavar="PATH",
+                        help="OTLP-JSON trace files, or folders to search for *.jsonl / *.json")
+    parser.add_argument("--rank", type=int, default=0,
+                        help="rank for the module table, the JSON tree and top bytes (default 0)")
+    parser.add_argument("--top", type=int, default=10, help="rows of top collectives by bytes (default 10)")
+    parser.add_argument("--format", choices=("text", "json"), default="text",
+                        help="text report, or CommDebugMode's generate_json_dump tree (default text)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the report (or JSON tree) for ``args.paths``. Returns 0, or 1 when there is nothing to show."""
+    try:
+        spans = load_spans(args.paths)
+    except FileNotFoundError as error:
+        print(f"commdebug-otel summarize: {error}", file=sys.stderr)
+        return 1
+    if not spans:
+        print("commdebug-otel summarize: no spans found (expected OTLP-JSON trace files)", file=sys.stderr)
+        return 1
+    ranks = _ranks(spans)
+    if args.rank not in ranks:
+        print(f"commdebug-otel summarize: no spans for rank {args.rank}; ranks present: "
+              f"{', '.join(map(str, ranks))}", file=sys.stderr)
+        return 1
+    if args.format == "json":
+        print(json.dumps(comm_debug_json(spans, args.rank), indent=4))
+    else:
+        print(format_report(spans, args.rank, args.top))
+    return 0
