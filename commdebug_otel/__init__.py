@@ -26,11 +26,37 @@ What it does not do: it never exports tensor values (only names, shapes,
 dtypes, sizes and placements), it does not see inside ``torch.compile``d
 regions, and it sees collectives issued through the PyTorch dispatcher only
 (not DDP's C++ reducer; see docs/troubleshooting.md).
+
+Importing this package imports neither torch nor the OTel SDK: names load on
+first use.
 """
 
-from .compat import CommDebugMode
-from .config import Detail, Settings, TraceScope
-from .instrumentation import CommTracer
+from typing import TYPE_CHECKING, Any
+
 from .version import __version__
 
 __all__ = ["CommDebugMode", "CommTracer", "Detail", "Settings", "TraceScope", "__version__"]
+
+_LAZY = {
+    "CommDebugMode": "compat",
+    "CommTracer": "instrumentation",
+    "Detail": "config",
+    "Settings": "config",
+    "TraceScope": "config",
+}
+
+if TYPE_CHECKING:
+    from .compat import CommDebugMode
+    from .config import Detail, Settings, TraceScope
+    from .instrumentation import CommTracer
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'commdebug_otel' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module_name}", __name__), name)
+    globals()[name] = value
+    return value

@@ -162,7 +162,7 @@ def make_batch(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Deterministic (tokens, targets), int64 [batch, seq], same on every rank.
 
-    The sequence is a noisy "next token = token + 1 mod vocab" pattern so loss drops.
+    Each row counts up from a random start ("next = token + 1 mod vocab"), so loss drops.
     Uses a private generator; global RNG state is untouched.
     """
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)

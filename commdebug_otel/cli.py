@@ -1,12 +1,16 @@
-"""The ``commdebug-otel`` command: ``demo`` (more subcommands in docs/cli.md)."""
+"""The ``commdebug-otel`` command: ``demo``, ``run``, ``summarize``, ``perfetto``."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
-from .config import Detail
+from .config import OPTIONS, Detail
+
+# Short jobs must export metrics before they end (OTel's default interval is 60 s).
+RUN_METRIC_EXPORT_INTERVAL_MS = "5000"
 
 
 def _positive(text: str) -> int:
@@ -16,28 +20,88 @@ def _positive(text: str) -> int:
     return value
 
 
+def _add_run(commands: argparse._SubParsersAction) -> None:
+    run = commands.add_parser(
+        "run", help="run a command with tracing on in every Python process it starts",
+        description="Like opentelemetry-instrument: runs CMD with OTEL_PYTHON_COMMDEBUG_ENABLED=true "
+                    "and our start-up hook on PYTHONPATH. Each option sets the environment variable "
+                    "named in its help.")
+    for option in OPTIONS:
+        if option.field == "enabled":
+            continue
+        run.add_argument(option.flag, dest=option.field, metavar="VALUE",
+                         help=f"{option.help} Sets {option.env} ({option.accepted}).".replace("%", "%%"))
+    run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="commdebug-otel",
         description="PyTorch collectives and module passes as OpenTelemetry spans, events and metrics.")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command_name", required=True)
     demo = commands.add_parser("demo", help="run a traced multi-rank training job on CPU (gloo)")
     demo.add_argument("--ranks", type=_positive, default=2,
                       help="processes; 2 = tensor parallel, 4 = FSDP2 + TP on a 2-D mesh (default 2)")
     demo.add_argument("--steps", type=_positive, default=5, help="optimizer steps (default 5)")
     demo.add_argument("--detail", choices=[level.label for level in Detail], default="collectives",
                       help="what becomes a span event (default collectives)")
+    _add_run(commands)
+    for name, module_name, help_text in (
+            ("summarize", "summary", "per-module collective tables, rank totals and stragglers from OTLP-JSON files"),
+            ("perfetto", "perfetto", "convert OTLP-JSON files to a Chrome/Perfetto trace")):
+        module = _optional_module(module_name)
+        if module is not None:
+            sub = commands.add_parser(name, help=help_text)
+            module.add_arguments(sub)
+            sub.set_defaults(handler=module.run)
     return parser
+
+
+def _optional_module(name: str):
+    import importlib
+
+    try:
+        return importlib.import_module(f"commdebug_otel.{name}")
+    except ImportError:
+        return None
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Exec ``args.command`` with the settings as environment variables and tracing enabled."""
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        print("commdebug-otel run: give a command after --, e.g. commdebug-otel run -- torchrun train.py",
+              file=sys.stderr)
+        return 2
+    env = dict(os.environ)
+    for option in OPTIONS:
+        value = getattr(args, option.field, None)
+        if value is not None:
+            env[option.env] = value
+    env["OTEL_PYTHON_COMMDEBUG_ENABLED"] = "true"
+    env.setdefault("OTEL_METRIC_EXPORT_INTERVAL", RUN_METRIC_EXPORT_INTERVAL_MS)
+    bootstrap = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (bootstrap, env.get("PYTHONPATH", "")) if p)
+    try:
+        os.execvpe(command[0], command, env)
+    except OSError as error:
+        print(f"commdebug-otel run: cannot run {command[0]!r}: {error}", file=sys.stderr)
+        return 127
+    return 0  # not reached
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     args = build_parser().parse_args(argv)
-    if args.command == "demo":
+    if args.command_name == "demo":
         from .demo import run_demo
 
         return run_demo(ranks=args.ranks, steps=args.steps, detail=args.detail)
-    return 2
+    if args.command_name == "run":
+        return run_command(args)
+    return args.handler(args)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,10 @@ _ATTR_MAX_CHARS = 1024
 # Before any optimizer.step() is seen, a step ends at the top-level forward after
 # this many completed backward passes (scripts that never step an optimizer).
 NO_OPTIMIZER_CYCLES = 8
-PASS_NONE = "none"  # a collective outside any module pass (set-up, optimizer, logging)  # bound on any string attribute we build
+PASS_NONE = "none"
+# Raised by torch.utils.checkpoint to stop a recompute early: control flow, not a failure.
+_CONTROL_FLOW_ERRORS = frozenset({"_StopRecomputationError"})
+PASS_NONE_ALIAS = None  # a collective outside any module pass (set-up, optimizer, logging)  # bound on any string attribute we build
 
 
 def _graph_task_id() -> int:
@@ -304,7 +307,7 @@ class Recorder:
                     break
                 top.unmatched = True  # a pre-hook whose post-hook never came
             error = sys.exc_info()[1]
-            if error is not None:
+            if error is not None and type(error).__name__ not in _CONTROL_FLOW_ERRORS:
                 record.error = error
         if (not self._fwd_stack and self._depth == 0 and not self._seen_optimizer
                 and self._step is not None and _graph_task_id() == -1

@@ -346,7 +346,8 @@ def comm_debug_json(spans: list[dict], rank: int = 0) -> dict[str, Any]:
             "collectives_forward": [[packet, n] for packet, n in by_pass[_FORWARD].items()],
             "collectives_backward": [[packet, n] for packet, n in by_pass[_BACKWARD].items()],
             "operations_forward": [op for op in ops if not op["is_bw"]],
-            "operations_backward": [op for op in ops if op["is_bw"] and not op["is_activation_checkpointing"]],
+            "operations_backward": [op for op in ops
+                                    if op["is_bw"] and not op["is_activation_checkpointing"]],
             "operations_checkpointing": [op for op in ops if op["is_activation_checkpointing"]],
         }
 
@@ -498,7 +499,7 @@ def _warnings(spans: list[dict]) -> list[str]:
 
 
 def format_report(spans: list[dict], rank: int = 0, top: int = 10) -> str:
-    """The text report of ``commdebug-otel summarize``: module table, per-rank totals, stragglers, top bytes."""
+    """``commdebug-otel summarize``'s text: module table, per-rank totals, stragglers, top bytes."""
     ranks = _ranks(spans)
     files = len({span["file"] for span in spans if "file" in span})
     out = [f"{len(spans)} spans from {len(ranks)} rank(s) in {files} file(s)", *_warnings(spans), ""]

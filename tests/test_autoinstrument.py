@@ -1,0 +1,147 @@
+"""Unmodified scripts traced from the environment: torchrun, `commdebug-otel run`, opentelemetry-instrument, spawn."""
+
+import collections
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from commdebug_otel import semconv
+from commdebug_otel.testing.otlp_receiver import OtlpReceiver
+from distributed import free_port
+
+SCRIPT = str(pathlib.Path(__file__).parent / "scripts" / "train.py")
+BIN = pathlib.Path(sys.executable).parent
+# Per traced TP step and rank (2 ranks): forward all_reduce x5 + all_gather x1, backward all_reduce x11.
+TP_EVENTS_PER_STEP = 17
+
+
+@pytest.fixture
+def receiver():
+    with OtlpReceiver() as rx:
+        yield rx
+
+
+def launch(command, receiver, tmp_path, **env_extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "PYTHONPATH"))}
+    env.update(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint, OTEL_SERVICE_NAME="train")
+    env.update(env_extra)
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return result
+
+
+def torchrun(nproc=2, steps=2, *extra):
+    return [str(BIN / "torchrun"), "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+            "--master-port", str(free_port()), *extra, SCRIPT, str(steps)]
+
+
+def steps_by_rank(spans):
+    """{step: {rank: collective events in that rank's step trace}} and {step: trace ids}."""
+    by_trace = collections.defaultdict(list)
+    for span in spans:
+        by_trace[span["trace_id"]].append(span)
+    events, trace_ids = {}, collections.defaultdict(set)
+    for span in spans:
+        if span["name"] == "train_step":
+            step, rank = span["attributes"][semconv.STEP], span["resource"][semconv.RANK]
+            trace_ids[step].add(span["trace_id"])
+            events.setdefault(step, {})[rank] = sum(
+                1 for s in by_trace[span["trace_id"]] if s["resource"][semconv.RANK] == rank
+                for e in s["events"] if semconv.COLLECTIVE_OP in e["attributes"])
+    return events, trace_ids
+
+
+def check_tp_run(receiver, steps, ranks=(0, 1), events_per_step=TP_EVENTS_PER_STEP):
+    spans = receiver.spans()
+    events, trace_ids = steps_by_rank(spans)
+    assert sorted(events) == list(steps)
+    for step in steps:
+        assert events[step] == {rank: events_per_step for rank in ranks}
+        assert len(trace_ids[step]) == 1  # one trace per step, holding every rank's step span
+    assert len({span["resource"]["process.pid"] for span in spans}) == len(ranks)  # launcher exports nothing
+    return spans
+
+
+def test_environment_variables_alone_trace_torchrun_workers(receiver, tmp_path):
+    launch(torchrun(steps=12), receiver, tmp_path, OTEL_PYTHON_COMMDEBUG_ENABLED="true",
+           OTEL_PYTHON_COMMDEBUG_TRACE_EVERY="10")
+    check_tp_run(receiver, steps=[0, 10])
+
+
+def test_commdebug_otel_run_wrapper(receiver, tmp_path):
+    launch([str(BIN / "commdebug-otel"), "run", "--trace-every", "1", "--", *torchrun(steps=2)],
+           receiver, tmp_path)
+    check_tp_run(receiver, steps=[0, 1])
+    operations = [p for p in receiver.metrics() if p["name"] == semconv.METRIC_OPERATIONS]
+    assert {p["resource"][semconv.RANK] for p in operations} == {0, 1}
+
+
+def test_opentelemetry_instrument(receiver, tmp_path):
+    launch([str(BIN / "opentelemetry-instrument"), *torchrun(steps=2)], receiver, tmp_path)
+    check_tp_run(receiver, steps=[0, 1])
+
+
+def test_disabled_instrumentations_turns_it_off(receiver, tmp_path):
+    launch([str(BIN / "opentelemetry-instrument"), *torchrun(steps=1)], receiver, tmp_path,
+           OTEL_PYTHON_DISABLED_INSTRUMENTATIONS="commdebug")
+    assert receiver.spans() == []
+
+
+def test_two_nodes_fsdp2_and_tp(receiver, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "PYTHONPATH"))}
+    env.update(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint, OTEL_PYTHON_COMMDEBUG_ENABLED="true")
+    port = free_port()
+    nodes = [subprocess.Popen([str(BIN / "torchrun"), "--nnodes", "2", "--node-rank", str(node),
+                               "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+                               str(port), SCRIPT, "2"], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for node in (0, 1)]
+    for node in nodes:
+        output, _ = node.communicate(timeout=300)
+        assert node.returncode == 0, output[-5000:]
+    spans = receiver.spans()
+    events, trace_ids = steps_by_rank(spans)
+    assert sorted(events) == [0, 1]
+    for step in (0, 1):
+        assert sorted(events[step]) == [0, 1, 2, 3]
+        assert len(set(events[step].values())) == 1  # every rank issued the same collectives
+        assert len(trace_ids[step]) == 1
+    node_ranks = {(s["resource"][semconv.RANK], s["resource"][semconv.NODE_RANK]) for s in spans}
+    assert node_ranks == {(0, 0), (1, 0), (2, 1), (3, 1)}
+    ops = {e["name"] for s in spans for e in s["events"]}
+    assert {"all_gather", "reduce_scatter", "all_reduce"} <= ops
+
+
+def test_spawn_children_export_their_own_spans(receiver, tmp_path):
+    launch([sys.executable, SCRIPT, "2", "--spawn", "2"], receiver, tmp_path,
+           OTEL_PYTHON_COMMDEBUG_ENABLED="true")
+    check_tp_run(receiver, steps=[0, 1])
+
+
+def test_instrumentor_api_is_idempotent_and_uninstrument_removes_everything(caplog):
+    import torch
+
+    from commdebug_otel.instrumentor import CommDebugInstrumentor, current
+    from commdebug_otel.testing import InMemoryTelemetry
+
+    telemetry = InMemoryTelemetry()
+    instrumentor = CommDebugInstrumentor()
+    instrumentor.instrument(tracer_provider=telemetry.tracer_provider,
+                            meter_provider=telemetry.meter_provider)
+    instrumentor.instrument()  # BaseInstrumentor warns and does nothing
+    tracer = current()
+    model = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        model(torch.ones(1, 2))
+    instrumentor.uninstrument()
+    instrumentor.uninstrument()
+    assert current() is None and not tracer.started
+    assert [s.name for s in telemetry.spans()] == ["Linear forward"]
+    with torch.no_grad():
+        model(torch.ones(1, 2))
+    assert len(telemetry.spans()) == 1
+    assert not model._forward_hooks
