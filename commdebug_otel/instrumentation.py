@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 from typing import Any
 
@@ -66,11 +67,13 @@ class CommTracer:
         else:
             self.telemetry = Telemetry(self.settings, self._rank, tracer_provider, meter_provider)
         metrics = LazyCollectiveMetrics(self.telemetry.meter, self.settings.metric_module_depth)
+        self.telemetry.count_dropped = metrics.dropped
         self.recorder = Recorder(self.settings, self.telemetry.emit, metrics)
         self._tracker = ModuleTracker(self.recorder)
         self._mode: CollectiveDispatchMode | None = None
         self._optimizer_handle = None
         self._started = False
+        self._fork_hook = False
 
     def _rank(self) -> Any:
         return self.recorder.rank()
@@ -92,7 +95,27 @@ class CommTracer:
         self._optimizer_handle = register_optimizer_step_post_hook(
             self._optimizer_step_post_hook)
         atexit.register(self.stop)
+        if not self._fork_hook:
+            self._fork_hook = True
+            os.register_at_fork(after_in_child=self._after_fork_in_child)
         return self
+
+    def _after_fork_in_child(self) -> None:
+        """Forked children export their own spans: fresh state, and a flush before ``os._exit``.
+
+        multiprocessing's fork children end with ``os._exit`` (no atexit), after
+        running ``multiprocessing.util`` finalizers that have an exit priority.
+        """
+        if not self._started:
+            return
+        try:
+            self.recorder.reset_after_fork()
+            self.telemetry.reset_after_fork()
+            import multiprocessing.util
+
+            multiprocessing.util.Finalize(None, self.stop, exitpriority=100)
+        except Exception as error:
+            self.recorder.hook_failed("fork handler", error)
 
     def _optimizer_step_post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
@@ -116,10 +139,7 @@ class CommTracer:
             self._optimizer_handle = None
         self._exit_mode()
         self._tracker.remove()
-        try:
-            self.telemetry.force_flush()
-        except Exception as error:
-            _logger.warning("commdebug-otel: flush failed: %s", error)
+        self.telemetry.force_flush()  # bounded by the shutdown timeout; never raises
 
     def _exit_mode(self) -> None:
         mode, self._mode = self._mode, None

@@ -95,5 +95,9 @@ class LazyCollectiveMetrics:
     def collective(self, *args: Any) -> None:
         self._get().collective(*args)
 
+    def reset(self) -> None:
+        """Forget the instruments (a forked child gets its own meter)."""
+        self._metrics = None
+
     def dropped(self, kind: str, count: int) -> None:
         self._get().dropped(kind, count)

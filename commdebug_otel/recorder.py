@@ -137,6 +137,19 @@ class Recorder:
         self.module_sinks: list[Callable[[torch.nn.Module, str], None]] = []
         self.active = True
 
+    def reset_after_fork(self) -> None:
+        """A forked child starts with no open spans and learns its own rank."""
+        self._step = self._outside = None
+        self._fwd_stack = []
+        self._open_bw = []
+        self._depth = 0
+        self._bw_callback_task = -1
+        self._call_counts = {}
+        self._rank = None
+        self.why_func = None
+        if hasattr(self._metrics, "reset"):
+            self._metrics.reset()
+
     # ----------------------------------------------------------------- helpers
     def rank(self) -> RankInfo:
         if self._rank is None or not self._rank.distributed:

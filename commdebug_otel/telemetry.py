@@ -36,12 +36,18 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.trace import Status, StatusCode
 
 from . import semconv
 from .config import Settings
+from .export_guard import (
+    CountingBatchSpanProcessor,
+    CountingMetricExporter,
+    SizedSpanExporter,
+    fold_exporter_logs,
+)
 from .steps import RankInfo
 from .version import __version__
 
@@ -52,6 +58,8 @@ _ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT",)
 # Span batches stay well under gRPC receivers' 4 MiB default (about 43 KB per
 # span with 128 collective events): OTEL_BSP_MAX_EXPORT_BATCH_SIZE overrides.
 DEFAULT_EXPORT_BATCH_SPANS = 64
+# Longest string attribute value we export (exception messages and stack traces included).
+MAX_ATTRIBUTE_CHARS = 4096
 
 
 def _truthy(value: str | None) -> bool:
@@ -140,6 +148,8 @@ class Telemetry:
         self._atexit = False
         self._said_where = False
         self.disabled = _truthy(os.environ.get("OTEL_SDK_DISABLED"))
+        # Set by CommTracer to its metrics' drop counter: count_dropped(kind, n).
+        self.count_dropped: Any = lambda kind, count: None
 
     # ------------------------------------------------------------- providers
     def tracer(self) -> otel_trace.Tracer:
@@ -176,12 +186,15 @@ class Telemetry:
         if self.disabled:
             return otel_trace.NoOpTracerProvider()
         rank = self._rank()
-        limits = SpanLimits(max_events=self._settings.max_events_per_span)
+        limits = SpanLimits(max_events=self._settings.max_events_per_span,
+                            max_attribute_length=MAX_ATTRIBUTE_CHARS)
+        # shutdown_on_exit=False: our own atexit shutdown is bounded; the SDK's waits ~10 s per provider.
         provider = TracerProvider(resource=build_resource(rank), span_limits=limits,
-                                  id_generator=StepIdGenerator())
+                                  id_generator=StepIdGenerator(), shutdown_on_exit=False)
         batch = None if os.environ.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE") else DEFAULT_EXPORT_BATCH_SPANS
         for exporter in self._span_exporters(rank):
-            provider.add_span_processor(BatchSpanProcessor(exporter, max_export_batch_size=batch))
+            provider.add_span_processor(CountingBatchSpanProcessor(
+                exporter, self._count, max_export_batch_size=batch))
         self._own_tracer_provider = provider
         self._register_atexit()
         return provider
@@ -197,7 +210,8 @@ class Telemetry:
             reader = _prometheus_reader(rank)
             if reader is not None:
                 readers.append(reader)
-        provider = MeterProvider(resource=build_resource(rank), metric_readers=readers)
+        provider = MeterProvider(resource=build_resource(rank), metric_readers=readers,
+                                 shutdown_on_exit=False)
         self._own_meter_provider = provider
         self._register_atexit()
         return provider
@@ -222,11 +236,14 @@ class Telemetry:
         exporters: list[SpanExporter] = []
         for name in exporter_names("traces"):
             if name == "otlp":
+                fold_exporter_logs()
+                endpoint = otlp_endpoint("traces")
                 if _protocol("traces").startswith("http"):
                     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
                 else:
                     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-                exporters.append(OTLPSpanExporter())
+                exporters.append(SizedSpanExporter(OTLPSpanExporter(endpoint=endpoint), endpoint,
+                                                   self._count))
             elif name == "file":
                 from opentelemetry.exporter.otlp.json.file import FileSpanExporter
 
@@ -244,11 +261,14 @@ class Telemetry:
         exporters: list[Any] = []
         for name in exporter_names("metrics"):
             if name == "otlp":
+                fold_exporter_logs()
+                endpoint = otlp_endpoint("metrics")
                 if _protocol("metrics").startswith("http"):
                     from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
                 else:
                     from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
-                exporters.append(OTLPMetricExporter())
+                exporters.append(CountingMetricExporter(OTLPMetricExporter(endpoint=endpoint), endpoint,
+                                                        self._count))
             elif name == "file":
                 from opentelemetry.exporter.otlp.json.file import FileMetricExporter
 
@@ -294,41 +314,104 @@ class Telemetry:
                 self._finish(child_span, child, children, tracer)
         span.end(end_time=record.end_ns)
 
+    def reset_after_fork(self) -> None:
+        """In a forked child: forget the parent's providers (their rank and pid are the parent's)."""
+        self._tracer = self._meter = self._ids = None
+        self._own_tracer_provider = self._own_meter_provider = None
+        self._lock = threading.Lock()
+
+    def _count(self, kind: str, count: int) -> None:
+        try:
+            self.count_dropped(kind, count)
+        except Exception:  # counting must never break export
+            pass
+
     # -------------------------------------------------------------- shutdown
-    def force_flush(self, timeout_s: float | None = None) -> None:
-        """Export what is buffered now (our own providers only)."""
-        timeout_ms = int((timeout_s or self._settings.shutdown_timeout_s) * 1000)
-        for provider in (self._own_tracer_provider, self._own_meter_provider):
-            if provider is not None:
-                provider.force_flush(timeout_ms)
+    def force_flush(self) -> None:
+        """Export what our own providers buffer, within ``shutdown_timeout_s`` in all."""
+        providers = [p for p in (self._own_tracer_provider, self._own_meter_provider) if p is not None]
+        timeout_ms = int(self._settings.shutdown_timeout_s * 1000)
+        _bounded("flush", [lambda p=p: p.force_flush(timeout_ms) for p in providers],
+                 self._settings.shutdown_timeout_s)
 
     def shutdown(self) -> None:
         """Flush and shut our providers down within ``shutdown_timeout_s``, traces and metrics together.
 
         Runs in a daemon thread joined with the timeout, so an unreachable or
         black-holed collector costs at most that long and never blocks exit.
+        Injected providers are left to their owner.
         """
         providers = [p for p in (self._own_tracer_provider, self._own_meter_provider) if p is not None]
         self._own_tracer_provider = self._own_meter_provider = None
-        if not providers:
-            return
         timeout_s = self._settings.shutdown_timeout_s
+        calls = []
+        for provider in providers:
+            if isinstance(provider, MeterProvider):
+                calls.append(lambda p=provider: p.shutdown(timeout_millis=timeout_s * 1000))
+            else:
+                calls.append(provider.shutdown)
+        _bounded("shutdown", calls, timeout_s)
 
-        def run() -> None:
-            for provider in providers:
-                try:
-                    provider.shutdown(timeout_millis=timeout_s * 1000) if isinstance(
-                        provider, MeterProvider) else provider.shutdown()
-                except Exception as error:  # exporter failures are logged by the SDK too
-                    _logger.warning("commdebug-otel: telemetry shutdown failed: %s", error)
 
-        worker = threading.Thread(target=run, name="commdebug-otel-shutdown", daemon=True)
-        worker.start()
-        worker.join(timeout_s)
-        if worker.is_alive():
-            _logger.warning("commdebug-otel: telemetry flush did not finish within %.1f s "
-                            "(OTEL_PYTHON_COMMDEBUG_SHUTDOWN_TIMEOUT); unsent data is dropped",
-                            timeout_s)
+def _bounded(what: str, calls: list, timeout_s: float) -> None:
+    """Run ``calls`` in order in one daemon thread; wait at most ``timeout_s`` seconds for all of them."""
+    if not calls:
+        return
+
+    def run() -> None:
+        for call in calls:
+            try:
+                call()
+            except Exception as error:  # exporter failures are counted by the guards
+                _logger.debug("commdebug-otel: telemetry %s failed: %s", what, error)
+
+    worker = threading.Thread(target=run, name=f"commdebug-otel-{what}", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        _logger.warning("commdebug-otel: telemetry %s did not finish within %.1f s "
+                        "(OTEL_PYTHON_COMMDEBUG_SHUTDOWN_TIMEOUT); unsent telemetry is dropped",
+                        what, timeout_s)
+
+
+def otlp_endpoint(signal: str) -> str:
+    """The endpoint the OTLP exporter for ``signal`` ("traces" or "metrics") is given.
+
+    Per-signal variables are used verbatim (as the OTel spec says). For HTTP,
+    ``/v1/{signal}`` is appended to the generic endpoint exactly once, even when
+    it already ends in a signal path. A gRPC endpoint without a scheme means TLS
+    in OTel unless ``OTEL_EXPORTER_OTLP_INSECURE=true``: we say so once.
+    """
+    http = _protocol(signal).startswith("http")
+    specific = os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT")
+    variable = f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT" if specific else "OTEL_EXPORTER_OTLP_ENDPOINT"
+    endpoint = (specific or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+                or ("http://localhost:4318" if http else "http://localhost:4317")).strip()
+    if "://" not in endpoint:
+        if http:
+            _warn_endpoint_once(variable, endpoint, "has no scheme; using http://" + endpoint)
+            endpoint = "http://" + endpoint
+        elif not os.environ.get("OTEL_EXPORTER_OTLP_INSECURE") and not os.environ.get(
+                f"OTEL_EXPORTER_OTLP_{signal.upper()}_INSECURE"):
+            _warn_endpoint_once(variable, endpoint,
+                                "has no scheme, so the OTLP gRPC exporter uses TLS; for a plaintext "
+                                f"collector write http://{endpoint} (or set OTEL_EXPORTER_OTLP_INSECURE=true)")
+    if http and not specific:
+        base = endpoint.rstrip("/")
+        for suffix in ("/v1/traces", "/v1/metrics", "/v1/logs"):
+            if base.endswith(suffix):
+                base = base[: -len(suffix)]
+        endpoint = f"{base}/v1/{signal}"
+    return endpoint
+
+
+_endpoint_warnings: set[tuple[str, str]] = set()
+
+
+def _warn_endpoint_once(variable: str, endpoint: str, message: str) -> None:
+    if (variable, endpoint) not in _endpoint_warnings:
+        _endpoint_warnings.add((variable, endpoint))
+        _logger.warning("commdebug-otel: %s=%s %s", variable, endpoint, message)
 
 
 def prometheus_port(rank: RankInfo) -> int:

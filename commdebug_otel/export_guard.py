@@ -1,0 +1,183 @@
+"""Exporter guards: requests sized under receivers' limits, failures counted, one warning per endpoint.
+
+With ``telemetry.py``, the only code that touches the OpenTelemetry SDK.
+
+* ``SizedSpanExporter`` splits each batch so that no OTLP request exceeds
+  ``max_request_bytes`` (default 3.5 MiB, under the 4 MiB default of gRPC
+  receivers: Collector, Jaeger, Tempo). Sizes come from the OTLP protobuf
+  encoder. A single span over the limit is dropped and counted; an oversized
+  batch is never sent to be rejected, retried for ~10 s and lost.
+* Failed exports are counted in ``commdebug.telemetry.dropped`` (``span``,
+  ``metric_export``) and produce exactly one warning naming the endpoint;
+  the SDK exporters' own retry logs are folded into that warning.
+* ``CountingBatchSpanProcessor`` counts spans the SDK drops when its queue
+  is full (the SDK drops silently apart from one log line).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+_logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_REQUEST_BYTES = 3_584 * 1024  # 3.5 MiB: room under gRPC's 4 MiB for request framing
+_EXPORTER_LOGGERS = (
+    "opentelemetry.exporter.otlp.proto.grpc.exporter",
+    "opentelemetry.exporter.otlp.proto.http._common",
+    "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+    "opentelemetry.exporter.otlp.proto.http.metric_exporter",
+)
+
+DropCounter = Callable[[str, int], None]
+
+
+class _ExporterLogFold(logging.Filter):
+    """Keeps the SDK exporters' retry warnings out of the training log; remembers the last one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last_message = ""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.WARNING:
+            self.last_message = record.getMessage()[:300]
+            return False
+        return True
+
+
+_fold = _ExporterLogFold()
+_fold_installed = False
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def fold_exporter_logs() -> None:
+    """Install the log fold on the OTLP exporters' loggers (once per process)."""
+    global _fold_installed
+    if not _fold_installed:
+        _fold_installed = True
+        for name in _EXPORTER_LOGGERS:
+            logging.getLogger(name).addFilter(_fold)
+
+
+def warn_once(endpoint: str, what: str) -> None:
+    """One warning per endpoint for the life of the process."""
+    with _warned_lock:
+        if endpoint in _warned:
+            return
+        _warned.add(endpoint)
+    detail = f" ({_fold.last_message})" if _fold.last_message else ""
+    _logger.warning("commdebug-otel: cannot export %s to %s%s; dropped telemetry is counted in "
+                    "commdebug.telemetry.dropped and training continues", what, endpoint, detail)
+
+
+def _span_bytes(span: ReadableSpan) -> int:
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    return encode_spans([span]).ByteSize()
+
+
+class SizedSpanExporter(SpanExporter):
+    """Wraps a span exporter: byte-sized requests, counted failures, one warning per endpoint.
+
+    Args:
+        inner: the real exporter.
+        endpoint: where it sends, for the warning.
+        count_dropped: ``count_dropped(kind, n)``.
+        max_request_bytes: upper bound on one request's encoded size, in bytes.
+    """
+
+    def __init__(self, inner: SpanExporter, endpoint: str, count_dropped: DropCounter,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+        self._inner = inner
+        self._endpoint = endpoint
+        self._count_dropped = count_dropped
+        self._max_request_bytes = max_request_bytes
+
+    def _chunks(self, spans: Sequence[ReadableSpan]) -> list[list[ReadableSpan]]:
+        chunks: list[list[ReadableSpan]] = [[]]
+        size = 0
+        for span in spans:
+            span_bytes = _span_bytes(span) + 64  # resource/scope framing per span, generously
+            if span_bytes > self._max_request_bytes:
+                self._count_dropped("span", 1)
+                _logger.warning("commdebug-otel: span %r is %d bytes, over the %d-byte request limit; "
+                                "dropped (lower OTEL_PYTHON_COMMDEBUG_MAX_EVENTS_PER_SPAN)",
+                                span.name, span_bytes, self._max_request_bytes)
+                continue
+            if chunks[-1] and size + span_bytes > self._max_request_bytes:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(span)
+            size += span_bytes
+        return [chunk for chunk in chunks if chunk]
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        result = SpanExportResult.SUCCESS
+        for chunk in self._chunks(spans):
+            try:
+                outcome = self._inner.export(chunk)
+            except Exception as error:  # an exporter bug must not kill the export thread
+                _fold.last_message = f"{type(error).__name__}: {error}"
+                outcome = SpanExportResult.FAILURE
+            if outcome is not SpanExportResult.SUCCESS:
+                result = SpanExportResult.FAILURE
+                self._count_dropped("span", len(chunk))
+                warn_once(self._endpoint, "spans")
+        return result
+
+    def shutdown(self) -> None:
+        self._inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self._inner.force_flush(timeout_millis)
+
+
+class CountingMetricExporter(MetricExporter):
+    """Wraps a metric exporter: failed exports are counted and warned about once per endpoint."""
+
+    def __init__(self, inner: MetricExporter, endpoint: str, count_dropped: DropCounter) -> None:
+        super().__init__(preferred_temporality=inner._preferred_temporality,
+                         preferred_aggregation=inner._preferred_aggregation)
+        self._inner = inner
+        self._endpoint = endpoint
+        self._count_dropped = count_dropped
+
+    def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
+        try:
+            outcome = self._inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
+        except Exception as error:
+            _fold.last_message = f"{type(error).__name__}: {error}"
+            outcome = MetricExportResult.FAILURE
+        if outcome is not MetricExportResult.SUCCESS:
+            self._count_dropped("metric_export", 1)
+            warn_once(self._endpoint, "metrics")
+        return outcome
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        return self._inner.force_flush(timeout_millis)
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        self._inner.shutdown(timeout_millis=timeout_millis, **kwargs)
+
+
+class CountingBatchSpanProcessor(BatchSpanProcessor):
+    """A ``BatchSpanProcessor`` that counts the spans it drops when its queue is full."""
+
+    def __init__(self, exporter: SpanExporter, count_dropped: DropCounter, **kwargs: Any) -> None:
+        super().__init__(exporter, **kwargs)
+        self._count_dropped = count_dropped
+
+    def on_end(self, span: ReadableSpan) -> None:
+        batch = getattr(self, "_batch_processor", None)
+        queue = getattr(batch, "_queue", None)
+        if queue is not None and len(queue) >= getattr(batch, "_max_queue_size", 1 << 62):
+            self._count_dropped("span", 1)  # the SDK drops the oldest span to make room
+        super().on_end(span)

@@ -1,0 +1,59 @@
+"""A one-rank gloo job traced by CommTracer from the environment; prints when training is done.
+
+usage: one_rank.py STEPS [--fork]
+"""
+
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from commdebug_otel import CommTracer
+
+
+class AllReduceLinear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        out = self.lin(x)
+        dist.all_reduce(out.detach())
+        return out
+
+
+def train(steps):
+    model = AllReduceLinear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+
+
+def main():
+    steps = int(sys.argv[1])
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    tracer = CommTracer().start()
+    if "--fork" in sys.argv:
+        import multiprocessing
+
+        child = multiprocessing.get_context("fork").Process(target=train, args=(steps,))
+        child.start()
+        child.join()
+        assert child.exitcode == 0
+        print("CHILD PID", child.pid, flush=True)
+    else:
+        train(steps)
+    print(f"TRAINING DONE {time.time():.3f}", flush=True)
+    del tracer  # exit flushes through atexit
+
+
+if __name__ == "__main__":
+    main()
