@@ -66,7 +66,7 @@ class CommTracer:
             self.telemetry = shared_telemetry(self.settings, self._rank)
         else:
             self.telemetry = Telemetry(self.settings, self._rank, tracer_provider, meter_provider)
-        metrics = LazyCollectiveMetrics(self.telemetry.meter, self.settings.metric_module_depth)
+        metrics = LazyCollectiveMetrics(self.telemetry.meter, self.settings.metric_module_depth, self._rank)
         self.telemetry.count_dropped = metrics.dropped
         self.recorder = Recorder(self.settings, self.telemetry.emit, metrics)
         self._tracker = ModuleTracker(self.recorder)
@@ -98,24 +98,30 @@ class CommTracer:
         if not self._fork_hook:
             self._fork_hook = True
             os.register_at_fork(after_in_child=self._after_fork_in_child)
+            import multiprocessing.util
+
+            multiprocessing.util.register_after_fork(self, CommTracer._flush_before_mp_exit)
         return self
 
     def _after_fork_in_child(self) -> None:
-        """Forked children export their own spans: fresh state, and a flush before ``os._exit``.
-
-        multiprocessing's fork children end with ``os._exit`` (no atexit), after
-        running ``multiprocessing.util`` finalizers that have an exit priority.
-        """
+        """Forked children export their own spans: fresh state, providers with their own pid and rank."""
         if not self._started:
             return
         try:
             self.recorder.reset_after_fork()
             self.telemetry.reset_after_fork()
-            import multiprocessing.util
-
-            multiprocessing.util.Finalize(None, self.stop, exitpriority=100)
         except Exception as error:
             self.recorder.hook_failed("fork handler", error)
+
+    def _flush_before_mp_exit(self) -> None:
+        """multiprocessing fork children end in ``os._exit`` (no atexit) after running finalizers.
+
+        Registered through ``register_after_fork``, which runs after the child
+        clears the finalizers it inherited.
+        """
+        import multiprocessing.util
+
+        multiprocessing.util.Finalize(self, CommTracer.stop, args=(self,), exitpriority=100)
 
     def _optimizer_step_post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         try:

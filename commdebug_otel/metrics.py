@@ -74,16 +74,17 @@ class CollectiveMetrics:
         self._io.add(nbytes, labels)
         self._duration.record(duration_s, labels)
 
-    def dropped(self, kind: str, count: int) -> None:
-        """Count ``count`` items of telemetry dropped, by ``kind`` (span, event, hook_error, ...)."""
-        self._dropped.add(count, {semconv.DROPPED_KIND: kind})
+    def dropped(self, kind: str, count: int, rank: int) -> None:
+        """Count ``count`` items of telemetry dropped on ``rank``, by ``kind`` (span, event, hook_error, ...)."""
+        self._dropped.add(count, {semconv.DROPPED_KIND: kind, semconv.RANK: rank})
 
 
 class LazyCollectiveMetrics:
     """Creates :class:`CollectiveMetrics` at the first record, when the rank is known."""
 
-    def __init__(self, meter_factory: Any, module_depth: int) -> None:
+    def __init__(self, meter_factory: Any, module_depth: int, rank: Any = lambda: 0) -> None:
         self._meter_factory = meter_factory
+        self._rank = rank
         self._module_depth = module_depth
         self._metrics: CollectiveMetrics | None = None
 
@@ -100,4 +101,4 @@ class LazyCollectiveMetrics:
         self._metrics = None
 
     def dropped(self, kind: str, count: int) -> None:
-        self._get().dropped(kind, count)
+        self._get().dropped(kind, count, self._rank().rank)

@@ -425,6 +425,20 @@ def prometheus_port(rank: RankInfo) -> int:
     return base + rank.local_rank
 
 
+def _pull_reader_class() -> type:
+    from opentelemetry.exporter.prometheus import PrometheusMetricReader
+
+    class PullReader(PrometheusMetricReader):
+        """Prometheus pulls: a flush has nothing to send. (The exporter's collect()
+        yields every family once per queued batch, so a flush before a scrape
+        would list each sample twice.)"""
+
+        def force_flush(self, timeout_millis: float = 10_000) -> bool:
+            return True
+
+    return PullReader
+
+
 def _prometheus_reader(rank: RankInfo) -> MetricReader | None:
     """A pull endpoint on ``OTEL_EXPORTER_PROMETHEUS_HOST:prometheus_port(rank)`` (needs the ``prometheus`` extra)."""
     try:
@@ -441,7 +455,7 @@ def _prometheus_reader(rank: RankInfo) -> MetricReader | None:
     except OSError as error:
         _logger.warning("commdebug-otel: cannot serve Prometheus metrics on %s:%d (%s)", host, port, error)
         return None
-    return PrometheusMetricReader()
+    return _pull_reader_class()()
 
 
 def _span_attributes(record: Any) -> dict[str, Any]:

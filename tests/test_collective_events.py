@@ -99,7 +99,7 @@ def test_event_cap_counts_overflow_on_span_and_metric(telemetry, tracer_factory,
     span = telemetry.one("Chatty forward")
     assert len(span.events) == 5
     assert span.attributes[semconv.SPAN_DROPPED_EVENTS] == 2
-    assert telemetry.metric_points(semconv.METRIC_DROPPED) == [({semconv.DROPPED_KIND: "event"}, 2)]
+    assert telemetry.metric_points(semconv.METRIC_DROPPED) == [({semconv.DROPPED_KIND: "event", semconv.RANK: 0}, 2)]
     [(labels, count)] = telemetry.metric_points(semconv.METRIC_OPERATIONS)
     assert count == 7  # metrics never drop
 

@@ -161,7 +161,7 @@ def test_failing_hook_is_logged_once_counted_and_training_goes_on(telemetry, tra
             optimizer.step()
     failures = [r for r in caplog.records if "collective event failed" in r.getMessage()]
     assert len(failures) == 1
-    assert telemetry.metric_points(semconv.METRIC_DROPPED) == [({semconv.DROPPED_KIND: "hook_error"}, 3)]
+    assert telemetry.metric_points(semconv.METRIC_DROPPED) == [({semconv.DROPPED_KIND: "hook_error", semconv.RANK: 0}, 3)]
     assert len(telemetry.by_name("train_step")) == 3
 
 

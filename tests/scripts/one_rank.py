@@ -15,18 +15,20 @@ from commdebug_otel import CommTracer
 
 
 class AllReduceLinear(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, collectives=True):
         super().__init__()
         self.lin = torch.nn.Linear(4, 4)
+        self.collectives = collectives
 
     def forward(self, x):
         out = self.lin(x)
-        dist.all_reduce(out.detach())
+        if self.collectives:
+            dist.all_reduce(out.detach())
         return out
 
 
-def train(steps):
-    model = AllReduceLinear()
+def train(steps, collectives=True):
+    model = AllReduceLinear(collectives)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(steps):
         model(torch.randn(2, 4)).sum().backward()
@@ -44,7 +46,8 @@ def main():
     if "--fork" in sys.argv:
         import multiprocessing
 
-        child = multiprocessing.get_context("fork").Process(target=train, args=(steps,))
+        # A process group does not survive fork: the child trains without collectives.
+        child = multiprocessing.get_context("fork").Process(target=train, args=(steps, False))
         child.start()
         child.join()
         assert child.exitcode == 0

@@ -1,0 +1,880 @@
+#!/usr/bin/env python
+"""commdebug-otel overhead benchmark: step time, memory, export rate, black hole, import cost.
+
+Run from the repository root (about 5 minutes; ``--quick`` about 1.5 minutes)::
+
+    python benchmarks/bench.py [--quick] [--installed] [--json results.json]
+
+It measures, on real multi-rank CPU jobs (gloo on 127.0.0.1, ``torch.set_num_threads(1)``)
+training the demo transformer of ``commdebug_otel._demo_model``:
+
+1. step-time ratio to an uninstrumented step for torch's ``CommDebugMode`` and three
+   ``CommTracer`` configurations, interleaved in round-robin blocks so machine drift
+   cancels (tensor parallel on 2 ranks; FSDP2 + TP on 4 ranks unless ``--quick``);
+2. RSS growth of rank 0 over 1000 traced steps exporting OTLP/gRPC to a local receiver;
+3. span events per second delivered to that receiver by an export-heavy run (detail ``all``);
+4. step-time ratio with the collector black-holed (accepts TCP, never answers) vs live;
+5. ``import commdebug_otel`` cost with tracing disabled, and that it installs no hooks.
+
+It prints a results table and a PASS/FAIL line per target (docs/performance.md explains
+every number). ``--profile`` instead runs cProfile on rank 0 of a traced TP job and prints
+the hot spots in ``commdebug_otel``. By default the working tree is measured (the
+repository root goes first on ``sys.path``); ``--installed`` measures the installed package.
+The exit status is 0 even when a target fails (it is a measurement, not a test); 1 if a
+run crashed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parents[1]
+
+# ------------------------------------------------------------------------ targets
+TARGET_TRACED_VS_TORCH = 1 / 3  # our every-step overhead <= 1/3 of CommDebugMode's
+TARGET_ALWAYS_ON = 1.03  # trace_every=100, ratio to uninstrumented
+TARGET_RSS_MB = 5.0  # RSS growth between step 100 and step 1000
+TARGET_BLACKHOLE = 1.05  # black-holed / live step-time ratio
+TARGET_IMPORT_MS = 20.0  # `import commdebug_otel`, disabled
+
+BATCH = 4
+CONFIGS = ("uninstrumented", "torch CommDebugMode", "ours traced (every step)",
+           "ours always-on (1 in 100)", "ours detail=all", "ref: empty TorchDispatchMode")
+BASELINE = CONFIGS[0]
+
+
+# ============================================================== parent-side helpers
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class BlackHole:
+    """A TCP server on 127.0.0.1 that accepts every connection and never reads or answers."""
+
+    def __init__(self) -> None:
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(128)
+        self.port = self._sock.getsockname()[1]
+        self.accepted: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, name="black-hole", daemon=True)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            self.accepted.append(conn)  # held open, never read: the peer waits forever
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> BlackHole:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._sock.close()
+        for conn in self.accepted:
+            conn.close()
+
+
+def counting_receiver():
+    """An ``OtlpReceiver`` that tallies spans and events per ``service.name`` instead of keeping them."""
+    from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+    from commdebug_otel.testing.otlp_receiver import OtlpReceiver
+
+    class CountingReceiver(OtlpReceiver):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tally: dict[str, dict[str, Any]] = {}
+            self._tally_lock = threading.Lock()
+
+        def _record(self, signal, transport, req, size, wire, headers):  # noqa: D401
+            if signal != "traces":
+                return metrics_service_pb2.ExportMetricsServiceResponse()
+            now = time.time()
+            with self._tally_lock:
+                self.requests_total = getattr(self, "requests_total", 0) + 1
+            for rs in req.resource_spans:
+                service = next((kv.value.string_value for kv in rs.resource.attributes
+                                if kv.key == "service.name"), "?")
+                spans = events = 0
+                steps: list[int] = []
+                for ss in rs.scope_spans:
+                    for span in ss.spans:
+                        spans += 1
+                        events += len(span.events)
+                        if span.name == "train_step":
+                            steps.extend(kv.value.int_value for kv in span.attributes
+                                         if kv.key == "torch.step")
+                with self._tally_lock:
+                    entry = self.tally.setdefault(service, {
+                        "spans": 0, "events": 0, "bytes": 0, "requests": 0, "steps": [],
+                        "first_s": now, "last_s": now})
+                    entry["spans"] += spans
+                    entry["events"] += events
+                    entry["steps"].extend(steps)
+                    entry["last_s"] = now
+                    entry["bytes"] += rs.ByteSize()
+                    entry["requests"] += 1
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+        def get(self, service: str) -> dict[str, Any]:
+            with self._tally_lock:
+                return dict(self.tally.get(service, {"spans": 0, "events": 0, "bytes": 0,
+                                                     "requests": 0, "steps": []}))
+
+    return CountingReceiver()
+
+
+def child_env(endpoint: str) -> dict[str, str]:
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+        "OTEL_EXPORTER_OTLP_INSECURE": "true",
+        "OTEL_SERVICE_NAME": "bench",
+    }
+    for name in ("OTEL_PYTHON_COMMDEBUG_ENABLED", "OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER",
+                 "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_SDK_DISABLED"):
+        os.environ.pop(name, None)
+    return env
+
+
+def run_ranks(fn: Callable, world_size: int, env: dict[str, str], **kwargs: Any) -> list[Any]:
+    """Spawn ``world_size`` gloo ranks running ``fn(rank, world_size, **kwargs)``; return their results."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        try:
+            mp.start_processes(_rank_main, args=(world_size, free_port(), out_dir, env, fn, kwargs),
+                               nprocs=world_size, join=True, start_method="spawn")
+        except Exception:
+            for rank in range(world_size):
+                log = Path(out_dir, f"rank{rank}.log")
+                if log.exists():
+                    sys.stderr.write(f"--- rank {rank} log (tail)\n" + log.read_text()[-4000:])
+            raise
+        results = []
+        for rank in range(world_size):
+            status, value = json.loads(Path(out_dir, f"rank{rank}.json").read_text())
+            if status != "ok":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results.append(value)
+        return results
+
+
+# ================================================================ rank-side code
+def _rank_main(rank: int, world_size: int, port: int, out_dir: str, env: dict[str, str],
+               fn: Callable, kwargs: dict[str, Any]) -> None:
+    # Worker stderr (SDK warnings such as "Queue full, dropping span.") goes to a file: it is
+    # still written, as it would be in a job, but does not flood the table.
+    log = open(os.path.join(out_dir, f"rank{rank}.log"), "w")
+    os.dup2(log.fileno(), 2)
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        kwargs["log_path"] = log.name
+        result: Any = ("ok", fn(rank, world_size, **kwargs))
+    except BaseException:
+        result = ("error", traceback.format_exc())
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
+        json.dump(result, handle)
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    finally:
+        sys.stdout.flush()
+        log.flush()
+        # Skip atexit: a tracer whose collector is black-holed would block exit in its flush
+        # (measured separately); every result is on disk already.
+        os._exit(0)
+
+
+class Job:
+    """The demo model, parallelized, with its optimizer and a few fixed batches."""
+
+    def __init__(self, workload: str) -> None:
+        import torch
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from commdebug_otel import _demo_model as dm
+
+        self.dm = dm
+        if workload == "fsdp_tp":
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+            tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
+        else:
+            tp_mesh, dp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), None
+        args = dm.ModelArgs()
+        self.model = dm.parallelize(dm.Transformer(args, seed=0), tp_mesh, dp_mesh)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3, foreach=False)
+        self.batches = [dm.make_batch(args, BATCH, i) for i in range(8)]
+        self.count = 0
+
+    def step(self) -> None:
+        tokens, targets = self.batches[self.count % len(self.batches)]
+        self.count += 1
+        self.dm.train_step(self.model, self.optimizer, tokens, targets)
+
+    def timed_step(self) -> float:
+        """Barrier (invisible to every dispatch mode), then one step timed with perf_counter (s)."""
+        import torch.distributed as dist
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():  # neither CommDebugMode nor ours sees the barrier
+            dist.barrier()
+        start = time.perf_counter()
+        self.step()
+        return time.perf_counter() - start
+
+
+class Block:
+    """Enter/exit one configuration around a block of steps."""
+
+    def __init__(self, enter: Callable[[], Any], exit_: Callable[[Any], None],
+                 per_step: bool = False) -> None:
+        self.enter, self.exit, self.per_step = enter, exit_, per_step
+
+
+def _tracer(settings_kwargs: dict[str, Any], service: str):
+    """A CommTracer with its own Telemetry (distinct output_dir) whose spans carry ``service``.
+
+    The SDK providers start lazily at the first span or metric and read the environment
+    then, so ``service`` (OTEL_SERVICE_NAME) is set around the tracer's first block.
+    """
+    from commdebug_otel import CommTracer, Settings
+
+    tracer = CommTracer(Settings(output_dir=f"bench-{service}", **settings_kwargs))
+    tracer.bench_service = service
+    return tracer
+
+
+def _with_env(env: dict[str, str], fn: Callable[[], Any]) -> Any:
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        return fn()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _tracer_block(tracer, first_env: dict[str, str] | None = None, flush: bool = True) -> Block:
+    state = {"first": True}
+    if not flush:
+        tracer.telemetry.force_flush = lambda *a, **k: None  # see black_hole_worker
+
+    def enter() -> Any:
+        return tracer.start()
+
+    def exit_(_: Any) -> None:
+        tracer.stop()
+
+    block = Block(enter, exit_)
+    block.tracer = tracer
+    block.state = state
+    block.first_env = {"OTEL_SERVICE_NAME": tracer.bench_service, **(first_env or {})}
+    return block
+
+
+def _torch_block() -> Block:
+    """torch's CommDebugMode, a fresh one around every step (entered and left outside the timer).
+
+    torch 2.13's CommDebugMode cannot stay entered across steps: every forward pre-hook adds a
+    module forward hook and only the last handle per FQN is removed, so the second forward in
+    one context pops its parent stack twice and raises ``IndexError``.
+    """
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    def enter() -> Any:
+        mode = CommDebugMode()
+        mode.__enter__()
+        return mode
+
+    return Block(enter, lambda mode: mode.__exit__(None, None, None), per_step=True)
+
+
+def _empty_mode_block() -> Block:
+    """The floor of a dispatch-mode design: a TorchDispatchMode that only redispatches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class EmptyMode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def enter() -> Any:
+        mode = EmptyMode()
+        mode.__enter__()
+        return mode
+
+    return Block(enter, lambda mode: mode.__exit__(None, None, None))
+
+
+def _run_interleaved(job: Job, blocks: dict[str, Block], rounds: int, steps_per_block: int,
+                     warmup_blocks: int) -> dict[str, list[list[float]]]:
+    """Round-robin: each round runs a block of every config (order rotated per round).
+
+    The first step of every block is discarded (hooks re-registered after start()); so are
+    the ``warmup_blocks`` first rounds. Returns ``{config: [[step s, ...] per round]}``.
+    """
+    names = list(blocks)
+    times: dict[str, list[list[float]]] = {name: [] for name in names}
+    for round_index in range(warmup_blocks + rounds):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            block = blocks[name]
+            first_env = getattr(block, "first_env", None)
+            if first_env is not None and block.state["first"]:
+                block.state["first"] = False
+                # The tracer's first block creates its providers: give them their env.
+                first_steps = getattr(block, "first_steps", steps_per_block)
+                _with_env(first_env, lambda: _run_block(job, block, first_steps))
+                continue
+            samples = _run_block(job, block, steps_per_block)
+            if round_index >= warmup_blocks:
+                times[name].append(samples)
+    return times
+
+
+def _run_block(job: Job, block: Block, steps: int) -> list[float]:
+    if block.per_step:
+        samples = []
+        for _ in range(steps):
+            handle = block.enter()
+            try:
+                samples.append(job.timed_step())
+            finally:
+                block.exit(handle)
+        return samples[1:]
+    handle = block.enter()
+    try:
+        samples = [job.timed_step() for _ in range(steps)]
+    finally:
+        block.exit(handle)
+    return samples[1:]
+
+
+def overhead_worker(rank: int, world_size: int, workload: str, rounds: int, steps_per_block: int,
+                    log_path: str) -> dict[str, Any]:
+    from commdebug_otel.config import Detail
+
+    job = Job(workload)
+    for _ in range(3):  # first steps ever: allocator, DTensor caches, gloo pairs
+        job.timed_step()
+    tracers = {
+        CONFIGS[2]: _tracer({"trace_every": 1}, "traced"),
+        CONFIGS[3]: _tracer({"trace_every": 100}, "always-on"),
+        CONFIGS[4]: _tracer({"detail": Detail.ALL}, "detail-all"),
+    }
+    blocks: dict[str, Block] = {CONFIGS[0]: Block(lambda: None, lambda _: None),
+                                CONFIGS[1]: _torch_block()}
+    blocks.update({name: _tracer_block(tracer) for name, tracer in tracers.items()})
+    blocks[CONFIGS[5]] = _empty_mode_block()
+    times = _run_interleaved(job, blocks, rounds, steps_per_block, warmup_blocks=1)
+    return {
+        "times": times,
+        "steps_taken": {name: tracer.recorder._next_step for name, tracer in tracers.items()},
+        "services": {name: tracer.bench_service for name, tracer in tracers.items()},
+    }
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_and_rate_worker(rank: int, world_size: int, steps: int, warmup: int, rate_steps: int,
+                           log_path: str) -> dict[str, Any]:
+    """Part 1: RSS over ``steps`` traced steps. Part 2: an export-heavy run at detail all."""
+    import gc
+
+    import torch.distributed as dist
+
+    from commdebug_otel.config import Detail
+
+    job = Job("tp")
+    out: dict[str, Any] = {}
+    tracer = _tracer({"trace_every": 1}, "rss")
+    samples = []
+    os.environ["OTEL_SERVICE_NAME"] = "rss"
+    started = time.time()
+    with tracer:
+        for index in range(1, steps + 1):
+            job.step()
+            if index % 100 == 0 or index == warmup:
+                gc.collect()
+                samples.append((index, _rss_bytes()))
+    out["rss"] = samples
+    out["rss_wall_s"] = time.time() - started
+    out["rss_steps_traced"] = tracer.recorder._next_step
+
+    dist.barrier()
+    tracer = _tracer({"trace_every": 1, "detail": Detail.ALL}, "events")
+    os.environ["OTEL_SERVICE_NAME"] = "events"
+    started = time.time()
+    with tracer:
+        for _ in range(rate_steps):
+            job.step()
+    out["rate_window"] = (started, time.time())  # stop() has flushed every span
+    return out
+
+
+def black_hole_worker(rank: int, world_size: int, rounds: int, steps_per_block: int,
+                      live_endpoint: str, hole_endpoint: str, log_path: str,
+                      prefill_steps: int = 45) -> dict[str, Any]:
+    """Interleave uninstrumented / traced to a live receiver / traced into a black hole.
+
+    Both tracers skip the flush that ``stop()`` does at the end of each block: the SDK's
+    ``BatchSpanProcessor.force_flush`` ignores its timeout (opentelemetry-python#4568), so
+    against a black hole it would block the training thread 10 s per queued batch. That
+    blocking is measured once, at the end, in a side thread.
+    """
+    job = Job("tp")
+    for _ in range(3):
+        job.timed_step()
+    live = _tracer({"trace_every": 1}, "live")
+    hole = _tracer({"trace_every": 1}, "black-hole")
+    live_block = _tracer_block(live, {"OTEL_EXPORTER_OTLP_ENDPOINT": live_endpoint}, flush=False)
+    hole_block = _tracer_block(hole, {"OTEL_EXPORTER_OTLP_ENDPOINT": hole_endpoint}, flush=False)
+    # Fill the span queue (2048 spans, about 57 per step) before timing, so the timed blocks
+    # see the steady state of a dead collector: every new span drops the oldest.
+    hole_block.first_steps = prefill_steps
+    blocks = {"uninstrumented": Block(lambda: None, lambda _: None),
+              "ours, live receiver": live_block, "ours, black-holed": hole_block}
+    times = _run_interleaved(job, blocks, rounds, steps_per_block, warmup_blocks=1)
+    # How long would CommTracer.stop()'s flush block with the collector black-holed?
+    flush_s: float | None = None
+    if rank == 0:
+        from commdebug_otel.telemetry import Telemetry
+
+        done = threading.Event()
+        began = time.perf_counter()
+        flusher = threading.Thread(target=lambda: (Telemetry.force_flush(hole.telemetry), done.set()),
+                                   daemon=True)
+        flusher.start()
+        flusher.join(12.0)
+        flush_s = time.perf_counter() - began if done.is_set() else None
+    dropped = 0
+    with contextlib.suppress(OSError):
+        dropped = Path(log_path).read_text().count("Queue full")
+    return {"times": times, "flush_s": flush_s, "queue_full_warnings": dropped}
+
+
+def profile_worker(rank: int, world_size: int, steps: int, log_path: str) -> dict[str, Any]:
+    import cProfile
+    import io
+    import pstats
+
+    job = Job("tp")
+    tracer = _tracer({"trace_every": 1}, "profile")
+    os.environ["OTEL_SERVICE_NAME"] = "profile"
+    tracer.start()
+    for _ in range(5):
+        job.step()
+    profiler = cProfile.Profile()
+    started = time.perf_counter()
+    profiler.enable()
+    for _ in range(steps):
+        job.step()
+    profiler.disable()
+    wall = time.perf_counter() - started
+    tracer.stop()
+    if rank != 0:
+        return {}
+    profiler.dump_stats(os.environ.get("BENCH_PROFILE_OUT", os.path.join(tempfile.gettempdir(),
+                                                                           "commdebug-bench.prof")))
+    stats = pstats.Stats(profiler)
+    total = stats.total_tt
+    rows = []
+    for (path, line, func), (cc, nc, tt, ct, _) in stats.stats.items():
+        rows.append({"where": f"{Path(path).name}:{line}({func})", "path": path, "calls": nc,
+                     "tottime_s": tt, "cumtime_s": ct})
+    buffer = io.StringIO()
+    pstats.Stats(profiler, stream=buffer).sort_stats("cumulative").print_stats(40)
+    return {"rows": rows, "total_s": total, "wall_s": wall, "steps": steps,
+            "text": buffer.getvalue()}
+
+
+# ================================================================ statistics
+def per_round_ratios(per_rank: list[dict[str, list[list[float]]]], name: str) -> list[float]:
+    """Per round: median over the block's steps of (max over ranks), divided by the baseline's."""
+    ratios = []
+    for round_index in range(len(per_rank[0][BASELINE])):
+        def med(config: str) -> float:
+            steps = zip(*(rank_times[config][round_index] for rank_times in per_rank))
+            return statistics.median(max(step) for step in steps)
+
+        ratios.append(med(name) / med(BASELINE))
+    return ratios
+
+
+def step_ms(per_rank: list[dict[str, list[list[float]]]], name: str) -> float:
+    rows = [max(step) for r in range(len(per_rank[0][name]))
+            for step in zip(*(rank_times[name][r] for rank_times in per_rank))]
+    return 1000 * statistics.median(rows)
+
+
+def summarize(ratios: list[float]) -> dict[str, float]:
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    return {"median": statistics.median(ratios), "q1": quartiles[0], "q3": quartiles[2],
+            "min": min(ratios), "max": max(ratios), "n": len(ratios)}
+
+
+# ================================================================ the phases
+def phase_overhead(rx, workload: str, world_size: int, rounds: int, steps_per_block: int,
+                   report: dict[str, Any]) -> None:
+    print(f"\n== step-time overhead: {workload}, {world_size} ranks, {rounds} rounds x "
+          f"{steps_per_block} steps per config (first step of each block discarded)", flush=True)
+    began = time.perf_counter()
+    results = run_ranks(overhead_worker, world_size, child_env(rx.grpc_endpoint), workload=workload,
+                        rounds=rounds, steps_per_block=steps_per_block)
+    per_rank = [result["times"] for result in results]
+    rows = {}
+    print(f"{'configuration':28} {'step ms':>8} {'ratio':>7} {'IQR':>15} {'min..max':>15}")
+    for name in CONFIGS:
+        stats = summarize(per_round_ratios(per_rank, name))
+        stats["step_ms"] = step_ms(per_rank, name)
+        rows[name] = stats
+        print(f"{name:28} {stats['step_ms']:8.2f} {stats['median']:7.3f} "
+              f"{stats['q1']:7.3f}..{stats['q3']:<7.3f} {stats['min']:7.3f}..{stats['max']:<7.3f}")
+    # Which steps did each of our tracers trace? (start/stop/start keeps counting steps)
+    traced = {}
+    for name, service in results[0]["services"].items():
+        steps = sorted(set(rx.get(service)["steps"]))
+        traced[name] = {"steps_counted": results[0]["steps_taken"][name], "traced_steps": steps}
+    always = traced[CONFIGS[3]]
+    print(f"always-on tracer: {always['steps_counted']} steps counted across its blocks, traced "
+          f"steps {always['traced_steps']} (trace_every=100; start/stop/start keeps the counter)")
+    print(f"({time.perf_counter() - began:.0f} s)", flush=True)
+    report[f"overhead_{workload}"] = {"ranks": world_size, "rounds": rounds,
+                                      "steps_per_block": steps_per_block, "configs": rows,
+                                      "traced": traced}
+
+
+def phase_memory_and_rate(rx, steps: int, warmup: int, rate_steps: int, report: dict[str, Any]) -> None:
+    print(f"\n== RSS over {steps} traced steps (rank 0, OTLP/gRPC to a local receiver), then "
+          f"export rate ({rate_steps} steps at detail all)", flush=True)
+    began = time.perf_counter()
+    results = run_ranks(memory_and_rate_worker, 2, child_env(rx.grpc_endpoint), steps=steps,
+                        warmup=warmup, rate_steps=rate_steps)
+    samples = dict(results[0]["rss"])
+    growth_mb = (samples[steps] - samples[warmup]) / 2**20
+    trend = ", ".join(f"{index}: {value / 2**20:.1f}" for index, value in sorted(samples.items()))
+    print(f"RSS MiB by step: {trend}")
+    print(f"RSS growth step {warmup} -> {steps}: {growth_mb:+.2f} MiB "
+          f"({results[0]['rss_wall_s']:.1f} s, {steps / results[0]['rss_wall_s']:.1f} steps/s)")
+    rss = rx.get("rss")
+    rss_rate = rss["events"] / results[0]["rss_wall_s"]
+
+    events = rx.get("events")
+    start = min(result["rate_window"][0] for result in results)
+    end = max(max(result["rate_window"][1] for result in results), events.get("last_s", 0))
+    wall = end - start
+    rate = events["events"] / wall
+    steps_seen = len(events["steps"])
+    print(f"export-heavy run: {events['events']} events in {events['spans']} spans "
+          f"({events['bytes'] / 2**20:.1f} MiB, {events['requests']} requests) from 2 ranks in "
+          f"{wall:.1f} s -> {rate:,.0f} events/s; train_step spans received {steps_seen}/"
+          f"{2 * rate_steps}")
+    print(f"(collectives-only run above: {rss['events']} events, {rss['spans']} spans, "
+          f"{rss_rate:,.0f} events/s)")
+    print(f"({time.perf_counter() - began:.0f} s)", flush=True)
+    report["rss"] = {"steps": steps, "warmup": warmup, "growth_mib": growth_mb,
+                     "samples_mib": {k: v / 2**20 for k, v in sorted(samples.items())},
+                     "steps_per_s": steps / results[0]["rss_wall_s"],
+                     "events": rss["events"], "spans": rss["spans"]}
+    report["event_rate"] = {"events": events["events"], "spans": events["spans"],
+                            "bytes": events["bytes"], "wall_s": wall, "events_per_s": rate,
+                            "steps": rate_steps, "train_steps_received": steps_seen,
+                            "events_per_step_per_rank": events["events"] / max(1, 2 * rate_steps)}
+
+
+def phase_black_hole(rx, rounds: int, steps_per_block: int, report: dict[str, Any]) -> None:
+    print(f"\n== collector black-holed vs live: tp, 2 ranks, {rounds} rounds x {steps_per_block} "
+          f"steps per config", flush=True)
+    began = time.perf_counter()
+    with BlackHole() as hole:
+        results = run_ranks(black_hole_worker, 2, child_env(rx.grpc_endpoint), rounds=rounds,
+                            steps_per_block=steps_per_block, live_endpoint=rx.grpc_endpoint,
+                            hole_endpoint=hole.endpoint)
+        connections = len(hole.accepted)
+    per_rank = [result["times"] for result in results]
+    names = list(per_rank[0])
+    rows = {}
+    for name in names:
+        stats = summarize(per_round_ratios(per_rank, name))
+        stats["step_ms"] = step_ms(per_rank, name)
+        rows[name] = stats
+    # black-holed / live, per round
+    live_r = per_round_ratios(per_rank, "ours, live receiver")
+    hole_r = per_round_ratios(per_rank, "ours, black-holed")
+    versus = summarize([h / l for h, l in zip(hole_r, live_r)])
+    for name, stats in rows.items():
+        print(f"{name:28} {stats['step_ms']:8.2f} ms  ratio to uninstrumented {stats['median']:.3f} "
+              f"(IQR {stats['q1']:.3f}..{stats['q3']:.3f})")
+    flush_s = results[0]["flush_s"]
+    flush_text = f"{flush_s:.1f} s" if flush_s is not None else "> 12 s (still blocked)"
+    print(f"black-holed / live: {versus['median']:.3f} (IQR {versus['q1']:.3f}..{versus['q3']:.3f}, "
+          f"min..max {versus['min']:.3f}..{versus['max']:.3f}); {connections} connections held; "
+          f"'Queue full, dropping span' warnings: "
+          f"{sum(result['queue_full_warnings'] for result in results)}")
+    print(f"CommTracer.stop()'s flush against the black hole (rank 0): {flush_text}")
+    print(f"({time.perf_counter() - began:.0f} s)", flush=True)
+    report["black_hole"] = {"configs": rows, "versus_live": versus, "flush_s": flush_s,
+                            "connections": connections,
+                            "queue_full_warnings": sum(r["queue_full_warnings"] for r in results)}
+
+
+IMPORT_CHECK = r"""
+import json, sys
+import commdebug_otel
+loaded_torch = "torch" in sys.modules
+import torch
+import torch.optim.optimizer as optim
+from torch.nn.modules import module
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+print(json.dumps({
+    "torch_imported_by_package": loaded_torch,
+    "otel_sdk_imported": "opentelemetry.sdk" in sys.modules,
+    "forward_pre_hooks": len(module._global_forward_pre_hooks),
+    "forward_hooks": len(module._global_forward_hooks),
+    "dispatch_modes": len(_get_current_dispatch_mode_stack()),
+    "optimizer_post_hooks": len(optim._global_optimizer_post_hooks),
+    "package": commdebug_otel.__file__,
+}))
+"""
+
+
+def phase_import(use_tree: bool, report: dict[str, Any]) -> None:
+    print("\n== import cost with tracing disabled", flush=True)
+    env = {k: v for k, v in os.environ.items() if k != "OTEL_PYTHON_COMMDEBUG_ENABLED"}
+    if use_tree:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    totals = []
+    for _ in range(7):
+        proc = subprocess.run([sys.executable, "-X", "importtime", "-c", "import commdebug_otel"],
+                              env=env, capture_output=True, text=True, cwd=tempfile.gettempdir())
+        for line in proc.stderr.splitlines():
+            parts = [part.strip() for part in line.split("|")]
+            if len(parts) == 3 and parts[2] == "commdebug_otel":
+                totals.append(int(parts[1]))
+    import_us = statistics.median(totals[1:]) if len(totals) > 1 else float("nan")
+
+    def startup_ms(code: str) -> float:
+        walls = []
+        for _ in range(7):
+            began = time.perf_counter()
+            subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                           cwd=tempfile.gettempdir())
+            walls.append(time.perf_counter() - began)
+        return 1000 * statistics.median(walls[1:])
+
+    bare = startup_ms("pass")
+    with_import = startup_ms("import commdebug_otel")
+    check = json.loads(subprocess.run([sys.executable, "-c", IMPORT_CHECK], env=env, check=True,
+                                      capture_output=True, text=True,
+                                      cwd=tempfile.gettempdir()).stdout)
+    enabled_env = dict(env, OTEL_PYTHON_COMMDEBUG_ENABLED="true", OTEL_TRACES_EXPORTER="none",
+                       OTEL_METRICS_EXPORTER="none")
+    control = json.loads(subprocess.run([sys.executable, "-c", IMPORT_CHECK], env=enabled_env,
+                                        capture_output=True, text=True,
+                                        cwd=tempfile.gettempdir()).stdout or "{}")
+    hooks = (check["forward_pre_hooks"] + check["forward_hooks"] + check["dispatch_modes"]
+             + check["optimizer_post_hooks"])
+    print(f"-X importtime cumulative for commdebug_otel: {import_us / 1000:.2f} ms "
+          f"(median of {max(0, len(totals) - 1)}; {check['package']})")
+    print(f"interpreter start + import: {with_import:.1f} ms vs bare start {bare:.1f} ms "
+          f"(delta {with_import - bare:+.1f} ms, includes the .pth check)")
+    print(f"disabled: imports torch={check['torch_imported_by_package']}, OTel SDK="
+          f"{check['otel_sdk_imported']}; hooks after import: forward pre {check['forward_pre_hooks']}, "
+          f"forward {check['forward_hooks']}, dispatch modes {check['dispatch_modes']}, optimizer "
+          f"post {check['optimizer_post_hooks']}")
+    if control:
+        print(f"control with OTEL_PYTHON_COMMDEBUG_ENABLED=true: forward pre hooks "
+              f"{control['forward_pre_hooks']}, dispatch modes {control['dispatch_modes']}, "
+              f"optimizer post {control['optimizer_post_hooks']}")
+    report["import"] = {"importtime_ms": import_us / 1000, "startup_delta_ms": with_import - bare,
+                        "hooks_when_disabled": hooks, "check": check, "enabled_control": control}
+
+
+def check_restart() -> dict[str, Any]:
+    """start/stop/start on one CommTracer keeps counting steps (in-process, in-memory exporter)."""
+    import torch
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from commdebug_otel import CommTracer, Settings
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = CommTracer(Settings(trace_every=3), tracer_provider=provider,
+                        meter_provider=MeterProvider())
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        tracer.start()
+        for _ in range(2):
+            model(torch.randn(2, 4)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        tracer.stop()
+    steps = sorted(span.attributes["torch.step"] for span in exporter.get_finished_spans()
+                   if span.name == "train_step")
+    hooks_left = len(torch.nn.modules.module._global_forward_pre_hooks)
+    return {"traced_steps": steps, "ok": steps == [0, 3] and hooks_left == 0,
+            "hooks_left": hooks_left}
+
+
+# ================================================================ main
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="TP only, fewer rounds and steps")
+    parser.add_argument("--installed", action="store_true",
+                        help="measure the installed package, not the working tree")
+    parser.add_argument("--json", metavar="PATH", help="also write every number to PATH")
+    parser.add_argument("--profile", action="store_true",
+                        help="only cProfile rank 0 of a traced TP job and print our hot spots")
+    parser.add_argument("--only", default="overhead,memory,blackhole,import",
+                        help="comma list of phases to run (default: all)")
+    args = parser.parse_args(argv)
+    if not args.installed:
+        sys.path.insert(0, str(REPO))
+    os.environ.pop("OTEL_PYTHON_COMMDEBUG_ENABLED", None)
+
+    import torch
+
+    import commdebug_otel
+
+    print(f"commdebug-otel benchmark: torch {torch.__version__}, python "
+          f"{sys.version.split()[0]}, {os.cpu_count()} CPUs, load average "
+          f"{os.getloadavg()[0]:.2f}; package {Path(commdebug_otel.__file__).parent}")
+    print(f"command: python benchmarks/bench.py {' '.join(argv if argv is not None else sys.argv[1:])}")
+    began = time.perf_counter()
+
+    if args.profile:
+        return run_profile()
+
+    phases = set(args.only.split(","))
+    q = args.quick
+    report: dict[str, Any] = {"quick": q, "torch": torch.__version__, "cpus": os.cpu_count(),
+                              "load_average_start": os.getloadavg()[0]}
+    restart = check_restart()
+    print(f"start/stop/start on one CommTracer (trace_every=3, 3 x 2 steps): traced steps "
+          f"{restart['traced_steps']} -> {'ok' if restart['ok'] else 'BROKEN'}")
+    report["restart"] = restart
+    try:
+        with counting_receiver() as rx:
+            if "overhead" in phases:
+                phase_overhead(rx, "tp", 2, rounds=4 if q else 10, steps_per_block=5,
+                               report=report)
+                if not q:
+                    phase_overhead(rx, "fsdp_tp", 4, rounds=4, steps_per_block=4, report=report)
+            if "memory" in phases:
+                phase_memory_and_rate(rx, steps=300 if q else 1000, warmup=100,
+                                      rate_steps=10 if q else 30, report=report)
+            if "blackhole" in phases:
+                phase_black_hole(rx, rounds=3 if q else 6, steps_per_block=5, report=report)
+    except Exception:
+        traceback.print_exc()
+        return 1
+    if "import" in phases:
+        phase_import(not args.installed, report)
+    report["load_average_end"] = os.getloadavg()[0]
+    report["wall_s"] = time.perf_counter() - began
+    print_targets(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2, default=str))
+    return 0
+
+
+def print_targets(report: dict[str, Any]) -> None:
+    print(f"\n== targets (wall {report['wall_s']:.0f} s, load average "
+          f"{report['load_average_start']:.2f} -> {report['load_average_end']:.2f})")
+    lines = []
+    for key in ("overhead_tp", "overhead_fsdp_tp"):
+        if key not in report:
+            continue
+        configs = report[key]["configs"]
+        ours = configs[CONFIGS[2]]["median"] - 1
+        theirs = configs[CONFIGS[1]]["median"] - 1
+        workload = key.split("_", 1)[1]
+        lines.append((f"[{workload}] traced overhead <= 1/3 of CommDebugMode's",
+                      f"{ours * 100:+.1f}% vs {theirs * 100:+.1f}% (limit {theirs / 3 * 100:+.1f}%)",
+                      theirs > 0 and ours <= theirs * TARGET_TRACED_VS_TORCH))
+        always = configs[CONFIGS[3]]["median"]
+        lines.append((f"[{workload}] always-on (1 in 100) <= {TARGET_ALWAYS_ON:.2f}x",
+                      f"{always:.3f}x", always <= TARGET_ALWAYS_ON))
+    if "rss" in report:
+        rss = report["rss"]
+        lines.append((f"RSS growth step {rss['warmup']} -> {rss['steps']} <= {TARGET_RSS_MB:.0f} MB",
+                      f"{rss['growth_mib'] * 2**20 / 1e6:+.2f} MB", rss["growth_mib"] * 2**20 / 1e6
+                      <= TARGET_RSS_MB))
+    if "black_hole" in report:
+        versus = report["black_hole"]["versus_live"]["median"]
+        lines.append((f"black-holed / live <= {TARGET_BLACKHOLE:.2f}", f"{versus:.3f}",
+                      versus <= TARGET_BLACKHOLE))
+    if "import" in report:
+        imp = report["import"]
+        lines.append((f"import (disabled) <= {TARGET_IMPORT_MS:.0f} ms, no hooks",
+                      f"{imp['importtime_ms']:.2f} ms, {imp['hooks_when_disabled']} hooks",
+                      imp["importtime_ms"] <= TARGET_IMPORT_MS and imp["hooks_when_disabled"] == 0))
+    if "event_rate" in report:
+        print(f"(info) span events delivered: {report['event_rate']['events_per_s']:,.0f} /s")
+    for label, value, ok in lines:
+        print(f"{'PASS' if ok else 'FAIL'}  {label:48} {value}")
+
+
+def run_profile(steps: int = 40) -> int:
+    print(f"\n== cProfile, rank 0 of tp on 2 ranks, traced every step, {steps} steps", flush=True)
+    with counting_receiver() as rx:
+        result = run_ranks(profile_worker, 2, child_env(rx.grpc_endpoint), steps=steps)[0]
+    ours = [row for row in result["rows"] if "commdebug_otel" in row["path"]
+            and not row["path"].endswith("_demo_model.py")]
+    own = sum(row["tottime_s"] for row in ours)
+    print(f"profiled {result['steps']} steps: {result['total_s'] / result['steps'] * 1000:.2f} ms "
+          f"per step under cProfile; commdebug_otel self time "
+          f"{own / result['steps'] * 1000:.2f} ms per step ({own / result['total_s'] * 100:.1f}%)")
+    print("\ncommdebug_otel functions by self time (ms per step):")
+    for row in sorted(ours, key=lambda r: -r["tottime_s"])[:20]:
+        print(f"  {row['tottime_s'] / result['steps'] * 1000:7.3f} self  "
+              f"{row['cumtime_s'] / result['steps'] * 1000:7.3f} cum  "
+              f"{row['calls'] / result['steps']:7.1f} calls/step  {row['where']}")
+    print(f"\nraw profile: {os.environ.get('BENCH_PROFILE_OUT', os.path.join(tempfile.gettempdir(), 'commdebug-bench.prof'))}")
+    print("\nall functions by cumulative time (top 40):")
+    print(result["text"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,330 @@
+"""The deploy/ stacks, statically: compose files, Collector, Jaeger, Tempo, Grafana and Kubernetes manifests agree.
+
+No docker needed. The dashboard's metric names are checked against the names a
+real Prometheus held in tests/test_prometheus.py (``grafana_dashboard.PROMETHEUS_METRICS``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from typing import Any
+
+import pytest
+import yaml
+
+import grafana_dashboard as dash
+from commdebug_otel.config import OPTIONS
+
+DEPLOY = dash.DEPLOY
+ROOT = DEPLOY.parent
+STACKS = {"jaeger": DEPLOY / "jaeger", "tempo": DEPLOY / "tempo"}
+COLLECTOR_CONFIG = DEPLOY / "common" / "otel-collector" / "config.yaml"
+PROMETHEUS_CONFIG = DEPLOY / "common" / "prometheus" / "prometheus.yaml"
+KUBERNETES = [DEPLOY / "kubernetes" / "torchrun-job.yaml", DEPLOY / "kubernetes" / "pytorchjob.yaml"]
+GRPC_DEFAULT_MIB = 4
+TEMPO_DEFAULT_TRACE_BYTES = 5_000_000
+# Current names (Collector >= 0.144): `otlp` / `otlphttp` exporters are deprecated aliases there.
+DEPRECATED_EXPORTERS = {"otlp", "otlphttp", "logging"}
+PANELS = (
+    "Collective rate by op", "Bytes/s by op", "Collective rate per rank",
+    "Collective duration p50 / p99 by op", "Forward vs backward", "Dropped telemetry",
+)
+
+
+def _yaml(path) -> Any:
+    return yaml.safe_load(path.read_text())
+
+
+def _compose(stack: str) -> dict:
+    return _yaml(STACKS[stack] / "docker-compose.yaml")
+
+
+def _bind_mounts(service: dict) -> list[tuple[str, str]]:
+    """``(source, target)`` of every bind mount (short syntax ``src:dst[:mode]`` or long syntax)."""
+    mounts = []
+    for volume in service.get("volumes", []):
+        if isinstance(volume, str):
+            source, target = volume.split(":")[:2]
+        else:
+            source, target = volume.get("source", ""), volume.get("target", "")
+        if source.startswith((".", "/")):
+            mounts.append((source, target))
+    return mounts
+
+
+def _image_is_pinned(image: str) -> bool:
+    name, _, digest = image.partition("@")
+    last = name.rsplit("/", 1)[-1]
+    if ":" not in last:
+        return bool(digest)
+    tag = last.rsplit(":", 1)[1]
+    return bool(tag) and tag != "latest" and re.search(r"\d", tag) is not None
+
+
+def _check_pipelines(config: dict, where: str) -> None:
+    """Every component a pipeline (or the service) names is defined, and every defined one is used."""
+    service = config["service"]
+    used: dict[str, set[str]] = {"receivers": set(), "processors": set(), "exporters": set()}
+    for name, pipeline in service["pipelines"].items():
+        assert pipeline.get("receivers") and pipeline.get("exporters"), f"{where}: pipeline {name} is empty"
+        for kind in used:
+            for component in pipeline.get(kind, []):
+                assert component in (config.get(kind) or {}), f"{where}: {name} uses undefined {kind[:-1]} {component}"
+                used[kind].add(component)
+    for extension in service.get("extensions", []):
+        assert extension in (config.get("extensions") or {}), f"{where}: undefined extension {extension}"
+    for kind, names in used.items():
+        assert set(config.get(kind) or {}) == names, f"{where}: defined but unused {kind}"
+
+
+def _env_refs(text: str) -> set[str]:
+    return set(re.findall(r"\$\{env:(\w+)(?::-[^}]*)?\}", text))
+
+
+# ------------------------------------------------------------------ compose
+@pytest.mark.parametrize("stack", sorted(STACKS))
+def test_compose_images_are_pinned_and_mounts_exist(stack):
+    compose = _compose(stack)
+    services = compose["services"]
+    for name, service in services.items():
+        assert _image_is_pinned(service["image"]), f"{stack}/{name}: image {service['image']} is not pinned"
+        for source, _ in _bind_mounts(service):
+            assert (STACKS[stack] / source).resolve().exists(), f"{stack}/{name}: {source} does not exist"
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0] if isinstance(volume, str) else volume.get("source", "")
+            if not source.startswith((".", "/")):
+                assert source in (compose.get("volumes") or {}), f"{stack}/{name}: undeclared volume {source}"
+        for dependency in service.get("depends_on", []):
+            assert dependency in services
+    expected = {"otel-collector", "prometheus", "grafana", stack}
+    assert expected <= set(services)
+    published = {str(port).split(":")[0] for service in services.values() for port in service.get("ports", [])}
+    assert {"4317", "4318", "9090", "3000"} <= published
+    assert ("16686" if stack == "jaeger" else "3200") in published
+
+
+@pytest.mark.parametrize("stack", sorted(STACKS))
+def test_compose_wires_the_shared_files(stack):
+    services = _compose(stack)["services"]
+    collector = services["otel-collector"]
+    mounted = {(STACKS[stack] / source).resolve() for source, _ in _bind_mounts(collector)}
+    assert COLLECTOR_CONFIG.resolve() in mounted
+    # Every ${env:VAR} the Collector config reads is set by the compose file, to this stack's backend.
+    for var in _env_refs(COLLECTOR_CONFIG.read_text()):
+        assert var in collector.get("environment", {}), f"{stack}: the Collector needs {var}"
+    assert collector["environment"]["TRACES_OTLP_ENDPOINT"] == f"{stack}:4317"
+    prometheus = services["prometheus"]
+    assert "--enable-feature=exemplar-storage" in prometheus["command"]
+    assert PROMETHEUS_CONFIG.resolve() in {(STACKS[stack] / s).resolve() for s, _ in _bind_mounts(prometheus)}
+    grafana = dict((target, (STACKS[stack] / source).resolve()) for source, target in _bind_mounts(services["grafana"]))
+    providers = _yaml(DEPLOY / "common" / "grafana" / "provisioning" / "dashboards" / "commdebug.yaml")
+    [provider] = providers["providers"]
+    assert grafana[provider["options"]["path"]] == dash.DASHBOARD.parent.resolve()
+    assert any(target.startswith("/etc/grafana/provisioning/datasources/") for target in grafana)
+    assert any(target.startswith("/etc/grafana/provisioning/dashboards/") for target in grafana)
+
+
+def test_prometheus_scrapes_the_collector_exporter():
+    config = _yaml(PROMETHEUS_CONFIG)
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    collector = jobs["otel-collector"]
+    assert collector["honor_labels"] is True  # keep the Collector's job/instance per worker
+    targets = [t for static in collector["static_configs"] for t in static["targets"]]
+    exporter = _yaml(COLLECTOR_CONFIG)["exporters"]["prometheus"]
+    assert targets == ["otel-collector:" + exporter["endpoint"].rsplit(":", 1)[1]]
+
+
+def test_promtool_accepts_the_prometheus_config():
+    """promtool ships in Debian's prometheus package, which CI installs for test_prometheus.py."""
+    promtool = shutil.which("promtool") or "/usr/bin/promtool"
+    assert os.access(promtool, os.X_OK), "promtool missing: apt-get install -y prometheus"
+    check = subprocess.run([promtool, "check", "config", str(PROMETHEUS_CONFIG)],
+                           capture_output=True, text=True, timeout=30)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+# ---------------------------------------------------------------- collector
+def test_collector_config_pipelines_and_sizes():
+    config = _yaml(COLLECTOR_CONFIG)
+    _check_pipelines(config, "collector")
+    grpc = config["receivers"]["otlp"]["protocols"]["grpc"]
+    assert grpc["max_recv_msg_size_mib"] > GRPC_DEFAULT_MIB
+    assert "http" in config["receivers"]["otlp"]["protocols"]
+    assert "batch" in config["processors"]
+    exporters = config["exporters"]
+    assert not {name.split("/")[0] for name in exporters} & DEPRECATED_EXPORTERS
+    assert exporters["prometheus"]["endpoint"].endswith(":8889")
+    assert exporters["prometheus"]["enable_open_metrics"] is True
+    traces = config["service"]["pipelines"]["traces"]["exporters"]
+    assert [name.split("/")[0] for name in traces] == ["otlp_grpc"]
+    assert config["service"]["pipelines"]["metrics"]["exporters"] == ["prometheus"]
+
+
+def test_jaeger_config():
+    config = _yaml(STACKS["jaeger"] / "jaeger.yaml")
+    _check_pipelines(config, "jaeger")
+    assert config["receivers"]["otlp"]["protocols"]["grpc"]["max_recv_msg_size_mib"] > GRPC_DEFAULT_MIB
+    storage = config["extensions"]["jaeger_query"]["storage"]["traces"]
+    assert storage in config["extensions"]["jaeger_storage"]["backends"]
+    assert config["exporters"]["jaeger_storage_exporter"]["trace_storage"] == storage
+    assert config["extensions"]["jaeger_query"]["http"]["endpoint"].endswith(":16686")
+
+
+def test_tempo_config_is_sized_for_step_traces():
+    config = _yaml(STACKS["tempo"] / "tempo.yaml")
+    assert config["overrides"]["defaults"]["global"]["max_bytes_per_trace"] > TEMPO_DEFAULT_TRACE_BYTES
+    grpc = config["distributor"]["receivers"]["otlp"]["protocols"]["grpc"]
+    assert grpc["endpoint"].startswith("0.0.0.0:")  # Tempo >= 2.7 listens on localhost by default
+    assert grpc["max_recv_msg_size_mib"] > GRPC_DEFAULT_MIB
+    mib = 1024 * 1024
+    assert config["server"]["grpc_server_max_recv_msg_size"] > GRPC_DEFAULT_MIB * mib
+    assert config["ingester_client"]["grpc_client_config"]["max_send_msg_size"] > 16 * mib
+    assert config["server"]["http_listen_port"] == 3200
+
+
+# ------------------------------------------------------------------ grafana
+def _datasources(stack: str) -> dict[str, dict]:
+    provisioning = _yaml(STACKS[stack] / "grafana" / "datasources.yaml")
+    return {source["uid"]: source for source in provisioning["datasources"]}
+
+
+def _strings(node: Any):
+    if isinstance(node, str):
+        yield node
+    elif isinstance(node, dict):
+        for value in node.values():
+            yield from _strings(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _strings(value)
+
+
+@pytest.mark.parametrize("stack", sorted(STACKS))
+def test_grafana_datasources_link_traces_and_metrics(stack):
+    sources = _datasources(stack)
+    assert dash.datasource_uids(dash.load()) <= set(sources)
+    assert set(sources) == {"prometheus", stack}
+    prometheus, traces = sources["prometheus"], sources[stack]
+    assert prometheus["type"] == "prometheus" and traces["type"] == stack
+    [destination] = prometheus["jsonData"]["exemplarTraceIdDestinations"]
+    assert destination == {"name": "trace_id", "datasourceUid": stack}
+    assert traces["jsonData"]["tracesToMetrics"]["datasourceUid"] == "prometheus"
+    # Data source URLs name compose services on their container ports.
+    services = _compose(stack)["services"]
+    for source in sources.values():
+        host = re.match(r"https?://([^:/]+):(\d+)", source["url"]).group(1)
+        assert host in services
+    # Grafana expands $VAR in provisioning values: PromQL's $__tags must be written $$__tags.
+    for text in _strings(sources):
+        assert not re.search(r"(?<!\$)\$(?!\$)\w", text.replace("$$", "")), text
+    for query in traces["jsonData"]["tracesToMetrics"]["queries"]:
+        assert dash.metric_names(query["query"].replace("$$", "$")) <= set(dash.PROMETHEUS_METRICS)
+
+
+def test_dashboard_panels_and_queries():
+    dashboard = dash.load()
+    assert dashboard["title"] == "Collectives" and dashboard["uid"]
+    titles = [panel["title"] for panel in dash.panels(dashboard)]
+    assert len(titles) == len(set(titles))
+    assert set(PANELS) <= set(titles)
+    assert [panel["id"] for panel in dash.panels(dashboard)] == list(range(1, len(titles) + 1))
+    assert dash.queries(dashboard)
+    for title, ref, expr in dash.queries(dashboard):
+        # The same queries work for the workers' own endpoints and the Collector's exporter:
+        # aggregate by our labels, never by the scrape's job/instance.
+        assert expr.lstrip().startswith(("sum by", "histogram_quantile(")), (title, expr)
+        assert not re.search(r"\b(job|instance)\b", expr), (title, expr)
+        if "rate(" in expr:
+            assert "[$__rate_interval]" in expr, (title, expr)
+        dash.render(expr, dashboard)  # every $variable is defined
+    quantiles = [expr for title, _, expr in dash.queries(dashboard) if "histogram_quantile" in expr]
+    assert any("0.5," in expr for expr in quantiles) and any("0.99," in expr for expr in quantiles)
+    assert all("torch_collective_duration_seconds_bucket" in expr and "le," in expr for expr in quantiles)
+
+
+def test_dashboard_names_are_the_names_prometheus_held():
+    """tests/test_prometheus.py asserts PROMETHEUS_METRICS against a real server's names."""
+    dashboard = dash.load()
+    names = dash.all_metric_names(dashboard)
+    assert names <= set(dash.PROMETHEUS_METRICS)
+    assert {"torch_collective_operations_total", "torch_collective_io_bytes_total",
+            "torch_collective_duration_seconds_bucket", "commdebug_telemetry_dropped_total"} <= names
+    # Every other Prometheus-style name in the dashboard is a label that exists.
+    used = set(re.findall(r"\b(?:torch|commdebug)_\w+", dash.DASHBOARD.read_text()))
+    known = (set(dash.PROMETHEUS_METRICS) | set(dash.COLLECTIVE_LABELS)
+             | set(dash.OPTIONAL_COLLECTIVE_LABELS) | set(dash.DROPPED_LABELS))
+    assert used <= known, used - known
+
+
+# --------------------------------------------------------------- kubernetes
+def _documents() -> list[dict]:
+    docs = []
+    for path in KUBERNETES:
+        docs.extend(doc for doc in yaml.safe_load_all(path.read_text()) if doc)
+    return docs
+
+
+def _pod_specs(doc: dict) -> list[dict]:
+    if doc["kind"] == "Job":
+        return [doc["spec"]["template"]["spec"]]
+    if doc["kind"] == "PyTorchJob":
+        return [replica["template"]["spec"] for replica in doc["spec"]["pytorchReplicaSpecs"].values()]
+    return []
+
+
+def test_kubernetes_manifests():
+    docs = _documents()
+    kinds = [doc["kind"] for doc in docs]
+    assert "Job" in kinds and "PyTorchJob" in kinds
+    config_maps = {doc["metadata"]["name"]: doc["data"] for doc in docs if doc["kind"] == "ConfigMap"}
+    known_env = {option.env for option in OPTIONS}
+    specs = [spec for doc in docs for spec in _pod_specs(doc)]
+    assert len(specs) == 3  # Job, PyTorchJob Master and Worker
+    for spec in specs:
+        containers = spec["containers"] + spec.get("initContainers", [])
+        for container in containers:
+            assert _image_is_pinned(container["image"]), container["image"]
+        [sidecar] = [c for c in spec.get("initContainers", []) if "opentelemetry-collector" in c["image"]]
+        assert sidecar["restartPolicy"] == "Always"  # a native sidecar: the Job can complete
+        [trainer] = spec["containers"]
+        assert trainer["command"][0] == "torchrun"
+        env = {item["name"]: item.get("value") for item in trainer["env"]}
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://localhost:4317"
+        assert env["OTEL_SERVICE_NAME"]
+        ours = {name for name in env if name.startswith("OTEL_PYTHON_COMMDEBUG_")}
+        assert ours and ours <= known_env, ours - known_env
+        volumes = {volume["name"]: volume for volume in spec["volumes"]}
+        for container in containers:
+            for mount in container.get("volumeMounts", []):
+                assert volumes[mount["name"]]["configMap"]["name"] in config_maps
+        [sidecar_volume] = [m["name"] for m in sidecar["volumeMounts"]]
+        sidecar_config_text = config_maps[volumes[sidecar_volume]["configMap"]["name"]]["config.yaml"]
+        sidecar_config = yaml.safe_load(sidecar_config_text)
+        _check_pipelines(sidecar_config, "sidecar")
+        assert sidecar_config["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"].endswith(":4317")
+        sidecar_env = {item["name"] for item in sidecar.get("env", [])}
+        assert _env_refs(sidecar_config_text) <= sidecar_env
+    for name, data in config_maps.items():
+        for filename, text in data.items():
+            if filename.endswith(".py"):
+                compile(text, f"{name}/{filename}", "exec")
+
+
+# --------------------------------------------------------------------- docs
+def test_readme_walks_from_compose_to_the_dashboard():
+    text = (DEPLOY / "README.md").read_text()
+    for needle in ("docker compose up", "OTEL_EXPORTER_OTLP_ENDPOINT=http://localhost:4317 commdebug-otel demo",
+                   "http://localhost:3000", "http://localhost:16686", "http://localhost:9090",
+                   "OTEL_METRICS_EXPORTER=prometheus", "Collectives"):
+        assert needle in text, needle
+
+
+def test_dashboards_doc_names_every_metric_and_panel():
+    text = (ROOT / "docs" / "dashboards.md").read_text()
+    for name in dash.PROMETHEUS_METRICS + dash.COLLECTIVE_LABELS + dash.DROPPED_LABELS:
+        assert name in text, name
+    for panel in dash.panels(dash.load()):
+        assert panel["title"] in text, panel["title"]
