@@ -178,8 +178,10 @@ class Recorder:
             _logger.warning("commdebug-otel: modules inside %s regions are not observed; their "
                             "collectives are booked to the enclosing span (docs/troubleshooting.md)", what)
         step = self._step
-        if step is not None:
-            step.root.attrs[semconv.SPAN_UNOBSERVED] = what
+        if step is None:
+            step = self._open_step(time.time_ns())
+        step.had_module = True  # the optimizer step still ends (and exports) this step
+        step.root.attrs[semconv.SPAN_UNOBSERVED] = what
 
     def recording(self) -> bool:
         """True when module records are kept: a traced step, or module labels on metrics."""
