@@ -68,7 +68,8 @@ class CommTracer:
             self.telemetry = Telemetry(self.settings, self._rank, tracer_provider, meter_provider)
         metrics = LazyCollectiveMetrics(self.telemetry.meter, self.settings.metric_module_depth, self._rank)
         self.telemetry.count_dropped = metrics.dropped
-        self.recorder = Recorder(self.settings, self.telemetry.emit, metrics)
+        self.recorder = Recorder(self.settings, self.telemetry.emit, metrics,
+                                 preassigned_ids=self.telemetry.preassigned_ids)
         self._tracker = ModuleTracker(self.recorder)
         self._mode: CollectiveDispatchMode | None = None
         self._optimizer_handle = None

@@ -52,8 +52,12 @@ class CollectiveMetrics:
         return ".".join(fqn.split(".")[: self._module_depth + 1])
 
     def collective(self, op: str, pass_: str, group: GroupFacts, rank: int, nbytes: int,
-                   duration_s: float, fqn: str = "") -> None:
-        """Count one collective of ``nbytes`` payload bytes that took ``duration_s`` seconds to issue."""
+                   duration_s: float, fqn: str = "", context: Any = None) -> None:
+        """Count one collective of ``nbytes`` payload bytes that took ``duration_s`` seconds to issue.
+
+        ``context`` (an OTel context holding the owning span) makes the SDK attach
+        exemplars that link these points to the traced step's span.
+        """
         module = self._module_label(fqn) if self._module_depth and fqn else ""
         key = (op, pass_, group, rank, module)
         labels = self._labels.get(key)
@@ -70,9 +74,9 @@ class CollectiveMetrics:
             if module:
                 labels[semconv.MODULE_FQN] = module
             self._labels[key] = labels
-        self._operations.add(1, labels)
-        self._io.add(nbytes, labels)
-        self._duration.record(duration_s, labels)
+        self._operations.add(1, labels, context=context)
+        self._io.add(nbytes, labels, context=context)
+        self._duration.record(duration_s, labels, context=context)
 
     def dropped(self, kind: str, count: int, rank: int) -> None:
         """Count ``count`` items of telemetry dropped on ``rank``, by ``kind`` (span, event, hook_error, ...)."""
@@ -93,8 +97,8 @@ class LazyCollectiveMetrics:
             self._metrics = CollectiveMetrics(self._meter_factory(), self._module_depth)
         return self._metrics
 
-    def collective(self, *args: Any) -> None:
-        self._get().collective(*args)
+    def collective(self, *args: Any, **kwargs: Any) -> None:
+        self._get().collective(*args, **kwargs)
 
     def reset(self) -> None:
         """Forget the instruments (a forked child gets its own meter)."""

@@ -21,6 +21,7 @@ Ownership rules (DESIGN.md):
 from __future__ import annotations
 
 import logging
+import random
 import sys
 import time
 import weakref
@@ -28,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
 
 from . import semconv
 from .config import Detail, Settings, TraceScope
@@ -43,6 +45,7 @@ _ATTR_MAX_CHARS = 1024
 # Before any optimizer.step() is seen, a step ends at the top-level forward after
 # this many completed backward passes (scripts that never step an optimizer).
 NO_OPTIMIZER_CYCLES = 8
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 PASS_NONE = "none"
 # Raised by torch.utils.checkpoint to stop a recompute early: control flow, not a failure.
 _CONTROL_FLOW_ERRORS = frozenset({"_StopRecomputationError"})
@@ -60,6 +63,7 @@ class Record:
         "kind", "name", "fqn", "module_type", "pass_", "call_index", "start_ns", "end_ns",
         "parent", "fwd", "events", "dropped_events", "error", "unmatched", "params",
         "open_bw", "bw_records", "graph_task", "input_hooked", "hidden", "attrs", "hooked_outputs",
+        "span_id",
     )
 
     def __init__(self, kind: int, name: str, start_ns: int) -> None:
@@ -85,10 +89,12 @@ class Record:
         self.hidden = False
         self.attrs: dict[str, Any] = {}
         self.hooked_outputs: set[int] | frozenset = set()  # ids of outputs with a backward hook
+        self.span_id = 0  # assigned up front when a metric exemplar points at this span
 
 
 class _Step:
-    __slots__ = ("index", "traced", "root", "records", "kind", "backward_done", "had_module")
+    __slots__ = ("index", "traced", "root", "records", "kind", "backward_done", "had_module",
+                 "trace_id")
 
     def __init__(self, index: int, traced: bool, root: Record, kind: int) -> None:
         self.index = index
@@ -98,6 +104,7 @@ class _Step:
         self.kind = kind
         self.backward_done = 0  # backward passes completed in this step
         self.had_module = False
+        self.trace_id = 0  # known up front for traced steps when span ids can be pre-assigned
 
 
 class Recorder:
@@ -110,8 +117,11 @@ class Recorder:
         metrics: a ``metrics.CollectiveMetrics`` or ``None``.
     """
 
-    def __init__(self, settings: Settings, emit_step: Callable | None, metrics: Any | None) -> None:
+    def __init__(self, settings: Settings, emit_step: Callable | None, metrics: Any | None,
+                 preassigned_ids: Callable[[], bool] = lambda: False) -> None:
         self.settings = settings
+        self._preassigned_ids = preassigned_ids
+        self._exemplars: bool | None = None  # decided at the first traced step
         self._emit_step = emit_step
         self._metrics = metrics
         self._groups = GroupResolver()
@@ -201,7 +211,25 @@ class Recorder:
         root.attrs[semconv.STEP] = index
         step = self._step = _Step(index, traced, root, _KIND_STEP)
         self._call_counts.clear()
+        if traced and self._exemplars_on():
+            step.trace_id = self._trace_id(step) or random.getrandbits(128) or 1
         return step
+
+    def _exemplars_on(self) -> bool:
+        if self._exemplars is None:
+            try:
+                self._exemplars = bool(self._preassigned_ids())
+            except Exception as error:
+                self._exemplars = False
+                self.hook_failed("telemetry start", error)
+        return self._exemplars
+
+    def _exemplar_context(self, owner: Record, step: _Step) -> Any:
+        """An OTel context naming ``owner``'s future span, so metric points get exemplars."""
+        if not owner.span_id:
+            owner.span_id = random.getrandbits(64) or 1
+        return set_span_in_context(NonRecordingSpan(SpanContext(
+            step.trace_id, owner.span_id, is_remote=False, trace_flags=_SAMPLED)))
 
     def _outside_step(self, now: int) -> _Step:
         if self._outside is None:
@@ -446,8 +474,11 @@ class Recorder:
             pass_ = semconv.PASS_FORWARD if self._depth else PASS_NONE
         if self._metrics is not None and not fake:  # fake/meta tensors move no bytes
             fqn = owner.fqn if owner is not None else ""
+            context = None
+            if step is not None and step.trace_id and owner is not None:
+                context = self._exemplar_context(owner, step)
             self._metrics.collective(spec.op, pass_, group, self.rank().rank, nbytes,
-                                     duration_ns / 1e9, fqn)
+                                     duration_ns / 1e9, fqn, context=context)
         for sink in self.sinks:
             sink(spec, owner, pass_)
         if step is None:
@@ -539,7 +570,7 @@ class Recorder:
             roots = children.get(id(root), [])
         else:
             roots = [root]
-        trace_id = self._trace_id(step)
+        trace_id = step.trace_id or self._trace_id(step)
         self._emit_step(roots, children, trace_id)
 
     @staticmethod

@@ -74,18 +74,20 @@ class StepIdGenerator(IdGenerator):
         self._pending = threading.local()
 
     @contextlib.contextmanager
-    def trace_id(self, trace_id: int | None) -> Iterator[None]:
-        self._pending.value = trace_id
+    def ids(self, trace_id: int | None, span_id: int = 0) -> Iterator[None]:
+        """Ids for the span started inside: ``trace_id`` (root spans only) and ``span_id`` (0: random)."""
+        self._pending.trace_id, self._pending.span_id = trace_id, span_id
         try:
             yield
         finally:
-            self._pending.value = None
+            self._pending.trace_id = self._pending.span_id = None
 
     def generate_span_id(self) -> int:
-        return self._inner.generate_span_id()
+        pending = getattr(self._pending, "span_id", None)
+        return pending if pending else self._inner.generate_span_id()
 
     def generate_trace_id(self) -> int:
-        pending = getattr(self._pending, "value", None)
+        pending = getattr(self._pending, "trace_id", None)
         return pending if pending else self._inner.generate_trace_id()
 
 
@@ -283,22 +285,27 @@ class Telemetry:
         return exporters
 
     # ---------------------------------------------------------------- spans
+    def preassigned_ids(self) -> bool:
+        """True when span ids chosen by the recorder are honoured (our id generator is in the provider)."""
+        self.tracer()
+        return self._ids is not None
+
     def emit(self, roots: list, children: dict[int, list], trace_id: int | None) -> None:
         """Turn finished records (``recorder.Record``) into spans with their own timestamps."""
         tracer = self.tracer()
-        ids = self._ids
         for root in roots:
-            if ids is not None and trace_id is not None:
-                with ids.trace_id(trace_id):
-                    span = tracer.start_span(root.name, context=otel_context.Context(),
-                                             attributes=_span_attributes(root),
-                                             start_time=root.start_ns)
-            else:
-                span = tracer.start_span(root.name, context=otel_context.Context(),
-                                         attributes=_span_attributes(root), start_time=root.start_ns)
-            self._finish(span, root, children, tracer)
+            self._start(tracer, root, otel_context.Context(), trace_id, children)
 
-    def _finish(self, span: Any, record: Any, children: dict[int, list], tracer: Any) -> None:
+    def _start(self, tracer: Any, record: Any, parent_context: Any, trace_id: int | None,
+               children: dict[int, list]) -> None:
+        ids = self._ids
+        if ids is not None and (trace_id or record.span_id):
+            with ids.ids(trace_id, record.span_id):
+                span = tracer.start_span(record.name, context=parent_context,
+                                         attributes=_span_attributes(record), start_time=record.start_ns)
+        else:
+            span = tracer.start_span(record.name, context=parent_context,
+                                     attributes=_span_attributes(record), start_time=record.start_ns)
         for name, attributes, timestamp in record.events:
             span.add_event(name, attributes, timestamp)
         if record.error is not None:
@@ -306,12 +313,9 @@ class Telemetry:
             span.record_exception(record.error, timestamp=record.end_ns)
         kids = children.get(id(record))
         if kids:
-            parent_context = otel_trace.set_span_in_context(span)
+            context = otel_trace.set_span_in_context(span)
             for child in kids:
-                child_span = tracer.start_span(child.name, context=parent_context,
-                                               attributes=_span_attributes(child),
-                                               start_time=child.start_ns)
-                self._finish(child_span, child, children, tracer)
+                self._start(tracer, child, context, None, children)
         span.end(end_time=record.end_ns)
 
     def reset_after_fork(self) -> None:

@@ -144,3 +144,19 @@ def test_no_tensor_values_leave_the_process(telemetry, tracer_factory, single_ra
     text = repr([(s.name, dict(s.attributes), [(e.name, dict(e.attributes)) for e in s.events])
                  for s in telemetry.spans()])
     assert "1234.5" not in text and "aten.addmm.default" in text
+
+
+def test_metric_exemplars_point_at_the_span_that_owns_the_collective(telemetry, tracer_factory,
+                                                                     single_rank_group):
+    model = AllReduceLinear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tracer_factory():
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+    span = telemetry.one("AllReduceLinear forward")
+    data = telemetry.metric_reader.get_metrics_data()
+    exemplars = [exemplar for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+                 if m.name == semconv.METRIC_OPERATIONS for point in m.data.data_points
+                 for exemplar in point.exemplars]
+    assert [(e.trace_id, e.span_id) for e in exemplars] == [(span.context.trace_id, span.context.span_id)]
+    assert span.context.trace_id == telemetry.one("train_step").context.trace_id
