@@ -796,10 +796,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with counting_receiver() as rx:
             if "overhead" in phases:
-                phase_overhead(rx, "tp", 2, rounds=4 if q else 10, steps_per_block=5,
+                phase_overhead(rx, "tp", 2, rounds=4 if q else 8, steps_per_block=5,
                                report=report)
                 if not q:
-                    phase_overhead(rx, "fsdp_tp", 4, rounds=4, steps_per_block=4, report=report)
+                    phase_overhead(rx, "fsdp_tp", 4, rounds=3, steps_per_block=4, report=report)
             if "memory" in phases:
                 phase_memory_and_rate(rx, steps=300 if q else 1000, warmup=100,
                                       rate_steps=10 if q else 30, report=report)

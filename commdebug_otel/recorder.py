@@ -145,6 +145,11 @@ class Recorder:
         self._failed: set[str] = set()
         self.sinks: list[Callable[[CollectiveSpec, Record | None, str], None]] = []
         self.module_sinks: list[Callable[[torch.nn.Module, str], None]] = []
+        # op_sinks: (func, args, is_dtensor, owner) for every op_event, traced step or not.
+        self.op_sinks: list[Callable[[Any, tuple, bool, Record | None], None]] = []
+        # event_filter(func, is_dtensor): which reported ops become span events (None: all);
+        # lets the CommDebugMode drop-in see every op while events keep the user's detail.
+        self.event_filter: Callable[[Any, bool], bool] | None = None
         self.active = True
 
     def reset_after_fork(self) -> None:
@@ -527,7 +532,11 @@ class Recorder:
     def op_event(self, func: Any, args: tuple, is_dtensor: bool) -> None:
         """An op ran at detail ``dtensor`` or above: an event named after the overload."""
         owner, step = self._owner()
+        for sink in self.op_sinks:
+            sink(func, args, is_dtensor, owner)
         if step is None or not step.traced or owner is None:
+            return
+        if self.event_filter is not None and not self.event_filter(func, is_dtensor):
             return
         name = str(func)
         attrs: dict[str, Any] = {semconv.OP_NAME: name}

@@ -108,7 +108,10 @@ class ModuleTracker:
             record = recorder.module_pre(module, name, args)
             self._calls.append((module, record))
             if record is not None and torch.is_grad_enabled() and record.pass_ == "forward":
-                inputs = _grad_tensors(args, [])
+                # Leaves are left out: torch's "all" multi-grad hook asks the engine about
+                # each tensor's node, which raises for a leaf inside torch.autograd.grad()
+                # (pipeline parallel does that). Without a hook, backward ends with the pass.
+                inputs = [t for t in _grad_tensors(args, []) if t.grad_fn is not None]
                 if inputs:
                     record.input_hooked = True
                     register_multi_grad_hook(inputs, _BackwardEnd(recorder, record))

@@ -48,11 +48,13 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, env: dict | None = None
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(_worker, args=(world_size, free_port(), out_dir, fn, args, env or {}),
                            nprocs=world_size, join=True, start_method="spawn")
-        results = []
+        results, failures = [], []
         for rank in range(world_size):
             with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as handle:
                 status, value = pickle.load(handle)
             if status != "ok":
-                raise AssertionError(f"rank {rank} failed:\n{value}")
+                failures.append(f"rank {rank} failed:\n{value}")
             results.append(value)
+        if failures:
+            raise AssertionError("\n".join(failures))
         return results

@@ -164,3 +164,72 @@ def test_send_and_recv_are_events_with_peer():
         ("send", 1, 24)]
     assert [(name, a[semconv.COLLECTIVE_PEER], a[semconv.COLLECTIVE_BYTES]) for name, a in received] == [
         ("recv", 0, 24)]
+
+
+def _ddp(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from commdebug_otel import CommTracer, Settings
+    from commdebug_otel.testing import InMemoryTelemetry
+
+    telemetry = InMemoryTelemetry()
+    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(),
+                                                        torch.nn.Linear(4, 2)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with CommTracer(Settings(), tracer_provider=telemetry.tracer_provider,
+                    meter_provider=telemetry.meter_provider):
+        for _ in range(2):
+            model(torch.randn(3, 4)).sum().backward()
+            optimizer.step()
+    return [(s.name, [(e.name, dict(e.attributes)) for e in s.events]) for s in telemetry.spans() if s.events]
+
+
+def test_ddp_reducer_all_reduce_is_seen_in_backward():
+    # DDP's C++ reducer calls ProcessGroup::allreduce, which goes through the dispatcher's c10d ops.
+    spans = run_ranks(_ddp, 2)[0]
+    reduces = [(name, e) for name, events in spans for op, e in events if op == "all_reduce"]
+    assert len(reduces) == 2  # one gradient bucket per step
+    for name, attributes in reduces:
+        assert name.endswith("backward")
+        assert attributes[semconv.COLLECTIVE_BYTES] == (4 * 4 + 4 + 4 * 2 + 2) * 4  # every gradient, float32
+        assert attributes[semconv.MODULE_PASS] == "backward"
+
+
+def _pipeline(rank, world_size):
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    from commdebug_otel import CommTracer, Settings
+    from commdebug_otel.testing import InMemoryTelemetry
+
+    torch.manual_seed(0)
+    telemetry = InMemoryTelemetry()
+    stage_module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    stage = PipelineStage(stage_module, rank, world_size, torch.device("cpu"))
+    schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=lambda out, target: out.sum())
+    optimizer = torch.optim.SGD(stage_module.parameters(), lr=0.1)
+    with CommTracer(Settings(), tracer_provider=telemetry.tracer_provider,
+                    meter_provider=telemetry.meter_provider):
+        x = torch.randn(4, 4)
+        if rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=torch.zeros(4, 4), losses=[])
+        optimizer.step()
+    return [(e.name, dict(e.attributes)) for s in telemetry.spans() for e in s.events
+            if semconv.COLLECTIVE_OP in e.attributes]
+
+
+def test_pipeline_parallel_send_and_recv():
+    first, last = run_ranks(_pipeline, 2)
+
+    def view(events):
+        return [(name, e[semconv.COLLECTIVE_PEER], e[semconv.COLLECTIVE_BYTES], e[semconv.COLLECTIVE_DTYPE])
+                for name, e in events]
+
+    # Stage set-up exchanges shape metadata (send_object_list: a size, then pickled bytes) ...
+    assert [(name, dtype) for name, _, _, dtype in view(first)[:6]] == [
+        ("send", "int32"), ("recv", "int32"), ("send", "int64"), ("send", "uint8"),
+        ("recv", "int64"), ("recv", "uint8")]
+    # ... then two microbatches of [2, 4] float32 activations go forward and their gradients come back.
+    assert view(first)[6:] == [("send", 1, 32, "float32")] * 2 + [("recv", 1, 32, "float32")] * 2
+    assert view(last)[6:] == [("recv", 0, 32, "float32")] * 2 + [("send", 0, 32, "float32")] * 2

@@ -146,7 +146,7 @@ def test_checkpoint_recompute_sits_under_the_backward_that_caused_it(telemetry, 
 def test_backward_that_never_reaches_inputs_is_closed_and_marked(telemetry, tracer_factory):
     model = torch.nn.Linear(4, 4)
     with tracer_factory():
-        out = model(torch.randn(2, 4, requires_grad=True))
+        out = model(torch.randn(2, 4, requires_grad=True) * 2)  # a non-leaf input gets the end hook
         torch.autograd.grad(out.sum(), [model.weight])  # input grad never computed
     backward = telemetry.one("Linear backward")
     assert backward.attributes[semconv.SPAN_UNMATCHED] is True
