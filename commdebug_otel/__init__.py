@@ -24,8 +24,8 @@ Usage::
 
 What it does not do: it never exports tensor values (only names, shapes,
 dtypes, sizes and placements), it does not see inside ``torch.compile``d
-regions, and it sees collectives issued through the PyTorch dispatcher only
-(not DDP's C++ reducer; see docs/troubleshooting.md).
+regions, and it sees collectives issued through the PyTorch dispatcher on the
+thread that started it (see docs/troubleshooting.md).
 
 Importing this package imports neither torch nor the OTel SDK: names load on
 first use.
