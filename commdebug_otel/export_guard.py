@@ -67,12 +67,19 @@ def fold_exporter_logs() -> None:
             logging.getLogger(name).addFilter(_fold)
 
 
-def warn_once(endpoint: str, what: str) -> None:
-    """One warning per endpoint for the life of the process."""
+def claim_warning(endpoint: str) -> bool:
+    """True the first time ``endpoint`` is named in a warning; later calls get False."""
     with _warned_lock:
         if endpoint in _warned:
-            return
+            return False
         _warned.add(endpoint)
+        return True
+
+
+def warn_once(endpoint: str, what: str) -> None:
+    """One warning per endpoint for the life of the process."""
+    if not claim_warning(endpoint):
+        return
     detail = f" ({_fold.last_message})" if _fold.last_message else ""
     _logger.warning("commdebug-otel: cannot export %s to %s%s; dropped telemetry is counted in "
                     "commdebug.telemetry.dropped and training continues", what, endpoint, detail)

@@ -95,7 +95,8 @@ class CommTracer:
         self._mode.__enter__()
         self._optimizer_handle = register_optimizer_step_post_hook(
             self._optimizer_step_post_hook)
-        atexit.register(self.stop)
+        atexit.register(self._stop_at_exit)
+        self.telemetry.before_shutdown.append(self._stop_at_exit)
         if not self._fork_hook:
             self._fork_hook = True
             os.register_at_fork(after_in_child=self._after_fork_in_child)
@@ -130,12 +131,18 @@ class CommTracer:
         except Exception as error:
             self.recorder.hook_failed("optimizer step hook", error)
 
-    def stop(self) -> None:
-        """End every open span, remove every hook, export, and leave training untouched."""
+    def _stop_at_exit(self) -> None:
+        # The telemetry's own exit handler flushes and shuts down, within one timeout.
+        self.stop(flush=False)
+
+    def stop(self, flush: bool = True) -> None:
+        """End every open span, remove every hook, and (``flush``) export within the shutdown timeout."""
         if not self._started:
             return
         self._started = False
-        atexit.unregister(self.stop)
+        atexit.unregister(self._stop_at_exit)
+        if self._stop_at_exit in self.telemetry.before_shutdown:
+            self.telemetry.before_shutdown.remove(self._stop_at_exit)
         try:
             self.recorder.finish()
         except Exception as error:
@@ -146,7 +153,8 @@ class CommTracer:
             self._optimizer_handle = None
         self._exit_mode()
         self._tracker.remove()
-        self.telemetry.force_flush()  # bounded by the shutdown timeout; never raises
+        if flush:
+            self.telemetry.force_flush()  # bounded by the shutdown timeout; never raises
 
     def _exit_mode(self) -> None:
         mode, self._mode = self._mode, None

@@ -44,6 +44,7 @@ from . import semconv
 from .config import Settings
 from .export_guard import (
     CountingBatchSpanProcessor,
+    claim_warning,
     CountingMetricExporter,
     SizedSpanExporter,
     fold_exporter_logs,
@@ -152,6 +153,9 @@ class Telemetry:
         self.disabled = _truthy(os.environ.get("OTEL_SDK_DISABLED"))
         # Set by CommTracer to its metrics' drop counter: count_dropped(kind, n).
         self.count_dropped: Any = lambda kind, count: None
+        # Called at exit before the providers shut down: tracers end their open spans there.
+        self.before_shutdown: list[Any] = []
+        self.endpoints: list[str] = []  # OTLP endpoints in use, for warnings
 
     # ------------------------------------------------------------- providers
     def tracer(self) -> otel_trace.Tracer:
@@ -221,7 +225,15 @@ class Telemetry:
     def _register_atexit(self) -> None:
         if not self._atexit:
             self._atexit = True
-            atexit.register(self.shutdown)
+            atexit.register(self._exit)
+
+    def _exit(self) -> None:
+        for finish in list(self.before_shutdown):
+            try:
+                finish()
+            except Exception as error:
+                _logger.debug("commdebug-otel: closing spans at exit failed: %s", error)
+        self.shutdown()
 
     # ------------------------------------------------------------- exporters
     def _file_path(self, signal: str, rank: RankInfo) -> str:
@@ -240,6 +252,7 @@ class Telemetry:
             if name == "otlp":
                 fold_exporter_logs()
                 endpoint = otlp_endpoint("traces")
+                self.endpoints.append(endpoint)
                 if _protocol("traces").startswith("http"):
                     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
                 else:
@@ -265,6 +278,7 @@ class Telemetry:
             if name == "otlp":
                 fold_exporter_logs()
                 endpoint = otlp_endpoint("metrics")
+                self.endpoints.append(endpoint)
                 if _protocol("metrics").startswith("http"):
                     from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
                 else:
@@ -336,7 +350,7 @@ class Telemetry:
         providers = [p for p in (self._own_tracer_provider, self._own_meter_provider) if p is not None]
         timeout_ms = int(self._settings.shutdown_timeout_s * 1000)
         _bounded("flush", [lambda p=p: p.force_flush(timeout_ms) for p in providers],
-                 self._settings.shutdown_timeout_s)
+                 self._settings.shutdown_timeout_s, self.endpoints)
 
     def shutdown(self) -> None:
         """Flush and shut our providers down within ``shutdown_timeout_s``, traces and metrics together.
@@ -354,10 +368,10 @@ class Telemetry:
                 calls.append(lambda p=provider: p.shutdown(timeout_millis=timeout_s * 1000))
             else:
                 calls.append(provider.shutdown)
-        _bounded("shutdown", calls, timeout_s)
+        _bounded("shutdown", calls, timeout_s, self.endpoints)
 
 
-def _bounded(what: str, calls: list, timeout_s: float) -> None:
+def _bounded(what: str, calls: list, timeout_s: float, endpoints: list[str] = ()) -> None:
     """Run ``calls`` in order in one daemon thread; wait at most ``timeout_s`` seconds for all of them."""
     if not calls:
         return
@@ -373,9 +387,11 @@ def _bounded(what: str, calls: list, timeout_s: float) -> None:
     worker.start()
     worker.join(timeout_s)
     if worker.is_alive():
+        unnamed = [endpoint for endpoint in dict.fromkeys(endpoints) if claim_warning(endpoint)]
+        where = f" to {', '.join(unnamed)}" if unnamed else ""
         _logger.warning("commdebug-otel: telemetry %s did not finish within %.1f s "
-                        "(OTEL_PYTHON_COMMDEBUG_SHUTDOWN_TIMEOUT); unsent telemetry is dropped",
-                        what, timeout_s)
+                        "(OTEL_PYTHON_COMMDEBUG_SHUTDOWN_TIMEOUT); unsent telemetry%s is dropped",
+                        what, timeout_s, where)
 
 
 def otlp_endpoint(signal: str) -> str:

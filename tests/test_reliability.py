@@ -76,10 +76,11 @@ def test_bad_collector_costs_one_warning_and_a_bounded_exit(protocol, collector)
     assert result.returncode == 0, result.stderr
     done = float(result.stdout.split("TRAINING DONE ")[1].split()[0])
     exited = time.time()
-    # stop() flushes within the timeout, then the atexit shutdown within it again: 2 x 2 s, plus slack.
-    assert exited - done < 2 * 2 + 3, result.stderr
+    # One bounded flush-and-shutdown of 2 s at exit (not ~10 s per provider), plus interpreter
+    # and process-group teardown.
+    assert exited - done < 2 + 6, result.stderr
     warnings = [line for line in result.stderr.splitlines() if endpoint in line]
-    assert len(warnings) <= 1, result.stderr
+    assert len(warnings) == 1, result.stderr
     assert "Traceback" not in result.stderr
 
 
