@@ -197,3 +197,72 @@ def test_fork_child_exports_its_own_spans(tmp_path):
     child_pid = int(result.stdout.split("CHILD PID ")[1].split()[0])
     child_steps = [s for s in spans if s["name"] == "train_step" and s["resource"]["process.pid"] == child_pid]
     assert len(child_steps) == 2
+
+
+def test_full_export_queue_drops_are_counted_and_memory_is_bounded():
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+    from commdebug_otel.export_guard import CountingBatchSpanProcessor
+
+    release = threading.Event()
+    exported = []
+
+    class Stuck(SpanExporter):
+        def export(self, spans):
+            release.wait(10)
+            exported.extend(spans)
+            return SpanExportResult.SUCCESS
+
+    drops = []
+    processor = CountingBatchSpanProcessor(Stuck(), lambda kind, n: drops.append((kind, n)),
+                                           max_queue_size=8, max_export_batch_size=4,
+                                           schedule_delay_millis=1)
+    provider = TracerProvider(shutdown_on_exit=False)
+    provider.add_span_processor(processor)
+    tracer = provider.get_tracer("test")
+    for index in range(100):
+        tracer.start_span(f"span {index}").end()
+    assert len(processor._batch_processor._queue) <= 8  # bounded
+    release.set()
+    provider.shutdown()
+    dropped = sum(n for kind, n in drops if kind == "span")
+    assert dropped > 0 and dropped + len(exported) == 100
+
+
+def test_exported_files_hold_no_tensor_values_and_bounded_strings(tmp_path, monkeypatch, single_rank_group):
+    from commdebug_otel import Detail
+    from commdebug_otel.telemetry import Telemetry
+
+    monkeypatch.setenv("OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR", str(tmp_path))
+    sentinel = 8675.309
+
+    class Leaky(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 3)
+
+        def forward(self, x):
+            out = self.lin(x)
+            torch.distributed.all_reduce(out.detach())
+            if x.shape[0] == 2:
+                raise ValueError("x" * 20000)
+            return out
+
+    settings = Settings(detail=Detail.ALL, output_dir=str(tmp_path))
+    tracer = CommTracer(settings)
+    tracer.telemetry = Telemetry(settings, tracer.recorder.rank)  # a private SDK set-up
+    tracer.recorder._emit_step = tracer.telemetry.emit
+    model = Leaky()
+    with torch.no_grad():
+        model.lin.weight.fill_(sentinel)
+        model.lin.bias.fill_(sentinel)
+    with tracer:
+        model(torch.full((1, 3), sentinel))
+        with pytest.raises(ValueError):
+            model(torch.full((2, 3), sentinel))
+    tracer.telemetry.shutdown()
+    text = (tmp_path / "traces-rank0.jsonl").read_text() + (tmp_path / "metrics-rank0.jsonl").read_text()
+    assert "aten.addmm.default" in text and "all_reduce" in text
+    assert "8675" not in text
+    assert "x" * 4096 in text and "x" * 4097 not in text
