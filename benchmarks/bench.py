@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """commdebug-otel overhead benchmark: step time, memory, export rate, black hole, import cost.
 
-Run from the repository root (about 5 minutes; ``--quick`` about 1.5 minutes)::
+Run from the repository root (12 minutes on 2 busy cores; ``--quick`` about 3)::
 
     python benchmarks/bench.py [--quick] [--installed] [--json results.json]
 

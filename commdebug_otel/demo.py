@@ -21,7 +21,6 @@ import socket
 import sys
 import tempfile
 import time
-from typing import Any
 
 from .config import Detail, Settings
 from .telemetry import exporter_names

@@ -12,7 +12,6 @@ import os
 import threading
 from typing import Any
 
-import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .config import Settings

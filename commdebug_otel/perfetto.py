@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections import defaultdict
 from typing import Any
 
 from . import semconv
-from .summary import load_spans
+from .summary import load_for_command
 
 __all__ = ["add_arguments", "chrome_trace", "run", "write_chrome_trace"]
 
@@ -126,13 +125,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Convert ``args.paths`` to ``args.output``. Returns 0, or 1 when there is nothing to convert."""
-    try:
-        spans = load_spans(args.paths)
-    except FileNotFoundError as error:
-        print(f"commdebug-otel perfetto: {error}", file=sys.stderr)
-        return 1
-    if not spans:
-        print("commdebug-otel perfetto: no spans found (expected OTLP-JSON trace files)", file=sys.stderr)
+    spans = load_for_command(args.paths, "perfetto")
+    if spans is None:
         return 1
     counts = write_chrome_trace(spans, args.output)
     print(f"wrote {args.output}: {counts['slices']} slices and {counts['instants']} instant events "

@@ -32,7 +32,7 @@ import torch
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
 
 from . import semconv
-from .config import Detail, Settings, TraceScope
+from .config import Settings, TraceScope
 from .ops import CollectiveSpec, GroupResolver, payload_facts, reduce_op_name
 from .steps import RankInfo, job_nonce, rank_info, step_trace_id
 
@@ -94,7 +94,7 @@ class Record:
 
 class _Step:
     __slots__ = ("index", "traced", "root", "records", "kind", "backward_done", "had_module",
-                 "trace_id")
+                 "trace_id", "hooks")
 
     def __init__(self, index: int, traced: bool, root: Record, kind: int) -> None:
         self.index = index
@@ -105,6 +105,7 @@ class _Step:
         self.backward_done = 0  # backward passes completed in this step
         self.had_module = False
         self.trace_id = 0  # known up front for traced steps when span ids can be pre-assigned
+        self.hooks: list[Any] = []  # multi-grad hook handles, removed when the step closes
 
 
 class Recorder:
@@ -260,6 +261,16 @@ class Recorder:
             step.kind = -1  # no train_step span: each top-level forward is a root
         self._close(step, now)
 
+    def keep_hook(self, handle: Any) -> None:
+        """Remember a multi-grad hook: it is removed when the step closes.
+
+        A hook left on a tensor that outlives the step (a cached activation, a
+        tensor kept by the user) would keep the step's records alive.
+        """
+        step = self._step
+        if step is not None:
+            step.hooks.append(handle)
+
     def _close(self, step: _Step, now: int) -> None:
         for record in reversed(self._fwd_stack):
             if record.end_ns == 0:
@@ -270,11 +281,19 @@ class Recorder:
             record.end_ns, record.unmatched = now, record.fwd is not None and record.fwd.input_hooked
         self._open_bw.clear()
         step.root.end_ns = now
+        for handle in step.hooks:
+            handle.remove()
+        step.hooks.clear()
         if step.traced and self._emit_step is not None:
             try:
                 self._emit(step)
             except Exception as error:
                 self.hook_failed("building spans", error)
+        for record in step.records:  # nothing outlives the step through these links
+            record.parent = record.fwd = record.open_bw = None
+            record.bw_records = []
+            record.events = []
+        step.records.clear()
 
     def finish(self) -> None:
         """Close whatever is open (at exit or uninstrument) so every started span ends."""

@@ -40,7 +40,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from . import semconv
-from .testing.otlp_receiver import spans_from_otlp_json
+from .otlp_json import spans_from_otlp_json
 
 __all__ = [
     "GLOBAL",
@@ -554,15 +554,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="text report, or CommDebugMode's generate_json_dump tree (default text)")
 
 
+def load_for_command(paths: Iterable[str], command: str) -> list[dict[str, Any]] | None:
+    """``load_spans(paths)``, or None after telling the user (on stderr) why there is nothing to read."""
+    try:
+        spans = load_spans(paths)
+    except FileNotFoundError as error:
+        print(f"commdebug-otel {command}: {error}", file=sys.stderr)
+        return None
+    if not spans:
+        print(f"commdebug-otel {command}: no spans found (expected OTLP-JSON trace files)", file=sys.stderr)
+        return None
+    return spans
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the report (or JSON tree) for ``args.paths``. Returns 0, or 1 when there is nothing to show."""
-    try:
-        spans = load_spans(args.paths)
-    except FileNotFoundError as error:
-        print(f"commdebug-otel summarize: {error}", file=sys.stderr)
-        return 1
-    if not spans:
-        print("commdebug-otel summarize: no spans found (expected OTLP-JSON trace files)", file=sys.stderr)
+    spans = load_for_command(args.paths, "summarize")
+    if spans is None:
         return 1
     ranks = _ranks(spans)
     if args.rank not in ranks:

@@ -63,6 +63,26 @@ DEFAULT_EXPORT_BATCH_SPANS = 64
 MAX_ATTRIBUTE_CHARS = 4096
 
 
+# (signal, kind) -> (module, class): imported only when chosen.
+_EXPORTER_CLASSES = {
+    ("traces", "grpc"): ("opentelemetry.exporter.otlp.proto.grpc.trace_exporter", "OTLPSpanExporter"),
+    ("traces", "http"): ("opentelemetry.exporter.otlp.proto.http.trace_exporter", "OTLPSpanExporter"),
+    ("traces", "file"): ("opentelemetry.exporter.otlp.json.file", "FileSpanExporter"),
+    ("traces", "console"): ("opentelemetry.sdk.trace.export", "ConsoleSpanExporter"),
+    ("metrics", "grpc"): ("opentelemetry.exporter.otlp.proto.grpc.metric_exporter", "OTLPMetricExporter"),
+    ("metrics", "http"): ("opentelemetry.exporter.otlp.proto.http.metric_exporter", "OTLPMetricExporter"),
+    ("metrics", "file"): ("opentelemetry.exporter.otlp.json.file", "FileMetricExporter"),
+    ("metrics", "console"): ("opentelemetry.sdk.metrics.export", "ConsoleMetricExporter"),
+}
+
+
+def _exporter_class(signal: str, kind: str) -> Any:
+    import importlib
+
+    module, name = _EXPORTER_CLASSES[(signal, kind)]
+    return getattr(importlib.import_module(module), name)
+
+
 def _truthy(value: str | None) -> bool:
     return (value or "").strip().lower() == "true"
 
@@ -247,55 +267,31 @@ class Telemetry:
         return os.path.join(directory, f"{signal}-rank{rank.rank}.jsonl")
 
     def _span_exporters(self, rank: RankInfo) -> list[SpanExporter]:
-        exporters: list[SpanExporter] = []
-        for name in exporter_names("traces"):
-            if name == "otlp":
-                fold_exporter_logs()
-                endpoint = otlp_endpoint("traces")
-                self.endpoints.append(endpoint)
-                if _protocol("traces").startswith("http"):
-                    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-                else:
-                    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-                exporters.append(SizedSpanExporter(OTLPSpanExporter(endpoint=endpoint), endpoint,
-                                                   self._count))
-            elif name == "file":
-                from opentelemetry.exporter.otlp.json.file import FileSpanExporter
-
-                exporters.append(FileSpanExporter(self._file_path("traces", rank)))
-            elif name == "console":
-                from opentelemetry.sdk.trace.export import ConsoleSpanExporter
-
-                exporters.append(ConsoleSpanExporter())
-            elif name != "none":
-                _logger.warning("commdebug-otel: ignoring OTEL_TRACES_EXPORTER value %r: "
-                                "expected otlp, file, console or none", name)
-        return exporters
+        return self._exporters("traces", rank)
 
     def _metric_exporters(self, rank: RankInfo) -> list[Any]:
+        return self._exporters("metrics", rank)
+
+    def _exporters(self, signal: str, rank: RankInfo) -> list[Any]:
+        """The exporters ``OTEL_{signal}_EXPORTER`` names (after the embedded default)."""
         exporters: list[Any] = []
-        for name in exporter_names("metrics"):
+        for name in exporter_names(signal):
             if name == "otlp":
                 fold_exporter_logs()
-                endpoint = otlp_endpoint("metrics")
+                endpoint = otlp_endpoint(signal)
                 self.endpoints.append(endpoint)
-                if _protocol("metrics").startswith("http"):
-                    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-                else:
-                    from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
-                exporters.append(CountingMetricExporter(OTLPMetricExporter(endpoint=endpoint), endpoint,
-                                                        self._count))
+                transport = "http" if _protocol(signal).startswith("http") else "grpc"
+                guard = SizedSpanExporter if signal == "traces" else CountingMetricExporter
+                exporters.append(guard(_exporter_class(signal, transport)(endpoint=endpoint),
+                                       endpoint, self._count))
             elif name == "file":
-                from opentelemetry.exporter.otlp.json.file import FileMetricExporter
-
-                exporters.append(FileMetricExporter(self._file_path("metrics", rank)))
+                exporters.append(_exporter_class(signal, "file")(self._file_path(signal, rank)))
             elif name == "console":
-                from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
-
-                exporters.append(ConsoleMetricExporter())
-            elif name not in ("none", "prometheus"):
-                _logger.warning("commdebug-otel: ignoring OTEL_METRICS_EXPORTER value %r: "
-                                "expected otlp, prometheus, file, console or none", name)
+                exporters.append(_exporter_class(signal, "console")())
+            elif name != "none" and not (signal == "metrics" and name == "prometheus"):
+                extra = ", prometheus" if signal == "metrics" else ""
+                _logger.warning("commdebug-otel: ignoring OTEL_%s_EXPORTER value %r: "
+                                "expected otlp%s, file, console or none", signal.upper(), name, extra)
         return exporters
 
     # ---------------------------------------------------------------- spans
@@ -462,7 +458,7 @@ def _pull_reader_class() -> type:
 def _prometheus_reader(rank: RankInfo) -> MetricReader | None:
     """A pull endpoint on ``OTEL_EXPORTER_PROMETHEUS_HOST:prometheus_port(rank)`` (needs the ``prometheus`` extra)."""
     try:
-        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        import opentelemetry.exporter.prometheus  # noqa: F401  (the optional extra)
         from prometheus_client import start_http_server
     except ImportError:
         _logger.warning("commdebug-otel: OTEL_METRICS_EXPORTER=prometheus needs "

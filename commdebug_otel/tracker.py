@@ -114,7 +114,7 @@ class ModuleTracker:
                 inputs = [t for t in _grad_tensors(args, []) if t.grad_fn is not None]
                 if inputs:
                     record.input_hooked = True
-                    register_multi_grad_hook(inputs, _BackwardEnd(recorder, record))
+                    recorder.keep_hook(register_multi_grad_hook(inputs, _BackwardEnd(recorder, record)))
         except Exception as error:
             recorder.hook_failed("module forward pre-hook", error)
 
@@ -141,7 +141,8 @@ class ModuleTracker:
         outputs = [t for t in _grad_tensors(output, []) if id(t) not in record.hooked_outputs]
         if outputs:
             record.hooked_outputs.update(id(t) for t in outputs)
-            register_multi_grad_hook(outputs, _BackwardBegin(self._recorder, record), mode="any")
+            self._recorder.keep_hook(
+                register_multi_grad_hook(outputs, _BackwardBegin(self._recorder, record), mode="any"))
 
     def _post_hook(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         recorder = self._recorder

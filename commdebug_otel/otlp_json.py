@@ -1,0 +1,146 @@
+"""OTLP-JSON (the OTel file exporter's format) and OTLP protobuf requests as plain span and metric dicts.
+
+Used by the offline views (``summary.py``, ``perfetto.py``) and by the test
+receiver. OTLP/JSON writes trace and span ids as hex, not base64 as
+protobuf's generic JSON mapping does, and 64-bit integers as strings.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+from google.protobuf import json_format
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2 as _mpb
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as _tpb
+
+__all__ = ["decode_any_value", "metric_dicts", "metrics_from_otlp_json", "parse_otlp_json",
+           "span_dicts", "spans_from_otlp_json"]
+
+_SIGNALS = {
+    "traces": (_tpb.ExportTraceServiceRequest, _tpb.ExportTraceServiceResponse),
+    "metrics": (_mpb.ExportMetricsServiceRequest, _mpb.ExportMetricsServiceResponse),
+}
+_HEX_ID_KEYS = ("traceId", "spanId", "parentSpanId")
+
+
+
+
+def decode_any_value(any_value: Any) -> Any:
+    """Turn an OTLP ``AnyValue`` into str/bool/int/float/bytes, a list, a dict or None."""
+    kind = any_value.WhichOneof("value")
+    if kind is None:
+        return None
+    if kind == "array_value":
+        return [decode_any_value(v) for v in any_value.array_value.values]
+    if kind == "kvlist_value":
+        return _attrs(any_value.kvlist_value.values)
+    return getattr(any_value, kind)
+
+
+def _attrs(key_values: Any) -> dict[str, Any]:
+    return {kv.key: decode_any_value(kv.value) for kv in key_values}
+
+
+def span_dicts(req: Any, transport: str) -> list[dict[str, Any]]:
+    out = []
+    for rs in req.resource_spans:
+        resource = _attrs(rs.resource.attributes)
+        for ss in rs.scope_spans:
+            for s in ss.spans:
+                out.append({
+                    "name": s.name,
+                    "trace_id": s.trace_id.hex(),
+                    "span_id": s.span_id.hex(),
+                    "parent_span_id": s.parent_span_id.hex(),
+                    "kind": int(s.kind),
+                    "start_ns": int(s.start_time_unix_nano),
+                    "end_ns": int(s.end_time_unix_nano),
+                    "attributes": _attrs(s.attributes),
+                    "events": [
+                        {"name": e.name, "time_ns": int(e.time_unix_nano),
+                         "attributes": _attrs(e.attributes)}
+                        for e in s.events
+                    ],
+                    "status_code": int(s.status.code),
+                    "status_message": s.status.message,
+                    "resource": resource,
+                    "scope": ss.scope.name,
+                    "transport": transport,
+                    "dropped_events_count": int(s.dropped_events_count),
+                    "dropped_attributes_count": int(s.dropped_attributes_count),
+                })
+    return out
+
+
+def _point_dicts(metric: Any) -> list[dict[str, Any]]:
+    kind = metric.WhichOneof("data")
+    if kind is None:
+        return []
+    data = getattr(metric, kind)
+    out = []
+    for p in data.data_points:
+        d: dict[str, Any] = {
+            "kind": kind,
+            "attributes": _attrs(p.attributes),
+            "time_ns": int(p.time_unix_nano),
+            "start_ns": int(p.start_time_unix_nano),
+            "is_monotonic": bool(getattr(data, "is_monotonic", False)),
+        }
+        if kind in ("sum", "gauge"):
+            d["value"] = p.as_int if p.WhichOneof("value") == "as_int" else p.as_double
+        else:  # histogram, exponential_histogram, summary
+            d["count"] = int(p.count)
+            d["sum"] = p.sum
+            if kind == "histogram":
+                d["bucket_counts"] = [int(c) for c in p.bucket_counts]
+                d["explicit_bounds"] = list(p.explicit_bounds)
+        out.append(d)
+    return out
+
+
+def metric_dicts(req: Any, transport: str) -> list[dict[str, Any]]:
+    out = []
+    for rm in req.resource_metrics:
+        resource = _attrs(rm.resource.attributes)
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                for d in _point_dicts(m):
+                    out.append({"name": m.name, "unit": m.unit, **d,
+                                "resource": resource, "scope": sm.scope.name,
+                                "transport": transport})
+    return out
+
+
+def _hex_ids_to_base64(obj: Any) -> Any:
+    """OTLP-JSON writes ids as hex; protobuf's JSON mapping expects base64."""
+    if isinstance(obj, list):
+        return [_hex_ids_to_base64(v) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    return {
+        k: base64.b64encode(bytes.fromhex(v)).decode("ascii")
+        if k in _HEX_ID_KEYS and isinstance(v, str) else _hex_ids_to_base64(v)
+        for k, v in obj.items()
+    }
+
+
+def parse_otlp_json(obj: dict | str | bytes, signal: str) -> Any:
+    if isinstance(obj, (str, bytes)):
+        obj = json.loads(obj)
+    msg = _SIGNALS[signal][0]()
+    return json_format.ParseDict(_hex_ids_to_base64(obj), msg, ignore_unknown_fields=True)
+
+
+def spans_from_otlp_json(obj: dict | str | bytes) -> list[dict[str, Any]]:
+    """Span dicts (as ``OtlpReceiver.spans()``, transport "file") from one OTLP-JSON object/line."""
+    return span_dicts(parse_otlp_json(obj, "traces"), "file")
+
+
+def metrics_from_otlp_json(obj: dict | str | bytes) -> list[dict[str, Any]]:
+    """Data-point dicts (as ``OtlpReceiver.metrics()``, transport "file") from one OTLP-JSON object/line."""
+    return metric_dicts(parse_otlp_json(obj, "metrics"), "file")
+
+
+# ---------------------------------------------------------------- transports
