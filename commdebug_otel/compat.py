@@ -18,7 +18,11 @@ data, with these differences (docs/comparison.md):
   ``aten.view.default`` of its global full backward hooks); ours do not;
 * at noise levels 2-3 the order of ops within one module's backward list can
   differ: torch's backward hooks add nodes to the autograd graph, which
-  changes the order in which the engine runs independent nodes.
+  changes the order in which the engine runs independent nodes;
+* at noise levels >= 1 torch heads an empty ``FORWARD PASS`` for a container
+  (``nn.Sequential``) where only its tracker's own ops ran; ours does not;
+* operations are listed under torch's backward owner (see ``_op_owner``), but
+  ops outside forward and backward go to ``Global``, as our collectives do.
 
 The dispatch mode always reports every op here (the reports need them, as
 torch records them all); span events still follow ``settings.detail``.

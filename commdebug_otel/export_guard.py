@@ -16,6 +16,7 @@ With ``telemetry.py``, the only code that touches the OpenTelemetry SDK.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -175,16 +176,40 @@ class CountingMetricExporter(MetricExporter):
         self._inner.shutdown(timeout_millis=timeout_millis, **kwargs)
 
 
+class _CountingQueue(collections.deque):
+    """The SDK batch processor's queue: a full ``appendleft`` drops the oldest item; count it.
+
+    The check and the append hold one lock (as does ``pop``), so the count is
+    exact even while the export thread drains the queue.
+    """
+
+    def __init__(self, items: Any, maxlen: int, on_drop: Callable[[], None]) -> None:
+        super().__init__(items, maxlen)
+        self._on_drop = on_drop
+        self._lock = threading.Lock()
+
+    def appendleft(self, item: Any) -> None:
+        with self._lock:
+            full = len(self) == self.maxlen
+            super().appendleft(item)
+        if full:
+            self._on_drop()
+
+    def pop(self) -> Any:
+        with self._lock:
+            return super().pop()
+
+
 class CountingBatchSpanProcessor(BatchSpanProcessor):
-    """A ``BatchSpanProcessor`` that counts the spans it drops when its queue is full."""
+    """A ``BatchSpanProcessor`` that counts the spans it drops when its queue is full.
+
+    (The SDK drops the oldest span to make room and logs one line.) If the SDK's
+    internals change shape, spans are still exported, just not counted.
+    """
 
     def __init__(self, exporter: SpanExporter, count_dropped: DropCounter, **kwargs: Any) -> None:
         super().__init__(exporter, **kwargs)
-        self._count_dropped = count_dropped
-
-    def on_end(self, span: ReadableSpan) -> None:
         batch = getattr(self, "_batch_processor", None)
         queue = getattr(batch, "_queue", None)
-        if queue is not None and len(queue) >= getattr(batch, "_max_queue_size", 1 << 62):
-            self._count_dropped("span", 1)  # the SDK drops the oldest span to make room
-        super().on_end(span)
+        if isinstance(queue, collections.deque) and queue.maxlen:
+            batch._queue = _CountingQueue(queue, queue.maxlen, lambda: count_dropped("span", 1))

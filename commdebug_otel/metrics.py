@@ -28,6 +28,11 @@ DURATION_BUCKETS_S = (0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05
                       0.1, 0.5, 1.0, 5.0, 10.0)
 
 
+# Pending counter sums are flushed at least this often, so long stretches without a step
+# boundary (evaluation, set-up) still export.
+FLUSH_EVERY_COLLECTIVES = 256
+
+
 class CollectiveMetrics:
     """Records collective metrics on ``meter``; label dicts are cached per label tuple."""
 
@@ -47,6 +52,10 @@ class CollectiveMetrics:
             semconv.METRIC_DROPPED, unit="{item}",
             description="Telemetry that commdebug-otel had to drop, by kind.")
         self._labels: dict[tuple, dict[str, Any]] = {}
+        # Counter increments summed per label set until flush(): two SDK calls per step and
+        # label set instead of two per collective. Histogram points are recorded as they come.
+        self._pending: dict[tuple, list] = {}
+        self._unflushed = 0
 
     def _module_label(self, fqn: str) -> str:
         return ".".join(fqn.split(".")[: self._module_depth + 1])
@@ -74,9 +83,25 @@ class CollectiveMetrics:
             if module:
                 labels[semconv.MODULE_FQN] = module
             self._labels[key] = labels
-        self._operations.add(1, labels, context=context)
-        self._io.add(nbytes, labels, context=context)
+        entry = self._pending.get(key)
+        if entry is None:
+            entry = self._pending[key] = [labels, 0, 0, None]
+        entry[1] += 1
+        entry[2] += nbytes
+        if context is not None:
+            entry[3] = context
         self._duration.record(duration_s, labels, context=context)
+        self._unflushed += 1
+        if self._unflushed >= FLUSH_EVERY_COLLECTIVES:
+            self.flush()
+
+    def flush(self) -> None:
+        """Add the pending counts to the counters (at every step end, and every few hundred collectives)."""
+        pending, self._pending = self._pending, {}
+        self._unflushed = 0
+        for labels, count, nbytes, context in pending.values():
+            self._operations.add(count, labels, context=context)
+            self._io.add(nbytes, labels, context=context)
 
     def dropped(self, kind: str, count: int, rank: int) -> None:
         """Count ``count`` items of telemetry dropped on ``rank``, by ``kind`` (span, event, hook_error, ...)."""
@@ -99,6 +124,10 @@ class LazyCollectiveMetrics:
 
     def collective(self, *args: Any, **kwargs: Any) -> None:
         self._get().collective(*args, **kwargs)
+
+    def flush(self) -> None:
+        if self._metrics is not None:
+            self._metrics.flush()
 
     def reset(self) -> None:
         """Forget the instruments (a forked child gets its own meter)."""

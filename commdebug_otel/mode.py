@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import torch
+from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .config import Detail
@@ -49,27 +49,27 @@ class CollectiveDispatchMode(TorchDispatchMode):
         self._recorder = recorder
         self._detail = detail
         self._dtensor = _dtensor_type()
-        self._failed = False
+        self._record_dtensor_ops = detail >= Detail.DTENSOR
+        self._record_plain_ops = detail >= Detail.OPS
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if isinstance(func, torch._ops.HigherOrderOperator):
-            return func(*args, **kwargs)
+        # Hot path: most ops are neither collectives nor recorded.
         spec = _COLLECTIVES.get(func)
         recorder = self._recorder
         if spec is None:
-            if self._dtensor is not None and self._dtensor in types:
+            if types and self._dtensor in types and not isinstance(func, HigherOrderOperator):
                 if recorder.active:
-                    self._note_dtensor(func, args)
+                    recorder.why_func, recorder.why_args = func, args  # the "why" of collectives to come
+                    if self._record_dtensor_ops:
+                        self._note_dtensor(func, args)
                 return NotImplemented  # let DTensor desugar into local ops and collectives
-            why = recorder.why_func
-            if why is func:
+            if recorder.why_func is func:
                 recorder.why_func = None  # DTensor runs its local op: redistribution is over
-            if self._detail >= Detail.OPS and recorder.active:
+            if self._record_plain_ops and recorder.active:
                 self._note_op(func, args)
-            return func(*args, **kwargs)
+            return func(*args, **kwargs) if kwargs else func(*args)
         start = time.perf_counter_ns()
-        out = func(*args, **kwargs)
+        out = func(*args, **kwargs) if kwargs else func(*args)
         if recorder.active:
             try:
                 recorder.collective(spec, args, time.perf_counter_ns() - start)
@@ -79,10 +79,7 @@ class CollectiveDispatchMode(TorchDispatchMode):
 
     def _note_dtensor(self, func: Any, args: tuple) -> None:
         try:
-            self._recorder.dtensor_op(func, args)
-            if self._detail >= Detail.DTENSOR and (
-                self._detail >= Detail.ALL or str(func) not in TRIVIAL_OPS
-            ):
+            if self._detail >= Detail.ALL or str(func) not in TRIVIAL_OPS:
                 self._recorder.op_event(func, args, is_dtensor=True)
         except Exception as error:
             self._recorder.hook_failed("DTensor op event", error)

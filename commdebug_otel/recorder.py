@@ -137,10 +137,12 @@ class Recorder:
         self._depth = 0  # module nesting when records are skipped (untraced steps)
         self._call_counts: dict[tuple[str, str], int] = {}
         self._params_seen: weakref.WeakSet = weakref.WeakSet()
-        self._why_args: tuple = ()
-        # The DTensor op whose redistribution is in progress (the "why" of a collective).
+        # The DTensor op whose redistribution is in progress (the "why" of a collective),
+        # set by the dispatch mode; its facts are computed only if a collective follows.
         self.why_func: Any = None
-        self._why_attrs: dict[str, Any] | None = None
+        self.why_args: tuple = ()
+        self._why_facts_of: Any = None
+        self._why_attrs: dict[str, Any] = {}
         self._rank: RankInfo | None = None
         self._nonce: str | None = None
         self._failed: set[str] = set()
@@ -256,7 +258,7 @@ class Recorder:
             return
         self._step = None
         self._next_step += 1
-        self.why_func = None
+        self.why_func, self.why_args = None, ()
         if inference:
             step.kind = -1  # no train_step span: each top-level forward is a root
         self._close(step, now)
@@ -281,6 +283,11 @@ class Recorder:
             record.end_ns, record.unmatched = now, record.fwd is not None and record.fwd.input_hooked
         self._open_bw.clear()
         step.root.end_ns = now
+        if self._metrics is not None:
+            try:
+                self._metrics.flush()
+            except Exception as error:
+                self.hook_failed("metrics", error)
         for handle in step.hooks:
             handle.remove()
         step.hooks.clear()
@@ -477,10 +484,6 @@ class Recorder:
             owner = owner.parent if owner.fwd is None else owner.fwd.parent or owner.parent
         return owner, self._step
 
-    def dtensor_op(self, func: Any, args: tuple) -> None:
-        """A DTensor op is about to run; its redistribution collectives carry it as the "why"."""
-        self.why_func, self._why_args = func, args
-        self._why_attrs = None
 
     def collective(self, spec: CollectiveSpec, args: tuple, duration_ns: int) -> None:
         """A collective was issued (``duration_ns``: issue time on the CPU, in nanoseconds)."""
@@ -537,8 +540,9 @@ class Recorder:
         self._add_event(owner, spec.op, attrs, now)
 
     def _why_facts(self) -> dict[str, Any]:
-        if self._why_attrs is None:
-            func, args = self.why_func, self._why_args
+        if self._why_facts_of is not self.why_args:
+            self._why_facts_of = self.why_args
+            func, args = self.why_func, self.why_args
             facts = _dtensor_facts(args)
             self._why_attrs = {
                 semconv.DTENSOR_OP: str(func),

@@ -187,12 +187,10 @@ def test_container_sections_differ_only_by_torchs_own_ops():
     ours, theirs = result["ours"], result["torch"]
     assert ours["table"][0] == theirs["table"][0]
     assert ours["json"][1] == theirs["json"][1]
-    extra_header = ["      FORWARD PASS\n", "          FORWARD PASS\n"]  # Sequential, Sequential.2
     lines = theirs["table"][1].splitlines(keepends=True)
-    for header, after in zip(extra_header, ("    *module type: class 'torch.nn.modules.container.Sequential'\n",
-                                            "        *module type: class 'torch.nn.modules.container.Sequential'\n")):
-        index = lines.index(after)
-        assert lines[index + 1] == header
+    for indent in ("    ", "        "):  # Sequential (depth 1), Sequential.2 (depth 2)
+        index = lines.index(f"{indent}*module type: class 'torch.nn.modules.container.Sequential'\n")
+        assert lines[index + 1] == f"{indent}  FORWARD PASS\n"
         del lines[index + 1]
     assert ours["table"][1] == "".join(lines)
 
