@@ -7,6 +7,10 @@ Instruments (OTel name -> Prometheus name after the Collector's translation):
 * ``torch.collective.duration`` Histogram ``s`` -> ``torch_collective_duration_seconds_*``:
   the time the CPU spent issuing the collective (for gloo and blocking
   c10d calls this includes the transfer; for async work it does not).
+* ``torch.collective.completion_duration`` Histogram ``s`` -> ``torch_collective_completion_duration_seconds_*``:
+  from issue to completion, for c10d collectives (their ``Work`` future completes
+  without anyone waiting); functional collectives complete at ``wait_tensor`` and
+  are not timed here.
 * ``commdebug.telemetry.dropped`` Counter ``{item}`` -> ``commdebug_telemetry_dropped_total``
 
 Labels are low-cardinality only: op, pass, process group name and size, mesh
@@ -47,6 +51,10 @@ class CollectiveMetrics:
         self._duration = meter.create_histogram(
             semconv.METRIC_DURATION, unit="s",
             description="CPU time spent issuing each collective.",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS_S)
+        self._completion = meter.create_histogram(
+            semconv.METRIC_COMPLETION, unit="s",
+            description="Time from issuing a c10d collective to its Work completing.",
             explicit_bucket_boundaries_advisory=DURATION_BUCKETS_S)
         self._dropped = meter.create_counter(
             semconv.METRIC_DROPPED, unit="{item}",
@@ -95,6 +103,17 @@ class CollectiveMetrics:
         if self._unflushed >= FLUSH_EVERY_COLLECTIVES:
             self.flush()
 
+    def completion(self, op: str, pass_: str, group: GroupFacts, rank: int, duration_s: float,
+                   fqn: str = "") -> None:
+        """Record that a c10d collective completed ``duration_s`` seconds after it was issued.
+
+        Called from the backend's completion callback thread (gloo's worker, NCCL's watchdog).
+        """
+        module = self._module_label(fqn) if self._module_depth and fqn else ""
+        labels = self._labels.get((op, pass_, group, rank, module))
+        if labels is not None:
+            self._completion.record(duration_s, labels)
+
     def flush(self) -> None:
         """Add the pending counts to the counters (at every step end, and every few hundred collectives)."""
         pending, self._pending = self._pending, {}
@@ -124,6 +143,9 @@ class LazyCollectiveMetrics:
 
     def collective(self, *args: Any, **kwargs: Any) -> None:
         self._get().collective(*args, **kwargs)
+
+    def completion(self, *args: Any) -> None:
+        self._get().completion(*args)
 
     def flush(self) -> None:
         if self._metrics is not None:

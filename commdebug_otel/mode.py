@@ -72,7 +72,7 @@ class CollectiveDispatchMode(TorchDispatchMode):
         out = func(*args, **kwargs) if kwargs else func(*args)
         if recorder.active:
             try:
-                recorder.collective(spec, args, time.perf_counter_ns() - start)
+                recorder.collective(spec, args, time.perf_counter_ns() - start, out, start)
             except Exception as error:
                 recorder.hook_failed("collective event", error)
         return out

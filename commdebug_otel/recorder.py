@@ -485,8 +485,14 @@ class Recorder:
         return owner, self._step
 
 
-    def collective(self, spec: CollectiveSpec, args: tuple, duration_ns: int) -> None:
-        """A collective was issued (``duration_ns``: issue time on the CPU, in nanoseconds)."""
+    def collective(self, spec: CollectiveSpec, args: tuple, duration_ns: int, out: Any = None,
+                   start_ns: int = 0) -> None:
+        """A collective was issued (``duration_ns``: issue time on the CPU, in nanoseconds).
+
+        ``out`` is what the op returned: for c10d ops it holds the ``Work``,
+        whose future times completion without blocking (``start_ns`` is the
+        ``time.perf_counter_ns()`` at issue).
+        """
         now = time.time_ns()
         group = self._groups.resolve(spec, args)
         seq = self._seq.get(group.name, 0)
@@ -506,6 +512,8 @@ class Recorder:
                 context = self._exemplar_context(owner, step)
             self._metrics.collective(spec.op, pass_, group, self.rank().rank, nbytes,
                                      duration_ns / 1e9, fqn, context=context)
+            if not spec.functional and out is not None:
+                self._time_completion(out, start_ns, spec.op, pass_, group, fqn)
         for sink in self.sinks:
             sink(spec, owner, pass_)
         if step is None:
@@ -538,6 +546,24 @@ class Recorder:
         if spec.functional and self.why_func is not None:
             attrs.update(self._why_facts())
         self._add_event(owner, spec.op, attrs, now)
+
+    def _time_completion(self, out: Any, start_ns: int, op: str, pass_: str, group: Any,
+                         fqn: str) -> None:
+        """Record issue-to-completion time when the c10d ``Work``'s future completes (never waits)."""
+        work = out[-1] if isinstance(out, tuple) else out
+        if not isinstance(work, torch.ScriptObject):
+            return
+        from torch.distributed import Work
+
+        metrics, rank = self._metrics, self.rank().rank
+
+        def done(_future: Any) -> None:
+            try:
+                metrics.completion(op, pass_, group, rank, (time.perf_counter_ns() - start_ns) / 1e9, fqn)
+            except Exception as error:
+                self.hook_failed("completion time", error)
+
+        Work.unbox(work).get_future().add_done_callback(done)
 
     def _why_facts(self) -> dict[str, Any]:
         if self._why_facts_of is not self.why_args:

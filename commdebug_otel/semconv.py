@@ -70,6 +70,7 @@ COLLECTIVE_OPS = (
 METRIC_OPERATIONS = "torch.collective.operations"
 METRIC_IO = "torch.collective.io"
 METRIC_DURATION = "torch.collective.duration"
+METRIC_COMPLETION = "torch.collective.completion_duration"
 METRIC_DROPPED = "commdebug.telemetry.dropped"
 DROPPED_KIND = "commdebug.dropped.kind"
 DROPPED_KIND_EVENT = "event"

@@ -21,6 +21,9 @@ PROMETHEUS_METRICS = (
     "torch_collective_duration_seconds_bucket",
     "torch_collective_duration_seconds_count",
     "torch_collective_duration_seconds_sum",
+    "torch_collective_completion_duration_seconds_bucket",
+    "torch_collective_completion_duration_seconds_count",
+    "torch_collective_completion_duration_seconds_sum",
     "commdebug_telemetry_dropped_total",
 )
 # Labels on the collective series (the device-mesh dim label only when the group is a mesh dim;

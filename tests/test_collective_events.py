@@ -160,3 +160,17 @@ def test_metric_exemplars_point_at_the_span_that_owns_the_collective(telemetry, 
                  for exemplar in point.exemplars]
     assert [(e.trace_id, e.span_id) for e in exemplars] == [(span.context.trace_id, span.context.span_id)]
     assert span.context.trace_id == telemetry.one("train_step").context.trace_id
+
+
+def test_c10d_completion_is_timed_from_the_work_future(telemetry, tracer_factory, single_rank_group):
+    model = AllReduceLinear()
+    with tracer_factory():
+        for _ in range(3):
+            model(torch.randn(3, 4))
+        funcol.all_reduce(torch.ones(2), "sum", single_rank_group).wait()
+    dist.barrier()  # completion callbacks run on gloo's thread; barrier orders them before the read
+    points = telemetry.metric_points(semconv.METRIC_COMPLETION)
+    assert [(labels[semconv.COLLECTIVE_OP], point.count) for labels, point in points] == [("all_reduce", 3)]
+    [(labels, issue)] = [p for p in telemetry.metric_points(semconv.METRIC_DURATION)
+                         if p[0][semconv.MODULE_PASS] == "forward"]
+    assert points[0][0] == labels and points[0][1].sum > 0
