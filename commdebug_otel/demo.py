@@ -8,8 +8,8 @@ metrics and counts collectives per module:
 * 2 ranks (default): tensor parallel (ColwiseParallel / RowwiseParallel);
 * 4 ranks: FSDP2 (``fully_shard``) + TP on a 2-D mesh ``(dp=2, tp=2)``.
 
-Telemetry goes to the configured OTLP endpoint, or to OTLP-JSON files in a
-fresh ``demo-<time>`` folder under ``OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR``. The
+Telemetry goes to the configured OTLP endpoint, or to OTLP-JSON files in the
+run's ``run-<time>-<id>`` folder under ``OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR``. The
 demo prints where, then the per-module collective counts of rank 0.
 """
 
@@ -67,16 +67,17 @@ def _worker(rank: int, world_size: int, port: int, steps: int, settings: Setting
             fqn: {key: {str(op): n for op, n in ops.items() if n} for key, ops in by_pass.items()}
             for fqn, by_pass in comm_mode.comm_module_counts.items()
         }
-        comm_mode.tracer.telemetry.shutdown()
+        telemetry = comm_mode.tracer.telemetry
+        telemetry.shutdown()
         with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as handle:
-            json.dump({"counts": counts, "losses": losses,
+            json.dump({"counts": counts, "losses": losses, "files": telemetry.file_directory,
                        "total": comm_mode.get_total_counts()}, handle)
     finally:
         dist.destroy_process_group()
 
 
-def describe_destination(settings: Settings) -> str:
-    """Where spans go, in words: the OTLP endpoint(s) or the file folder."""
+def describe_destination(settings: Settings, files: str | None = None) -> str:
+    """Where spans go, in words: the OTLP endpoint(s) or the file folder (``files``, once known)."""
     places = []
     for name in exporter_names("traces"):
         if name == "otlp":
@@ -86,7 +87,7 @@ def describe_destination(settings: Settings) -> str:
                         or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc")
             places.append(f"OTLP ({protocol}) to {endpoint}")
         elif name == "file":
-            places.append(f"OTLP-JSON files in {os.path.abspath(settings.output_dir)}")
+            places.append(f"OTLP-JSON files in {files or os.path.abspath(settings.output_dir)}")
         else:
             places.append(name)
     return ", ".join(places) or "nowhere (OTEL_TRACES_EXPORTER=none)"
@@ -110,10 +111,6 @@ def run_demo(ranks: int = 2, steps: int = 5, detail: str = "collectives") -> int
     import torch.multiprocessing as mp
 
     settings = Settings.from_env(detail=Detail[detail.upper()])
-    if exporter_names("traces") == ["file"] or exporter_names("metrics") == ["file"]:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        settings = Settings.from_env(detail=settings.detail,
-                                     output_dir=os.path.join(settings.output_dir, f"demo-{stamp}"))
     mode = "FSDP2 + tensor parallel on a (dp=%d, tp=2) mesh" % (ranks // 2) if ranks >= 4 \
         else "tensor parallel on %d ranks" % ranks
     print(f"commdebug-otel demo: {mode}, {steps} steps, detail {settings.detail.label}", flush=True)
@@ -128,7 +125,7 @@ def run_demo(ranks: int = 2, steps: int = 5, detail: str = "collectives") -> int
     elapsed = time.perf_counter() - started
     print(f"finished in {elapsed:.1f} s; loss {results[0]['losses'][0]:.3f} -> "
           f"{results[0]['losses'][-1]:.3f}")
-    print(f"telemetry: {describe_destination(settings)}")
+    print(f"telemetry: {describe_destination(settings, results[0].get('files'))}")
     print("\ncollectives per module on rank 0 (counts include submodules; Global = all):")
     print(format_counts(results[0]["counts"]))
     totals = [result["total"] for result in results]

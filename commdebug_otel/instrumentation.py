@@ -10,6 +10,7 @@ import atexit
 import logging
 import os
 import threading
+import weakref
 from typing import Any
 
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -35,6 +36,23 @@ def shared_telemetry(settings: Settings, rank: Any) -> Telemetry:
         if telemetry is None:
             telemetry = _shared_telemetry[key] = Telemetry(settings, rank)
         return telemetry
+
+
+_STARTED: weakref.WeakSet = weakref.WeakSet()
+_fork_hook_installed = False
+
+
+def _after_fork_in_child() -> None:
+    for tracer in list(_STARTED):
+        tracer._after_fork_in_child()
+
+
+def _install_fork_hook() -> None:
+    """One process-wide at-fork hook (it cannot be unregistered, so it holds no tracer)."""
+    global _fork_hook_installed
+    if not _fork_hook_installed:
+        _fork_hook_installed = True
+        os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class CommTracer:
@@ -96,12 +114,13 @@ class CommTracer:
             self._optimizer_step_post_hook)
         atexit.register(self._stop_at_exit)
         self.telemetry.before_shutdown.append(self._stop_at_exit)
+        _STARTED.add(self)  # weakly: a tracer that is dropped can be collected
+        _install_fork_hook()
         if not self._fork_hook:
             self._fork_hook = True
-            os.register_at_fork(after_in_child=self._after_fork_in_child)
             import multiprocessing.util
 
-            multiprocessing.util.register_after_fork(self, CommTracer._flush_before_mp_exit)
+            multiprocessing.util.register_after_fork(self, CommTracer._flush_before_mp_exit)  # weak too
         return self
 
     def _after_fork_in_child(self) -> None:
@@ -139,6 +158,7 @@ class CommTracer:
         if not self._started:
             return
         self._started = False
+        _STARTED.discard(self)
         atexit.unregister(self._stop_at_exit)
         if self._stop_at_exit in self.telemetry.before_shutdown:
             self.telemetry.before_shutdown.remove(self._stop_at_exit)

@@ -138,7 +138,17 @@ class LazyCollectiveMetrics:
 
     def _get(self) -> CollectiveMetrics:
         if self._metrics is None:
-            self._metrics = CollectiveMetrics(self._meter_factory(), self._module_depth)
+            try:
+                meter = self._meter_factory()
+            except Exception as error:  # e.g. an output folder we cannot create: say it once
+                import logging
+
+                from opentelemetry.metrics import NoOpMeter
+
+                logging.getLogger(__name__).warning(
+                    "commdebug-otel: metrics are off: %s: %s", type(error).__name__, error)
+                meter = NoOpMeter("commdebug_otel")
+            self._metrics = CollectiveMetrics(meter, self._module_depth)
         return self._metrics
 
     def collective(self, *args: Any, **kwargs: Any) -> None:

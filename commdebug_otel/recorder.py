@@ -94,7 +94,7 @@ class Record:
 
 class _Step:
     __slots__ = ("index", "traced", "root", "records", "kind", "backward_done", "had_module",
-                 "trace_id", "hooks")
+                 "trace_id", "hooks", "inference")
 
     def __init__(self, index: int, traced: bool, root: Record, kind: int) -> None:
         self.index = index
@@ -106,6 +106,7 @@ class _Step:
         self.had_module = False
         self.trace_id = 0  # known up front for traced steps when span ids can be pre-assigned
         self.hooks: list[Any] = []  # multi-grad hook handles, removed when the step closes
+        self.inference = False  # a top-level forward without grad: its own root, not a train_step
 
 
 class Recorder:
@@ -130,6 +131,7 @@ class Recorder:
         self._step: _Step | None = None
         self._outside: _Step | None = None
         self._next_step = 0
+        self._next_inference = 0
         self._seen_optimizer = False
         self._fwd_stack: list[Record] = []
         self._open_bw: list[Record] = []  # open backward records, most recently begun last
@@ -146,6 +148,7 @@ class Recorder:
         self._rank: RankInfo | None = None
         self._nonce: str | None = None
         self._failed: set[str] = set()
+        self._time_completions = True
         self.sinks: list[Callable[[CollectiveSpec, Record | None, str], None]] = []
         self.module_sinks: list[Callable[[torch.nn.Module, str], None]] = []
         # op_sinks: (func, args, is_dtensor, owner) for every op_event, traced step or not.
@@ -180,9 +183,12 @@ class Recorder:
         return self._emit_step is not None and self.settings.traces_rank(self.rank().rank)
 
     def hook_failed(self, where: str, error: BaseException) -> None:
-        """Log a hook failure once per place, count it, and go on."""
-        if self._metrics is not None:
-            self._metrics.dropped(semconv.DROPPED_KIND_HOOK_ERROR, 1)
+        """Log a hook failure once per place, count it, and go on. Never raises."""
+        try:
+            if self._metrics is not None:
+                self._metrics.dropped(semconv.DROPPED_KIND_HOOK_ERROR, 1)
+        except Exception:  # the metrics themselves are broken: logging is all that is left
+            pass
         if where not in self._failed:
             self._failed.add(where)
             _logger.warning("commdebug-otel: %s failed (%s: %s); telemetry continues, "
@@ -209,15 +215,17 @@ class Recorder:
         return step.traced or self.settings.metric_module_depth > 0
 
     # ------------------------------------------------------------------ steps
-    def _open_step(self, now: int) -> _Step:
+    def _open_step(self, now: int, inference: bool = False) -> _Step:
         if self._outside is not None:
             self._close(self._outside, now)
             self._outside = None
-        index = self._next_step
+        # Inference/evaluation forwards are counted apart, so torch.step stays the optimizer step.
+        index = self._next_inference if inference else self._next_step
         traced = index % self.settings.trace_every == 0 and self._traces_this_rank()
         root = Record(_KIND_STEP, semconv.SPAN_TRAIN_STEP, now)
         root.attrs[semconv.STEP] = index
         step = self._step = _Step(index, traced, root, _KIND_STEP)
+        step.inference = inference
         self._call_counts.clear()
         if traced and self._exemplars_on():
             step.trace_id = self._trace_id(step) or random.getrandbits(128) or 1
@@ -257,9 +265,12 @@ class Recorder:
         if step is None:
             return
         self._step = None
-        self._next_step += 1
+        if step.inference:
+            self._next_inference += 1
+        else:
+            self._next_step += 1
         self.why_func, self.why_args = None, ()
-        if inference:
+        if inference or step.inference:
             step.kind = -1  # no train_step span: each top-level forward is a root
         self._close(step, now)
 
@@ -320,7 +331,8 @@ class Recorder:
         in_backward = _graph_task_id() != -1
         step = self._step
         if step is None:
-            step = self._open_step(now)
+            # A top-level forward without grad (inference, evaluation between steps) is its own root.
+            step = self._open_step(now, inference=not in_backward and not torch.is_grad_enabled())
         elif (not self._fwd_stack and self._depth == 0 and not in_backward
               and not self._seen_optimizer and step.backward_done >= NO_OPTIMIZER_CYCLES):
             # No optimizer.step() seen yet: bound the step (gradient accumulation of up to
@@ -383,10 +395,9 @@ class Recorder:
             error = sys.exc_info()[1]
             if error is not None and type(error).__name__ not in _CONTROL_FLOW_ERRORS:
                 record.error = error
-        if (not self._fwd_stack and self._depth == 0 and not self._seen_optimizer
-                and self._step is not None and _graph_task_id() == -1
-                and not torch.is_grad_enabled()):
-            self._close_step(now, inference=True)
+        step = self._step
+        if step is not None and step.inference and not self._fwd_stack and self._depth == 0:
+            self._close_step(now)
 
     def backward_began(self, forward: Record) -> None:
         """Gradients w.r.t. a module call's outputs are ready: its backward begins."""
@@ -512,7 +523,7 @@ class Recorder:
                 context = self._exemplar_context(owner, step)
             self._metrics.collective(spec.op, pass_, group, self.rank().rank, nbytes,
                                      duration_ns / 1e9, fqn, context=context)
-            if not spec.functional and out is not None:
+            if not spec.functional and out is not None and self._time_completions:
                 self._time_completion(out, start_ns, spec.op, pass_, group, fqn)
         for sink in self.sinks:
             sink(spec, owner, pass_)
@@ -557,13 +568,17 @@ class Recorder:
 
         metrics, rank = self._metrics, self.rank().rank
 
-        def done(_future: Any) -> None:
+        def done(_future: Any) -> None:  # on the backend's thread: must never raise
             try:
                 metrics.completion(op, pass_, group, rank, (time.perf_counter_ns() - start_ns) / 1e9, fqn)
             except Exception as error:
                 self.hook_failed("completion time", error)
 
-        Work.unbox(work).get_future().add_done_callback(done)
+        try:
+            Work.unbox(work).get_future().add_done_callback(done)
+        except Exception as error:  # a backend without futures: stop asking
+            self._time_completions = False
+            self.hook_failed("completion time", error)
 
     def _why_facts(self) -> dict[str, Any]:
         if self._why_facts_of is not self.why_args:
@@ -603,7 +618,10 @@ class Recorder:
             return
         owner.dropped_events += 1
         if self._metrics is not None:
-            self._metrics.dropped(semconv.DROPPED_KIND_EVENT, 1)
+            try:
+                self._metrics.dropped(semconv.DROPPED_KIND_EVENT, 1)
+            except Exception as error:
+                self.hook_failed("metrics", error)
 
     # ------------------------------------------------------------ emitting
     def _trace_id(self, step: _Step) -> int | None:
@@ -611,7 +629,8 @@ class Recorder:
             return None
         if self._nonce is None:
             self._nonce = job_nonce()
-        return step_trace_id(self.rank().run_id, self._nonce, step.index)
+        label = f"inference-{step.index}" if step.inference else step.index
+        return step_trace_id(self.rank().run_id, self._nonce, label)
 
     def _emit(self, step: _Step) -> None:
         children: dict[int, list[Record]] = {}

@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import secrets
+import time
 
 _logger = logging.getLogger(__name__)
 
@@ -69,8 +70,11 @@ def rank_info() -> RankInfo:
 
 
 def job_nonce() -> str:
-    """A random id shared by every rank of this job (one store round trip), or local if not distributed."""
-    mine = secrets.token_hex(8)
+    """An id shared by every rank of this job (one store round trip), or local if not distributed.
+
+    ``YYYYmmdd-HHMMSS-<8 hex>``: the start time of the first rank to ask, then random bits.
+    """
+    mine = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(4)  # sorts by start time
     try:
         import torch.distributed as dist
 
@@ -84,7 +88,10 @@ def job_nonce() -> str:
     return mine
 
 
-def step_trace_id(run_id: str, nonce: str, step: int) -> int:
-    """The 128-bit trace id of ``step``: the first 16 bytes of SHA-256 over run id, nonce and step."""
+def step_trace_id(run_id: str, nonce: str, step: int | str) -> int:
+    """The 128-bit trace id of ``step`` (a step number, or a label such as ``inference-3``).
+
+    The first 16 bytes of SHA-256 over run id, nonce and step.
+    """
     digest = hashlib.sha256(f"{run_id}/{nonce}/{step}".encode()).digest()
     return int.from_bytes(digest[:16], "big") or 1

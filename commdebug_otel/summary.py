@@ -99,15 +99,20 @@ def trace_files(paths: Iterable[str | os.PathLike]) -> list[str]:
 
 def _objects(path: str) -> Iterator[dict]:
     """JSON objects in a file: one per line, or the whole file as one (pretty-printed) object."""
-    with open(path, encoding="utf-8") as handle:
+    with open(path, encoding="utf-8", errors="replace") as handle:
         text = handle.read()
     try:
-        objects = [json.loads(line) for line in text.splitlines() if line.strip()]
+        objects = [json.loads(text)]  # one (pretty-printed) object
     except json.JSONDecodeError:
-        try:
-            objects = [json.loads(text)]
-        except json.JSONDecodeError:
-            return  # not JSON: not ours
+        objects = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                objects.append(json.loads(line))
+            except json.JSONDecodeError:
+                # A job killed mid-write leaves a cut last line: keep the rest, say so.
+                print(f"commdebug-otel: skipping unreadable line {number} of {path}", file=sys.stderr)
     for obj in objects:
         if isinstance(obj, dict):
             yield obj

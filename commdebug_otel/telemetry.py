@@ -176,6 +176,7 @@ class Telemetry:
         # Called at exit before the providers shut down: tracers end their open spans there.
         self.before_shutdown: list[Any] = []
         self.endpoints: list[str] = []  # OTLP endpoints in use, for warnings
+        self.file_directory: str | None = None  # where the embedded default writes, once known
 
     # ------------------------------------------------------------- providers
     def tracer(self) -> otel_trace.Tracer:
@@ -184,7 +185,12 @@ class Telemetry:
                 if self._tracer is None:
                     provider = self._tracer_provider
                     if provider is None:
-                        provider = self._make_tracer_provider()
+                        try:
+                            provider = self._make_tracer_provider()
+                        except Exception as error:  # e.g. OUTPUT_DIR cannot be created
+                            _logger.warning("commdebug-otel: spans are off: %s: %s",
+                                            type(error).__name__, error)
+                            provider = otel_trace.NoOpTracerProvider()
                     self._ids = self._attach_id_generator(provider)
                     self._tracer = otel_trace.get_tracer(SCOPE_NAME, __version__, provider)
         return self._tracer
@@ -195,7 +201,12 @@ class Telemetry:
                 if self._meter is None:
                     provider = self._meter_provider
                     if provider is None:
-                        provider = self._make_meter_provider()
+                        try:
+                            provider = self._make_meter_provider()
+                        except Exception as error:
+                            _logger.warning("commdebug-otel: metrics are off: %s: %s",
+                                            type(error).__name__, error)
+                            provider = otel_metrics.NoOpMeterProvider()
                     self._meter = otel_metrics.get_meter(SCOPE_NAME, __version__, provider)
         return self._meter
 
@@ -257,7 +268,13 @@ class Telemetry:
 
     # ------------------------------------------------------------- exporters
     def _file_path(self, signal: str, rank: RankInfo) -> str:
-        directory = os.path.abspath(self._settings.output_dir)
+        """``OUTPUT_DIR/run-<job id>/<signal>-rank<N>.jsonl``: one folder per run, shared by its ranks."""
+        if self.file_directory is None:
+            from .steps import job_nonce
+
+            self.file_directory = os.path.join(os.path.abspath(self._settings.output_dir),
+                                               f"run-{job_nonce()}")
+        directory = self.file_directory
         os.makedirs(directory, exist_ok=True)
         if not self._said_where:
             self._said_where = True

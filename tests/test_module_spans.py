@@ -196,3 +196,20 @@ def test_stop_removes_every_hook(telemetry, tracer_factory):
 
     assert not module_globals._global_forward_pre_hooks
     assert not torch.utils._python_dispatch._get_current_dispatch_mode_stack()
+
+
+def test_evaluation_between_steps_is_its_own_root_and_keeps_step_numbers(telemetry, tracer_factory):
+    model = Block()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracer = tracer_factory()
+    with tracer:
+        for _ in range(2):
+            model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+            optimizer.step()
+            with torch.no_grad():
+                for _ in range(3):
+                    model(torch.randn(2, 4))
+    roots = [span.name for span in telemetry.spans() if span.parent is None]
+    assert roots == ["train_step", "Block forward", "Block forward", "Block forward"] * 2
+    assert [s.attributes[semconv.STEP] for s in telemetry.by_name("train_step")] == [0, 1]
+    assert tracer.recorder._step is None  # nothing left open to grow

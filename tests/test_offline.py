@@ -46,7 +46,7 @@ def demo_run(demo_started):
     cwd, process = demo_started
     stdout, stderr = process.communicate(timeout=300)
     assert process.returncode == 0, stderr
-    (folder,) = glob.glob(str(cwd / "commdebug-otel-out" / "demo-*"))
+    (folder,) = glob.glob(str(cwd / "commdebug-otel-out" / "run-*"))
     return folder, stdout
 
 
@@ -295,3 +295,17 @@ def test_no_spans_is_an_error(tmp_path, capsys):
     for module, argv in ((summary, [str(tmp_path)]), (perfetto, [str(tmp_path), "-o", output])):
         code, out = _cli(module, argv, capsys)
         assert code == 1 and "no spans found" in out.err
+
+
+def test_a_cut_last_line_loses_only_that_line(tmp_path, capsys):
+    from commdebug_otel import summary
+
+    line = json.dumps({"resourceSpans": [{"resource": {"attributes": [
+        {"key": "torch.distributed.rank", "value": {"intValue": "0"}}]}, "scopeSpans": [{"spans": [{
+            "traceId": "0af7651916cd43dd8448eb211c80319c", "spanId": "b7ad6b7169203331",
+            "name": "train_step", "startTimeUnixNano": "1", "endTimeUnixNano": "2"}]}]}]})
+    path = tmp_path / "traces-rank0.jsonl"
+    path.write_text(line + "\n" + line[: len(line) // 2])
+    spans = summary.load_spans([str(tmp_path)])
+    assert [span["name"] for span in spans] == ["train_step"]
+    assert "skipping unreadable line 2" in capsys.readouterr().err

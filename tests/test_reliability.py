@@ -192,7 +192,8 @@ def test_fork_child_exports_its_own_spans(tmp_path):
     assert result.returncode == 0, result.stderr
     from commdebug_otel.testing.otlp_receiver import spans_from_otlp_json
 
-    lines = (tmp_path / "traces-rank0.jsonl").read_text().splitlines()
+    [run] = tmp_path.glob("run-*")  # parent and fork child share the run's files
+    lines = (run / "traces-rank0.jsonl").read_text().splitlines()
     spans = [span for line in lines for span in spans_from_otlp_json(line)]
     child_pid = int(result.stdout.split("CHILD PID ")[1].split()[0])
     child_steps = [s for s in spans if s["name"] == "train_step" and s["resource"]["process.pid"] == child_pid]
@@ -262,7 +263,17 @@ def test_exported_files_hold_no_tensor_values_and_bounded_strings(tmp_path, monk
         with pytest.raises(ValueError):
             model(torch.full((2, 3), sentinel))
     tracer.telemetry.shutdown()
-    text = (tmp_path / "traces-rank0.jsonl").read_text() + (tmp_path / "metrics-rank0.jsonl").read_text()
+    [run] = tmp_path.glob("run-*")
+    text = (run / "traces-rank0.jsonl").read_text() + (run / "metrics-rank0.jsonl").read_text()
     assert "aten.addmm.default" in text and "all_reduce" in text
     assert "8675" not in text
     assert "x" * 4096 in text and "x" * 4097 not in text
+
+
+def test_unwritable_output_folder_costs_a_warning_not_the_training(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    result, _ = run_script(["one_rank.py", "3"], {"OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR": str(blocker / "sub")})
+    assert result.returncode == 0, result.stderr
+    assert "TRAINING DONE" in result.stdout
+    assert "spans are off" in result.stderr and "Traceback" not in result.stderr
