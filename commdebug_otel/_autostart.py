@@ -13,8 +13,20 @@ import os
 _started = False
 
 
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("", "false", "0", "no", "off")
+
+
 def enabled() -> bool:
-    return os.environ.get("OTEL_PYTHON_COMMDEBUG_ENABLED", "").strip().lower() == "true"
+    """``OTEL_PYTHON_COMMDEBUG_ENABLED`` is true/1/yes/on; an unknown value warns once and means off."""
+    value = os.environ.get("OTEL_PYTHON_COMMDEBUG_ENABLED", "").strip().lower()
+    if value not in _TRUE and value not in _FALSE:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "commdebug-otel: ignoring OTEL_PYTHON_COMMDEBUG_ENABLED=%r: expected true or false; "
+            "tracing stays off", value)
+    return value in _TRUE
 
 
 def maybe_start() -> None:

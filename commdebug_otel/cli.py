@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from .config import OPTIONS, Detail
+from .config import OPTIONS, Detail, Option
 
 # Short jobs must export metrics before they end (OTel's default interval is 60 s).
 RUN_METRIC_EXPORT_INTERVAL_MS = "5000"
@@ -20,6 +20,17 @@ def _positive(text: str) -> int:
     return value
 
 
+def _checked(option: Option):
+    """An argparse type that validates with the option's own parser and keeps the text."""
+    def check(text: str) -> str:
+        try:
+            option.parse(text)
+        except (ValueError, TypeError):
+            raise argparse.ArgumentTypeError(f"expected {option.accepted}, got {text!r}") from None
+        return text
+    return check
+
+
 def _add_run(commands: argparse._SubParsersAction) -> None:
     run = commands.add_parser(
         "run", help="run a command with tracing on in every Python process it starts",
@@ -29,7 +40,7 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
     for option in OPTIONS:
         if option.field == "enabled":
             continue
-        run.add_argument(option.flag, dest=option.field, metavar="VALUE",
+        run.add_argument(option.flag, dest=option.field, metavar="VALUE", type=_checked(option),
                          help=f"{option.help} Sets {option.env} ({option.accepted}).".replace("%", "%%"))
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
 
@@ -84,11 +95,16 @@ def run_command(args: argparse.Namespace) -> int:
     env.setdefault("OTEL_METRIC_EXPORT_INTERVAL", RUN_METRIC_EXPORT_INTERVAL_MS)
     bootstrap = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (bootstrap, env.get("PYTHONPATH", "")) if p)
+    import shutil
+
+    if shutil.which(command[0], path=env.get("PATH")) is None:
+        print(f"commdebug-otel run: {command[0]!r}: command not found", file=sys.stderr)
+        return 127
     try:
         os.execvpe(command[0], command, env)
     except OSError as error:
-        print(f"commdebug-otel run: cannot run {command[0]!r}: {error}", file=sys.stderr)
-        return 127
+        print(f"commdebug-otel run: cannot run {command[0]!r}: {error.strerror}", file=sys.stderr)
+        return 126
     return 0  # not reached
 
 

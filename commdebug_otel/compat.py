@@ -58,13 +58,19 @@ _SECTIONS = (("FORWARD PASS", "forward"), ("BACKWARD PASS", "backward"),
 
 
 def _legacy_packets() -> dict[Any, Any]:
-    """torch keys native functional collectives by their legacy packet (NATIVE_TO_PY_MAPPING)."""
-    try:
-        from torch.distributed.tensor.debug._comm_mode import NATIVE_TO_PY_MAPPING
+    """torch keys native functional collectives by their legacy packet (NATIVE_TO_PY_MAPPING).
 
-        return dict(NATIVE_TO_PY_MAPPING)
-    except Exception:  # a torch without it: keep native packets
-        return {}
+    Built from names, so that torch.distributed.tensor.debug (which imports numpy) is not imported.
+    """
+    mapping = {}
+    for namespace, names in semconv.LEGACY_FUNCTIONAL_PACKETS.items():
+        for name in names:
+            try:
+                mapping[getattr(getattr(torch.ops, namespace), name)] = getattr(
+                    torch.ops.c10d_functional, name)
+            except (AttributeError, RuntimeError):  # an op this torch does not have
+                continue
+    return mapping
 
 
 def _module_chain(owner: Record | None) -> list[str]:

@@ -24,6 +24,14 @@ _logger = logging.getLogger(__name__)
 ENV_PREFIX = "OTEL_PYTHON_COMMDEBUG_"
 
 
+def job_log(logger: logging.Logger) -> Callable[..., None]:
+    """``logger.warning`` on rank 0 (or outside torchrun), ``logger.debug`` on other ranks.
+
+    The same configuration reaches every rank; saying it once per job is enough.
+    """
+    return logger.warning if os.environ.get("RANK", "0") in ("0", "") else logger.debug
+
+
 class Detail(enum.IntEnum):
     """What becomes a span event, mirroring CommDebugMode's ``noise_level`` 0-3."""
 
@@ -208,7 +216,7 @@ class Settings:
             try:
                 values[option.field] = option.parse(raw)
             except (ValueError, TypeError, OverflowError):
-                _logger.warning(
+                job_log(_logger)(
                     "commdebug-otel: ignoring %s=%r: expected %s; using the default %s",
                     option.env, raw, option.accepted, _describe(option.default),
                 )
@@ -245,6 +253,7 @@ def markdown_table() -> str:
     lines = ["| variable | `commdebug-otel run` flag | accepted values | default | meaning |",
              "|---|---|---|---|---|"]
     for option in OPTIONS:
-        lines.append(f"| `{option.env}` | `{option.flag}` | {option.accepted} | "
+        flag = "(set by `run`)" if option.field == "enabled" else f"`{option.flag}`"
+        lines.append(f"| `{option.env}` | {flag} | {option.accepted} | "
                      f"`{_describe(option.default)}` | {option.help} |")
     return "\n".join(lines) + "\n"

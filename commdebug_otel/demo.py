@@ -63,10 +63,12 @@ def _worker(rank: int, world_size: int, port: int, steps: int, settings: Setting
             for step in range(steps):
                 tokens, targets = demo_model.make_batch(args, _DEMO_BATCH, step)
                 losses.append(demo_model.train_step(model, optimizer, tokens, targets))
+        order = {fqn: index for index, fqn in enumerate(["Global", *comm_mode._modules])}
         counts = {
             fqn: {key: {str(op): n for op, n in ops.items() if n} for key, ops in by_pass.items()}
-            for fqn, by_pass in comm_mode.comm_module_counts.items()
-        }
+            for fqn, by_pass in sorted(comm_mode.comm_module_counts.items(),
+                                       key=lambda item: order.get(item[0], len(order)))
+        }  # in module-tree (forward) order
         telemetry = comm_mode.tracer.telemetry
         telemetry.shutdown()
         with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as handle:

@@ -26,6 +26,7 @@ Ranks share one time axis: on several hosts, clock skew shifts ranks against eac
 from __future__ import annotations
 
 import argparse
+import sys
 import json
 from collections import defaultdict
 from typing import Any
@@ -128,7 +129,11 @@ def run(args: argparse.Namespace) -> int:
     spans = load_for_command(args.paths, "perfetto")
     if spans is None:
         return 1
-    counts = write_chrome_trace(spans, args.output)
+    try:
+        counts = write_chrome_trace(spans, args.output)
+    except OSError as error:
+        print(f"commdebug-otel perfetto: cannot write {args.output}: {error.strerror}", file=sys.stderr)
+        return 1
     print(f"wrote {args.output}: {counts['slices']} slices and {counts['instants']} instant events "
           f"on {counts['ranks']} rank(s); open it in https://ui.perfetto.dev")
     return 0

@@ -84,3 +84,14 @@ LOCAL_RANK = "torch.distributed.local_rank"
 NODE_RANK = "torch.distributed.node_rank"
 RUN_ID = "torch.distributed.run_id"
 BACKEND = "torch.distributed.backend"
+
+# torch's CommDebugMode keys native functional collectives by their legacy packet
+# (NATIVE_TO_PY_MAPPING in torch/distributed/tensor/debug/_comm_mode.py):
+# namespace -> ops whose key is "c10d_functional.<op>". Used for CommDebugMode-compatible counts.
+LEGACY_FUNCTIONAL_PACKETS = {
+    "_c10d_functional": frozenset({
+        "all_gather_into_tensor", "all_gather_into_tensor_coalesced", "all_reduce",
+        "all_reduce_coalesced", "all_to_all_single", "broadcast", "reduce_scatter_tensor",
+        "reduce_scatter_tensor_coalesced"}),
+    "_c10d_functional_autograd": frozenset({"all_to_all_single"}),
+}

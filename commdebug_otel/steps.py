@@ -61,7 +61,7 @@ def rank_info() -> RankInfo:
     return RankInfo(
         rank=rank,
         world_size=world_size,
-        local_rank=_env_int("LOCAL_RANK", rank if world_size == 1 else 0),
+        local_rank=_env_int("LOCAL_RANK", rank),  # unset under mp.spawn: one host, so rank
         node_rank=_env_int("GROUP_RANK", _env_int("NODE_RANK", 0)),
         run_id=os.environ.get("TORCHELASTIC_RUN_ID", "none"),
         backend=backend,

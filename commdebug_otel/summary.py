@@ -62,15 +62,7 @@ __all__ = [
 
 GLOBAL = "Global"
 _FORWARD, _BACKWARD, _RECOMPUTE = semconv.PASS_FORWARD, semconv.PASS_BACKWARD, semconv.PASS_RECOMPUTE
-# torch's NATIVE_TO_PY_MAPPING (CommDebugMode keys native functional collectives by their
-# legacy packet): "namespace" -> ops that map to "c10d_functional.<op>".
-_LEGACY_FUNCTIONAL = {
-    "_c10d_functional": frozenset({
-        "all_gather_into_tensor", "all_gather_into_tensor_coalesced", "all_reduce",
-        "all_reduce_coalesced", "all_to_all_single", "broadcast", "reduce_scatter_tensor",
-        "reduce_scatter_tensor_coalesced"}),
-    "_c10d_functional_autograd": frozenset({"all_to_all_single"}),
-}
+_LEGACY_FUNCTIONAL = semconv.LEGACY_FUNCTIONAL_PACKETS
 _SUFFIXES = (".jsonl", ".json")
 
 

@@ -41,7 +41,7 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.trace import Status, StatusCode
 
 from . import semconv
-from .config import Settings
+from .config import Settings, job_log
 from .export_guard import (
     CountingBatchSpanProcessor,
     claim_warning,
@@ -123,8 +123,14 @@ def exporter_names(signal: str, environ: dict | os._Environ = os.environ) -> lis
 
 
 def _protocol(signal: str) -> str:
-    return (os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL")
-            or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc").strip().lower()
+    """``grpc`` or ``http/protobuf``; anything else (``http/json``) warns once and means ``http/protobuf``."""
+    value = (os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL")
+             or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc").strip().lower()
+    if value not in ("grpc", "http/protobuf"):
+        _warn_endpoint_once("OTEL_EXPORTER_OTLP_PROTOCOL", value,
+                            "is not supported (grpc or http/protobuf); using http/protobuf")
+        return "http/protobuf"
+    return value
 
 
 def build_resource(rank: RankInfo) -> Resource:
@@ -444,7 +450,7 @@ _endpoint_warnings: set[tuple[str, str]] = set()
 def _warn_endpoint_once(variable: str, endpoint: str, message: str) -> None:
     if (variable, endpoint) not in _endpoint_warnings:
         _endpoint_warnings.add((variable, endpoint))
-        _logger.warning("commdebug-otel: %s=%s %s", variable, endpoint, message)
+        job_log(_logger)("commdebug-otel: %s=%s %s", variable, endpoint, message)
 
 
 def prometheus_port(rank: RankInfo) -> int:
