@@ -8,12 +8,17 @@ from commdebug_otel import Detail, semconv
 from models import AllReduceLinear
 
 
-def test_collective_event_attributes_and_owner(telemetry, tracer_factory, single_rank_group):
+def one_traced_step(tracer_factory):
+    """One optimizer step of AllReduceLinear (one forward all_reduce) under a tracer."""
     model = AllReduceLinear()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with tracer_factory():
         model(torch.randn(3, 4)).sum().backward()
         optimizer.step()
+
+
+def test_collective_event_attributes_and_owner(telemetry, tracer_factory, single_rank_group):
+    one_traced_step(tracer_factory)
     span = telemetry.one("AllReduceLinear forward")
     assert [event.name for event in span.events] == ["all_reduce"]
     attributes = dict(span.events[0].attributes)
@@ -148,11 +153,7 @@ def test_no_tensor_values_leave_the_process(telemetry, tracer_factory, single_ra
 
 def test_metric_exemplars_point_at_the_span_that_owns_the_collective(telemetry, tracer_factory,
                                                                      single_rank_group):
-    model = AllReduceLinear()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with tracer_factory():
-        model(torch.randn(3, 4)).sum().backward()
-        optimizer.step()
+    one_traced_step(tracer_factory)
     span = telemetry.one("AllReduceLinear forward")
     data = telemetry.metric_reader.get_metrics_data()
     exemplars = [exemplar for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
