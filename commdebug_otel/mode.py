@@ -61,12 +61,12 @@ class CollectiveDispatchMode(TorchDispatchMode):
                 if recorder.active:
                     recorder.why_func, recorder.why_args = func, args  # the "why" of collectives to come
                     if self._record_dtensor_ops:
-                        self._note_dtensor(func, args)
+                        self._note(func, args, is_dtensor=True)
                 return NotImplemented  # let DTensor desugar into local ops and collectives
             if recorder.why_func is func:
                 recorder.why_func = None  # DTensor runs its local op: redistribution is over
             if self._record_plain_ops and recorder.active:
-                self._note_op(func, args)
+                self._note(func, args, is_dtensor=False)
             return func(*args, **kwargs) if kwargs else func(*args)
         start = time.perf_counter_ns()
         out = func(*args, **kwargs) if kwargs else func(*args)
@@ -77,16 +77,10 @@ class CollectiveDispatchMode(TorchDispatchMode):
                 recorder.hook_failed("collective event", error)
         return out
 
-    def _note_dtensor(self, func: Any, args: tuple) -> None:
+    def _note(self, func: Any, args: tuple, is_dtensor: bool) -> None:
+        """An op event (detail ``dtensor`` and up); trivial ops only at ``all``."""
         try:
             if self._detail >= Detail.ALL or str(func) not in TRIVIAL_OPS:
-                self._recorder.op_event(func, args, is_dtensor=True)
-        except Exception as error:
-            self._recorder.hook_failed("DTensor op event", error)
-
-    def _note_op(self, func: Any, args: tuple) -> None:
-        try:
-            if self._detail >= Detail.ALL or str(func) not in TRIVIAL_OPS:
-                self._recorder.op_event(func, args, is_dtensor=False)
+                self._recorder.op_event(func, args, is_dtensor=is_dtensor)
         except Exception as error:
             self._recorder.hook_failed("op event", error)

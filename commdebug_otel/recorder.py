@@ -41,15 +41,14 @@ _logger = logging.getLogger(__name__)
 _KIND_MODULE = 0
 _KIND_STEP = 1
 _KIND_OUTSIDE = 2
-_ATTR_MAX_CHARS = 1024
+_ATTR_MAX_CHARS = 1024  # bound on any string attribute we build
 # Before any optimizer.step() is seen, a step ends at the top-level forward after
 # this many completed backward passes (scripts that never step an optimizer).
 NO_OPTIMIZER_CYCLES = 8
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
-PASS_NONE = "none"
+PASS_NONE = "none"  # a collective outside any module pass (set-up, optimizer, logging)
 # Raised by torch.utils.checkpoint to stop a recompute early: control flow, not a failure.
 _CONTROL_FLOW_ERRORS = frozenset({"_StopRecomputationError"})
-PASS_NONE_ALIAS = None  # a collective outside any module pass (set-up, optimizer, logging)  # bound on any string attribute we build
 
 
 def _graph_task_id() -> int:
@@ -207,13 +206,6 @@ class Recorder:
         step.had_module = True  # the optimizer step still ends (and exports) this step
         step.root.attrs[semconv.SPAN_UNOBSERVED] = what
 
-    def recording(self) -> bool:
-        """True when module records are kept: a traced step, or module labels on metrics."""
-        step = self._step
-        if step is None:
-            return True  # the next pre-hook opens a step; decide there
-        return step.traced or self.settings.metric_module_depth > 0
-
     # ------------------------------------------------------------------ steps
     def _open_step(self, now: int, inference: bool = False) -> _Step:
         if self._outside is not None:
@@ -290,8 +282,7 @@ class Recorder:
                 record.end_ns, record.unmatched = now, True
         self._fwd_stack.clear()
         self._depth = 0
-        for record in self._open_bw:
-            record.end_ns, record.unmatched = now, record.fwd is not None and record.fwd.input_hooked
+        self._end_backward_records(self._open_bw, now)
         self._open_bw.clear()
         step.root.end_ns = now
         if self._metrics is not None:

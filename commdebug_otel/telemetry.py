@@ -332,11 +332,9 @@ class Telemetry:
     def _start(self, tracer: Any, record: Any, parent_context: Any, trace_id: int | None,
                children: dict[int, list]) -> None:
         ids = self._ids
-        if ids is not None and (trace_id or record.span_id):
-            with ids.ids(trace_id, record.span_id):
-                span = tracer.start_span(record.name, context=parent_context,
-                                         attributes=_span_attributes(record), start_time=record.start_ns)
-        else:
+        chosen = ids.ids(trace_id, record.span_id) if ids is not None and (trace_id or record.span_id) \
+            else contextlib.nullcontext()
+        with chosen:
             span = tracer.start_span(record.name, context=parent_context,
                                      attributes=_span_attributes(record), start_time=record.start_ns)
         for name, attributes, timestamp in record.events:
