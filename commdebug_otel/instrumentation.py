@@ -1,7 +1,14 @@
 """``CommTracer``: module spans, collective events and metrics, switched on and off as one unit.
 
 Every side effect of :meth:`CommTracer.start` has its undo in :meth:`CommTracer.stop`,
-in mirrored order: the optimizer-step hook, the dispatch mode, the module hooks.
+in mirrored order: the optimizer-step hook, the dispatch mode, the collective
+kernels, the module hooks.
+
+Collectives are counted by dispatcher kernels (``intercept.py``) that cost
+nothing per op; the dispatch mode, which every op pays for, is on only while
+a traced step is open (it names the DTensor op behind each collective, and the
+ops at detail ``dtensor`` and up). Untraced steps pay for module hooks and
+metrics only.
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .config import Settings
 from .metrics import LazyCollectiveMetrics
-from .mode import CollectiveDispatchMode
+from .intercept import interceptor
+from .mode import COLLECTIVES, CollectiveDispatchMode, enter_below_user_modes, exit_from_stack
 from .recorder import Recorder
 from .telemetry import Telemetry
 from .tracker import ModuleTracker
@@ -89,6 +97,8 @@ class CommTracer:
                                  preassigned_ids=self.telemetry.preassigned_ids)
         self._tracker = ModuleTracker(self.recorder)
         self._mode: CollectiveDispatchMode | None = None
+        self._mode_thread: int | None = None  # the thread whose mode stack holds self._mode
+        self._intercepted = False
         self._optimizer_handle = None
         self._started = False
         self._fork_hook = False
@@ -101,15 +111,26 @@ class CommTracer:
         return self._started
 
     def start(self) -> CommTracer:
-        """Install the module hooks, the dispatch mode and the optimizer-step hook."""
+        """Install the module hooks, the collective kernels, the dispatch mode and the optimizer-step hook.
+
+        The dispatch mode is pushed on this thread now only if it must see every
+        op (the CommDebugMode drop-in's reports) or the collective kernels could
+        not be registered; otherwise it is pushed when a traced step opens.
+        """
         if self._started:
             _logger.warning("commdebug-otel: CommTracer.start() called twice; ignored")
             return self
         self._started = True
         self.recorder.active = True
+        self.recorder.thread_id = threading.get_ident()
         self._tracker.install()
-        self._mode = CollectiveDispatchMode(self.recorder, self.settings.detail)
-        self._mode.__enter__()
+        self._intercepted = interceptor(COLLECTIVES).subscribe(self.recorder)
+        self._mode = CollectiveDispatchMode(self.recorder, self.settings.detail,
+                                            collectives=not self._intercepted)
+        if self._intercepted and not self.recorder.op_sinks:
+            self.recorder.traced_step_changed = self._traced_step_changed
+        else:
+            self._enter_mode()
         self._optimizer_handle = register_optimizer_step_post_hook(
             self._optimizer_step_post_hook)
         atexit.register(self._stop_at_exit)
@@ -167,24 +188,40 @@ class CommTracer:
         except Exception as error:
             self.recorder.hook_failed("closing spans", error)
         self.recorder.active = False
+        self.recorder.traced_step_changed = None
         if self._optimizer_handle is not None:
             self._optimizer_handle.remove()
             self._optimizer_handle = None
         self._exit_mode()
+        self._mode = None
+        if self._intercepted:
+            self._intercepted = False
+            interceptor(COLLECTIVES).unsubscribe(self.recorder)
         self._tracker.remove()
         if flush:
             self.telemetry.force_flush()  # bounded by the shutdown timeout; never raises
 
+    def _traced_step_changed(self, open_: bool) -> None:
+        if open_:
+            self._enter_mode()
+        else:
+            self._exit_mode()
+
+    def _enter_mode(self) -> None:
+        if self._mode is not None and self._mode_thread is None:
+            enter_below_user_modes(self._mode)
+            self._mode_thread = threading.get_ident()
+
     def _exit_mode(self) -> None:
-        mode, self._mode = self._mode, None
-        if mode is None:
+        if self._mode is None or self._mode_thread is None:
             return
-        try:
-            mode.__exit__(None, None, None)
-        except Exception:
-            # Not on top of this thread's mode stack (or another thread): it stays
-            # inert (recorder.active is False) rather than pop someone else's mode.
-            _logger.debug("commdebug-otel: dispatch mode left inert on the stack")
+        if self._mode_thread != threading.get_ident():
+            # Mode stacks are per thread: this one cannot reach it. It stays inert there
+            # (recorder.active is False once stopped) rather than pop someone else's mode.
+            _logger.debug("commdebug-otel: dispatch mode left on another thread's stack")
+            return
+        self._mode_thread = None
+        exit_from_stack(self._mode)
 
     def __enter__(self) -> CommTracer:
         return self.start()

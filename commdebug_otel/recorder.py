@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import random
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -147,7 +148,7 @@ class Recorder:
         self._rank: RankInfo | None = None
         self._nonce: str | None = None
         self._failed: set[str] = set()
-        self._time_completions = True
+        self._untimed: set[str] = set()  # overloads whose Work has no future on this backend
         self.sinks: list[Callable[[CollectiveSpec, Record | None, str], None]] = []
         self.module_sinks: list[Callable[[torch.nn.Module, str], None]] = []
         # op_sinks: (func, args, is_dtensor, owner) for every op_event, traced step or not.
@@ -155,6 +156,12 @@ class Recorder:
         # event_filter(func, is_dtensor): which reported ops become span events (None: all);
         # lets the CommDebugMode drop-in see every op while events keep the user's detail.
         self.event_filter: Callable[[Any, bool], bool] | None = None
+        # traced_step_changed(open): a traced step opened (True) or closed (False); the
+        # tracer keeps its dispatch mode on only while one is open.
+        self.traced_step_changed: Callable[[bool], None] | None = None
+        # The training thread: the one that opened the last step. Collectives on other
+        # threads are counted in metrics only (no module, pass "none", no span event).
+        self.thread_id = threading.get_ident()
         self.active = True
 
     def reset_after_fork(self) -> None:
@@ -167,6 +174,7 @@ class Recorder:
         self._call_counts = {}
         self._rank = None
         self.why_func = None
+        self.thread_id = threading.get_ident()
         if hasattr(self._metrics, "reset"):
             self._metrics.reset()
 
@@ -219,9 +227,20 @@ class Recorder:
         step = self._step = _Step(index, traced, root, _KIND_STEP)
         step.inference = inference
         self._call_counts.clear()
-        if traced and self._exemplars_on():
-            step.trace_id = self._trace_id(step) or random.getrandbits(128) or 1
+        if _graph_task_id() == -1:  # recompute in backward may run on autograd's thread
+            self.thread_id = threading.get_ident()
+        if traced:
+            if self._exemplars_on():
+                step.trace_id = self._trace_id(step) or random.getrandbits(128) or 1
+            self._tell_traced(True)
         return step
+
+    def _tell_traced(self, open_: bool) -> None:
+        if self.traced_step_changed is not None:
+            try:
+                self.traced_step_changed(open_)
+            except Exception as error:
+                self.hook_failed("dispatch mode switch", error)
 
     def _exemplars_on(self) -> bool:
         if self._exemplars is None:
@@ -293,6 +312,8 @@ class Recorder:
         for handle in step.hooks:
             handle.remove()
         step.hooks.clear()
+        if step.traced and step.kind != _KIND_OUTSIDE:
+            self._tell_traced(False)
         if step.traced and self._emit_step is not None:
             try:
                 self._emit(step)
@@ -500,6 +521,14 @@ class Recorder:
         seq = self._seq.get(group.name, 0)
         self._seq[group.name] = seq + 1
         nbytes, dtype, shape, fake = payload_facts(spec, args)
+        if threading.get_ident() != self.thread_id and _graph_task_id() == -1:
+            # Another thread (not autograd's): the training thread's open spans are not its owners.
+            if self._metrics is not None and not fake:
+                self._metrics.collective(spec.op, PASS_NONE, group, self.rank().rank, nbytes,
+                                         duration_ns / 1e9)
+                if not spec.functional and out is not None:
+                    self._time_completion(out, start_ns, spec, PASS_NONE, group, "")
+            return
         owner, step = self._owner()
         if owner is not None and owner.kind == _KIND_MODULE:
             pass_ = owner.pass_
@@ -514,8 +543,8 @@ class Recorder:
                 context = self._exemplar_context(owner, step)
             self._metrics.collective(spec.op, pass_, group, self.rank().rank, nbytes,
                                      duration_ns / 1e9, fqn, context=context)
-            if not spec.functional and out is not None and self._time_completions:
-                self._time_completion(out, start_ns, spec.op, pass_, group, fqn)
+            if not spec.functional and out is not None:
+                self._time_completion(out, start_ns, spec, pass_, group, fqn)
         for sink in self.sinks:
             sink(spec, owner, pass_)
         if step is None:
@@ -549,15 +578,21 @@ class Recorder:
             attrs.update(self._why_facts())
         self._add_event(owner, spec.op, attrs, now)
 
-    def _time_completion(self, out: Any, start_ns: int, op: str, pass_: str, group: Any,
-                         fqn: str) -> None:
-        """Record issue-to-completion time when the c10d ``Work``'s future completes (never waits)."""
+    def _time_completion(self, out: Any, start_ns: int, spec: CollectiveSpec, pass_: str,
+                         group: Any, fqn: str) -> None:
+        """Record issue-to-completion time when the c10d ``Work``'s future completes (never waits).
+
+        Some backends' works have no future (gloo's ``_reduce_scatter_base_`` raises
+        "Work::getFuture not implemented"): that overload is not timed from then on.
+        """
+        if spec.overload_name in self._untimed:
+            return
         work = out[-1] if isinstance(out, tuple) else out
         if not isinstance(work, torch.ScriptObject):
             return
         from torch.distributed import Work
 
-        metrics, rank = self._metrics, self.rank().rank
+        metrics, rank, op = self._metrics, self.rank().rank, spec.op
 
         def done(_future: Any) -> None:  # on the backend's thread: must never raise
             try:
@@ -566,9 +601,15 @@ class Recorder:
                 self.hook_failed("completion time", error)
 
         try:
-            Work.unbox(work).get_future().add_done_callback(done)
-        except Exception as error:  # a backend without futures: stop asking
-            self._time_completions = False
+            future = Work.unbox(work).get_future()
+        except Exception as error:
+            self._untimed.add(spec.overload_name)
+            _logger.debug("commdebug-otel: %s is not timed to completion: %s", spec.overload_name, error)
+            return
+        try:
+            future.add_done_callback(done)
+        except Exception as error:
+            self._untimed.add(spec.overload_name)
             self.hook_failed("completion time", error)
 
     def _why_facts(self) -> dict[str, Any]:

@@ -233,3 +233,92 @@ def test_pipeline_parallel_send_and_recv():
     # ... then two microbatches of [2, 4] float32 activations go forward and their gradients come back.
     assert view(first)[6:] == [("send", 1, 32, "float32")] * 2 + [("recv", 1, 32, "float32")] * 2
     assert view(last)[6:] == [("recv", 0, 32, "float32")] * 2 + [("send", 0, 32, "float32")] * 2
+
+
+def _metric_totals(telemetry):
+    """``{(op, pass, group, rank): (operations, bytes)}`` from the cumulative counters."""
+    totals = {}
+    for metric, index in ((semconv.METRIC_OPERATIONS, 0), (semconv.METRIC_IO, 1)):
+        for labels, value in telemetry.metric_points(metric):
+            key = (labels[semconv.COLLECTIVE_OP], labels[semconv.MODULE_PASS],
+                   labels[semconv.PROCESS_GROUP_NAME], labels[semconv.RANK])
+            totals.setdefault(key, [0, 0])[index] += value
+    return {key: tuple(value) for key, value in totals.items()}
+
+
+def _minus_totals(after, before):
+    return {key: (n - before.get(key, (0, 0))[0], b - before.get(key, (0, 0))[1])
+            for key, (n, b) in after.items() if (n, b) != before.get(key, (0, 0))}
+
+
+def _traced_and_untraced(rank, world_size, dp):
+    """The same steps with every step traced, then with tracing 1 in 1000: metrics and mode stack."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from commdebug_otel import CommTracer, Settings
+    from commdebug_otel import _demo_model as demo
+    from commdebug_otel.testing import InMemoryTelemetry
+
+    torch.set_num_threads(1)
+    args = demo.ModelArgs()
+    if dp:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = demo.parallelize(demo.Transformer(args), mesh["tp"], mesh["dp"])
+    else:
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+        model = demo.parallelize(demo.Transformer(args), mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    modes_seen = []
+    model.register_forward_pre_hook(lambda *_: modes_seen.append(len(_get_current_dispatch_mode_stack())))
+    tokens, targets = demo.make_batch(args, 2, 0)
+    result = {}
+    for trace_every in (1, 1000):
+        telemetry = InMemoryTelemetry()
+        with CommTracer(Settings(trace_every=trace_every), tracer_provider=telemetry.tracer_provider,
+                        meter_provider=telemetry.meter_provider):
+            demo.train_step(model, optimizer, tokens, targets)  # step 0 is traced in both
+            before = _metric_totals(telemetry)
+            modes_seen.clear()
+            for _ in range(3):
+                demo.train_step(model, optimizer, tokens, targets)
+            result[trace_every] = {
+                "metrics": _minus_totals(_metric_totals(telemetry), before),
+                "train_steps": sum(1 for s in telemetry.spans() if s.name == "train_step"),
+                "modes": list(modes_seen),
+            }
+    return result
+
+
+def _check_traced_and_untraced(results):
+    for result in results:
+        traced, untraced = result[1], result[1000]
+        assert traced["train_steps"] == 4 and untraced["train_steps"] == 1
+        # Untraced steps run without any dispatch mode: ops never leave C++ for us.
+        assert traced["modes"] == [1, 1, 1] and untraced["modes"] == [0, 0, 0]
+        assert untraced["metrics"] == traced["metrics"]
+        assert traced["metrics"]  # the workload issues collectives
+    return results[0][1]["metrics"]
+
+
+def test_untraced_steps_count_the_same_collectives_without_a_dispatch_mode():
+    metrics = _check_traced_and_untraced(run_ranks(_traced_and_untraced, 2, False))
+    # Rank 0, 3 steps of the 2-layer demo, batch 2 x 32 tokens x dim 64 float32 (16 KiB).
+    assert metrics == {
+        ("all_gather", "forward", "0", 0): (3, 3 * 16384),  # the output layer's logits
+        ("all_reduce", "forward", "0", 0): (15, 15 * 16384),
+        ("all_reduce", "backward", "0", 0): (33, 540672),
+    }
+
+
+def test_untraced_fsdp2_and_tensor_parallel_steps_count_the_same_collectives():
+    metrics = _check_traced_and_untraced(run_ranks(_traced_and_untraced, 4, True))
+    # Rank 0: group "1" is the dp mesh dimension (FSDP2), "3" the tp one.
+    assert metrics == {
+        ("all_gather", "forward", "1", 0): (9, 296832),
+        ("all_gather", "backward", "1", 0): (6, 247296),
+        ("reduce_scatter", "backward", "1", 0): (9, 593664),
+        ("all_gather", "forward", "3", 0): (3, 3 * 16384),
+        ("all_reduce", "forward", "3", 0): (15, 15 * 16384),
+        ("all_reduce", "backward", "3", 0): (33, 540672),
+    }

@@ -1,0 +1,100 @@
+"""Collectives counted at the dispatcher; the dispatch mode only on traced steps, under user modes."""
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+from commdebug_otel import semconv
+from models import AllReduceLinear
+
+
+def _has_kernel(op="c10d::allreduce_"):
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op, "BackendSelect")
+
+
+def _operations(telemetry):
+    return {(labels[semconv.COLLECTIVE_OP], labels[semconv.MODULE_PASS]): value
+            for labels, value in telemetry.metric_points(semconv.METRIC_OPERATIONS)}
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_kernels_are_registered_only_while_a_tracer_runs(tracer_factory, single_rank_group):
+    assert not _has_kernel()
+    first, second = tracer_factory(), tracer_factory()
+    with first:
+        assert _has_kernel() and _has_kernel("_c10d_functional::all_gather_into_tensor")
+        with second:
+            assert _has_kernel()
+        assert _has_kernel()  # the first tracer still counts
+    assert not _has_kernel()
+
+
+def test_untraced_steps_run_without_a_mode_and_still_count(telemetry, tracer_factory, single_rank_group):
+    model = AllReduceLinear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    stacks = []
+    model.lin.register_forward_hook(lambda *_: stacks.append(len(_get_current_dispatch_mode_stack())))
+    with tracer_factory(trace_every=2):
+        for _ in range(4):
+            model(torch.ones(2, 4)).sum().backward()
+            dist.all_reduce(torch.ones(3))  # between the backward and the optimizer step
+            optimizer.step()
+        assert _get_current_dispatch_mode_stack() == []  # the last step (3) closed untraced
+    assert stacks == [1, 0, 1, 0]
+    assert [s.attributes[semconv.STEP] for s in telemetry.by_name("train_step")] == [0, 2]
+    assert _operations(telemetry) == {("all_reduce", "forward"): 4, ("all_reduce", "none"): 4}
+
+
+def test_collectives_under_inference_mode_are_counted(telemetry, tracer_factory, single_rank_group):
+    with tracer_factory(), torch.inference_mode():
+        dist.all_reduce(torch.ones(2))
+        funcol.all_reduce(torch.ones(2), "sum", single_rank_group).wait()
+    # The functional collective's own c10d call inside it is not counted again.
+    assert _operations(telemetry) == {("all_reduce", "none"): 2}
+    names = [e.attributes[semconv.OP_NAME] for e in telemetry.one("outside_step").events]
+    assert names == ["c10d.allreduce_.default", "_c10d_functional.all_reduce.default"]
+
+
+def test_a_user_mode_exited_inside_a_traced_step_keeps_the_stack_in_order(telemetry, tracer_factory,
+                                                                          single_rank_group):
+    model = AllReduceLinear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    counter = OpCounter()
+    with tracer_factory():
+        for _ in range(2):
+            with counter:  # entered before our mode is pushed, exited before it is removed
+                loss = model(torch.ones(2, 4)).sum()
+                inside = _get_current_dispatch_mode_stack()
+            assert inside[-1] is counter and len(inside) == 2  # ours sits under the user's mode
+            after = _get_current_dispatch_mode_stack()
+            assert len(after) == 1 and after[0] is not counter  # the user's exit popped the user's mode
+            loss.backward()
+            optimizer.step()
+            assert _get_current_dispatch_mode_stack() == []
+    assert "c10d.allreduce_.default" in counter.ops  # the user's mode still saw every op
+    assert [len(s.events) for s in telemetry.by_name("AllReduceLinear forward")] == [1, 1]
+
+
+def test_a_user_mode_entered_in_a_step_and_left_open_is_kept(tracer_factory, single_rank_group):
+    model = AllReduceLinear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    counter = OpCounter()
+    with tracer_factory():
+        model(torch.ones(2, 4)).sum().backward()
+        counter.__enter__()  # on top of ours, still open when the step ends
+        try:
+            optimizer.step()
+            assert _get_current_dispatch_mode_stack() == [counter]
+        finally:
+            counter.__exit__(None, None, None)
+    assert _get_current_dispatch_mode_stack() == []
