@@ -20,9 +20,9 @@ import threading
 import weakref
 from typing import Any
 
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from .config import Settings
+from .config import Detail, Settings
 from .metrics import LazyCollectiveMetrics
 from .intercept import interceptor
 from .mode import COLLECTIVES, CollectiveDispatchMode, enter_below_user_modes, exit_from_stack
@@ -93,6 +93,7 @@ class CommTracer:
             self.telemetry = Telemetry(self.settings, self._rank, tracer_provider, meter_provider)
         metrics = LazyCollectiveMetrics(self.telemetry.meter, self.settings.metric_module_depth, self._rank)
         self.telemetry.count_dropped = metrics.dropped
+        self._metrics = metrics
         self.recorder = Recorder(self.settings, self.telemetry.emit, metrics,
                                  preassigned_ids=self.telemetry.preassigned_ids)
         self._tracker = ModuleTracker(self.recorder)
@@ -100,6 +101,7 @@ class CommTracer:
         self._mode_thread: int | None = None  # the thread whose mode stack holds self._mode
         self._intercepted = False
         self._optimizer_handle = None
+        self._optimizer_pre_handle = None
         self._started = False
         self._fork_hook = False
 
@@ -129,6 +131,10 @@ class CommTracer:
                                             collectives=not self._intercepted)
         if self._intercepted and not self.recorder.op_sinks:
             self.recorder.traced_step_changed = self._traced_step_changed
+            if self.settings.detail < Detail.DTENSOR:
+                # The optimizer's ops (a large share of a step's) need no mode at detail
+                # "collectives": it only names the DTensor op behind a redistribution.
+                self._optimizer_pre_handle = register_optimizer_step_pre_hook(self._optimizer_step_pre_hook)
         else:
             self._enter_mode()
         self._optimizer_handle = register_optimizer_step_post_hook(
@@ -164,6 +170,12 @@ class CommTracer:
 
         multiprocessing.util.Finalize(self, CommTracer.stop, args=(self,), exitpriority=100)
 
+    def _optimizer_step_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        try:
+            self._exit_mode()
+        except Exception as error:
+            self.recorder.hook_failed("optimizer step hook", error)
+
     def _optimizer_step_post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
             self.recorder.optimizer_step_done()
@@ -187,11 +199,16 @@ class CommTracer:
             self.recorder.finish()
         except Exception as error:
             self.recorder.hook_failed("closing spans", error)
+        try:  # the metrics worker records what the closed step left
+            self._metrics.drain(self.settings.shutdown_timeout_s)
+        except Exception as error:
+            self.recorder.hook_failed("metrics", error)
         self.recorder.active = False
         self.recorder.traced_step_changed = None
-        if self._optimizer_handle is not None:
-            self._optimizer_handle.remove()
-            self._optimizer_handle = None
+        for handle in (self._optimizer_handle, self._optimizer_pre_handle):
+            if handle is not None:
+                handle.remove()
+        self._optimizer_handle = self._optimizer_pre_handle = None
         self._exit_mode()
         self._mode = None
         if self._intercepted:

@@ -106,7 +106,7 @@ class CollectiveInterceptor:
                 pass
 
     def _kernel(self, overload: Any, spec: CollectiveSpec) -> Any:
-        redispatch = overload.redispatch
+        redispatch = overload._handle.redispatch_boxed  # OpOverload.redispatch without its Python frame
         below = self._below
         local = self._local
 

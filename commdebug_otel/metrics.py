@@ -16,10 +16,18 @@ Instruments (OTel name -> Prometheus name after the Collector's translation):
 Labels are low-cardinality only: op, pass, process group name and size, mesh
 dimension name, rank, and the module FQN cut to ``metric_module_depth``
 levels when that setting is above 0. Never shapes or step numbers.
+
+The training thread only sums counters and lists histogram points in plain
+Python containers; at each step end the batch goes to a :class:`MetricsWorker`
+thread that makes the SDK calls (an SDK ``Histogram.record`` costs tens of
+microseconds, more than the rest of a collective's bookkeeping together).
 """
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
 from typing import Any
 
 from opentelemetry.metrics import Meter
@@ -35,13 +43,69 @@ DURATION_BUCKETS_S = (0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05
 # Pending counter sums are flushed at least this often, so long stretches without a step
 # boundary (evaluation, set-up) still export.
 FLUSH_EVERY_COLLECTIVES = 256
+# Batches waiting for the worker beyond this are dropped and counted (a stalled SDK must not
+# grow memory without bound).
+MAX_QUEUED_BATCHES = 10_000
+
+_logger = logging.getLogger(__name__)
+
+
+class MetricsWorker:
+    """A daemon thread that runs SDK calls handed over as batches, in order.
+
+    ``submit`` costs the training thread one queue put; ``drain`` waits (bounded)
+    until everything submitted before it has been recorded. Started lazily, so a
+    forked child that never records starts none.
+    """
+
+    def __init__(self, on_dropped: Any) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._on_dropped = on_dropped
+
+    def submit(self, call: Any, size: int = 1) -> None:
+        """Queue ``call()``; ``size`` items are counted as dropped if the queue is full."""
+        if self._queue.qsize() >= MAX_QUEUED_BATCHES:
+            self._on_dropped(semconv.DROPPED_KIND_METRIC, size)
+            return
+        if self._thread is None:
+            self._start()
+        self._queue.put(call)
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="commdebug-otel-metrics", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        failed = False
+        while True:
+            call = self._queue.get()
+            try:
+                call()
+            except Exception as error:  # the SDK failed: say it once, keep the thread alive
+                if not failed:
+                    failed = True
+                    _logger.warning("commdebug-otel: recording metrics failed (%s: %s)",
+                                    type(error).__name__, error)
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` for the calls submitted so far. True if they all ran."""
+        if self._thread is None:
+            return True
+        done = threading.Event()
+        self._queue.put(done.set)
+        return done.wait(timeout_s)
 
 
 class CollectiveMetrics:
     """Records collective metrics on ``meter``; label dicts are cached per label tuple."""
 
-    def __init__(self, meter: Meter, module_depth: int = 0) -> None:
+    def __init__(self, meter: Meter, module_depth: int = 0, on_dropped: Any = None) -> None:
         self._module_depth = module_depth
+        self._worker = MetricsWorker(on_dropped or (lambda kind, count: None))
         self._operations = meter.create_counter(
             semconv.METRIC_OPERATIONS, unit="{operation}",
             description="Collectives issued by this rank.")
@@ -61,8 +125,9 @@ class CollectiveMetrics:
             description="Telemetry that commdebug-otel had to drop, by kind.")
         self._labels: dict[tuple, dict[str, Any]] = {}
         # Counter increments summed per label set until flush(): two SDK calls per step and
-        # label set instead of two per collective. Histogram points are recorded as they come.
+        # label set instead of two per collective; histogram points listed until then.
         self._pending: dict[tuple, list] = {}
+        self._durations: list[tuple] = []
         self._unflushed = 0
 
     def _module_label(self, fqn: str) -> str:
@@ -76,7 +141,7 @@ class CollectiveMetrics:
         exemplars that link these points to the traced step's span.
         """
         module = self._module_label(fqn) if self._module_depth and fqn else ""
-        key = (op, pass_, group, rank, module)
+        key = (op, pass_, group.name, rank, module)
         labels = self._labels.get(key)
         if labels is None:
             labels = {
@@ -98,7 +163,7 @@ class CollectiveMetrics:
         entry[2] += nbytes
         if context is not None:
             entry[3] = context
-        self._duration.record(duration_s, labels, context=context)
+        self._durations.append((duration_s, labels, context))
         self._unflushed += 1
         if self._unflushed >= FLUSH_EVERY_COLLECTIVES:
             self.flush()
@@ -107,20 +172,34 @@ class CollectiveMetrics:
                    fqn: str = "") -> None:
         """Record that a c10d collective completed ``duration_s`` seconds after it was issued.
 
-        Called from the backend's completion callback thread (gloo's worker, NCCL's watchdog).
+        Called from the backend's completion callback thread (gloo's worker, NCCL's
+        watchdog), which must not be held up: the SDK call is left to the worker.
         """
         module = self._module_label(fqn) if self._module_depth and fqn else ""
-        labels = self._labels.get((op, pass_, group, rank, module))
+        labels = self._labels.get((op, pass_, group.name, rank, module))
         if labels is not None:
-            self._completion.record(duration_s, labels)
+            self._worker.submit(lambda: self._completion.record(duration_s, labels))
 
     def flush(self) -> None:
-        """Add the pending counts to the counters (at every step end, and every few hundred collectives)."""
+        """Hand the pending counts and histogram points to the worker (at every step end, and every few hundred collectives)."""
         pending, self._pending = self._pending, {}
+        durations, self._durations = self._durations, []
         self._unflushed = 0
+        if pending or durations:
+            self._worker.submit(lambda: self._record(pending, durations), len(durations))
+
+    def _record(self, pending: dict[tuple, list], durations: list[tuple]) -> None:
         for labels, count, nbytes, context in pending.values():
             self._operations.add(count, labels, context=context)
             self._io.add(nbytes, labels, context=context)
+        record = self._duration.record
+        for duration_s, labels, context in durations:
+            record(duration_s, labels, context=context)
+
+    def drain(self, timeout_s: float) -> bool:
+        """Flush, then wait at most ``timeout_s`` until the worker has recorded everything."""
+        self.flush()
+        return self._worker.drain(timeout_s)
 
     def dropped(self, kind: str, count: int, rank: int) -> None:
         """Count ``count`` items of telemetry dropped on ``rank``, by ``kind`` (span, event, hook_error, ...)."""
@@ -148,7 +227,10 @@ class LazyCollectiveMetrics:
                 logging.getLogger(__name__).warning(
                     "commdebug-otel: metrics are off: %s: %s", type(error).__name__, error)
                 meter = NoOpMeter("commdebug_otel")
-            self._metrics = CollectiveMetrics(meter, self._module_depth)
+            self._metrics = CollectiveMetrics(meter, self._module_depth, self.dropped)
+            # From now on the recorder calls the instruments' methods directly.
+            self.collective = self._metrics.collective
+            self.completion = self._metrics.completion
         return self._metrics
 
     def collective(self, *args: Any, **kwargs: Any) -> None:
@@ -161,9 +243,15 @@ class LazyCollectiveMetrics:
         if self._metrics is not None:
             self._metrics.flush()
 
+    def drain(self, timeout_s: float) -> bool:
+        """Flush and wait (at most ``timeout_s``) until every point is recorded in the SDK."""
+        return self._metrics.drain(timeout_s) if self._metrics is not None else True
+
     def reset(self) -> None:
-        """Forget the instruments (a forked child gets its own meter)."""
+        """Forget the instruments (a forked child gets its own meter and worker thread)."""
         self._metrics = None
+        self.__dict__.pop("collective", None)
+        self.__dict__.pop("completion", None)
 
     def dropped(self, kind: str, count: int) -> None:
         self._get().dropped(kind, count, self._rank().rank)

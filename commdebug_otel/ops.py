@@ -188,18 +188,32 @@ def payload_facts(spec: CollectiveSpec, args: tuple) -> tuple[int, str, list[int
     A barrier's placeholder tensor counts as 0 bytes. ``fake`` is True for
     FakeTensor or meta-device payloads (no real traffic).
     """
-    if spec.payload_index < 0 or spec.payload_index >= len(args):
-        return 0, "", [], False
-    first: torch.Tensor | None = None
-    total = 0
-    for tensor in _tensors(args[spec.payload_index]):
-        if first is None:
-            first = tensor
-        total += tensor.numel() * tensor.element_size()
+    total, first = _payload(spec, args)
     if first is None:
         return 0, "", [], False
     dtype = str(first.dtype).removeprefix("torch.")
-    return (0 if spec.barrier else total), dtype, [int(size) for size in first.shape], _is_fake(first)
+    return total, dtype, [int(size) for size in first.shape], _is_fake(first)
+
+
+def payload_bytes(spec: CollectiveSpec, args: tuple) -> tuple[int, bool]:
+    """``(bytes, fake)`` of :func:`payload_facts`, without building the dtype and shape (metrics only)."""
+    total, first = _payload(spec, args)
+    return total, first is not None and _is_fake(first)
+
+
+def _payload(spec: CollectiveSpec, args: tuple) -> tuple[int, torch.Tensor | None]:
+    if spec.payload_index < 0 or spec.payload_index >= len(args):
+        return 0, None
+    payload = args[spec.payload_index]
+    if isinstance(payload, torch.Tensor):  # most collectives: one tensor
+        return (0 if spec.barrier else payload.numel() * payload.element_size()), payload
+    first: torch.Tensor | None = None
+    total = 0
+    for tensor in _tensors(payload):
+        if first is None:
+            first = tensor
+        total += tensor.numel() * tensor.element_size()
+    return (0 if spec.barrier else total), first
 
 
 def _reduce_op_names() -> dict[int, str]:

@@ -34,7 +34,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_s
 
 from . import semconv
 from .config import Settings, TraceScope
-from .ops import CollectiveSpec, GroupResolver, payload_facts, reduce_op_name
+from .ops import CollectiveSpec, GroupResolver, payload_bytes, payload_facts, reduce_op_name
 from .steps import RankInfo, job_nonce, rank_info, step_trace_id
 
 _logger = logging.getLogger(__name__)
@@ -516,39 +516,37 @@ class Recorder:
         whose future times completion without blocking (``start_ns`` is the
         ``time.perf_counter_ns()`` at issue).
         """
-        now = time.time_ns()
         group = self._groups.resolve(spec, args)
         seq = self._seq.get(group.name, 0)
         self._seq[group.name] = seq + 1
-        nbytes, dtype, shape, fake = payload_facts(spec, args)
-        if threading.get_ident() != self.thread_id and _graph_task_id() == -1:
+        in_backward = _graph_task_id() != -1
+        step = self._step
+        if not in_backward and threading.get_ident() != self.thread_id:
             # Another thread (not autograd's): the training thread's open spans are not its owners.
-            if self._metrics is not None and not fake:
-                self._metrics.collective(spec.op, PASS_NONE, group, self.rank().rank, nbytes,
-                                         duration_ns / 1e9)
-                if not spec.functional and out is not None:
-                    self._time_completion(out, start_ns, spec, PASS_NONE, group, "")
+            self._count(spec, args, group, PASS_NONE, duration_ns, out, start_ns)
             return
+        if (step is not None and not step.traced and not self.sinks
+                and not self.settings.metric_module_depth):
+            # An untraced step keeps no records (the hot path of always-on tracing).
+            self._count(spec, args, group, self._pass_by_depth(in_backward), duration_ns, out, start_ns)
+            return
+        now = time.time_ns()
+        nbytes, dtype, shape, fake = payload_facts(spec, args)
         owner, step = self._owner()
         if owner is not None and owner.kind == _KIND_MODULE:
             pass_ = owner.pass_
-        elif _graph_task_id() != -1:
-            pass_ = semconv.PASS_RECOMPUTE if self._depth else semconv.PASS_BACKWARD
-        else:  # untraced steps keep no records, only the module depth
-            pass_ = semconv.PASS_FORWARD if self._depth else PASS_NONE
-        if self._metrics is not None and not fake:  # fake/meta tensors move no bytes
+        else:
+            pass_ = self._pass_by_depth(in_backward)
+        if not fake:  # fake/meta tensors move no bytes
             fqn = owner.fqn if owner is not None else ""
             context = None
             if step is not None and step.trace_id and owner is not None:
                 context = self._exemplar_context(owner, step)
-            self._metrics.collective(spec.op, pass_, group, self.rank().rank, nbytes,
-                                     duration_ns / 1e9, fqn, context=context)
-            if not spec.functional and out is not None:
-                self._time_completion(out, start_ns, spec, pass_, group, fqn)
+            self._count(spec, args, group, pass_, duration_ns, out, start_ns, nbytes, fqn, context)
         for sink in self.sinks:
             sink(spec, owner, pass_)
         if step is None:
-            if _graph_task_id() != -1:
+            if in_backward:
                 return  # a backward outside any step: counted in metrics only
             step = self._outside_step(now)
             owner = step.root
@@ -577,6 +575,26 @@ class Recorder:
         if spec.functional and self.why_func is not None:
             attrs.update(self._why_facts())
         self._add_event(owner, spec.op, attrs, now)
+
+    def _pass_by_depth(self, in_backward: bool) -> str:
+        """The pass when no module record owns the collective (untraced steps keep only the depth)."""
+        if in_backward:
+            return semconv.PASS_RECOMPUTE if self._depth else semconv.PASS_BACKWARD
+        return semconv.PASS_FORWARD if self._depth else PASS_NONE
+
+    def _count(self, spec: CollectiveSpec, args: tuple, group: Any, pass_: str, duration_ns: int,
+               out: Any, start_ns: int, nbytes: int = -1, fqn: str = "", context: Any = None) -> None:
+        """The collective's metric points (``nbytes`` -1: not computed yet)."""
+        if self._metrics is None:
+            return
+        if nbytes < 0:
+            nbytes, fake = payload_bytes(spec, args)
+            if fake:
+                return
+        rank = self.rank().rank
+        self._metrics.collective(spec.op, pass_, group, rank, nbytes, duration_ns / 1e9, fqn, context=context)
+        if not spec.functional and out is not None:
+            self._time_completion(out, start_ns, spec, pass_, group, fqn)
 
     def _time_completion(self, out: Any, start_ns: int, spec: CollectiveSpec, pass_: str,
                          group: Any, fqn: str) -> None:

@@ -98,3 +98,24 @@ def test_a_user_mode_entered_in_a_step_and_left_open_is_kept(tracer_factory, sin
         finally:
             counter.__exit__(None, None, None)
     assert _get_current_dispatch_mode_stack() == []
+
+
+class StackRecordingSGD(torch.optim.SGD):
+    def __init__(self, params):
+        super().__init__(params, lr=0.1)
+        self.stacks = []
+
+    def step(self, closure=None):
+        self.stacks.append(len(_get_current_dispatch_mode_stack()))
+        return super().step(closure)
+
+
+def test_the_optimizer_step_runs_without_the_mode_at_detail_collectives(tracer_factory, single_rank_group):
+    model = AllReduceLinear()
+    for detail, expected in (("collectives", [0, 0]), ("dtensor", [1, 1])):
+        optimizer = StackRecordingSGD(model.parameters())
+        with tracer_factory(detail=detail):
+            for _ in range(2):
+                model(torch.ones(2, 4)).sum().backward()
+                optimizer.step()
+        assert optimizer.stacks == expected, detail
