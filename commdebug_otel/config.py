@@ -139,7 +139,8 @@ OPTIONS: tuple[Option, ...] = (
            "collectives, dtensor, ops or all",
            "Which ops become span events, as CommDebugMode's noise levels 0-3."),
     Option("trace_every", "TRACE_EVERY", _parse_positive_int, 1, "an integer >= 1",
-           "Trace one optimizer step in N (step % N == 0); metrics cover every step."),
+           "Trace one optimizer step in N (step % N == 0); metrics cover every step. Untraced steps "
+           "run without a dispatch mode (docs/performance.md)."),
     Option("ranks", "RANKS", _parse_ranks, None, "all, or a comma list of ranks like 0,3",
            "Ranks that export spans; metrics come from every rank."),
     Option("trace_scope", "TRACE_SCOPE", _parse_scope, TraceScope.JOB, "job or rank",

@@ -5,10 +5,10 @@ in mirrored order: the optimizer-step hook, the dispatch mode, the collective
 kernels, the module hooks.
 
 Collectives are counted by dispatcher kernels (``intercept.py``) that cost
-nothing per op; the dispatch mode, which every op pays for, is on only while
-a traced step is open (it names the DTensor op behind each collective, and the
-ops at detail ``dtensor`` and up). Untraced steps pay for module hooks and
-metrics only.
+nothing per op, and DTensor's redistribution step names the op behind them.
+The dispatch mode, which every op pays for, is needed only for op events
+(detail ``dtensor`` and up), and then only while a traced step is open.
+Untraced steps pay for module hooks and metrics only.
 """
 
 from __future__ import annotations
@@ -126,17 +126,20 @@ class CommTracer:
         self.recorder.active = True
         self.recorder.thread_id = threading.get_ident()
         self._tracker.install()
-        self._intercepted = interceptor(COLLECTIVES).subscribe(self.recorder)
+        kernels = interceptor(COLLECTIVES)
+        self._intercepted = kernels.subscribe(self.recorder)
         self._mode = CollectiveDispatchMode(self.recorder, self.settings.detail,
                                             collectives=not self._intercepted)
-        if self._intercepted and not self.recorder.op_sinks:
+        if not self._intercepted or self.recorder.op_sinks:
+            self._enter_mode()  # every op, every step
+        elif self.settings.detail >= Detail.DTENSOR or not kernels.names_dtensor_ops:
             self.recorder.traced_step_changed = self._traced_step_changed
             if self.settings.detail < Detail.DTENSOR:
-                # The optimizer's ops (a large share of a step's) need no mode at detail
-                # "collectives": it only names the DTensor op behind a redistribution.
+                # The optimizer's ops (a large share of a step's) need no mode when it is
+                # only there to name the DTensor op behind a redistribution.
                 self._optimizer_pre_handle = register_optimizer_step_pre_hook(self._optimizer_step_pre_hook)
         else:
-            self._enter_mode()
+            self._mode = None  # detail "collectives": no dispatch mode at all
         self._optimizer_handle = register_optimizer_step_post_hook(
             self._optimizer_step_post_hook)
         atexit.register(self._stop_at_exit)
@@ -199,10 +202,7 @@ class CommTracer:
             self.recorder.finish()
         except Exception as error:
             self.recorder.hook_failed("closing spans", error)
-        try:  # the metrics worker records what the closed step left
-            self._metrics.drain(self.settings.shutdown_timeout_s)
-        except Exception as error:
-            self.recorder.hook_failed("metrics", error)
+        self.flush_metrics()  # the metrics worker records what the closed step left
         self.recorder.active = False
         self.recorder.traced_step_changed = None
         for handle in (self._optimizer_handle, self._optimizer_pre_handle):
@@ -217,6 +217,21 @@ class CommTracer:
         self._tracker.remove()
         if flush:
             self.telemetry.force_flush()  # bounded by the shutdown timeout; never raises
+
+    def flush_metrics(self, timeout_s: float | None = None) -> bool:
+        """Record every metric point so far in the SDK's instruments, waiting at most ``timeout_s`` seconds.
+
+        Points reach the SDK on a worker thread at each step end, so a reader
+        collecting mid-run (a test, an in-process check) may see the last step
+        late; a periodic exporter simply sends it next time. :meth:`stop` does
+        this itself. Defaults to ``OTEL_PYTHON_COMMDEBUG_SHUTDOWN_TIMEOUT``.
+        Returns False if the worker did not finish in time; never raises.
+        """
+        try:
+            return self._metrics.drain(self.settings.shutdown_timeout_s if timeout_s is None else timeout_s)
+        except Exception as error:
+            self.recorder.hook_failed("metrics", error)
+            return False
 
     def _traced_step_changed(self, open_: bool) -> None:
         if open_:

@@ -20,6 +20,13 @@ Instead, one Python kernel per collective overload is registered at the
 Ops that are not collectives never reach Python. A collective issued inside
 another (the c10d op a functional collective's kernel calls) is not counted
 twice: a per-thread flag marks the outer one in progress.
+
+The "why" of a collective (the DTensor op whose inputs are being redistributed)
+comes from DTensor's own redistribution step, ``OpDispatcher.redistribute_local_args``
+(torch/distributed/tensor/_dispatch.py), which DTensor's C++ dispatch fast path
+calls only when an op's inputs must move: while it runs, subscribers hold the
+op and its input specs. Where torch lacks that function, :attr:`names_dtensor_ops`
+is False and the tracer falls back to its dispatch mode on traced steps.
 """
 
 from __future__ import annotations
@@ -57,6 +64,12 @@ class CollectiveInterceptor:
         self._lock = threading.Lock()
         self._local = _InProgress()
         self._below = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
+        self._original_redistribute: Any = None
+
+    @property
+    def names_dtensor_ops(self) -> bool:
+        """True while DTensor redistributions tell subscribers their op (see the module docstring)."""
+        return self._original_redistribute is not None
 
     @property
     def installed(self) -> bool:
@@ -89,6 +102,7 @@ class CollectiveInterceptor:
                 if overload._overloadname != "default":
                     name = f"{name}.{overload._overloadname}"
                 library.impl(name, self._kernel(overload, spec), _KEY, with_keyset=True)
+            self._watch_redistributions()
         except Exception as error:
             _logger.warning("commdebug-otel: cannot register collective kernels (%s: %s); the "
                             "dispatch mode counts collectives instead, at a cost on every op",
@@ -97,7 +111,41 @@ class CollectiveInterceptor:
             return False
         return True
 
+    def _watch_redistributions(self) -> None:
+        try:
+            from torch.distributed.tensor._dispatch import OpDispatcher
+
+            original = OpDispatcher.__dict__["redistribute_local_args"]
+            redistribute = original.__func__
+        except Exception as error:  # another torch: the mode names the ops instead
+            _logger.debug("commdebug-otel: DTensor redistributions not watched: %s", error)
+            return
+        interceptor = self
+
+        def redistribute_local_args(op_info: Any, suggested_input_schema: Any, *args: Any, **kwargs: Any) -> Any:
+            subscribers = interceptor._subscribers
+            saved = [(recorder, recorder.why_func, recorder.why_args) for recorder in subscribers]
+            try:
+                op, specs = suggested_input_schema.op, tuple(op_info.flat_args_schema)
+                for recorder in subscribers:
+                    recorder.why_func, recorder.why_args = op, specs
+            except Exception:  # a changed OpInfo: the collectives still count, without a "why"
+                pass
+            try:
+                return redistribute(op_info, suggested_input_schema, *args, **kwargs)
+            finally:
+                for recorder, func, func_args in saved:
+                    recorder.why_func, recorder.why_args = func, func_args
+
+        OpDispatcher.redistribute_local_args = staticmethod(redistribute_local_args)
+        self._original_redistribute = original
+
     def _uninstall(self) -> None:
+        if self._original_redistribute is not None:
+            from torch.distributed.tensor._dispatch import OpDispatcher
+
+            OpDispatcher.redistribute_local_args = self._original_redistribute
+            self._original_redistribute = None
         libraries, self._libraries = self._libraries, []
         for library in libraries:
             try:

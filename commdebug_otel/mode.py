@@ -64,6 +64,8 @@ class CollectiveDispatchMode(TorchDispatchMode):
         self._dtensor = _dtensor_type()
         self._record_dtensor_ops = detail >= Detail.DTENSOR
         self._record_plain_ops = detail >= Detail.OPS
+        # Must DTensor desugar through this mode (its local ops and collectives seen here)?
+        self._desugar = self._record_plain_ops or collectives
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # Hot path: most ops are neither collectives nor recorded.
@@ -71,11 +73,21 @@ class CollectiveDispatchMode(TorchDispatchMode):
         recorder = self._recorder
         if spec is None:
             if types and self._dtensor in types and not isinstance(func, HigherOrderOperator):
-                if recorder.active:
+                if not recorder.active:
+                    return func(*args, **kwargs) if kwargs else func(*args)
+                if self._record_dtensor_ops:
+                    self._note(func, args, is_dtensor=True)
+                if self._desugar:
                     recorder.why_func, recorder.why_args = func, args  # the "why" of collectives to come
-                    if self._record_dtensor_ops:
-                        self._note(func, args, is_dtensor=True)
-                return NotImplemented  # let DTensor desugar into local ops and collectives
+                    return NotImplemented  # DTensor desugars into local ops and collectives, through here
+                # DTensor's own dispatch runs here with this mode off: its local ops never come back
+                # to Python, and its collectives reach the dispatcher kernels with this "why".
+                previous = recorder.why_func, recorder.why_args
+                recorder.why_func, recorder.why_args = func, args
+                try:
+                    return func(*args, **kwargs) if kwargs else func(*args)
+                finally:
+                    recorder.why_func, recorder.why_args = previous
             if recorder.why_func is func:
                 recorder.why_func = None  # DTensor runs its local op: redistribution is over
             if self._record_plain_ops and recorder.active:

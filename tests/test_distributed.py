@@ -252,7 +252,10 @@ def _minus_totals(after, before):
 
 
 def _traced_and_untraced(rank, world_size, dp):
-    """The same steps with every step traced, then with tracing 1 in 1000: metrics and mode stack."""
+    """The same steps with every step traced, then with tracing 1 in 1000: metrics and mode stack.
+
+    Detail ``dtensor``, so traced steps need the dispatch mode (for op events).
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
@@ -275,13 +278,16 @@ def _traced_and_untraced(rank, world_size, dp):
     result = {}
     for trace_every in (1, 1000):
         telemetry = InMemoryTelemetry()
-        with CommTracer(Settings(trace_every=trace_every), tracer_provider=telemetry.tracer_provider,
-                        meter_provider=telemetry.meter_provider):
+        with CommTracer(Settings(trace_every=trace_every, detail="dtensor"),
+                        tracer_provider=telemetry.tracer_provider,
+                        meter_provider=telemetry.meter_provider) as tracer:
             demo.train_step(model, optimizer, tokens, targets)  # step 0 is traced in both
+            assert tracer.flush_metrics()
             before = _metric_totals(telemetry)
             modes_seen.clear()
             for _ in range(3):
                 demo.train_step(model, optimizer, tokens, targets)
+            assert tracer.flush_metrics()
             result[trace_every] = {
                 "metrics": _minus_totals(_metric_totals(telemetry), before),
                 "train_steps": sum(1 for s in telemetry.spans() if s.name == "train_step"),
@@ -322,3 +328,44 @@ def test_untraced_fsdp2_and_tensor_parallel_steps_count_the_same_collectives():
         ("all_reduce", "forward", "3", 0): (15, 15 * 16384),
         ("all_reduce", "backward", "3", 0): (33, 540672),
     }
+
+
+def _redistributing_matmul(rank, world_size):
+    """A DTensor op whose inputs must be redistributed: its collective names the op and placements."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from commdebug_otel import CommTracer, Settings
+    from commdebug_otel.testing import InMemoryTelemetry
+
+    telemetry = InMemoryTelemetry()
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    a = distribute_tensor(torch.ones(4, 6), mesh, [Shard(1)])
+    b = distribute_tensor(torch.ones(6, 2), mesh, [Shard(1)])
+
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    modes = []
+
+    class MatMul(torch.nn.Module):
+        def forward(self, a, b):
+            modes.append(len(_get_current_dispatch_mode_stack()))
+            return a @ b
+
+    with CommTracer(Settings(), tracer_provider=telemetry.tracer_provider,
+                    meter_provider=telemetry.meter_provider):
+        MatMul()(a, b)
+        MatMul()(a, b)
+    assert modes == [0, 0]  # named by DTensor's redistribution step, not by a dispatch mode
+    return [[(e.name, dict(e.attributes)) for e in span.events] for span in telemetry.by_name("MatMul forward")]
+
+
+def test_a_redistribution_inside_a_dtensor_op_names_the_op():
+    for spans in run_ranks(_redistributing_matmul, 2):
+        assert len(spans) == 2
+        for events in spans:
+            assert events, "the matmul redistributes its inputs"
+            for name, attributes in events:
+                assert attributes[semconv.DTENSOR_OP] == "aten.mm.default"
+                assert attributes[semconv.DTENSOR_INPUT_PLACEMENTS] == ("(Shard(dim=1),)", "(Shard(dim=1),)")
+                assert attributes[semconv.DEVICE_MESH_SHAPE] == (2,)

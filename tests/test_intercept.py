@@ -44,7 +44,7 @@ def test_untraced_steps_run_without_a_mode_and_still_count(telemetry, tracer_fac
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     stacks = []
     model.lin.register_forward_hook(lambda *_: stacks.append(len(_get_current_dispatch_mode_stack())))
-    with tracer_factory(trace_every=2):
+    with tracer_factory(trace_every=2, detail="dtensor"):  # op events need the mode on traced steps
         for _ in range(4):
             model(torch.ones(2, 4)).sum().backward()
             dist.all_reduce(torch.ones(3))  # between the backward and the optimizer step
@@ -70,7 +70,7 @@ def test_a_user_mode_exited_inside_a_traced_step_keeps_the_stack_in_order(teleme
     model = AllReduceLinear()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     counter = OpCounter()
-    with tracer_factory():
+    with tracer_factory(detail="dtensor"):
         for _ in range(2):
             with counter:  # entered before our mode is pushed, exited before it is removed
                 loss = model(torch.ones(2, 4)).sum()
@@ -89,7 +89,7 @@ def test_a_user_mode_entered_in_a_step_and_left_open_is_kept(tracer_factory, sin
     model = AllReduceLinear()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     counter = OpCounter()
-    with tracer_factory():
+    with tracer_factory(detail="dtensor"):
         model(torch.ones(2, 4)).sum().backward()
         counter.__enter__()  # on top of ours, still open when the step ends
         try:
@@ -110,9 +110,21 @@ class StackRecordingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
-def test_the_optimizer_step_runs_without_the_mode_at_detail_collectives(tracer_factory, single_rank_group):
+def test_detail_collectives_never_pushes_a_mode(tracer_factory, single_rank_group):
     model = AllReduceLinear()
-    for detail, expected in (("collectives", [0, 0]), ("dtensor", [1, 1])):
+    optimizer = StackRecordingSGD(model.parameters())
+    stacks = []
+    model.lin.register_forward_hook(lambda *_: stacks.append(len(_get_current_dispatch_mode_stack())))
+    with tracer_factory(detail="collectives"):
+        for _ in range(2):
+            model(torch.ones(2, 4)).sum().backward()
+            optimizer.step()
+    assert stacks == [0, 0] and optimizer.stacks == [0, 0]
+
+
+def test_the_optimizer_step_keeps_the_mode_where_ops_are_events(tracer_factory, single_rank_group):
+    model = AllReduceLinear()
+    for detail, expected in (("dtensor", [1, 1]), ("ops", [1, 1])):
         optimizer = StackRecordingSGD(model.parameters())
         with tracer_factory(detail=detail):
             for _ in range(2):
