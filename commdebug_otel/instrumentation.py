@@ -20,17 +20,21 @@ import threading
 import weakref
 from typing import Any
 
+import torch
+
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .config import Detail, Settings
 from .metrics import LazyCollectiveMetrics
 from .intercept import interceptor
-from .mode import COLLECTIVES, CollectiveDispatchMode, enter_below_user_modes, exit_from_stack
+from .mode import COLLECTIVES, CollectiveDispatchMode, enter_below_user_modes, exit_from_stack, on_stack
 from .recorder import Recorder
 from .telemetry import Telemetry
 from .tracker import ModuleTracker
 
 _logger = logging.getLogger(__name__)
+
+METRICS_DRAIN_S = 1.0  # the most stop() waits for the metrics worker
 
 _shared_lock = threading.Lock()
 _shared_telemetry: dict[tuple, Telemetry] = {}
@@ -72,9 +76,11 @@ class CommTracer:
             from the standard ``OTEL_*`` variables (see ``telemetry.py``).
         meter_provider: an OTel ``MeterProvider``; same default.
 
-    Use as a context manager, or call :meth:`start` and :meth:`stop`. The
-    dispatch mode is pushed on the calling thread's mode stack; collectives
-    issued on other threads are not seen (documented in docs/troubleshooting.md).
+    Use as a context manager, or call :meth:`start` and :meth:`stop`.
+    Collectives are counted on every thread; those on a thread other than the
+    training thread (the one that opened the step) or autograd's are metrics
+    only (docs/troubleshooting.md). A dispatch mode, when detail needs one, is
+    pushed on the training thread's stack.
 
     Example::
 
@@ -98,7 +104,6 @@ class CommTracer:
                                  preassigned_ids=self.telemetry.preassigned_ids)
         self._tracker = ModuleTracker(self.recorder)
         self._mode: CollectiveDispatchMode | None = None
-        self._mode_thread: int | None = None  # the thread whose mode stack holds self._mode
         self._intercepted = False
         self._optimizer_handle = None
         self._optimizer_pre_handle = None
@@ -202,7 +207,9 @@ class CommTracer:
             self.recorder.finish()
         except Exception as error:
             self.recorder.hook_failed("closing spans", error)
-        self.flush_metrics()  # the metrics worker records what the closed step left
+        # The metrics worker records what the closed step left: in-memory SDK calls, so a
+        # short bound (an SDK that hangs must not double the exit budget).
+        self.flush_metrics(min(self.settings.shutdown_timeout_s, METRICS_DRAIN_S))
         self.recorder.active = False
         self.recorder.traced_step_changed = None
         for handle in (self._optimizer_handle, self._optimizer_pre_handle):
@@ -233,27 +240,24 @@ class CommTracer:
             self.recorder.hook_failed("metrics", error)
             return False
 
-    def _traced_step_changed(self, open_: bool) -> None:
-        if open_:
+    def _traced_step_changed(self, traced: bool) -> None:
+        """A step opened (traced or not) or a traced step closed: the mode follows, on this thread."""
+        if traced:
             self._enter_mode()
-        else:
+        elif torch._C._current_graph_task_id() == -1:
+            # Inside backward (optimizer-in-backward) the engine restores this thread's modes
+            # when the pass ends: the next step's opening takes the mode off instead.
             self._exit_mode()
 
     def _enter_mode(self) -> None:
-        if self._mode is not None and self._mode_thread is None:
+        if self._mode is not None and not on_stack(self._mode):
             enter_below_user_modes(self._mode)
-            self._mode_thread = threading.get_ident()
 
     def _exit_mode(self) -> None:
-        if self._mode is None or self._mode_thread is None:
-            return
-        if self._mode_thread != threading.get_ident():
-            # Mode stacks are per thread: this one cannot reach it. It stays inert there
-            # (recorder.active is False once stopped) rather than pop someone else's mode.
-            _logger.debug("commdebug-otel: dispatch mode left on another thread's stack")
-            return
-        self._mode_thread = None
-        exit_from_stack(self._mode)
+        # Mode stacks are per thread. A mode on another thread's stack stays there, inert once
+        # the tracer stops (recorder.active is False), rather than pop someone else's mode.
+        if self._mode is not None:
+            exit_from_stack(self._mode)
 
     def __enter__(self) -> CommTracer:
         return self.start()

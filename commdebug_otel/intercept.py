@@ -23,9 +23,9 @@ twice: a per-thread flag marks the outer one in progress.
 
 The "why" of a collective (the DTensor op whose inputs are being redistributed)
 comes from DTensor's own redistribution step, ``OpDispatcher.redistribute_local_args``
-(torch/distributed/tensor/_dispatch.py), which DTensor's C++ dispatch fast path
-calls only when an op's inputs must move: while it runs, subscribers hold the
-op and its input specs. Where torch lacks that function, :attr:`names_dtensor_ops`
+(torch/distributed/tensor/_dispatch.py), which DTensor's dispatch calls (from
+``_dispatch_get_local_results_slow_path``) only when an op's inputs must move:
+while it runs, subscribers hold the op and its input specs. Where torch lacks that function, :attr:`names_dtensor_ops`
 is False and the tracer falls back to its dispatch mode on traced steps.
 """
 
@@ -52,9 +52,9 @@ class _InProgress(threading.local):
 class CollectiveInterceptor:
     """Process-wide: reports each collective to every subscribed recorder.
 
-    A subscriber has ``collective(spec, args, duration_ns, out, start_ns)`` and
-    ``hook_failed(where, error)``. Kernels are registered at the first
-    subscription and removed (``Library._destroy``) when the last one leaves.
+    A subscriber has ``collective(spec, args, duration_ns, out, start_ns)``,
+    ``hook_failed(where, error)``, ``thread_id`` and ``why_func``/``why_args``.
+    Kernels are registered at the first subscription and stay (see :meth:`unsubscribe`).
     """
 
     def __init__(self, registry: dict[Any, CollectiveSpec]) -> None:
@@ -85,10 +85,14 @@ class CollectiveInterceptor:
             return True
 
     def unsubscribe(self, recorder: Any) -> None:
+        """Stop reporting to ``recorder``.
+
+        The kernels stay registered for the life of the process: deregistering a
+        dispatcher kernel while another thread may be running it is not safe. With
+        no subscriber they hand each collective straight on.
+        """
         with self._lock:
             self._subscribers = tuple(s for s in self._subscribers if s is not recorder)
-            if not self._subscribers:
-                self._uninstall()
 
     def _install(self) -> bool:
         libraries: dict[str, torch.library.Library] = {}
@@ -123,7 +127,11 @@ class CollectiveInterceptor:
         interceptor = self
 
         def redistribute_local_args(op_info: Any, suggested_input_schema: Any, *args: Any, **kwargs: Any) -> Any:
-            subscribers = interceptor._subscribers
+            # Only a recorder's training thread (or autograd's) sets its "why": another
+            # thread's redistribution must not name the training thread's collectives.
+            thread, in_backward = threading.get_ident(), torch._C._current_graph_task_id() != -1
+            subscribers = [recorder for recorder in interceptor._subscribers
+                           if in_backward or recorder.thread_id == thread]
             saved = [(recorder, recorder.why_func, recorder.why_args) for recorder in subscribers]
             try:
                 op, specs = suggested_input_schema.op, tuple(op_info.flat_args_schema)

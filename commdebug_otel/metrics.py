@@ -129,6 +129,8 @@ class CollectiveMetrics:
         self._pending: dict[tuple, list] = {}
         self._durations: list[tuple] = []
         self._unflushed = 0
+        # Collectives on other threads (a checkpoint writer) record while the training thread flushes.
+        self._lock = threading.Lock()
 
     def _module_label(self, fqn: str) -> str:
         return ".".join(fqn.split(".")[: self._module_depth + 1])
@@ -142,31 +144,37 @@ class CollectiveMetrics:
         """
         module = self._module_label(fqn) if self._module_depth and fqn else ""
         key = (op, pass_, group.name, rank, module)
-        labels = self._labels.get(key)
-        if labels is None:
-            labels = {
-                semconv.COLLECTIVE_OP: op,
-                semconv.MODULE_PASS: pass_,
-                semconv.PROCESS_GROUP_NAME: group.name,
-                semconv.PROCESS_GROUP_SIZE: group.size,
-                semconv.RANK: rank,
-            }
-            if group.dim_name:
-                labels[semconv.DEVICE_MESH_DIM_NAME] = group.dim_name
-            if module:
-                labels[semconv.MODULE_FQN] = module
-            self._labels[key] = labels
-        entry = self._pending.get(key)
-        if entry is None:
-            entry = self._pending[key] = [labels, 0, 0, None]
-        entry[1] += 1
-        entry[2] += nbytes
-        if context is not None:
-            entry[3] = context
-        self._durations.append((duration_s, labels, context))
-        self._unflushed += 1
-        if self._unflushed >= FLUSH_EVERY_COLLECTIVES:
+        with self._lock:
+            labels = self._labels.get(key)
+            if labels is None:
+                labels = self._labels[key] = self._label_set(op, pass_, group, rank, module)
+            entry = self._pending.get(key)
+            if entry is None:
+                entry = self._pending[key] = [labels, 0, 0, None]
+            entry[1] += 1
+            entry[2] += nbytes
+            if context is not None:
+                entry[3] = context
+            self._durations.append((duration_s, labels, context))
+            self._unflushed += 1
+            full = self._unflushed >= FLUSH_EVERY_COLLECTIVES
+        if full:
             self.flush()
+
+    @staticmethod
+    def _label_set(op: str, pass_: str, group: GroupFacts, rank: int, module: str) -> dict[str, Any]:
+        labels = {
+            semconv.COLLECTIVE_OP: op,
+            semconv.MODULE_PASS: pass_,
+            semconv.PROCESS_GROUP_NAME: group.name,
+            semconv.PROCESS_GROUP_SIZE: group.size,
+            semconv.RANK: rank,
+        }
+        if group.dim_name:
+            labels[semconv.DEVICE_MESH_DIM_NAME] = group.dim_name
+        if module:
+            labels[semconv.MODULE_FQN] = module
+        return labels
 
     def completion(self, op: str, pass_: str, group: GroupFacts, rank: int, duration_s: float,
                    fqn: str = "") -> None:
@@ -182,9 +190,10 @@ class CollectiveMetrics:
 
     def flush(self) -> None:
         """Hand the pending counts and histogram points to the worker (at every step end, and every few hundred collectives)."""
-        pending, self._pending = self._pending, {}
-        durations, self._durations = self._durations, []
-        self._unflushed = 0
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            durations, self._durations = self._durations, []
+            self._unflushed = 0
         if pending or durations:
             self._worker.submit(lambda: self._record(pending, durations), len(durations))
 
@@ -214,18 +223,20 @@ class LazyCollectiveMetrics:
         self._rank = rank
         self._module_depth = module_depth
         self._metrics: CollectiveMetrics | None = None
+        self._lock = threading.Lock()
 
     def _get(self) -> CollectiveMetrics:
-        if self._metrics is None:
+        if self._metrics is not None:
+            return self._metrics
+        with self._lock:
+            if self._metrics is not None:
+                return self._metrics
             try:
                 meter = self._meter_factory()
             except Exception as error:  # e.g. an output folder we cannot create: say it once
-                import logging
-
                 from opentelemetry.metrics import NoOpMeter
 
-                logging.getLogger(__name__).warning(
-                    "commdebug-otel: metrics are off: %s: %s", type(error).__name__, error)
+                _logger.warning("commdebug-otel: metrics are off: %s: %s", type(error).__name__, error)
                 meter = NoOpMeter("commdebug_otel")
             self._metrics = CollectiveMetrics(meter, self._module_depth, self.dropped)
             # From now on the recorder calls the instruments' methods directly.
@@ -250,6 +261,7 @@ class LazyCollectiveMetrics:
     def reset(self) -> None:
         """Forget the instruments (a forked child gets its own meter and worker thread)."""
         self._metrics = None
+        self._lock = threading.Lock()  # a fork may have copied it held
         self.__dict__.pop("collective", None)
         self.__dict__.pop("completion", None)
 

@@ -1,15 +1,17 @@
-"""The dispatch mode: collectives and (by detail level) ops, reported to the recorder.
+"""The dispatch mode: op events (detail ``dtensor`` and up), and the fallbacks.
 
-A ``TorchDispatchMode`` sees every aten op, c10d op and functional collective.
-Ops on DTensors reach the mode before DTensor itself; as in torch's
-CommDebugMode we note the op and return ``NotImplemented``, so DTensor runs,
-redistributes (issuing functional collectives that come back through this
-mode on plain tensors) and computes locally.
+A ``TorchDispatchMode`` sees every aten op, so every op pays for it; the
+tracer pushes one only where op events need it, and only while a traced step
+is open (``CommTracer``). Collectives are counted by the dispatcher kernels of
+:mod:`commdebug_otel.intercept`, mode or not.
 
-The hot path for an op that is neither a collective nor recorded is one dict
-lookup and one ``in`` test before redispatch. The mode is on only where it is
-needed (traced steps; see ``CommTracer``): collectives are counted by the
-dispatcher kernels of :mod:`commdebug_otel.intercept`, which cost nothing per op.
+Ops on DTensors reach the mode before DTensor itself. At detail ``dtensor``
+the mode notes the op and runs DTensor's dispatch itself, with the mode off:
+DTensor's local ops never come back to Python. At ``ops`` and up (and in the
+fallback where the kernels could not be registered, when the mode counts
+collectives itself), it notes the op and returns ``NotImplemented``, as
+torch's CommDebugMode does, so DTensor desugars into local ops and functional
+collectives that come back through the mode on plain tensors.
 """
 
 from __future__ import annotations
@@ -118,6 +120,32 @@ def _user_modes_above_infra() -> int:
     return sum(1 for mode in _get_current_dispatch_mode_stack() if getattr(mode, "_mode_key", None) is None)
 
 
+def on_stack(mode: TorchDispatchMode) -> bool:
+    """Whether ``mode`` is on this thread's dispatch mode stack."""
+    return any(other is mode for other in _get_current_dispatch_mode_stack())
+
+
+def _sync_mode_flags() -> None:
+    """Recompute the process-wide "a mode is active" flags from this thread's stack.
+
+    ``TorchDispatchMode.__enter__``/``__exit__`` save and restore these flags
+    (torch/utils/_python_dispatch.py) assuming last-in, first-out order, which
+    a mode inserted under others breaks: ours are pushed and popped raw, and the
+    flags set from what is really on the stack.
+    """
+    from torch.utils import _python_dispatch as dispatch
+
+    stack = _get_current_dispatch_mode_stack()
+    try:
+        dispatch._is_in_torch_dispatch_mode = bool(stack)
+        dispatch._is_in_non_infra_torch_dispatch_mode = any(not m.is_infra_mode() for m in stack)
+        without = any(not m.ignore_compile_internals() for m in stack)
+        dispatch._is_in_any_mode_without_ignore_compile_internals = without
+        dispatch.set_is_in_mode_without_ignore_compile_internals(without)
+    except AttributeError:  # another torch without some of these flags
+        pass
+
+
 def enter_below_user_modes(mode: TorchDispatchMode) -> None:
     """Push ``mode`` under the user modes already on this thread's dispatch mode stack.
 
@@ -127,9 +155,10 @@ def enter_below_user_modes(mode: TorchDispatchMode) -> None:
     pops whatever is on top (``TorchDispatchMode.__exit__``): ours must not be there.
     """
     above = [_pop_mode() for _ in range(_user_modes_above_infra())]
-    mode.__enter__()
+    _push_mode(mode)
     for other in reversed(above):
         _push_mode(other)
+    _sync_mode_flags()
 
 
 def exit_from_stack(mode: TorchDispatchMode) -> bool:
@@ -137,15 +166,13 @@ def exit_from_stack(mode: TorchDispatchMode) -> bool:
 
     Returns False (and changes nothing) if ``mode`` is not on this thread's stack.
     """
-    if not any(other is mode for other in _get_current_dispatch_mode_stack()):
+    if not on_stack(mode):
         return False
     above = []
-    while True:
-        stack = _get_current_dispatch_mode_stack()
-        if stack[-1] is mode:
-            break
+    while _get_current_dispatch_mode_stack()[-1] is not mode:
         above.append(_pop_mode())
-    mode.__exit__(None, None, None)
+    _pop_mode()
     for other in reversed(above):
         _push_mode(other)
+    _sync_mode_flags()
     return True

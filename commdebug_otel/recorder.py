@@ -156,8 +156,8 @@ class Recorder:
         # event_filter(func, is_dtensor): which reported ops become span events (None: all);
         # lets the CommDebugMode drop-in see every op while events keep the user's detail.
         self.event_filter: Callable[[Any, bool], bool] | None = None
-        # traced_step_changed(open): a traced step opened (True) or closed (False); the
-        # tracer keeps its dispatch mode on only while one is open.
+        # traced_step_changed(traced): a step opened (traced or not), or a traced step
+        # closed (False); the tracer keeps its dispatch mode on only while a traced one is open.
         self.traced_step_changed: Callable[[bool], None] | None = None
         # The training thread: the one that opened the last step. Collectives on other
         # threads are counted in metrics only (no module, pass "none", no span event).
@@ -229,16 +229,15 @@ class Recorder:
         self._call_counts.clear()
         if _graph_task_id() == -1:  # recompute in backward may run on autograd's thread
             self.thread_id = threading.get_ident()
-        if traced:
-            if self._exemplars_on():
-                step.trace_id = self._trace_id(step) or random.getrandbits(128) or 1
-            self._tell_traced(True)
+        if traced and self._exemplars_on():
+            step.trace_id = self._trace_id(step) or random.getrandbits(128) or 1
+        self._tell_traced(traced)  # every opening: a mode left on by a close inside backward goes now
         return step
 
-    def _tell_traced(self, open_: bool) -> None:
+    def _tell_traced(self, traced: bool) -> None:
         if self.traced_step_changed is not None:
             try:
-                self.traced_step_changed(open_)
+                self.traced_step_changed(traced)
             except Exception as error:
                 self.hook_failed("dispatch mode switch", error)
 
@@ -517,14 +516,15 @@ class Recorder:
         ``time.perf_counter_ns()`` at issue).
         """
         group = self._groups.resolve(spec, args)
-        seq = self._seq.get(group.name, 0)
-        self._seq[group.name] = seq + 1
         in_backward = _graph_task_id() != -1
-        step = self._step
         if not in_backward and threading.get_ident() != self.thread_id:
-            # Another thread (not autograd's): the training thread's open spans are not its owners.
+            # Another thread (not autograd's): the training thread's open spans are not its
+            # owners, and its sequence numbers (which match collectives across ranks) stay its own.
             self._count(spec, args, group, PASS_NONE, duration_ns, out, start_ns)
             return
+        seq = self._seq.get(group.name, 0)
+        self._seq[group.name] = seq + 1
+        step = self._step
         if (step is not None and not step.traced and not self.sinks
                 and not self.settings.metric_module_depth):
             # An untraced step keeps no records (the hot path of always-on tracing).

@@ -3,6 +3,7 @@
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch.utils import _python_dispatch as python_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from commdebug_otel import semconv
@@ -28,15 +29,25 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_kernels_are_registered_only_while_a_tracer_runs(tracer_factory, single_rank_group):
-    assert not _has_kernel()
-    first, second = tracer_factory(), tracer_factory()
-    with first:
-        assert _has_kernel() and _has_kernel("_c10d_functional::all_gather_into_tensor")
-        with second:
-            assert _has_kernel()
-        assert _has_kernel()  # the first tracer still counts
-    assert not _has_kernel()
+def test_only_started_tracers_are_told_and_the_kernels_stay(single_rank_group):
+    from commdebug_otel import CommTracer, Settings
+    from commdebug_otel.testing import InMemoryTelemetry
+
+    first, second = InMemoryTelemetry(), InMemoryTelemetry()
+    tracers = [CommTracer(Settings(), tracer_provider=t.tracer_provider, meter_provider=t.meter_provider)
+               for t in (first, second)]
+    tracers[0].start()
+    assert _has_kernel() and _has_kernel("_c10d_functional::all_gather_into_tensor")
+    tracers[1].start()
+    dist.all_reduce(torch.ones(2))  # both
+    tracers[1].stop()
+    dist.all_reduce(torch.ones(2))  # the first only
+    tracers[0].stop()
+    dist.all_reduce(torch.ones(2))  # nobody
+    # Deregistering a kernel another thread may be running is not safe: it stays, passing through.
+    assert _has_kernel()
+    assert _operations(first) == {("all_reduce", "none"): 2}
+    assert _operations(second) == {("all_reduce", "none"): 1}
 
 
 def test_untraced_steps_run_without_a_mode_and_still_count(telemetry, tracer_factory, single_rank_group):
@@ -81,6 +92,8 @@ def test_a_user_mode_exited_inside_a_traced_step_keeps_the_stack_in_order(teleme
             loss.backward()
             optimizer.step()
             assert _get_current_dispatch_mode_stack() == []
+            # torch's process-wide "a mode is active" flag follows the stack, not enter/exit order
+            assert python_dispatch._is_in_torch_dispatch_mode is False
     assert "c10d.allreduce_.default" in counter.ops  # the user's mode still saw every op
     assert [len(s.events) for s in telemetry.by_name("AllReduceLinear forward")] == [1, 1]
 
@@ -131,3 +144,18 @@ def test_the_optimizer_step_keeps_the_mode_where_ops_are_events(tracer_factory, 
                 model(torch.ones(2, 4)).sum().backward()
                 optimizer.step()
         assert optimizer.stacks == expected, detail
+
+
+def test_a_step_ended_inside_backward_leaves_one_mode_at_most(tracer_factory, single_rank_group):
+    """Optimizer-in-backward: the step closes inside the pass, where autograd owns the mode stack."""
+    model = AllReduceLinear()
+    optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+    for param, optimizer in optimizers.items():
+        param.register_post_accumulate_grad_hook(lambda p: optimizers[p].step())
+    stacks = []
+    model.lin.register_forward_hook(lambda *_: stacks.append(len(_get_current_dispatch_mode_stack())))
+    with tracer_factory(detail="dtensor", trace_every=2):
+        for _ in range(4):
+            model(torch.ones(2, 4)).sum().backward()
+    assert stacks == [1, 0, 1, 0]
+    assert _get_current_dispatch_mode_stack() == []
