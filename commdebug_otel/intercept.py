@@ -25,8 +25,9 @@ The "why" of a collective (the DTensor op whose inputs are being redistributed)
 comes from DTensor's own redistribution step, ``OpDispatcher.redistribute_local_args``
 (torch/distributed/tensor/_dispatch.py), which DTensor's dispatch calls (from
 ``_dispatch_get_local_results_slow_path``) only when an op's inputs must move:
-while it runs, subscribers hold the op and its input specs. Where torch lacks that function, :attr:`names_dtensor_ops`
-is False and the tracer falls back to its dispatch mode on traced steps.
+while it runs, subscribers hold the op and its input specs. Where torch lacks
+that function, :attr:`names_dtensor_ops` is False and the tracer falls back to
+its dispatch mode on traced steps.
 """
 
 from __future__ import annotations
@@ -70,10 +71,6 @@ class CollectiveInterceptor:
     def names_dtensor_ops(self) -> bool:
         """True while DTensor redistributions tell subscribers their op (see the module docstring)."""
         return self._original_redistribute is not None
-
-    @property
-    def installed(self) -> bool:
-        return bool(self._libraries)
 
     def subscribe(self, recorder: Any) -> bool:
         """Start reporting collectives to ``recorder``. False if the kernels could not be registered."""

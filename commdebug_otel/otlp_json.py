@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Iterator
 from typing import Any
 
 from google.protobuf import json_format
@@ -43,34 +44,40 @@ def _attrs(key_values: Any) -> dict[str, Any]:
     return {kv.key: decode_any_value(kv.value) for kv in key_values}
 
 
+def _scoped_items(resources: Any, scopes_field: str, items_field: str) -> Iterator[tuple[dict, str, Any]]:
+    """``(resource attributes, scope name, item)`` for every span or metric of an OTLP request."""
+    for entry in resources:
+        resource = _attrs(entry.resource.attributes)
+        for scoped in getattr(entry, scopes_field):
+            for item in getattr(scoped, items_field):
+                yield resource, scoped.scope.name, item
+
+
 def span_dicts(req: Any, transport: str) -> list[dict[str, Any]]:
     out = []
-    for rs in req.resource_spans:
-        resource = _attrs(rs.resource.attributes)
-        for ss in rs.scope_spans:
-            for s in ss.spans:
-                out.append({
-                    "name": s.name,
-                    "trace_id": s.trace_id.hex(),
-                    "span_id": s.span_id.hex(),
-                    "parent_span_id": s.parent_span_id.hex(),
-                    "kind": int(s.kind),
-                    "start_ns": int(s.start_time_unix_nano),
-                    "end_ns": int(s.end_time_unix_nano),
-                    "attributes": _attrs(s.attributes),
-                    "events": [
-                        {"name": e.name, "time_ns": int(e.time_unix_nano),
-                         "attributes": _attrs(e.attributes)}
-                        for e in s.events
-                    ],
-                    "status_code": int(s.status.code),
-                    "status_message": s.status.message,
-                    "resource": resource,
-                    "scope": ss.scope.name,
-                    "transport": transport,
-                    "dropped_events_count": int(s.dropped_events_count),
-                    "dropped_attributes_count": int(s.dropped_attributes_count),
-                })
+    for resource, scope, s in _scoped_items(req.resource_spans, "scope_spans", "spans"):
+        out.append({
+            "name": s.name,
+            "trace_id": s.trace_id.hex(),
+            "span_id": s.span_id.hex(),
+            "parent_span_id": s.parent_span_id.hex(),
+            "kind": int(s.kind),
+            "start_ns": int(s.start_time_unix_nano),
+            "end_ns": int(s.end_time_unix_nano),
+            "attributes": _attrs(s.attributes),
+            "events": [
+                {"name": e.name, "time_ns": int(e.time_unix_nano),
+                 "attributes": _attrs(e.attributes)}
+                for e in s.events
+            ],
+            "status_code": int(s.status.code),
+            "status_message": s.status.message,
+            "resource": resource,
+            "scope": scope,
+            "transport": transport,
+            "dropped_events_count": int(s.dropped_events_count),
+            "dropped_attributes_count": int(s.dropped_attributes_count),
+        })
     return out
 
 
@@ -102,14 +109,10 @@ def _point_dicts(metric: Any) -> list[dict[str, Any]]:
 
 def metric_dicts(req: Any, transport: str) -> list[dict[str, Any]]:
     out = []
-    for rm in req.resource_metrics:
-        resource = _attrs(rm.resource.attributes)
-        for sm in rm.scope_metrics:
-            for m in sm.metrics:
-                for d in _point_dicts(m):
-                    out.append({"name": m.name, "unit": m.unit, **d,
-                                "resource": resource, "scope": sm.scope.name,
-                                "transport": transport})
+    for resource, scope, m in _scoped_items(req.resource_metrics, "scope_metrics", "metrics"):
+        for d in _point_dicts(m):
+            out.append({"name": m.name, "unit": m.unit, **d, "resource": resource, "scope": scope,
+                        "transport": transport})
     return out
 
 

@@ -594,10 +594,10 @@ class Recorder:
         rank = self.rank().rank
         self._metrics.collective(spec.op, pass_, group, rank, nbytes, duration_ns / 1e9, fqn, context=context)
         if not spec.functional and out is not None:
-            self._time_completion(out, start_ns, spec, pass_, group, fqn)
+            self._time_completion(out, start_ns, spec, pass_, group, rank, fqn)
 
     def _time_completion(self, out: Any, start_ns: int, spec: CollectiveSpec, pass_: str,
-                         group: Any, fqn: str) -> None:
+                         group: Any, rank: int, fqn: str) -> None:
         """Record issue-to-completion time when the c10d ``Work``'s future completes (never waits).
 
         Some backends' works have no future (gloo's ``_reduce_scatter_base_`` raises
@@ -610,7 +610,7 @@ class Recorder:
             return
         from torch.distributed import Work
 
-        metrics, rank, op = self._metrics, self.rank().rank, spec.op
+        metrics, op = self._metrics, spec.op
 
         def done(_future: Any) -> None:  # on the backend's thread: must never raise
             try:
