@@ -24,9 +24,25 @@ def _span_view(telemetry):
     } for span in spans]
 
 
+def _parallel_demo(world_size, dp):
+    """The demo transformer, tensor parallel on every rank (FSDP2 + TP on a (2, 2) mesh if ``dp``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from commdebug_otel import _demo_model as demo
+
+    args = demo.ModelArgs()
+    if dp:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = demo.parallelize(demo.Transformer(args), mesh["tp"], mesh["dp"])
+    else:
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+        model = demo.parallelize(demo.Transformer(args), mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    return args, model, optimizer
+
+
 def _train_and_compare(rank, world_size, dp):
     """Train the demo model 2 steps under ours, then 1 step under torch's CommDebugMode."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode as TorchCommDebugMode
 
     from commdebug_otel import CommDebugMode
@@ -37,15 +53,8 @@ def _train_and_compare(rank, world_size, dp):
     telemetry = InMemoryTelemetry()
     ours = CommDebugMode(tracer_provider=telemetry.tracer_provider,
                          meter_provider=telemetry.meter_provider)
-    args = demo.ModelArgs()
     with ours:
-        if dp:
-            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-            model = demo.parallelize(demo.Transformer(args), mesh["tp"], mesh["dp"])
-        else:
-            mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
-            model = demo.parallelize(demo.Transformer(args), mesh)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+        args, model, optimizer = _parallel_demo(world_size, dp)
         setup_counts = _normalize(ours.comm_module_counts)
         tokens, targets = demo.make_batch(args, 2, 0)
         demo.train_step(model, optimizer, tokens, targets)
@@ -256,7 +265,6 @@ def _traced_and_untraced(rank, world_size, dp):
 
     Detail ``dtensor``, so traced steps need the dispatch mode (for op events).
     """
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     from commdebug_otel import CommTracer, Settings
@@ -264,14 +272,7 @@ def _traced_and_untraced(rank, world_size, dp):
     from commdebug_otel.testing import InMemoryTelemetry
 
     torch.set_num_threads(1)
-    args = demo.ModelArgs()
-    if dp:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        model = demo.parallelize(demo.Transformer(args), mesh["tp"], mesh["dp"])
-    else:
-        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
-        model = demo.parallelize(demo.Transformer(args), mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    args, model, optimizer = _parallel_demo(world_size, dp)
     modes_seen = []
     model.register_forward_pre_hook(lambda *_: modes_seen.append(len(_get_current_dispatch_mode_stack())))
     tokens, targets = demo.make_batch(args, 2, 0)
