@@ -113,6 +113,40 @@ def test_oversized_batches_are_split_under_the_grpc_limit(tmp_path, monkeypatch,
     assert len(receiver.requests("traces")) >= 2
 
 
+def test_span_size_bound_is_never_below_the_encoded_size():
+    """The guard sizes requests without encoding; its bound must hold for every value type."""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import Link, SpanContext, Status, StatusCode, TraceState
+
+    from commdebug_otel.export_guard import SizedSpanExporter, span_bytes_bound
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("bound-test", "1.0")
+    values = ["", "ascii" * 50, "é中😀" * 40, True, 0, -2**63, 2**63 - 1, -1.5e300, (),
+              (-2**63, 7), ("a", "é😀"), (True, False), (0.1, -1e308)]
+    linked = SpanContext(0x1234, 0x5678, is_remote=True, trace_state=TraceState([("vendor", "v" * 40)]))
+    for index, value in enumerate(values):
+        attributes = {f"key{index}": value, "k\u00e9\u4e2d": value}
+        with tracer.start_as_current_span("span " + "é" * index, attributes=attributes,
+                                          links=[Link(linked, attributes)]) as span:
+            span.add_event("event 😀", attributes)
+            span.set_status(Status(StatusCode.ERROR, "why 中" * index))
+            try:
+                raise ValueError("failure " * index)
+            except ValueError as error:
+                span.record_exception(error)
+    spans = exporter.get_finished_spans()
+    guard = SizedSpanExporter(exporter, "unused", lambda kind, count: None)
+    for span in spans:
+        assert span_bytes_bound(span) + guard._framing_bound(span) >= encode_spans([span]).ByteSize(), span.name
+    assert sum(map(span_bytes_bound, spans)) < 3 * encode_spans(spans).ByteSize()  # still a useful bound
+
+
 def test_http_endpoint_paths_are_never_doubled(monkeypatch):
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
     for base in ("http://collector:4318", "http://collector:4318/", "http://collector:4318/v1/traces"):
