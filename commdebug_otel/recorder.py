@@ -285,7 +285,7 @@ class Recorder:
         self._close(step, now)
 
     def keep_hook(self, handle: Any) -> None:
-        """Remember a multi-grad hook: it is removed when the step closes.
+        """Remember a tensor or multi-grad hook handle: it is removed when the step closes.
 
         A hook left on a tensor that outlives the step (a cached activation, a
         tensor kept by the user) would keep the step's records alive.
@@ -415,7 +415,7 @@ class Recorder:
         now = time.time_ns()
         task = _graph_task_id()
         if forward.bw_records and forward.bw_records[-1].graph_task == task:
-            return  # outputs hooked twice (before and after the module's own hooks)
+            return  # another output of the call, or one hooked twice (before and after its own hooks)
         record = Record(_KIND_MODULE, f"{forward.fqn} {semconv.PASS_BACKWARD}", now)
         record.fqn, record.module_type = forward.fqn, forward.module_type
         record.pass_ = semconv.PASS_BACKWARD

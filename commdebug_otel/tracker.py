@@ -7,9 +7,11 @@
   before module-local ones (``Module._call_impl``), so closing there would
   miss collectives that tensor parallel issues in the module's own output
   hook (RowwiseParallel's all_reduce).
-* Backward begins when gradients w.r.t. the call's outputs are ready and ends
-  when gradients w.r.t. its inputs are computed, both through
-  ``torch.autograd.graph.register_multi_grad_hook`` (as
+* Backward begins when the first gradient w.r.t. the call's outputs is ready
+  (a ``Tensor.register_hook`` per output; the recorder keeps the first per
+  graph task, as ``register_multi_grad_hook(mode="any")`` would) and ends when
+  gradients w.r.t. its inputs are computed (the input's own hook, or
+  ``torch.autograd.graph.register_multi_grad_hook`` for several inputs, as
   ``torch.distributed._tools.mod_tracker.ModTracker`` does). The engine's
   ``queue_callback`` closes whatever is left at the end of the backward.
 * A forward that runs while the autograd engine is running is activation
@@ -114,7 +116,10 @@ class ModuleTracker:
                 inputs = [t for t in _grad_tensors(args, []) if t.grad_fn is not None]
                 if inputs:
                     record.input_hooked = True
-                    recorder.keep_hook(register_multi_grad_hook(inputs, _BackwardEnd(recorder, record)))
+                    end = _BackwardEnd(recorder, record)
+                    # One input (the common case): its own hook is "all" grads, at a third of the cost.
+                    recorder.keep_hook(inputs[0].register_hook(end) if len(inputs) == 1
+                                       else register_multi_grad_hook(inputs, end))
         except Exception as error:
             recorder.hook_failed("module forward pre-hook", error)
 
@@ -141,8 +146,12 @@ class ModuleTracker:
         outputs = [t for t in _grad_tensors(output, []) if id(t) not in record.hooked_outputs]
         if outputs:
             record.hooked_outputs.update(id(t) for t in outputs)
-            self._recorder.keep_hook(
-                register_multi_grad_hook(outputs, _BackwardBegin(self._recorder, record), mode="any"))
+            # A plain hook per output tensor: the first to fire begins the backward and the
+            # recorder ignores the rest of the same graph task (register_multi_grad_hook's
+            # "any" mode, without its per-call wrapper and lock).
+            begin = _BackwardBegin(self._recorder, record)
+            for tensor in outputs:
+                self._recorder.keep_hook(tensor.register_hook(begin))
 
     def _post_hook(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         recorder = self._recorder
