@@ -96,3 +96,82 @@ def test_demo_without_endpoint_writes_otlp_json_files(tmp_path):
             for line in handle:
                 spans.extend(spans_from_otlp_json(line))
     check_demo_spans(spans)
+
+
+def test_direct_spans_match_the_sdk_span_path_on_the_wire(monkeypatch, single_rank_group):
+    """Our provider's spans skip the SDK's live Span; the wire must not show the difference."""
+    import torch
+
+    from commdebug_otel import CommTracer, Settings, telemetry as telemetry_module
+    from commdebug_otel.testing import InMemoryTelemetry
+
+    class Failing(torch.nn.Module):
+        def forward(self, x):
+            raise ValueError("an error recorded on the span: the SDK path")
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second, self.failing = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), Failing()
+
+        def forward(self, x):
+            out = self.first(x)
+            torch.distributed.all_reduce(out.detach())
+            try:
+                self.failing(out)
+            except ValueError:
+                pass
+            return self.second(out)
+
+    steps = []
+    memory = InMemoryTelemetry()
+    tracer = CommTracer(Settings(), tracer_provider=memory.tracer_provider, meter_provider=memory.meter_provider)
+    tracer.recorder._emit_step = lambda *step: steps.append(step)
+    net = Net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    with tracer:
+        for _ in range(2):
+            net(torch.ones(2, 4)).sum().backward()
+            optimizer.step()
+    assert len(steps) == 2
+
+    monkeypatch.setattr(telemetry_module, "MAX_ATTRIBUTE_CHARS", 12)  # module types get cut
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "none")
+    received = []
+    for direct in (True, False):
+        with OtlpReceiver() as receiver:
+            monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.grpc_endpoint)
+            if not direct:
+                monkeypatch.setattr(telemetry_module._DirectSpans, "for_provider", lambda *args: None)
+            sink = telemetry_module.Telemetry(Settings(), tracer.recorder.rank)
+            sink.tracer()
+            assert (sink._direct is not None) is direct
+            if direct:  # trace flags are not on the wire: compare them with a span the SDK starts
+                probe = sink._own_tracer_provider.get_tracer("probe").start_span("probe")
+                assert probe.get_span_context().trace_flags == sink._direct._root_flags
+            for step in steps:
+                sink.emit(*step)
+            sink.shutdown()
+            received.append((receiver.spans(), [span.flags for request in receiver.requests("traces")
+                                                for resource in request.request.resource_spans
+                                                for scope in resource.scope_spans for span in scope.spans]))
+
+    def normal(spans):
+        names = {span["span_id"]: span["name"] for span in spans}
+        traces = {}
+        for span in spans:
+            traces.setdefault(span["trace_id"], len(traces))
+        return sorted((traces[span["trace_id"]], span["name"], names.get(span["parent_span_id"], ""),
+                       repr(sorted({k: v for k, v in span.items()
+                                    if k not in ("trace_id", "span_id", "parent_span_id")}.items())))
+                      for span in spans)
+
+    (direct_spans, direct_flags), (sdk_spans, sdk_flags) = received
+    assert len(direct_spans) == len(sdk_spans) > 10
+    assert normal(direct_spans) == normal(sdk_spans)
+    assert sorted(direct_flags) == sorted(sdk_flags)
+    assert [s["trace_id"] for s in direct_spans if s["name"] == "train_step"] == \
+        [s["trace_id"] for s in sdk_spans if s["name"] == "train_step"]
+    assert any(s["status_code"] == 2 and s["events"] for s in direct_spans)  # the error went the SDK way
+    assert any(len(value) == 12 for s in direct_spans for key, value in s["attributes"].items()
+               if key == semconv.MODULE_TYPE)
