@@ -128,6 +128,7 @@ class CollectiveMetrics:
         # label set instead of two per collective; histogram points listed until then.
         self._pending: dict[tuple, list] = {}
         self._durations: list[tuple] = []
+        self._completions: list[tuple] = []  # (seconds, labels), appended by backend threads
         self._unflushed = 0
         # Collectives on other threads (a checkpoint writer) record while the training thread flushes.
         self._lock = threading.Lock()
@@ -181,29 +182,37 @@ class CollectiveMetrics:
         """Record that a c10d collective completed ``duration_s`` seconds after it was issued.
 
         Called from the backend's completion callback thread (gloo's worker, NCCL's
-        watchdog), which must not be held up: the SDK call is left to the worker.
+        watchdog), which must not be held up: the point waits for the next flush, and
+        the SDK call is left to the worker (a hand-over per completion, waking the
+        worker each time, cost more than the rest of an untraced collective).
         """
         module = self._module_label(fqn) if self._module_depth and fqn else ""
         labels = self._labels.get((op, pass_, group.name, rank, module))
         if labels is not None:
-            self._worker.submit(lambda: self._completion.record(duration_s, labels))
+            with self._lock:
+                self._completions.append((duration_s, labels))
 
     def flush(self) -> None:
         """Hand the pending counts and histogram points to the worker (at every step end, and every few hundred collectives)."""
         with self._lock:
             pending, self._pending = self._pending, {}
             durations, self._durations = self._durations, []
+            completions, self._completions = self._completions, []
             self._unflushed = 0
-        if pending or durations:
-            self._worker.submit(lambda: self._record(pending, durations), len(durations))
+        if pending or durations or completions:
+            self._worker.submit(lambda: self._record(pending, durations, completions),
+                                len(durations) + len(completions))
 
-    def _record(self, pending: dict[tuple, list], durations: list[tuple]) -> None:
+    def _record(self, pending: dict[tuple, list], durations: list[tuple], completions: list[tuple]) -> None:
         for labels, count, nbytes, context in pending.values():
             self._operations.add(count, labels, context=context)
             self._io.add(nbytes, labels, context=context)
         record = self._duration.record
         for duration_s, labels, context in durations:
             record(duration_s, labels, context=context)
+        record = self._completion.record
+        for duration_s, labels in completions:
+            record(duration_s, labels)
 
     def drain(self, timeout_s: float) -> bool:
         """Flush, then wait at most ``timeout_s`` until the worker has recorded everything."""
