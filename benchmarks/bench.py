@@ -899,14 +899,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"local receiver: {deprioritize_other_threads()} threads at nice 19 (a stand-in for "
                   f"a collector elsewhere)")
             if "overhead" in phases:
-                phase_overhead(rx, "tp", 2, rounds=4 if q else 8, steps_per_block=5,
+                phase_overhead(rx, "tp", 2, rounds=4 if q else 12, steps_per_block=5,
                                report=report)
                 if not q:
-                    phase_overhead(rx, "fsdp_tp", 4, rounds=3, steps_per_block=4, report=report)
+                    phase_overhead(rx, "fsdp_tp", 4, rounds=5, steps_per_block=4, report=report)
             if "always" in phases:
                 phase_always_on(rx, "tp", 2, rounds=40 if q else 50, steps_per_block=11, report=report)
                 if not q:
-                    phase_always_on(rx, "fsdp_tp", 4, rounds=20, steps_per_block=11, report=report)
+                    phase_always_on(rx, "fsdp_tp", 4, rounds=30, steps_per_block=11, report=report)
             if "memory" in phases:
                 phase_memory_and_rate(rx, steps=300 if q else 1000, warmup=100,
                                       rate_steps=10 if q else 30, report=report)
