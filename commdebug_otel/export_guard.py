@@ -96,12 +96,13 @@ def _span_bytes(span: ReadableSpan) -> int:
 
 
 # Upper bounds on protobuf framing, in bytes: a field's tag and length prefix take at most
-# 1 + 5 bytes (tags here are 1 byte; lengths are varints), a varint at most 10 and a fixed64 8.
+# 1 + 5 bytes (tags of fields 1-15 are 1 byte, Span.flags' 2; lengths are varints), a varint
+# at most 10 and a fixed64 8.
 _FIELD = 6
 _SPAN_FIXED = 128  # ids, trace state framing, kind, times, flags, status code, dropped counts
 _EVENT_FIXED = 32  # time, dropped count, framing
 _LINK_FIXED = 64   # ids, flags, dropped count, framing
-_SCOPE_FIXED = 64  # ResourceSpans and ScopeSpans framing, schema URLs aside
+_SCOPE_FIXED = 64  # ResourceSpans and ScopeSpans framing
 
 
 def _text_bytes(text: str) -> int:
@@ -125,7 +126,7 @@ def _value_bound(value: Any) -> int:
 def _attributes_bound(attributes: Any) -> int:
     if not attributes:
         return 0
-    return sum(_text_bytes(key) + _value_bound(value) + 3 * _FIELD for key, value in attributes.items())
+    return sum(_text_bytes(str(key)) + _value_bound(value) + 3 * _FIELD for key, value in attributes.items())
 
 
 def span_bytes_bound(span: ReadableSpan) -> int:
@@ -137,7 +138,7 @@ def span_bytes_bound(span: ReadableSpan) -> int:
     each span once, not twice.
     """
     size = _SPAN_FIXED + _text_bytes(span.name) + _attributes_bound(span.attributes)
-    status = span.status.description
+    status = span.status.description if span.status is not None else None
     if status:
         size += _text_bytes(status) + _FIELD
     for event in span.events:
@@ -177,8 +178,10 @@ class SizedSpanExporter(SpanExporter):
         cached = self._framing
         if cached is None or cached[0] is not resource or cached[1] is not scope:
             size = _SCOPE_FIXED + _attributes_bound(resource.attributes if resource else None)
+            size += _text_bytes(getattr(resource, "schema_url", "") or "") + _FIELD
             if scope is not None:
                 size += _text_bytes(scope.name) + _text_bytes(scope.version or "") + 2 * _FIELD
+                size += _text_bytes(getattr(scope, "schema_url", "") or "") + _FIELD
                 size += _attributes_bound(getattr(scope, "attributes", None))
             cached = self._framing = (resource, scope, size)
         return cached[2]
@@ -188,10 +191,12 @@ class SizedSpanExporter(SpanExporter):
         size = 0
         for span in spans:
             # The resource and scope once per span, generously; exact encoding only near the limit.
-            framing = self._framing_bound(span)
-            span_bytes = span_bytes_bound(span) + framing
+            try:
+                span_bytes = span_bytes_bound(span) + self._framing_bound(span)
+            except Exception:  # a value the bound does not know: the encoder does
+                span_bytes = self._max_request_bytes + 1
             if span_bytes > self._max_request_bytes:
-                span_bytes = _span_bytes(span) + framing
+                span_bytes = _span_bytes(span)  # a whole request: resource and scope included
             if span_bytes > self._max_request_bytes:
                 self._count_dropped("span", 1)
                 _logger.warning("commdebug-otel: span %r is %d bytes, over the %d-byte request limit; "

@@ -20,7 +20,10 @@ levels when that setting is above 0. Never shapes or step numbers.
 The training thread only sums counters and lists histogram points in plain
 Python containers; at each step end the batch goes to a :class:`MetricsWorker`
 thread that makes the SDK calls (an SDK ``Histogram.record`` costs tens of
-microseconds, more than the rest of a collective's bookkeeping together).
+microseconds, more than the rest of a collective's bookkeeping together). When
+no batch has come for ``IDLE_TAKE_S`` seconds, the worker takes what is pending
+itself: a rank stuck in a hung collective still exports the counts that led
+there, and completion times that arrive after the last step are not stranded.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ FLUSH_EVERY_COLLECTIVES = 256
 # Batches waiting for the worker beyond this are dropped and counted (a stalled SDK must not
 # grow memory without bound).
 MAX_QUEUED_BATCHES = 10_000
+# An idle worker takes what is pending itself this often (seconds): a training thread stuck in
+# a hung collective never reaches its flush, and those counts are what a hang needs.
+IDLE_TAKE_S = 1.0
 
 _logger = logging.getLogger(__name__)
 
@@ -54,11 +60,13 @@ class MetricsWorker:
     """A daemon thread that runs SDK calls handed over as batches, in order.
 
     ``submit`` costs the training thread one queue put; ``drain`` waits (bounded)
-    until everything submitted before it has been recorded. Started lazily, so a
-    forked child that never records starts none.
+    until everything submitted before it has been recorded; ``on_idle()`` runs
+    whenever the queue stays empty for ``IDLE_TAKE_S`` seconds. Started lazily
+    (first point or batch), so a forked child that never records starts none.
     """
 
-    def __init__(self, on_dropped: Any) -> None:
+    def __init__(self, on_dropped: Any, on_idle: Any = None) -> None:
+        self._on_idle = on_idle
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -70,10 +78,11 @@ class MetricsWorker:
             self._on_dropped(semconv.DROPPED_KIND_METRIC, size)
             return
         if self._thread is None:
-            self._start()
+            self.start()
         self._queue.put(call)
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Start the thread (idempotent): it also takes pending points when idle."""
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="commdebug-otel-metrics", daemon=True)
@@ -82,7 +91,12 @@ class MetricsWorker:
     def _run(self) -> None:
         failed = False
         while True:
-            call = self._queue.get()
+            try:
+                call = self._queue.get(timeout=IDLE_TAKE_S)
+            except queue.Empty:
+                call = self._on_idle
+                if call is None:
+                    continue
             try:
                 call()
             except Exception as error:  # the SDK failed: say it once, keep the thread alive
@@ -105,7 +119,7 @@ class CollectiveMetrics:
 
     def __init__(self, meter: Meter, module_depth: int = 0, on_dropped: Any = None) -> None:
         self._module_depth = module_depth
-        self._worker = MetricsWorker(on_dropped or (lambda kind, count: None))
+        self._worker = MetricsWorker(on_dropped or (lambda kind, count: None), self._record_pending)
         self._operations = meter.create_counter(
             semconv.METRIC_OPERATIONS, unit="{operation}",
             description="Collectives issued by this rank.")
@@ -154,6 +168,8 @@ class CollectiveMetrics:
                 entry = self._pending[key] = [labels, 0, 0, None]
             entry[1] += 1
             entry[2] += nbytes
+            if self._worker._thread is None:
+                self._worker.start()  # from the first point on, an idle worker takes what is pending
             if context is not None:
                 entry[3] = context
             self._durations.append((duration_s, labels, context))
@@ -194,14 +210,22 @@ class CollectiveMetrics:
 
     def flush(self) -> None:
         """Hand the pending counts and histogram points to the worker (at every step end, and every few hundred collectives)."""
+        pending, durations, completions = self._take()
+        if pending or durations or completions:
+            self._worker.submit(lambda: self._record(pending, durations, completions),
+                                len(durations) + len(completions))
+
+    def _take(self) -> tuple[dict[tuple, list], list[tuple], list[tuple]]:
         with self._lock:
             pending, self._pending = self._pending, {}
             durations, self._durations = self._durations, []
             completions, self._completions = self._completions, []
             self._unflushed = 0
-        if pending or durations or completions:
-            self._worker.submit(lambda: self._record(pending, durations, completions),
-                                len(durations) + len(completions))
+        return pending, durations, completions
+
+    def _record_pending(self) -> None:
+        """On the idle worker: record what no flush has handed over (a hang, completions after stop)."""
+        self._record(*self._take())
 
     def _record(self, pending: dict[tuple, list], durations: list[tuple], completions: list[tuple]) -> None:
         for labels, count, nbytes, context in pending.values():

@@ -334,23 +334,29 @@ class Telemetry:
         """Turn finished records (``recorder.Record``) into spans with their own timestamps."""
         tracer = self.tracer()
         for root in roots:
-            self._start(tracer, root, None, trace_id, children)
+            self._start(tracer, root, None, None, trace_id, children)
 
-    def _start(self, tracer: Any, record: Any, parent: SpanContext | None, trace_id: int | None,
-               children: dict[int, list]) -> None:
+    def _start(self, tracer: Any, record: Any, parent: SpanContext | None, parent_span: Any,
+               trace_id: int | None, children: dict[int, list]) -> None:
+        """``parent``: the parent's context; ``parent_span``: the parent itself when the SDK built it."""
         attributes = _span_attributes(record)
         direct = self._direct
-        if direct is not None and direct.takes(record, attributes):
+        prepared = direct.prepare(record, attributes) if direct is not None else None
+        if prepared is not None:
             context = direct.context(record, parent, trace_id)
             for child in children.get(id(record), ()):
-                self._start(tracer, child, context, None, children)
-            direct.end(record, attributes, context, parent)
+                self._start(tracer, child, context, None, None, children)
+            direct.end(record, prepared, context, parent)
             return
         ids = self._ids
         chosen = ids.ids(trace_id, record.span_id) if ids is not None and (trace_id or record.span_id) \
             else contextlib.nullcontext()
-        parent_context = (otel_trace.set_span_in_context(NonRecordingSpan(parent)) if parent is not None
-                          else otel_context.Context())
+        if parent_span is not None:  # processors and samplers see the live parent, as before
+            parent_context = otel_trace.set_span_in_context(parent_span)
+        elif parent is not None:
+            parent_context = otel_trace.set_span_in_context(NonRecordingSpan(parent))
+        else:
+            parent_context = otel_context.Context()
         with chosen:
             span = tracer.start_span(record.name, context=parent_context, attributes=attributes,
                                      start_time=record.start_ns)
@@ -361,7 +367,7 @@ class Telemetry:
             span.record_exception(record.error, timestamp=record.end_ns)
         context = span.get_span_context()
         for child in children.get(id(record), ()):
-            self._start(tracer, child, context, None, children)
+            self._start(tracer, child, context, span, None, children)
         span.end(end_time=record.end_ns)
 
     def reset_after_fork(self) -> None:
@@ -520,20 +526,22 @@ class _DirectSpans:
     result is the span the SDK would build: same name, ids, parent, flags,
     resource, scope, times, attributes and events (a test compares both paths
     on the wire). Used only where that can be guaranteed: our own
-    ``TracerProvider`` with its ``CountingBatchSpanProcessor``s, the default
-    sampler (``parentbased_always_on`` or ``always_on``: every span sampled),
-    and a record without error whose attribute counts fit the span limits.
-    Anything else goes through ``Tracer.start_span``. String values are cut at
-    the limits' lengths as ``BoundedAttributes`` does.
+    ``TracerProvider`` with its ``CountingBatchSpanProcessor``s, the SDK's
+    default or ``always_on`` sampler (every span sampled), its internal metrics
+    off, and a record without error whose attributes are plain values
+    (``str``, ``bool``, ``int``, ``float``, or a tuple/list of one of those)
+    within the span limits. Anything else goes through ``Tracer.start_span``.
+    Strings are cut and lists made tuples, as ``BoundedAttributes`` does.
     """
 
-    __slots__ = ("_ids", "_resource", "_scope", "_processors", "_span_chars", "_event_chars",
+    __slots__ = ("_provider", "_ids", "_scope", "_info", "_processors", "_span_chars", "_event_chars",
                  "_span_attributes", "_event_attributes", "_events", "_root_flags")
 
-    def __init__(self, provider: Any, scope: Any, processors: list[Any], limits: SpanLimits) -> None:
+    def __init__(self, provider: Any, tracer: Any, processors: list[Any], limits: SpanLimits) -> None:
+        self._provider = provider  # its resource is read per span: the SDK replaces it after a fork
         self._ids = provider.id_generator
-        self._resource = provider.resource
-        self._scope = scope
+        self._scope = tracer._instrumentation_scope
+        self._info = getattr(tracer, "instrumentation_info", None)
         self._processors = tuple(processors)
         self._span_chars = limits.max_span_attribute_length
         self._event_chars = limits.max_attribute_length
@@ -546,21 +554,30 @@ class _DirectSpans:
 
     @classmethod
     def for_provider(cls, provider: Any, tracer: Any, processors: list[Any]) -> _DirectSpans | None:
-        sampler = (os.environ.get("OTEL_TRACES_SAMPLER") or "parentbased_always_on").strip().lower()
-        limits = getattr(provider, "_span_limits", None)
-        scope = getattr(tracer, "_instrumentation_scope", None)
-        if (sampler not in ("parentbased_always_on", "always_on") or not isinstance(limits, SpanLimits)
-                or scope is None or not processors):
-            return None  # another SDK shape or sampler: the SDK's own path
-        return cls(provider, scope, processors, limits)
+        from opentelemetry.sdk.trace.sampling import ALWAYS_ON, DEFAULT_ON
 
-    def takes(self, record: Any, attributes: dict[str, Any]) -> bool:
-        """True when this record's span can be built directly (else ``Tracer.start_span``)."""
-        if (record.error is not None or not _fits(len(attributes), self._span_attributes)
-                or not _fits(len(record.events), self._events)):
-            return False
-        limit = self._event_attributes
-        return all(_fits(len(event[1]), limit) for event in record.events)
+        limits = getattr(provider, "_span_limits", None)
+        if (getattr(provider, "sampler", None) not in (ALWAYS_ON, DEFAULT_ON)
+                or not isinstance(limits, SpanLimits) or not processors
+                or getattr(tracer, "_instrumentation_scope", None) is None
+                or _truthy(os.environ.get("OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED"))):
+            return None  # another sampler, SDK shape or the SDK's own span metrics: its own path
+        return cls(provider, tracer, processors, limits)
+
+    def prepare(self, record: Any, attributes: dict[str, Any]) -> tuple[dict[str, Any], tuple] | None:
+        """The span's attributes and events as the SDK would keep them, or None: use the SDK's path."""
+        if record.error is not None or not _fits(len(record.events), self._events):
+            return None
+        attributes = _plain(attributes, self._span_chars, self._span_attributes)
+        if attributes is None:
+            return None
+        events = []
+        for name, event_attributes, timestamp in record.events:
+            event_attributes = _plain(event_attributes, self._event_chars, self._event_attributes)
+            if event_attributes is None:
+                return None
+            events.append(Event(name, event_attributes, timestamp))
+        return attributes, tuple(events)
 
     def context(self, record: Any, parent: SpanContext | None, trace_id: int | None) -> SpanContext:
         """The span's context (ids as the SDK would choose them), known before its children."""
@@ -572,15 +589,13 @@ class _DirectSpans:
         return SpanContext(trace_id, record.span_id or ids.generate_span_id(), is_remote=False,
                            trace_flags=flags)
 
-    def end(self, record: Any, attributes: dict[str, Any], context: SpanContext,
+    def end(self, record: Any, prepared: tuple[dict[str, Any], tuple], context: SpanContext,
             parent: SpanContext | None) -> None:
-        chars = self._event_chars
-        events = tuple(Event(name, _clip(event_attributes, chars), timestamp)
-                       for name, event_attributes, timestamp in record.events)
-        span = ReadableSpan(name=record.name, context=context, parent=parent, resource=self._resource,
-                            attributes=_clip(attributes, self._span_chars), events=events,
+        attributes, events = prepared
+        span = ReadableSpan(name=record.name, context=context, parent=parent,
+                            resource=self._provider.resource, attributes=attributes, events=events,
                             start_time=record.start_ns, end_time=record.end_ns,
-                            instrumentation_scope=self._scope)
+                            instrumentation_info=self._info, instrumentation_scope=self._scope)
         for processor in self._processors:
             processor.on_end(span)
 
@@ -589,16 +604,35 @@ def _fits(count: int, limit: int | None) -> bool:
     return limit is None or count <= limit
 
 
-def _clip(attributes: dict[str, Any], chars: int | None) -> dict[str, Any]:
-    """``attributes`` with strings (also inside sequences) cut at ``chars``, as ``BoundedAttributes`` does."""
-    if chars is None:
-        return attributes
+_PLAIN = (str, bool, int, float)
+
+
+def _plain(attributes: dict[str, Any], chars: int | None, limit: int | None) -> dict[str, Any] | None:
+    """``attributes`` (changed in place) as ``BoundedAttributes`` keeps them, or None if they are not plain.
+
+    Strings, also inside sequences, are cut at ``chars``; lists become tuples. None when
+    a value is of another type or a sequence mixes types (the SDK would convert or drop
+    it, with a warning), or there are more than ``limit`` attributes.
+    """
+    if not _fits(len(attributes), limit):
+        return None
     for key, value in attributes.items():
-        if isinstance(value, str):
-            if len(value) > chars:
+        kind = type(value)
+        if kind is str:
+            if chars is not None and len(value) > chars:
                 attributes[key] = value[:chars]
-        elif isinstance(value, (tuple, list)) and any(isinstance(v, str) and len(v) > chars for v in value):
-            attributes[key] = tuple(v[:chars] if isinstance(v, str) else v for v in value)
+        elif kind is tuple or kind is list:
+            if value:
+                first = type(value[0])
+                if first not in _PLAIN or any(type(item) is not first for item in value):
+                    return None
+                if first is str and chars is not None:
+                    value = tuple(item[:chars] for item in value)
+            if kind is list:
+                value = tuple(value)
+            attributes[key] = value
+        elif kind not in _PLAIN:
+            return None
     return attributes
 
 

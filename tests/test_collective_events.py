@@ -92,6 +92,25 @@ def test_metrics_cover_untraced_steps(telemetry, tracer_factory, single_rank_gro
     assert count == 4
 
 
+def test_metrics_of_a_step_that_never_ends_are_recorded(telemetry, tracer_factory, single_rank_group):
+    """A rank stuck in a hung collective never reaches its flush: the idle worker records what is pending."""
+    import time
+
+    from commdebug_otel.metrics import IDLE_TAKE_S
+
+    with tracer_factory(trace_every=10**6):
+        model = AllReduceLinear()
+        model(torch.randn(3, 4)).sum().backward()  # step 0 (traced) stays open: no optimizer step
+        dist.all_reduce(torch.ones(2))
+        deadline = time.monotonic() + 5 * IDLE_TAKE_S
+        while not telemetry.metric_points(semconv.METRIC_OPERATIONS) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        counts = [count for _, count in telemetry.metric_points(semconv.METRIC_OPERATIONS)]
+        completions = telemetry.metric_points(semconv.METRIC_COMPLETION)
+    assert sum(counts) == 2
+    assert sum(point.count for _, point in completions) == 2  # both c10d all_reduces completed
+
+
 def test_event_cap_counts_overflow_on_span_and_metric(telemetry, tracer_factory, single_rank_group):
     class Chatty(torch.nn.Module):
         def forward(self, x):

@@ -127,8 +127,8 @@ def test_span_size_bound_is_never_below_the_encoded_size():
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("bound-test", "1.0")
-    values = ["", "ascii" * 50, "é中😀" * 40, True, 0, -2**63, 2**63 - 1, -1.5e300, (),
-              (-2**63, 7), ("a", "é😀"), (True, False), (0.1, -1e308)]
+    values = ["", "ascii" * 50, "é中😀" * 40, "x" * 70_000, b"\x00\xff" * 300, True, 0, -2**63,
+              2**63 - 1, -1.5e300, (), (-2**63, 7), ("a", "é😀"), (True, False), (0.1, -1e308)]
     linked = SpanContext(0x1234, 0x5678, is_remote=True, trace_state=TraceState([("vendor", "v" * 40)]))
     for index, value in enumerate(values):
         attributes = {f"key{index}": value, "k\u00e9\u4e2d": value}
@@ -140,6 +140,9 @@ def test_span_size_bound_is_never_below_the_encoded_size():
                 raise ValueError("failure " * index)
             except ValueError as error:
                 span.record_exception(error)
+    with tracer.start_as_current_span("bare", links=[Link(linked)] * 20) as span:
+        for _ in range(60):
+            span.add_event("")  # attribute-less events and links: the fixed costs alone
     spans = exporter.get_finished_spans()
     guard = SizedSpanExporter(exporter, "unused", lambda kind, count: None)
     for span in spans:
