@@ -61,32 +61,23 @@ class MetricsWorker:
 
     ``submit`` costs the training thread one queue put; ``drain`` waits (bounded)
     until everything submitted before it has been recorded; ``on_idle()`` runs
-    whenever the queue stays empty for ``IDLE_TAKE_S`` seconds. Started lazily
-    (first point or batch), so a forked child that never records starts none.
+    whenever the queue stays empty for ``IDLE_TAKE_S`` seconds. The thread starts
+    here: :class:`CollectiveMetrics` is made at the first point (``LazyCollectiveMetrics``),
+    so a forked child that never records starts none.
     """
 
     def __init__(self, on_dropped: Any, on_idle: Any = None) -> None:
         self._on_idle = on_idle
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
         self._on_dropped = on_dropped
+        threading.Thread(target=self._run, name="commdebug-otel-metrics", daemon=True).start()
 
     def submit(self, call: Any, size: int = 1) -> None:
         """Queue ``call()``; ``size`` items are counted as dropped if the queue is full."""
         if self._queue.qsize() >= MAX_QUEUED_BATCHES:
             self._on_dropped(semconv.DROPPED_KIND_METRIC, size)
             return
-        if self._thread is None:
-            self.start()
         self._queue.put(call)
-
-    def start(self) -> None:
-        """Start the thread (idempotent): it also takes pending points when idle."""
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="commdebug-otel-metrics", daemon=True)
-                self._thread.start()
 
     def _run(self) -> None:
         failed = False
@@ -107,8 +98,6 @@ class MetricsWorker:
 
     def drain(self, timeout_s: float) -> bool:
         """Wait at most ``timeout_s`` for the calls submitted so far. True if they all ran."""
-        if self._thread is None:
-            return True
         done = threading.Event()
         self._queue.put(done.set)
         return done.wait(timeout_s)
@@ -119,7 +108,6 @@ class CollectiveMetrics:
 
     def __init__(self, meter: Meter, module_depth: int = 0, on_dropped: Any = None) -> None:
         self._module_depth = module_depth
-        self._worker = MetricsWorker(on_dropped or (lambda kind, count: None), self._record_pending)
         self._operations = meter.create_counter(
             semconv.METRIC_OPERATIONS, unit="{operation}",
             description="Collectives issued by this rank.")
@@ -146,6 +134,8 @@ class CollectiveMetrics:
         self._unflushed = 0
         # Collectives on other threads (a checkpoint writer) record while the training thread flushes.
         self._lock = threading.Lock()
+        # Last: its thread may take pending points as soon as it runs.
+        self._worker = MetricsWorker(on_dropped or (lambda kind, count: None), self._record_pending)
 
     def _module_label(self, fqn: str) -> str:
         return ".".join(fqn.split(".")[: self._module_depth + 1])
@@ -168,8 +158,6 @@ class CollectiveMetrics:
                 entry = self._pending[key] = [labels, 0, 0, None]
             entry[1] += 1
             entry[2] += nbytes
-            if self._worker._thread is None:
-                self._worker.start()  # from the first point on, an idle worker takes what is pending
             if context is not None:
                 entry[3] = context
             self._durations.append((duration_s, labels, context))
