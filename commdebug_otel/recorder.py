@@ -133,6 +133,9 @@ class Recorder:
         self._next_step = 0
         self._next_inference = 0
         self._seen_optimizer = False
+        # Whether the step that closed last was traced: collectives between steps (a logging
+        # all_reduce after optimizer.step()) follow it; set-up before the first step is traced.
+        self._after_traced = True
         self._fwd_stack: list[Record] = []
         self._open_bw: list[Record] = []  # open backward records, most recently begun last
         self._bw_callback_task = -1
@@ -260,7 +263,8 @@ class Recorder:
     def _outside_step(self, now: int) -> _Step:
         if self._outside is None:
             root = Record(_KIND_OUTSIDE, semconv.SPAN_OUTSIDE_STEP, now)
-            self._outside = _Step(-1, self._traces_this_rank(), root, _KIND_OUTSIDE)
+            traced = self._after_traced and self._traces_this_rank()
+            self._outside = _Step(-1, traced, root, _KIND_OUTSIDE)
         return self._outside
 
     def optimizer_step_done(self) -> None:
@@ -280,6 +284,7 @@ class Recorder:
         else:
             self._next_step += 1
         self.why_func, self.why_args = None, ()
+        self._after_traced = step.traced
         if inference or step.inference:
             step.kind = -1  # no train_step span: each top-level forward is a root
         self._close(step, now)
@@ -525,8 +530,13 @@ class Recorder:
         seq = self._seq.get(group.name, 0)
         self._seq[group.name] = seq + 1
         step = self._step
-        if (step is not None and not step.traced and not self.sinks
-                and not self.settings.metric_module_depth):
+        if step is not None:
+            quiet = not step.traced
+        elif in_backward:
+            quiet = True  # a backward outside any step: counted in metrics only
+        else:
+            quiet = not (self._outside or self._outside_step(time.time_ns())).traced
+        if quiet and not self.sinks and not self.settings.metric_module_depth:
             # An untraced step keeps no records (the hot path of always-on tracing).
             self._count(spec, args, group, self._pass_by_depth(in_backward), duration_ns, out, start_ns)
             return

@@ -56,6 +56,27 @@ def test_outside_step_span_collects_setup_collectives(telemetry, tracer_factory,
     assert [e.attributes[semconv.COLLECTIVE_SEQ] for s in telemetry.spans() for e in s.events] == [0, 1, 2, 3]
 
 
+def test_collectives_between_steps_follow_the_step_before(telemetry, tracer_factory, single_rank_group):
+    """A logging all_reduce after every optimizer step is traced only after a traced step."""
+    model = AllReduceLinear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tracer_factory(trace_every=2):
+        dist.barrier()  # set-up, before any step: traced
+        for step in range(4):
+            model(torch.randn(3, 4)).sum().backward()
+            optimizer.step()
+            dist.all_reduce(torch.full((2,), float(step)))  # logging after the step
+    outside = telemetry.by_name("outside_step")
+    assert [[event.name for event in span.events] for span in outside] == [
+        ["barrier"], ["all_reduce"], ["all_reduce"]]
+    # The events keep the group's sequence numbers: the untraced steps' collectives are counted.
+    assert [span.events[0].attributes[semconv.COLLECTIVE_SEQ] for span in outside] == [0, 2, 6]
+    assert [s.attributes[semconv.STEP] for s in telemetry.by_name("train_step")] == [0, 2]
+    points = {(labels[semconv.COLLECTIVE_OP], labels[semconv.MODULE_PASS]): value
+              for labels, value in telemetry.metric_points(semconv.METRIC_OPERATIONS)}
+    assert points == {("barrier", "none"): 1, ("all_reduce", "forward"): 4, ("all_reduce", "none"): 4}
+
+
 def test_functional_collectives_and_metrics(telemetry, tracer_factory, single_rank_group):
     class Funcol(torch.nn.Module):
         def forward(self, x):
