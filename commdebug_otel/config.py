@@ -139,8 +139,13 @@ OPTIONS: tuple[Option, ...] = (
            "collectives, dtensor, ops or all",
            "Which ops become span events, as CommDebugMode's noise levels 0-3."),
     Option("trace_every", "TRACE_EVERY", _parse_positive_int, 1, "an integer >= 1",
-           "Trace one optimizer step in N (step % N == 0); metrics cover every step. Untraced steps "
-           "run without a dispatch mode (docs/performance.md)."),
+           "Trace one optimizer step in N (step % N == 0), and the collectives between it and the "
+           "next step (`outside_step`); metrics cover every step. Untraced steps run without a "
+           "dispatch mode (docs/performance.md)."),
+    Option("completion_every", "COMPLETION_EVERY", _parse_positive_int, 10, "an integer >= 1",
+           "Time c10d collectives to completion (torch.collective.completion_duration) on one step "
+           "in N and on every traced step; 1 = every step. Each timing is a Python callback on the "
+           "backend's thread, the largest cost of an untraced step (docs/performance.md)."),
     Option("ranks", "RANKS", _parse_ranks, None, "all, or a comma list of ranks like 0,3",
            "Ranks that export spans; metrics come from every rank."),
     Option("trace_scope", "TRACE_SCOPE", _parse_scope, TraceScope.JOB, "job or rank",
@@ -177,6 +182,7 @@ class Settings:
     enabled: bool = False
     detail: Detail = Detail.COLLECTIVES
     trace_every: int = 1
+    completion_every: int = 10
     ranks: frozenset[int] | None = None
     trace_scope: TraceScope = TraceScope.JOB
     output_dir: str = "./commdebug-otel-out"
@@ -193,7 +199,7 @@ class Settings:
             object.__setattr__(self, "trace_scope", _checked("trace_scope", _parse_scope, self.trace_scope))
         if isinstance(self.ranks, str):
             object.__setattr__(self, "ranks", _checked("ranks", _parse_ranks, self.ranks))
-        for name in ("trace_every", "max_events_per_span"):
+        for name in ("trace_every", "completion_every", "max_events_per_span"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.metric_module_depth < 0:

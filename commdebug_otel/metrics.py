@@ -9,8 +9,8 @@ Instruments (OTel name -> Prometheus name after the Collector's translation):
   c10d calls this includes the transfer; for async work it does not).
 * ``torch.collective.completion_duration`` Histogram ``s`` -> ``torch_collective_completion_duration_seconds_*``:
   from issue to completion, for c10d collectives (their ``Work`` future completes
-  without anyone waiting); functional collectives complete at ``wait_tensor`` and
-  are not timed here.
+  without anyone waiting) on traced steps and one step in ``completion_every``;
+  functional collectives complete at ``wait_tensor`` and are not timed here.
 * ``commdebug.telemetry.dropped`` Counter ``{item}`` -> ``commdebug_telemetry_dropped_total``
 
 Labels are low-cardinality only: op, pass, process group name and size, mesh

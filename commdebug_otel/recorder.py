@@ -136,6 +136,9 @@ class Recorder:
         # Whether the step that closed last was traced: collectives between steps (a logging
         # all_reduce after optimizer.step()) follow it; set-up before the first step is traced.
         self._after_traced = True
+        # Whether c10d collectives are timed to completion now: traced steps and one in
+        # completion_every (a backend-thread callback each); between steps, as the step before.
+        self._time_completions = True
         self._fwd_stack: list[Record] = []
         self._open_bw: list[Record] = []  # open backward records, most recently begun last
         self._bw_callback_task = -1
@@ -228,6 +231,7 @@ class Recorder:
         root = Record(_KIND_STEP, semconv.SPAN_TRAIN_STEP, now)
         root.attrs[semconv.STEP] = index
         step = self._step = _Step(index, traced, root, _KIND_STEP)
+        self._time_completions = traced or index % self.settings.completion_every == 0
         step.inference = inference
         self._call_counts.clear()
         if _graph_task_id() == -1:  # recompute in backward may run on autograd's thread
@@ -603,7 +607,7 @@ class Recorder:
                 return
         rank = self.rank().rank
         self._metrics.collective(spec.op, pass_, group, rank, nbytes, duration_ns / 1e9, fqn, context=context)
-        if not spec.functional and out is not None:
+        if not spec.functional and out is not None and self._time_completions:
             self._time_completion(out, start_ns, spec, pass_, group, rank, fqn)
 
     def _time_completion(self, out: Any, start_ns: int, spec: CollectiveSpec, pass_: str,
