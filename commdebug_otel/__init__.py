@@ -31,9 +31,13 @@ Importing this package imports neither torch nor the OTel SDK: names load on
 first use.
 """
 
-from typing import TYPE_CHECKING, Any
+from __future__ import annotations
 
 from .version import __version__
+
+# Not typing.TYPE_CHECKING: importing typing (with re and enum) would be most of this
+# package's import cost while tracing is disabled (docs/performance.md).
+TYPE_CHECKING = False
 
 __all__ = ["CommDebugMode", "CommTracer", "Detail", "Settings", "TraceScope", "__version__"]
 
@@ -46,6 +50,8 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from typing import Any
+
     from .compat import CommDebugMode
     from .config import Detail, Settings, TraceScope
     from .instrumentation import CommTracer
