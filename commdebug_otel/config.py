@@ -144,8 +144,8 @@ OPTIONS: tuple[Option, ...] = (
            "dispatch mode (docs/performance.md)."),
     Option("completion_every", "COMPLETION_EVERY", _parse_positive_int, 10, "an integer >= 1",
            "Time c10d collectives to completion (torch.collective.completion_duration) on one step "
-           "in N and on every traced step; 1 = every step. Each timing is a Python callback on the "
-           "backend's thread, the largest cost of an untraced step (docs/performance.md)."),
+           "in N and on the steps TRACE_EVERY picks, on every rank; 1 = every step. Each timing is "
+           "a Python callback on the backend's thread (docs/performance.md)."),
     Option("ranks", "RANKS", _parse_ranks, None, "all, or a comma list of ranks like 0,3",
            "Ranks that export spans; metrics come from every rank."),
     Option("trace_scope", "TRACE_SCOPE", _parse_scope, TraceScope.JOB, "job or rank",

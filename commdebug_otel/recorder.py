@@ -173,6 +173,7 @@ class Recorder:
     def reset_after_fork(self) -> None:
         """A forked child starts with no open spans and learns its own rank."""
         self._step = self._outside = None
+        self._after_traced = self._time_completions = True  # the child's own set-up
         self._fwd_stack = []
         self._open_bw = []
         self._depth = 0
@@ -231,7 +232,9 @@ class Recorder:
         root = Record(_KIND_STEP, semconv.SPAN_TRAIN_STEP, now)
         root.attrs[semconv.STEP] = index
         step = self._step = _Step(index, traced, root, _KIND_STEP)
-        self._time_completions = traced or index % self.settings.completion_every == 0
+        # The same steps on every rank (not only traced ranks): their histograms compare.
+        self._time_completions = (index % self.settings.trace_every == 0
+                                  or index % self.settings.completion_every == 0)
         step.inference = inference
         self._call_counts.clear()
         if _graph_task_id() == -1:  # recompute in backward may run on autograd's thread

@@ -113,19 +113,23 @@ def test_metrics_cover_untraced_steps(telemetry, tracer_factory, single_rank_gro
     assert count == 4
 
 
-def test_completion_is_timed_on_traced_steps_and_one_step_in_completion_every(
+def test_completion_is_timed_on_the_steps_trace_every_and_completion_every_pick(
         telemetry, tracer_factory, single_rank_group):
     model = AllReduceLinear()  # one c10d all_reduce per forward
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with tracer_factory(trace_every=3, completion_every=2):
-        for _ in range(5):  # steps 0 (traced), 2, 3 (traced) and 4 are timed; step 1 is not
+        dist.all_reduce(torch.ones(2))  # set-up: timed
+        for _ in range(5):  # steps 0, 2, 3 and 4 are timed; step 1 is not
             model(torch.randn(3, 4)).sum().backward()
             optimizer.step()
+            dist.all_reduce(torch.ones(2))  # logging between steps: as the step before
     dist.barrier()  # completion callbacks run on gloo's thread; barrier orders them before the read
-    [(_, count)] = telemetry.metric_points(semconv.METRIC_OPERATIONS)
-    completions = telemetry.metric_points(semconv.METRIC_COMPLETION)
-    assert count == 5
-    assert [(labels[semconv.COLLECTIVE_OP], point.count) for labels, point in completions] == [("all_reduce", 4)]
+    operations = {labels[semconv.MODULE_PASS]: count
+                  for labels, count in telemetry.metric_points(semconv.METRIC_OPERATIONS)}
+    completions = {(labels[semconv.COLLECTIVE_OP], labels[semconv.MODULE_PASS]): point.count
+                   for labels, point in telemetry.metric_points(semconv.METRIC_COMPLETION)}
+    assert operations == {"forward": 5, "none": 6}
+    assert completions == {("all_reduce", "forward"): 4, ("all_reduce", "none"): 5}
 
 
 def test_metrics_of_a_step_that_never_ends_are_recorded(telemetry, tracer_factory, single_rank_group):

@@ -14,7 +14,7 @@ from commdebug_otel.config import OPTIONS, markdown_table
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 
 GARBAGE = {
-    "ENABLED": "maybe", "DETAIL": "verbose", "TRACE_EVERY": "0", "RANKS": "1,x",
+    "ENABLED": "maybe", "DETAIL": "verbose", "TRACE_EVERY": "0", "COMPLETION_EVERY": "0", "RANKS": "1,x",
     "TRACE_SCOPE": "cluster", "OUTPUT_DIR": "  ", "MAX_EVENTS_PER_SPAN": "-3",
     "METRIC_MODULE_DEPTH": "two", "SHUTDOWN_TIMEOUT": "-1", "MODULE_INCLUDE": None, "MODULE_EXCLUDE": None,
 }
@@ -56,6 +56,8 @@ def test_fuzzed_environment_never_raises():
 def test_bad_explicit_arguments_raise():
     with pytest.raises(ValueError, match="trace_every"):
         Settings(trace_every=0)
+    with pytest.raises(ValueError, match="completion_every"):
+        Settings(completion_every=0)
     with pytest.raises(ValueError, match="detail"):
         Settings(detail="loud")
 
