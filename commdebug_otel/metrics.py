@@ -9,7 +9,7 @@ Instruments (OTel name -> Prometheus name after the Collector's translation):
   c10d calls this includes the transfer; for async work it does not).
 * ``torch.collective.completion_duration`` Histogram ``s`` -> ``torch_collective_completion_duration_seconds_*``:
   from issue to completion, for c10d collectives (their ``Work`` future completes
-  without anyone waiting) on traced steps and one step in ``completion_every``;
+  without anyone waiting) on the steps ``trace_every`` picks and one in ``completion_every``;
   functional collectives complete at ``wait_tensor`` and are not timed here.
 * ``commdebug.telemetry.dropped`` Counter ``{item}`` -> ``commdebug_telemetry_dropped_total``
 

@@ -136,8 +136,8 @@ class Recorder:
         # Whether the step that closed last was traced: collectives between steps (a logging
         # all_reduce after optimizer.step()) follow it; set-up before the first step is traced.
         self._after_traced = True
-        # Whether c10d collectives are timed to completion now: traced steps and one in
-        # completion_every (a backend-thread callback each); between steps, as the step before.
+        # Whether c10d collectives are timed to completion now: the steps trace_every picks and
+        # one in completion_every (a backend-thread callback each); between steps, as the step before.
         self._time_completions = True
         self._fwd_stack: list[Record] = []
         self._open_bw: list[Record] = []  # open backward records, most recently begun last
@@ -228,13 +228,13 @@ class Recorder:
             self._outside = None
         # Inference/evaluation forwards are counted apart, so torch.step stays the optimizer step.
         index = self._next_inference if inference else self._next_step
-        traced = index % self.settings.trace_every == 0 and self._traces_this_rank()
+        sampled = index % self.settings.trace_every == 0
+        traced = sampled and self._traces_this_rank()
         root = Record(_KIND_STEP, semconv.SPAN_TRAIN_STEP, now)
         root.attrs[semconv.STEP] = index
         step = self._step = _Step(index, traced, root, _KIND_STEP)
-        # The same steps on every rank (not only traced ranks): their histograms compare.
-        self._time_completions = (index % self.settings.trace_every == 0
-                                  or index % self.settings.completion_every == 0)
+        # The same steps on every rank (sampled, not traced): their histograms compare.
+        self._time_completions = sampled or index % self.settings.completion_every == 0
         step.inference = inference
         self._call_counts.clear()
         if _graph_task_id() == -1:  # recompute in backward may run on autograd's thread
