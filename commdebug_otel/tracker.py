@@ -16,6 +16,11 @@
   ``queue_callback`` closes whatever is left at the end of the backward.
 * A forward that runs while the autograd engine is running is activation
   checkpoint recompute.
+* On a step that records no module passes (untraced, no module label in the
+  metrics), only the outermost call matters (the pass label of its
+  collectives): the global hooks are removed for its duration, so the modules
+  inside take ``Module._call_impl``'s hook-free fast path, and come back in its
+  forward hook.
 
 Modules are held through weak references only. Every hook catches its own
 errors, logs once and gives up; none raises into training.
@@ -58,8 +63,10 @@ class ModuleTracker:
         self._calls: list[tuple[torch.nn.Module, Record | None]] = []  # calls in flight
         self._pre_handle = None
         self._early_post_handle = None
+        self._suspended = False  # global hooks off inside an unrecorded outermost call
 
     def install(self) -> None:
+        self._suspended = False
         self._pre_handle = register_module_forward_pre_hook(self._pre_hook)
         self._early_post_handle = register_module_forward_hook(self._early_post_hook)
 
@@ -68,6 +75,7 @@ class ModuleTracker:
             if handle is not None:
                 handle.remove()
         self._pre_handle = self._early_post_handle = None
+        self._suspended = False
         for handle in list(self._post_handles.values()):
             handle.remove()
         self._post_handles.clear()
@@ -109,7 +117,10 @@ class ModuleTracker:
                 name = self.fqn(module)
             record = recorder.module_pre(module, name, args)
             self._calls.append((module, record))
-            if record is not None and torch.is_grad_enabled() and record.pass_ == "forward":
+            if record is None:
+                if len(self._calls) == 1:
+                    self._suspend_inside(module)
+            elif torch.is_grad_enabled() and record.pass_ == "forward":
                 # Leaves are left out: torch's "all" multi-grad hook asks the engine about
                 # each tensor's node, which raises for a leaf inside torch.autograd.grad()
                 # (pipeline parallel does that). Without a hook, backward ends with the pass.
@@ -122,6 +133,27 @@ class ModuleTracker:
                                        else register_multi_grad_hook(inputs, end))
         except Exception as error:
             recorder.hook_failed("module forward pre-hook", error)
+
+    def _suspend_inside(self, outermost: torch.nn.Module) -> None:
+        """Nothing is recorded inside ``outermost``'s call: no hook of ours runs there.
+
+        Its own forward hook (registered above, ``always_call``) brings the global
+        hooks back; the other modules' forward hooks go (the next recorded call
+        registers them again).
+        """
+        for handle in (self._early_post_handle, self._pre_handle):
+            handle.remove()
+        self._suspended = True
+        if len(self._post_handles) > 1:
+            for module, handle in list(self._post_handles.items()):
+                if module is not outermost:
+                    handle.remove()
+                    del self._post_handles[module]
+
+    def _resume(self) -> None:
+        self._suspended = False
+        self._pre_handle = register_module_forward_pre_hook(self._pre_hook)
+        self._early_post_handle = register_module_forward_hook(self._early_post_hook)
 
     def _early_post_hook(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         """Global forward hooks run before the module's own: hook the raw outputs first.
@@ -164,6 +196,8 @@ class ModuleTracker:
                 entry_module, record = calls.pop()  # a call whose hook never came back
             if entry_module is not module:
                 return
+            if self._suspended and not calls:
+                self._resume()
             recorder.module_post(module, record)
             if record is not None:
                 # The module's own hooks may have replaced the outputs (tensor parallel).
