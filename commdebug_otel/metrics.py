@@ -17,17 +17,19 @@ Labels are low-cardinality only: op, pass, process group name and size, mesh
 dimension name, rank, and the module FQN cut to ``metric_module_depth``
 levels when that setting is above 0. Never shapes or step numbers.
 
-The training thread only sums counters and lists histogram points in plain
-Python containers; at each step end the batch goes to a :class:`MetricsWorker`
-thread that makes the SDK calls (an SDK ``Histogram.record`` costs tens of
-microseconds, more than the rest of a collective's bookkeeping together). When
-no batch has come for ``IDLE_TAKE_S`` seconds, the worker takes what is pending
-itself: a rank stuck in a hung collective still exports the counts that led
+The training thread only appends each point, as a tuple, to a deque; at each
+step end a :class:`MetricsWorker` thread labels them, sums the counters and
+makes the SDK calls (an SDK ``Histogram.record`` costs tens of microseconds,
+more than the rest of a collective's bookkeeping together, and in a running job
+any Python is several times slower scattered between the step's ops than in one
+loop). When no take has come for ``IDLE_TAKE_S`` seconds, the worker takes what
+is pending itself: a rank stuck in a hung collective still exports the counts that led
 there, and completion times that arrive after the last step are not stranded.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -47,8 +49,9 @@ DURATION_BUCKETS_S = (0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05
 # boundary (evaluation, set-up) still export.
 FLUSH_EVERY_COLLECTIVES = 256
 # Batches waiting for the worker beyond this are dropped and counted (a stalled SDK must not
-# grow memory without bound).
+# grow memory without bound); so are metric points beyond MAX_PENDING_POINTS.
 MAX_QUEUED_BATCHES = 10_000
+MAX_PENDING_POINTS = 1_000_000
 # An idle worker takes what is pending itself this often (seconds): a training thread stuck in
 # a hung collective never reaches its flush, and those counts are what a hang needs.
 IDLE_TAKE_S = 1.0
@@ -125,17 +128,16 @@ class CollectiveMetrics:
         self._dropped = meter.create_counter(
             semconv.METRIC_DROPPED, unit="{item}",
             description="Telemetry that commdebug-otel had to drop, by kind.")
-        self._labels: dict[tuple, dict[str, Any]] = {}
-        # Counter increments summed per label set until flush(): two SDK calls per step and
-        # label set instead of two per collective; histogram points listed until then.
-        self._pending: dict[tuple, list] = {}
-        self._durations: list[tuple] = []
-        self._completions: list[tuple] = []  # (seconds, labels), appended by backend threads
+        self._labels: dict[tuple, dict[str, Any]] = {}  # the worker's only
+        # Points as the training thread saw them, labelled and summed by the worker: a deque
+        # because any thread appends (backend threads add completions) while the worker pops.
+        self._points: collections.deque = collections.deque()
+        self._completions: collections.deque = collections.deque()
         self._unflushed = 0
-        # Collectives on other threads (a checkpoint writer) record while the training thread flushes.
-        self._lock = threading.Lock()
+        self._take_queued = False
+        self._on_dropped = on_dropped or (lambda kind, count: None)
         # Last: its thread may take pending points as soon as it runs.
-        self._worker = MetricsWorker(on_dropped or (lambda kind, count: None), self._record_pending)
+        self._worker = MetricsWorker(self._on_dropped, self._record_pending)
 
     def _module_label(self, fqn: str) -> str:
         return ".".join(fqn.split(".")[: self._module_depth + 1])
@@ -145,40 +147,34 @@ class CollectiveMetrics:
         """Count one collective of ``nbytes`` payload bytes that took ``duration_s`` seconds to issue.
 
         ``context`` (an OTel context holding the owning span) makes the SDK attach
-        exemplars that link these points to the traced step's span.
+        exemplars that link these points to the traced step's span. Beyond
+        ``MAX_PENDING_POINTS`` waiting for the worker, the point is dropped and counted.
         """
-        module = self._module_label(fqn) if self._module_depth and fqn else ""
-        key = (op, pass_, group.name, rank, module)
-        with self._lock:
-            labels = self._labels.get(key)
-            if labels is None:
-                labels = self._labels[key] = self._label_set(op, pass_, group, rank, module)
-            entry = self._pending.get(key)
-            if entry is None:
-                entry = self._pending[key] = [labels, 0, 0, None]
-            entry[1] += 1
-            entry[2] += nbytes
-            if context is not None:
-                entry[3] = context
-            self._durations.append((duration_s, labels, context))
-            self._unflushed += 1
-            full = self._unflushed >= FLUSH_EVERY_COLLECTIVES
-        if full:
+        points = self._points
+        if len(points) >= MAX_PENDING_POINTS:
+            self._on_dropped(semconv.DROPPED_KIND_METRIC, 1)
+            return
+        points.append((op, pass_, group, rank, nbytes, duration_s, fqn, context))
+        self._unflushed += 1
+        if self._unflushed >= FLUSH_EVERY_COLLECTIVES:
             self.flush()
 
-    @staticmethod
-    def _label_set(op: str, pass_: str, group: GroupFacts, rank: int, module: str) -> dict[str, Any]:
-        labels = {
-            semconv.COLLECTIVE_OP: op,
-            semconv.MODULE_PASS: pass_,
-            semconv.PROCESS_GROUP_NAME: group.name,
-            semconv.PROCESS_GROUP_SIZE: group.size,
-            semconv.RANK: rank,
-        }
-        if group.dim_name:
-            labels[semconv.DEVICE_MESH_DIM_NAME] = group.dim_name
-        if module:
-            labels[semconv.MODULE_FQN] = module
+    def _labels_of(self, op: str, pass_: str, group: GroupFacts, rank: int, fqn: str) -> dict[str, Any]:
+        module = self._module_label(fqn) if self._module_depth and fqn else ""
+        key = (op, pass_, group.name, rank, module)
+        labels = self._labels.get(key)
+        if labels is None:
+            labels = self._labels[key] = {
+                semconv.COLLECTIVE_OP: op,
+                semconv.MODULE_PASS: pass_,
+                semconv.PROCESS_GROUP_NAME: group.name,
+                semconv.PROCESS_GROUP_SIZE: group.size,
+                semconv.RANK: rank,
+            }
+            if group.dim_name:
+                labels[semconv.DEVICE_MESH_DIM_NAME] = group.dim_name
+            if module:
+                labels[semconv.MODULE_FQN] = module
         return labels
 
     def completion(self, op: str, pass_: str, group: GroupFacts, rank: int, duration_s: float,
@@ -190,41 +186,40 @@ class CollectiveMetrics:
         the SDK call is left to the worker (a hand-over per completion, waking the
         worker each time, cost more than the rest of an untraced collective).
         """
-        module = self._module_label(fqn) if self._module_depth and fqn else ""
-        labels = self._labels.get((op, pass_, group.name, rank, module))
-        if labels is not None:
-            with self._lock:
-                self._completions.append((duration_s, labels))
+        if len(self._completions) < MAX_PENDING_POINTS:
+            self._completions.append((op, pass_, group, rank, duration_s, fqn))
 
     def flush(self) -> None:
-        """Hand the pending counts and histogram points to the worker (at every step end, and every few hundred collectives)."""
-        pending, durations, completions = self._take()
-        if pending or durations or completions:
-            self._worker.submit(lambda: self._record(pending, durations, completions),
-                                len(durations) + len(completions))
-
-    def _take(self) -> tuple[dict[tuple, list], list[tuple], list[tuple]]:
-        with self._lock:
-            pending, self._pending = self._pending, {}
-            durations, self._durations = self._durations, []
-            completions, self._completions = self._completions, []
-            self._unflushed = 0
-        return pending, durations, completions
+        """Have the worker record the pending points (at every step end, and every few hundred collectives)."""
+        self._unflushed = 0
+        if not self._take_queued and (self._points or self._completions):
+            self._take_queued = True  # one take in the queue at a time: it takes everything
+            self._worker.submit(self._record_pending, 0)
 
     def _record_pending(self) -> None:
-        """On the idle worker: record what no flush has handed over (a hang, completions after stop)."""
-        self._record(*self._take())
-
-    def _record(self, pending: dict[tuple, list], durations: list[tuple], completions: list[tuple]) -> None:
-        for labels, count, nbytes, context in pending.values():
+        """On the worker: label, sum and record every point appended so far (popped one by one,
+        so appends from other threads meanwhile wait for the next take, never vanish)."""
+        self._take_queued = False
+        sums: dict[int, list] = {}
+        points, record = self._points, self._duration.record
+        for _ in range(len(points)):
+            op, pass_, group, rank, nbytes, duration_s, fqn, context = points.popleft()
+            labels = self._labels_of(op, pass_, group, rank, fqn)
+            entry = sums.get(id(labels))
+            if entry is None:
+                entry = sums[id(labels)] = [labels, 0, 0, None]
+            entry[1] += 1
+            entry[2] += nbytes
+            if context is not None:
+                entry[3] = context
+            record(duration_s, labels, context=context)
+        for labels, count, nbytes, context in sums.values():
             self._operations.add(count, labels, context=context)
             self._io.add(nbytes, labels, context=context)
-        record = self._duration.record
-        for duration_s, labels, context in durations:
-            record(duration_s, labels, context=context)
-        record = self._completion.record
-        for duration_s, labels in completions:
-            record(duration_s, labels)
+        completions, record = self._completions, self._completion.record
+        for _ in range(len(completions)):
+            op, pass_, group, rank, duration_s, fqn = completions.popleft()
+            record(duration_s, self._labels_of(op, pass_, group, rank, fqn))
 
     def drain(self, timeout_s: float) -> bool:
         """Flush, then wait at most ``timeout_s`` until the worker has recorded everything."""

@@ -234,3 +234,60 @@ def test_c10d_completion_is_timed_from_the_work_future(telemetry, tracer_factory
     [(labels, issue)] = [p for p in telemetry.metric_points(semconv.METRIC_DURATION)
                          if p[0][semconv.MODULE_PASS] == "forward"]
     assert points[0][0] == labels and points[0][1].sum > 0
+
+
+def test_untraced_step_runs_no_module_hook_inside_the_outermost_call(telemetry, tracer_factory, single_rank_group):
+    """Inside an untraced step's outermost call the global hooks are off; pass labels and later spans stay exact."""
+    from torch.nn.modules import module as nn_module
+
+    global_pre_hooks = []
+
+    class Probe(torch.nn.Module):
+        def forward(self, x):
+            global_pre_hooks.append(len(nn_module._global_forward_pre_hooks))
+            dist.all_reduce(x.detach())
+            return x
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.probe = Probe()
+
+        def forward(self, x):
+            return self.probe(self.lin(x))
+
+    model = Outer()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = len(nn_module._global_forward_pre_hooks)
+    with tracer_factory(trace_every=2):
+        for _ in range(3):  # steps 0 and 2 traced, step 1 not
+            model(torch.randn(3, 4)).sum().backward()
+            optimizer.step()
+        after = len(nn_module._global_forward_pre_hooks)
+    assert global_pre_hooks == [before + 1, before, before + 1]
+    assert after == before + 1
+    assert [labels[semconv.MODULE_PASS] for labels, _ in telemetry.metric_points(semconv.METRIC_OPERATIONS)] == ["forward"]
+    assert sum(count for _, count in telemetry.metric_points(semconv.METRIC_OPERATIONS)) == 3
+    for name in ("Outer.probe forward", "Outer.lin forward", "Outer.lin backward"):
+        spans = telemetry.by_name(name)
+        assert [telemetry.parent_name(span) for span in spans] == [name.replace(".probe", "").replace(".lin", "")] * 2
+
+
+def test_metric_points_beyond_the_pending_bound_are_dropped_and_counted(
+        telemetry, tracer_factory, single_rank_group, monkeypatch):
+    from commdebug_otel import metrics
+
+    monkeypatch.setattr(metrics, "MAX_PENDING_POINTS", 2)  # the worker takes points at the step end only
+
+    class FiveAllReduces(torch.nn.Module):
+        def forward(self, x):
+            for _ in range(5):
+                dist.all_reduce(x)
+            return x
+
+    with tracer_factory(trace_every=10**6):
+        FiveAllReduces()(torch.ones(2))
+    assert telemetry.metric_points(semconv.METRIC_OPERATIONS)[0][1] == 2
+    assert telemetry.metric_points(semconv.METRIC_DROPPED) == [
+        ({semconv.DROPPED_KIND: semconv.DROPPED_KIND_METRIC, semconv.RANK: 0}, 3)]
