@@ -197,6 +197,11 @@ def payload_facts(spec: CollectiveSpec, args: tuple) -> tuple[int, str, list[int
 
 def payload_bytes(spec: CollectiveSpec, args: tuple) -> tuple[int, bool]:
     """``(bytes, fake)`` of :func:`payload_facts`, without building the dtype and shape (metrics only)."""
+    index = spec.payload_index
+    if 0 <= index < len(args):
+        payload = args[index]
+        if type(payload) is torch.Tensor and not payload.is_meta:  # the common case, on every step
+            return (0 if spec.barrier else payload.nbytes), False
     total, first = _payload(spec, args)
     return total, first is not None and _is_fake(first)
 
@@ -295,10 +300,8 @@ class GroupResolver:
 
 def _group_key(group: Any) -> Any:
     try:
-        if isinstance(group, torch.ScriptObject):
-            from torch.distributed import ProcessGroup
-
-            group = ProcessGroup.unbox(group)
+        if isinstance(group, torch.ScriptObject):  # c10d ops box the group
+            group = torch.distributed.ProcessGroup.unbox(group)
         return ("group", group.group_name)
     except Exception:
         return id(group)
@@ -306,10 +309,8 @@ def _group_key(group: Any) -> Any:
 
 def _facts_of_group(group: Any) -> GroupFacts:
     try:
-        if isinstance(group, torch.ScriptObject):  # c10d ops box the group
-            from torch.distributed import ProcessGroup
-
-            group = ProcessGroup.unbox(group)
+        if isinstance(group, torch.ScriptObject):
+            group = torch.distributed.ProcessGroup.unbox(group)
         name = str(getattr(group, "group_name", "") or "unknown")
         size = int(group.size())
         desc = str(getattr(group, "group_desc", "") or "")

@@ -129,6 +129,9 @@ class Recorder:
         self._groups = GroupResolver()
         self._seq: dict[str, int] = {}
         self._step: _Step | None = None
+        # The open step while it keeps nothing but metric points (untraced, no module label,
+        # no sink): its collectives take the short path in collective().
+        self._quiet_step: _Step | None = None
         self._outside: _Step | None = None
         self._next_step = 0
         self._next_inference = 0
@@ -172,7 +175,7 @@ class Recorder:
 
     def reset_after_fork(self) -> None:
         """A forked child starts with no open spans and learns its own rank."""
-        self._step = self._outside = None
+        self._step = self._quiet_step = self._outside = None
         self._after_traced = self._time_completions = True  # the child's own set-up
         self._fwd_stack = []
         self._open_bw = []
@@ -241,6 +244,8 @@ class Recorder:
             self.thread_id = threading.get_ident()
         if traced and self._exemplars_on():
             step.trace_id = self._trace_id(step) or random.getrandbits(128) or 1
+        if not (traced or self.sinks or self.settings.metric_module_depth):
+            self._quiet_step = step
         self._tell_traced(traced)  # every opening: a mode left on by a close inside backward goes now
         return step
 
@@ -285,7 +290,7 @@ class Recorder:
         step = self._step
         if step is None:
             return
-        self._step = None
+        self._step = self._quiet_step = None
         if step.inference:
             self._next_inference += 1
         else:
@@ -536,6 +541,9 @@ class Recorder:
             return
         seq = self._seq.get(group.name, 0)
         self._seq[group.name] = seq + 1
+        if self._quiet_step is not None:  # an untraced step: the hot path of always-on tracing
+            self._count(spec, args, group, self._pass_by_depth(in_backward), duration_ns, out, start_ns)
+            return
         step = self._step
         if step is not None:
             quiet = not step.traced
@@ -544,7 +552,7 @@ class Recorder:
         else:
             quiet = not (self._outside or self._outside_step(time.time_ns())).traced
         if quiet and not self.sinks and not self.settings.metric_module_depth:
-            # An untraced step keeps no records (the hot path of always-on tracing).
+            # Between steps, or a backward outside any step: no records either.
             self._count(spec, args, group, self._pass_by_depth(in_backward), duration_ns, out, start_ns)
             return
         now = time.time_ns()
