@@ -76,7 +76,7 @@ DROPPED_KIND = "commdebug.dropped.kind"
 DROPPED_KIND_EVENT = "event"
 DROPPED_KIND_SPAN = "span"
 DROPPED_KIND_HOOK_ERROR = "hook_error"
-DROPPED_KIND_METRIC = "metric_point"  # histogram points not recorded: the metrics worker fell behind
+DROPPED_KIND_METRIC = "metric_point"  # collectives not recorded in metrics: the metrics worker fell behind
 
 # Resource attributes.
 RANK = "torch.distributed.rank"
