@@ -48,9 +48,8 @@ DURATION_BUCKETS_S = (0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05
 # Pending counter sums are flushed at least this often, so long stretches without a step
 # boundary (evaluation, set-up) still export.
 FLUSH_EVERY_COLLECTIVES = 256
-# Batches waiting for the worker beyond this are dropped and counted (a stalled SDK must not
-# grow memory without bound); so are metric points beyond MAX_PENDING_POINTS.
-MAX_QUEUED_BATCHES = 10_000
+# Points waiting for the worker beyond this are dropped and counted (a stalled SDK must not
+# grow memory without bound).
 MAX_PENDING_POINTS = 1_000_000
 # An idle worker takes what is pending itself this often (seconds): a training thread stuck in
 # a hung collective never reaches its flush, and those counts are what a hang needs.
@@ -60,7 +59,7 @@ _logger = logging.getLogger(__name__)
 
 
 class MetricsWorker:
-    """A daemon thread that runs SDK calls handed over as batches, in order.
+    """A daemon thread that runs the calls handed over, in order.
 
     ``submit`` costs the training thread one queue put; ``drain`` waits (bounded)
     until everything submitted before it has been recorded; ``on_idle()`` runs
@@ -69,17 +68,13 @@ class MetricsWorker:
     so a forked child that never records starts none.
     """
 
-    def __init__(self, on_dropped: Any, on_idle: Any = None) -> None:
+    def __init__(self, on_idle: Any = None) -> None:
         self._on_idle = on_idle
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._on_dropped = on_dropped
         threading.Thread(target=self._run, name="commdebug-otel-metrics", daemon=True).start()
 
-    def submit(self, call: Any, size: int = 1) -> None:
-        """Queue ``call()``; ``size`` items are counted as dropped if the queue is full."""
-        if self._queue.qsize() >= MAX_QUEUED_BATCHES:
-            self._on_dropped(semconv.DROPPED_KIND_METRIC, size)
-            return
+    def submit(self, call: Any) -> None:
+        """Queue ``call()``."""
         self._queue.put(call)
 
     def _run(self) -> None:
@@ -137,7 +132,7 @@ class CollectiveMetrics:
         self._take_queued = False
         self._on_dropped = on_dropped or (lambda kind, count: None)
         # Last: its thread may take pending points as soon as it runs.
-        self._worker = MetricsWorker(self._on_dropped, self._record_pending)
+        self._worker = MetricsWorker(self._record_pending)
 
     def _module_label(self, fqn: str) -> str:
         return ".".join(fqn.split(".")[: self._module_depth + 1])
@@ -194,7 +189,7 @@ class CollectiveMetrics:
         self._unflushed = 0
         if not self._take_queued and (self._points or self._completions):
             self._take_queued = True  # one take in the queue at a time: it takes everything
-            self._worker.submit(self._record_pending, 0)
+            self._worker.submit(self._record_pending)
 
     def _record_pending(self) -> None:
         """On the worker: label, sum and record every point appended so far (popped one by one,
