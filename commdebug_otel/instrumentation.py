@@ -14,6 +14,7 @@ Untraced steps pay for module hooks and metrics only.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import threading
@@ -133,6 +134,8 @@ class CommTracer:
         self._tracker.install()
         kernels = interceptor(COLLECTIVES)
         self._intercepted = kernels.subscribe(self.recorder)
+        if self._intercepted:
+            self.recorder.watch_why(functools.partial(kernels.want_why, self.recorder))
         self._mode = CollectiveDispatchMode(self.recorder, self.settings.detail,
                                             collectives=not self._intercepted)
         if not self._intercepted or self.recorder.op_sinks:
@@ -220,6 +223,7 @@ class CommTracer:
         self._mode = None
         if self._intercepted:
             self._intercepted = False
+            self.recorder.watch_why(None)
             interceptor(COLLECTIVES).unsubscribe(self.recorder)
         self._tracker.remove()
         if flush:

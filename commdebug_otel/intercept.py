@@ -25,8 +25,11 @@ The "why" of a collective (the DTensor op whose inputs are being redistributed)
 comes from DTensor's own redistribution step, ``OpDispatcher.redistribute_local_args``
 (torch/distributed/tensor/_dispatch.py), which DTensor's dispatch calls (from
 ``_dispatch_get_local_results_slow_path``) only when an op's inputs must move:
-while it runs, subscribers hold the op and its input specs. Where torch lacks
-that function, :attr:`names_dtensor_ops` is False and the tracer falls back to
+while it runs, subscribers hold the op and its input specs. DTensor calls it
+for most ops that redistribute (about 30 per step of the demo transformer under
+tensor parallel), so the wrapper is in place only while some subscriber may
+record a "why" (:meth:`CollectiveInterceptor.want_why`): an untraced step
+calls torch's own. Where torch lacks that function, :attr:`names_dtensor_ops` is False and the tracer falls back to
 its dispatch mode on traced steps.
 """
 
@@ -66,6 +69,8 @@ class CollectiveInterceptor:
         self._local = _InProgress()
         self._below = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
         self._original_redistribute: Any = None
+        self._redistribute_wrapper: Any = None
+        self._wanting_why: set[int] = set()  # ids of subscribers that may record a "why" now
 
     @property
     def names_dtensor_ops(self) -> bool:
@@ -79,6 +84,7 @@ class CollectiveInterceptor:
                 return False
             if recorder not in self._subscribers:
                 self._subscribers = (*self._subscribers, recorder)
+            self._want_why(recorder, True)
             return True
 
     def unsubscribe(self, recorder: Any) -> None:
@@ -90,6 +96,23 @@ class CollectiveInterceptor:
         """
         with self._lock:
             self._subscribers = tuple(s for s in self._subscribers if s is not recorder)
+            self._want_why(recorder, False)
+
+    def want_why(self, recorder: Any, wanted: bool) -> None:
+        """Whether ``recorder`` may record the DTensor op behind a collective now (a traced step, set-up)."""
+        with self._lock:
+            self._want_why(recorder, wanted)
+
+    def _want_why(self, recorder: Any, wanted: bool) -> None:
+        if wanted:
+            self._wanting_why.add(id(recorder))
+        else:
+            self._wanting_why.discard(id(recorder))
+        if self._original_redistribute is not None:
+            from torch.distributed.tensor._dispatch import OpDispatcher
+
+            OpDispatcher.redistribute_local_args = (self._redistribute_wrapper if self._wanting_why
+                                                    else self._original_redistribute)
 
     def _install(self) -> bool:
         libraries: dict[str, torch.library.Library] = {}
@@ -142,7 +165,7 @@ class CollectiveInterceptor:
                 for recorder, func, func_args in saved:
                     recorder.why_func, recorder.why_args = func, func_args
 
-        OpDispatcher.redistribute_local_args = staticmethod(redistribute_local_args)
+        self._redistribute_wrapper = staticmethod(redistribute_local_args)
         self._original_redistribute = original
 
     def _uninstall(self) -> None:

@@ -168,6 +168,10 @@ class Recorder:
         # traced_step_changed(traced): a step opened (traced or not), or a traced step
         # closed (False); the tracer keeps its dispatch mode on only while a traced one is open.
         self.traced_step_changed: Callable[[bool], None] | None = None
+        # why_wanted(wanted): whether a "why" (why_func) may be recorded now; False while an
+        # untraced step is open, so DTensor's redistributions need not report their op then.
+        self.why_wanted: Callable[[bool], None] | None = None
+        self._why_on = True
         # The training thread: the one that opened the last step. Collectives on other
         # threads are counted in metrics only (no module, pass "none", no span event).
         self.thread_id = threading.get_ident()
@@ -185,6 +189,7 @@ class Recorder:
         self._rank = None
         self.why_func = None
         self.thread_id = threading.get_ident()
+        self._want_why(True)
         if hasattr(self._metrics, "reset"):
             self._metrics.reset()
 
@@ -247,6 +252,7 @@ class Recorder:
         if not (traced or self.sinks or self.settings.metric_module_depth):
             self._quiet_step = step
         self._tell_traced(traced)  # every opening: a mode left on by a close inside backward goes now
+        self._want_why(traced)
         return step
 
     def _tell_traced(self, traced: bool) -> None:
@@ -255,6 +261,18 @@ class Recorder:
                 self.traced_step_changed(traced)
             except Exception as error:
                 self.hook_failed("dispatch mode switch", error)
+
+    def watch_why(self, callback: Callable[[bool], None] | None) -> None:
+        """Set :attr:`why_wanted`; the callback's side starts out wanting the "why"."""
+        self.why_wanted, self._why_on = callback, True
+
+    def _want_why(self, wanted: bool) -> None:
+        if wanted != self._why_on and self.why_wanted is not None:
+            self._why_on = wanted
+            try:
+                self.why_wanted(wanted)
+            except Exception as error:
+                self.hook_failed("DTensor redistribution watch", error)
 
     def _exemplars_on(self) -> bool:
         if self._exemplars is None:
@@ -300,6 +318,7 @@ class Recorder:
         if inference or step.inference:
             step.kind = -1  # no train_step span: each top-level forward is a root
         self._close(step, now)
+        self._want_why(step.traced)  # between steps as the step before (_outside_step)
 
     def keep_hook(self, handle: Any) -> None:
         """Remember a tensor or multi-grad hook handle: it is removed when the step closes.

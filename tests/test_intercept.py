@@ -66,6 +66,25 @@ def test_untraced_steps_run_without_a_mode_and_still_count(telemetry, tracer_fac
     assert _operations(telemetry) == {("all_reduce", "forward"): 4, ("all_reduce", "none"): 4}
 
 
+def test_dtensor_redistributions_are_watched_on_traced_steps_only(tracer_factory, single_rank_group):
+    from torch.distributed.tensor._dispatch import OpDispatcher
+
+    original = OpDispatcher.__dict__["redistribute_local_args"]
+    model = AllReduceLinear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    watched = []
+    model.lin.register_forward_hook(
+        lambda *_: watched.append(OpDispatcher.__dict__["redistribute_local_args"] is not original))
+    with tracer_factory(trace_every=2):
+        set_up = OpDispatcher.__dict__["redistribute_local_args"] is not original
+        for _ in range(4):
+            model(torch.ones(2, 4)).sum().backward()
+            optimizer.step()
+        between = OpDispatcher.__dict__["redistribute_local_args"] is not original  # after step 3 (untraced)
+    assert (set_up, watched, between) == (True, [True, False, True, False], False)
+    assert OpDispatcher.__dict__["redistribute_local_args"] is original
+
+
 def test_collectives_under_inference_mode_are_counted(telemetry, tracer_factory, single_rank_group):
     with tracer_factory(), torch.inference_mode():
         dist.all_reduce(torch.ones(2))
