@@ -68,6 +68,7 @@ class CollectiveInterceptor:
         self._lock = threading.Lock()
         self._local = _InProgress()
         self._below = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
+        self._dtensor_dispatcher: Any = None  # OpDispatcher, once its redistributions are watched
         self._original_redistribute: Any = None
         self._redistribute_wrapper: Any = None
         self._wanting_why: set[int] = set()  # ids of subscribers that may record a "why" now
@@ -109,10 +110,8 @@ class CollectiveInterceptor:
         else:
             self._wanting_why.discard(id(recorder))
         if self._original_redistribute is not None:
-            from torch.distributed.tensor._dispatch import OpDispatcher
-
-            OpDispatcher.redistribute_local_args = (self._redistribute_wrapper if self._wanting_why
-                                                    else self._original_redistribute)
+            self._dtensor_dispatcher.redistribute_local_args = (
+                self._redistribute_wrapper if self._wanting_why else self._original_redistribute)
 
     def _install(self) -> bool:
         libraries: dict[str, torch.library.Library] = {}
@@ -166,13 +165,12 @@ class CollectiveInterceptor:
                     recorder.why_func, recorder.why_args = func, func_args
 
         self._redistribute_wrapper = staticmethod(redistribute_local_args)
+        self._dtensor_dispatcher = OpDispatcher
         self._original_redistribute = original
 
     def _uninstall(self) -> None:
         if self._original_redistribute is not None:
-            from torch.distributed.tensor._dispatch import OpDispatcher
-
-            OpDispatcher.redistribute_local_args = self._original_redistribute
+            self._dtensor_dispatcher.redistribute_local_args = self._original_redistribute
             self._original_redistribute = None
         libraries, self._libraries = self._libraries, []
         for library in libraries:

@@ -298,19 +298,22 @@ class GroupResolver:
         return facts
 
 
+def _unboxed(group: Any) -> Any:
+    if isinstance(group, torch.ScriptObject):  # c10d ops box the group
+        return torch.distributed.ProcessGroup.unbox(group)
+    return group
+
+
 def _group_key(group: Any) -> Any:
     try:
-        if isinstance(group, torch.ScriptObject):  # c10d ops box the group
-            group = torch.distributed.ProcessGroup.unbox(group)
-        return ("group", group.group_name)
+        return ("group", _unboxed(group).group_name)
     except Exception:
         return id(group)
 
 
 def _facts_of_group(group: Any) -> GroupFacts:
     try:
-        if isinstance(group, torch.ScriptObject):
-            group = torch.distributed.ProcessGroup.unbox(group)
+        group = _unboxed(group)
         name = str(getattr(group, "group_name", "") or "unknown")
         size = int(group.size())
         desc = str(getattr(group, "group_desc", "") or "")

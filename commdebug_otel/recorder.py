@@ -94,7 +94,7 @@ class Record:
 
 class _Step:
     __slots__ = ("index", "traced", "root", "records", "kind", "backward_done", "had_module",
-                 "trace_id", "hooks", "inference")
+                 "trace_id", "hooks", "inference", "quiet")
 
     def __init__(self, index: int, traced: bool, root: Record, kind: int) -> None:
         self.index = index
@@ -107,6 +107,9 @@ class _Step:
         self.trace_id = 0  # known up front for traced steps when span ids can be pre-assigned
         self.hooks: list[Any] = []  # multi-grad hook handles, removed when the step closes
         self.inference = False  # a top-level forward without grad: its own root, not a train_step
+        # Keeps nothing but metric points (untraced, no module label, no sink): its collectives
+        # take the short path in Recorder.collective().
+        self.quiet = False
 
 
 class Recorder:
@@ -129,9 +132,6 @@ class Recorder:
         self._groups = GroupResolver()
         self._seq: dict[str, int] = {}
         self._step: _Step | None = None
-        # The open step while it keeps nothing but metric points (untraced, no module label,
-        # no sink): its collectives take the short path in collective().
-        self._quiet_step: _Step | None = None
         self._outside: _Step | None = None
         self._next_step = 0
         self._next_inference = 0
@@ -179,7 +179,7 @@ class Recorder:
 
     def reset_after_fork(self) -> None:
         """A forked child starts with no open spans and learns its own rank."""
-        self._step = self._quiet_step = self._outside = None
+        self._step = self._outside = None
         self._after_traced = self._time_completions = True  # the child's own set-up
         self._fwd_stack = []
         self._open_bw = []
@@ -249,8 +249,7 @@ class Recorder:
             self.thread_id = threading.get_ident()
         if traced and self._exemplars_on():
             step.trace_id = self._trace_id(step) or random.getrandbits(128) or 1
-        if not (traced or self.sinks or self.settings.metric_module_depth):
-            self._quiet_step = step
+        step.quiet = not (traced or self.sinks or self.settings.metric_module_depth)
         self._tell_traced(traced)  # every opening: a mode left on by a close inside backward goes now
         self._want_why(traced)
         return step
@@ -308,7 +307,7 @@ class Recorder:
         step = self._step
         if step is None:
             return
-        self._step = self._quiet_step = None
+        self._step = None
         if step.inference:
             self._next_inference += 1
         else:
@@ -560,10 +559,10 @@ class Recorder:
             return
         seq = self._seq.get(group.name, 0)
         self._seq[group.name] = seq + 1
-        if self._quiet_step is not None:  # an untraced step: the hot path of always-on tracing
+        step = self._step
+        if step is not None and step.quiet:  # an untraced step: the hot path of always-on tracing
             self._count(spec, args, group, self._pass_by_depth(in_backward), duration_ns, out, start_ns)
             return
-        step = self._step
         if step is not None:
             quiet = not step.traced
         elif in_backward:

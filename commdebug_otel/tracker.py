@@ -66,15 +66,21 @@ class ModuleTracker:
         self._suspended = False  # global hooks off inside an unrecorded outermost call
 
     def install(self) -> None:
+        self._add_global_hooks()
+
+    def _add_global_hooks(self) -> None:
         self._suspended = False
         self._pre_handle = register_module_forward_pre_hook(self._pre_hook)
         self._early_post_handle = register_module_forward_hook(self._early_post_hook)
 
-    def remove(self) -> None:
+    def _remove_global_hooks(self) -> None:
         for handle in (self._early_post_handle, self._pre_handle):
             if handle is not None:
                 handle.remove()
         self._pre_handle = self._early_post_handle = None
+
+    def remove(self) -> None:
+        self._remove_global_hooks()
         self._suspended = False
         for handle in list(self._post_handles.values()):
             handle.remove()
@@ -141,19 +147,13 @@ class ModuleTracker:
         hooks back; the other modules' forward hooks go (the next recorded call
         registers them again).
         """
-        for handle in (self._early_post_handle, self._pre_handle):
-            handle.remove()
+        self._remove_global_hooks()
         self._suspended = True
         if len(self._post_handles) > 1:
             for module, handle in list(self._post_handles.items()):
                 if module is not outermost:
                     handle.remove()
                     del self._post_handles[module]
-
-    def _resume(self) -> None:
-        self._suspended = False
-        self._pre_handle = register_module_forward_pre_hook(self._pre_hook)
-        self._early_post_handle = register_module_forward_hook(self._early_post_hook)
 
     def _early_post_hook(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         """Global forward hooks run before the module's own: hook the raw outputs first.
@@ -197,7 +197,7 @@ class ModuleTracker:
             if entry_module is not module:
                 return
             if self._suspended and not calls:
-                self._resume()
+                self._add_global_hooks()
             recorder.module_post(module, record)
             if record is not None:
                 # The module's own hooks may have replaced the outputs (tensor parallel).
