@@ -181,8 +181,10 @@ class CollectiveMetrics:
         the SDK call is left to the worker (a hand-over per completion, waking the
         worker each time, cost more than the rest of an untraced collective).
         """
-        if len(self._completions) < MAX_PENDING_POINTS:
-            self._completions.append((op, pass_, group, rank, duration_s, fqn))
+        if len(self._completions) >= MAX_PENDING_POINTS:
+            self._on_dropped(semconv.DROPPED_KIND_METRIC, 1)
+            return
+        self._completions.append((op, pass_, group, rank, duration_s, fqn))
 
     def flush(self) -> None:
         """Have the worker record the pending points (at every step end, and every few hundred collectives)."""
