@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from commdebug_otel import perfetto, semconv, summary
+from commdebug_otel import semconv
+from commdebug_otel.offline import perfetto, summary
 from commdebug_otel.demo import format_counts
 from distributed import run_ranks
 
@@ -302,7 +303,7 @@ def test_no_spans_is_an_error(tmp_path, capsys):
 
 
 def test_a_cut_last_line_loses_only_that_line(tmp_path, capsys):
-    from commdebug_otel import summary
+    from commdebug_otel.offline import summary
 
     line = json.dumps({"resourceSpans": [{"resource": {"attributes": [
         {"key": "torch.distributed.rank", "value": {"intValue": "0"}}]}, "scopeSpans": [{"spans": [{

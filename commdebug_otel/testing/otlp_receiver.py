@@ -76,7 +76,7 @@ class ReceivedRequest:
     received_at: float = field(default_factory=time.time)  # unix seconds
 
 
-from commdebug_otel.otlp_json import (  # noqa: E402  (re-exported: part of this module's API)
+from commdebug_otel.offline.otlp_json import (  # noqa: E402  (re-exported: part of this module's API)
     _SIGNALS,
     decode_any_value,
     metric_dicts as _metric_dicts,

@@ -13,7 +13,7 @@ folders, and answers four questions without torch or a live job:
 
 Usage::
 
-    from commdebug_otel import summary
+    from commdebug_otel.offline import summary
 
     spans = summary.load_spans(["commdebug-otel-out/demo-20260101-120000"])
     counts = summary.module_counts(spans, rank=0)
@@ -39,7 +39,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from . import semconv
+from .. import semconv
 from .otlp_json import spans_from_otlp_json
 
 __all__ = [
@@ -116,7 +116,7 @@ def load_spans(paths: Iterable[str | os.PathLike]) -> list[dict[str, Any]]:
     Objects without ``resourceSpans`` (metrics, logs, other JSON) are skipped.
 
     Returns:
-        span dicts as :func:`commdebug_otel.testing.otlp_receiver.spans_from_otlp_json`
+        span dicts as :func:`commdebug_otel.offline.otlp_json.spans_from_otlp_json`
         makes them (``start_ns``/``end_ns``/event ``time_ns`` in ns since the Unix epoch,
         ids as lowercase hex), each with ``"rank"`` (int, the resource's
         ``torch.distributed.rank``, 0 when absent) and ``"file"`` added; sorted by

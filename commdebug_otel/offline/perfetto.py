@@ -17,7 +17,7 @@ Usage::
 
     commdebug-otel perfetto commdebug-otel-out/demo-20260101-120000 -o trace.json
 
-    from commdebug_otel import perfetto, summary
+    from commdebug_otel.offline import perfetto, summary
     trace = perfetto.chrome_trace(summary.load_spans(paths))
 
 Ranks share one time axis: on several hosts, clock skew shifts ranks against each other.
@@ -26,12 +26,12 @@ Ranks share one time axis: on several hosts, clock skew shifts ranks against eac
 from __future__ import annotations
 
 import argparse
-import sys
 import json
+import sys
 from collections import defaultdict
 from typing import Any
 
-from . import semconv
+from .. import semconv
 from .summary import load_for_command
 
 __all__ = ["add_arguments", "chrome_trace", "run", "write_chrome_trace"]
@@ -51,7 +51,7 @@ def _category(span: dict) -> str:
 
 
 def chrome_trace(spans: list[dict[str, Any]]) -> dict[str, Any]:
-    """Chrome trace-event JSON for spans from :func:`commdebug_otel.summary.load_spans`.
+    """Chrome trace-event JSON for spans from :func:`commdebug_otel.offline.summary.load_spans`.
 
     Returns:
         ``{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {"origin_unix_ns": int}}``;

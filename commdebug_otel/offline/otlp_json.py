@@ -1,7 +1,7 @@
 """OTLP-JSON (the OTel file exporter's format) and OTLP protobuf requests as plain span and metric dicts.
 
-Used by the offline views (``summary.py``, ``perfetto.py``) and by the test
-receiver. OTLP/JSON writes trace and span ids as hex, not base64 as
+Used by the offline views (``summary``, ``perfetto``) and by the test receiver
+(``commdebug_otel.testing.otlp_receiver`` re-exports the public names). OTLP/JSON writes trace and span ids as hex, not base64 as
 protobuf's generic JSON mapping does, and 64-bit integers as strings.
 """
 
@@ -24,8 +24,6 @@ _SIGNALS = {
     "metrics": (_mpb.ExportMetricsServiceRequest, _mpb.ExportMetricsServiceResponse),
 }
 _HEX_ID_KEYS = ("traceId", "spanId", "parentSpanId")
-
-
 
 
 def decode_any_value(any_value: Any) -> Any:
@@ -54,6 +52,7 @@ def _scoped_items(resources: Any, scopes_field: str, items_field: str) -> Iterat
 
 
 def span_dicts(req: Any, transport: str) -> list[dict[str, Any]]:
+    """Span dicts from an ``ExportTraceServiceRequest``; ids as lowercase hex, times in ns since the epoch."""
     out = []
     for resource, scope, s in _scoped_items(req.resource_spans, "scope_spans", "spans"):
         out.append({
@@ -108,6 +107,7 @@ def _point_dicts(metric: Any) -> list[dict[str, Any]]:
 
 
 def metric_dicts(req: Any, transport: str) -> list[dict[str, Any]]:
+    """One dict per data point of an ``ExportMetricsServiceRequest``, with its metric's name and unit."""
     out = []
     for resource, scope, m in _scoped_items(req.resource_metrics, "scope_metrics", "metrics"):
         for d in _point_dicts(m):
@@ -130,6 +130,11 @@ def _hex_ids_to_base64(obj: Any) -> Any:
 
 
 def parse_otlp_json(obj: dict | str | bytes, signal: str) -> Any:
+    """One OTLP-JSON object (or its text) as the ``signal`` ("traces"/"metrics") export request.
+
+    Raises:
+        json.JSONDecodeError, google.protobuf.json_format.ParseError: not OTLP-JSON.
+    """
     if isinstance(obj, (str, bytes)):
         obj = json.loads(obj)
     msg = _SIGNALS[signal][0]()
@@ -145,5 +150,3 @@ def metrics_from_otlp_json(obj: dict | str | bytes) -> list[dict[str, Any]]:
     """Data-point dicts (as ``OtlpReceiver.metrics()``, transport "file") from one OTLP-JSON object/line."""
     return metric_dicts(parse_otlp_json(obj, "metrics"), "file")
 
-
-# ---------------------------------------------------------------- transports

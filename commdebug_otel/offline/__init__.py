@@ -1,0 +1,22 @@
+"""Offline views of exported telemetry: read OTLP-JSON files without torch or a live job.
+
+Usage::
+
+    from commdebug_otel.offline import perfetto, summary
+
+    spans = summary.load_spans(["commdebug-otel-out/run-20261130-111620-a81b07d2"])
+    print(summary.format_report(spans, rank=0))      # ``commdebug-otel summarize``
+    perfetto.write_chrome_trace(spans, "trace.json")  # ``commdebug-otel perfetto``
+
+Modules:
+
+* :mod:`.otlp_json`: OTLP-JSON lines and OTLP protobuf requests as plain span and metric dicts;
+* :mod:`.summary`: per-module collective counts (torch ``CommDebugMode``'s table and JSON tree,
+  rendered by :mod:`commdebug_otel.report`), per-rank totals, stragglers, top collectives;
+* :mod:`.perfetto`: Chrome trace-event JSON for https://ui.perfetto.dev.
+
+Nothing here imports torch, the OTel SDK or the live tracer; importing this
+package imports none of its modules.
+"""
+
+__all__ = ["otlp_json", "perfetto", "summary"]
