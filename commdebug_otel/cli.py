@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="what becomes a span event (default collectives)")
     _add_run(commands)
     for name, module_name, help_text in (
-            ("summarize", "offline.summary", "per-module collective tables, rank totals and stragglers from OTLP-JSON files"),
+            ("summarize", "offline.summary",
+             "per-module collective tables, rank totals and stragglers from OTLP-JSON files"),
             ("perfetto", "offline.perfetto", "convert OTLP-JSON files to a Chrome/Perfetto trace")):
         module = _optional_module(module_name)
         if module is not None:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -44,17 +43,18 @@ import torch
 from . import semconv
 from .config import Detail, Settings
 from .instrumentation import CommTracer
-from .mode import TRIVIAL_OPS
 from .ops import CollectiveSpec
 from .recorder import Record, _descends_from
-
-GLOBAL = "Global"
-
-_ANSI_ESCAPE = re.compile(r"\x1B\[[0-?]*[ -/]*[@-~]")
-_YELLOW, _RED, _RESET = "\033[1;33m", "\033[1;31m", "\033[0m"
-# Report sections: (table title, pass key of the operation lists and collective counts).
-_SECTIONS = (("FORWARD PASS", "forward"), ("BACKWARD PASS", "backward"),
-             ("ACTIVATION CHECKPOINTING", "checkpointing"))
+from .report import (
+    GLOBAL,
+    CommReport,
+    Operation,
+    dtensor_inputs,
+    module_chain,
+    op_listed,
+    render_json,
+    render_table,
+)
 
 
 def _legacy_packets() -> dict[Any, Any]:
@@ -73,53 +73,26 @@ def _legacy_packets() -> dict[Any, Any]:
     return mapping
 
 
-def _module_chain(owner: Record | None) -> list[str]:
-    """The owner's FQN, then the FQNs of the modules running around it in forward."""
-    chain: list[str] = []
-    record = owner
-    while record is not None and record.fqn:
-        if record.pass_ == semconv.PASS_BACKWARD:
-            chain.append(record.fqn)
-            record = record.fwd.parent if record.fwd is not None else None
-            continue
-        chain.append(record.fqn)
-        record = record.parent
-    return chain
+def _record_fqn(record: Record) -> str:
+    return record.fqn
+
+
+def _record_parent(record: Record) -> Record | None:
+    """The record around ``record`` in forward terms: a backward record's is its forward call's parent."""
+    if record.pass_ == semconv.PASS_BACKWARD:
+        return record.fwd.parent if record.fwd is not None else None
+    return record.parent
 
 
 def _event_filter(detail: Detail) -> Callable[[Any, bool], bool] | None:
-    """Which ops become span events at ``detail`` (the dispatch mode's own rule), None for all."""
+    """Which ops become span events at ``detail`` (:func:`~commdebug_otel.report.op_listed`), None for all."""
     if detail >= Detail.ALL:
         return None
 
     def wanted(func: Any, is_dtensor: bool) -> bool:
-        if detail < Detail.DTENSOR or (detail < Detail.OPS and not is_dtensor):
-            return False
-        return str(func) not in TRIVIAL_OPS
+        return op_listed(detail, str(func), is_dtensor)
 
     return wanted
-
-
-def _noise(noise_level: int) -> tuple[bool, bool, bool, bool]:
-    """torch's noise levels: (DTensor ops, module data, all ops, trivial ops)."""
-    return noise_level > 0, noise_level > 0, noise_level > 1, noise_level > 2
-
-
-def _shown_ops(operations: list[dict], noise_level: int) -> list[dict]:
-    """The operations a report lists at ``noise_level`` (torch's filters)."""
-    dtensor_ops, _, all_ops, trivial_ops = _noise(noise_level)
-    if not dtensor_ops:
-        return []
-    return [op for op in operations if trivial_ops or (
-        op["name"] not in TRIVIAL_OPS and (all_ops or len(op["input_shape"])))]
-
-
-def _by_section(operations: list[dict]) -> dict[str, list[dict]]:
-    return {
-        "forward": [op for op in operations if not op["is_bw"]],
-        "backward": [op for op in operations if op["is_bw"] and not op["is_activation_checkpointing"]],
-        "checkpointing": [op for op in operations if op["is_activation_checkpointing"]],
-    }
 
 
 class CommDebugMode:
@@ -137,7 +110,8 @@ class CommDebugMode:
         comm_counts: ``{op packet: count}``; native functional ops are keyed by
             their legacy ``torch.ops.c10d_functional`` packet, as torch does.
         comm_module_counts: ``{fqn: {"forward": {packet: n}, "backward": {packet: n}}}``,
-            counts including descendants, plus ``"Global"`` for everything.
+            counts including descendants, plus ``"Global"`` for everything
+            (the :attr:`report`'s ``collectives``).
 
     Example::
 
@@ -158,14 +132,11 @@ class CommDebugMode:
         self._tracer: CommTracer | None = None
         self._legacy = _legacy_packets()
         self.comm_counts: dict[Any, int] = defaultdict(int)
-        self.comm_module_counts: dict[str, dict[str, dict[Any, int]]] = {}
+        # The reports' model; recompute counts as backward, in torch's packet order.
+        self._report = CommReport()
+        self.comm_module_counts: dict[str, dict[str, dict[Any, int]]] = self._report.collectives
         self._parameters: dict[str, dict[str, torch.Tensor]] = {}
         self._sharding: dict[str, Any] = {}
-        # Per module, in first-forward order: module type, depth (Global 0, root 1), DTensor
-        # parameters' placements (strings); its forward children; its operations in order.
-        self._modules: dict[str, dict[str, Any]] = {}
-        self._children: dict[str, list[str]] = {}
-        self._operations: dict[str, list[dict[str, Any]]] = {}
         self._last_bw: Record | None = None  # torch's backward "current module" (see _op_owner)
         self._in_hook = False  # our own hooks' ops (param.data detaches) are not the model's
 
@@ -173,17 +144,27 @@ class CommDebugMode:
     def tracer(self) -> CommTracer | None:
         return self._tracer
 
-    def __enter__(self) -> CommDebugMode:
+    @property
+    def report(self) -> CommReport:
+        """The model the reports render (:mod:`commdebug_otel.report`): modules in first-forward order,
+        counts, operations. Filled while the mode is entered; emptied on the next ``__enter__``."""
+        return self._report
+
+    @property
+    def _modules(self) -> dict[str, Any]:
+        # demo.py orders its rows by this until it reads report.modules (same keys, same order).
+        return self._report.modules
+
+    def _reset(self) -> None:
+        """Forget the last recording (containers emptied in place: references stay valid)."""
         self.comm_counts.clear()
-        self.comm_module_counts.clear()
+        self._report.reset()
         self._parameters.clear()
         self._sharding.clear()
-        self._modules.clear()
-        self._modules[GLOBAL] = {"depth": 0}
-        self._children.clear()
-        self._operations.clear()
         self._last_bw = None
-        self._module_counts(GLOBAL)
+
+    def __enter__(self) -> CommDebugMode:
+        self._reset()
         settings = self._settings if self._settings is not None else Settings.from_env()
         # The reports need every op (as torch records them); span events keep settings.detail.
         self._tracer = CommTracer(dataclasses.replace(settings, detail=Detail.ALL),
@@ -200,20 +181,11 @@ class CommDebugMode:
         if self._tracer is not None:
             self._tracer.stop()
 
-    def _module_counts(self, fqn: str) -> dict[str, dict[Any, int]]:
-        counts = self.comm_module_counts.get(fqn)
-        if counts is None:
-            counts = self.comm_module_counts[fqn] = {
-                "forward": defaultdict(int), "backward": defaultdict(int)}
-        return counts
-
     def _count(self, spec: CollectiveSpec, owner: Record | None, pass_: str) -> None:
         packet = getattr(getattr(torch.ops, spec.namespace), spec.packet_name)
         packet = self._legacy.get(packet, packet)
         self.comm_counts[packet] += 1
-        key = "forward" if pass_ == semconv.PASS_FORWARD or pass_ == "none" else "backward"
-        for fqn in (*_module_chain(owner), GLOBAL):
-            self._module_counts(fqn)[key][packet] += 1
+        self._report.count_collective(packet, pass_, module_chain(owner, _record_fqn, _record_parent))
         self._add_op(spec.overload_name, [], [], None, owner)
 
     def _note_module(self, module: torch.nn.Module, fqn: str) -> None:
@@ -233,31 +205,20 @@ class CommDebugMode:
         # Called before the module's record is pushed: the top of the stack is its caller.
         stack = self._tracer.recorder._fwd_stack
         parent = stack[-1].fqn if stack else GLOBAL
-        info: dict[str, Any] = {
-            "module_type": str(type(module)).replace("<", "").replace(">", ""),
-            "depth": len(stack) + 1,
-        }
-        placements = {name: str(param.data.placements)
-                      for name, param in module.named_parameters(recurse=False)
-                      if hasattr(param.data, "placements")}
-        if placements:
-            info["parameters"] = placements
-        self._modules.setdefault(fqn, info)
-        self._children.setdefault(parent, []).append(fqn)
+        self._report.add_module(
+            fqn, parent, depth=len(stack) + 1,
+            module_type=str(type(module)).replace("<", "").replace(">", ""),  # "class 'pkg.Class'"
+            parameters=[(name, str(param.data.placements))
+                        for name, param in module.named_parameters(recurse=False)
+                        if hasattr(param.data, "placements")])
 
     def _note_op(self, func: Any, args: tuple, is_dtensor: bool, owner: Record | None) -> None:
         if self._in_hook:
             return
-        shapes: list[Any] = []
-        placements: list[Any] = []
-        mesh = None
         if is_dtensor:
-            for arg in args:
-                if hasattr(arg, "placements") and hasattr(arg, "device_mesh"):
-                    shapes.append(arg.shape)
-                    placements.append(arg.placements)
-                    mesh = arg.device_mesh
-        self._add_op(str(func), shapes, placements, mesh, owner)
+            self._add_op(str(func), *dtensor_inputs(args), owner)
+        else:
+            self._add_op(str(func), [], [], None, owner)
 
     def _op_owner(self, owner: Record | None) -> Record | None:
         """The record an op is listed under: torch's rule, which differs from ours in backward.
@@ -286,18 +247,10 @@ class CommDebugMode:
                 owner: Record | None) -> None:
         owner = self._op_owner(owner)
         fqn = owner.fqn if owner is not None and owner.fqn else GLOBAL
-        ops = self._operations.get(fqn)
-        if ops is None:
-            ops = self._operations[fqn] = []
-        ops.append({
-            "name": name,
-            "input_shape": shapes,
-            "input_sharding": placements,
-            "device_mesh": mesh,  # made a string when reported
-            "is_bw": torch._C._current_graph_task_id() != -1,
-            "is_activation_checkpointing": owner is not None
-            and owner.pass_ == semconv.PASS_RECOMPUTE,
-        })
+        self._report.add_operation(fqn, Operation(
+            name, shapes, placements, mesh,  # the mesh is made a string when reported
+            is_bw=torch._C._current_graph_task_id() != -1,
+            is_activation_checkpointing=owner is not None and owner.pass_ == semconv.PASS_RECOMPUTE))
 
     def get_total_counts(self) -> int:
         """Total collectives counted."""
@@ -316,19 +269,6 @@ class CommDebugMode:
         return self._sharding
 
     # ------------------------------------------------------------- reports
-    def _sections(self, fqn: str, noise_level: int) -> list[tuple[str, dict[Any, int], list[dict], bool]]:
-        """(title, collective counts, operations shown, any operation) per section.
-
-        torch's table heads a section when the module ran any operation in it
-        (noise >= 1), even if none of them is shown at that noise level.
-        """
-        counts = self.comm_module_counts.get(fqn, {})
-        operations = self._operations.get(fqn, []) if _noise(noise_level)[0] else []
-        shown = _by_section(_shown_ops(operations, noise_level))
-        ran = _by_section(operations)
-        return [(title, counts.get(key, {}) if key != "checkpointing" else {}, shown[key],
-                 bool(ran[key])) for title, key in _SECTIONS]
-
     def generate_comm_debug_tracing_table(self, noise_level: int = 3) -> str:
         """torch's tracing table, ANSI colours included: one block per module, first-forward order.
 
@@ -343,74 +283,17 @@ class CommDebugMode:
             The table, one ``\\n``-terminated line per row; indentation is
             four spaces per module depth (``Global`` 0, the root module 1).
         """
-        _, module_data, _, _ = _noise(noise_level)
-        lines: list[str] = []
-        for fqn, info in self._modules.items():
-            indent = "  " * (2 * info["depth"])
-            lines.append(f"{indent}{fqn}\n")
-            if module_data:
-                if "module_type" in info:
-                    lines.append(f"{indent}*module type: {info['module_type']}\n")
-                if "parameters" in info:
-                    lines.append(f"{indent}*Parameter List\n")
-                    lines.extend(f"{indent} *{name}: {placement}\n"
-                                 for name, placement in info["parameters"].items())
-            collective_indent = indent + "    "
-            operation_indent = indent + "      "
-            for title, collectives, ops, ran in self._sections(fqn, noise_level):
-                if not collectives and not ran:
-                    continue
-                lines.append(f"{indent}  {title}\n")
-                lines.extend(f"{_YELLOW}{collective_indent}*{collective}: {count}{_RESET}\n"
-                             for collective, count in collectives.items())
-                for op in ops:
-                    lines.append(f"{_YELLOW}{collective_indent}**{op['name']}{_RESET}\n")
-                    if op["input_shape"]:
-                        lines.append(f"{_RED}{operation_indent}shape: {op['input_shape']}{_RESET}\n")
-                        lines.append(
-                            f"{_RED}{operation_indent}sharding: {op['input_sharding']}{_RESET}\n")
-                        lines.append(f"{_RED}{operation_indent}device mesh: "
-                                     f"{_mesh_text(op['device_mesh'])}{_RESET}\n")
-        return "".join(lines)
+        return render_table(self._report, noise_level)
 
     def log_comm_debug_tracing_table_to_file(self, file_name: str = "comm_mode_log.txt",
                                              noise_level: int = 3) -> None:
         """Write :meth:`generate_comm_debug_tracing_table` to ``file_name`` without ANSI colours."""
-        table = _ANSI_ESCAPE.sub("", self.generate_comm_debug_tracing_table(noise_level))
         with open(file_name, "w") as log_file:
-            log_file.write(table)
+            log_file.write(render_table(self._report, noise_level, colour=False))
 
     def comm_debug_json(self, noise_level: int = 3) -> dict[str, Any]:
-        """The tree :meth:`generate_json_dump` writes, as a dict (tuples as lists, as JSON has them).
-
-        Each node: ``fqn``, ``module_type`` (``"class 'pkg.Class'"``, noise >= 1),
-        ``parameters`` (``[name, placements]`` per DTensor parameter, noise >= 1),
-        ``children`` (nodes, first-forward order), ``collectives_forward`` /
-        ``collectives_backward`` (``[packet, count]``, submodules included),
-        ``operations_forward`` / ``operations_backward`` / ``operations_checkpointing``
-        (``name``, ``input_shape``, ``input_sharding`` (strings), ``device_mesh``,
-        ``is_bw``, ``is_activation_checkpointing``).
-        """
-        _, module_data, _, _ = _noise(noise_level)
-
-        def node(fqn: str) -> dict[str, Any]:
-            info = self._modules.get(fqn, {})
-            out: dict[str, Any] = {
-                "fqn": fqn,
-                "module_type": info.get("module_type", "") if module_data else "",
-                "parameters": [[name, placement] for name, placement
-                               in info.get("parameters", {}).items()] if module_data else [],
-                "children": [],
-            }
-            sections = self._sections(fqn, noise_level)
-            for (_, collectives, _, _), key in zip(sections[:2], ("forward", "backward")):
-                out[f"collectives_{key}"] = [[str(c), n] for c, n in collectives.items()]
-            for (_, _, ops, _), key in zip(sections, ("forward", "backward", "checkpointing")):
-                out[f"operations_{key}"] = [_op_json(op) for op in ops]
-            out["children"] = [node(child) for child in self._children.get(fqn, [])]
-            return out
-
-        return node(GLOBAL)
+        """The tree :meth:`generate_json_dump` writes, as a dict (see :func:`commdebug_otel.report.render_json`)."""
+        return render_json(self._report, noise_level)
 
     def generate_json_dump(self, file_name: str = "comm_mode_log.json", noise_level: int = 3) -> None:
         """Write :meth:`comm_debug_json` to ``file_name`` (torch's browser-visual JSON, indent 4)."""
@@ -420,17 +303,3 @@ class CommDebugMode:
     def __repr__(self) -> str:
         return f"CommDebugMode(get_total_counts()={self.get_total_counts()})"
 
-
-def _mesh_text(mesh: Any) -> str:
-    return "" if mesh is None else str(mesh)
-
-
-def _op_json(op: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "name": op["name"],
-        "input_shape": [str(shape) for shape in op["input_shape"]],
-        "input_sharding": [str(placement) for placement in op["input_sharding"]],
-        "device_mesh": _mesh_text(op["device_mesh"]),
-        "is_bw": op["is_bw"],
-        "is_activation_checkpointing": op["is_activation_checkpointing"],
-    }

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from commdebug_otel import semconv
-from commdebug_otel.offline import perfetto, summary
 from commdebug_otel.demo import format_counts
+from commdebug_otel.offline import perfetto, summary
 from distributed import run_ranks
 
 _STEPS = 2

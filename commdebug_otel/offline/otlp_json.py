@@ -1,7 +1,8 @@
 """OTLP-JSON (the OTel file exporter's format) and OTLP protobuf requests as plain span and metric dicts.
 
-Used by the offline views (``summary``, ``perfetto``) and by the test receiver
-(``commdebug_otel.testing.otlp_receiver`` re-exports the public names). OTLP/JSON writes trace and span ids as hex, not base64 as
+Used by the offline views (``summary``, ``perfetto``) and by the test
+receiver (``commdebug_otel.testing.otlp_receiver`` re-exports the public
+names). OTLP/JSON writes trace and span ids as hex, not base64 as
 protobuf's generic JSON mapping does, and 64-bit integers as strings.
 """
 

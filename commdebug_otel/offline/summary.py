@@ -40,6 +40,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from .. import semconv
+from ..report import GLOBAL, CommReport, Operation, module_chain, render_json, render_table
 from .otlp_json import spans_from_otlp_json
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "add_arguments",
     "collective_events",
     "comm_debug_json",
+    "comm_report",
     "format_report",
     "format_table",
     "load_spans",
@@ -60,7 +62,6 @@ __all__ = [
     "trace_files",
 ]
 
-GLOBAL = "Global"
 _FORWARD, _BACKWARD, _RECOMPUTE = semconv.PASS_FORWARD, semconv.PASS_BACKWARD, semconv.PASS_RECOMPUTE
 _LEGACY_FUNCTIONAL = semconv.LEGACY_FUNCTIONAL_PACKETS
 _SUFFIXES = (".jsonl", ".json")
@@ -197,19 +198,23 @@ def collective_events(spans: list[dict], rank: int | None = None) -> list[dict[s
 
 
 def _event_pass(event: dict) -> str:
-    value = event["attributes"].get(semconv.MODULE_PASS) or event["span"]["attributes"].get(
+    """The ``torch.module.pass`` of a collective: the event's own, else its span's (forward if neither)."""
+    return event["attributes"].get(semconv.MODULE_PASS) or event["span"]["attributes"].get(
         semconv.MODULE_PASS, _FORWARD)
-    return value if value in (_BACKWARD, _RECOMPUTE) else _FORWARD  # "none": set-up, as forward
 
 
-def _module_chain(span: dict, index: dict[tuple, dict]) -> list[str]:
-    """The span's FQN and its ancestor module spans' FQNs (stops at the first non-module span)."""
-    chain = []
-    current: dict | None = span
-    while current is not None and _fqn(current) is not None:
-        chain.append(_fqn(current))
-        current = _parent(current, index)
-    return chain
+def _count_collectives(report: CommReport, spans: list[dict], rank: int, index: dict[tuple, dict]) -> None:
+    """Count ``rank``'s collectives into ``report`` for their span's module and its enclosing module spans."""
+    def parent(span: dict) -> dict | None:
+        return _parent(span, index)
+
+    for event in collective_events(spans, rank):
+        packet = packet_name(event["attributes"].get(semconv.OP_NAME, event["name"]))
+        report.count_collective(packet, _event_pass(event), module_chain(event["span"], _fqn, parent))
+
+
+def _plain(counts: dict[str, dict[str, dict[str, int]]]) -> dict[str, dict[str, dict[str, int]]]:
+    return {fqn: {key: dict(packets) for key, packets in by_pass.items()} for fqn, by_pass in counts.items()}
 
 
 def module_pass_counts(spans: list[dict], rank: int = 0) -> dict[str, dict[str, dict[str, int]]]:
@@ -223,20 +228,10 @@ def module_pass_counts(spans: list[dict], rank: int = 0) -> dict[str, dict[str, 
         ``none``) count as forward, as CommDebugMode does. Keys are in the order
         modules first issued a collective (``"Global"`` first).
     """
-    index = _index([span for span in spans if span["rank"] == rank])
-    counts: dict[str, dict[str, dict[str, int]]] = {GLOBAL: _empty(True)}
-    for event in collective_events(spans, rank):
-        packet = packet_name(event["attributes"].get(semconv.OP_NAME, event["name"]))
-        key = _event_pass(event)
-        for fqn in (*_module_chain(event["span"], index), GLOBAL):
-            by_pass = counts.setdefault(fqn, _empty(True))
-            by_pass[key][packet] = by_pass[key].get(packet, 0) + 1
-    return counts
-
-
-def _empty(recompute: bool) -> dict[str, dict[str, int]]:
-    keys = (_FORWARD, _BACKWARD, _RECOMPUTE) if recompute else (_FORWARD, _BACKWARD)
-    return {key: {} for key in keys}
+    report = CommReport(recompute_apart=True)
+    report.reset()
+    _count_collectives(report, spans, rank, _index([span for span in spans if span["rank"] == rank]))
+    return _plain(report.collectives)
 
 
 def module_counts(spans: list[dict], rank: int = 0) -> dict[str, dict[str, dict[str, int]]]:
@@ -256,12 +251,14 @@ def module_counts(spans: list[dict], rank: int = 0) -> dict[str, dict[str, dict[
     return out
 
 
-def _module_order(spans: list[dict], rank: int) -> tuple[list[str], dict[str, int], dict[str, str]]:
-    """FQNs in first-forward order, their call depth (Global = 0, root module = 1), their forward parent."""
-    index = _index([span for span in spans if span["rank"] == rank])
+def _module_order(spans: list[dict], index: dict[tuple, dict]) -> tuple[list[str], dict[str, int], dict[str, str]]:
+    """FQNs in first-forward order, their call depth (Global = 0, root module = 1), their forward parent.
+
+    ``spans``: one rank's.
+    """
     order: dict[str, int] = {GLOBAL: 0}
     parents: dict[str, str] = {}
-    module_spans = sorted((span for span in spans if span["rank"] == rank and _fqn(span)),
+    module_spans = sorted((span for span in spans if _fqn(span)),
                           key=lambda span: (span["attributes"].get(semconv.MODULE_PASS) != _FORWARD,
                                             span["start_ns"]))
     for span in module_spans:  # forward spans first: a parent comes before its children
@@ -274,101 +271,87 @@ def _module_order(spans: list[dict], rank: int) -> tuple[list[str], dict[str, in
     return list(order), order, parents
 
 
+def comm_report(spans: list[dict], rank: int = 0) -> CommReport:
+    """CommDebugMode's report model (:class:`commdebug_otel.report.CommReport`) for ``rank``, from spans alone.
+
+    Modules in first-forward order with their call depth, forward parent,
+    type and DTensor parameters (span attributes); collective counts with
+    recompute apart; each module span's op events (detail ``dtensor`` and
+    above) as its operations, those of ``train_step`` / ``outside_step``
+    under ``"Global"``. A module called several times is listed once.
+    """
+    rank_spans = [span for span in spans if span["rank"] == rank]
+    index = _index(rank_spans)
+    report = CommReport(recompute_apart=True)
+    report.reset()
+    _count_collectives(report, rank_spans, rank, index)
+    module_type: dict[str, str] = {}
+    parameters: dict[str, list[tuple[str, str]]] = {}
+    for span in rank_spans:
+        fqn = _fqn(span) or GLOBAL
+        attrs = span["attributes"]
+        if semconv.MODULE_TYPE in attrs:
+            module_type.setdefault(fqn, f"class '{attrs[semconv.MODULE_TYPE]}'")  # as torch writes it
+        if semconv.MODULE_PARAMETERS in attrs and fqn not in parameters:
+            parameters[fqn] = [p for p in map(_parameter_placement, attrs[semconv.MODULE_PARAMETERS]) if p]
+        for event in span["events"]:
+            if semconv.COLLECTIVE_OP not in event["attributes"]:
+                report.add_operation(fqn, _operation(event, attrs.get(semconv.MODULE_PASS)))
+    fqns, depth, parents = _module_order(rank_spans, index)
+    for fqn in fqns[1:]:
+        report.add_module(fqn, parents.get(fqn, GLOBAL), depth[fqn], module_type.get(fqn, ""),
+                          parameters.get(fqn, ()))
+    return report
+
+
 def format_table(spans: list[dict], rank: int = 0) -> str:
     """CommDebugMode's tracing table (``generate_comm_debug_tracing_table(0)``) for ``rank``.
 
-    Same layout and counts (including submodules), without colours, listing
-    only modules that issued collectives, and with recompute collectives under
-    ``ACTIVATION CHECKPOINTING`` instead of inside ``BACKWARD PASS``.
+    Same layout and counts (including submodules), without colours or a final
+    newline, listing only modules that issued collectives, and with recompute
+    collectives under ``ACTIVATION CHECKPOINTING`` instead of inside ``BACKWARD PASS``.
     """
-    counts = module_pass_counts(spans, rank)
-    fqns, depth, _ = _module_order(spans, rank)
-    lines = []
-    for fqn in fqns + [fqn for fqn in counts if fqn not in depth]:
-        by_pass = counts.get(fqn)
-        if by_pass is None or not any(by_pass.values()):
-            continue
-        indent = "  " * (2 * depth.get(fqn, 1))
-        lines.append(f"{indent}{fqn}")
-        for key, title in ((_FORWARD, "FORWARD PASS"), (_BACKWARD, "BACKWARD PASS"),
-                           (_RECOMPUTE, "ACTIVATION CHECKPOINTING")):
-            if by_pass[key]:
-                lines.append(f"{indent}  {title}")
-                lines.extend(f"{indent}    *{packet}: {n}" for packet, n in by_pass[key].items())
-    return "\n".join(lines)
+    table = render_table(comm_report(spans, rank), noise_level=0, colour=False,
+                         collective_modules_only=True)
+    return table.removesuffix("\n")
 
 
 def comm_debug_json(spans: list[dict], rank: int = 0) -> dict[str, Any]:
     """CommDebugMode's ``generate_json_dump`` tree for ``rank``, as a dict.
 
-    Each node: ``fqn``, ``module_type`` (``"class 'pkg.Class'"``, as torch
-    writes it), ``parameters`` (``[name, placements]`` for DTensor
-    parameters), ``children`` (nodes, in forward order; a module called several
-    times is listed once, unlike torch), ``collectives_forward`` /
-    ``collectives_backward`` (``[packet, count]``, including submodules),
-    ``operations_forward`` / ``operations_backward`` /
-    ``operations_checkpointing`` (op events of that module only, present at
-    detail ``dtensor`` and above: ``name``, ``input_shape``,
-    ``input_sharding``, ``device_mesh``, ``is_bw``,
+    As :func:`commdebug_otel.report.render_json` at noise level 3 (the files
+    hold the ops their detail level let through): ``fqn``, ``module_type``,
+    ``parameters`` (``[name, placements]`` for DTensor parameters),
+    ``children`` (nodes, in forward order; a module called several times is
+    listed once, unlike torch), ``collectives_forward`` /
+    ``collectives_backward`` (``[packet, count]``, including submodules;
+    recompute counts as backward), ``operations_forward`` /
+    ``operations_backward`` / ``operations_checkpointing`` (op events of that
+    module only, present at detail ``dtensor`` and above: ``name``,
+    ``input_shape``, ``input_sharding``, ``device_mesh``, ``is_bw``,
     ``is_activation_checkpointing``).
     """
-    rank_spans = [span for span in spans if span["rank"] == rank]
-    counts = module_counts(rank_spans, rank)
-    fqns, _, parents = _module_order(rank_spans, rank)
-    children: dict[str, list[str]] = defaultdict(list)
-    for fqn in fqns[1:]:
-        children[parents.get(fqn, GLOBAL)].append(fqn)
-    module_type: dict[str, str] = {}
-    parameters: dict[str, list[list[str]]] = {}
-    operations: dict[str, list[dict]] = defaultdict(list)
-    for span in rank_spans:
-        fqn = _fqn(span) or GLOBAL
-        attrs = span["attributes"]
-        if semconv.MODULE_TYPE in attrs:
-            module_type.setdefault(fqn, f"class '{attrs[semconv.MODULE_TYPE]}'")
-        if semconv.MODULE_PARAMETERS in attrs and fqn not in parameters:
-            parameters[fqn] = [p for p in map(_parameter_placement, attrs[semconv.MODULE_PARAMETERS]) if p]
-        for event in span["events"]:
-            if semconv.COLLECTIVE_OP not in event["attributes"]:
-                operations[fqn].append(_operation(event, attrs.get(semconv.MODULE_PASS)))
-
-    def node(fqn: str) -> dict[str, Any]:
-        ops = operations.get(fqn, [])
-        by_pass = counts.get(fqn, _empty(False))
-        return {
-            "fqn": fqn,
-            "module_type": module_type.get(fqn, ""),
-            "parameters": parameters.get(fqn, []),
-            "children": [node(child) for child in children.get(fqn, [])],
-            "collectives_forward": [[packet, n] for packet, n in by_pass[_FORWARD].items()],
-            "collectives_backward": [[packet, n] for packet, n in by_pass[_BACKWARD].items()],
-            "operations_forward": [op for op in ops if not op["is_bw"]],
-            "operations_backward": [op for op in ops
-                                    if op["is_bw"] and not op["is_activation_checkpointing"]],
-            "operations_checkpointing": [op for op in ops if op["is_activation_checkpointing"]],
-        }
-
-    return node(GLOBAL)
+    return render_json(comm_report(spans, rank), noise_level=3)
 
 
-def _parameter_placement(text: str) -> list[str] | None:
-    """``"weight [64, 64] (Shard(dim=0),)"`` -> ``["weight", "(Shard(dim=0),)"]``; None if not a DTensor."""
+def _parameter_placement(text: str) -> tuple[str, str] | None:
+    """``"weight [64, 64] (Shard(dim=0),)"`` -> ``("weight", "(Shard(dim=0),)")``; None if not a DTensor."""
     name, _, rest = text.partition(" ")
     _, _, placements = rest.partition("] ")
-    return [name, placements] if placements else None
+    return (name, placements) if placements else None
 
 
-def _operation(event: dict, span_pass: str | None) -> dict[str, Any]:
+def _operation(event: dict, span_pass: str | None) -> Operation:
     attrs = event["attributes"]
     pass_ = attrs.get(semconv.MODULE_PASS, span_pass)
-    return {
-        "name": attrs.get(semconv.OP_NAME, event["name"]),
-        "input_shape": list(attrs.get(semconv.DTENSOR_INPUT_SHAPES, [])),
-        "input_sharding": list(attrs.get(semconv.DTENSOR_INPUT_PLACEMENTS, [])),
-        "device_mesh": attrs.get(semconv.DEVICE_MESH, ""),
-        "is_bw": pass_ in (_BACKWARD, _RECOMPUTE),
-        "is_activation_checkpointing": pass_ == _RECOMPUTE,
-    }
+    return Operation(
+        name=attrs.get(semconv.OP_NAME, event["name"]),
+        input_shape=list(attrs.get(semconv.DTENSOR_INPUT_SHAPES, [])),
+        input_sharding=list(attrs.get(semconv.DTENSOR_INPUT_PLACEMENTS, [])),
+        device_mesh=attrs.get(semconv.DEVICE_MESH),
+        is_bw=pass_ in (_BACKWARD, _RECOMPUTE),
+        is_activation_checkpointing=pass_ == _RECOMPUTE,
+    )
 
 
 # ---------------------------------------------------------------- across ranks
@@ -464,7 +447,7 @@ def top_collectives(spans: list[dict], rank: int = 0, limit: int = 10) -> list[d
 def _columns(rows: list[tuple]) -> list[str]:
     cells = [[str(cell) for cell in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
-    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in cells]
+    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in cells]
 
 
 def _human_bytes(n: float) -> str:
@@ -515,8 +498,8 @@ def format_report(spans: list[dict], rank: int = 0, top: int = 10) -> str:
     out += _columns(rows)
 
     lag = stragglers(spans)
-    out += ["", f"Stragglers: {lag['matched']} collectives matched across ranks by "
-                f"(process group, seq); {lag['incomplete']} seen on fewer ranks than the group size."]
+    out += ["", (f"Stragglers: {lag['matched']} collectives matched across ranks by "
+                 f"(process group, seq); {lag['incomplete']} seen on fewer ranks than the group size.")]
     rows = [("rank", "matched", "mean late ms", "max late ms", "last")]
     for r, stats in lag["per_rank"].items():
         rows.append((r, stats["matched"], f"{stats['mean_late_ms']:.3f}", f"{stats['max_late_ms']:.3f}",
