@@ -112,6 +112,8 @@ class CommDebugMode:
         comm_module_counts: ``{fqn: {"forward": {packet: n}, "backward": {packet: n}}}``,
             counts including descendants, plus ``"Global"`` for everything
             (the :attr:`report`'s ``collectives``).
+        report: the :class:`~commdebug_otel.report.CommReport` behind the
+            reports; ``commdebug-otel summarize`` renders the same model from files.
 
     Example::
 
@@ -146,8 +148,11 @@ class CommDebugMode:
 
     @property
     def report(self) -> CommReport:
-        """The model the reports render (:mod:`commdebug_otel.report`): modules in first-forward order,
-        counts, operations. Filled while the mode is entered; emptied on the next ``__enter__``."""
+        """The :class:`~commdebug_otel.report.CommReport` the reports are rendered from.
+
+        Modules in first-forward order, collective counts, operation lists;
+        filled while the mode is entered, emptied on the next ``__enter__``.
+        """
         return self._report
 
     @property
