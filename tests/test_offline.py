@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from commdebug_otel import semconv
+from commdebug_otel.config import Detail
 from commdebug_otel.demo import format_counts
 from commdebug_otel.offline import perfetto, summary
+from commdebug_otel.report import GLOBAL, CommReport, Operation, module_chain, op_listed, render_json, render_table
 from distributed import run_ranks
 
 _STEPS = 2
@@ -314,3 +316,92 @@ def test_a_cut_last_line_loses_only_that_line(tmp_path, capsys):
     spans = summary.load_spans([str(tmp_path)])
     assert [span["name"] for span in spans] == ["train_step"]
     assert "skipping unreadable line 2" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------- report model
+
+
+def test_offline_tools_do_not_import_torch():
+    code = ("import sys, commdebug_otel.offline.summary, commdebug_otel.offline.perfetto, "
+            "commdebug_otel.report; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout == "[]\n"
+
+
+def test_op_listed_follows_the_noise_levels():
+    listed = {detail: [(name, is_dtensor) for name in ("aten.mm.default", "aten.view.default")
+                       for is_dtensor in (True, False) if op_listed(detail, name, is_dtensor)]
+              for detail in Detail}
+    assert listed == {
+        Detail.COLLECTIVES: [],
+        Detail.DTENSOR: [("aten.mm.default", True)],
+        Detail.OPS: [("aten.mm.default", True), ("aten.mm.default", False)],
+        Detail.ALL: [("aten.mm.default", True), ("aten.mm.default", False),
+                     ("aten.view.default", True), ("aten.view.default", False)],
+    }
+
+
+def _small_report():
+    """Global > Net > (Net.fc with a DTensor weight, Net.act); recompute kept apart."""
+    report = CommReport(recompute_apart=True)
+    report.reset()
+    report.add_module("Net", GLOBAL, 1, "class 'pkg.Net'")
+    report.add_module("Net.fc", "Net", 2, "class 'torch.nn.modules.linear.Linear'",
+                      [("weight", "(Shard(dim=0),)")])
+    report.add_module("Net.act", "Net", 2, "class 'pkg.Act'")
+    spans = {"fc": {"fqn": "Net.fc", "parent": "net"}, "net": {"fqn": "Net", "parent": "step"},
+             "step": {"fqn": None, "parent": None}}
+    chain = module_chain(spans["fc"], lambda node: node["fqn"], lambda node: spans.get(node["parent"]))
+    assert chain == ["Net.fc", "Net"]
+    report.count_collective("c10d_functional.all_reduce", "forward", chain)
+    report.count_collective("c10d_functional.all_reduce", "recompute", chain)
+    report.count_collective("c10d.broadcast_", "none", [])
+    report.add_operation("Net.fc", Operation("aten.mm.default", ["[4, 8]"], ["(Shard(dim=0),)"],
+                                             "DeviceMesh('cpu', [0, 1])", False, False))
+    report.add_operation("Net.fc", Operation("aten.view.default", [], [], None, True, False))
+    return report
+
+
+def test_report_table_exact():
+    report = _small_report()
+    assert render_table(report, 0, colour=False, collective_modules_only=True) == (
+        "Global\n  FORWARD PASS\n    *c10d_functional.all_reduce: 1\n    *c10d.broadcast_: 1\n"
+        "  ACTIVATION CHECKPOINTING\n    *c10d_functional.all_reduce: 1\n"
+        "    Net\n      FORWARD PASS\n        *c10d_functional.all_reduce: 1\n"
+        "      ACTIVATION CHECKPOINTING\n        *c10d_functional.all_reduce: 1\n"
+        "        Net.fc\n          FORWARD PASS\n            *c10d_functional.all_reduce: 1\n"
+        "          ACTIVATION CHECKPOINTING\n            *c10d_functional.all_reduce: 1\n")
+    yellow, red, reset = "\033[1;33m", "\033[1;31m", "\033[0m"
+    fc = render_table(report, 1).split("        Net.fc\n")[1]
+    # noise 1: module data, the DTensor op with its details; BACKWARD PASS is headed (an op ran
+    # there) though the trivial view is not shown, as torch does.
+    assert fc == (
+        "        *module type: class 'torch.nn.modules.linear.Linear'\n"
+        "        *Parameter List\n         *weight: (Shard(dim=0),)\n"
+        f"          FORWARD PASS\n{yellow}            *c10d_functional.all_reduce: 1{reset}\n"
+        f"{yellow}            **aten.mm.default{reset}\n"
+        f"{red}              shape: ['[4, 8]']{reset}\n"
+        f"{red}              sharding: ['(Shard(dim=0),)']{reset}\n"
+        f"{red}              device mesh: DeviceMesh('cpu', [0, 1]){reset}\n"
+        "          BACKWARD PASS\n"
+        f"          ACTIVATION CHECKPOINTING\n{yellow}            *c10d_functional.all_reduce: 1{reset}\n"
+        "        Net.act\n        *module type: class 'pkg.Act'\n")
+    assert "            **aten.view.default\n" in render_table(report, 3, colour=False)
+
+
+def test_report_json_exact():
+    tree = render_json(_small_report(), 1)
+    fc, act = tree["children"][0]["children"]
+    assert fc == {
+        "fqn": "Net.fc", "module_type": "class 'torch.nn.modules.linear.Linear'",
+        "parameters": [["weight", "(Shard(dim=0),)"]], "children": [],
+        "collectives_forward": [["c10d_functional.all_reduce", 1]],
+        "collectives_backward": [["c10d_functional.all_reduce", 1]],  # recompute counts as backward
+        "operations_forward": [{"name": "aten.mm.default", "input_shape": ["[4, 8]"],
+                                "input_sharding": ["(Shard(dim=0),)"],
+                                "device_mesh": "DeviceMesh('cpu', [0, 1])", "is_bw": False,
+                                "is_activation_checkpointing": False}],
+        "operations_backward": [], "operations_checkpointing": []}
+    assert act["collectives_forward"] == [] and act["module_type"] == "class 'pkg.Act'"
+    assert tree["collectives_forward"] == [["c10d_functional.all_reduce", 1], ["c10d.broadcast_", 1]]
+    assert render_json(_small_report(), 0)["children"][0]["module_type"] == ""
