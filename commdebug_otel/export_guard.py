@@ -1,6 +1,6 @@
 """Exporter guards: requests sized under receivers' limits, failures counted, one warning per endpoint.
 
-With ``telemetry.py``, the only code that touches the OpenTelemetry SDK.
+Part of the SDK set-up (``telemetry.py``); SDK internals go through ``_sdk.py``.
 
 * ``SizedSpanExporter`` splits each batch so that no OTLP request exceeds
   ``max_request_bytes`` (default 3.5 MiB, under the 4 MiB default of gRPC
@@ -27,6 +27,8 @@ from typing import Any
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+from ._sdk import batch_queue, exporter_preferences, replace_batch_queue
 
 _logger = logging.getLogger(__name__)
 
@@ -235,8 +237,7 @@ class CountingMetricExporter(MetricExporter):
     """Wraps a metric exporter: failed exports are counted and warned about once per endpoint."""
 
     def __init__(self, inner: MetricExporter, endpoint: str, count_dropped: DropCounter) -> None:
-        super().__init__(preferred_temporality=inner._preferred_temporality,
-                         preferred_aggregation=inner._preferred_aggregation)
+        super().__init__(**exporter_preferences(inner))
         self._inner = inner
         self._endpoint = endpoint
         self._count_dropped = count_dropped
@@ -292,7 +293,7 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
 
     def __init__(self, exporter: SpanExporter, count_dropped: DropCounter, **kwargs: Any) -> None:
         super().__init__(exporter, **kwargs)
-        batch = getattr(self, "_batch_processor", None)
-        queue = getattr(batch, "_queue", None)
-        if isinstance(queue, collections.deque) and queue.maxlen:
-            batch._queue = _CountingQueue(queue, queue.maxlen, lambda: count_dropped("span", 1))
+        found = batch_queue(self)
+        if found is not None:
+            holder, queue = found
+            replace_batch_queue(holder, _CountingQueue(queue, queue.maxlen, lambda: count_dropped("span", 1)))

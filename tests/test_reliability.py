@@ -223,6 +223,30 @@ def test_failing_exporter_is_counted(single_rank_group, monkeypatch):
     assert drops == [("span", 1)]
 
 
+def test_shared_telemetry_counts_each_drop_once_and_keeps_no_tracer_alive(tmp_path):
+    import gc
+    import weakref
+
+    from commdebug_otel.telemetry import Telemetry
+    from commdebug_otel.testing import InMemoryTelemetry
+
+    settings = Settings(output_dir=str(tmp_path))
+    tracers = [CommTracer(settings) for _ in range(3)]  # as three `with CommDebugMode()` would
+    shared = tracers[0].telemetry
+    assert all(tracer.telemetry is shared for tracer in tracers)
+    first = weakref.ref(tracers.pop(0))
+    gc.collect()
+    assert first() is None
+
+    memory = InMemoryTelemetry()
+    telemetry = Telemetry(settings, meter_provider=memory.meter_provider)
+    for _ in range(2):
+        CommTracer(settings, meter_provider=memory.meter_provider)  # tracers do not take the counter over
+        telemetry.count_dropped("span", 2)
+    points = memory.metric_points(semconv.METRIC_DROPPED)
+    assert [(labels[semconv.DROPPED_KIND], value) for labels, value in points] == [("span", 4)]
+
+
 def test_fork_child_exports_its_own_spans(tmp_path):
     result, _ = run_script(["one_rank.py", "2", "--fork"], {
         "OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR": str(tmp_path), "OTEL_METRICS_EXPORTER": "none"})
