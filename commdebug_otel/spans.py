@@ -32,6 +32,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCod
 
 from . import semconv
 from ._sdk import instrumentation_scope, span_limits
+from .redact import exception_attributes
 
 
 class StepIdGenerator(IdGenerator):
@@ -80,10 +81,14 @@ class SpanBuilder:
         setup: returns the :class:`TracerSetup` to build on, starting the
             tracer provider if needed. Called at :meth:`start` and :meth:`emit`;
             a new ``TracerSetup`` (after a fork) is taken up at once.
+        exception_messages: ``redacted``, ``full`` or ``none``: what the
+            ``exception`` event of a span whose forward raised keeps of the
+            message (``redact.exception_attributes``).
     """
 
-    def __init__(self, setup: Callable[[], TracerSetup]) -> None:
+    def __init__(self, setup: Callable[[], TracerSetup], exception_messages: str = "redacted") -> None:
         self._setup = setup
+        self._exception_messages = exception_messages
         self._built_for: TracerSetup | None = None
         self._ids: StepIdGenerator | None = None
         self._direct: _DirectSpans | None = None
@@ -151,7 +156,9 @@ class SpanBuilder:
             span.add_event(name, event_attributes, timestamp)
         if record.error is not None:
             span.set_status(Status(StatusCode.ERROR, type(record.error).__name__))
-            span.record_exception(record.error, timestamp=record.end_ns)
+            # Not Span.record_exception: its message and stack trace can hold tensor values.
+            span.add_event("exception", exception_attributes(record.error, self._exception_messages),
+                           record.end_ns)
         context = span.get_span_context()
         for child in children.get(id(record), ()):
             self._start(tracer, child, context, span, None, children)

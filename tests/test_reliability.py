@@ -101,7 +101,7 @@ def test_oversized_batches_are_split_under_the_grpc_limit(tmp_path, monkeypatch,
         settings = Settings(max_events_per_span=2000, shutdown_timeout_s=20)
         tracer = CommTracer(settings)
         tracer.telemetry = Telemetry(settings, tracer.recorder.rank)  # a private SDK set-up
-        tracer.recorder._emit_step = tracer.telemetry.emit
+        tracer.recorder._emit_step = tracer.telemetry.spans.emit
         with tracer:
             for _ in range(6):
                 Chatty()(torch.ones(1))
@@ -309,24 +309,28 @@ def test_exported_files_hold_no_tensor_values_and_bounded_strings(tmp_path, monk
             torch.distributed.all_reduce(out.detach())
             if x.shape[0] == 2:
                 raise ValueError("x" * 20000)
+            if x.shape[0] == 3:  # the training script's own message, with the tensor in it
+                raise ValueError(f"activation out of range: {x} (max {x.max().item()})")
             return out
 
     settings = Settings(detail=Detail.ALL, output_dir=str(tmp_path))
     tracer = CommTracer(settings)
     tracer.telemetry = Telemetry(settings, tracer.recorder.rank)  # a private SDK set-up
-    tracer.recorder._emit_step = tracer.telemetry.emit
+    tracer.recorder._emit_step = tracer.telemetry.spans.emit
     model = Leaky()
     with torch.no_grad():
         model.lin.weight.fill_(sentinel)
         model.lin.bias.fill_(sentinel)
     with tracer:
         model(torch.full((1, 3), sentinel))
-        with pytest.raises(ValueError):
-            model(torch.full((2, 3), sentinel))
+        for rows in (2, 3):
+            with pytest.raises(ValueError):
+                model(torch.full((rows, 3), sentinel))
     tracer.telemetry.shutdown()
     [run] = tmp_path.glob("run-*")
     text = (run / "traces-rank0.jsonl").read_text() + (run / "metrics-rank0.jsonl").read_text()
     assert "aten.addmm.default" in text and "all_reduce" in text
+    assert '"activation out of range: <values> (max <values>)"' in text  # the message, without values
     # The value as Python or torch prints it; a bare "8675" also turns up in timestamps and ids.
     assert "8675.3" not in text and "8.6753e+03" not in text
     assert "x" * 4096 in text and "x" * 4097 not in text
