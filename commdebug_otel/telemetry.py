@@ -39,9 +39,10 @@ from . import semconv
 from .config import Settings, job_log
 from .export_guard import (
     CountingBatchSpanProcessor,
-    claim_warning,
     CountingMetricExporter,
     SizedSpanExporter,
+    WholeLineFile,
+    claim_warning,
     fold_exporter_logs,
 )
 from .metrics import dropped_counter
@@ -254,10 +255,10 @@ class Telemetry:
         if self.file_directory is None:
             from .steps import job_nonce
 
-            self.file_directory = os.path.join(os.path.abspath(self._settings.output_dir),
-                                               f"run-{job_nonce()}")
+            self.file_directory = os.path.join(
+                os.path.abspath(os.path.expanduser(self._settings.output_dir)), f"run-{job_nonce()}")
         directory = self.file_directory
-        os.makedirs(directory, exist_ok=True)
+        os.makedirs(directory, mode=0o700, exist_ok=True)  # owner only: the files name hosts and modules
         if not self._said_where:
             self._said_where = True
             log = _logger.warning if rank.rank == 0 else _logger.info
@@ -284,7 +285,12 @@ class Telemetry:
                 exporters.append(guard(_exporter_class(signal, transport)(endpoint=endpoint),
                                        endpoint, self.count_dropped))
             elif name == "file":
-                exporters.append(_exporter_class(signal, "file")(self._file_path(signal, rank)))
+                fold_exporter_logs()
+                path = self._file_path(signal, rank)
+                guard = SizedSpanExporter if signal == "traces" else CountingMetricExporter
+                extra = {"max_request_bytes": None} if signal == "traces" else {}
+                exporters.append(guard(_exporter_class(signal, "file")(stream=WholeLineFile(path)),
+                                       path, self.count_dropped, **extra))
             elif name == "console":
                 exporters.append(_exporter_class(signal, "console")())
             elif name != "none" and not (signal == "metrics" and name == "prometheus"):

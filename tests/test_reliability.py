@@ -1,5 +1,6 @@
 """Never break or stall training; lose nothing silently; refuse bad input clearly."""
 
+import json
 import logging
 import os
 import pathlib
@@ -245,6 +246,45 @@ def test_shared_telemetry_counts_each_drop_once_and_keeps_no_tracer_alive(tmp_pa
         telemetry.count_dropped("span", 2)
     points = memory.metric_points(semconv.METRIC_DROPPED)
     assert [(labels[semconv.DROPPED_KIND], value) for labels, value in points] == [("span", 4)]
+
+
+_FULL_DISK_SCRIPT = """
+import json, resource, sys, torch
+from commdebug_otel import CommTracer, Settings, semconv
+from commdebug_otel.testing import InMemoryTelemetry
+
+memory = InMemoryTelemetry()  # the drop count is read here, not from the failing files
+# Our own tracer provider and its file exporter; the meter is injected.
+tracer = CommTracer(Settings(output_dir=sys.argv[1]), meter_provider=memory.meter_provider)
+model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(20)])
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))  # ulimit -f: EFBIG past 200 kB
+with tracer:
+    for _ in range(30):
+        model(torch.ones(2, 8)).sum().backward()
+        optimizer.step()
+        tracer.telemetry.force_flush()  # one batch per step
+tracer.telemetry.shutdown()
+dropped = {labels[semconv.DROPPED_KIND]: value for labels, value in memory.metric_points(semconv.METRIC_DROPPED)}
+print(json.dumps(dropped))
+"""
+
+
+def test_file_export_failures_are_counted_said_once_and_lines_stay_whole(tmp_path):
+    done = subprocess.run([sys.executable, "-c", _FULL_DISK_SCRIPT, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "OTEL_METRICS_EXPORTER": "none"})
+    assert done.returncode == 0, done.stderr
+    [run] = tmp_path.glob("run-*")
+    lines = (run / "traces-rank0.jsonl").read_text().splitlines()
+    written = sum(len(json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"]) for line in lines)
+    spans_per_step = 1 + 2 + 20 * 2  # train_step, Sequential and its 20 Linear, forward and backward
+    assert written % spans_per_step == 0 and 0 < written < 30 * spans_per_step  # whole steps, not all
+    assert json.loads(done.stdout) == {"span": 30 * spans_per_step - written}  # every other span counted
+    warnings = [line for line in done.stderr.splitlines() if "cannot export spans" in line]
+    assert len(warnings) == 1 and str(run / "traces-rank0.jsonl") in warnings[0]
+    assert "File too large" in warnings[0] and "Traceback" not in done.stderr
+    assert oct((run / "traces-rank0.jsonl").stat().st_mode & 0o777) == "0o600"
+    assert oct(run.stat().st_mode & 0o777) == "0o700"
 
 
 def test_fork_child_exports_its_own_spans(tmp_path):
