@@ -25,6 +25,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from typing import Any
 
 from opentelemetry import metrics as otel_metrics
@@ -154,6 +155,10 @@ class Telemetry:
         self._said_where = False
         self.disabled = _truthy(os.environ.get("OTEL_SDK_DISABLED"))
         self._dropped: Any = None  # the commdebug.telemetry.dropped counter, made at the first drop
+        # The flush-and-shutdown budget: seconds spent, when the last wait ended, whether one ran out.
+        self._spent_s = 0.0
+        self._last_wait_end = float("-inf")
+        self._stalled = False
         # Called at exit before the providers shut down: tracers end their open spans there.
         self.before_shutdown: list[Any] = []
         self.endpoints: list[str] = []  # OTLP endpoints in use, for warnings
@@ -302,6 +307,7 @@ class Telemetry:
     def reset_after_fork(self) -> None:
         """In a forked child: forget the parent's providers (their rank and pid are the parent's)."""
         self._tracer = self._meter = self._tracer_setup = self._dropped = None
+        self._spent_s, self._last_wait_end, self._stalled = 0.0, float("-inf"), False
         if isinstance(self._rank, RankCache):
             self._rank.reset()
         self._own_tracer_provider = self._own_meter_provider = None
@@ -323,18 +329,20 @@ class Telemetry:
 
     # -------------------------------------------------------------- shutdown
     def force_flush(self) -> None:
-        """Export what our own providers buffer, within ``shutdown_timeout_s`` in all."""
+        """Export what our own providers buffer, within what is left of the budget (see :meth:`shutdown`)."""
         providers = [p for p in (self._own_tracer_provider, self._own_meter_provider) if p is not None]
         timeout_ms = int(self._settings.shutdown_timeout_s * 1000)
-        _bounded("flush", [lambda p=p: p.force_flush(timeout_ms) for p in providers],
-                 self._settings.shutdown_timeout_s, self.endpoints)
+        self._bounded("flush", [lambda p=p: p.force_flush(timeout_ms) for p in providers])
 
     def shutdown(self) -> None:
-        """Flush and shut our providers down within ``shutdown_timeout_s``, traces and metrics together.
+        """Flush and shut our providers down, traces and metrics together, within the budget.
 
-        Runs in a daemon thread joined with the timeout, so an unreachable or
-        black-holed collector costs at most that long and never blocks exit.
-        Injected providers are left to their owner.
+        The budget is ``shutdown_timeout_s`` for a flush (``CommTracer.stop``) and
+        the shutdown at exit that follows it, together. The providers' calls run
+        in a daemon thread joined with what is left, so an unreachable or
+        black-holed collector costs at most that and never blocks exit; once a
+        call has run out of time, later ones are not waited for at all, and one
+        warning says so. Injected providers are left to their owner.
         """
         providers = [p for p in (self._own_tracer_provider, self._own_meter_provider) if p is not None]
         self._own_tracer_provider = self._own_meter_provider = None
@@ -345,13 +353,34 @@ class Telemetry:
                 calls.append(lambda p=provider: p.shutdown(timeout_millis=timeout_s * 1000))
             else:
                 calls.append(provider.shutdown)
-        _bounded("shutdown", calls, timeout_s, self.endpoints)
+        self._bounded("shutdown", calls)
+
+    def _bounded(self, what: str, calls: list) -> None:
+        """Run ``calls`` off this thread; wait at most what is left of the budget, nothing once one stalled."""
+        if not calls:
+            return
+        budget_s = self._settings.shutdown_timeout_s
+        now = time.monotonic()
+        if now - self._last_wait_end > budget_s:
+            self._spent_s = 0.0  # a flush long ago (an earlier `with` block) is not part of this exit
+        left_s = 0.0 if self._stalled else max(0.0, budget_s - self._spent_s)
+        finished = _run_bounded(what, calls, left_s)
+        self._last_wait_end = time.monotonic()
+        self._spent_s += self._last_wait_end - now
+        if finished or self._stalled:
+            return
+        self._stalled = True
+        unnamed = [endpoint for endpoint in dict.fromkeys(self.endpoints) if claim_warning(endpoint)]
+        where = f" to {', '.join(unnamed)}" if unnamed else ""
+        # One warning per process: where the endpoint's own warning came first, this one is detail.
+        log = _logger.warning if unnamed or not self.endpoints else _logger.info
+        log("commdebug-otel: telemetry %s did not finish within %.1f s "
+                        "(OTEL_PYTHON_COMMDEBUG_SHUTDOWN_TIMEOUT, for flush and shutdown together); "
+                        "unsent telemetry%s is dropped", what, budget_s, where)
 
 
-def _bounded(what: str, calls: list, timeout_s: float, endpoints: list[str] = ()) -> None:
-    """Run ``calls`` in order in one daemon thread; wait at most ``timeout_s`` seconds for all of them."""
-    if not calls:
-        return
+def _run_bounded(what: str, calls: list, timeout_s: float) -> bool:
+    """Run ``calls`` in order in one daemon thread; wait at most ``timeout_s`` seconds. True if they finished."""
 
     def run() -> None:
         for call in calls:
@@ -363,12 +392,7 @@ def _bounded(what: str, calls: list, timeout_s: float, endpoints: list[str] = ()
     worker = threading.Thread(target=run, name=f"commdebug-otel-{what}", daemon=True)
     worker.start()
     worker.join(timeout_s)
-    if worker.is_alive():
-        unnamed = [endpoint for endpoint in dict.fromkeys(endpoints) if claim_warning(endpoint)]
-        where = f" to {', '.join(unnamed)}" if unnamed else ""
-        _logger.warning("commdebug-otel: telemetry %s did not finish within %.1f s "
-                        "(OTEL_PYTHON_COMMDEBUG_SHUTDOWN_TIMEOUT); unsent telemetry%s is dropped",
-                        what, timeout_s, where)
+    return not worker.is_alive()
 
 
 def otlp_endpoint(signal: str) -> str:

@@ -63,23 +63,27 @@ def closed_port():
 
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
 @pytest.mark.parametrize("collector", ["black-holed", "unreachable"])
-def test_bad_collector_costs_one_warning_and_a_bounded_exit(protocol, collector):
+@pytest.mark.parametrize("ending", ["exit", "stop"])
+def test_bad_collector_costs_one_warning_and_a_bounded_exit(protocol, collector, ending):
     hole = BlackHole() if collector == "black-holed" else None
     port = hole.port if hole else closed_port()
     endpoint = f"http://127.0.0.1:{port}"
+    budget_s = 3
     try:
-        result, _ = run_script(["one_rank.py", "3"], {
+        result, _ = run_script(["one_rank.py", "3", *(["--stop"] if ending == "stop" else [])], {
             "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
-            "OTEL_PYTHON_COMMDEBUG_SHUTDOWN_TIMEOUT": "2", "OTEL_EXPORTER_OTLP_TIMEOUT": "30"})
+            "OTEL_PYTHON_COMMDEBUG_SHUTDOWN_TIMEOUT": str(budget_s), "OTEL_EXPORTER_OTLP_TIMEOUT": "30"})
     finally:
         if hole:
             hole.close()
     assert result.returncode == 0, result.stderr
     done = float(result.stdout.split("TRAINING DONE ")[1].split()[0])
+    handlers_done = float(result.stdout.split("EXIT HANDLERS DONE ")[1].split()[0])
     exited = time.time()
-    # One bounded flush-and-shutdown of 2 s at exit (not ~10 s per provider), plus interpreter
-    # and process-group teardown.
-    assert exited - done < 2 + 6, result.stderr
+    # One budget for stop()'s flush and the shutdown at exit together (not one each, not ~10 s per
+    # provider); the interpreter and process-group teardown come on top.
+    assert handlers_done - done < budget_s + 1, result.stderr
+    assert exited - done < budget_s + 6, result.stderr
     warnings = [line for line in result.stderr.splitlines() if endpoint in line]
     assert len(warnings) == 1, result.stderr
     assert "Traceback" not in result.stderr
