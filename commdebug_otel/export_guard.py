@@ -1,6 +1,6 @@
 """Exporter guards: requests sized under receivers' limits, failures counted, one warning per endpoint.
 
-With ``telemetry.py``, the only code that touches the OpenTelemetry SDK.
+Part of the SDK set-up (``telemetry.py``); SDK internals go through ``_sdk.py``.
 
 * ``SizedSpanExporter`` splits each batch so that no OTLP request exceeds
   ``max_request_bytes`` (default 3.5 MiB, under the 4 MiB default of gRPC
@@ -14,12 +14,17 @@ With ``telemetry.py``, the only code that touches the OpenTelemetry SDK.
   the SDK exporters' own retry logs are folded into that warning.
 * ``CountingBatchSpanProcessor`` counts spans the SDK drops when its queue
   is full (the SDK drops silently apart from one log line).
+* ``WholeLineFile`` is the stream the OTLP-JSON file exporters write to: a
+  batch's line reaches the file whole or not at all (disk full, ``ulimit -f``),
+  and the file is created owner-only.
 """
 
 from __future__ import annotations
 
 import collections
+import errno
 import logging
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -28,10 +33,14 @@ from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
+from ._sdk import batch_queue, exporter_preferences, replace_batch_queue
+
 _logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BYTES = 3_584 * 1024  # 3.5 MiB: room under gRPC's 4 MiB for request framing
 _EXPORTER_LOGGERS = (
+    "opentelemetry.exporter.otlp.json.file.trace_exporter",  # a traceback per failed file write
+    "opentelemetry.exporter.otlp.json.file.metric_exporter",
     "opentelemetry.exporter.otlp.proto.grpc.exporter",
     "opentelemetry.exporter.otlp.proto.http._common",
     "opentelemetry.exporter.otlp.proto.http.trace_exporter",
@@ -161,11 +170,12 @@ class SizedSpanExporter(SpanExporter):
         inner: the real exporter.
         endpoint: where it sends, for the warning.
         count_dropped: ``count_dropped(kind, n)``.
-        max_request_bytes: upper bound on one request's encoded size, in bytes.
+        max_request_bytes: upper bound on one request's encoded size, in bytes;
+            None: no bound (a file), one request per batch.
     """
 
     def __init__(self, inner: SpanExporter, endpoint: str, count_dropped: DropCounter,
-                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+                 max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES) -> None:
         self._inner = inner
         self._endpoint = endpoint
         self._count_dropped = count_dropped
@@ -187,6 +197,8 @@ class SizedSpanExporter(SpanExporter):
         return cached[2]
 
     def _chunks(self, spans: Sequence[ReadableSpan]) -> list[list[ReadableSpan]]:
+        if self._max_request_bytes is None:
+            return [list(spans)] if spans else []
         chunks: list[list[ReadableSpan]] = [[]]
         size = 0
         for span in spans:
@@ -235,8 +247,7 @@ class CountingMetricExporter(MetricExporter):
     """Wraps a metric exporter: failed exports are counted and warned about once per endpoint."""
 
     def __init__(self, inner: MetricExporter, endpoint: str, count_dropped: DropCounter) -> None:
-        super().__init__(preferred_temporality=inner._preferred_temporality,
-                         preferred_aggregation=inner._preferred_aggregation)
+        super().__init__(**exporter_preferences(inner))
         self._inner = inner
         self._endpoint = endpoint
         self._count_dropped = count_dropped
@@ -292,7 +303,61 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
 
     def __init__(self, exporter: SpanExporter, count_dropped: DropCounter, **kwargs: Any) -> None:
         super().__init__(exporter, **kwargs)
-        batch = getattr(self, "_batch_processor", None)
-        queue = getattr(batch, "_queue", None)
-        if isinstance(queue, collections.deque) and queue.maxlen:
-            batch._queue = _CountingQueue(queue, queue.maxlen, lambda: count_dropped("span", 1))
+        found = batch_queue(self)
+        if found is not None:
+            holder, queue = found
+            replace_batch_queue(holder, _CountingQueue(queue, queue.maxlen, lambda: count_dropped("span", 1)))
+
+
+class WholeLineFile:
+    """A text stream over one append-only file, for ``FileSpanExporter(stream=...)`` and its metric twin.
+
+    ``write`` only buffers; ``flush`` appends the buffered text in one go. If
+    that fails part-way (``ENOSPC``, ``EFBIG`` under ``ulimit -f``), the file is
+    cut back to its length before, so it never holds half a line, and the
+    ``OSError`` reaches the exporter, which reports a failed export (counted by
+    the guards above). The file is created with mode 0600 (owner only).
+
+    Args:
+        path: the file; created if missing, else appended to.
+
+    Raises:
+        OSError: at construction, if the file cannot be opened.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.name = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self._pending: list[str] = []
+        self.closed = False
+
+    def write(self, text: str) -> int:
+        self._pending.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        data = "".join(self._pending).encode("utf-8")
+        self._pending.clear()
+        start = os.lseek(self._fd, 0, os.SEEK_END)
+        written = 0
+        try:
+            while written < len(data):
+                count = os.write(self._fd, data[written:])
+                if count == 0:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.name)
+                written += count
+        except OSError:
+            if written:
+                try:
+                    os.ftruncate(self._fd, start)
+                except OSError:  # nothing more to do: the reader skips a line that is not JSON
+                    pass
+            raise
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._pending.clear()
+            os.close(self._fd)

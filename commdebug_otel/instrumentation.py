@@ -41,13 +41,16 @@ _shared_lock = threading.Lock()
 _shared_telemetry: dict[tuple, Telemetry] = {}
 
 
-def shared_telemetry(settings: Settings, rank: Any) -> Telemetry:
-    """One process-wide :class:`Telemetry` per output settings, so tracers share providers and files."""
+def shared_telemetry(settings: Settings) -> Telemetry:
+    """One process-wide :class:`Telemetry` per output settings, so tracers share providers and files.
+
+    It holds no tracer: its rank and its drop counter are its own.
+    """
     key = (settings.output_dir, settings.max_events_per_span, settings.shutdown_timeout_s)
     with _shared_lock:
         telemetry = _shared_telemetry.get(key)
         if telemetry is None:
-            telemetry = _shared_telemetry[key] = Telemetry(settings, rank)
+            telemetry = _shared_telemetry[key] = Telemetry(settings)
         return telemetry
 
 
@@ -95,14 +98,13 @@ class CommTracer:
                  meter_provider: Any = None) -> None:
         self.settings = settings if settings is not None else Settings.from_env()
         if tracer_provider is None and meter_provider is None:
-            self.telemetry = shared_telemetry(self.settings, self._rank)
+            self.telemetry = shared_telemetry(self.settings)
         else:
             self.telemetry = Telemetry(self.settings, self._rank, tracer_provider, meter_provider)
         metrics = LazyCollectiveMetrics(self.telemetry.meter, self.settings.metric_module_depth, self._rank)
-        self.telemetry.count_dropped = metrics.dropped
         self._metrics = metrics
-        self.recorder = Recorder(self.settings, self.telemetry.emit, metrics,
-                                 preassigned_ids=self.telemetry.preassigned_ids)
+        self.recorder = Recorder(self.settings, self.telemetry.spans.emit, metrics,
+                                 preassigned_ids=self.telemetry.spans.start)
         self._tracker = ModuleTracker(self.recorder)
         self._mode: CollectiveDispatchMode | None = None
         self._intercepted = False

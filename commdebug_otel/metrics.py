@@ -101,6 +101,12 @@ class MetricsWorker:
         return done.wait(timeout_s)
 
 
+def dropped_counter(meter: Meter) -> Any:
+    """``commdebug.telemetry.dropped`` on ``meter`` (the SDK returns the same instrument each time)."""
+    return meter.create_counter(semconv.METRIC_DROPPED, unit="{item}",
+                                description="Telemetry that commdebug-otel had to drop, by kind.")
+
+
 class CollectiveMetrics:
     """Records collective metrics on ``meter``; label dicts are cached per label tuple."""
 
@@ -120,9 +126,7 @@ class CollectiveMetrics:
             semconv.METRIC_COMPLETION, unit="s",
             description="Time from issuing a c10d collective to its Work completing.",
             explicit_bucket_boundaries_advisory=DURATION_BUCKETS_S)
-        self._dropped = meter.create_counter(
-            semconv.METRIC_DROPPED, unit="{item}",
-            description="Telemetry that commdebug-otel had to drop, by kind.")
+        self._dropped = dropped_counter(meter)
         self._labels: dict[tuple, dict[str, Any]] = {}  # the worker's only
         # Points as the training thread saw them, labelled and summed by the worker: a deque
         # because any thread appends (backend threads add completions) while the worker pops.

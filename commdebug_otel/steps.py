@@ -69,6 +69,29 @@ def rank_info() -> RankInfo:
     )
 
 
+class RankCache:
+    """This process's :class:`RankInfo`, read again on each call until torch.distributed is initialized.
+
+    Call it as a function. :meth:`reset` forgets it (a forked child has its own rank).
+    """
+
+    __slots__ = ("_info",)
+
+    def __init__(self) -> None:
+        self._info: RankInfo | None = None
+
+    def __call__(self) -> RankInfo:
+        info = self._info
+        if info is None or not info.distributed:
+            fresh = rank_info()
+            if fresh.distributed or info is None:
+                self._info = info = fresh
+        return info
+
+    def reset(self) -> None:
+        self._info = None
+
+
 def job_nonce() -> str:
     """An id shared by every rank of this job (one store round trip), or local if not distributed.
 

@@ -21,35 +21,34 @@ process group) in its resource.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import os
 import socket
 import threading
-from collections.abc import Iterator
+import time
 from typing import Any
 
-from opentelemetry import context as otel_context
 from opentelemetry import metrics as otel_metrics
 from opentelemetry import trace as otel_trace
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, TracerProvider
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter
-from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
-from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
 
 from . import semconv
 from .config import Settings, job_log
 from .export_guard import (
     CountingBatchSpanProcessor,
-    claim_warning,
     CountingMetricExporter,
     SizedSpanExporter,
+    WholeLineFile,
+    claim_warning,
     fold_exporter_logs,
 )
-from .steps import RankInfo
+from .metrics import dropped_counter
+from .spans import SpanBuilder, StepIdGenerator, TracerSetup
+from .steps import RankCache, RankInfo
 from .version import __version__
 
 _logger = logging.getLogger(__name__)
@@ -85,31 +84,6 @@ def _exporter_class(signal: str, kind: str) -> Any:
 
 def _truthy(value: str | None) -> bool:
     return (value or "").strip().lower() == "true"
-
-
-class StepIdGenerator(IdGenerator):
-    """Random ids, except that a ``train_step`` root span can be given its trace id."""
-
-    def __init__(self, inner: IdGenerator | None = None) -> None:
-        self._inner = inner or RandomIdGenerator()
-        self._pending = threading.local()
-
-    @contextlib.contextmanager
-    def ids(self, trace_id: int | None, span_id: int = 0) -> Iterator[None]:
-        """Ids for the span started inside: ``trace_id`` (root spans only) and ``span_id`` (0: random)."""
-        self._pending.trace_id, self._pending.span_id = trace_id, span_id
-        try:
-            yield
-        finally:
-            self._pending.trace_id = self._pending.span_id = None
-
-    def generate_span_id(self) -> int:
-        pending = getattr(self._pending, "span_id", None)
-        return pending if pending else self._inner.generate_span_id()
-
-    def generate_trace_id(self) -> int:
-        pending = getattr(self._pending, "trace_id", None)
-        return pending if pending else self._inner.generate_trace_id()
 
 
 def exporter_names(signal: str, environ: dict | os._Environ = os.environ) -> list[str]:
@@ -162,25 +136,29 @@ class Telemetry:
             never configure, flush or shut them down (their owner does).
     """
 
-    def __init__(self, settings: Settings, rank: Any, tracer_provider: Any = None,
+    def __init__(self, settings: Settings, rank: Any = None, tracer_provider: Any = None,
                  meter_provider: Any = None) -> None:
         self._settings = settings
-        self._rank = rank
+        self._rank = rank if rank is not None else RankCache()
         self._tracer_provider = tracer_provider
         self._meter_provider = meter_provider
         self._own_tracer_provider: TracerProvider | None = None
         self._own_meter_provider: MeterProvider | None = None
         self._tracer = None
         self._meter = None
-        self._ids: StepIdGenerator | None = None
+        self._tracer_setup: TracerSetup | None = None
         self._own_span_processors: list[Any] = []
-        self._direct: _DirectSpans | None = None
         self._lock = threading.Lock()
+        # The recorder's span sink: finished records become spans on this telemetry's tracer.
+        self.spans = SpanBuilder(self.tracer_setup)
         self._atexit = False
         self._said_where = False
         self.disabled = _truthy(os.environ.get("OTEL_SDK_DISABLED"))
-        # Set by CommTracer to its metrics' drop counter: count_dropped(kind, n).
-        self.count_dropped: Any = lambda kind, count: None
+        self._dropped: Any = None  # the commdebug.telemetry.dropped counter, made at the first drop
+        # The flush-and-shutdown budget: seconds spent, when the last wait ended, whether one ran out.
+        self._spent_s = 0.0
+        self._last_wait_end = float("-inf")
+        self._stalled = False
         # Called at exit before the providers shut down: tracers end their open spans there.
         self.before_shutdown: list[Any] = []
         self.endpoints: list[str] = []  # OTLP endpoints in use, for warnings
@@ -199,12 +177,18 @@ class Telemetry:
                             _logger.warning("commdebug-otel: spans are off: %s: %s",
                                             type(error).__name__, error)
                             provider = otel_trace.NoOpTracerProvider()
-                    self._ids = self._attach_id_generator(provider)
-                    self._tracer = otel_trace.get_tracer(SCOPE_NAME, __version__, provider)
-                    if provider is self._own_tracer_provider:
-                        self._direct = _DirectSpans.for_provider(provider, self._tracer,
-                                                                 self._own_span_processors)
+                    tracer = otel_trace.get_tracer(SCOPE_NAME, __version__, provider)
+                    own = provider is self._own_tracer_provider
+                    self._tracer_setup = TracerSetup(
+                        tracer, provider, tuple(self._own_span_processors) if own else (),
+                        _truthy(os.environ.get("OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED")))
+                    self._tracer = tracer
         return self._tracer
+
+    def tracer_setup(self) -> TracerSetup:
+        """The tracer, its provider and our own processors; starts the provider if needed."""
+        self.tracer()
+        return self._tracer_setup
 
     def meter(self) -> otel_metrics.Meter:
         if self._meter is None:
@@ -221,15 +205,6 @@ class Telemetry:
                     self._meter = otel_metrics.get_meter(SCOPE_NAME, __version__, provider)
         return self._meter
 
-    @staticmethod
-    def _attach_id_generator(provider: Any) -> StepIdGenerator | None:
-        inner = getattr(provider, "id_generator", None)
-        if inner is None:
-            return None  # not an SDK provider (a proxy or no-op): trace ids stay random
-        if not isinstance(inner, StepIdGenerator):
-            provider.id_generator = StepIdGenerator(inner)
-        return provider.id_generator
-
     def _make_tracer_provider(self) -> Any:
         if self.disabled:
             return otel_trace.NoOpTracerProvider()
@@ -240,7 +215,7 @@ class Telemetry:
         provider = TracerProvider(resource=build_resource(rank), span_limits=limits,
                                   id_generator=StepIdGenerator(), shutdown_on_exit=False)
         batch = None if os.environ.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE") else DEFAULT_EXPORT_BATCH_SPANS
-        processors = [CountingBatchSpanProcessor(exporter, self._count, max_export_batch_size=batch)
+        processors = [CountingBatchSpanProcessor(exporter, self.count_dropped, max_export_batch_size=batch)
                       for exporter in self._span_exporters(rank)]
         for processor in processors:
             provider.add_span_processor(processor)
@@ -285,10 +260,10 @@ class Telemetry:
         if self.file_directory is None:
             from .steps import job_nonce
 
-            self.file_directory = os.path.join(os.path.abspath(self._settings.output_dir),
-                                               f"run-{job_nonce()}")
+            self.file_directory = os.path.join(
+                os.path.abspath(os.path.expanduser(self._settings.output_dir)), f"run-{job_nonce()}")
         directory = self.file_directory
-        os.makedirs(directory, exist_ok=True)
+        os.makedirs(directory, mode=0o700, exist_ok=True)  # owner only: the files name hosts and modules
         if not self._said_where:
             self._said_where = True
             log = _logger.warning if rank.rank == 0 else _logger.info
@@ -313,9 +288,14 @@ class Telemetry:
                 transport = "http" if _protocol(signal).startswith("http") else "grpc"
                 guard = SizedSpanExporter if signal == "traces" else CountingMetricExporter
                 exporters.append(guard(_exporter_class(signal, transport)(endpoint=endpoint),
-                                       endpoint, self._count))
+                                       endpoint, self.count_dropped))
             elif name == "file":
-                exporters.append(_exporter_class(signal, "file")(self._file_path(signal, rank)))
+                fold_exporter_logs()
+                path = self._file_path(signal, rank)
+                guard = SizedSpanExporter if signal == "traces" else CountingMetricExporter
+                extra = {"max_request_bytes": None} if signal == "traces" else {}
+                exporters.append(guard(_exporter_class(signal, "file")(stream=WholeLineFile(path)),
+                                       path, self.count_dropped, **extra))
             elif name == "console":
                 exporters.append(_exporter_class(signal, "console")())
             elif name != "none" and not (signal == "metrics" and name == "prometheus"):
@@ -324,79 +304,45 @@ class Telemetry:
                                 "expected otlp%s, file, console or none", signal.upper(), name, extra)
         return exporters
 
-    # ---------------------------------------------------------------- spans
-    def preassigned_ids(self) -> bool:
-        """True when span ids chosen by the recorder are honoured (our id generator is in the provider)."""
-        self.tracer()
-        return self._ids is not None
-
-    def emit(self, roots: list, children: dict[int, list], trace_id: int | None) -> None:
-        """Turn finished records (``recorder.Record``) into spans with their own timestamps."""
-        tracer = self.tracer()
-        for root in roots:
-            self._start(tracer, root, None, None, trace_id, children)
-
-    def _start(self, tracer: Any, record: Any, parent: SpanContext | None, parent_span: Any,
-               trace_id: int | None, children: dict[int, list]) -> None:
-        """``parent``: the parent's context; ``parent_span``: the parent itself when the SDK built it."""
-        attributes = _span_attributes(record)
-        direct = self._direct
-        prepared = direct.prepare(record, attributes) if direct is not None else None
-        if prepared is not None:
-            context = direct.context(record, parent, trace_id)
-            for child in children.get(id(record), ()):
-                self._start(tracer, child, context, None, None, children)
-            direct.end(record, prepared, context, parent)
-            return
-        ids = self._ids
-        chosen = ids.ids(trace_id, record.span_id) if ids is not None and (trace_id or record.span_id) \
-            else contextlib.nullcontext()
-        if parent_span is not None:  # processors and samplers see the live parent, as before
-            parent_context = otel_trace.set_span_in_context(parent_span)
-        elif parent is not None:
-            parent_context = otel_trace.set_span_in_context(NonRecordingSpan(parent))
-        else:
-            parent_context = otel_context.Context()
-        with chosen:
-            span = tracer.start_span(record.name, context=parent_context, attributes=attributes,
-                                     start_time=record.start_ns)
-        for name, event_attributes, timestamp in record.events:
-            span.add_event(name, event_attributes, timestamp)
-        if record.error is not None:
-            span.set_status(Status(StatusCode.ERROR, type(record.error).__name__))
-            span.record_exception(record.error, timestamp=record.end_ns)
-        context = span.get_span_context()
-        for child in children.get(id(record), ()):
-            self._start(tracer, child, context, span, None, children)
-        span.end(end_time=record.end_ns)
-
     def reset_after_fork(self) -> None:
         """In a forked child: forget the parent's providers (their rank and pid are the parent's)."""
-        self._tracer = self._meter = self._ids = self._direct = None
+        self._tracer = self._meter = self._tracer_setup = self._dropped = None
+        self._spent_s, self._last_wait_end, self._stalled = 0.0, float("-inf"), False
+        if isinstance(self._rank, RankCache):
+            self._rank.reset()
         self._own_tracer_provider = self._own_meter_provider = None
         self._own_span_processors = []
         self._lock = threading.Lock()
 
-    def _count(self, kind: str, count: int) -> None:
+    def count_dropped(self, kind: str, count: int) -> None:
+        """Count ``count`` items of telemetry of ``kind`` that export dropped. Never raises.
+
+        One counter per process and meter, whichever tracers share this telemetry.
+        """
         try:
-            self.count_dropped(kind, count)
+            counter = self._dropped
+            if counter is None:
+                counter = self._dropped = dropped_counter(self.meter())
+            counter.add(count, {semconv.DROPPED_KIND: kind, semconv.RANK: self._rank().rank})
         except Exception:  # counting must never break export
             pass
 
     # -------------------------------------------------------------- shutdown
     def force_flush(self) -> None:
-        """Export what our own providers buffer, within ``shutdown_timeout_s`` in all."""
+        """Export what our own providers buffer, within what is left of the budget (see :meth:`shutdown`)."""
         providers = [p for p in (self._own_tracer_provider, self._own_meter_provider) if p is not None]
         timeout_ms = int(self._settings.shutdown_timeout_s * 1000)
-        _bounded("flush", [lambda p=p: p.force_flush(timeout_ms) for p in providers],
-                 self._settings.shutdown_timeout_s, self.endpoints)
+        self._bounded("flush", [lambda p=p: p.force_flush(timeout_ms) for p in providers])
 
     def shutdown(self) -> None:
-        """Flush and shut our providers down within ``shutdown_timeout_s``, traces and metrics together.
+        """Flush and shut our providers down, traces and metrics together, within the budget.
 
-        Runs in a daemon thread joined with the timeout, so an unreachable or
-        black-holed collector costs at most that long and never blocks exit.
-        Injected providers are left to their owner.
+        The budget is ``shutdown_timeout_s`` for a flush (``CommTracer.stop``) and
+        the shutdown at exit that follows it, together. The providers' calls run
+        in a daemon thread joined with what is left, so an unreachable or
+        black-holed collector costs at most that and never blocks exit; once a
+        call has run out of time, later ones are not waited for at all, and one
+        warning says so. Injected providers are left to their owner.
         """
         providers = [p for p in (self._own_tracer_provider, self._own_meter_provider) if p is not None]
         self._own_tracer_provider = self._own_meter_provider = None
@@ -407,13 +353,34 @@ class Telemetry:
                 calls.append(lambda p=provider: p.shutdown(timeout_millis=timeout_s * 1000))
             else:
                 calls.append(provider.shutdown)
-        _bounded("shutdown", calls, timeout_s, self.endpoints)
+        self._bounded("shutdown", calls)
+
+    def _bounded(self, what: str, calls: list) -> None:
+        """Run ``calls`` off this thread; wait at most what is left of the budget, nothing once one stalled."""
+        if not calls:
+            return
+        budget_s = self._settings.shutdown_timeout_s
+        now = time.monotonic()
+        if now - self._last_wait_end > budget_s:
+            self._spent_s = 0.0  # a flush long ago (an earlier `with` block) is not part of this exit
+        left_s = 0.0 if self._stalled else max(0.0, budget_s - self._spent_s)
+        finished = _run_bounded(what, calls, left_s)
+        self._last_wait_end = time.monotonic()
+        self._spent_s += self._last_wait_end - now
+        if finished or self._stalled:
+            return
+        self._stalled = True
+        unnamed = [endpoint for endpoint in dict.fromkeys(self.endpoints) if claim_warning(endpoint)]
+        where = f" to {', '.join(unnamed)}" if unnamed else ""
+        # One warning per process: where the endpoint's own warning came first, this one is detail.
+        log = _logger.warning if unnamed or not self.endpoints else _logger.info
+        log("commdebug-otel: telemetry %s did not finish within %.1f s "
+                        "(OTEL_PYTHON_COMMDEBUG_SHUTDOWN_TIMEOUT, for flush and shutdown together); "
+                        "unsent telemetry%s is dropped", what, budget_s, where)
 
 
-def _bounded(what: str, calls: list, timeout_s: float, endpoints: list[str] = ()) -> None:
-    """Run ``calls`` in order in one daemon thread; wait at most ``timeout_s`` seconds for all of them."""
-    if not calls:
-        return
+def _run_bounded(what: str, calls: list, timeout_s: float) -> bool:
+    """Run ``calls`` in order in one daemon thread; wait at most ``timeout_s`` seconds. True if they finished."""
 
     def run() -> None:
         for call in calls:
@@ -425,12 +392,7 @@ def _bounded(what: str, calls: list, timeout_s: float, endpoints: list[str] = ()
     worker = threading.Thread(target=run, name=f"commdebug-otel-{what}", daemon=True)
     worker.start()
     worker.join(timeout_s)
-    if worker.is_alive():
-        unnamed = [endpoint for endpoint in dict.fromkeys(endpoints) if claim_warning(endpoint)]
-        where = f" to {', '.join(unnamed)}" if unnamed else ""
-        _logger.warning("commdebug-otel: telemetry %s did not finish within %.1f s "
-                        "(OTEL_PYTHON_COMMDEBUG_SHUTDOWN_TIMEOUT); unsent telemetry%s is dropped",
-                        what, timeout_s, where)
+    return not worker.is_alive()
 
 
 def otlp_endpoint(signal: str) -> str:
@@ -515,139 +477,3 @@ def _prometheus_reader(rank: RankInfo) -> MetricReader | None:
         _logger.warning("commdebug-otel: cannot serve Prometheus metrics on %s:%d (%s)", host, port, error)
         return None
     return _pull_reader_class()()
-
-
-class _DirectSpans:
-    """Our own provider's finished spans, built as ``ReadableSpan`` and handed to its processors.
-
-    A record becomes a span only after it has ended, so the SDK's live ``Span``
-    (locks, per-attribute validation in ``BoundedAttributes``, ``on_start``)
-    buys nothing; it was 80% of the cost of a traced step's span building. The
-    result is the span the SDK would build: same name, ids, parent, flags,
-    resource, scope, times, attributes and events (a test compares both paths
-    on the wire). Used only where that can be guaranteed: our own
-    ``TracerProvider`` with its ``CountingBatchSpanProcessor``s, the SDK's
-    default or ``always_on`` sampler (every span sampled), its internal metrics
-    off, and a record without error whose attributes are plain values
-    (``str``, ``bool``, ``int``, ``float``, or a tuple/list of one of those)
-    within the span limits. Anything else goes through ``Tracer.start_span``.
-    Strings are cut and lists made tuples, as ``BoundedAttributes`` does.
-    """
-
-    __slots__ = ("_provider", "_ids", "_scope", "_info", "_processors", "_span_chars", "_event_chars",
-                 "_span_attributes", "_event_attributes", "_events", "_root_flags")
-
-    def __init__(self, provider: Any, tracer: Any, processors: list[Any], limits: SpanLimits) -> None:
-        self._provider = provider  # its resource is read per span: the SDK replaces it after a fork
-        self._ids = provider.id_generator
-        self._scope = tracer._instrumentation_scope
-        self._info = getattr(tracer, "instrumentation_info", None)
-        self._processors = tuple(processors)
-        self._span_chars = limits.max_span_attribute_length
-        self._event_chars = limits.max_attribute_length
-        self._span_attributes = limits.max_span_attributes
-        self._event_attributes = limits.max_event_attributes
-        self._events = limits.max_events
-        random_ids = getattr(self._ids, "is_trace_id_random", lambda: False)()
-        # The SDK's root flags: sampled, and "random trace id" when the generator says so.
-        self._root_flags = TraceFlags(TraceFlags.SAMPLED | (TraceFlags.RANDOM_TRACE_ID if random_ids else 0))
-
-    @classmethod
-    def for_provider(cls, provider: Any, tracer: Any, processors: list[Any]) -> _DirectSpans | None:
-        from opentelemetry.sdk.trace.sampling import ALWAYS_ON, DEFAULT_ON
-
-        limits = getattr(provider, "_span_limits", None)
-        if (getattr(provider, "sampler", None) not in (ALWAYS_ON, DEFAULT_ON)
-                or not isinstance(limits, SpanLimits) or not processors
-                or getattr(tracer, "_instrumentation_scope", None) is None
-                or _truthy(os.environ.get("OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED"))):
-            return None  # another sampler, SDK shape or the SDK's own span metrics: its own path
-        return cls(provider, tracer, processors, limits)
-
-    def prepare(self, record: Any, attributes: dict[str, Any]) -> tuple[dict[str, Any], tuple] | None:
-        """The span's attributes and events as the SDK would keep them, or None: use the SDK's path."""
-        if record.error is not None or not _fits(len(record.events), self._events):
-            return None
-        attributes = _plain(attributes, self._span_chars, self._span_attributes)
-        if attributes is None:
-            return None
-        events = []
-        for name, event_attributes, timestamp in record.events:
-            event_attributes = _plain(event_attributes, self._event_chars, self._event_attributes)
-            if event_attributes is None:
-                return None
-            events.append(Event(name, event_attributes, timestamp))
-        return attributes, tuple(events)
-
-    def context(self, record: Any, parent: SpanContext | None, trace_id: int | None) -> SpanContext:
-        """The span's context (ids as the SDK would choose them), known before its children."""
-        ids = self._ids
-        if parent is None:
-            trace_id, flags = trace_id or ids.generate_trace_id(), self._root_flags
-        else:
-            trace_id, flags = parent.trace_id, parent.trace_flags
-        return SpanContext(trace_id, record.span_id or ids.generate_span_id(), is_remote=False,
-                           trace_flags=flags)
-
-    def end(self, record: Any, prepared: tuple[dict[str, Any], tuple], context: SpanContext,
-            parent: SpanContext | None) -> None:
-        attributes, events = prepared
-        span = ReadableSpan(name=record.name, context=context, parent=parent,
-                            resource=self._provider.resource, attributes=attributes, events=events,
-                            start_time=record.start_ns, end_time=record.end_ns,
-                            instrumentation_info=self._info, instrumentation_scope=self._scope)
-        for processor in self._processors:
-            processor.on_end(span)
-
-
-def _fits(count: int, limit: int | None) -> bool:
-    return limit is None or count <= limit
-
-
-_PLAIN = (str, bool, int, float)
-
-
-def _plain(attributes: dict[str, Any], chars: int | None, limit: int | None) -> dict[str, Any] | None:
-    """``attributes`` (changed in place) as ``BoundedAttributes`` keeps them, or None if they are not plain.
-
-    Strings, also inside sequences, are cut at ``chars``; lists become tuples. None when
-    a value is of another type or a sequence mixes types (the SDK would convert or drop
-    it, with a warning), or there are more than ``limit`` attributes.
-    """
-    if not _fits(len(attributes), limit):
-        return None
-    for key, value in attributes.items():
-        kind = type(value)
-        if kind is str:
-            if chars is not None and len(value) > chars:
-                attributes[key] = value[:chars]
-        elif kind is tuple or kind is list:
-            if value:
-                first = type(value[0])
-                if first not in _PLAIN or any(type(item) is not first for item in value):
-                    return None
-                if first is str and chars is not None:
-                    value = tuple(item[:chars] for item in value)
-            if kind is list:
-                value = tuple(value)
-            attributes[key] = value
-        elif kind not in _PLAIN:
-            return None
-    return attributes
-
-
-def _span_attributes(record: Any) -> dict[str, Any]:
-    attributes = dict(record.attrs)
-    if record.fqn:
-        attributes[semconv.MODULE_FQN] = record.fqn
-        attributes[semconv.MODULE_TYPE] = record.module_type
-        attributes[semconv.MODULE_PASS] = record.pass_
-        attributes[semconv.MODULE_DEPTH] = record.fqn.count(".")
-        attributes[semconv.MODULE_CALL_INDEX] = record.call_index
-    if record.params:
-        attributes[semconv.MODULE_PARAMETERS] = record.params
-    if record.unmatched:
-        attributes[semconv.SPAN_UNMATCHED] = True
-    if record.dropped_events:
-        attributes[semconv.SPAN_DROPPED_EVENTS] = record.dropped_events
-    return attributes

@@ -102,7 +102,7 @@ def test_direct_spans_match_the_sdk_span_path_on_the_wire(monkeypatch, single_ra
     """Our provider's spans skip the SDK's live Span; the wire must not show the difference."""
     import torch
 
-    from commdebug_otel import CommTracer, Settings, telemetry as telemetry_module
+    from commdebug_otel import CommTracer, Settings, spans as spans_module, telemetry as telemetry_module
     from commdebug_otel.testing import InMemoryTelemetry
 
     class Failing(torch.nn.Module):
@@ -156,14 +156,14 @@ def test_direct_spans_match_the_sdk_span_path_on_the_wire(monkeypatch, single_ra
         with OtlpReceiver() as receiver:
             monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.grpc_endpoint)
             if not direct:
-                monkeypatch.setattr(telemetry_module._DirectSpans, "for_provider", lambda *args: None)
+                monkeypatch.setattr(spans_module._DirectSpans, "for_provider", lambda *args: None)
             sink = telemetry_module.Telemetry(Settings(), tracer.recorder.rank)
-            sink.tracer()
-            assert (sink._direct is not None) is direct
+            sink.spans.start()
+            assert sink.spans.direct is direct
             if direct:  # trace flags are not on the wire: compare them with a span the SDK starts
-                probe = sink._own_tracer_provider.get_tracer("probe").start_span("probe")
-                assert probe.get_span_context().trace_flags == sink._direct._root_flags
-            replay(sink)
+                probe = sink.tracer_setup().provider.get_tracer("probe").start_span("probe")
+                assert probe.get_span_context().trace_flags == sink.spans._direct._root_flags
+            replay(sink.spans)
             sink.shutdown()
             received.append((receiver.spans(), [span.flags for request in receiver.requests("traces")
                                                 for resource in request.request.resource_spans

@@ -1,5 +1,6 @@
 """Never break or stall training; lose nothing silently; refuse bad input clearly."""
 
+import json
 import logging
 import os
 import pathlib
@@ -62,23 +63,27 @@ def closed_port():
 
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
 @pytest.mark.parametrize("collector", ["black-holed", "unreachable"])
-def test_bad_collector_costs_one_warning_and_a_bounded_exit(protocol, collector):
+@pytest.mark.parametrize("ending", ["exit", "stop"])
+def test_bad_collector_costs_one_warning_and_a_bounded_exit(protocol, collector, ending):
     hole = BlackHole() if collector == "black-holed" else None
     port = hole.port if hole else closed_port()
     endpoint = f"http://127.0.0.1:{port}"
+    budget_s = 3
     try:
-        result, _ = run_script(["one_rank.py", "3"], {
+        result, _ = run_script(["one_rank.py", "3", *(["--stop"] if ending == "stop" else [])], {
             "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
-            "OTEL_PYTHON_COMMDEBUG_SHUTDOWN_TIMEOUT": "2", "OTEL_EXPORTER_OTLP_TIMEOUT": "30"})
+            "OTEL_PYTHON_COMMDEBUG_SHUTDOWN_TIMEOUT": str(budget_s), "OTEL_EXPORTER_OTLP_TIMEOUT": "30"})
     finally:
         if hole:
             hole.close()
     assert result.returncode == 0, result.stderr
     done = float(result.stdout.split("TRAINING DONE ")[1].split()[0])
+    handlers_done = float(result.stdout.split("EXIT HANDLERS DONE ")[1].split()[0])
     exited = time.time()
-    # One bounded flush-and-shutdown of 2 s at exit (not ~10 s per provider), plus interpreter
-    # and process-group teardown.
-    assert exited - done < 2 + 6, result.stderr
+    # One budget for stop()'s flush and the shutdown at exit together (not one each, not ~10 s per
+    # provider); the interpreter and process-group teardown come on top.
+    assert handlers_done - done < budget_s + 1, result.stderr
+    assert exited - done < budget_s + 6, result.stderr
     warnings = [line for line in result.stderr.splitlines() if endpoint in line]
     assert len(warnings) == 1, result.stderr
     assert "Traceback" not in result.stderr
@@ -101,7 +106,7 @@ def test_oversized_batches_are_split_under_the_grpc_limit(tmp_path, monkeypatch,
         settings = Settings(max_events_per_span=2000, shutdown_timeout_s=20)
         tracer = CommTracer(settings)
         tracer.telemetry = Telemetry(settings, tracer.recorder.rank)  # a private SDK set-up
-        tracer.recorder._emit_step = tracer.telemetry.emit
+        tracer.recorder._emit_step = tracer.telemetry.spans.emit
         with tracer:
             for _ in range(6):
                 Chatty()(torch.ones(1))
@@ -223,6 +228,69 @@ def test_failing_exporter_is_counted(single_rank_group, monkeypatch):
     assert drops == [("span", 1)]
 
 
+def test_shared_telemetry_counts_each_drop_once_and_keeps_no_tracer_alive(tmp_path):
+    import gc
+    import weakref
+
+    from commdebug_otel.telemetry import Telemetry
+    from commdebug_otel.testing import InMemoryTelemetry
+
+    settings = Settings(output_dir=str(tmp_path))
+    tracers = [CommTracer(settings) for _ in range(3)]  # as three `with CommDebugMode()` would
+    shared = tracers[0].telemetry
+    assert all(tracer.telemetry is shared for tracer in tracers)
+    first = weakref.ref(tracers.pop(0))
+    gc.collect()
+    assert first() is None
+
+    memory = InMemoryTelemetry()
+    telemetry = Telemetry(settings, meter_provider=memory.meter_provider)
+    for _ in range(2):
+        CommTracer(settings, meter_provider=memory.meter_provider)  # tracers do not take the counter over
+        telemetry.count_dropped("span", 2)
+    points = memory.metric_points(semconv.METRIC_DROPPED)
+    assert [(labels[semconv.DROPPED_KIND], value) for labels, value in points] == [("span", 4)]
+
+
+_FULL_DISK_SCRIPT = """
+import json, resource, sys, torch
+from commdebug_otel import CommTracer, Settings, semconv
+from commdebug_otel.testing import InMemoryTelemetry
+
+memory = InMemoryTelemetry()  # the drop count is read here, not from the failing files
+# Our own tracer provider and its file exporter; the meter is injected.
+tracer = CommTracer(Settings(output_dir=sys.argv[1]), meter_provider=memory.meter_provider)
+model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(20)])
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))  # ulimit -f: EFBIG past 200 kB
+with tracer:
+    for _ in range(30):
+        model(torch.ones(2, 8)).sum().backward()
+        optimizer.step()
+        tracer.telemetry.force_flush()  # one batch per step
+tracer.telemetry.shutdown()
+dropped = {labels[semconv.DROPPED_KIND]: value for labels, value in memory.metric_points(semconv.METRIC_DROPPED)}
+print(json.dumps(dropped))
+"""
+
+
+def test_file_export_failures_are_counted_said_once_and_lines_stay_whole(tmp_path):
+    done = subprocess.run([sys.executable, "-c", _FULL_DISK_SCRIPT, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "OTEL_METRICS_EXPORTER": "none"})
+    assert done.returncode == 0, done.stderr
+    [run] = tmp_path.glob("run-*")
+    lines = (run / "traces-rank0.jsonl").read_text().splitlines()
+    written = sum(len(json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"]) for line in lines)
+    spans_per_step = 1 + 2 + 20 * 2  # train_step, Sequential and its 20 Linear, forward and backward
+    assert written % spans_per_step == 0 and 0 < written < 30 * spans_per_step  # whole steps, not all
+    assert json.loads(done.stdout) == {"span": 30 * spans_per_step - written}  # every other span counted
+    warnings = [line for line in done.stderr.splitlines() if "cannot export spans" in line]
+    assert len(warnings) == 1 and str(run / "traces-rank0.jsonl") in warnings[0]
+    assert "File too large" in warnings[0] and "Traceback" not in done.stderr
+    assert oct((run / "traces-rank0.jsonl").stat().st_mode & 0o777) == "0o600"
+    assert oct(run.stat().st_mode & 0o777) == "0o700"
+
+
 def test_fork_child_exports_its_own_spans(tmp_path):
     result, _ = run_script(["one_rank.py", "2", "--fork"], {
         "OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR": str(tmp_path), "OTEL_METRICS_EXPORTER": "none"})
@@ -285,24 +353,28 @@ def test_exported_files_hold_no_tensor_values_and_bounded_strings(tmp_path, monk
             torch.distributed.all_reduce(out.detach())
             if x.shape[0] == 2:
                 raise ValueError("x" * 20000)
+            if x.shape[0] == 3:  # the training script's own message, with the tensor in it
+                raise ValueError(f"activation out of range: {x} (max {x.max().item()})")
             return out
 
     settings = Settings(detail=Detail.ALL, output_dir=str(tmp_path))
     tracer = CommTracer(settings)
     tracer.telemetry = Telemetry(settings, tracer.recorder.rank)  # a private SDK set-up
-    tracer.recorder._emit_step = tracer.telemetry.emit
+    tracer.recorder._emit_step = tracer.telemetry.spans.emit
     model = Leaky()
     with torch.no_grad():
         model.lin.weight.fill_(sentinel)
         model.lin.bias.fill_(sentinel)
     with tracer:
         model(torch.full((1, 3), sentinel))
-        with pytest.raises(ValueError):
-            model(torch.full((2, 3), sentinel))
+        for rows in (2, 3):
+            with pytest.raises(ValueError):
+                model(torch.full((rows, 3), sentinel))
     tracer.telemetry.shutdown()
     [run] = tmp_path.glob("run-*")
     text = (run / "traces-rank0.jsonl").read_text() + (run / "metrics-rank0.jsonl").read_text()
     assert "aten.addmm.default" in text and "all_reduce" in text
+    assert '"activation out of range: <values> (max <values>)"' in text  # the message, without values
     # The value as Python or torch prints it; a bare "8675" also turns up in timestamps and ids.
     assert "8675.3" not in text and "8.6753e+03" not in text
     assert "x" * 4096 in text and "x" * 4097 not in text

@@ -1,8 +1,12 @@
 """A one-rank gloo job traced by CommTracer from the environment; prints when training is done.
 
-usage: one_rank.py STEPS [--fork]
+usage: one_rank.py STEPS [--fork] [--stop]
+
+--stop: end with ``CommTracer.stop()`` (as leaving ``with CommTracer()`` does) before exit;
+prints "EXIT HANDLERS DONE <time>" after every exit handler of ours has run.
 """
 
+import atexit
 import os
 import socket
 import sys
@@ -40,6 +44,8 @@ def main():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    # Registered first, so it runs last of the exit handlers (they run in reverse order).
+    atexit.register(lambda: print(f"EXIT HANDLERS DONE {time.time():.3f}", flush=True))
     store = dist.TCPStore("127.0.0.1", port, 1, is_master=True)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     tracer = CommTracer().start()
@@ -55,6 +61,8 @@ def main():
     else:
         train(steps)
     print(f"TRAINING DONE {time.time():.3f}", flush=True)
+    if "--stop" in sys.argv:
+        tracer.stop()
     del tracer  # exit flushes through atexit
 
 

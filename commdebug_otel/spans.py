@@ -1,0 +1,315 @@
+"""Span building: the records of a finished step become OTel spans, with their recorded times.
+
+The recorder (``recorder.py``) hands over a step as root records plus a
+``children`` map (``id(record) -> [records]``) once the step has ended; this
+module turns it into spans and nothing else. Where the spans go (providers,
+exporters, shutdown) is set up in ``telemetry.py``.
+
+Two paths build the same spans:
+
+* our own ``TracerProvider``: finished ``ReadableSpan`` objects handed straight
+  to its batch processors (:class:`_DirectSpans`), skipping the SDK's live
+  ``Span``, which was 80% of a traced step's span-building cost;
+* any other provider, another sampler, or a record with an error:
+  ``Tracer.start_span`` with the recorded start and end times.
+
+Trace ids of ``train_step`` roots and span ids that metric exemplars point at
+are chosen by the recorder; :class:`StepIdGenerator` makes the SDK use them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace as otel_trace
+from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits
+from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
+from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
+
+from . import semconv
+from ._sdk import instrumentation_scope, span_limits
+from .redact import exception_attributes
+
+
+class StepIdGenerator(IdGenerator):
+    """Random ids, except that a ``train_step`` root span can be given its trace id."""
+
+    def __init__(self, inner: IdGenerator | None = None) -> None:
+        self._inner = inner or RandomIdGenerator()
+        self._pending = threading.local()
+
+    @contextlib.contextmanager
+    def ids(self, trace_id: int | None, span_id: int = 0) -> Iterator[None]:
+        """Ids for the span started inside: ``trace_id`` (root spans only) and ``span_id`` (0: random)."""
+        self._pending.trace_id, self._pending.span_id = trace_id, span_id
+        try:
+            yield
+        finally:
+            self._pending.trace_id = self._pending.span_id = None
+
+    def generate_span_id(self) -> int:
+        pending = getattr(self._pending, "span_id", None)
+        return pending if pending else self._inner.generate_span_id()
+
+    def generate_trace_id(self) -> int:
+        pending = getattr(self._pending, "trace_id", None)
+        return pending if pending else self._inner.generate_trace_id()
+
+
+class TracerSetup(NamedTuple):
+    """What span building needs from the SDK set-up (``Telemetry.tracer_setup``).
+
+    ``processors``: our own provider's batch processors, empty for an injected
+    provider (whose spans then always take ``Tracer.start_span``).
+    ``sdk_metrics``: the SDK's own span metrics are on.
+    """
+
+    tracer: Any
+    provider: Any
+    processors: Sequence[Any] = ()
+    sdk_metrics: bool = False
+
+
+class SpanBuilder:
+    """Finished step records to spans; the span sink the recorder is given.
+
+    Args:
+        setup: returns the :class:`TracerSetup` to build on, starting the
+            tracer provider if needed. Called at :meth:`start` and :meth:`emit`;
+            a new ``TracerSetup`` (after a fork) is taken up at once.
+        exception_messages: ``redacted``, ``full`` or ``none``: what the
+            ``exception`` event of a span whose forward raised keeps of the
+            message (``redact.exception_attributes``).
+    """
+
+    def __init__(self, setup: Callable[[], TracerSetup], exception_messages: str = "redacted") -> None:
+        self._setup = setup
+        self._exception_messages = exception_messages
+        self._built_for: TracerSetup | None = None
+        self._ids: StepIdGenerator | None = None
+        self._direct: _DirectSpans | None = None
+
+    def _current(self) -> TracerSetup:
+        setup = self._setup()
+        if setup is not self._built_for:
+            self._built_for = setup
+            self._ids = _attach_id_generator(setup.provider)
+            self._direct = None
+            if setup.processors:
+                self._direct = _DirectSpans.for_provider(setup.provider, setup.tracer, setup.processors,
+                                                         setup.sdk_metrics)
+        return setup
+
+    def start(self) -> bool:
+        """Start the tracer provider if needed.
+
+        Returns True when span ids chosen by the recorder are honoured (our id
+        generator is in the provider), so metric exemplars can point at spans
+        before they exist.
+        """
+        self._current()
+        return self._ids is not None
+
+    @property
+    def direct(self) -> bool:
+        """Whether spans skip the SDK's live ``Span`` (known after :meth:`start`)."""
+        return self._direct is not None
+
+    def emit(self, roots: list, children: dict[int, list], trace_id: int | None) -> None:
+        """Turn finished records (``recorder.Record``) into spans with their own timestamps.
+
+        ``trace_id``: the roots' trace id (128-bit int), or None for a random one.
+        """
+        tracer = self._current().tracer
+        for root in roots:
+            self._start(tracer, root, None, None, trace_id, children)
+
+    def _start(self, tracer: Any, record: Any, parent: SpanContext | None, parent_span: Any,
+               trace_id: int | None, children: dict[int, list]) -> None:
+        """``parent``: the parent's context; ``parent_span``: the parent itself when the SDK built it."""
+        attributes = span_attributes(record)
+        direct = self._direct
+        prepared = direct.prepare(record, attributes) if direct is not None else None
+        if prepared is not None:
+            context = direct.context(record, parent, trace_id)
+            for child in children.get(id(record), ()):
+                self._start(tracer, child, context, None, None, children)
+            direct.end(record, prepared, context, parent)
+            return
+        ids = self._ids
+        chosen = ids.ids(trace_id, record.span_id) if ids is not None and (trace_id or record.span_id) \
+            else contextlib.nullcontext()
+        if parent_span is not None:  # processors and samplers see the live parent, as before
+            parent_context = otel_trace.set_span_in_context(parent_span)
+        elif parent is not None:
+            parent_context = otel_trace.set_span_in_context(NonRecordingSpan(parent))
+        else:
+            parent_context = otel_context.Context()
+        with chosen:
+            span = tracer.start_span(record.name, context=parent_context, attributes=attributes,
+                                     start_time=record.start_ns)
+        for name, event_attributes, timestamp in record.events:
+            span.add_event(name, event_attributes, timestamp)
+        if record.error is not None:
+            span.set_status(Status(StatusCode.ERROR, type(record.error).__name__))
+            # Not Span.record_exception: its message and stack trace can hold tensor values.
+            span.add_event("exception", exception_attributes(record.error, self._exception_messages),
+                           record.end_ns)
+        context = span.get_span_context()
+        for child in children.get(id(record), ()):
+            self._start(tracer, child, context, span, None, children)
+        span.end(end_time=record.end_ns)
+
+
+def _attach_id_generator(provider: Any) -> StepIdGenerator | None:
+    inner = getattr(provider, "id_generator", None)
+    if inner is None:
+        return None  # not an SDK provider (a proxy or no-op): trace ids stay random
+    if not isinstance(inner, StepIdGenerator):
+        provider.id_generator = StepIdGenerator(inner)
+    return provider.id_generator
+
+
+class _DirectSpans:
+    """Our own provider's finished spans, built as ``ReadableSpan`` and handed to its processors.
+
+    A record becomes a span only after it has ended, so the SDK's live ``Span``
+    (locks, per-attribute validation in ``BoundedAttributes``, ``on_start``)
+    buys nothing; it was 80% of the cost of a traced step's span building. The
+    result is the span the SDK would build: same name, ids, parent, flags,
+    resource, scope, times, attributes and events (a test compares both paths
+    on the wire). Used only where that can be guaranteed: our own
+    ``TracerProvider`` with its ``CountingBatchSpanProcessor``s, the SDK's
+    default or ``always_on`` sampler (every span sampled), its internal metrics
+    off, and a record without error whose attributes are plain values
+    (``str``, ``bool``, ``int``, ``float``, or a tuple/list of one of those)
+    within the span limits. Anything else goes through ``Tracer.start_span``.
+    Strings are cut and lists made tuples, as ``BoundedAttributes`` does.
+    """
+
+    __slots__ = ("_provider", "_ids", "_scope", "_info", "_processors", "_span_chars", "_event_chars",
+                 "_span_attributes", "_event_attributes", "_events", "_root_flags")
+
+    def __init__(self, provider: Any, tracer: Any, processors: Sequence[Any], limits: SpanLimits) -> None:
+        self._provider = provider  # its resource is read per span: the SDK replaces it after a fork
+        self._ids = provider.id_generator
+        self._scope = instrumentation_scope(tracer)
+        self._info = getattr(tracer, "instrumentation_info", None)
+        self._processors = tuple(processors)
+        self._span_chars = limits.max_span_attribute_length
+        self._event_chars = limits.max_attribute_length
+        self._span_attributes = limits.max_span_attributes
+        self._event_attributes = limits.max_event_attributes
+        self._events = limits.max_events
+        random_ids = getattr(self._ids, "is_trace_id_random", lambda: False)()
+        # The SDK's root flags: sampled, and "random trace id" when the generator says so.
+        self._root_flags = TraceFlags(TraceFlags.SAMPLED | (TraceFlags.RANDOM_TRACE_ID if random_ids else 0))
+
+    @classmethod
+    def for_provider(cls, provider: Any, tracer: Any, processors: Sequence[Any],
+                     sdk_metrics: bool = False) -> _DirectSpans | None:
+        """The direct path for ``provider``, or None where only the SDK's path is exact.
+
+        ``sdk_metrics``: the SDK's own span metrics are on (they count live spans).
+        """
+        from opentelemetry.sdk.trace.sampling import ALWAYS_ON, DEFAULT_ON
+
+        limits = span_limits(provider)
+        if (getattr(provider, "sampler", None) not in (ALWAYS_ON, DEFAULT_ON)
+                or not isinstance(limits, SpanLimits) or not processors
+                or instrumentation_scope(tracer) is None or sdk_metrics):
+            return None  # another sampler, SDK shape or the SDK's own span metrics: its own path
+        return cls(provider, tracer, processors, limits)
+
+    def prepare(self, record: Any, attributes: dict[str, Any]) -> tuple[dict[str, Any], tuple] | None:
+        """The span's attributes and events as the SDK would keep them, or None: use the SDK's path."""
+        if record.error is not None or not _fits(len(record.events), self._events):
+            return None
+        attributes = _plain(attributes, self._span_chars, self._span_attributes)
+        if attributes is None:
+            return None
+        events = []
+        for name, event_attributes, timestamp in record.events:
+            event_attributes = _plain(event_attributes, self._event_chars, self._event_attributes)
+            if event_attributes is None:
+                return None
+            events.append(Event(name, event_attributes, timestamp))
+        return attributes, tuple(events)
+
+    def context(self, record: Any, parent: SpanContext | None, trace_id: int | None) -> SpanContext:
+        """The span's context (ids as the SDK would choose them), known before its children."""
+        ids = self._ids
+        if parent is None:
+            trace_id, flags = trace_id or ids.generate_trace_id(), self._root_flags
+        else:
+            trace_id, flags = parent.trace_id, parent.trace_flags
+        return SpanContext(trace_id, record.span_id or ids.generate_span_id(), is_remote=False,
+                           trace_flags=flags)
+
+    def end(self, record: Any, prepared: tuple[dict[str, Any], tuple], context: SpanContext,
+            parent: SpanContext | None) -> None:
+        attributes, events = prepared
+        span = ReadableSpan(name=record.name, context=context, parent=parent,
+                            resource=self._provider.resource, attributes=attributes, events=events,
+                            start_time=record.start_ns, end_time=record.end_ns,
+                            instrumentation_info=self._info, instrumentation_scope=self._scope)
+        for processor in self._processors:
+            processor.on_end(span)
+
+
+def _fits(count: int, limit: int | None) -> bool:
+    return limit is None or count <= limit
+
+
+_PLAIN = (str, bool, int, float)
+
+
+def _plain(attributes: dict[str, Any], chars: int | None, limit: int | None) -> dict[str, Any] | None:
+    """``attributes`` (changed in place) as ``BoundedAttributes`` keeps them, or None if they are not plain.
+
+    Strings, also inside sequences, are cut at ``chars``; lists become tuples. None when
+    a value is of another type or a sequence mixes types (the SDK would convert or drop
+    it, with a warning), or there are more than ``limit`` attributes.
+    """
+    if not _fits(len(attributes), limit):
+        return None
+    for key, value in attributes.items():
+        kind = type(value)
+        if kind is str:
+            if chars is not None and len(value) > chars:
+                attributes[key] = value[:chars]
+        elif kind is tuple or kind is list:
+            if value:
+                first = type(value[0])
+                if first not in _PLAIN or any(type(item) is not first for item in value):
+                    return None
+                if first is str and chars is not None:
+                    value = tuple(item[:chars] for item in value)
+            if kind is list:
+                value = tuple(value)
+            attributes[key] = value
+        elif kind not in _PLAIN:
+            return None
+    return attributes
+
+
+def span_attributes(record: Any) -> dict[str, Any]:
+    """A record's span attributes: its own, then the module facts and our markers."""
+    attributes = dict(record.attrs)
+    if record.fqn:
+        attributes[semconv.MODULE_FQN] = record.fqn
+        attributes[semconv.MODULE_TYPE] = record.module_type
+        attributes[semconv.MODULE_PASS] = record.pass_
+        attributes[semconv.MODULE_DEPTH] = record.fqn.count(".")
+        attributes[semconv.MODULE_CALL_INDEX] = record.call_index
+    if record.params:
+        attributes[semconv.MODULE_PARAMETERS] = record.params
+    if record.unmatched:
+        attributes[semconv.SPAN_UNMATCHED] = True
+    if record.dropped_events:
+        attributes[semconv.SPAN_DROPPED_EVENTS] = record.dropped_events
+    return attributes

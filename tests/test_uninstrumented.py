@@ -1,0 +1,97 @@
+"""After ``stop()`` nothing of ours is left in the process: hooks, dispatch mode, patches, exit handlers.
+
+Compares torch's own global registries before ``start()`` and after ``stop()``, after a traced step that
+used every part of the tracer (module hooks, tensor hooks, the dispatch mode at detail ``dtensor``, the
+collective kernels, the optimizer-step hooks, DTensor's redistribution watch, exit handlers). Leaving any one of them
+installed makes this test fail.
+"""
+
+import atexit
+
+import torch
+import torch._dynamo  # noqa: F401  (its import registers exit handlers of its own: not ours to count)
+import torch.distributed as dist
+import torch.nn.modules.module as module_hooks
+import torch.optim.optimizer as optimizer_hooks
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from commdebug_otel import CommTracer, Settings
+
+_MODULE_REGISTRIES = (
+    "_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_always_called",
+    "_global_forward_hooks_with_kwargs", "_global_backward_pre_hooks", "_global_backward_hooks",
+    "_global_module_registration_hooks", "_global_parameter_registration_hooks",
+    "_global_buffer_registration_hooks",
+)
+
+
+def _process_state() -> dict:
+    from torch.distributed.tensor._dispatch import OpDispatcher
+
+    state = {name: dict(getattr(module_hooks, name)) for name in _MODULE_REGISTRIES
+             if hasattr(module_hooks, name)}
+    state["optimizer pre"] = dict(optimizer_hooks._global_optimizer_pre_hooks)
+    state["optimizer post"] = dict(optimizer_hooks._global_optimizer_post_hooks)
+    state["dispatch modes"] = list(_get_current_dispatch_mode_stack())
+    state["redistribute_local_args"] = OpDispatcher.__dict__["redistribute_local_args"]
+    return state
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.first(x)
+        dist.all_reduce(hidden.detach())
+        return self.second(hidden)
+
+
+def test_stop_removes_every_hook_mode_patch_and_exit_handler(telemetry, single_rank_group, monkeypatch):
+    exit_handlers = []  # (CPython's atexit cannot list its handlers: watch what is added and removed)
+    register, unregister = atexit.register, atexit.unregister
+
+    def add(function, *args, **kwargs):
+        exit_handlers.append(function)
+        return register(function, *args, **kwargs)
+
+    def remove(function):
+        exit_handlers[:] = [handler for handler in exit_handlers if handler != function]
+        unregister(function)
+
+    monkeypatch.setattr(atexit, "register", add)
+    monkeypatch.setattr(atexit, "unregister", remove)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    net = _Net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    mesh = init_device_mesh("cpu", (1,))
+    before = _process_state()
+    tracer = CommTracer(Settings(detail="dtensor"), tracer_provider=telemetry.tracer_provider,
+                        meter_provider=telemetry.meter_provider)
+    tracer.start()
+    kept = []
+    for _ in range(2):
+        out = net(torch.ones(2, 4, requires_grad=True))
+        kept.append(out)  # a tensor that outlives the step, with the hooks it had
+        sharded = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])
+        sharded.redistribute(mesh, [Replicate()])  # DTensor's redistribution path
+        (sharded.to_local().sum() + out.sum()).backward()
+        optimizer.step()
+    assert _process_state() != before and exit_handlers  # what follows can fail: things were installed
+    tracer.stop()
+
+    assert _process_state() == before
+    assert exit_handlers == []
+    for module in net.modules():
+        assert not module._forward_hooks and not module._forward_pre_hooks
+    for tensor in kept:
+        assert not tensor._backward_hooks
+    spans, points = len(telemetry.spans()), telemetry.metric_points("torch.collective.operations")
+    net(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    dist.all_reduce(torch.ones(1))
+    assert len(telemetry.spans()) == spans  # nothing traced after stop
+    assert telemetry.metric_points("torch.collective.operations") == points  # nor counted
