@@ -34,6 +34,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
 from ._sdk import batch_queue, exporter_preferences, replace_batch_queue
+from .semconv import DROPPED_KIND_METRIC_OVERFLOW
 
 _logger = logging.getLogger(__name__)
 
@@ -243,8 +244,29 @@ class SizedSpanExporter(SpanExporter):
         return self._inner.force_flush(timeout_millis)
 
 
+# The attribute the SDK gives the one series that takes every measurement past a metric's
+# cardinality limit (2,000 series by default).
+OVERFLOW_ATTRIBUTE = "otel.metric.overflow"
+
+
+def overflowed_metrics(metrics_data: Any) -> list[str]:
+    """Names of the metrics in ``metrics_data`` whose series went past the SDK's cardinality limit."""
+    names = []
+    for resource_metrics in getattr(metrics_data, "resource_metrics", ()):
+        for scope_metrics in resource_metrics.scope_metrics:
+            for metric in scope_metrics.metrics:
+                points = getattr(metric.data, "data_points", ())
+                if any(point.attributes and point.attributes.get(OVERFLOW_ATTRIBUTE) for point in points):
+                    names.append(metric.name)
+    return names
+
+
 class CountingMetricExporter(MetricExporter):
-    """Wraps a metric exporter: failed exports are counted and warned about once per endpoint."""
+    """Wraps a metric exporter: failed exports and cardinality overflow are counted, and said once.
+
+    A failed export counts one ``metric_export``; each metric whose series went
+    past the SDK's cardinality limit counts one ``metric_overflow`` per export.
+    """
 
     def __init__(self, inner: MetricExporter, endpoint: str, count_dropped: DropCounter) -> None:
         super().__init__(**exporter_preferences(inner))
@@ -253,6 +275,13 @@ class CountingMetricExporter(MetricExporter):
         self._count_dropped = count_dropped
 
     def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
+        overflowed = overflowed_metrics(metrics_data)
+        if overflowed:
+            self._count_dropped(DROPPED_KIND_METRIC_OVERFLOW, len(overflowed))
+            if claim_warning("metric overflow"):
+                _logger.warning("commdebug-otel: %s passed the SDK's cardinality limit; the excess series "
+                                "are merged into one with otel.metric.overflow=true (lower "
+                                "OTEL_PYTHON_COMMDEBUG_METRIC_MODULE_DEPTH)", ", ".join(overflowed))
         try:
             outcome = self._inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
         except Exception as error:

@@ -76,6 +76,7 @@ DROPPED_KIND = "commdebug.dropped.kind"
 DROPPED_KIND_EVENT = "event"
 DROPPED_KIND_SPAN = "span"
 DROPPED_KIND_HOOK_ERROR = "hook_error"
+DROPPED_KIND_METRIC_OVERFLOW = "metric_overflow"  # a metric past the SDK's cardinality limit, per export
 DROPPED_KIND_METRIC = "metric_point"  # collectives not recorded in metrics: the metrics worker fell behind
 
 # Resource attributes.

@@ -58,6 +58,8 @@ _ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT",)
 # Span batches stay well under gRPC receivers' 4 MiB default (about 43 KB per
 # span with 128 collective events): OTEL_BSP_MAX_EXPORT_BATCH_SIZE overrides.
 DEFAULT_EXPORT_BATCH_SPANS = 64
+# Metric requests likewise: at most this many data points (a few hundred bytes each) per request.
+METRIC_EXPORT_BATCH_POINTS = 2000
 # Longest string attribute value we export (exception messages and stack traces included).
 MAX_ATTRIBUTE_CHARS = 4096
 
@@ -286,9 +288,14 @@ class Telemetry:
                 endpoint = otlp_endpoint(signal)
                 self.endpoints.append(endpoint)
                 transport = "http" if _protocol(signal).startswith("http") else "grpc"
-                guard = SizedSpanExporter if signal == "traces" else CountingMetricExporter
-                exporters.append(guard(_exporter_class(signal, transport)(endpoint=endpoint),
-                                       endpoint, self.count_dropped))
+                if signal == "traces":
+                    exporter = SizedSpanExporter(_exporter_class(signal, transport)(endpoint=endpoint),
+                                                 endpoint, self.count_dropped)
+                else:
+                    exporter = CountingMetricExporter(_exporter_class(signal, transport)(
+                        endpoint=endpoint, max_export_batch_size=METRIC_EXPORT_BATCH_POINTS),
+                        endpoint, self.count_dropped)
+                exporters.append(exporter)
             elif name == "file":
                 fold_exporter_logs()
                 path = self._file_path(signal, rank)

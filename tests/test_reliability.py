@@ -118,6 +118,79 @@ def test_oversized_batches_are_split_under_the_grpc_limit(tmp_path, monkeypatch,
     assert len(receiver.requests("traces")) >= 2
 
 
+_MANY_LABELS_SCRIPT = """
+import socket, sys, torch, torch.distributed as dist
+from commdebug_otel import CommTracer
+
+with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", port, 1, is_master=True), rank=0, world_size=1)
+
+
+class Reduce(torch.nn.Module):
+    def forward(self, x):
+        dist.all_reduce(x)
+        return x
+
+
+model = torch.nn.Sequential(*[Reduce() for _ in range(int(sys.argv[1]))])
+with CommTracer():
+    model(torch.ones(1))
+"""
+
+
+def test_metric_requests_stay_under_the_receivers_limit_with_many_module_labels():
+    modules = 1900
+    with OtlpReceiver(max_receive_message_bytes=1024 * 1024) as receiver:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        env.update(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint, OTEL_TRACES_EXPORTER="none",
+                   OTEL_PYTHON_COMMDEBUG_METRIC_MODULE_DEPTH="3")
+        result = subprocess.run([sys.executable, "-c", _MANY_LABELS_SCRIPT, str(modules)], env=env,
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        points = [p for p in receiver.metrics() if p["name"] == semconv.METRIC_OPERATIONS]
+        sizes = [request.size_bytes for request in receiver.requests("metrics")]
+    assert receiver.rejected_grpc == 0
+    assert sum(sizes) > 1024 * 1024 and max(sizes) < 1024 * 1024  # one request would not have fitted
+    # Cumulative points: stop()'s flush and the exit shutdown each send every series.
+    assert {p["attributes"][semconv.MODULE_FQN]: p["value"] for p in points} == {
+        f"Sequential.{index}": 1 for index in range(modules)}
+
+
+def test_cardinality_overflow_is_counted_and_said_once(caplog):
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, PeriodicExportingMetricReader
+
+    from commdebug_otel.export_guard import CountingMetricExporter
+
+    class Keep(MetricExporter):
+        def export(self, metrics_data, timeout_millis=10_000, **kwargs):
+            return MetricExportResult.SUCCESS
+
+        def force_flush(self, timeout_millis=10_000):
+            return True
+
+        def shutdown(self, timeout_millis=30_000, **kwargs):
+            pass
+
+    drops = []
+    reader = PeriodicExportingMetricReader(CountingMetricExporter(Keep(), "unused", lambda kind, n: drops.append(
+        (kind, n))), export_interval_millis=3_600_000)
+    provider = MeterProvider(metric_readers=[reader])
+    meter = provider.get_meter("overflow-test")
+    fine, crowded = meter.create_counter("fine"), meter.create_counter("crowded")
+    fine.add(1, {"rank": 0})
+    for index in range(2_100):  # past the SDK's default limit of 2,000 series
+        crowded.add(1, {"module": f"layers.{index}"})
+    with caplog.at_level(logging.WARNING):
+        provider.force_flush()
+        provider.force_flush()
+    provider.shutdown()
+    assert drops[:2] == [("metric_overflow", 1), ("metric_overflow", 1)]  # per export, crowded only
+    assert len([r for r in caplog.records if "cardinality limit" in r.getMessage()]) == 1
+
+
 def test_span_size_bound_is_never_below_the_encoded_size():
     """The guard sizes requests without encoding; its bound must hold for every value type."""
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
