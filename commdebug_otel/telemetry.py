@@ -21,8 +21,10 @@ process group) in its resource.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -247,6 +249,42 @@ class Telemetry:
         if not self._atexit:
             self._atexit = True
             atexit.register(self._exit)
+            self._chain_signals()
+
+    def _chain_signals(self) -> None:
+        """Flush on SIGTERM and SIGINT, then hand the signal to the handler that was there.
+
+        torchrun sends SIGTERM to every worker when a peer fails or the job is
+        restarted; the default action kills the process without atexit, and
+        every finished step and metric point still buffered would be lost. Only
+        the main thread can set handlers: elsewhere this does nothing.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            try:
+                previous = signal.getsignal(signum)
+                if previous is None:  # set outside Python: leave it alone
+                    continue
+                signal.signal(signum, functools.partial(self._on_signal, previous))
+            except (ValueError, OSError) as error:  # an embedded interpreter, a restricted platform
+                _logger.debug("commdebug-otel: no flush on signal %s: %s", signum, error)
+
+    def _on_signal(self, previous: Any, signum: int, frame: Any) -> None:
+        """Export what is finished within the budget, then do what ``previous`` would have done."""
+        dying = previous == signal.SIG_DFL and signum != signal.SIGINT
+        try:
+            if dying:
+                self._exit()  # tracers end their open spans; one bounded flush and shutdown
+            else:
+                self.force_flush()  # the previous handler decides; training may go on
+        except Exception as error:  # the signal must still be delivered
+            _logger.debug("commdebug-otel: flush on signal %s failed: %s", signum, error)
+        if dying:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)  # the process ends as it would have, by the signal
+        elif callable(previous):
+            previous(signum, frame)
 
     def _exit(self) -> None:
         for finish in list(self.before_shutdown):

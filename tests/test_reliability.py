@@ -4,6 +4,7 @@ import json
 import logging
 import os
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
@@ -362,6 +363,31 @@ def test_file_export_failures_are_counted_said_once_and_lines_stay_whole(tmp_pat
     assert "File too large" in warnings[0] and "Traceback" not in done.stderr
     assert oct((run / "traces-rank0.jsonl").stat().st_mode & 0o777) == "0o600"
     assert oct(run.stat().st_mode & 0o777) == "0o700"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_keeps_the_finished_steps_and_ends_the_process_as_before(tmp_path, signum):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env["OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR"] = str(tmp_path)  # files; metrics every 60 s by default
+    process = subprocess.Popen([sys.executable, str(SCRIPTS / "until_signal.py"), "3"], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().strip() == "READY"
+        process.send_signal(signum)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == -signum, stderr  # killed by the signal, as without the tracer
+    from commdebug_otel.offline.otlp_json import metrics_from_otlp_json
+    from commdebug_otel.offline.summary import load_spans
+
+    [run] = tmp_path.glob("run-*")
+    spans = load_spans([str(run)])
+    steps = sorted(span["attributes"][semconv.STEP] for span in spans if span["name"] == "train_step")
+    assert steps == [0, 1, 2, 3]  # the three finished steps, and the one under way, ended at the signal
+    points = [point for line in (run / "metrics-rank0.jsonl").read_text().splitlines()
+              for point in metrics_from_otlp_json(line) if point["name"] == semconv.METRIC_OPERATIONS]
+    assert max(point["value"] for point in points) == 3
 
 
 def test_fork_child_exports_its_own_spans(tmp_path):
