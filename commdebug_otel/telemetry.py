@@ -187,6 +187,10 @@ class Telemetry:
                         tracer, provider, tuple(self._own_span_processors) if own else (),
                         _truthy(os.environ.get("OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED")))
                     self._tracer = tracer
+            if self._own_tracer_provider is not None:
+                # Our own meter too, now: spans dropped at exit are counted there, and a meter
+                # provider cannot be started once the interpreter is shutting down.
+                self.meter()
         return self._tracer
 
     def tracer_setup(self) -> TracerSetup:

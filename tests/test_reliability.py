@@ -390,6 +390,23 @@ def test_a_signal_keeps_the_finished_steps_and_ends_the_process_as_before(tmp_pa
     assert max(point["value"] for point in points) == 3
 
 
+def test_spans_dropped_at_exit_are_counted_in_the_last_metrics(tmp_path):
+    script = ("import torch\nfrom commdebug_otel import CommTracer\nCommTracer().start()\n"
+              "torch.nn.Linear(2, 2)(torch.ones(1, 2))\n")  # no collective: no metric before exit
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update(OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR=str(tmp_path), OTEL_METRICS_EXPORTER="file",
+               OTEL_TRACES_EXPORTER="otlp", OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=f"http://127.0.0.1:{closed_port()}",
+               OTEL_EXPORTER_OTLP_TRACES_TIMEOUT="1")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    from commdebug_otel.offline.otlp_json import metrics_from_otlp_json
+
+    [run] = tmp_path.glob("run-*")
+    points = [point for line in (run / "metrics-rank0.jsonl").read_text().splitlines()
+              for point in metrics_from_otlp_json(line) if point["name"] == semconv.METRIC_DROPPED]
+    assert [(point["attributes"][semconv.DROPPED_KIND], point["value"]) for point in points] == [("span", 1)]  # the Linear forward
+
+
 def test_fork_child_exports_its_own_spans(tmp_path):
     result, _ = run_script(["one_rank.py", "2", "--fork"], {
         "OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR": str(tmp_path), "OTEL_METRICS_EXPORTER": "none"})
