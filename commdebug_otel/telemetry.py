@@ -49,6 +49,7 @@ from .export_guard import (
     SizedSpanExporter,
     fold_exporter_logs,
 )
+from .records import span_attributes
 from .steps import RankInfo
 from .version import __version__
 
@@ -325,8 +326,8 @@ class Telemetry:
         return exporters
 
     # ---------------------------------------------------------------- spans
-    def preassigned_ids(self) -> bool:
-        """True when span ids chosen by the recorder are honoured (our id generator is in the provider)."""
+    def start(self) -> bool:
+        """Start the tracer provider if needed; True when span ids chosen by the recorder are honoured."""
         self.tracer()
         return self._ids is not None
 
@@ -339,7 +340,7 @@ class Telemetry:
     def _start(self, tracer: Any, record: Any, parent: SpanContext | None, parent_span: Any,
                trace_id: int | None, children: dict[int, list]) -> None:
         """``parent``: the parent's context; ``parent_span``: the parent itself when the SDK built it."""
-        attributes = _span_attributes(record)
+        attributes = span_attributes(record)
         direct = self._direct
         prepared = direct.prepare(record, attributes) if direct is not None else None
         if prepared is not None:
@@ -633,21 +634,4 @@ def _plain(attributes: dict[str, Any], chars: int | None, limit: int | None) -> 
             attributes[key] = value
         elif kind not in _PLAIN:
             return None
-    return attributes
-
-
-def _span_attributes(record: Any) -> dict[str, Any]:
-    attributes = dict(record.attrs)
-    if record.fqn:
-        attributes[semconv.MODULE_FQN] = record.fqn
-        attributes[semconv.MODULE_TYPE] = record.module_type
-        attributes[semconv.MODULE_PASS] = record.pass_
-        attributes[semconv.MODULE_DEPTH] = record.fqn.count(".")
-        attributes[semconv.MODULE_CALL_INDEX] = record.call_index
-    if record.params:
-        attributes[semconv.MODULE_PARAMETERS] = record.params
-    if record.unmatched:
-        attributes[semconv.SPAN_UNMATCHED] = True
-    if record.dropped_events:
-        attributes[semconv.SPAN_DROPPED_EVENTS] = record.dropped_events
     return attributes
