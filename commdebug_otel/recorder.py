@@ -583,8 +583,9 @@ class Recorder:
             observer.on_op(func, args, is_dtensor, owner)
         if step is None or not step.traced or owner is None:
             return
-        if not all(observer.op_event_wanted(func, is_dtensor) for observer in self._observers):
-            return
+        for observer in self._observers:
+            if not observer.op_event_wanted(func, is_dtensor):
+                return
         name = str(func)
         attrs: dict[str, Any] = {semconv.OP_NAME: name}
         if is_dtensor:
