@@ -16,9 +16,11 @@ Callback rules, for every method of both:
 * They run synchronously on the thread that reported the fact: the training
   thread, or autograd's engine thread in backward. Keep them short: most run
   inside module hooks or the dispatcher, once per collective or op.
-* They must not raise. If one does, the recorder catches it, logs it once per
-  place and counts it as ``commdebug.telemetry.dropped`` with kind
-  ``hook_error``; training goes on, and the fact may be half recorded.
+* They must not raise. If one does, the recorder (or the hook that reported
+  the fact) catches it, logs it once per place and counts it as
+  ``commdebug.telemetry.dropped`` with kind ``hook_error``; training goes on,
+  and that fact may be half recorded (e.g. counted in metrics, without its
+  span event).
 """
 
 from __future__ import annotations

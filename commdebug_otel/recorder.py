@@ -133,6 +133,7 @@ class Recorder:
 
     # ----------------------------------------------------------------- queries
     def rank(self) -> RankInfo:
+        """This process's rank facts, asked again until torch.distributed is initialized."""
         if self._rank is None or not self._rank.distributed:
             info = rank_info()
             if info.distributed or self._rank is None:
