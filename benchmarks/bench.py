@@ -452,7 +452,7 @@ def overhead_worker(rank: int, world_size: int, workload: str, rounds: int, step
     times = _run_interleaved(job, blocks, rounds, steps_per_block, warmup_blocks=1)
     return {
         "times": times,
-        "steps_taken": {name: tracer.recorder._next_step for name, tracer in tracers.items()},
+        "steps_taken": {name: tracer.recorder.steps_taken for name, tracer in tracers.items()},
         "services": {name: tracer.bench_service for name, tracer in tracers.items()},
     }
 
@@ -466,7 +466,7 @@ def always_on_worker(rank: int, world_size: int, workload: str, rounds: int, ste
     tracer = _tracer({"trace_every": 100}, "always-on-long")
     blocks = {BASELINE: Block(lambda: None, lambda _: None), CONFIGS[3]: _tracer_block(tracer)}
     times = _run_interleaved(job, blocks, rounds, steps_per_block, warmup_blocks=1)
-    return {"times": times, "steps_taken": tracer.recorder._next_step}
+    return {"times": times, "steps_taken": tracer.recorder.steps_taken}
 
 
 def _rss_bytes() -> int:
@@ -497,7 +497,7 @@ def memory_and_rate_worker(rank: int, world_size: int, steps: int, warmup: int, 
                 samples.append((index, _rss_bytes()))
     out["rss"] = samples
     out["rss_wall_s"] = time.time() - started
-    out["rss_steps_traced"] = tracer.recorder._next_step
+    out["rss_steps_traced"] = tracer.recorder.steps_taken
 
     dist.barrier()
     tracer = _tracer({"trace_every": 1, "detail": Detail.ALL}, "events")

@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import defaultdict
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,8 +42,10 @@ import torch
 from . import semconv
 from .config import Detail, Settings
 from .instrumentation import CommTracer
+from ._torch import graph_task_id, in_backward
+from .observer import RecorderObserver
 from .ops import CollectiveSpec
-from .recorder import Record, _descends_from
+from .records import Record, descends_from
 from .report import (
     GLOBAL,
     CommReport,
@@ -84,15 +85,25 @@ def _record_parent(record: Record) -> Record | None:
     return record.parent
 
 
-def _event_filter(detail: Detail) -> Callable[[Any, bool], bool] | None:
-    """Which ops become span events at ``detail`` (:func:`~commdebug_otel.report.op_listed`), None for all."""
-    if detail >= Detail.ALL:
-        return None
+class _DropInObserver(RecorderObserver):
+    """Feeds a :class:`CommDebugMode` every collective, first module call and op; span events keep ``detail``."""
 
-    def wanted(func: Any, is_dtensor: bool) -> bool:
-        return op_listed(detail, str(func), is_dtensor)
+    wants_every_event = True  # torch's counts cover every step, traced or not
 
-    return wanted
+    def __init__(self, mode: CommDebugMode, detail: Detail) -> None:
+        self._mode, self._detail = mode, detail
+
+    def on_collective(self, spec: CollectiveSpec, owner: Record | None, pass_: str) -> None:
+        self._mode._count(spec, owner, pass_)
+
+    def on_first_call(self, module: torch.nn.Module, fqn: str, callers: tuple[Record, ...]) -> None:
+        self._mode._note_module(module, fqn, callers)
+
+    def on_op(self, func: Any, args: tuple, is_dtensor: bool, owner: Record | None) -> None:
+        self._mode._note_op(func, args, is_dtensor, owner)
+
+    def op_event_wanted(self, func: Any, is_dtensor: bool) -> bool:
+        return op_listed(self._detail, str(func), is_dtensor)
 
 
 class CommDebugMode:
@@ -173,12 +184,7 @@ class CommDebugMode:
         settings = self._settings if self._settings is not None else Settings.from_env()
         # The reports need every op (as torch records them); span events keep settings.detail.
         self._tracer = CommTracer(dataclasses.replace(settings, detail=Detail.ALL),
-                                  **self._tracer_kwargs)
-        recorder = self._tracer.recorder
-        recorder.event_filter = _event_filter(settings.detail)
-        recorder.sinks.append(self._count)
-        recorder.module_sinks.append(self._note_module)
-        recorder.op_sinks.append(self._note_op)
+                                  observer=_DropInObserver(self, settings.detail), **self._tracer_kwargs)
         self._tracer.start()
         return self
 
@@ -193,25 +199,23 @@ class CommDebugMode:
         self._report.count_collective(packet, pass_, module_chain(owner, _record_fqn, _record_parent))
         self._add_op(spec.overload_name, [], [], None, owner)
 
-    def _note_module(self, module: torch.nn.Module, fqn: str) -> None:
+    def _note_module(self, module: torch.nn.Module, fqn: str, callers: tuple[Record, ...]) -> None:
         self._in_hook = True
         try:
-            self._note_module_facts(module, fqn)
+            self._note_module_facts(module, fqn, callers)
         finally:
             self._in_hook = False
 
-    def _note_module_facts(self, module: torch.nn.Module, fqn: str) -> None:
+    def _note_module_facts(self, module: torch.nn.Module, fqn: str, callers: tuple[Record, ...]) -> None:
         for name, param in module.named_parameters(recurse=False):
             self._parameters.setdefault(fqn, {})[name] = param.data
             if hasattr(param.data, "placements"):
                 self._sharding[f"{fqn}.{name}"] = param.data.placements
-        if torch._C._current_graph_task_id() != -1 or self._tracer is None:
+        if in_backward() or self._tracer is None:
             return  # first seen in activation-checkpoint recompute: torch does not list it
-        # Called before the module's record is pushed: the top of the stack is its caller.
-        stack = self._tracer.recorder._fwd_stack
-        parent = stack[-1].fqn if stack else GLOBAL
+        parent = callers[-1].fqn if callers else GLOBAL
         self._report.add_module(
-            fqn, parent, depth=len(stack) + 1,
+            fqn, parent, depth=len(callers) + 1,
             module_type=str(type(module)).replace("<", "").replace(">", ""),  # "class 'pkg.Class'"
             parameters=[(name, str(param.data.placements))
                         for name, param in module.named_parameters(recurse=False)
@@ -236,7 +240,7 @@ class CommDebugMode:
         ancestor's hook on a shared output fires after the child's, yet torch's
         fires first).
         """
-        task = torch._C._current_graph_task_id()
+        task = graph_task_id()
         last = self._last_bw
         if task == -1 or owner is None or owner.pass_ == semconv.PASS_RECOMPUTE:
             return owner
@@ -244,7 +248,7 @@ class CommDebugMode:
             last = self._last_bw = None
         if owner.pass_ == semconv.PASS_BACKWARD and owner is not last and (
                 last is None or (last.end_ns and owner.start_ns >= last.end_ns)
-                or (owner.start_ns >= last.start_ns and not _descends_from(last, owner.fwd))):
+                or (owner.start_ns >= last.start_ns and not descends_from(last, owner.fwd))):
             last = self._last_bw = owner
         return last if last is not None else owner
 
@@ -254,7 +258,7 @@ class CommDebugMode:
         fqn = owner.fqn if owner is not None and owner.fqn else GLOBAL
         self._report.add_operation(fqn, Operation(
             name, shapes, placements, mesh,  # the mesh is made a string when reported
-            is_bw=torch._C._current_graph_task_id() != -1,
+            is_bw=in_backward(),
             is_activation_checkpointing=owner is not None and owner.pass_ == semconv.PASS_RECOMPUTE))
 
     def get_total_counts(self) -> int:

@@ -14,21 +14,20 @@ Untraced steps pay for module hooks and metrics only.
 from __future__ import annotations
 
 import atexit
-import functools
 import logging
 import os
 import threading
 import weakref
 from typing import Any
 
-import torch
-
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from ._torch import in_backward
 from .config import Detail, Settings
 from .metrics import LazyCollectiveMetrics
 from .intercept import interceptor
 from .mode import COLLECTIVES, CollectiveDispatchMode, enter_below_user_modes, exit_from_stack, on_stack
+from .observer import RecorderObserver
 from .recorder import Recorder
 from .telemetry import Telemetry
 from .tracker import ModuleTracker
@@ -79,6 +78,10 @@ class CommTracer:
         tracer_provider: an OTel ``TracerProvider``; default: our own SDK set-up
             from the standard ``OTEL_*`` variables (see ``telemetry.py``).
         meter_provider: an OTel ``MeterProvider``; same default.
+        telemetry: a ``Telemetry`` to use instead (its providers, exporters and
+            span building), e.g. a private one that :meth:`stop` does not share.
+        observer: a :class:`~commdebug_otel.observer.RecorderObserver` told
+            what the recorder sees (the ``CommDebugMode`` drop-in's counts).
 
     Use as a context manager, or call :meth:`start` and :meth:`stop`.
     Collectives are counted on every thread; those on a thread other than the
@@ -95,18 +98,23 @@ class CommTracer:
     """
 
     def __init__(self, settings: Settings | None = None, *, tracer_provider: Any = None,
-                 meter_provider: Any = None) -> None:
+                 meter_provider: Any = None, telemetry: Telemetry | None = None,
+                 observer: RecorderObserver | None = None) -> None:
         self.settings = settings if settings is not None else Settings.from_env()
-        if tracer_provider is None and meter_provider is None:
+        if telemetry is not None:
+            self.telemetry = telemetry
+        elif tracer_provider is None and meter_provider is None:
             self.telemetry = shared_telemetry(self.settings)
         else:
             self.telemetry = Telemetry(self.settings, self._rank, tracer_provider, meter_provider)
         metrics = LazyCollectiveMetrics(self.telemetry.meter, self.settings.metric_module_depth, self._rank)
         self._metrics = metrics
-        self.recorder = Recorder(self.settings, self.telemetry.spans.emit, metrics,
-                                 preassigned_ids=self.telemetry.spans.start)
+        observers = (_ModeSwitch(self),) if observer is None else (_ModeSwitch(self), observer)
+        self.recorder = Recorder(self.settings, self.telemetry.spans, metrics, observers)
         self._tracker = ModuleTracker(self.recorder)
         self._mode: CollectiveDispatchMode | None = None
+        self._mode_follows_steps = False  # the dispatch mode is on only while a traced step is open
+        self._wants_every_op = observer is not None and observer.wants_every_event
         self._intercepted = False
         self._optimizer_handle = None
         self._optimizer_pre_handle = None
@@ -120,6 +128,10 @@ class CommTracer:
     def started(self) -> bool:
         return self._started
 
+    def state_sizes(self) -> dict[str, int]:
+        """How many entries each piece of per-run state of the recorder and module hooks holds (leak checks)."""
+        return {**self.recorder.state_sizes(), **self._tracker.state_sizes()}
+
     def start(self) -> CommTracer:
         """Install the module hooks, the collective kernels, the dispatch mode and the optimizer-step hook.
 
@@ -131,19 +143,16 @@ class CommTracer:
             _logger.warning("commdebug-otel: CommTracer.start() called twice; ignored")
             return self
         self._started = True
-        self.recorder.active = True
-        self.recorder.thread_id = threading.get_ident()
+        self.recorder.activate()
         self._tracker.install()
         kernels = interceptor(COLLECTIVES)
         self._intercepted = kernels.subscribe(self.recorder)
-        if self._intercepted:
-            self.recorder.watch_why(functools.partial(kernels.want_why, self.recorder))
         self._mode = CollectiveDispatchMode(self.recorder, self.settings.detail,
                                             collectives=not self._intercepted)
-        if not self._intercepted or self.recorder.op_sinks:
+        if not self._intercepted or self._wants_every_op:
             self._enter_mode()  # every op, every step
         elif self.settings.detail >= Detail.DTENSOR or not kernels.names_dtensor_ops:
-            self.recorder.traced_step_changed = self._traced_step_changed
+            self._mode_follows_steps = True
             if self.settings.detail < Detail.DTENSOR:
                 # The optimizer's ops (a large share of a step's) need no mode when it is
                 # only there to name the DTensor op behind a redistribution.
@@ -216,7 +225,7 @@ class CommTracer:
         # short bound (an SDK that hangs must not double the exit budget).
         self.flush_metrics(min(self.settings.shutdown_timeout_s, METRICS_DRAIN_S))
         self.recorder.active = False
-        self.recorder.traced_step_changed = None
+        self._mode_follows_steps = False
         for handle in (self._optimizer_handle, self._optimizer_pre_handle):
             if handle is not None:
                 handle.remove()
@@ -225,7 +234,6 @@ class CommTracer:
         self._mode = None
         if self._intercepted:
             self._intercepted = False
-            self.recorder.watch_why(None)
             interceptor(COLLECTIVES).unsubscribe(self.recorder)
         self._tracker.remove()
         if flush:
@@ -248,9 +256,11 @@ class CommTracer:
 
     def _traced_step_changed(self, traced: bool) -> None:
         """A step opened (traced or not) or a traced step closed: the mode follows, on this thread."""
+        if not self._mode_follows_steps:
+            return
         if traced:
             self._enter_mode()
-        elif torch._C._current_graph_task_id() == -1:
+        elif not in_backward():
             # Inside backward (optimizer-in-backward) the engine restores this thread's modes
             # when the pass ends: the next step's opening takes the mode off instead.
             self._exit_mode()
@@ -270,3 +280,17 @@ class CommTracer:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+class _ModeSwitch(RecorderObserver):
+    """The tracer's own observer: its dispatch mode and DTensor's redistribution watch follow the steps."""
+
+    def __init__(self, tracer: CommTracer) -> None:
+        self._tracer = tracer
+
+    def traced_step_changed(self, traced: bool) -> None:
+        self._tracer._traced_step_changed(traced)
+
+    def why_wanted(self, wanted: bool) -> None:
+        if self._tracer._intercepted:
+            interceptor(COLLECTIVES).want_why(self._tracer.recorder, wanted)

@@ -35,6 +35,7 @@ its dispatch mode on traced steps.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -42,7 +43,9 @@ from typing import Any
 
 import torch
 
+from . import _torch
 from .ops import CollectiveSpec
+from .redact import describe
 
 _logger = logging.getLogger(__name__)
 
@@ -56,8 +59,8 @@ class _InProgress(threading.local):
 class CollectiveInterceptor:
     """Process-wide: reports each collective to every subscribed recorder.
 
-    A subscriber has ``collective(spec, args, duration_ns, out, start_ns)``,
-    ``hook_failed(where, error)``, ``thread_id`` and ``why_func``/``why_args``.
+    A subscriber (a ``Recorder``) has ``collective(spec, args, duration_ns, out, start_ns)``,
+    ``hook_failed(where, error)``, ``thread_id`` and ``why`` (``with why(op, specs): ...``).
     Kernels are registered at the first subscription and stay (see :meth:`unsubscribe`).
     """
 
@@ -67,7 +70,7 @@ class CollectiveInterceptor:
         self._libraries: list[torch.library.Library] = []
         self._lock = threading.Lock()
         self._local = _InProgress()
-        self._below = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
+        self._below = _torch.keys_after_backend_select()
         self._dtensor_dispatcher: Any = None  # OpDispatcher, once its redistributions are watched
         self._original_redistribute: Any = None
         self._redistribute_wrapper: Any = None
@@ -121,51 +124,41 @@ class CollectiveInterceptor:
                 if library is None:
                     library = libraries[spec.namespace] = torch.library.Library(spec.namespace, "IMPL")
                     self._libraries.append(library)
-                name = overload._schema.name.split("::", 1)[1]
-                if overload._overloadname != "default":
-                    name = f"{name}.{overload._overloadname}"
-                library.impl(name, self._kernel(overload, spec), _KEY, with_keyset=True)
+                library.impl(_torch.impl_name(overload), self._kernel(overload, spec), _KEY, with_keyset=True)
             self._watch_redistributions()
         except Exception as error:
-            _logger.warning("commdebug-otel: cannot register collective kernels (%s: %s); the "
+            _logger.warning("commdebug-otel: cannot register collective kernels (%s); the "
                             "dispatch mode counts collectives instead, at a cost on every op",
-                            type(error).__name__, error)
+                            describe(error))
             self._uninstall()
             return False
         return True
 
     def _watch_redistributions(self) -> None:
         try:
-            from torch.distributed.tensor._dispatch import OpDispatcher
-
-            original = OpDispatcher.__dict__["redistribute_local_args"]
+            dispatcher, original = _torch.dtensor_redistribution()
             redistribute = original.__func__
         except Exception as error:  # another torch: the mode names the ops instead
-            _logger.debug("commdebug-otel: DTensor redistributions not watched: %s", error)
+            _logger.debug("commdebug-otel: DTensor redistributions not watched: %s", describe(error))
             return
         interceptor = self
 
         def redistribute_local_args(op_info: Any, suggested_input_schema: Any, *args: Any, **kwargs: Any) -> Any:
             # Only a recorder's training thread (or autograd's) sets its "why": another
             # thread's redistribution must not name the training thread's collectives.
-            thread, in_backward = threading.get_ident(), torch._C._current_graph_task_id() != -1
-            subscribers = [recorder for recorder in interceptor._subscribers
-                           if in_backward or recorder.thread_id == thread]
-            saved = [(recorder, recorder.why_func, recorder.why_args) for recorder in subscribers]
-            try:
-                op, specs = suggested_input_schema.op, tuple(op_info.flat_args_schema)
-                for recorder in subscribers:
-                    recorder.why_func, recorder.why_args = op, specs
-            except Exception:  # a changed OpInfo: the collectives still count, without a "why"
-                pass
-            try:
+            thread, in_backward = threading.get_ident(), _torch.in_backward()
+            with contextlib.ExitStack() as whys:
+                try:
+                    op, specs = _torch.redistribution_op(op_info, suggested_input_schema)
+                    for recorder in interceptor._subscribers:
+                        if in_backward or recorder.thread_id == thread:
+                            whys.enter_context(recorder.why(op, specs))
+                except Exception:  # a changed OpInfo: the collectives still count, without a "why"
+                    pass
                 return redistribute(op_info, suggested_input_schema, *args, **kwargs)
-            finally:
-                for recorder, func, func_args in saved:
-                    recorder.why_func, recorder.why_args = func, func_args
 
         self._redistribute_wrapper = staticmethod(redistribute_local_args)
-        self._dtensor_dispatcher = OpDispatcher
+        self._dtensor_dispatcher = dispatcher
         self._original_redistribute = original
 
     def _uninstall(self) -> None:
@@ -175,12 +168,12 @@ class CollectiveInterceptor:
         libraries, self._libraries = self._libraries, []
         for library in libraries:
             try:
-                library._destroy()
+                _torch.destroy_library(library)
             except Exception:  # interpreter shutdown: the registrations go with the process
                 pass
 
     def _kernel(self, overload: Any, spec: CollectiveSpec) -> Any:
-        redispatch = overload._handle.redispatch_boxed  # OpOverload.redispatch without its Python frame
+        redispatch = _torch.boxed_redispatch(overload)
         below = self._below
         local = self._local
 

@@ -39,6 +39,7 @@ from opentelemetry.metrics import Meter
 
 from . import semconv
 from .ops import GroupFacts
+from .redact import describe
 
 # Collective issue times span microseconds (in-process) to seconds (slow ranks).
 DURATION_BUCKETS_S = (0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05,
@@ -91,8 +92,8 @@ class MetricsWorker:
             except Exception as error:  # the SDK failed: say it once, keep the thread alive
                 if not failed:
                     failed = True
-                    _logger.warning("commdebug-otel: recording metrics failed (%s: %s)",
-                                    type(error).__name__, error)
+                    _logger.warning("commdebug-otel: recording metrics failed (%s)",
+                                    describe(error))
 
     def drain(self, timeout_s: float) -> bool:
         """Wait at most ``timeout_s`` for the calls submitted so far. True if they all ran."""
@@ -253,7 +254,7 @@ class LazyCollectiveMetrics:
             except Exception as error:  # e.g. an output folder we cannot create: say it once
                 from opentelemetry.metrics import NoOpMeter
 
-                _logger.warning("commdebug-otel: metrics are off: %s: %s", type(error).__name__, error)
+                _logger.warning("commdebug-otel: metrics are off: %s", describe(error))
                 meter = NoOpMeter("commdebug_otel")
             self._metrics = CollectiveMetrics(meter, self._module_depth, self.dropped)
             # From now on the recorder calls the instruments' methods directly.

@@ -19,25 +19,26 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from torch._ops import HigherOrderOperator
-from torch.utils._python_dispatch import (
+from ._torch import (
+    HigherOrderOperator,
     TorchDispatchMode,
-    _get_current_dispatch_mode_stack,
-    _pop_mode,
-    _push_mode,
+    dispatch_mode_stack,
+    pop_mode,
+    push_mode,
+    sync_dispatch_mode_flags,
 )
-
 from .config import Detail
 from .ops import build_registry
+from .report import op_listed
 from .recorder import Recorder
 
-# CommDebugMode's trivial ops (torch/distributed/tensor/debug/_comm_mode.py), left out below detail "all".
-TRIVIAL_OPS = frozenset({
-    "aten.detach.default", "aten.t.default", "aten.view.default",
-    "aten._to_copy.default", "aten.as_strided.default", "aten.transpose.int",
-})
 
 COLLECTIVES = build_registry()
+
+
+def op_event_wanted(detail: Detail, func: Any, is_dtensor: bool) -> bool:
+    """Whether an op becomes a span event at ``detail``: :func:`~commdebug_otel.report.op_listed` for ``func``."""
+    return detail >= Detail.ALL or op_listed(detail, str(func), is_dtensor)
 
 
 def _dtensor_type() -> type | None:
@@ -61,6 +62,7 @@ class CollectiveDispatchMode(TorchDispatchMode):
     def __init__(self, recorder: Recorder, detail: Detail, collectives: bool = False) -> None:
         super().__init__()
         self._recorder = recorder
+        self._why = recorder.why  # the recorder's one "why", cleared in place, never replaced
         self._collectives = collectives
         self._detail = detail
         self._dtensor = _dtensor_type()
@@ -80,18 +82,14 @@ class CollectiveDispatchMode(TorchDispatchMode):
                 if self._record_dtensor_ops:
                     self._note(func, args, is_dtensor=True)
                 if self._desugar:
-                    recorder.why_func, recorder.why_args = func, args  # the "why" of collectives to come
+                    self._why.until_local_op(func, args)  # the "why" of collectives to come
                     return NotImplemented  # DTensor desugars into local ops and collectives, through here
                 # DTensor's own dispatch runs here with this mode off: its local ops never come back
                 # to Python, and its collectives reach the dispatcher kernels with this "why".
-                previous = recorder.why_func, recorder.why_args
-                recorder.why_func, recorder.why_args = func, args
-                try:
+                with self._why(func, args):
                     return func(*args, **kwargs) if kwargs else func(*args)
-                finally:
-                    recorder.why_func, recorder.why_args = previous
-            if recorder.why_func is func:
-                recorder.why_func = None  # DTensor runs its local op: redistribution is over
+            if self._why.op is func:
+                self._why.local_op_ran(func)  # DTensor runs its local op: redistribution is over
             if self._record_plain_ops and recorder.active:
                 self._note(func, args, is_dtensor=False)
             return func(*args, **kwargs) if kwargs else func(*args)
@@ -109,7 +107,7 @@ class CollectiveDispatchMode(TorchDispatchMode):
     def _note(self, func: Any, args: tuple, is_dtensor: bool) -> None:
         """An op event (detail ``dtensor`` and up); trivial ops only at ``all``."""
         try:
-            if self._detail >= Detail.ALL or str(func) not in TRIVIAL_OPS:
+            if op_event_wanted(self._detail, func, is_dtensor):
                 self._recorder.op_event(func, args, is_dtensor=is_dtensor)
         except Exception as error:
             self._recorder.hook_failed("op event", error)
@@ -117,33 +115,12 @@ class CollectiveDispatchMode(TorchDispatchMode):
 
 def _user_modes_above_infra() -> int:
     """How many modes on this thread's stack are user modes (infra modes, e.g. FakeTensorMode, sit below them)."""
-    return sum(1 for mode in _get_current_dispatch_mode_stack() if getattr(mode, "_mode_key", None) is None)
+    return sum(1 for mode in dispatch_mode_stack() if getattr(mode, "_mode_key", None) is None)
 
 
 def on_stack(mode: TorchDispatchMode) -> bool:
     """Whether ``mode`` is on this thread's dispatch mode stack."""
-    return any(other is mode for other in _get_current_dispatch_mode_stack())
-
-
-def _sync_mode_flags() -> None:
-    """Recompute the process-wide "a mode is active" flags from this thread's stack.
-
-    ``TorchDispatchMode.__enter__``/``__exit__`` save and restore these flags
-    (torch/utils/_python_dispatch.py) assuming last-in, first-out order, which
-    a mode inserted under others breaks: ours are pushed and popped raw, and the
-    flags set from what is really on the stack.
-    """
-    from torch.utils import _python_dispatch as dispatch
-
-    stack = _get_current_dispatch_mode_stack()
-    try:
-        dispatch._is_in_torch_dispatch_mode = bool(stack)
-        dispatch._is_in_non_infra_torch_dispatch_mode = any(not m.is_infra_mode() for m in stack)
-        without = any(not m.ignore_compile_internals() for m in stack)
-        dispatch._is_in_any_mode_without_ignore_compile_internals = without
-        dispatch.set_is_in_mode_without_ignore_compile_internals(without)
-    except AttributeError:  # another torch without some of these flags
-        pass
+    return any(other is mode for other in dispatch_mode_stack())
 
 
 def enter_below_user_modes(mode: TorchDispatchMode) -> None:
@@ -154,11 +131,11 @@ def enter_below_user_modes(mode: TorchDispatchMode) -> None:
     before that and exited earlier (``with FlopCounterMode(): loss = model(x)``)
     pops whatever is on top (``TorchDispatchMode.__exit__``): ours must not be there.
     """
-    above = [_pop_mode() for _ in range(_user_modes_above_infra())]
-    _push_mode(mode)
+    above = [pop_mode() for _ in range(_user_modes_above_infra())]
+    push_mode(mode)
     for other in reversed(above):
-        _push_mode(other)
-    _sync_mode_flags()
+        push_mode(other)
+    sync_dispatch_mode_flags()
 
 
 def exit_from_stack(mode: TorchDispatchMode) -> bool:
@@ -169,10 +146,10 @@ def exit_from_stack(mode: TorchDispatchMode) -> bool:
     if not on_stack(mode):
         return False
     above = []
-    while _get_current_dispatch_mode_stack()[-1] is not mode:
-        above.append(_pop_mode())
-    _pop_mode()
+    while dispatch_mode_stack()[-1] is not mode:
+        above.append(pop_mode())
+    pop_mode()
     for other in reversed(above):
-        _push_mode(other)
-    _sync_mode_flags()
+        push_mode(other)
+    sync_dispatch_mode_flags()
     return True

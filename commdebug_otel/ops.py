@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from . import semconv
+from ._torch import unbox_process_group
 
 _logger = logging.getLogger(__name__)
 
@@ -277,6 +278,10 @@ class GroupResolver:
     def __init__(self) -> None:
         self._by_key: dict[Any, GroupFacts] = {}
 
+    def __len__(self) -> int:
+        """How many group arguments are cached."""
+        return len(self._by_key)
+
     def resolve(self, spec: CollectiveSpec, args: tuple) -> GroupFacts:
         if 0 <= spec.group_index < len(args):
             key = args[spec.group_index]
@@ -298,22 +303,16 @@ class GroupResolver:
         return facts
 
 
-def _unboxed(group: Any) -> Any:
-    if isinstance(group, torch.ScriptObject):  # c10d ops box the group
-        return torch.distributed.ProcessGroup.unbox(group)
-    return group
-
-
 def _group_key(group: Any) -> Any:
     try:
-        return ("group", _unboxed(group).group_name)
+        return ("group", unbox_process_group(group).group_name)
     except Exception:
         return id(group)
 
 
 def _facts_of_group(group: Any) -> GroupFacts:
     try:
-        group = _unboxed(group)
+        group = unbox_process_group(group)
         name = str(getattr(group, "group_name", "") or "unknown")
         size = int(group.size())
         desc = str(getattr(group, "group_desc", "") or "")

@@ -32,6 +32,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCod
 
 from . import semconv
 from ._sdk import instrumentation_scope, span_limits
+from .records import span_attributes
 from .redact import exception_attributes
 
 
@@ -294,22 +295,4 @@ def _plain(attributes: dict[str, Any], chars: int | None, limit: int | None) -> 
             attributes[key] = value
         elif kind not in _PLAIN:
             return None
-    return attributes
-
-
-def span_attributes(record: Any) -> dict[str, Any]:
-    """A record's span attributes: its own, then the module facts and our markers."""
-    attributes = dict(record.attrs)
-    if record.fqn:
-        attributes[semconv.MODULE_FQN] = record.fqn
-        attributes[semconv.MODULE_TYPE] = record.module_type
-        attributes[semconv.MODULE_PASS] = record.pass_
-        attributes[semconv.MODULE_DEPTH] = record.fqn.count(".")
-        attributes[semconv.MODULE_CALL_INDEX] = record.call_index
-    if record.params:
-        attributes[semconv.MODULE_PARAMETERS] = record.params
-    if record.unmatched:
-        attributes[semconv.SPAN_UNMATCHED] = True
-    if record.dropped_events:
-        attributes[semconv.SPAN_DROPPED_EVENTS] = record.dropped_events
     return attributes

@@ -52,6 +52,7 @@ from .metrics import dropped_counter
 from .spans import SpanBuilder, StepIdGenerator, TracerSetup
 from .steps import RankCache, RankInfo
 from .version import __version__
+from .redact import describe
 
 _logger = logging.getLogger(__name__)
 
@@ -178,8 +179,8 @@ class Telemetry:
                         try:
                             provider = self._make_tracer_provider()
                         except Exception as error:  # e.g. OUTPUT_DIR cannot be created
-                            _logger.warning("commdebug-otel: spans are off: %s: %s",
-                                            type(error).__name__, error)
+                            _logger.warning("commdebug-otel: spans are off: %s",
+                                            describe(error))
                             provider = otel_trace.NoOpTracerProvider()
                     tracer = otel_trace.get_tracer(SCOPE_NAME, __version__, provider)
                     own = provider is self._own_tracer_provider
@@ -207,8 +208,8 @@ class Telemetry:
                         try:
                             provider = self._make_meter_provider()
                         except Exception as error:
-                            _logger.warning("commdebug-otel: metrics are off: %s: %s",
-                                            type(error).__name__, error)
+                            _logger.warning("commdebug-otel: metrics are off: %s",
+                                            describe(error))
                             provider = otel_metrics.NoOpMeterProvider()
                     self._meter = otel_metrics.get_meter(SCOPE_NAME, __version__, provider)
         return self._meter
@@ -272,7 +273,7 @@ class Telemetry:
                     continue
                 signal.signal(signum, functools.partial(self._on_signal, previous))
             except (ValueError, OSError) as error:  # an embedded interpreter, a restricted platform
-                _logger.debug("commdebug-otel: no flush on signal %s: %s", signum, error)
+                _logger.debug("commdebug-otel: no flush on signal %s: %s", signum, describe(error))
 
     def _on_signal(self, previous: Any, signum: int, frame: Any) -> None:
         """Export what is finished within the budget, then do what ``previous`` would have done."""
@@ -283,7 +284,7 @@ class Telemetry:
             else:
                 self.force_flush()  # the previous handler decides; training may go on
         except Exception as error:  # the signal must still be delivered
-            _logger.debug("commdebug-otel: flush on signal %s failed: %s", signum, error)
+            _logger.debug("commdebug-otel: flush on signal %s failed: %s", signum, describe(error))
         if dying:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)  # the process ends as it would have, by the signal
@@ -295,7 +296,7 @@ class Telemetry:
             try:
                 finish()
             except Exception as error:
-                _logger.debug("commdebug-otel: closing spans at exit failed: %s", error)
+                _logger.debug("commdebug-otel: closing spans at exit failed: %s", describe(error))
         self.shutdown()
 
     # ------------------------------------------------------------- exporters
@@ -436,7 +437,7 @@ def _run_bounded(what: str, calls: list, timeout_s: float) -> bool:
             try:
                 call()
             except Exception as error:  # exporter failures are counted by the guards
-                _logger.debug("commdebug-otel: telemetry %s failed: %s", what, error)
+                _logger.debug("commdebug-otel: telemetry %s failed: %s", what, describe(error))
 
     worker = threading.Thread(target=run, name=f"commdebug-otel-{what}", daemon=True)
     worker.start()
@@ -523,6 +524,6 @@ def _prometheus_reader(rank: RankInfo) -> MetricReader | None:
     try:
         start_http_server(port, addr=host)
     except OSError as error:
-        _logger.warning("commdebug-otel: cannot serve Prometheus metrics on %s:%d (%s)", host, port, error)
+        _logger.warning("commdebug-otel: cannot serve Prometheus metrics on %s:%d (%s)", host, port, describe(error))
         return None
     return _pull_reader_class()()

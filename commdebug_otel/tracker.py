@@ -35,7 +35,10 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from .recorder import Record, Recorder
+from ._torch import in_compiled_module, keep_forward_hook_last
+from .recorder import Recorder
+from .records import Record
+
 
 def _grad_tensors(value: Any, found: list) -> list:
     if isinstance(value, torch.Tensor):
@@ -87,6 +90,11 @@ class ModuleTracker:
         self._post_handles.clear()
         self._calls.clear()
 
+    def state_sizes(self) -> dict[str, int]:
+        """How many entries each piece of per-run state holds, by name (for leak checks)."""
+        return {"named modules": len(self._names), "module hooks": len(self._post_handles),
+                "calls in flight": len(self._calls)}
+
     def fqn(self, module: torch.nn.Module) -> str:
         """CommDebugMode's FQN: the root's class name, then the dotted path."""
         name = self._names.get(module)
@@ -108,16 +116,15 @@ class ModuleTracker:
         if not recorder.active:
             return
         try:
-            if torch._dynamo.eval_frame._is_in_optimized_module():
+            if in_compiled_module():
                 recorder.unobserved("torch.compile")  # module hooks inside compiled code
                 return
             handle = self._post_handles.get(module)
-            hooks = module._forward_hooks
             if handle is None:
                 handle = module.register_forward_hook(self._post_hook, always_call=True)
                 self._post_handles[module] = handle
-            elif next(reversed(hooks)) != handle.id:
-                hooks.move_to_end(handle.id)  # hooks added after ours must run inside the span
+            else:
+                keep_forward_hook_last(module, handle)  # hooks added after ours must run inside the span
             name = self._names.get(module)
             if name is None:
                 name = self.fqn(module)

@@ -140,7 +140,7 @@ def test_direct_spans_match_the_sdk_span_path_on_the_wire(monkeypatch, single_ra
 
     memory = InMemoryTelemetry()
     tracer = CommTracer(Settings(), tracer_provider=memory.tracer_provider, meter_provider=memory.meter_provider)
-    tracer.recorder._emit_step = capture
+    monkeypatch.setattr(tracer.telemetry.spans, "emit", capture)  # the recorder's span sink
     net = Net()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
     with tracer:

@@ -212,4 +212,4 @@ def test_evaluation_between_steps_is_its_own_root_and_keeps_step_numbers(telemet
     roots = [span.name for span in telemetry.spans() if span.parent is None]
     assert roots == ["train_step", "Block forward", "Block forward", "Block forward"] * 2
     assert [s.attributes[semconv.STEP] for s in telemetry.by_name("train_step")] == [0, 1]
-    assert tracer.recorder._step is None  # nothing left open to grow
+    assert not tracer.recorder.step_open  # nothing left open to grow

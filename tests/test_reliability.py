@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from commdebug_otel import CommTracer, Settings, semconv
+from commdebug_otel.steps import rank_info
 from commdebug_otel.telemetry import otlp_endpoint
 from commdebug_otel.testing.otlp_receiver import OtlpReceiver
 
@@ -105,9 +106,7 @@ def test_oversized_batches_are_split_under_the_grpc_limit(tmp_path, monkeypatch,
         from commdebug_otel.telemetry import Telemetry
 
         settings = Settings(max_events_per_span=2000, shutdown_timeout_s=20)
-        tracer = CommTracer(settings)
-        tracer.telemetry = Telemetry(settings, tracer.recorder.rank)  # a private SDK set-up
-        tracer.recorder._emit_step = tracer.telemetry.spans.emit
+        tracer = CommTracer(settings, telemetry=Telemetry(settings))  # a private SDK set-up
         with tracer:
             for _ in range(6):
                 Chatty()(torch.ones(1))
@@ -474,9 +473,7 @@ def test_exported_files_hold_no_tensor_values_and_bounded_strings(tmp_path, monk
             return out
 
     settings = Settings(detail=Detail.ALL, output_dir=str(tmp_path))
-    tracer = CommTracer(settings)
-    tracer.telemetry = Telemetry(settings, tracer.recorder.rank)  # a private SDK set-up
-    tracer.recorder._emit_step = tracer.telemetry.spans.emit
+    tracer = CommTracer(settings, telemetry=Telemetry(settings))  # a private SDK set-up
     model = Leaky()
     with torch.no_grad():
         model.lin.weight.fill_(sentinel)

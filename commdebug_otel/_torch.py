@@ -1,0 +1,127 @@
+"""Every touch of private torch APIs, in one place: a torch upgrade that moves one breaks this file only.
+
+Each name says what it is for and where torch keeps it. The live modules
+(recorder, tracker, dispatch mode, collective kernels, tracer) import torch's
+internals from here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._ops import HigherOrderOperator  # noqa: F401  (re-exported: the mode skips these)
+from torch.utils._python_dispatch import (  # noqa: F401  (TorchDispatchMode re-exported)
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+    _pop_mode,
+    _push_mode,
+)
+
+# The autograd graph task running on this thread, -1 outside backward
+# (torch/csrc/autograd/python_engine.cpp). A builtin: as cheap as a call gets on the hot path.
+graph_task_id = torch._C._current_graph_task_id
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward pass on this thread."""
+    return graph_task_id() != -1
+
+
+def queue_engine_callback(callback: Any) -> None:
+    """Run ``callback()`` when the running backward pass ends (the engine's final callbacks)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def in_compiled_module() -> bool:
+    """True inside a ``torch.compile``-optimized module, where module hooks do not run as written."""
+    return torch._dynamo.eval_frame._is_in_optimized_module()
+
+
+def keep_forward_hook_last(module: torch.nn.Module, handle: Any) -> None:
+    """Move the module-local forward hook ``handle`` behind hooks added after it (``Module._forward_hooks``)."""
+    hooks = module._forward_hooks
+    if next(reversed(hooks)) != handle.id:
+        hooks.move_to_end(handle.id)
+
+
+# ------------------------------------------------------------------ dispatch modes
+dispatch_mode_stack = _get_current_dispatch_mode_stack
+push_mode = _push_mode
+pop_mode = _pop_mode
+
+
+def sync_dispatch_mode_flags() -> None:
+    """Recompute the process-wide "a mode is active" flags from this thread's stack.
+
+    ``TorchDispatchMode.__enter__``/``__exit__`` save and restore these flags
+    (torch/utils/_python_dispatch.py) assuming last-in, first-out order, which
+    a mode inserted under others breaks: ours are pushed and popped raw, and the
+    flags set from what is really on the stack.
+    """
+    from torch.utils import _python_dispatch as dispatch
+
+    stack = _get_current_dispatch_mode_stack()
+    try:
+        dispatch._is_in_torch_dispatch_mode = bool(stack)
+        dispatch._is_in_non_infra_torch_dispatch_mode = any(not m.is_infra_mode() for m in stack)
+        without = any(not m.ignore_compile_internals() for m in stack)
+        dispatch._is_in_any_mode_without_ignore_compile_internals = without
+        dispatch.set_is_in_mode_without_ignore_compile_internals(without)
+    except AttributeError:  # another torch without some of these flags
+        pass
+
+
+# ------------------------------------------------------------------ dispatcher kernels
+def keys_after_backend_select() -> Any:
+    """The dispatch keys below ``BackendSelect``: where a kernel registered there redispatches to."""
+    return torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
+
+
+def impl_name(overload: Any) -> str:
+    """``OpOverload`` → the ``name[.overload]`` that ``torch.library.Library.impl`` takes."""
+    name = overload._schema.name.split("::", 1)[1]
+    if overload._overloadname != "default":
+        name = f"{name}.{overload._overloadname}"
+    return name
+
+
+def boxed_redispatch(overload: Any) -> Any:
+    """``redispatch(keyset, *args, **kwargs)`` for ``overload``: ``OpOverload.redispatch`` without its Python frame."""
+    return overload._handle.redispatch_boxed
+
+
+def destroy_library(library: torch.library.Library) -> None:
+    """Deregister a ``torch.library.Library``'s kernels now."""
+    library._destroy()
+
+
+def dtensor_redistribution() -> tuple[type, Any]:
+    """DTensor's ``OpDispatcher`` and its ``redistribute_local_args`` as stored on the class (a staticmethod).
+
+    Raises whatever the import or lookup raises on a torch without them
+    (torch/distributed/tensor/_dispatch.py).
+    """
+    from torch.distributed.tensor._dispatch import OpDispatcher
+
+    return OpDispatcher, OpDispatcher.__dict__["redistribute_local_args"]
+
+
+def redistribution_op(op_info: Any, suggested_input_schema: Any) -> tuple[Any, tuple]:
+    """The op being redistributed and its input specs, from ``redistribute_local_args``'s arguments."""
+    return suggested_input_schema.op, tuple(op_info.flat_args_schema)
+
+
+# ------------------------------------------------------------------ c10d objects
+def work_future(work: Any) -> Any:
+    """The future of a boxed c10d ``Work`` (as c10d ops return it); raises where the backend has none."""
+    from torch.distributed import Work
+
+    return Work.unbox(work).get_future()
+
+
+def unbox_process_group(group: Any) -> Any:
+    """The ``ProcessGroup`` of a c10d op's boxed group argument (other values as they are)."""
+    if isinstance(group, torch.ScriptObject):
+        return torch.distributed.ProcessGroup.unbox(group)
+    return group

@@ -1,0 +1,245 @@
+"""The collective path: metric points, completion timing, span-event attributes, and the "why".
+
+``Recorder.collective`` classifies each collective (another thread, a quiet
+step, or one that keeps records) and hands it here:
+
+* :class:`CollectiveCounter` records its metric points, and times c10d
+  collectives to completion without waiting for them;
+* :func:`event_attributes` builds the span event of a traced collective from
+  one :class:`Collective` (built only on paths that keep records: the quiet
+  path allocates nothing per collective);
+* :class:`Why` holds the DTensor op whose redistribution is in progress, the
+  "why" of the collectives it issues.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+
+from . import _torch, semconv
+from .ops import CollectiveSpec, GroupFacts, payload_bytes, reduce_op_name
+from .records import Record, dtensor_facts
+from .redact import describe
+
+_logger = logging.getLogger(__name__)
+
+PASS_NONE = "none"  # a collective outside any module pass (set-up, optimizer, logging)
+
+
+class Collective:
+    """One collective that keeps records (a traced step, an observer, or module labels on metrics)."""
+
+    __slots__ = ("spec", "args", "group", "seq", "duration_ns", "out", "start_ns",
+                 "pass_", "owner", "nbytes", "dtype", "shape", "fake")
+
+    def __init__(self, spec: CollectiveSpec, args: tuple, group: GroupFacts, seq: int,
+                 duration_ns: int, out: Any, start_ns: int) -> None:
+        self.spec = spec
+        self.args = args
+        self.group = group
+        self.seq = seq  # per process group, how many collectives this rank issued on it before
+        self.duration_ns = duration_ns  # issue time on the CPU
+        self.out = out  # what the op returned (a c10d op's holds its Work)
+        self.start_ns = start_ns  # time.perf_counter_ns() at issue
+        self.pass_ = PASS_NONE
+        self.owner: Record | None = None
+        self.nbytes = 0
+        self.dtype = ""
+        self.shape: list[int] = []
+        self.fake = False  # fake/meta tensors move no bytes
+
+
+class CollectiveCounter:
+    """Metric points of collectives, and their completion times.
+
+    Args:
+        metrics: a ``metrics.LazyCollectiveMetrics`` (or anything with its
+            ``collective`` and ``completion`` methods), or None for no metrics.
+        rank: ``rank() -> RankInfo``, called per point (the rank can change once the group is up).
+        hook_failed: ``hook_failed(where, error)``, for failures on a backend's thread.
+
+    Attributes:
+        time_completions: whether c10d collectives are timed to completion now
+            (the recorder sets it per step: ``trace_every``'s and one step in ``completion_every``).
+    """
+
+    def __init__(self, metrics: Any, rank: Callable[[], Any], hook_failed: Callable[[str, BaseException], None]) -> None:
+        self._metrics = metrics
+        self._rank = rank
+        self._hook_failed = hook_failed
+        self._untimed: set[str] = set()  # overloads whose Work has no future on this backend
+        self.time_completions = True
+
+    def count(self, spec: CollectiveSpec, args: tuple, group: GroupFacts, pass_: str, duration_ns: int,
+              out: Any, start_ns: int) -> None:
+        """The points of a collective that keeps no records: the quiet path, kept short on purpose."""
+        if self._metrics is None:
+            return
+        nbytes, fake = payload_bytes(spec, args)
+        if fake:
+            return
+        rank = self._rank().rank
+        self._metrics.collective(spec.op, pass_, group, rank, nbytes, duration_ns / 1e9, "", context=None)
+        if not spec.functional and out is not None and self.time_completions:
+            self._time_completion(out, spec, pass_, group, rank, "", start_ns)
+
+    def count_recorded(self, collective: Collective, fqn: str, context: Any) -> None:
+        """The points of a recorded collective: ``fqn`` for module labels, ``context`` for exemplars."""
+        if self._metrics is None or collective.fake:
+            return
+        spec, pass_, group = collective.spec, collective.pass_, collective.group
+        rank = self._rank().rank
+        self._metrics.collective(spec.op, pass_, group, rank, collective.nbytes,
+                                 collective.duration_ns / 1e9, fqn, context=context)
+        if not spec.functional and collective.out is not None and self.time_completions:
+            self._time_completion(collective.out, spec, pass_, group, rank, fqn, collective.start_ns)
+
+    def _time_completion(self, out: Any, spec: CollectiveSpec, pass_: str, group: GroupFacts, rank: int,
+                         fqn: str, start_ns: int) -> None:
+        """Record issue-to-completion time when the c10d ``Work``'s future completes (never waits).
+
+        Some backends' works have no future (gloo's ``_reduce_scatter_base_`` raises
+        "Work::getFuture not implemented"): that overload is not timed from then on.
+        """
+        if spec.overload_name in self._untimed:
+            return
+        work = out[-1] if isinstance(out, tuple) else out
+        if not isinstance(work, torch.ScriptObject):
+            return
+        try:
+            future = _torch.work_future(work)
+        except Exception as error:
+            self._untimed.add(spec.overload_name)
+            _logger.debug("commdebug-otel: %s is not timed to completion: %s", spec.overload_name, describe(error))
+            return
+        try:
+            future.add_done_callback(_Completion(self, spec.op, pass_, group, rank, fqn, start_ns))
+        except Exception as error:
+            self._untimed.add(spec.overload_name)
+            self._hook_failed("completion time", error)
+
+
+class _Completion:
+    """A ``Work`` future's done callback: runs on the backend's thread and must never raise."""
+
+    __slots__ = ("counter", "op", "pass_", "group", "rank", "fqn", "start_ns")
+
+    def __init__(self, counter: CollectiveCounter, op: str, pass_: str, group: GroupFacts, rank: int,
+                 fqn: str, start_ns: int) -> None:
+        self.counter, self.op, self.pass_, self.group = counter, op, pass_, group
+        self.rank, self.fqn, self.start_ns = rank, fqn, start_ns
+
+    def __call__(self, _future: Any) -> None:
+        try:
+            self.counter._metrics.completion(self.op, self.pass_, self.group, self.rank,
+                                             (time.perf_counter_ns() - self.start_ns) / 1e9, self.fqn)
+        except Exception as error:
+            self.counter._hook_failed("completion time", error)
+
+
+def event_attributes(collective: Collective, why: dict[str, Any] | None) -> dict[str, Any]:
+    """The span-event attributes of a traced collective (DESIGN.md's collective table).
+
+    ``why``: the attributes of the DTensor op behind it (:meth:`Why.attributes`), or None.
+    """
+    spec, group, args = collective.spec, collective.group, collective.args
+    attrs: dict[str, Any] = {
+        semconv.COLLECTIVE_OP: spec.op,
+        semconv.OP_NAME: spec.overload_name,
+        semconv.COLLECTIVE_BYTES: collective.nbytes,
+        semconv.COLLECTIVE_DTYPE: collective.dtype,
+        semconv.COLLECTIVE_SHAPE: collective.shape,
+        semconv.PROCESS_GROUP_NAME: group.name,
+        semconv.PROCESS_GROUP_SIZE: group.size,
+        semconv.COLLECTIVE_SEQ: collective.seq,
+        semconv.MODULE_PASS: collective.pass_,
+        semconv.COLLECTIVE_DURATION: collective.duration_ns / 1e9,
+    }
+    if group.dim_name:
+        attrs[semconv.DEVICE_MESH_DIM_NAME] = group.dim_name
+    if collective.fake:
+        attrs[semconv.COLLECTIVE_FAKE] = True
+    if 0 <= spec.reduce_index < len(args):
+        attrs[semconv.COLLECTIVE_REDUCE_OP] = reduce_op_name(args[spec.reduce_index])
+    if 0 <= spec.peer_index < len(args):
+        attrs[semconv.COLLECTIVE_PEER] = int(args[spec.peer_index])
+    if why:
+        attrs.update(why)
+    return attrs
+
+
+class Why:
+    """The DTensor op whose redistribution is in progress: the "why" of the collectives it issues.
+
+    Set in one of two ways, and read by the recorder only when a functional
+    collective follows (its facts are computed then, once per op):
+
+    * ``with why(op, args): ...`` sets it for the block and restores what was
+      there before (DTensor's dispatch, or its ``redistribute_local_args``);
+    * :meth:`until_local_op` sets it until DTensor runs the op's local
+      version (:meth:`local_op_ran`), a module pass begins or ends, or the step
+      ends (:meth:`clear`).
+
+    Attributes:
+        op: the ``OpOverload`` being redistributed, or None. Read-only outside this class.
+        args: its DTensor arguments or input specs (anything with ``placements`` and ``device_mesh``).
+    """
+
+    __slots__ = ("op", "args", "_facts_of", "_attrs")
+
+    def __init__(self) -> None:
+        self.op: Any = None
+        self.args: tuple = ()
+        self._facts_of: Any = None
+        self._attrs: dict[str, Any] = {}
+
+    def __call__(self, op: Any, args: tuple) -> _WhyScope:
+        """A context manager: ``op`` is the why inside the block."""
+        return _WhyScope(self, op, args)
+
+    def until_local_op(self, op: Any, args: tuple) -> None:
+        """``op`` is the why until DTensor runs its local op (or a module boundary, or the step end)."""
+        self.op, self.args = op, args
+
+    def local_op_ran(self, op: Any) -> None:
+        """DTensor runs ``op``'s local version: its redistribution is over."""
+        if self.op is op:
+            self.op = None
+
+    def clear(self) -> None:
+        self.op, self.args = None, ()
+
+    def attributes(self) -> dict[str, Any] | None:
+        """The event attributes of the current why, None when there is none (cached per op)."""
+        if self.op is None:
+            return None
+        if self._facts_of is not self.args:
+            self._facts_of = self.args
+            facts = dtensor_facts(self.args)
+            self._attrs = {
+                semconv.DTENSOR_OP: str(self.op),
+                semconv.DTENSOR_INPUT_PLACEMENTS: facts[semconv.DTENSOR_INPUT_PLACEMENTS],
+            }
+            if semconv.DEVICE_MESH_SHAPE in facts:
+                self._attrs[semconv.DEVICE_MESH_SHAPE] = facts[semconv.DEVICE_MESH_SHAPE]
+        return self._attrs
+
+
+class _WhyScope:
+    __slots__ = ("_why", "_op", "_args", "_saved")
+
+    def __init__(self, why: Why, op: Any, args: tuple) -> None:
+        self._why, self._op, self._args = why, op, args
+        self._saved: tuple = (None, ())
+
+    def __enter__(self) -> None:
+        why = self._why
+        self._saved = (why.op, why.args)
+        why.op, why.args = self._op, self._args
+
+    def __exit__(self, *exc: Any) -> None:
+        self._why.op, self._why.args = self._saved

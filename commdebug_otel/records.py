@@ -1,0 +1,197 @@
+"""Records: the spans-to-be of one step, the step's span tree, and a record's attributes.
+
+The recorder (``recorder.py``) fills a :class:`Step` with :class:`Record` objects
+while the step runs; when the step closes, :func:`span_tree` arranges them
+into (roots, children) and the span sink (``Telemetry.emit``) turns each into
+an OTel span with :func:`span_attributes`. Nothing here touches OTel.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import torch
+
+from . import semconv
+from .report import dtensor_inputs
+
+ATTR_MAX_CHARS = 1024  # bound on any string attribute we build
+
+
+class SpanKind(enum.Enum):
+    """What a record (or a step) stands for."""
+
+    MODULE = "module"  # a module's forward, backward or recompute pass
+    STEP = "step"  # the ``train_step`` root
+    OUTSIDE_STEP = "outside_step"  # the root of collectives outside any step (set-up, evaluation)
+    INFERENCE = "inference"  # a step without ``train_step``: each top-level forward is a root
+
+
+class Record:
+    """A span-to-be. Times are ``time.time_ns()`` nanoseconds (``end_ns`` 0: still open)."""
+
+    __slots__ = (
+        "kind", "name", "fqn", "module_type", "pass_", "call_index", "start_ns", "end_ns",
+        "parent", "fwd", "events", "dropped_events", "error", "unmatched", "params",
+        "open_bw", "bw_records", "graph_task", "input_hooked", "hidden", "attrs", "hooked_outputs",
+        "span_id",
+    )
+
+    def __init__(self, kind: SpanKind, name: str, start_ns: int) -> None:
+        self.kind = kind
+        self.name = name
+        self.fqn = ""
+        self.module_type = ""
+        self.pass_ = ""
+        self.call_index = 0
+        self.start_ns = start_ns
+        self.end_ns = 0
+        self.parent: Record | None = None
+        self.fwd: Record | None = None  # backward record -> its forward record
+        self.events: list[tuple[str, dict, int]] = []
+        self.dropped_events = 0
+        self.error: BaseException | None = None
+        self.unmatched = False
+        self.params: list[str] | None = None
+        self.open_bw: Record | None = None  # forward record -> its open backward record
+        self.bw_records: list[Record] = []
+        self.graph_task = -1
+        self.input_hooked = False
+        self.hidden = False
+        self.attrs: dict[str, Any] = {}
+        self.hooked_outputs: set[int] | frozenset = set()  # ids of outputs with a backward hook
+        self.span_id = 0  # assigned up front when a metric exemplar points at this span
+
+
+class Step:
+    """One step's records: a training step, an inference forward, or the ``outside_step`` root."""
+
+    __slots__ = ("index", "traced", "root", "records", "kind", "backward_done", "had_module",
+                 "trace_id", "hooks", "inference", "quiet")
+
+    def __init__(self, index: int, traced: bool, root: Record, kind: SpanKind) -> None:
+        self.index = index
+        self.traced = traced
+        self.root = root
+        self.records: list[Record] = []
+        self.kind = kind  # STEP, OUTSIDE_STEP, or INFERENCE once it closes as one
+        self.backward_done = 0  # backward passes completed in this step
+        self.had_module = False
+        self.trace_id = 0  # known up front for traced steps when span ids can be pre-assigned
+        self.hooks: list[Any] = []  # multi-grad hook handles, removed when the step closes
+        self.inference = False  # a top-level forward without grad: its own root, not a train_step
+        # Keeps nothing but metric points (untraced, no module label, no observer of every
+        # collective): its collectives take the short path in Recorder.collective().
+        self.quiet = False
+
+
+# ------------------------------------------------------------------ the span tree
+def span_tree(step: Step) -> tuple[list[Record], dict[int, list[Record]]]:
+    """The finished step as ``(roots, children)``: ``children[id(record)]`` in start order.
+
+    Records still open end with the step, marked unmatched. Backward records
+    nest by the module tree (not hook order), hidden records (module
+    include/exclude) hand their children to the nearest shown ancestor, and
+    every span is widened to cover its children.
+    """
+    children: dict[int, list[Record]] = {}
+    root = step.root
+    for record in step.records:
+        if record.end_ns == 0:
+            record.end_ns, record.unmatched = root.end_ns, True
+        parent = _parent_of(record, root)
+        if record.hidden:
+            continue
+        children.setdefault(id(parent), []).append(record)
+    _widen(root, children)
+    if step.kind is SpanKind.INFERENCE:  # top-level forwards are the roots
+        return children.get(id(root), []), children
+    return [root], children
+
+
+def _parent_of(record: Record, root: Record) -> Record:
+    if record.pass_ == semconv.PASS_BACKWARD:
+        ancestor = record.fwd.parent if record.fwd is not None else None
+        while ancestor is not None and ancestor.kind is SpanKind.MODULE:
+            for candidate in reversed(ancestor.bw_records):
+                if candidate.graph_task == record.graph_task and not candidate.hidden:
+                    return candidate
+            ancestor = ancestor.parent
+        return root
+    parent = record.parent or root
+    while parent.hidden and parent.parent is not None:
+        parent = parent.parent
+    return parent
+
+
+def _widen(record: Record, children: dict[int, list[Record]]) -> None:
+    """Make every span cover its children (backward hooks can fire child-first)."""
+    kids = children.get(id(record))
+    if not kids:
+        return
+    kids.sort(key=lambda child: child.start_ns)
+    for child in kids:
+        _widen(child, children)
+        if child.start_ns < record.start_ns:
+            record.start_ns = child.start_ns
+        if child.end_ns > record.end_ns:
+            record.end_ns = child.end_ns
+
+
+def descends_from(record: Record, forward: Record | None) -> bool:
+    """True if ``record`` (a backward record) belongs to a module call inside ``forward``'s call."""
+    ancestor = record.fwd.parent if record.fwd is not None else None
+    while ancestor is not None:
+        if ancestor is forward:
+            return True
+        ancestor = ancestor.parent
+    return False
+
+
+# ------------------------------------------------------------------ attributes
+def span_attributes(record: Record) -> dict[str, Any]:
+    """The span attributes of a finished record (a fresh dict; DESIGN.md's module-pass table)."""
+    attributes = dict(record.attrs)
+    if record.fqn:
+        attributes[semconv.MODULE_FQN] = record.fqn
+        attributes[semconv.MODULE_TYPE] = record.module_type
+        attributes[semconv.MODULE_PASS] = record.pass_
+        attributes[semconv.MODULE_DEPTH] = record.fqn.count(".")
+        attributes[semconv.MODULE_CALL_INDEX] = record.call_index
+    if record.params:
+        attributes[semconv.MODULE_PARAMETERS] = record.params
+    if record.unmatched:
+        attributes[semconv.SPAN_UNMATCHED] = True
+    if record.dropped_events:
+        attributes[semconv.SPAN_DROPPED_EVENTS] = record.dropped_events
+    return attributes
+
+
+def _placements_text(tensor: Any) -> str:
+    return str(tuple(tensor.placements))
+
+
+def dtensor_facts(args: tuple) -> dict[str, Any]:
+    """Event attributes describing the DTensor arguments in ``args``: shapes, placements, mesh."""
+    shapes, placements, mesh = dtensor_inputs(args)
+    facts: dict[str, Any] = {
+        semconv.DTENSOR_INPUT_SHAPES: [str(list(shape)) for shape in shapes],
+        semconv.DTENSOR_INPUT_PLACEMENTS: [str(tuple(placement))[:ATTR_MAX_CHARS] for placement in placements],
+    }
+    if mesh is not None:
+        facts[semconv.DEVICE_MESH] = str(mesh)[:ATTR_MAX_CHARS]
+        facts[semconv.DEVICE_MESH_SHAPE] = [int(size) for size in mesh.shape]
+        facts[semconv.DEVICE_MESH_DIM_NAMES] = list(mesh.mesh_dim_names or ())
+    return facts
+
+
+def parameter_facts(module: torch.nn.Module) -> list[str]:
+    """``"name [shape] placements"`` per direct parameter; no values."""
+    facts = []
+    for name, param in module.named_parameters(recurse=False):
+        text = f"{name} {list(param.shape)}"
+        if hasattr(param, "placements"):
+            text += " " + _placements_text(param)
+        facts.append(text[:ATTR_MAX_CHARS])
+    return facts

@@ -1,0 +1,63 @@
+"""The recorder's public seams: the "why" scope, observers passed at construction, and state sizes."""
+
+import logging
+
+import torch
+
+from commdebug_otel import CommTracer, Settings, semconv
+from commdebug_otel.collectives import Why
+from commdebug_otel.observer import RecorderObserver
+
+
+def test_why_scope_restores_what_was_there_and_local_op_ends_it():
+    why = Why()
+    outer, inner = object(), object()
+    with why(outer, ("a",)):
+        with why(inner, ("b",)):
+            assert (why.op, why.args) == (inner, ("b",))
+        assert (why.op, why.args) == (outer, ("a",))
+    assert (why.op, why.args) == (None, ())
+    assert why.attributes() is None
+    why.until_local_op(outer, ())
+    why.local_op_ran(inner)  # another op's local run leaves it
+    assert why.op is outer
+    why.local_op_ran(outer)
+    assert why.op is None
+
+
+def test_observer_sees_first_calls_with_their_callers_and_a_raising_one_is_counted(telemetry, caplog):
+    class Seen(RecorderObserver):
+        def __init__(self):
+            self.calls = []
+
+        def on_first_call(self, module, fqn, callers):
+            self.calls.append((fqn, [record.fqn for record in callers]))
+
+        def traced_step_changed(self, traced):
+            raise RuntimeError("injected")
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Sequential(torch.nn.Linear(2, 2))
+
+        def forward(self, x):
+            return self.inner(x)
+
+    observer = Seen()
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracer = CommTracer(Settings(), tracer_provider=telemetry.tracer_provider,
+                        meter_provider=telemetry.meter_provider, observer=observer)
+    with caplog.at_level(logging.WARNING), tracer:
+        for _ in range(2):
+            model(torch.ones(1, 2)).sum().backward()
+            optimizer.step()
+        assert tracer.state_sizes()["modules seen"] == 3
+    assert observer.calls == [("Net", []), ("Net.inner", ["Net"]), ("Net.inner.0", ["Net", "Net.inner"])]
+    assert [r.getMessage().count("dispatch mode switch failed") for r in caplog.records] == [1]
+    # Two openings and two traced closings each raised; the steps are exported all the same.
+    assert telemetry.metric_points(semconv.METRIC_DROPPED) == [
+        ({semconv.DROPPED_KIND: "hook_error", semconv.RANK: 0}, 4)]
+    assert len(telemetry.by_name("train_step")) == 2
+    assert not tracer.recorder.step_open
