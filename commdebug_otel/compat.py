@@ -41,7 +41,7 @@ import torch
 
 from . import semconv
 from .config import Detail, Settings
-from .instrumentation import CommTracer
+from .instrumentation import CommTracer, exporting_tracer
 from ._torch import graph_task_id, in_backward
 from .observer import RecorderObserver
 from .ops import CollectiveSpec
@@ -183,8 +183,11 @@ class CommDebugMode:
         self._reset()
         settings = self._settings if self._settings is not None else Settings.from_env()
         # The reports need every op (as torch records them); span events keep settings.detail.
+        # Inside a running tracer this one only counts: the running one exports, once.
+        exports = exporting_tracer() is None
         self._tracer = CommTracer(dataclasses.replace(settings, detail=Detail.ALL),
-                                  observer=_DropInObserver(self, settings.detail), **self._tracer_kwargs)
+                                  observer=_DropInObserver(self, settings.detail), exports=exports,
+                                  **(self._tracer_kwargs if exports else {}))
         self._tracer.start()
         return self
 

@@ -54,6 +54,16 @@ def shared_telemetry(settings: Settings) -> Telemetry:
 
 
 _STARTED: weakref.WeakSet = weakref.WeakSet()
+# The started tracer that exports this process's telemetry: at most one, so nothing is exported twice.
+_EXPORTING: weakref.WeakSet = weakref.WeakSet()
+_said_refused = False
+
+
+def exporting_tracer() -> CommTracer | None:
+    """The :class:`CommTracer` that exports this process's telemetry, or None when none is running."""
+    for tracer in list(_EXPORTING):
+        return tracer
+    return None
 _fork_hook_installed = False
 
 
@@ -82,6 +92,13 @@ class CommTracer:
             span building), e.g. a private one that :meth:`stop` does not share.
         observer: a :class:`~commdebug_otel.observer.RecorderObserver` told
             what the recorder sees (the ``CommDebugMode`` drop-in's counts).
+        exports: False for a tracer that only feeds ``observer`` and exports
+            nothing (the drop-in inside a running tracer).
+
+    One tracer exports per process: :meth:`start` on a second exporting tracer
+    while one runs (started from the environment, by ``opentelemetry-instrument``
+    or by the script) warns once and does nothing, so no span, event or metric
+    is exported twice.
 
     Use as a context manager, or call :meth:`start` and :meth:`stop`.
     Collectives are counted on every thread; those on a thread other than the
@@ -99,9 +116,13 @@ class CommTracer:
 
     def __init__(self, settings: Settings | None = None, *, tracer_provider: Any = None,
                  meter_provider: Any = None, telemetry: Telemetry | None = None,
-                 observer: RecorderObserver | None = None) -> None:
+                 observer: RecorderObserver | None = None, exports: bool = True) -> None:
         self.settings = settings if settings is not None else Settings.from_env()
-        if telemetry is not None:
+        self._exports = exports
+        self._refused = False
+        if not exports:
+            self.telemetry = Telemetry.silent(self.settings)
+        elif telemetry is not None:
             self.telemetry = telemetry
         elif tracer_provider is None and meter_provider is None:
             self.telemetry = shared_telemetry(self.settings)
@@ -142,6 +163,9 @@ class CommTracer:
         if self._started:
             _logger.warning("commdebug-otel: CommTracer.start() called twice; ignored")
             return self
+        if self._exports and exporting_tracer() is not None:
+            self._refuse()
+            return self
         self._started = True
         self.recorder.activate()
         self._tracker.install()
@@ -164,6 +188,8 @@ class CommTracer:
         atexit.register(self._stop_at_exit)
         self.telemetry.before_shutdown.append(self._stop_at_exit)
         _STARTED.add(self)  # weakly: a tracer that is dropped can be collected
+        if self._exports:
+            _EXPORTING.add(self)
         _install_fork_hook()
         if not self._fork_hook:
             self._fork_hook = True
@@ -171,6 +197,15 @@ class CommTracer:
 
             multiprocessing.util.register_after_fork(self, CommTracer._flush_before_mp_exit)  # weak too
         return self
+
+    def _refuse(self) -> None:
+        global _said_refused
+        self._refused = True
+        if not _said_refused:
+            _said_refused = True
+            _logger.warning("commdebug-otel: a CommTracer already exports this process's telemetry (started "
+                            "from the environment, by opentelemetry-instrument or by the script); this one "
+                            "does nothing, so nothing is exported twice")
 
     def _after_fork_in_child(self) -> None:
         """Forked children export their own spans: fresh state, providers with their own pid and rank."""
@@ -210,10 +245,12 @@ class CommTracer:
 
     def stop(self, flush: bool = True) -> None:
         """End every open span, remove every hook, and (``flush``) export within the shutdown timeout."""
+        self._refused = False
         if not self._started:
             return
         self._started = False
         _STARTED.discard(self)
+        _EXPORTING.discard(self)
         atexit.unregister(self._stop_at_exit)
         if self._stop_at_exit in self.telemetry.before_shutdown:
             self.telemetry.before_shutdown.remove(self._stop_at_exit)

@@ -66,11 +66,15 @@ class TracerSetup(NamedTuple):
 
     ``processors``: our own provider's batch processors, empty for an injected
     provider (whose spans then always take ``Tracer.start_span``).
+    ``ids``: our id generator in the provider (:func:`attach_id_generator`, which
+    must run before the provider makes ``tracer``: an SDK tracer keeps the
+    generator it was made with), None where the provider has none.
     ``sdk_metrics``: the SDK's own span metrics are on.
     """
 
     tracer: Any
     provider: Any
+    ids: StepIdGenerator | None = None
     processors: Sequence[Any] = ()
     sdk_metrics: bool = False
 
@@ -98,7 +102,7 @@ class SpanBuilder:
         setup = self._setup()
         if setup is not self._built_for:
             self._built_for = setup
-            self._ids = _attach_id_generator(setup.provider)
+            self._ids = setup.ids
             self._direct = None
             if setup.processors:
                 self._direct = _DirectSpans.for_provider(setup.provider, setup.tracer, setup.processors,
@@ -166,7 +170,8 @@ class SpanBuilder:
         span.end(end_time=record.end_ns)
 
 
-def _attach_id_generator(provider: Any) -> StepIdGenerator | None:
+def attach_id_generator(provider: Any) -> StepIdGenerator | None:
+    """Put a :class:`StepIdGenerator` around ``provider``'s id generator; None if it has none (not an SDK provider)."""
     inner = getattr(provider, "id_generator", None)
     if inner is None:
         return None  # not an SDK provider (a proxy or no-op): trace ids stay random

@@ -49,7 +49,7 @@ from .export_guard import (
     fold_exporter_logs,
 )
 from .metrics import dropped_counter
-from .spans import SpanBuilder, StepIdGenerator, TracerSetup
+from .spans import SpanBuilder, StepIdGenerator, TracerSetup, attach_id_generator
 from .steps import RankCache, RankInfo
 from .version import __version__
 from .redact import describe
@@ -169,6 +169,12 @@ class Telemetry:
         self.endpoints: list[str] = []  # OTLP endpoints in use, for warnings
         self.file_directory: str | None = None  # where the embedded default writes, once known
 
+    @classmethod
+    def silent(cls, settings: Settings) -> Telemetry:
+        """A telemetry that exports nothing: no-op providers (a tracer that only feeds an observer)."""
+        return cls(settings, tracer_provider=otel_trace.NoOpTracerProvider(),
+                   meter_provider=otel_metrics.NoOpMeterProvider())
+
     # ------------------------------------------------------------- providers
     def tracer(self) -> otel_trace.Tracer:
         if self._tracer is None:
@@ -182,10 +188,11 @@ class Telemetry:
                             _logger.warning("commdebug-otel: spans are off: %s",
                                             describe(error))
                             provider = otel_trace.NoOpTracerProvider()
+                    ids = attach_id_generator(provider)  # before the tracer: it keeps the generator
                     tracer = otel_trace.get_tracer(SCOPE_NAME, __version__, provider)
                     own = provider is self._own_tracer_provider
                     self._tracer_setup = TracerSetup(
-                        tracer, provider, tuple(self._own_span_processors) if own else (),
+                        tracer, provider, ids, tuple(self._own_span_processors) if own else (),
                         _truthy(os.environ.get("OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED")))
                     self._tracer = tracer
             if self._own_tracer_provider is not None:
