@@ -49,3 +49,15 @@ def _no_env_leaks(monkeypatch):
         if name.startswith("OTEL_"):
             monkeypatch.delenv(name)
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _no_tracer_left_running(request):
+    """A tracer left started would make every later one in this process a no-op (one exporter per process)."""
+    yield
+    from commdebug_otel.instrumentation import exporting_tracer
+
+    tracer = exporting_tracer()
+    if tracer is not None:
+        tracer.stop()
+        print(f"LEFT RUNNING by {request.node.nodeid}")

@@ -117,6 +117,27 @@ def _final_values_reached(url: str, at: float) -> bool:
             and sorted(dropped.values()) == [expected_dropped_events()] * WORLD_SIZE)
 
 
+def _wait_for_a_scrape_of_the_setup(rank: int, url: str) -> None:
+    """Hold training until Prometheus has scraped both ranks' set-up broadcasts.
+
+    Prometheus starts scraping a second or more after the workers do; a run that
+    ended before its first scrape would leave every rate with one sample (no
+    data). Ranks agree through the store, not a collective (that would be counted).
+    """
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        deadline = time.monotonic() + POLL_TIMEOUT_S
+        expr = 'sum by (torch_distributed_rank) (torch_collective_operations_total{torch_collective_op="broadcast"})'
+        while time.monotonic() < deadline:
+            if by_labels(query(url, expr), "torch_distributed_rank") == {
+                    (str(r),): 4.0 for r in range(WORLD_SIZE)}:
+                break
+            time.sleep(0.1)
+        store.set("commdebug-test/set-up-scraped", "1")
+    else:
+        store.wait(["commdebug-test/set-up-scraped"])
+
+
 def _train_then_wait_for_scrape(rank: int, world_size: int, prometheus_url: str) -> dict:
     """Train under CommTracer (settings and exporters from OTEL_*), then keep serving until scraped."""
     import commdebug_otel
@@ -132,6 +153,7 @@ def _train_then_wait_for_scrape(rank: int, world_size: int, prometheus_url: str)
     with commdebug_otel.CommTracer():
         for parameter in model.parameters():
             dist.broadcast(parameter.detach(), src=0)
+        _wait_for_a_scrape_of_the_setup(rank, prometheus_url)
         for _ in range(STEPS):
             model(torch.randn(BATCH, DIM)).square().mean().backward()
             optimizer.step()
