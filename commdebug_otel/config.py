@@ -50,6 +50,7 @@ from opentelemetry.sdk.environment_variables import (
     OTEL_EXPORTER_OTLP_TRACES_PROTOCOL,
     OTEL_EXPORTER_PROMETHEUS_HOST,
     OTEL_EXPORTER_PROMETHEUS_PORT,
+    OTEL_METRIC_EXPORT_INTERVAL,
     OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED,
     OTEL_RESOURCE_ATTRIBUTES,
     OTEL_SDK_DISABLED,
@@ -59,7 +60,8 @@ from opentelemetry.sdk.environment_variables import (
 _logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "OTEL_PYTHON_COMMDEBUG_"
-ENABLED_ENV = ENV_PREFIX + "ENABLED"  # commdebug_otel.pth looks it up too (presence only)
+# Short jobs under `commdebug-otel run` must export metrics before they end (OTel's default is 60 s).
+RUN_METRIC_EXPORT_INTERVAL_MS = "5000"
 
 # torchrun's variables (torch/distributed/elastic/agent/server/api.py).
 RANK_ENV = "RANK"
@@ -303,6 +305,19 @@ def read_option(field: str, environ: Mapping[str, str] | None = None) -> Any:
             option.env, raw, option.accepted, _describe(option.default),
         )
         return option.default
+
+
+def run_environment(values: Mapping[str, str | None], environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment ``commdebug-otel run`` gives its command: a copy of ``environ`` (default
+    ``os.environ``) with each option in ``values`` (``Settings`` field -> text; None: not given) as its
+    variable, ``ENABLED=true``, and ``OTEL_METRIC_EXPORT_INTERVAL=5000`` (ms) unless already set."""
+    env = dict(_environ(environ))
+    for option in OPTIONS:
+        if values.get(option.field) is not None:
+            env[option.env] = values[option.field]
+    env[_BY_FIELD["enabled"].env] = "true"
+    env.setdefault(OTEL_METRIC_EXPORT_INTERVAL, RUN_METRIC_EXPORT_INTERVAL_MS)
+    return env
 
 
 def instrumentation_disabled(environ: Mapping[str, str] | None = None) -> bool:

@@ -28,6 +28,8 @@ from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
+from . import semconv
+
 _logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BYTES = 3_584 * 1024  # 3.5 MiB: room under gRPC's 4 MiB for request framing
@@ -198,7 +200,7 @@ class SizedSpanExporter(SpanExporter):
             if span_bytes > self._max_request_bytes:
                 span_bytes = _span_bytes(span)  # a whole request: resource and scope included
             if span_bytes > self._max_request_bytes:
-                self._count_dropped("span", 1)
+                self._count_dropped(semconv.DROPPED_KIND_SPAN, 1)
                 _logger.warning("commdebug-otel: span %r is %d bytes, over the %d-byte request limit; "
                                 "dropped (lower OTEL_PYTHON_COMMDEBUG_MAX_EVENTS_PER_SPAN)",
                                 span.name, span_bytes, self._max_request_bytes)
@@ -220,7 +222,7 @@ class SizedSpanExporter(SpanExporter):
                 outcome = SpanExportResult.FAILURE
             if outcome is not SpanExportResult.SUCCESS:
                 result = SpanExportResult.FAILURE
-                self._count_dropped("span", len(chunk))
+                self._count_dropped(semconv.DROPPED_KIND_SPAN, len(chunk))
                 warn_once(self._endpoint, "spans")
         return result
 
@@ -248,7 +250,7 @@ class CountingMetricExporter(MetricExporter):
             _fold.last_message = f"{type(error).__name__}: {error}"
             outcome = MetricExportResult.FAILURE
         if outcome is not MetricExportResult.SUCCESS:
-            self._count_dropped("metric_export", 1)
+            self._count_dropped(semconv.DROPPED_KIND_METRIC_EXPORT, 1)
             warn_once(self._endpoint, "metrics")
         return outcome
 
@@ -295,4 +297,4 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
         batch = getattr(self, "_batch_processor", None)
         queue = getattr(batch, "_queue", None)
         if isinstance(queue, collections.deque) and queue.maxlen:
-            batch._queue = _CountingQueue(queue, queue.maxlen, lambda: count_dropped("span", 1))
+            batch._queue = _CountingQueue(queue, queue.maxlen, lambda: count_dropped(semconv.DROPPED_KIND_SPAN, 1))

@@ -69,7 +69,7 @@ def test_configuration_reference_is_generated_from_the_options_table():
 def test_every_name_in_the_data_contract_is_documented():
     text = (DOCS / "semantic-conventions.md").read_text()
     names = {value for key, value in vars(semconv).items() if key.isupper() and isinstance(value, str)}
-    missing = sorted(name for name in names if f"`{name}`" not in text and name not in text)
+    missing = sorted(name for name in names if f"`{name}`" not in text)  # as code: "span" is in any text
     assert not missing
 
 

@@ -208,6 +208,7 @@ def test_a_thousand_traced_steps_leave_nothing_open_and_no_state_growth(telemetr
                 telemetry.clear()
         late = sizes()
     assert early == late
-    assert late[:3] == (0, 0, 0) or late[:2] == (0, 0)
+    # Nothing open: no forward or backward record. (Call counts hold the last step's: bounded by early == late.)
+    assert late[:2] == (0, 0)
     assert telemetry.by_name("train_step")[-1].attributes[semconv.STEP] == 999
     assert not any(semconv.SPAN_UNMATCHED in s.attributes for s in telemetry.spans())
