@@ -480,8 +480,7 @@ class ExportEnv:
         if http and not specific:
             base = endpoint.rstrip("/")
             for suffix in ("/v1/traces", "/v1/metrics", "/v1/logs"):
-                if base.endswith(suffix):
-                    base = base[: -len(suffix)]
+                base = base.removesuffix(suffix)
             endpoint = f"{base}/v1/{signal}"
         return endpoint
 

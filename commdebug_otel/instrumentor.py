@@ -23,7 +23,6 @@ A torchrun launcher process (which runs the instrumentor too) stays a no-op.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import threading
@@ -32,10 +31,8 @@ from typing import Any
 
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
-_logger = logging.getLogger(__name__)
-
 _instruments = ("torch >= 2.6",)
-_lock = threading.RLock()  # the singleton's creation and instrument()/uninstrument()
+_lock = threading.Lock()  # instrument() / uninstrument(): check and change, one thread at a time
 
 _LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch",
                      "torch.distributed.elastic.agent")
@@ -102,12 +99,6 @@ class CommDebugInstrumentor(BaseInstrumentor):
 
     _tracer: Any = None
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> CommDebugInstrumentor:
-        # BaseInstrumentor.__new__ checks and sets the singleton unlocked: two threads could each
-        # make one, and each believe itself uninstrumented.
-        with _lock:
-            return super().__new__(cls, *args, **kwargs)
-
     @property
     def tracer(self) -> Any:
         """The tracer this instrumentor started, or None (not instrumented, or a launcher process)."""
@@ -146,3 +137,8 @@ class CommDebugInstrumentor(BaseInstrumentor):
         tracer, self._tracer = self._tracer, None
         if tracer is not None:
             tracer.stop()
+
+
+# The singleton is made here, under the import lock: BaseInstrumentor.__new__ checks and sets
+# it unlocked, so two threads making the first one could each get their own.
+CommDebugInstrumentor()
