@@ -21,7 +21,7 @@ from commdebug_otel.config import (
     run_environment,
 )
 from commdebug_otel.demo import describe_destination
-from commdebug_otel.steps import RankInfo, rank_info
+from commdebug_otel.steps import rank_info
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 
@@ -146,8 +146,10 @@ def test_rank_variables_from_a_plain_dict(caplog):
     torchrun = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "GROUP_RANK": "2", "NODE_RANK": "7",
                 "TORCHELASTIC_RUN_ID": "job-1"}
     assert RankEnv.from_env(torchrun) == RankEnv(5, 8, 1, 2, "job-1")
-    assert rank_info(torchrun) == RankInfo(5, 8, 1, 2, "job-1", backend="", distributed=False)
-    assert rank_info({"RANK": "3", "NODE_RANK": "1"}).local_rank == 3  # mp.spawn sets no LOCAL_RANK
+    info = rank_info(torchrun)  # rank and world size: torch.distributed's, once a test initialized it
+    assert (info.local_rank, info.node_rank, info.run_id) == (1, 2, "job-1")
+    spawned = rank_info({"RANK": "3", "NODE_RANK": "1"})
+    assert spawned.local_rank == spawned.rank and spawned.node_rank == 1  # mp.spawn sets no LOCAL_RANK
     with caplog.at_level(logging.WARNING, logger="commdebug_otel.config"):
         assert RankEnv.from_env({"RANK": "two", "GROUP_RANK": "-1", "NODE_RANK": "4"}) == RankEnv(node_rank=4)
         RankEnv.from_env({"RANK": "two"})
