@@ -4,7 +4,6 @@ import collections
 import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 
