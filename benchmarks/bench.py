@@ -282,12 +282,6 @@ class Job:
         return time.perf_counter() - start
 
 
-def _disable_modes():
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    return _disable_current_modes()
-
-
 class Block:
     """Enter/exit one configuration around a block of steps."""
 

@@ -7,10 +7,7 @@ import logging
 import os
 import sys
 
-from .config import OPTIONS, Detail, Option
-
-# Short jobs must export metrics before they end (OTel's default interval is 60 s).
-RUN_METRIC_EXPORT_INTERVAL_MS = "5000"
+from .config import OPTIONS, Detail, Option, run_environment
 
 
 def _positive(text: str) -> int:
@@ -87,13 +84,7 @@ def run_command(args: argparse.Namespace) -> int:
         print("commdebug-otel run: give a command after --, e.g. commdebug-otel run -- torchrun train.py",
               file=sys.stderr)
         return 2
-    env = dict(os.environ)
-    for option in OPTIONS:
-        value = getattr(args, option.field, None)
-        if value is not None:
-            env[option.env] = value
-    env["OTEL_PYTHON_COMMDEBUG_ENABLED"] = "true"
-    env.setdefault("OTEL_METRIC_EXPORT_INTERVAL", RUN_METRIC_EXPORT_INTERVAL_MS)
+    env = run_environment({option.field: getattr(args, option.field, None) for option in OPTIONS})
     bootstrap = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (bootstrap, env.get("PYTHONPATH", "")) if p)
     import shutil

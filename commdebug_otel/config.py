@@ -1,13 +1,29 @@
-"""Settings: the one place that reads ``OTEL_PYTHON_COMMDEBUG_*`` variables.
+"""Settings: the one module that reads environment variables.
 
-``Settings.from_env()`` builds a frozen :class:`Settings` from a mapping (by
-default ``os.environ``). A bad value never raises: it logs one warning naming
-the variable, the value and the accepted values, and the documented default is
-used, so training goes on. Explicit arguments (``Settings(detail=...)``) beat
-the environment; bad explicit arguments raise ``ValueError`` at once.
+Three frozen views, each built from a mapping (default ``os.environ``), so that
+every other module can be tested from a plain dict:
 
-``OPTIONS`` is the single table behind the environment variables, the
-``commdebug-otel run`` flags and ``docs/configuration.md``.
+* :class:`Settings` (``Settings.from_env()``): our ``OTEL_PYTHON_COMMDEBUG_*``
+  variables, through ``OPTIONS``, the single table behind the environment
+  variables, the ``commdebug-otel run`` flags and ``docs/configuration.md``.
+  Explicit arguments (``Settings(detail=...)``) beat the environment; bad
+  explicit arguments raise ``ValueError`` at once.
+* :class:`ExportEnv` (``ExportEnv.from_env()``): the standard ``OTEL_*``
+  variables that our own SDK set-up (``telemetry.py``) reads, named through the
+  SDK's constants, with the exporter and endpoint rules (``otlp_endpoint``).
+  The SDK's exporters still read their headers, certificates, compression and
+  timeouts themselves.
+* :class:`RankEnv` (``RankEnv.from_env()``): torchrun's ``RANK``,
+  ``LOCAL_RANK``, ``WORLD_SIZE``, ``GROUP_RANK``/``NODE_RANK`` and
+  ``TORCHELASTIC_RUN_ID``.
+
+A bad value never raises: it logs one warning naming the variable, the value and
+the accepted values, and the default is used, so training goes on.
+
+Booleans: ours (``OTEL_PYTHON_COMMDEBUG_*``) accept true/1/yes/on and
+false/0/no/off (:func:`parse_bool`); the standard ``OTEL_*`` ones are true only
+for ``true`` (:func:`otel_flag`), exactly as the SDK, which reads them too, so
+that we and the SDK never disagree about them.
 """
 
 from __future__ import annotations
@@ -19,17 +35,53 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from opentelemetry.environment_variables import OTEL_METRICS_EXPORTER, OTEL_TRACES_EXPORTER
+from opentelemetry.instrumentation.environment_variables import OTEL_PYTHON_DISABLED_INSTRUMENTATIONS
+from opentelemetry.sdk.environment_variables import (
+    OTEL_BSP_MAX_EXPORT_BATCH_SIZE,
+    OTEL_EXPORTER_OTLP_ENDPOINT,
+    OTEL_EXPORTER_OTLP_INSECURE,
+    OTEL_EXPORTER_OTLP_METRICS_ENDPOINT,
+    OTEL_EXPORTER_OTLP_METRICS_INSECURE,
+    OTEL_EXPORTER_OTLP_METRICS_PROTOCOL,
+    OTEL_EXPORTER_OTLP_PROTOCOL,
+    OTEL_EXPORTER_OTLP_TRACES_ENDPOINT,
+    OTEL_EXPORTER_OTLP_TRACES_INSECURE,
+    OTEL_EXPORTER_OTLP_TRACES_PROTOCOL,
+    OTEL_EXPORTER_PROMETHEUS_HOST,
+    OTEL_EXPORTER_PROMETHEUS_PORT,
+    OTEL_METRIC_EXPORT_INTERVAL,
+    OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED,
+    OTEL_RESOURCE_ATTRIBUTES,
+    OTEL_SDK_DISABLED,
+    OTEL_SERVICE_NAME,
+)
+
 _logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "OTEL_PYTHON_COMMDEBUG_"
+# Short jobs under `commdebug-otel run` must export metrics before they end (OTel's default is 60 s).
+RUN_METRIC_EXPORT_INTERVAL_MS = "5000"
+
+# torchrun's variables (torch/distributed/elastic/agent/server/api.py).
+RANK_ENV = "RANK"
+LOCAL_RANK_ENV = "LOCAL_RANK"
+WORLD_SIZE_ENV = "WORLD_SIZE"
+GROUP_RANK_ENV = "GROUP_RANK"  # the node's rank; NODE_RANK is the older launchers' name
+NODE_RANK_ENV = "NODE_RANK"
+RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
 
 
-def job_log(logger: logging.Logger) -> Callable[..., None]:
+def _environ(environ: Mapping[str, str] | None) -> Mapping[str, str]:
+    return os.environ if environ is None else environ
+
+
+def job_log(logger: logging.Logger, environ: Mapping[str, str] | None = None) -> Callable[..., None]:
     """``logger.warning`` on rank 0 (or outside torchrun), ``logger.debug`` on other ranks.
 
     The same configuration reaches every rank; saying it once per job is enough.
     """
-    return logger.warning if os.environ.get("RANK", "0") in ("0", "") else logger.debug
+    return logger.warning if RankEnv.from_env(environ).rank == 0 else logger.debug
 
 
 class Detail(enum.IntEnum):
@@ -102,13 +154,23 @@ def _parse_dir(text: str) -> str:
     return text
 
 
-def _parse_bool(text: str) -> bool:
+def parse_bool(text: str) -> bool:
+    """Our booleans: true/1/yes/on or false/0/no/off, in any case.
+
+    Raises:
+        ValueError: for any other text.
+    """
     lowered = text.strip().lower()
     if lowered in ("true", "1", "yes", "on"):
         return True
     if lowered in ("false", "0", "no", "off"):
         return False
     raise ValueError(text)
+
+
+def otel_flag(text: str | None) -> bool:
+    """A standard ``OTEL_*`` boolean as the SDK reads it: ``true`` (any case) is true, anything else false."""
+    return (text or "").strip().lower() == "true"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +194,7 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("enabled", "ENABLED", _parse_bool, False, "true or false",
+    Option("enabled", "ENABLED", parse_bool, False, "true or false",
            "Start tracing in every Python process that imports torch (through the "
            "sitecustomize hook of `commdebug-otel run`), no wrapper needed."),
     Option("detail", "DETAIL", _parse_detail, Detail.COLLECTIVES,
@@ -214,24 +276,54 @@ class Settings:
         Never raises for bad environment values: each one logs a single warning
         and falls back to the default.
         """
-        environ = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        for option in OPTIONS:
-            raw = environ.get(option.env)
-            if raw is None:
-                continue
-            try:
-                values[option.field] = option.parse(raw)
-            except (ValueError, TypeError, OverflowError):
-                job_log(_logger)(
-                    "commdebug-otel: ignoring %s=%r: expected %s; using the default %s",
-                    option.env, raw, option.accepted, _describe(option.default),
-                )
+        environ = _environ(environ)
+        values = {option.field: read_option(option.field, environ)
+                  for option in OPTIONS if option.env in environ}
         values.update(overrides)
         return cls(**values)
 
     def traces_rank(self, rank: int) -> bool:
         return self.ranks is None or rank in self.ranks
+
+
+def read_option(field: str, environ: Mapping[str, str] | None = None) -> Any:
+    """One option's value (named by its ``Settings`` field) from ``environ``, or its default.
+
+    Reads that variable alone: ``_autostart`` asks for ``enabled`` only, so that a bad
+    value of another option is reported once, by the tracer that reads them all. Never
+    raises for bad values: one warning, then the default.
+    """
+    option = _BY_FIELD[field]
+    raw = _environ(environ).get(option.env)
+    if raw is None:
+        return option.default
+    try:
+        return option.parse(raw)
+    except (ValueError, TypeError, OverflowError):
+        job_log(_logger, environ)(
+            "commdebug-otel: ignoring %s=%r: expected %s; using the default %s",
+            option.env, raw, option.accepted, _describe(option.default),
+        )
+        return option.default
+
+
+def run_environment(values: Mapping[str, str | None], environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment ``commdebug-otel run`` gives its command: a copy of ``environ`` (default
+    ``os.environ``) with each option in ``values`` (``Settings`` field -> text; None: not given) as its
+    variable, ``ENABLED=true``, and ``OTEL_METRIC_EXPORT_INTERVAL=5000`` (ms) unless already set."""
+    env = dict(_environ(environ))
+    for option in OPTIONS:
+        if values.get(option.field) is not None:
+            env[option.env] = values[option.field]
+    env[_BY_FIELD["enabled"].env] = "true"
+    env.setdefault(OTEL_METRIC_EXPORT_INTERVAL, RUN_METRIC_EXPORT_INTERVAL_MS)
+    return env
+
+
+def instrumentation_disabled(environ: Mapping[str, str] | None = None) -> bool:
+    """True when ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` lists ``commdebug`` (our entry point's name)."""
+    listed = _environ(environ).get(OTEL_PYTHON_DISABLED_INSTRUMENTATIONS, "")
+    return "commdebug" in [name.strip() for name in listed.split(",")]
 
 
 def _checked(field: str, parse: Callable[[str], Any], text: str) -> Any:
@@ -264,3 +356,206 @@ def markdown_table() -> str:
         lines.append(f"| `{option.env}` | {flag} | {option.accepted} | "
                      f"`{_describe(option.default)}` | {option.help} |")
     return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------ the standard OTEL_* variables
+SIGNALS = ("traces", "metrics")
+# signal -> its own exporter, protocol, endpoint and insecure variables
+_SIGNAL_VARIABLES = {
+    "traces": (OTEL_TRACES_EXPORTER, OTEL_EXPORTER_OTLP_TRACES_PROTOCOL,
+               OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, OTEL_EXPORTER_OTLP_TRACES_INSECURE),
+    "metrics": (OTEL_METRICS_EXPORTER, OTEL_EXPORTER_OTLP_METRICS_PROTOCOL,
+                OTEL_EXPORTER_OTLP_METRICS_ENDPOINT, OTEL_EXPORTER_OTLP_METRICS_INSECURE),
+}
+PROTOCOLS = ("grpc", "http/protobuf")
+DEFAULT_PROMETHEUS_PORT = 9464  # OTel's
+
+
+def _flag_or_none(text: str | None) -> bool | None:
+    return None if text is None else otel_flag(text)
+
+
+@dataclasses.dataclass(frozen=True)
+class SignalEnv:
+    """One signal's own ``OTEL_*`` variables as given (None: unset); ``insecure`` as the SDK reads it."""
+
+    exporter: str | None = None
+    protocol: str | None = None
+    endpoint: str | None = None
+    insecure: bool | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportEnv:
+    """The standard ``OTEL_*`` variables our own SDK set-up reads, and the rules that combine them.
+
+    Values are kept as given; the methods apply OTel's rules (per-signal variables
+    beat the generic ones) and our embedded default, warning once per bad value when
+    asked, that is when an exporter is built, as before.
+    """
+
+    traces: SignalEnv = SignalEnv()
+    metrics: SignalEnv = SignalEnv()
+    protocol: str | None = None  # OTEL_EXPORTER_OTLP_PROTOCOL
+    endpoint: str | None = None  # OTEL_EXPORTER_OTLP_ENDPOINT
+    insecure: bool | None = None  # OTEL_EXPORTER_OTLP_INSECURE
+    sdk_disabled: bool = False  # OTEL_SDK_DISABLED: no-op providers
+    sdk_internal_metrics: bool = False  # OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED: the SDK's own span metrics
+    batch_size_set: bool = False  # OTEL_BSP_MAX_EXPORT_BATCH_SIZE given: the SDK's reading wins over ours
+    service_name_set: bool = False  # OTEL_SERVICE_NAME, or service.name in OTEL_RESOURCE_ATTRIBUTES
+    prometheus_host: str = "localhost"  # OTEL_EXPORTER_PROMETHEUS_HOST
+    prometheus_port_text: str | None = None  # OTEL_EXPORTER_PROMETHEUS_PORT, parsed by prometheus_port()
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ExportEnv:
+        """Read the variables from ``environ`` (default ``os.environ``). Never raises."""
+        environ = _environ(environ)
+        signals = {}
+        for signal, (exporter, protocol, endpoint, insecure) in _SIGNAL_VARIABLES.items():
+            signals[signal] = SignalEnv(environ.get(exporter), environ.get(protocol), environ.get(endpoint),
+                                        _flag_or_none(environ.get(insecure)))
+        return cls(
+            **signals,
+            protocol=environ.get(OTEL_EXPORTER_OTLP_PROTOCOL),
+            endpoint=environ.get(OTEL_EXPORTER_OTLP_ENDPOINT),
+            insecure=_flag_or_none(environ.get(OTEL_EXPORTER_OTLP_INSECURE)),
+            sdk_disabled=otel_flag(environ.get(OTEL_SDK_DISABLED)),
+            sdk_internal_metrics=otel_flag(environ.get(OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED)),
+            batch_size_set=bool(environ.get(OTEL_BSP_MAX_EXPORT_BATCH_SIZE)),
+            service_name_set=bool(environ.get(OTEL_SERVICE_NAME))
+            or "service.name" in environ.get(OTEL_RESOURCE_ATTRIBUTES, ""),
+            prometheus_host=environ.get(OTEL_EXPORTER_PROMETHEUS_HOST, "localhost"),
+            prometheus_port_text=environ.get(OTEL_EXPORTER_PROMETHEUS_PORT),
+        )
+
+    def signal(self, signal: str) -> SignalEnv:
+        """``signal``'s own variables ("traces" or "metrics")."""
+        return self.traces if signal == "traces" else self.metrics
+
+    def exporter_names(self, signal: str) -> list[str]:
+        """The exporters for ``signal``: ``OTEL_{SIGNAL}_EXPORTER``, lowercased.
+
+        Unset or blank: ``otlp`` if an OTLP endpoint (generic or the signal's) is set,
+        else the embedded default ``file``.
+        """
+        raw = self.signal(signal).exporter
+        if raw is None or not raw.strip():
+            return ["otlp"] if self.endpoint or self.signal(signal).endpoint else ["file"]
+        return [name.strip().lower() for name in raw.split(",") if name.strip()]
+
+    def otlp_protocol(self, signal: str) -> str:
+        """``grpc`` (the default) or ``http/protobuf``; anything else (``http/json``) warns once and
+        means ``http/protobuf``."""
+        value = (self.signal(signal).protocol or self.protocol or "grpc").strip().lower()
+        if value not in PROTOCOLS:
+            _warn_endpoint_once(OTEL_EXPORTER_OTLP_PROTOCOL, value,
+                                "is not supported (grpc or http/protobuf); using http/protobuf")
+            return "http/protobuf"
+        return value
+
+    def otlp_endpoint(self, signal: str) -> str:
+        """The endpoint the OTLP exporter for ``signal`` ("traces" or "metrics") is given.
+
+        Per-signal variables are used verbatim (as the OTel spec says). For HTTP,
+        ``/v1/{signal}`` is appended to the generic endpoint exactly once, even when
+        it already ends in a signal path. A gRPC endpoint without a scheme means TLS
+        in OTel unless an insecure variable is true: we say so once.
+        """
+        own = self.signal(signal)
+        http = self.otlp_protocol(signal).startswith("http")
+        specific = own.endpoint
+        variable = _SIGNAL_VARIABLES[signal][2] if specific else OTEL_EXPORTER_OTLP_ENDPOINT
+        endpoint = (specific or self.endpoint
+                    or ("http://localhost:4318" if http else "http://localhost:4317")).strip()
+        if "://" not in endpoint:
+            if http:
+                _warn_endpoint_once(variable, endpoint, "has no scheme; using http://" + endpoint)
+                endpoint = "http://" + endpoint
+            elif not (own.insecure if own.insecure is not None else self.insecure):
+                # The SDK's rule: the signal's insecure variable, when set, beats the generic one.
+                _warn_endpoint_once(variable, endpoint,
+                                    "has no scheme, so the OTLP gRPC exporter uses TLS; for a plaintext "
+                                    f"collector write http://{endpoint} (or set "
+                                    f"{OTEL_EXPORTER_OTLP_INSECURE}=true)")
+        if http and not specific:
+            base = endpoint.rstrip("/")
+            for suffix in ("/v1/traces", "/v1/metrics", "/v1/logs"):
+                base = base.removesuffix(suffix)
+            endpoint = f"{base}/v1/{signal}"
+        return endpoint
+
+    def prometheus_port(self, local_rank: int) -> int:
+        """``OTEL_EXPORTER_PROMETHEUS_PORT`` (default 9464, as OTel) plus ``local_rank``: one port per worker."""
+        base = DEFAULT_PROMETHEUS_PORT
+        if self.prometheus_port_text is not None:
+            try:
+                base = int(self.prometheus_port_text)
+            except ValueError:
+                _logger.warning("commdebug-otel: ignoring %s=%r: expected a port number; using %d",
+                                OTEL_EXPORTER_PROMETHEUS_PORT, self.prometheus_port_text,
+                                DEFAULT_PROMETHEUS_PORT)
+        return base + local_rank
+
+
+def otlp_endpoint(signal: str, environ: Mapping[str, str] | None = None) -> str:
+    """``ExportEnv.from_env(environ).otlp_endpoint(signal)``: where OTLP for ``signal`` goes."""
+    return ExportEnv.from_env(environ).otlp_endpoint(signal)
+
+
+_endpoint_warnings: set[tuple[str, str]] = set()
+
+
+def _warn_endpoint_once(variable: str, endpoint: str, message: str) -> None:
+    if (variable, endpoint) not in _endpoint_warnings:
+        _endpoint_warnings.add((variable, endpoint))
+        job_log(_logger)("commdebug-otel: %s=%s %s", variable, endpoint, message)
+
+
+# ------------------------------------------------------------------ torchrun's variables
+@dataclasses.dataclass(frozen=True)
+class RankEnv:
+    """Where torchrun (or the user) says this process sits; torch.distributed, once initialized, wins
+    (``steps.rank_info``).
+
+    ``local_rank`` is None when ``LOCAL_RANK`` is unset (``torch.multiprocessing.spawn``: one host,
+    so callers use the rank).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int | None = None
+    node_rank: int = 0
+    run_id: str = "none"  # what torchrun sets without --rdzv-id
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> RankEnv:
+        """Read torchrun's variables; a value that is not an integer >= 0 warns once and is unset."""
+        environ = _environ(environ)
+        node_rank = _rank_int(environ, GROUP_RANK_ENV)
+        return cls(
+            rank=_rank_int(environ, RANK_ENV, 0),
+            world_size=_rank_int(environ, WORLD_SIZE_ENV, 1),
+            local_rank=_rank_int(environ, LOCAL_RANK_ENV),
+            node_rank=node_rank if node_rank is not None else _rank_int(environ, NODE_RANK_ENV, 0),
+            run_id=environ.get(RUN_ID_ENV, "none"),
+        )
+
+
+_rank_warnings: set[tuple[str, str]] = set()
+
+
+def _rank_int(environ: Mapping[str, str], name: str, default: int | None = None) -> int | None:
+    raw = environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = int(raw)
+        if value >= 0:
+            return value
+    except ValueError:
+        pass
+    if (name, raw) not in _rank_warnings:  # rank facts are read often: say it once
+        _rank_warnings.add((name, raw))
+        _logger.warning("commdebug-otel: ignoring %s=%r: expected an integer >= 0; using %s",
+                        name, raw, "the default" if default is None else default)
+    return default

@@ -22,8 +22,7 @@ import sys
 import tempfile
 import time
 
-from .config import Detail, Settings
-from .telemetry import exporter_names
+from .config import Detail, ExportEnv, Settings
 
 _DEMO_BATCH = 4
 
@@ -78,16 +77,18 @@ def _worker(rank: int, world_size: int, port: int, steps: int, settings: Setting
         dist.destroy_process_group()
 
 
-def describe_destination(settings: Settings, files: str | None = None) -> str:
-    """Where spans go, in words: the OTLP endpoint(s) or the file folder (``files``, once known)."""
+def describe_destination(settings: Settings, files: str | None = None,
+                         export: ExportEnv | None = None) -> str:
+    """Where spans go, in words: the OTLP endpoint(s) or the file folder (``files``, once known).
+
+    ``export``: the standard ``OTEL_*`` variables (default: read now), by the rules the
+    exporters are built with.
+    """
+    export = export if export is not None else ExportEnv.from_env()
     places = []
-    for name in exporter_names("traces"):
+    for name in export.exporter_names("traces"):
         if name == "otlp":
-            endpoint = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-                        or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "the default endpoint")
-            protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-                        or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc")
-            places.append(f"OTLP ({protocol}) to {endpoint}")
+            places.append(f"OTLP ({export.otlp_protocol('traces')}) to {export.otlp_endpoint('traces')}")
         elif name == "file":
             places.append(f"OTLP-JSON files in {files or os.path.abspath(settings.output_dir)}")
         else:

@@ -34,7 +34,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
 from ._sdk import batch_queue, exporter_preferences, replace_batch_queue
-from .semconv import DROPPED_KIND_METRIC_OVERFLOW
+from . import semconv
 
 _logger = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ class SizedSpanExporter(SpanExporter):
             if span_bytes > self._max_request_bytes:
                 span_bytes = _span_bytes(span)  # a whole request: resource and scope included
             if span_bytes > self._max_request_bytes:
-                self._count_dropped("span", 1)
+                self._count_dropped(semconv.DROPPED_KIND_SPAN, 1)
                 _logger.warning("commdebug-otel: span %r is %d bytes, over the %d-byte request limit; "
                                 "dropped (lower OTEL_PYTHON_COMMDEBUG_MAX_EVENTS_PER_SPAN)",
                                 span.name, span_bytes, self._max_request_bytes)
@@ -233,7 +233,7 @@ class SizedSpanExporter(SpanExporter):
                 outcome = SpanExportResult.FAILURE
             if outcome is not SpanExportResult.SUCCESS:
                 result = SpanExportResult.FAILURE
-                self._count_dropped("span", len(chunk))
+                self._count_dropped(semconv.DROPPED_KIND_SPAN, len(chunk))
                 warn_once(self._endpoint, "spans")
         return result
 
@@ -277,7 +277,7 @@ class CountingMetricExporter(MetricExporter):
     def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
         overflowed = overflowed_metrics(metrics_data)
         if overflowed:
-            self._count_dropped(DROPPED_KIND_METRIC_OVERFLOW, len(overflowed))
+            self._count_dropped(semconv.DROPPED_KIND_METRIC_OVERFLOW, len(overflowed))
             if claim_warning("metric overflow"):
                 _logger.warning("commdebug-otel: %s passed the SDK's cardinality limit; the excess series "
                                 "are merged into one with otel.metric.overflow=true (lower "
@@ -288,7 +288,7 @@ class CountingMetricExporter(MetricExporter):
             _fold.last_message = f"{type(error).__name__}: {error}"
             outcome = MetricExportResult.FAILURE
         if outcome is not MetricExportResult.SUCCESS:
-            self._count_dropped("metric_export", 1)
+            self._count_dropped(semconv.DROPPED_KIND_METRIC_EXPORT, 1)
             warn_once(self._endpoint, "metrics")
         return outcome
 
@@ -335,7 +335,7 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
         found = batch_queue(self)
         if found is not None:
             holder, queue = found
-            replace_batch_queue(holder, _CountingQueue(queue, queue.maxlen, lambda: count_dropped("span", 1)))
+            replace_batch_queue(holder, _CountingQueue(queue, queue.maxlen, lambda: count_dropped(semconv.DROPPED_KIND_SPAN, 1)))
 
 
 class WholeLineFile:

@@ -23,7 +23,6 @@ A torchrun launcher process (which runs the instrumentor too) stays a no-op.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import threading
@@ -32,11 +31,8 @@ from typing import Any
 
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
-_logger = logging.getLogger(__name__)
-
 _instruments = ("torch >= 2.6",)
-_lock = threading.Lock()
-_tracer: Any = None
+_lock = threading.Lock()  # instrument() / uninstrument(): check and change, one thread at a time
 
 _LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch",
                      "torch.distributed.elastic.agent")
@@ -59,54 +55,90 @@ def _configured(provider: Any) -> bool:
 
 
 def instrument(tracer_provider: Any = None, meter_provider: Any = None, settings: Any = None) -> Any:
-    """Start the process-wide :class:`~commdebug_otel.CommTracer` (idempotent; warns when already on).
+    """``CommDebugInstrumentor().instrument(...)``: start the process-wide tracer.
 
-    Returns the tracer, or None in a torchrun launcher process.
+    Idempotent: when already on, the instrumentor warns and nothing changes. Unlike
+    ``opentelemetry-instrument``, it does not check the installed torch against
+    ``torch >= 2.6`` (a nightly such as ``2.6.0a0`` would fail that check).
+
+    Returns:
+        the process-wide :class:`~commdebug_otel.CommTracer`, or None in a torchrun
+        launcher process.
     """
-    global _tracer
-    if is_launcher_process():
-        return None
-    with _lock:
-        if _tracer is not None:
-            _logger.warning("commdebug-otel: already instrumented; ignoring instrument()")
-            return _tracer
-        from opentelemetry import metrics, trace
-
-        from .instrumentation import CommTracer
-
-        if tracer_provider is None and _configured(trace.get_tracer_provider()):
-            tracer_provider = trace.get_tracer_provider()
-        if meter_provider is None and _configured(metrics.get_meter_provider()):
-            meter_provider = metrics.get_meter_provider()
-        _tracer = CommTracer(settings, tracer_provider=tracer_provider, meter_provider=meter_provider)
-        _tracer.start()
-        return _tracer
+    instrumentor = CommDebugInstrumentor()
+    instrumentor.instrument(tracer_provider=tracer_provider, meter_provider=meter_provider,
+                            settings=settings, skip_dep_check=True)
+    return instrumentor.tracer
 
 
 def uninstrument() -> None:
-    """Stop the process-wide tracer: spans end, hooks and the dispatch mode are removed (idempotent)."""
-    global _tracer
-    with _lock:
-        tracer, _tracer = _tracer, None
-    if tracer is not None:
-        tracer.stop()
+    """``CommDebugInstrumentor().uninstrument()``: spans end, hooks and the dispatch mode are removed.
+
+    Idempotent: when already off, the instrumentor warns and nothing changes.
+    """
+    CommDebugInstrumentor().uninstrument()
 
 
 def current() -> Any:
-    """The process-wide tracer, or None."""
-    return _tracer
+    """The process-wide tracer (``CommDebugInstrumentor().tracer``), or None."""
+    return CommDebugInstrumentor().tracer
 
 
 class CommDebugInstrumentor(BaseInstrumentor):
-    """OpenTelemetry instrumentor for PyTorch module passes and collectives."""
+    """OpenTelemetry instrumentor for PyTorch module passes and collectives.
+
+    A singleton (as every ``BaseInstrumentor``), and the one record of whether this
+    process is instrumented: ``instrument()``/``uninstrument()``/``current()`` above,
+    ``_autostart`` (``OTEL_PYTHON_COMMDEBUG_ENABLED``) and ``opentelemetry-instrument``
+    all go through it, so any of them can stop what another started.
+
+    ``instrument()`` keyword arguments: ``tracer_provider``, ``meter_provider``
+    (default: the global providers if an SDK was configured, else our own SDK
+    set-up) and ``settings`` (default ``Settings.from_env()``).
+    """
+
+    _tracer: Any = None
+
+    @property
+    def tracer(self) -> Any:
+        """The tracer this instrumentor started, or None (not instrumented, or a launcher process)."""
+        return self._tracer
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return _instruments
 
+    def instrument(self, **kwargs: Any) -> Any:
+        with _lock:  # check-then-start, one thread at a time
+            return super().instrument(**kwargs)
+
+    def uninstrument(self, **kwargs: Any) -> Any:
+        with _lock:
+            return super().uninstrument(**kwargs)
+
     def _instrument(self, **kwargs: Any) -> None:
-        instrument(tracer_provider=kwargs.get("tracer_provider"),
-                   meter_provider=kwargs.get("meter_provider"),
-                   settings=kwargs.get("settings"))
+        if is_launcher_process():
+            return  # torchrun itself: its workers trace themselves
+        from opentelemetry import metrics, trace
+
+        from .instrumentation import CommTracer
+
+        tracer_provider = kwargs.get("tracer_provider")
+        meter_provider = kwargs.get("meter_provider")
+        if tracer_provider is None and _configured(trace.get_tracer_provider()):
+            tracer_provider = trace.get_tracer_provider()
+        if meter_provider is None and _configured(metrics.get_meter_provider()):
+            meter_provider = metrics.get_meter_provider()
+        tracer = CommTracer(kwargs.get("settings"), tracer_provider=tracer_provider,
+                            meter_provider=meter_provider)
+        tracer.start()
+        self._tracer = tracer
 
     def _uninstrument(self, **kwargs: Any) -> None:
-        uninstrument()
+        tracer, self._tracer = self._tracer, None
+        if tracer is not None:
+            tracer.stop()
+
+
+# The singleton is made here, under the import lock: BaseInstrumentor.__new__ checks and sets
+# it unlocked, so two threads making the first one could each get their own.
+CommDebugInstrumentor()

@@ -61,10 +61,6 @@ SEND = "send"
 RECV = "recv"
 BARRIER = "barrier"
 BATCH_P2P = "batch_p2p"
-COLLECTIVE_OPS = (
-    ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, BROADCAST, REDUCE,
-    GATHER, SCATTER, SEND, RECV, BARRIER, BATCH_P2P,
-)
 
 # Metric instruments.
 METRIC_OPERATIONS = "torch.collective.operations"
@@ -74,7 +70,8 @@ METRIC_COMPLETION = "torch.collective.completion_duration"
 METRIC_DROPPED = "commdebug.telemetry.dropped"
 DROPPED_KIND = "commdebug.dropped.kind"
 DROPPED_KIND_EVENT = "event"
-DROPPED_KIND_SPAN = "span"
+DROPPED_KIND_SPAN = "span"  # export queue full, export failed, or a span over the request size
+DROPPED_KIND_METRIC_EXPORT = "metric_export"  # a failed metric export
 DROPPED_KIND_HOOK_ERROR = "hook_error"
 DROPPED_KIND_METRIC_OVERFLOW = "metric_overflow"  # a metric past the SDK's cardinality limit, per export
 DROPPED_KIND_METRIC = "metric_point"  # collectives not recorded in metrics: the metrics worker fell behind

@@ -14,9 +14,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import os
 import secrets
 import time
+from collections.abc import Mapping
+
+from .config import RankEnv
 
 _logger = logging.getLogger(__name__)
 
@@ -36,17 +38,14 @@ class RankInfo:
     distributed: bool
 
 
-def _env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default
+def rank_info(environ: Mapping[str, str] | None = None) -> RankInfo:
+    """Read the rank facts. torch.distributed wins over ``RANK``/``WORLD_SIZE`` once initialized.
 
-
-def rank_info() -> RankInfo:
-    """Read the rank facts. torch.distributed wins over ``RANK``/``WORLD_SIZE`` once initialized."""
-    rank = _env_int("RANK", 0)
-    world_size = _env_int("WORLD_SIZE", 1)
+    The rest comes from torchrun's variables in ``environ`` (default ``os.environ``), see
+    :class:`~commdebug_otel.config.RankEnv`.
+    """
+    env = RankEnv.from_env(environ)
+    rank, world_size = env.rank, env.world_size
     backend = ""
     distributed = False
     try:
@@ -61,9 +60,9 @@ def rank_info() -> RankInfo:
     return RankInfo(
         rank=rank,
         world_size=world_size,
-        local_rank=_env_int("LOCAL_RANK", rank),  # unset under mp.spawn: one host, so rank
-        node_rank=_env_int("GROUP_RANK", _env_int("NODE_RANK", 0)),
-        run_id=os.environ.get("TORCHELASTIC_RUN_ID", "none"),
+        local_rank=rank if env.local_rank is None else env.local_rank,  # unset under mp.spawn: one host
+        node_rank=env.node_rank,
+        run_id=env.run_id,
         backend=backend,
         distributed=distributed,
     )

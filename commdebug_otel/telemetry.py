@@ -13,6 +13,10 @@ Exporter choice follows the standard variables:
   certificate, compression and timeout are read by the SDK's exporters.
 * ``OTEL_SDK_DISABLED=true``: no-op providers.
 
+These variables are read in ``config.py`` (:class:`~commdebug_otel.config.ExportEnv`,
+which also holds the endpoint rules); a :class:`Telemetry` reads them from its
+``environ`` when its providers start.
+
 Providers start lazily, at the first span or metric, so a
 ``torch.multiprocessing.spawn`` child has its rank (from the initialized
 process group) in its resource.
@@ -28,6 +32,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from opentelemetry import metrics as otel_metrics
@@ -39,7 +44,7 @@ from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from . import semconv
-from .config import Settings, job_log
+from .config import ExportEnv, Settings
 from .export_guard import (
     CountingBatchSpanProcessor,
     CountingMetricExporter,
@@ -57,7 +62,6 @@ from .redact import describe
 _logger = logging.getLogger(__name__)
 
 SCOPE_NAME = "commdebug_otel"
-_ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT",)
 # Span batches stay well under gRPC receivers' 4 MiB default (about 43 KB per
 # span with 128 collective events): OTEL_BSP_MAX_EXPORT_BATCH_SIZE overrides.
 DEFAULT_EXPORT_BATCH_SPANS = 64
@@ -87,33 +91,12 @@ def _exporter_class(signal: str, kind: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def _truthy(value: str | None) -> bool:
-    return (value or "").strip().lower() == "true"
+def build_resource(rank: RankInfo, export: ExportEnv | None = None) -> Resource:
+    """Rank facts plus host and pid; OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME still apply.
 
-
-def exporter_names(signal: str, environ: dict | os._Environ = os.environ) -> list[str]:
-    """The exporters for ``signal`` ("traces"/"metrics") after applying the embedded default."""
-    raw = environ.get(f"OTEL_{signal.upper()}_EXPORTER")
-    if raw is None or not raw.strip():
-        endpoint_set = any(environ.get(name) for name in (
-            *_ENDPOINT_VARS, f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT"))
-        return ["otlp"] if endpoint_set else ["file"]
-    return [name.strip().lower() for name in raw.split(",") if name.strip()]
-
-
-def _protocol(signal: str) -> str:
-    """``grpc`` or ``http/protobuf``; anything else (``http/json``) warns once and means ``http/protobuf``."""
-    value = (os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL")
-             or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc").strip().lower()
-    if value not in ("grpc", "http/protobuf"):
-        _warn_endpoint_once("OTEL_EXPORTER_OTLP_PROTOCOL", value,
-                            "is not supported (grpc or http/protobuf); using http/protobuf")
-        return "http/protobuf"
-    return value
-
-
-def build_resource(rank: RankInfo) -> Resource:
-    """Rank facts plus host and pid; OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME still apply."""
+    ``export``: the standard variables (default: read now); without a service name there,
+    ``service.name`` is ``torch-training``.
+    """
     attributes: dict[str, Any] = {
         semconv.RANK: rank.rank,
         semconv.WORLD_SIZE: rank.world_size,
@@ -125,8 +108,7 @@ def build_resource(rank: RankInfo) -> Resource:
     }
     if rank.backend:
         attributes[semconv.BACKEND] = rank.backend
-    if not os.environ.get("OTEL_SERVICE_NAME") and "service.name" not in os.environ.get(
-            "OTEL_RESOURCE_ATTRIBUTES", ""):
+    if not (export if export is not None else ExportEnv.from_env()).service_name_set:
         attributes["service.name"] = "torch-training"
     return Resource.create(attributes)
 
@@ -139,11 +121,15 @@ class Telemetry:
         rank: a callable returning :class:`RankInfo`, called when providers start.
         tracer_provider / meter_provider: injected providers; when given we
             never configure, flush or shut them down (their owner does).
+        environ: where the standard ``OTEL_*`` variables are read (default
+            ``os.environ``): ``OTEL_SDK_DISABLED`` now, the rest when our own
+            providers start (``export_env``).
     """
 
     def __init__(self, settings: Settings, rank: Any = None, tracer_provider: Any = None,
-                 meter_provider: Any = None) -> None:
+                 meter_provider: Any = None, environ: Mapping[str, str] | None = None) -> None:
         self._settings = settings
+        self._environ = environ
         self._rank = rank if rank is not None else RankCache()
         self._tracer_provider = tracer_provider
         self._meter_provider = meter_provider
@@ -158,7 +144,9 @@ class Telemetry:
         self.spans = SpanBuilder(self.tracer_setup)
         self._atexit = False
         self._said_where = False
-        self.disabled = _truthy(os.environ.get("OTEL_SDK_DISABLED"))
+        self.disabled = ExportEnv.from_env(environ).sdk_disabled
+        # The variables as our own providers last read them when they started (None before).
+        self.export_env: ExportEnv | None = None
         self._dropped: Any = None  # the commdebug.telemetry.dropped counter, made at the first drop
         # The flush-and-shutdown budget: seconds spent, when the last wait ended, whether one ran out.
         self._spent_s = 0.0
@@ -193,7 +181,7 @@ class Telemetry:
                     own = provider is self._own_tracer_provider
                     self._tracer_setup = TracerSetup(
                         tracer, provider, ids, tuple(self._own_span_processors) if own else (),
-                        _truthy(os.environ.get("OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED")))
+                        own and self.export_env is not None and self.export_env.sdk_internal_metrics)
                     self._tracer = tracer
             if self._own_tracer_provider is not None:
                 # Our own meter too, now: spans dropped at exit are counted there, and a meter
@@ -221,18 +209,25 @@ class Telemetry:
                     self._meter = otel_metrics.get_meter(SCOPE_NAME, __version__, provider)
         return self._meter
 
+    def _read_export_env(self) -> ExportEnv:
+        # Read as each provider starts, not at construction: a process may set OTEL_SERVICE_NAME
+        # or an endpoint between creating a tracer and its first span (the benchmark does).
+        self.export_env = ExportEnv.from_env(self._environ)
+        return self.export_env
+
     def _make_tracer_provider(self) -> Any:
         if self.disabled:
             return otel_trace.NoOpTracerProvider()
+        export = self._read_export_env()
         rank = self._rank()
         limits = SpanLimits(max_events=self._settings.max_events_per_span,
                             max_attribute_length=MAX_ATTRIBUTE_CHARS)
         # shutdown_on_exit=False: our own atexit shutdown is bounded; the SDK's waits ~10 s per provider.
-        provider = TracerProvider(resource=build_resource(rank), span_limits=limits,
+        provider = TracerProvider(resource=build_resource(rank, export), span_limits=limits,
                                   id_generator=StepIdGenerator(), shutdown_on_exit=False)
-        batch = None if os.environ.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE") else DEFAULT_EXPORT_BATCH_SPANS
+        batch = None if export.batch_size_set else DEFAULT_EXPORT_BATCH_SPANS
         processors = [CountingBatchSpanProcessor(exporter, self.count_dropped, max_export_batch_size=batch)
-                      for exporter in self._span_exporters(rank)]
+                      for exporter in self._exporters("traces", rank, export)]
         for processor in processors:
             provider.add_span_processor(processor)
         self._own_tracer_provider = provider
@@ -243,15 +238,16 @@ class Telemetry:
     def _make_meter_provider(self) -> Any:
         if self.disabled:
             return otel_metrics.NoOpMeterProvider()
+        export = self._read_export_env()
         rank = self._rank()
         readers: list[MetricReader] = [
-            PeriodicExportingMetricReader(exporter) for exporter in self._metric_exporters(rank)
+            PeriodicExportingMetricReader(exporter) for exporter in self._exporters("metrics", rank, export)
         ]
-        if "prometheus" in exporter_names("metrics"):
-            reader = _prometheus_reader(rank)
+        if "prometheus" in export.exporter_names("metrics"):
+            reader = _prometheus_reader(rank, export)
             if reader is not None:
                 readers.append(reader)
-        provider = MeterProvider(resource=build_resource(rank), metric_readers=readers,
+        provider = MeterProvider(resource=build_resource(rank, export), metric_readers=readers,
                                  shutdown_on_exit=False)
         self._own_meter_provider = provider
         self._register_atexit()
@@ -323,21 +319,15 @@ class Telemetry:
                 "(set OTEL_EXPORTER_OTLP_ENDPOINT to send to a collector)", directory)
         return os.path.join(directory, f"{signal}-rank{rank.rank}.jsonl")
 
-    def _span_exporters(self, rank: RankInfo) -> list[SpanExporter]:
-        return self._exporters("traces", rank)
-
-    def _metric_exporters(self, rank: RankInfo) -> list[Any]:
-        return self._exporters("metrics", rank)
-
-    def _exporters(self, signal: str, rank: RankInfo) -> list[Any]:
+    def _exporters(self, signal: str, rank: RankInfo, export: ExportEnv) -> list[Any]:
         """The exporters ``OTEL_{signal}_EXPORTER`` names (after the embedded default)."""
         exporters: list[Any] = []
-        for name in exporter_names(signal):
+        for name in export.exporter_names(signal):
             if name == "otlp":
                 fold_exporter_logs()
-                endpoint = otlp_endpoint(signal)
+                endpoint = export.otlp_endpoint(signal)
                 self.endpoints.append(endpoint)
-                transport = "http" if _protocol(signal).startswith("http") else "grpc"
+                transport = "http" if export.otlp_protocol(signal).startswith("http") else "grpc"
                 if signal == "traces":
                     exporter = SizedSpanExporter(_exporter_class(signal, transport)(endpoint=endpoint),
                                                  endpoint, self.count_dropped)
@@ -452,57 +442,6 @@ def _run_bounded(what: str, calls: list, timeout_s: float) -> bool:
     return not worker.is_alive()
 
 
-def otlp_endpoint(signal: str) -> str:
-    """The endpoint the OTLP exporter for ``signal`` ("traces" or "metrics") is given.
-
-    Per-signal variables are used verbatim (as the OTel spec says). For HTTP,
-    ``/v1/{signal}`` is appended to the generic endpoint exactly once, even when
-    it already ends in a signal path. A gRPC endpoint without a scheme means TLS
-    in OTel unless ``OTEL_EXPORTER_OTLP_INSECURE=true``: we say so once.
-    """
-    http = _protocol(signal).startswith("http")
-    specific = os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT")
-    variable = f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT" if specific else "OTEL_EXPORTER_OTLP_ENDPOINT"
-    endpoint = (specific or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-                or ("http://localhost:4318" if http else "http://localhost:4317")).strip()
-    if "://" not in endpoint:
-        if http:
-            _warn_endpoint_once(variable, endpoint, "has no scheme; using http://" + endpoint)
-            endpoint = "http://" + endpoint
-        elif not os.environ.get("OTEL_EXPORTER_OTLP_INSECURE") and not os.environ.get(
-                f"OTEL_EXPORTER_OTLP_{signal.upper()}_INSECURE"):
-            _warn_endpoint_once(variable, endpoint,
-                                "has no scheme, so the OTLP gRPC exporter uses TLS; for a plaintext "
-                                f"collector write http://{endpoint} (or set OTEL_EXPORTER_OTLP_INSECURE=true)")
-    if http and not specific:
-        base = endpoint.rstrip("/")
-        for suffix in ("/v1/traces", "/v1/metrics", "/v1/logs"):
-            if base.endswith(suffix):
-                base = base[: -len(suffix)]
-        endpoint = f"{base}/v1/{signal}"
-    return endpoint
-
-
-_endpoint_warnings: set[tuple[str, str]] = set()
-
-
-def _warn_endpoint_once(variable: str, endpoint: str, message: str) -> None:
-    if (variable, endpoint) not in _endpoint_warnings:
-        _endpoint_warnings.add((variable, endpoint))
-        job_log(_logger)("commdebug-otel: %s=%s %s", variable, endpoint, message)
-
-
-def prometheus_port(rank: RankInfo) -> int:
-    """``OTEL_EXPORTER_PROMETHEUS_PORT`` (default 9464, as OTel) plus the local rank, one port per worker."""
-    try:
-        base = int(os.environ.get("OTEL_EXPORTER_PROMETHEUS_PORT", "9464"))
-    except ValueError:
-        _logger.warning("commdebug-otel: ignoring OTEL_EXPORTER_PROMETHEUS_PORT=%r: expected a port "
-                        "number; using 9464", os.environ.get("OTEL_EXPORTER_PROMETHEUS_PORT"))
-        base = 9464
-    return base + rank.local_rank
-
-
 def _pull_reader_class() -> type:
     from opentelemetry.exporter.prometheus import PrometheusMetricReader
 
@@ -517,8 +456,9 @@ def _pull_reader_class() -> type:
     return PullReader
 
 
-def _prometheus_reader(rank: RankInfo) -> MetricReader | None:
-    """A pull endpoint on ``OTEL_EXPORTER_PROMETHEUS_HOST:prometheus_port(rank)`` (needs the ``prometheus`` extra)."""
+def _prometheus_reader(rank: RankInfo, export: ExportEnv) -> MetricReader | None:
+    """A pull endpoint on ``OTEL_EXPORTER_PROMETHEUS_HOST``, at ``OTEL_EXPORTER_PROMETHEUS_PORT`` plus the
+    local rank (one port per worker; needs the ``prometheus`` extra)."""
     try:
         import opentelemetry.exporter.prometheus  # noqa: F401  (the optional extra)
         from prometheus_client import start_http_server
@@ -526,8 +466,8 @@ def _prometheus_reader(rank: RankInfo) -> MetricReader | None:
         _logger.warning("commdebug-otel: OTEL_METRICS_EXPORTER=prometheus needs "
                         "`pip install commdebug-otel[prometheus]`; metrics are not exported")
         return None
-    host = os.environ.get("OTEL_EXPORTER_PROMETHEUS_HOST", "localhost")
-    port = prometheus_port(rank)
+    host = export.prometheus_host
+    port = export.prometheus_port(rank.local_rank)
     try:
         start_http_server(port, addr=host)
     except OSError as error:

@@ -1,9 +1,9 @@
 """Unmodified scripts traced from the environment: torchrun, `commdebug-otel run`, opentelemetry-instrument, spawn."""
 
 import collections
+import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 
@@ -145,3 +145,45 @@ def test_instrumentor_api_is_idempotent_and_uninstrument_removes_everything(capl
         model(torch.ones(1, 2))
     assert len(telemetry.spans()) == 1
     assert not model._forward_hooks
+
+
+AUTOSTARTED = """
+import json, sys
+import torch
+from torch.nn.modules import module
+from commdebug_otel.instrumentor import CommDebugInstrumentor, current
+
+def hooks():
+    return len(module._global_forward_pre_hooks) + len(module._global_forward_hooks)
+
+tracer = current()
+started, hooks_on = tracer is not None and tracer.started, hooks()
+model = torch.nn.Linear(2, 2)
+with torch.no_grad():
+    model(torch.ones(1, 2))
+CommDebugInstrumentor().uninstrument()
+with torch.no_grad():
+    model(torch.ones(1, 2))  # after the stop: no span
+json.dump({"started": started, "hooks_on": hooks_on, "hooks_off": hooks(), "current": current() is None,
+           "still_started": tracer.started}, sys.stdout)
+"""
+
+
+def test_started_from_the_environment_stops_through_the_instrumentor(tmp_path):
+    """One instrumentation state: what OTEL_PYTHON_COMMDEBUG_ENABLED started, the instrumentor stops."""
+    from commdebug_otel.otlp_json import spans_from_otlp_json
+
+    bootstrap = pathlib.Path(semconv.__file__).parent / "_bootstrap"  # what `commdebug-otel run` puts first
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "PYTHONPATH"))}
+    env.update(OTEL_PYTHON_COMMDEBUG_ENABLED="true", OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR=str(tmp_path),
+               OTEL_METRICS_EXPORTER="none",
+               PYTHONPATH=os.pathsep.join([str(bootstrap), str(pathlib.Path(semconv.__file__).parents[1])]))
+    result = subprocess.run([sys.executable, "-c", AUTOSTARTED], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "already uninstrumented" not in result.stderr
+    state = json.loads(result.stdout)
+    assert state == {"started": True, "hooks_on": 2, "hooks_off": 0, "current": True, "still_started": False}
+    [traces] = tmp_path.glob("run-*/traces-rank0.jsonl")
+    names = [span["name"] for line in traces.read_text().splitlines() for span in spans_from_otlp_json(line)]
+    assert names == ["Linear forward"]

@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from commdebug_otel import CommTracer, Settings, semconv
-from commdebug_otel.steps import rank_info
-from commdebug_otel.telemetry import otlp_endpoint
+from commdebug_otel.config import otlp_endpoint
 from commdebug_otel.testing.otlp_receiver import OtlpReceiver
 
 SCRIPTS = pathlib.Path(__file__).parent / "scripts"
