@@ -39,6 +39,19 @@ from opentelemetry.environment_variables import OTEL_METRICS_EXPORTER, OTEL_TRAC
 from opentelemetry.instrumentation.environment_variables import OTEL_PYTHON_DISABLED_INSTRUMENTATIONS
 from opentelemetry.sdk.environment_variables import (
     OTEL_BSP_MAX_EXPORT_BATCH_SIZE,
+    OTEL_BSP_MAX_QUEUE_SIZE,
+    OTEL_EXPORTER_OTLP_CERTIFICATE,
+    OTEL_EXPORTER_OTLP_COMPRESSION,
+    OTEL_EXPORTER_OTLP_HEADERS,
+    OTEL_EXPORTER_OTLP_METRICS_CERTIFICATE,
+    OTEL_EXPORTER_OTLP_METRICS_COMPRESSION,
+    OTEL_EXPORTER_OTLP_METRICS_HEADERS,
+    OTEL_EXPORTER_OTLP_METRICS_TIMEOUT,
+    OTEL_EXPORTER_OTLP_TIMEOUT,
+    OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE,
+    OTEL_EXPORTER_OTLP_TRACES_COMPRESSION,
+    OTEL_EXPORTER_OTLP_TRACES_HEADERS,
+    OTEL_EXPORTER_OTLP_TRACES_TIMEOUT,
     OTEL_EXPORTER_OTLP_ENDPOINT,
     OTEL_EXPORTER_OTLP_INSECURE,
     OTEL_EXPORTER_OTLP_METRICS_ENDPOINT,
@@ -367,6 +380,22 @@ _SIGNAL_VARIABLES = {
     "metrics": (OTEL_METRICS_EXPORTER, OTEL_EXPORTER_OTLP_METRICS_PROTOCOL,
                 OTEL_EXPORTER_OTLP_METRICS_ENDPOINT, OTEL_EXPORTER_OTLP_METRICS_INSECURE),
 }
+# Per signal, then generic: (timeout, compression, headers, certificate). The exporters read them
+# themselves; we check them first, so a bad value costs one message naming it, not all export.
+_EXPORTER_VARIABLES = {
+    "traces": ((OTEL_EXPORTER_OTLP_TRACES_TIMEOUT, OTEL_EXPORTER_OTLP_TIMEOUT),
+               (OTEL_EXPORTER_OTLP_TRACES_COMPRESSION, OTEL_EXPORTER_OTLP_COMPRESSION),
+               (OTEL_EXPORTER_OTLP_TRACES_HEADERS, OTEL_EXPORTER_OTLP_HEADERS),
+               (OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE, OTEL_EXPORTER_OTLP_CERTIFICATE)),
+    "metrics": ((OTEL_EXPORTER_OTLP_METRICS_TIMEOUT, OTEL_EXPORTER_OTLP_TIMEOUT),
+                (OTEL_EXPORTER_OTLP_METRICS_COMPRESSION, OTEL_EXPORTER_OTLP_COMPRESSION),
+                (OTEL_EXPORTER_OTLP_METRICS_HEADERS, OTEL_EXPORTER_OTLP_HEADERS),
+                (OTEL_EXPORTER_OTLP_METRICS_CERTIFICATE, OTEL_EXPORTER_OTLP_CERTIFICATE)),
+}
+COMPRESSIONS = ("gzip", "deflate", "none")
+DEFAULT_OTLP_TIMEOUT_S = 10.0  # the OTLP exporters' own default
+MAX_OTLP_TIMEOUT_S = 600.0
+MAX_SPAN_QUEUE = 10_000_000
 PROTOCOLS = ("grpc", "http/protobuf")
 DEFAULT_PROMETHEUS_PORT = 9464  # OTel's
 
@@ -405,6 +434,10 @@ class ExportEnv:
     service_name_set: bool = False  # OTEL_SERVICE_NAME, or service.name in OTEL_RESOURCE_ATTRIBUTES
     prometheus_host: str = "localhost"  # OTEL_EXPORTER_PROMETHEUS_HOST
     prometheus_port_text: str | None = None  # OTEL_EXPORTER_PROMETHEUS_PORT, parsed by prometheus_port()
+    span_queue_text: str | None = None  # OTEL_BSP_MAX_QUEUE_SIZE
+    span_batch_text: str | None = None  # OTEL_BSP_MAX_EXPORT_BATCH_SIZE
+    # Timeout, compression, headers and certificate variables that are set, by name.
+    exporter_values: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ExportEnv:
@@ -426,6 +459,11 @@ class ExportEnv:
             or "service.name" in environ.get(OTEL_RESOURCE_ATTRIBUTES, ""),
             prometheus_host=environ.get(OTEL_EXPORTER_PROMETHEUS_HOST, "localhost"),
             prometheus_port_text=environ.get(OTEL_EXPORTER_PROMETHEUS_PORT),
+            span_queue_text=environ.get(OTEL_BSP_MAX_QUEUE_SIZE),
+            span_batch_text=environ.get(OTEL_BSP_MAX_EXPORT_BATCH_SIZE),
+            exporter_values=tuple((name, environ[name]) for name in sorted(
+                {name for names in _EXPORTER_VARIABLES.values() for pair in names for name in pair})
+                if environ.get(name) is not None),
         )
 
     def signal(self, signal: str) -> SignalEnv:
@@ -484,6 +522,60 @@ class ExportEnv:
             endpoint = f"{base}/v1/{signal}"
         return endpoint
 
+    def batch_sizes(self, default_queue: int, default_batch: int) -> tuple[int, int]:
+        """``(max_queue_size, max_export_batch_size)`` for our batch span processors.
+
+        ``OTEL_BSP_MAX_QUEUE_SIZE`` and ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE`` when valid, else
+        the defaults; a batch is never larger than the queue (the SDK would refuse to start).
+        """
+        queue = _positive_int_or(OTEL_BSP_MAX_QUEUE_SIZE, self.span_queue_text, default_queue, MAX_SPAN_QUEUE)
+        batch = _positive_int_or(OTEL_BSP_MAX_EXPORT_BATCH_SIZE, self.span_batch_text, default_batch,
+                                 MAX_SPAN_QUEUE)
+        if batch > queue:
+            if self.span_batch_text is not None:
+                _warn_endpoint_once(OTEL_BSP_MAX_EXPORT_BATCH_SIZE, str(batch),
+                                    f"is larger than {OTEL_BSP_MAX_QUEUE_SIZE}={queue}; using {queue}")
+            batch = queue
+        return queue, batch
+
+    def exporter_arguments(self, signal: str) -> dict[str, Any]:
+        """Keyword arguments for ``signal``'s OTLP exporter that replace unusable variables.
+
+        A timeout that is not a number of seconds, or a compression other than gzip, deflate or
+        none, would make the exporter's constructor raise (no export at all): each gets one
+        message naming the variable, and the default. A headers variable with an entry that is
+        not ``name=value`` is named without its value (it may hold a secret), and a certificate
+        file that does not exist is named at once rather than at the first export.
+        """
+        given = dict(self.exporter_values)
+        timeout_vars, compression_vars, header_vars, certificate_vars = _EXPORTER_VARIABLES[signal]
+        arguments: dict[str, Any] = {}
+        variable = next((name for name in timeout_vars if name in given), None)
+        if variable is not None:
+            text = given[variable]
+            try:
+                timeout = float(text)
+                if not 0 < timeout <= MAX_OTLP_TIMEOUT_S:
+                    raise ValueError(text)
+            except ValueError:
+                _warn_endpoint_once(variable, text, f"is not a number of seconds from 0 to {MAX_OTLP_TIMEOUT_S:g}; "
+                                                    f"using {DEFAULT_OTLP_TIMEOUT_S:g}")
+                arguments["timeout"] = DEFAULT_OTLP_TIMEOUT_S
+        variable = next((name for name in compression_vars if name in given), None)
+        if variable is not None and given[variable].strip().lower() not in COMPRESSIONS:
+            _warn_endpoint_once(variable, given[variable], f"is not one of {', '.join(COMPRESSIONS)}; using none")
+            arguments["compression"] = "none"
+        for variable in header_vars:
+            entries = [entry for entry in given.get(variable, "").split(",") if entry.strip()]
+            if any("=" not in entry or not entry.split("=", 1)[0].strip() for entry in entries):
+                _warn_endpoint_once(variable, "(not shown)", "has an entry that is not name=value; the "
+                                                             "exporter leaves it out (the value is not printed)")
+        variable = next((name for name in certificate_vars if name in given), None)
+        if variable is not None and not os.path.isfile(given[variable]):
+            _warn_endpoint_once(variable, given[variable], "is not a file; a TLS connection to the collector "
+                                                           "will fail")
+        return arguments
+
     def prometheus_port(self, local_rank: int) -> int:
         """``OTEL_EXPORTER_PROMETHEUS_PORT`` (default 9464, as OTel) plus ``local_rank``: one port per worker."""
         base = DEFAULT_PROMETHEUS_PORT
@@ -495,6 +587,19 @@ class ExportEnv:
                                 OTEL_EXPORTER_PROMETHEUS_PORT, self.prometheus_port_text,
                                 DEFAULT_PROMETHEUS_PORT)
         return base + local_rank
+
+
+def _positive_int_or(variable: str, text: str | None, default: int, maximum: int) -> int:
+    if text is None or not text.strip():
+        return default
+    try:
+        value = int(text)
+        if 1 <= value <= maximum:
+            return value
+    except ValueError:
+        pass
+    _warn_endpoint_once(variable, text, f"is not an integer from 1 to {maximum}; using {default}")
+    return default
 
 
 def otlp_endpoint(signal: str, environ: Mapping[str, str] | None = None) -> str:

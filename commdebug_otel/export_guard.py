@@ -71,13 +71,30 @@ _warned: set[str] = set()
 _warned_lock = threading.Lock()
 
 
+class _SdkLogGuard(logging.Filter):
+    """The SDK's own lines that we replace: one per dropped span, and header values (secrets) it prints."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == _HEADER_LOGGER:
+            record.args = ("(an entry of an OTEL_EXPORTER_OTLP_*HEADERS variable, not shown)",)
+            return True
+        return not str(record.msg).startswith("Queue full")  # counted, and said once, by us
+
+
+_HEADER_LOGGER = "opentelemetry.util.re"  # parse_env_headers logs a malformed entry verbatim
+_SDK_LOGGERS = ("opentelemetry.sdk._shared_internal", _HEADER_LOGGER)
+
+
 def fold_exporter_logs() -> None:
-    """Install the log fold on the OTLP exporters' loggers (once per process)."""
+    """Install the log fold on the exporters' loggers and our guard on the SDK's (once per process)."""
     global _fold_installed
     if not _fold_installed:
         _fold_installed = True
         for name in _EXPORTER_LOGGERS:
             logging.getLogger(name).addFilter(_fold)
+        guard = _SdkLogGuard()
+        for name in _SDK_LOGGERS:
+            logging.getLogger(name).addFilter(guard)
 
 
 def claim_warning(endpoint: str) -> bool:
@@ -335,7 +352,15 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
         found = batch_queue(self)
         if found is not None:
             holder, queue = found
-            replace_batch_queue(holder, _CountingQueue(queue, queue.maxlen, lambda: count_dropped(semconv.DROPPED_KIND_SPAN, 1)))
+
+            def dropped() -> None:
+                count_dropped(semconv.DROPPED_KIND_SPAN, 1)
+                if claim_warning("span queue"):
+                    _logger.warning("commdebug-otel: the span export queue (%d spans) is full; spans are "
+                                    "dropped and counted (raise OTEL_BSP_MAX_QUEUE_SIZE, or lower "
+                                    "OTEL_PYTHON_COMMDEBUG_TRACE_EVERY's share of traced steps)", queue.maxlen)
+
+            replace_batch_queue(holder, _CountingQueue(queue, queue.maxlen, dropped))
 
 
 class WholeLineFile:

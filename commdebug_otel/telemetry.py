@@ -65,6 +65,9 @@ SCOPE_NAME = "commdebug_otel"
 # Span batches stay well under gRPC receivers' 4 MiB default (about 43 KB per
 # span with 128 collective events): OTEL_BSP_MAX_EXPORT_BATCH_SIZE overrides.
 DEFAULT_EXPORT_BATCH_SPANS = 64
+# A whole step's spans reach the batch processor at once (when the step ends): the SDK's queue of
+# 2,048 dropped a quarter of a 2,700-span step. OTEL_BSP_MAX_QUEUE_SIZE overrides.
+DEFAULT_SPAN_QUEUE = 65_536
 # Metric requests likewise: at most this many data points (a few hundred bytes each) per request.
 METRIC_EXPORT_BATCH_POINTS = 2000
 # Longest string attribute value we export (exception messages and stack traces included).
@@ -143,7 +146,7 @@ class Telemetry:
         # The recorder's span sink: finished records become spans on this telemetry's tracer.
         self.spans = SpanBuilder(self.tracer_setup)
         self._atexit = False
-        self._said_where = False
+        self._said_where: set[str] = set()  # signals whose file destination was said
         self.disabled = ExportEnv.from_env(environ).sdk_disabled
         # The variables as our own providers last read them when they started (None before).
         self.export_env: ExportEnv | None = None
@@ -225,8 +228,9 @@ class Telemetry:
         # shutdown_on_exit=False: our own atexit shutdown is bounded; the SDK's waits ~10 s per provider.
         provider = TracerProvider(resource=build_resource(rank, export), span_limits=limits,
                                   id_generator=StepIdGenerator(), shutdown_on_exit=False)
-        batch = None if export.batch_size_set else DEFAULT_EXPORT_BATCH_SPANS
-        processors = [CountingBatchSpanProcessor(exporter, self.count_dropped, max_export_batch_size=batch)
+        queue, batch = export.batch_sizes(DEFAULT_SPAN_QUEUE, DEFAULT_EXPORT_BATCH_SPANS)
+        processors = [CountingBatchSpanProcessor(exporter, self.count_dropped, max_queue_size=queue,
+                                                 max_export_batch_size=batch)
                       for exporter in self._exporters("traces", rank, export)]
         for processor in processors:
             provider.add_span_processor(processor)
@@ -303,20 +307,32 @@ class Telemetry:
         self.shutdown()
 
     # ------------------------------------------------------------- exporters
-    def _file_path(self, signal: str, rank: RankInfo) -> str:
-        """``OUTPUT_DIR/run-<job id>/<signal>-rank<N>.jsonl``: one folder per run, shared by its ranks."""
+    def _file_path(self, signal: str, rank: RankInfo) -> str | None:
+        """``OUTPUT_DIR/run-<job id>/<signal>-rank<N>.jsonl``: one folder per run, shared by its ranks.
+
+        None (said once, naming the variable) when the folder cannot be made.
+        """
         if self.file_directory is None:
             from .steps import job_nonce
 
             self.file_directory = os.path.join(
                 os.path.abspath(os.path.expanduser(self._settings.output_dir)), f"run-{job_nonce()}")
         directory = self.file_directory
-        os.makedirs(directory, mode=0o700, exist_ok=True)  # owner only: the files name hosts and modules
-        if not self._said_where:
-            self._said_where = True
+        try:
+            os.makedirs(directory, mode=0o700, exist_ok=True)  # owner only: the files name hosts and modules
+        except OSError as error:
+            if claim_warning(f"output folder {directory}"):
+                _logger.warning("commdebug-otel: cannot write OTLP-JSON files to %s "
+                                "(OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR=%s): %s; spans and metrics that would go "
+                                "there are not exported, training continues", directory,
+                                self._settings.output_dir, describe(error))
+            return None
+        if signal not in self._said_where:
+            self._said_where.add(signal)
             log = _logger.warning if rank.rank == 0 else _logger.info
-            log("commdebug-otel: no OTLP endpoint configured; writing OTLP-JSON lines to %s "
-                "(set OTEL_EXPORTER_OTLP_ENDPOINT to send to a collector)", directory)
+            variable = f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT"
+            log("commdebug-otel: no OTLP endpoint for %s; writing them as OTLP-JSON lines to %s "
+                "(set OTEL_EXPORTER_OTLP_ENDPOINT or %s to send to a collector)", signal, directory, variable)
         return os.path.join(directory, f"{signal}-rank{rank.rank}.jsonl")
 
     def _exporters(self, signal: str, rank: RankInfo, export: ExportEnv) -> list[Any]:
@@ -328,17 +344,20 @@ class Telemetry:
                 endpoint = export.otlp_endpoint(signal)
                 self.endpoints.append(endpoint)
                 transport = "http" if export.otlp_protocol(signal).startswith("http") else "grpc"
+                arguments = _exporter_arguments(export, signal, transport)
                 if signal == "traces":
-                    exporter = SizedSpanExporter(_exporter_class(signal, transport)(endpoint=endpoint),
+                    exporter = SizedSpanExporter(_exporter_class(signal, transport)(endpoint=endpoint, **arguments),
                                                  endpoint, self.count_dropped)
                 else:
                     exporter = CountingMetricExporter(_exporter_class(signal, transport)(
-                        endpoint=endpoint, max_export_batch_size=METRIC_EXPORT_BATCH_POINTS),
+                        endpoint=endpoint, max_export_batch_size=METRIC_EXPORT_BATCH_POINTS, **arguments),
                         endpoint, self.count_dropped)
                 exporters.append(exporter)
             elif name == "file":
                 fold_exporter_logs()
                 path = self._file_path(signal, rank)
+                if path is None:
+                    continue
                 guard = SizedSpanExporter if signal == "traces" else CountingMetricExporter
                 extra = {"max_request_bytes": None} if signal == "traces" else {}
                 exporters.append(guard(_exporter_class(signal, "file")(stream=WholeLineFile(path)),
@@ -424,6 +443,18 @@ class Telemetry:
         log("commdebug-otel: telemetry %s did not finish within %.1f s "
                         "(OTEL_PYTHON_COMMDEBUG_SHUTDOWN_TIMEOUT, for flush and shutdown together); "
                         "unsent telemetry%s is dropped", what, budget_s, where)
+
+
+def _exporter_arguments(export: ExportEnv, signal: str, transport: str) -> dict[str, Any]:
+    """:meth:`ExportEnv.exporter_arguments`, with the compression as ``transport``'s exporter takes it."""
+    arguments = export.exporter_arguments(signal)
+    if "compression" in arguments:
+        if transport == "grpc":
+            from grpc import Compression
+        else:
+            from opentelemetry.exporter.otlp.proto.http import Compression
+        arguments["compression"] = Compression.NoCompression
+    return arguments
 
 
 def _run_bounded(what: str, calls: list, timeout_s: float) -> bool:

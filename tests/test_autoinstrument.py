@@ -171,7 +171,7 @@ json.dump({"started": started, "hooks_on": hooks_on, "hooks_off": hooks(), "curr
 
 def test_started_from_the_environment_stops_through_the_instrumentor(tmp_path):
     """One instrumentation state: what OTEL_PYTHON_COMMDEBUG_ENABLED started, the instrumentor stops."""
-    from commdebug_otel.otlp_json import spans_from_otlp_json
+    from commdebug_otel.offline.otlp_json import spans_from_otlp_json
 
     bootstrap = pathlib.Path(semconv.__file__).parent / "_bootstrap"  # what `commdebug-otel run` puts first
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "PYTHONPATH"))}

@@ -1,0 +1,99 @@
+"""Standard OTEL_* export settings that are wrong or unusual: one message naming the variable, export goes on.
+
+Each case runs a small training script in a fresh process, as a user would, and reads what it exported.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+from commdebug_otel import semconv
+from commdebug_otel.testing.otlp_receiver import OtlpReceiver
+
+_SCRIPT = """
+import sys, torch
+from commdebug_otel import CommTracer
+modules = int(sys.argv[1])
+model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(modules)])
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+with CommTracer():
+    for _ in range(2):
+        model(torch.ones(1, 2)).sum().backward()
+        optimizer.step()
+"""
+
+
+def _train(tmp_path, modules=2, **variables):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update(OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR=str(tmp_path), **variables)
+    done = subprocess.run([sys.executable, "-c", _SCRIPT, str(modules)], env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    return done.stderr
+
+
+def _file_spans(tmp_path):
+    spans = []
+    for path in tmp_path.glob("run-*/traces-rank0.jsonl"):
+        for line in path.read_text().splitlines():
+            for resource in json.loads(line)["resourceSpans"]:
+                for scope in resource["scopeSpans"]:
+                    spans.extend(scope["spans"])
+    return spans
+
+
+def _said(stderr, text):
+    return [line for line in stderr.splitlines() if text in line]
+
+
+def test_a_step_of_thousands_of_spans_is_exported_whole_at_defaults(tmp_path):
+    modules = 1500  # 1 + 2 + 1,500 * 2 = 3,003 spans per step, past the SDK's default queue of 2,048
+    stderr = _train(tmp_path, modules, OTEL_METRICS_EXPORTER="none")
+    assert len(_file_spans(tmp_path)) == 2 * (3 + 2 * modules)
+    assert not _said(stderr, "queue")
+
+
+def test_a_small_queue_alone_keeps_spans_on_and_a_full_one_names_the_variable(tmp_path):
+    stderr = _train(tmp_path, 10, OTEL_METRICS_EXPORTER="none", OTEL_BSP_MAX_QUEUE_SIZE="10")
+    spans = _file_spans(tmp_path)
+    assert 0 < len(spans) < 2 * (3 + 2 * 10)  # exported, some dropped: the queue holds 10
+    [full] = _said(stderr, "span export queue")
+    assert "OTEL_BSP_MAX_QUEUE_SIZE" in full and not _said(stderr, "Queue full")
+
+
+def test_bad_timeout_and_compression_cost_one_message_each_not_the_export(tmp_path):
+    with OtlpReceiver() as receiver:
+        stderr = _train(tmp_path, OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint,
+                        OTEL_EXPORTER_OTLP_TIMEOUT="garbage", OTEL_EXPORTER_OTLP_COMPRESSION="zstd-please")
+        spans = receiver.spans()
+    assert sorted(s["attributes"][semconv.STEP] for s in spans if s["name"] == "train_step") == [0, 1]
+    assert not _said(stderr, "are off")  # both exporters were made (the script issues no collective)
+    assert len(_said(stderr, "OTEL_EXPORTER_OTLP_TIMEOUT=garbage")) == 1
+    assert len(_said(stderr, "OTEL_EXPORTER_OTLP_COMPRESSION=zstd-please")) == 1
+
+
+def test_a_malformed_header_is_named_without_its_secret(tmp_path):
+    with OtlpReceiver() as receiver:
+        stderr = _train(tmp_path, OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint,
+                        OTEL_EXPORTER_OTLP_HEADERS="authorization:Bearer s3cr3t-t0ken,x-team=ml")
+        assert receiver.spans()
+    assert "s3cr3t" not in stderr
+    assert len(_said(stderr, "OTEL_EXPORTER_OTLP_HEADERS")) == 1
+
+
+def test_only_a_traces_endpoint_says_where_metrics_go(tmp_path):
+    with OtlpReceiver() as receiver:
+        stderr = _train(tmp_path, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=receiver.grpc_endpoint)
+        assert receiver.spans()
+    assert not _said(stderr, "no OTLP endpoint configured")
+    [where] = _said(stderr, "no OTLP endpoint for metrics")
+    assert "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT" in where
+
+
+def test_a_missing_certificate_is_named_at_start(tmp_path):
+    missing = str(tmp_path / "no-such-ca.pem")
+    stderr = _train(tmp_path, OTEL_EXPORTER_OTLP_ENDPOINT="https://127.0.0.1:9", OTEL_EXPORTER_OTLP_CERTIFICATE=missing,
+                    OTEL_EXPORTER_OTLP_TIMEOUT="1", OTEL_PYTHON_COMMDEBUG_SHUTDOWN_TIMEOUT="2")
+    assert len(_said(stderr, f"OTEL_EXPORTER_OTLP_CERTIFICATE={missing} is not a file")) == 1
