@@ -39,8 +39,9 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -118,7 +119,7 @@ def counting_receiver():
             self.tally: dict[str, dict[str, Any]] = {}
             self._tally_lock = threading.Lock()
 
-        def _record(self, signal, transport, req, size, wire, headers):  # noqa: D401
+        def _record(self, signal, transport, req, size, wire, headers):
             if signal != "traces":
                 return metrics_service_pb2.ExportMetricsServiceResponse()
             now = time.time()
@@ -401,7 +402,7 @@ def _run_interleaved(job: Job, blocks: dict[str, Block], rounds: int, steps_per_
                 block.state["first"] = False
                 # The tracer's first block creates its providers: give them their env.
                 first_steps = getattr(block, "first_steps", steps_per_block)
-                _with_env(first_env, lambda: _run_block(job, block, first_steps))
+                _with_env(first_env, lambda block=block, first_steps=first_steps: _run_block(job, block, first_steps))
                 continue
             samples = _run_block(job, block, steps_per_block)
             if round_index >= warmup_blocks:
@@ -571,7 +572,7 @@ def profile_worker(rank: int, world_size: int, steps: int, log_path: str) -> dic
     stats = pstats.Stats(profiler)
     total = stats.total_tt
     rows = []
-    for (path, line, func), (cc, nc, tt, ct, _) in stats.stats.items():
+    for (path, line, func), (_cc, nc, tt, ct, _) in stats.stats.items():
         rows.append({"where": f"{Path(path).name}:{line}({func})", "path": path, "calls": nc,
                      "tottime_s": tt, "cumtime_s": ct})
     buffer = io.StringIO()
@@ -585,7 +586,7 @@ def per_round_ratios(per_rank: list[dict[str, list[list[float]]]], name: str) ->
     """Per round: median over the block's steps of (max over ranks), divided by the baseline's."""
     ratios = []
     for round_index in range(len(per_rank[0][BASELINE])):
-        def med(config: str) -> float:
+        def med(config: str, round_index: int = round_index) -> float:
             steps = zip(*(rank_times[config][round_index] for rank_times in per_rank))
             return statistics.median(max(step) for step in steps)
 
@@ -752,7 +753,7 @@ def phase_black_hole(rx, rounds: int, steps_per_block: int, report: dict[str, An
     # black-holed / live, per round
     live_r = per_round_ratios(per_rank, "ours, live receiver")
     hole_r = per_round_ratios(per_rank, "ours, black-holed")
-    versus = summarize([h / l for h, l in zip(hole_r, live_r)])
+    versus = summarize([hole / live for hole, live in zip(hole_r, live_r)])
     for name, stats in rows.items():
         print(f"{name:28} {stats['step_ms']:8.2f} ms  ratio to uninstrumented {stats['median']:.3f} "
               f"(IQR {stats['q1']:.3f}..{stats['q3']:.3f})")
@@ -995,7 +996,8 @@ def run_profile(steps: int = 40) -> int:
         print(f"  {row['tottime_s'] / result['steps'] * 1000:7.3f} self  "
               f"{row['cumtime_s'] / result['steps'] * 1000:7.3f} cum  "
               f"{row['calls'] / result['steps']:7.1f} calls/step  {row['where']}")
-    print(f"\nraw profile: {os.environ.get('BENCH_PROFILE_OUT', os.path.join(tempfile.gettempdir(), 'commdebug-bench.prof'))}")
+    default_out = os.path.join(tempfile.gettempdir(), "commdebug-bench.prof")
+    print(f"\nraw profile: {os.environ.get('BENCH_PROFILE_OUT', default_out)}")
     print("\nall functions by cumulative time (top 40):")
     print(result["text"])
     return 0

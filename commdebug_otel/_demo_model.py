@@ -7,21 +7,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 __all__ = [
-    "ModelArgs",
-    "RMSNorm",
     "Attention",
     "FeedForward",
-    "TransformerBlock",
+    "ModelArgs",
+    "RMSNorm",
     "Transformer",
-    "parallelize",
+    "TransformerBlock",
     "make_batch",
+    "parallelize",
     "train_step",
 ]
 
@@ -97,7 +96,7 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: Optional[ModelArgs] = None, seed: int = 0):
+    def __init__(self, args: ModelArgs | None = None, seed: int = 0):
         super().__init__()
         self.args = args = args or ModelArgs()
         torch.manual_seed(seed)  # identical init on every rank
@@ -159,7 +158,7 @@ def parallelize(model: Transformer, tp_mesh, dp_mesh=None) -> Transformer:
 
 def make_batch(
     args: ModelArgs, batch_size: int, step: int, seed: int = 0
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Deterministic (tokens, targets), int64 [batch, seq], same on every rank.
 
     Each row counts up from a random start ("next = token + 1 mod vocab"), so loss drops.

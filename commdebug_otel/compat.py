@@ -40,9 +40,9 @@ from typing import Any
 import torch
 
 from . import semconv
+from ._torch import graph_task_id, in_backward
 from .config import Detail, Settings
 from .instrumentation import CommTracer, exporting_tracer
-from ._torch import graph_task_id, in_backward
 from .observer import RecorderObserver
 from .ops import CollectiveSpec
 from .records import Record, descends_from

@@ -114,8 +114,8 @@ def run_demo(ranks: int = 2, steps: int = 5, detail: str = "collectives") -> int
     import torch.multiprocessing as mp
 
     settings = Settings.from_env(detail=Detail[detail.upper()])
-    mode = "FSDP2 + tensor parallel on a (dp=%d, tp=2) mesh" % (ranks // 2) if ranks >= 4 \
-        else "tensor parallel on %d ranks" % ranks
+    mode = f"FSDP2 + tensor parallel on a (dp={ranks // 2}, tp=2) mesh" if ranks >= 4 \
+        else f"tensor parallel on {ranks} ranks"
     print(f"commdebug-otel demo: {mode}, {steps} steps, detail {settings.detail.label}", flush=True)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as result_dir:

@@ -33,8 +33,8 @@ from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
-from ._sdk import batch_queue, exporter_preferences, replace_batch_queue
 from . import semconv
+from ._sdk import batch_queue, exporter_preferences, replace_batch_queue
 
 _logger = logging.getLogger(__name__)
 

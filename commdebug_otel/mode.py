@@ -29,9 +29,8 @@ from ._torch import (
 )
 from .config import Detail
 from .ops import build_registry
-from .report import op_listed
 from .recorder import Recorder
-
+from .report import op_listed
 
 COLLECTIVES = build_registry()
 

@@ -30,7 +30,6 @@ from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits
 from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
 
-from . import semconv
 from ._sdk import instrumentation_scope, span_limits
 from .records import span_attributes
 from .redact import exception_attributes
@@ -197,8 +196,19 @@ class _DirectSpans:
     Strings are cut and lists made tuples, as ``BoundedAttributes`` does.
     """
 
-    __slots__ = ("_provider", "_ids", "_scope", "_info", "_processors", "_span_chars", "_event_chars",
-                 "_span_attributes", "_event_attributes", "_events", "_root_flags")
+    __slots__ = (
+        "_event_attributes",
+        "_event_chars",
+        "_events",
+        "_ids",
+        "_info",
+        "_processors",
+        "_provider",
+        "_root_flags",
+        "_scope",
+        "_span_attributes",
+        "_span_chars",
+    )
 
     def __init__(self, provider: Any, tracer: Any, processors: Sequence[Any], limits: SpanLimits) -> None:
         self._provider = provider  # its resource is read per span: the SDK replaces it after a fork

@@ -41,7 +41,6 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
-from opentelemetry.sdk.trace.export import SpanExporter
 
 from . import semconv
 from .config import ExportEnv, Settings
@@ -54,10 +53,10 @@ from .export_guard import (
     fold_exporter_logs,
 )
 from .metrics import dropped_counter
+from .redact import describe
 from .spans import SpanBuilder, StepIdGenerator, TracerSetup, attach_id_generator
 from .steps import RankCache, RankInfo
 from .version import __version__
-from .redact import describe
 
 _logger = logging.getLogger(__name__)
 

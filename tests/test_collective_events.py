@@ -5,6 +5,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from commdebug_otel import Detail, semconv
+
 from models import AllReduceLinear
 
 
@@ -109,7 +110,7 @@ def test_metrics_cover_untraced_steps(telemetry, tracer_factory, single_rank_gro
             optimizer.step()
     assert [s.attributes[semconv.STEP] for s in telemetry.by_name("train_step")] == [0, 3]
     assert sum(len(s.events) for s in telemetry.spans()) == 2
-    [(labels, count)] = telemetry.metric_points(semconv.METRIC_OPERATIONS)
+    [(_, count)] = telemetry.metric_points(semconv.METRIC_OPERATIONS)
     assert count == 4
 
 
@@ -164,7 +165,7 @@ def test_event_cap_counts_overflow_on_span_and_metric(telemetry, tracer_factory,
     assert len(span.events) == 5
     assert span.attributes[semconv.SPAN_DROPPED_EVENTS] == 2
     assert telemetry.metric_points(semconv.METRIC_DROPPED) == [({semconv.DROPPED_KIND: "event", semconv.RANK: 0}, 2)]
-    [(labels, count)] = telemetry.metric_points(semconv.METRIC_OPERATIONS)
+    [(_, count)] = telemetry.metric_points(semconv.METRIC_OPERATIONS)
     assert count == 7  # metrics never drop
 
 
@@ -231,8 +232,8 @@ def test_c10d_completion_is_timed_from_the_work_future(telemetry, tracer_factory
     dist.barrier()  # completion callbacks run on gloo's thread; barrier orders them before the read
     points = telemetry.metric_points(semconv.METRIC_COMPLETION)
     assert [(labels[semconv.COLLECTIVE_OP], point.count) for labels, point in points] == [("all_reduce", 3)]
-    [(labels, issue)] = [p for p in telemetry.metric_points(semconv.METRIC_DURATION)
-                         if p[0][semconv.MODULE_PASS] == "forward"]
+    [(labels, _)] = [p for p in telemetry.metric_points(semconv.METRIC_DURATION)
+                     if p[0][semconv.MODULE_PASS] == "forward"]
     assert points[0][0] == labels and points[0][1].sum > 0
 
 
@@ -267,7 +268,8 @@ def test_untraced_step_runs_no_module_hook_inside_the_outermost_call(telemetry, 
         after = len(nn_module._global_forward_pre_hooks)
     assert global_pre_hooks == [before + 1, before, before + 1]
     assert after == before + 1
-    assert [labels[semconv.MODULE_PASS] for labels, _ in telemetry.metric_points(semconv.METRIC_OPERATIONS)] == ["forward"]
+    points = telemetry.metric_points(semconv.METRIC_OPERATIONS)
+    assert [labels[semconv.MODULE_PASS] for labels, _ in points] == ["forward"]
     assert sum(count for _, count in telemetry.metric_points(semconv.METRIC_OPERATIONS)) == 3
     for name in ("Outer.probe forward", "Outer.lin forward", "Outer.lin backward"):
         spans = telemetry.by_name(name)

@@ -100,7 +100,8 @@ def test_enabled_is_parsed_by_the_options_table():
 
 def test_standard_variables_from_a_plain_dict():
     export = ExportEnv.from_env({
-        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318/v1/traces", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318/v1/traces",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
         "OTEL_METRICS_EXPORTER": "Prometheus, console", "OTEL_SDK_DISABLED": "1",
         "OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED": "TRUE", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "512",
         "OTEL_RESOURCE_ATTRIBUTES": "service.name=llama", "OTEL_EXPORTER_PROMETHEUS_HOST": "0.0.0.0",

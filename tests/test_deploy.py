@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 import yaml
 
-import grafana_dashboard as dash
 from commdebug_otel.config import OPTIONS
+
+import grafana_dashboard as dash
 
 DEPLOY = dash.DEPLOY
 ROOT = DEPLOY.parent
@@ -232,7 +233,7 @@ def test_dashboard_panels_and_queries():
     assert set(PANELS) <= set(titles)
     assert [panel["id"] for panel in dash.panels(dashboard)] == list(range(1, len(titles) + 1))
     assert dash.queries(dashboard)
-    for title, ref, expr in dash.queries(dashboard):
+    for title, _ref, expr in dash.queries(dashboard):
         # The same queries work for the workers' own endpoints and the Collector's exporter:
         # aggregate by our labels, never by the scrape's job/instance.
         assert expr.lstrip().startswith(("sum by", "histogram_quantile(")), (title, expr)

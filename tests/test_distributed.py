@@ -4,6 +4,7 @@ import torch
 import torch.distributed as dist
 
 from commdebug_otel import semconv
+
 from distributed import run_ranks
 
 
@@ -366,7 +367,7 @@ def test_a_redistribution_inside_a_dtensor_op_names_the_op():
         assert len(spans) == 2
         for events in spans:
             assert events, "the matmul redistributes its inputs"
-            for name, attributes in events:
+            for _name, attributes in events:
                 assert attributes[semconv.DTENSOR_OP] == "aten.mm.default"
                 assert attributes[semconv.DTENSOR_INPUT_PLACEMENTS] == ("(Shard(dim=1),)", "(Shard(dim=1),)")
                 assert attributes[semconv.DEVICE_MESH_SHAPE] == (2,)

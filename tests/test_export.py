@@ -102,7 +102,9 @@ def test_direct_spans_match_the_sdk_span_path_on_the_wire(monkeypatch, single_ra
     """Our provider's spans skip the SDK's live Span; the wire must not show the difference."""
     import torch
 
-    from commdebug_otel import CommTracer, Settings, spans as spans_module, telemetry as telemetry_module
+    from commdebug_otel import CommTracer, Settings
+    from commdebug_otel import spans as spans_module
+    from commdebug_otel import telemetry as telemetry_module
     from commdebug_otel.testing import InMemoryTelemetry
 
     class Failing(torch.nn.Module):

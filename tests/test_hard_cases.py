@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from commdebug_otel import semconv
+
 from models import Block
 
 

@@ -7,6 +7,7 @@ from torch.utils import _python_dispatch as python_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from commdebug_otel import semconv
+
 from models import AllReduceLinear
 
 
@@ -177,7 +178,7 @@ def test_a_step_ended_inside_backward_leaves_one_mode_at_most(tracer_factory, si
     """Optimizer-in-backward: the step closes inside the pass, where autograd owns the mode stack."""
     model = AllReduceLinear()
     optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
-    for param, optimizer in optimizers.items():
+    for param in optimizers:
         param.register_post_accumulate_grad_hook(lambda p: optimizers[p].step())
     stacks = []
     model.lin.register_forward_hook(lambda *_: stacks.append(len(_get_current_dispatch_mode_stack())))

@@ -7,6 +7,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from commdebug_otel import semconv
+
 from models import Block, MaybeBoom, TwoBlocks
 
 FORWARD_TREE = [

@@ -16,6 +16,7 @@ from commdebug_otel.config import Detail
 from commdebug_otel.demo import format_counts
 from commdebug_otel.offline import perfetto, summary
 from commdebug_otel.report import GLOBAL, CommReport, Operation, module_chain, op_listed, render_json, render_table
+
 from distributed import run_ranks
 
 _STEPS = 2

@@ -9,7 +9,7 @@ installed makes this test fail.
 import atexit
 
 import torch
-import torch._dynamo  # noqa: F401  (its import registers exit handlers of its own: not ours to count)
+import torch._dynamo
 import torch.distributed as dist
 import torch.nn.modules.module as module_hooks
 import torch.optim.optimizer as optimizer_hooks

@@ -35,10 +35,11 @@ from __future__ import annotations
 import gzip
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
 
 import grpc
 from google.protobuf import json_format
@@ -79,35 +80,35 @@ class ReceivedRequest:
 from commdebug_otel.offline.otlp_json import (  # noqa: E402  (re-exported: part of this module's API)
     _SIGNALS,
     decode_any_value,
-    metric_dicts as _metric_dicts,
     metrics_from_otlp_json,
-    parse_otlp_json as _parse_otlp_json,
-    span_dicts as _span_dicts,
     spans_from_otlp_json,
 )
+from commdebug_otel.offline.otlp_json import metric_dicts as _metric_dicts  # noqa: E402
+from commdebug_otel.offline.otlp_json import parse_otlp_json as _parse_otlp_json  # noqa: E402
+from commdebug_otel.offline.otlp_json import span_dicts as _span_dicts  # noqa: E402
 
 
 class _GrpcTraceService(_tgrpc.TraceServiceServicer):
-    def __init__(self, receiver: "OtlpReceiver") -> None:
+    def __init__(self, receiver: OtlpReceiver) -> None:
         self._rx = receiver
 
-    def Export(self, request, context):  # noqa: N802 (grpc naming)
+    def Export(self, request, context):
         return self._rx._accept_grpc("traces", request, context)
 
 
 class _GrpcMetricsService(_mgrpc.MetricsServiceServicer):
-    def __init__(self, receiver: "OtlpReceiver") -> None:
+    def __init__(self, receiver: OtlpReceiver) -> None:
         self._rx = receiver
 
-    def Export(self, request, context):  # noqa: N802
+    def Export(self, request, context):
         return self._rx._accept_grpc("metrics", request, context)
 
 
 class _HttpHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
-    server: "_HttpServer"
+    server: _HttpServer
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         signal = {"/v1/traces": "traces", "/v1/metrics": "metrics"}.get(self.path.split("?")[0])
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         if signal is None:
@@ -137,7 +138,7 @@ class _HttpHandler(BaseHTTPRequestHandler):
 
 class _HttpServer(ThreadingHTTPServer):
     daemon_threads = True
-    receiver: "OtlpReceiver"
+    receiver: OtlpReceiver
 
 
 # ---------------------------------------------------------------- receiver
@@ -163,7 +164,7 @@ class OtlpReceiver:
         self.http_port = 0
 
     # lifecycle
-    def start(self) -> "OtlpReceiver":
+    def start(self) -> OtlpReceiver:
         """Start both servers (idempotent); returns self."""
         if self._grpc is not None:
             return self
@@ -193,7 +194,7 @@ class OtlpReceiver:
             self._http.server_close()
             self._http = None
 
-    def __enter__(self) -> "OtlpReceiver":
+    def __enter__(self) -> OtlpReceiver:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
@@ -250,7 +251,7 @@ class OtlpReceiver:
         """One dict per received metric data point; ``time_ns`` in ns since the Unix epoch."""
         return [p for r in self.requests("metrics") for p in _metric_dicts(r.request, r.transport)]
 
-    def wait_for(self, predicate: Callable[["OtlpReceiver"], bool], timeout_s: float = 10.0) -> bool:
+    def wait_for(self, predicate: Callable[[OtlpReceiver], bool], timeout_s: float = 10.0) -> bool:
         """Poll ``predicate(self)`` every 20 ms for up to ``timeout_s`` seconds; True once it holds."""
         deadline = time.monotonic() + timeout_s
         while True:

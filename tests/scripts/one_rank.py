@@ -7,7 +7,6 @@ prints "EXIT HANDLERS DONE <time>" after every exit handler of ours has run.
 """
 
 import atexit
-import os
 import socket
 import sys
 import time
