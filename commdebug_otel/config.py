@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import numbers
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -122,25 +123,57 @@ def _parse_detail(text: str) -> Detail:
         raise ValueError(text) from None
 
 
-def _parse_positive_int(text: str) -> int:
-    value = int(text.strip())
-    if value < 1:
-        raise ValueError(text)
-    return value
+class _Number:
+    """A bounded number setting: parses its variable's text and checks explicit ``Settings`` arguments.
+
+    Every number has an upper bound too: a huge value (``SHUTDOWN_TIMEOUT=1e10``, past
+    ``threading.TIMEOUT_MAX``; ``MAX_EVENTS_PER_SPAN`` past 2**63, the SDK's deque limit)
+    would otherwise fail later, inside exit or export, instead of here with one message.
+
+    Args:
+        low, high: the accepted range, both included (``low`` excluded when ``low_open``).
+        integer: whole numbers only (bools are refused); otherwise any finite number.
+        unit: a word after "a number of" in the accepted text ("seconds"), for floats.
+    """
+
+    def __init__(self, low: float, high: float, integer: bool = True, low_open: bool = False,
+                 unit: str = "") -> None:
+        self.low, self.high, self.integer, self.low_open = low, high, integer, low_open
+        if integer:
+            self.accepted = f"an integer from {low} to {high}"
+        else:
+            self.accepted = f"a number of {unit} > {low:g} and <= {high:g}"
+
+    def _in_range(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        return above and value <= self.high  # NaN fails both
+
+    def __call__(self, text: str) -> int | float:
+        value = int(text.strip()) if self.integer else float(text.strip())
+        if not self._in_range(value):
+            raise ValueError(text)
+        return value
+
+    def check(self, field: str, value: Any) -> int | float:
+        """``value`` as given in code, or ``ValueError`` naming ``field`` and the accepted range."""
+        kinds = numbers.Integral if self.integer else numbers.Real
+        if isinstance(value, bool) or not isinstance(value, kinds) or not self._in_range(value):
+            raise ValueError(f"{field} must be {self.accepted}, got {value!r}")
+        return int(value) if self.integer else float(value)
 
 
-def _parse_non_negative_int(text: str) -> int:
-    value = int(text.strip())
-    if value < 0:
-        raise ValueError(text)
-    return value
+# The upper bounds (docs/configuration.md): far past any real use, far below what breaks.
+MAX_STEP_PERIOD = 10**9  # TRACE_EVERY, COMPLETION_EVERY: steps
+MAX_EVENTS_PER_SPAN = 10**6  # a span's events are kept in memory until the step ends
+MAX_MODULE_DEPTH = 100
+MAX_SPANS_PER_STEP = 10**6  # about 1 GB of records (docs/troubleshooting.md)
+MAX_SHUTDOWN_TIMEOUT_S = 600.0  # threading.TIMEOUT_MAX is ~9.2e9 s; ten minutes per rank at exit is plenty
 
-
-def _parse_positive_float(text: str) -> float:
-    value = float(text.strip())
-    if not value > 0 or value == float("inf"):
-        raise ValueError(text)
-    return value
+_parse_step_period = _Number(1, MAX_STEP_PERIOD)
+_parse_events_per_span = _Number(1, MAX_EVENTS_PER_SPAN)
+_parse_module_depth = _Number(0, MAX_MODULE_DEPTH)
+_parse_spans_per_step = _Number(1, MAX_SPANS_PER_STEP)
+_parse_timeout_s = _Number(0, MAX_SHUTDOWN_TIMEOUT_S, integer=False, low_open=True, unit="seconds")
 
 
 def _parse_ranks(text: str) -> frozenset[int] | None:
@@ -213,11 +246,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("detail", "DETAIL", _parse_detail, Detail.COLLECTIVES,
            "collectives, dtensor, ops or all",
            "Which ops become span events, as CommDebugMode's noise levels 0-3."),
-    Option("trace_every", "TRACE_EVERY", _parse_positive_int, 1, "an integer >= 1",
+    Option("trace_every", "TRACE_EVERY", _parse_step_period, 1, _parse_step_period.accepted,
            "Trace one optimizer step in N (step % N == 0), and the collectives between it and the "
            "next step (`outside_step`); metrics cover every step. Untraced steps run without a "
            "dispatch mode (docs/performance.md)."),
-    Option("completion_every", "COMPLETION_EVERY", _parse_positive_int, 10, "an integer >= 1",
+    Option("completion_every", "COMPLETION_EVERY", _parse_step_period, 10, _parse_step_period.accepted,
            "Time c10d collectives to completion (torch.collective.completion_duration) on one step "
            "in N and on the steps TRACE_EVERY picks, on every rank; 1 = every step. Each timing is "
            "a Python callback on the backend's thread (docs/performance.md)."),
@@ -227,16 +260,22 @@ OPTIONS: tuple[Option, ...] = (
            "job: step N of every rank shares one trace id; rank: one trace per rank per step."),
     Option("output_dir", "OUTPUT_DIR", _parse_dir, "./commdebug-otel-out", "a directory path",
            "Where the embedded default writes OTLP-JSON lines when no exporter is configured."),
-    Option("max_events_per_span", "MAX_EVENTS_PER_SPAN", _parse_positive_int, 1024,
-           "an integer >= 1",
+    Option("max_events_per_span", "MAX_EVENTS_PER_SPAN", _parse_events_per_span, 1024,
+           _parse_events_per_span.accepted,
            "Span events kept per span; the rest are counted on the span and in "
            "commdebug.telemetry.dropped."),
-    Option("metric_module_depth", "METRIC_MODULE_DEPTH", _parse_non_negative_int, 0,
-           "an integer >= 0",
+    Option("metric_module_depth", "METRIC_MODULE_DEPTH", _parse_module_depth, 0,
+           _parse_module_depth.accepted,
            "Add torch.module.fqn to metrics, cut to this many levels (0 = no module label)."),
-    Option("shutdown_timeout_s", "SHUTDOWN_TIMEOUT", _parse_positive_float, 5.0,
-           "a number of seconds > 0",
+    Option("shutdown_timeout_s", "SHUTDOWN_TIMEOUT", _parse_timeout_s, 5.0, _parse_timeout_s.accepted,
            "Time the flush at exit may take, traces and metrics together."),
+    Option("max_spans_per_step", "MAX_SPANS_PER_STEP", _parse_spans_per_step, 50_000,
+           _parse_spans_per_step.accepted,
+           "Module-pass spans one step may hold (about 1 KB each until the step ends). A step "
+           "that reaches it (forward passes with grad that never reach `optimizer.step()`) is "
+           "exported in parts, cut at its next top-level forward, each earlier part marked "
+           "`commdebug.step.truncated`; the pass under way stays whole up to twice this. Cuts and "
+           "passes not recorded are counted in commdebug.telemetry.dropped (docs/troubleshooting.md)."),
     Option("module_include", "MODULE_INCLUDE", _parse_patterns, (), "comma list of fnmatch patterns",
            "Only modules whose FQN matches get spans (empty = all)."),
     Option("module_exclude", "MODULE_EXCLUDE", _parse_patterns, (), "comma list of fnmatch patterns",
@@ -244,14 +283,20 @@ OPTIONS: tuple[Option, ...] = (
 )
 
 _BY_FIELD = {option.field: option for option in OPTIONS}
+_NUMBERS = tuple(option for option in OPTIONS if isinstance(option.parse, _Number))
 
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """Frozen commdebug-otel settings. Field units: seconds for ``shutdown_timeout_s``.
+    """Frozen commdebug-otel settings. Field units: seconds for ``shutdown_timeout_s``; module-pass
+    spans (records) for ``max_spans_per_step``.
+
+    Each number has a lower and an upper bound (the ``accepted`` text of its ``OPTIONS`` entry, e.g.
+    ``shutdown_timeout_s`` > 0 and <= 600); integers must be whole numbers.
 
     Raises:
-        ValueError: at construction, when an explicit argument is out of range.
+        ValueError: at construction, when an explicit argument is out of range or of the wrong
+            type; the message names the field and its accepted range.
     """
 
     enabled: bool = False
@@ -264,6 +309,7 @@ class Settings:
     max_events_per_span: int = 1024
     metric_module_depth: int = 0
     shutdown_timeout_s: float = 5.0
+    max_spans_per_step: int = 50_000
     module_include: tuple[str, ...] = ()
     module_exclude: tuple[str, ...] = ()
 
@@ -274,13 +320,8 @@ class Settings:
             object.__setattr__(self, "trace_scope", _checked("trace_scope", _parse_scope, self.trace_scope))
         if isinstance(self.ranks, str):
             object.__setattr__(self, "ranks", _checked("ranks", _parse_ranks, self.ranks))
-        for name in ("trace_every", "completion_every", "max_events_per_span"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        if self.metric_module_depth < 0:
-            raise ValueError(f"metric_module_depth must be >= 0, got {self.metric_module_depth!r}")
-        if not self.shutdown_timeout_s > 0:
-            raise ValueError(f"shutdown_timeout_s must be > 0, got {self.shutdown_timeout_s!r}")
+        for option in _NUMBERS:
+            object.__setattr__(self, option.field, option.parse.check(option.field, getattr(self, option.field)))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
@@ -318,6 +359,11 @@ def read_option(field: str, environ: Mapping[str, str] | None = None) -> Any:
             option.env, raw, option.accepted, _describe(option.default),
         )
         return option.default
+
+
+def variable(field: str) -> str:
+    """The environment variable of the option behind ``Settings`` field ``field``, for messages."""
+    return _BY_FIELD[field].env
 
 
 def run_environment(values: Mapping[str, str | None], environ: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -244,23 +244,39 @@ class CommTracer:
         self.stop(flush=False)
 
     def stop(self, flush: bool = True) -> None:
-        """End every open span, remove every hook, and (``flush``) export within the shutdown timeout."""
+        """End every open span, remove every hook, and (``flush``) export within the shutdown timeout.
+
+        Never raises: each undo runs on its own, so a failure in one (logged once and counted
+        as a ``hook_error``) leaves the others done, and the script's own exit is unchanged.
+        """
         self._refused = False
         if not self._started:
             return
         self._started = False
         _STARTED.discard(self)
         _EXPORTING.discard(self)
+        for where, undo in (("exit handlers", self._unregister_exit),
+                            ("closing spans", self.recorder.finish),
+                            # The metrics worker records what the closed step left: in-memory SDK calls,
+                            # so a short bound (an SDK that hangs must not double the exit budget).
+                            ("metrics", lambda: self.flush_metrics(
+                                min(self.settings.shutdown_timeout_s, METRICS_DRAIN_S))),
+                            ("removing hooks", self._remove_hooks),
+                            ("flush", self.telemetry.force_flush if flush else None)):
+            if undo is None:
+                continue
+            try:
+                undo()
+            except Exception as error:
+                self.recorder.hook_failed(f"CommTracer.stop: {where}", error)
+
+    def _unregister_exit(self) -> None:
         atexit.unregister(self._stop_at_exit)
         if self._stop_at_exit in self.telemetry.before_shutdown:
             self.telemetry.before_shutdown.remove(self._stop_at_exit)
-        try:
-            self.recorder.finish()
-        except Exception as error:
-            self.recorder.hook_failed("closing spans", error)
-        # The metrics worker records what the closed step left: in-memory SDK calls, so a
-        # short bound (an SDK that hangs must not double the exit budget).
-        self.flush_metrics(min(self.settings.shutdown_timeout_s, METRICS_DRAIN_S))
+
+    def _remove_hooks(self) -> None:
+        """Undo :meth:`start`'s hooks in mirrored order: optimizer hooks, dispatch mode, kernels, module hooks."""
         self.recorder.active = False
         self._mode_follows_steps = False
         for handle in (self._optimizer_handle, self._optimizer_pre_handle):
@@ -273,8 +289,6 @@ class CommTracer:
             self._intercepted = False
             interceptor(COLLECTIVES).unsubscribe(self.recorder)
         self._tracker.remove()
-        if flush:
-            self.telemetry.force_flush()  # bounded by the shutdown timeout; never raises
 
     def flush_metrics(self, timeout_s: float | None = None) -> bool:
         """Record every metric point so far in the SDK's instruments, waiting at most ``timeout_s`` seconds.
@@ -316,7 +330,10 @@ class CommTracer:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
-        self.stop()
+        try:
+            self.stop()
+        except Exception as error:  # stop() never raises; should it, the script's own exit still wins
+            self.recorder.hook_failed("CommTracer.stop", error)
 
 
 class _ModeSwitch(RecorderObserver):

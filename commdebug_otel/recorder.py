@@ -37,7 +37,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_s
 from . import semconv
 from ._torch import graph_task_id, queue_engine_callback
 from .collectives import PASS_NONE, Collective, CollectiveCounter, Why, event_attributes
-from .config import Settings, TraceScope
+from .config import Settings, TraceScope, variable
 from .observer import RecorderObserver, SpanSink
 from .ops import CollectiveSpec, GroupResolver, payload_facts
 from .records import Record, SpanKind, Step, descends_from, dtensor_facts, parameter_facts, span_tree
@@ -86,6 +86,7 @@ class Recorder:
         self._every_event = any(observer.wants_every_event for observer in self._observers)
         self._exemplars: bool | None = None  # decided at the first traced step (spans.start())
         self._counter = CollectiveCounter(metrics, self.rank, self.hook_failed)
+        self._max_records = settings.max_spans_per_step  # per step part (_step_full)
         self._count = self._counter.count  # the quiet path's one call
         self._groups = GroupResolver()
         self._seq: dict[str, int] = {}
@@ -153,7 +154,10 @@ class Recorder:
 
     def state_sizes(self) -> dict[str, int]:
         """How many entries each piece of per-run state holds, by name (for leak checks)."""
+        step = self._step
         return {
+            "step records": len(step.records) if step is not None else 0,
+            "step hooks": len(step.hooks) if step is not None else 0,
             "open forward records": len(self._fwd_stack),
             "open backward records": len(self._open_bw),
             "call counts": len(self._call_counts),
@@ -289,7 +293,7 @@ class Recorder:
         if step is not None:
             step.hooks.append(handle)
 
-    def _close(self, step: Step, now: int) -> None:
+    def _close(self, step: Step, now: int, mode_stays: bool = False) -> None:
         for record in reversed(self._fwd_stack):
             if record.end_ns == 0:
                 record.end_ns, record.unmatched = now, True
@@ -306,7 +310,7 @@ class Recorder:
         for handle in step.hooks:
             handle.remove()
         step.hooks.clear()
-        if step.traced and step.kind is not SpanKind.OUTSIDE_STEP:
+        if step.traced and step.kind is not SpanKind.OUTSIDE_STEP and not mode_stays:
             self._tell_traced(False)
         if step.traced and self._spans is not None:
             try:
@@ -319,6 +323,50 @@ class Recorder:
             record.bw_records = []
             record.events = []
         step.records.clear()
+
+    def _step_full(self, step: Step, now: int, in_backward: bool) -> Step | None:
+        """``step`` holds ``max_spans_per_step`` records: cut it, go on, or record no more of this pass.
+
+        At a top-level forward (no pass open) the step so far is closed and exported as
+        one part, its ``train_step`` marked ``commdebug.step.truncated``, its tensor hooks
+        removed (so nothing of it stays alive, and backward spans of its passes are lost),
+        and the step goes on in a fresh part with the same ``torch.step``: returns that
+        part. Inside a pass nothing can be cut: the pass stays whole (returns ``step``)
+        up to twice the bound, past which it is not recorded (returns None). Cuts and
+        passes not recorded are counted on traced steps, and said once.
+        """
+        top_level = not self._fwd_stack and self._depth == 0 and not in_backward
+        if not top_level and len(step.records) < 2 * self._max_records:
+            return step
+        if step.traced:
+            self._count_dropped(semconv.DROPPED_KIND_STEP_SPLIT if top_level else semconv.DROPPED_KIND_STEP_FULL)
+            if variable("max_spans_per_step") not in self._failed:
+                self._failed.add(variable("max_spans_per_step"))
+                _logger.warning(
+                    "commdebug-otel: step %d reached %s=%d module-pass spans (forward passes with grad "
+                    "that never reach optimizer.step(), e.g. evaluation without torch.no_grad()); it is "
+                    "exported in parts marked %s, and what each cut loses is counted in %s (kinds %s, %s)",
+                    step.index, variable("max_spans_per_step"), self._max_records, semconv.STEP_TRUNCATED,
+                    semconv.METRIC_DROPPED, semconv.DROPPED_KIND_STEP_SPLIT, semconv.DROPPED_KIND_STEP_FULL)
+        if not top_level:
+            return None
+        step.root.attrs[semconv.STEP_TRUNCATED] = True
+        self._close(step, now, mode_stays=True)  # exports this part, removes its hooks
+        root = Record(SpanKind.STEP, semconv.SPAN_TRAIN_STEP, now)
+        root.attrs.update(step.root.attrs)
+        del root.attrs[semconv.STEP_TRUNCATED]
+        part = self._step = Step(step.index, step.traced, root, SpanKind.STEP)
+        part.part = root.attrs[semconv.STEP_PART] = step.part + 1
+        part.trace_id, part.inference, part.quiet = step.trace_id, step.inference, step.quiet
+        part.had_module, part.backward_done = step.had_module, step.backward_done
+        return part
+
+    def _count_dropped(self, kind: str) -> None:
+        if self._metrics is not None:
+            try:
+                self._metrics.dropped(kind, 1)
+            except Exception as error:
+                self.hook_failed("metrics", error)
 
     def _trace_id(self, step: Step) -> int | None:
         if self.settings.trace_scope is not TraceScope.JOB or step.kind is SpanKind.OUTSIDE_STEP:
@@ -358,6 +406,11 @@ class Recorder:
         if not (step.traced or self.settings.metric_module_depth > 0):
             self._depth += 1
             return None
+        if len(step.records) >= self._max_records:  # the one compare a recorded call pays for the bound
+            step = self._step_full(step, now, in_backward)
+            if step is None:
+                self._depth += 1
+                return None
         pass_ = semconv.PASS_RECOMPUTE if in_backward else semconv.PASS_FORWARD
         record = Record(SpanKind.MODULE, f"{fqn} {pass_}", now)
         record.fqn = fqn
@@ -425,6 +478,15 @@ class Recorder:
         task = graph_task_id()
         if forward.bw_records and forward.bw_records[-1].graph_task == task:
             return  # another output of the call, or one hooked twice (before and after its own hooks)
+        step = self._step
+        if step is not None and len(step.records) >= self._max_records:
+            if forward.graph_task == task:
+                return  # already not recorded in this backward: another output of the call
+            if self._step_full(step, now, in_backward=True) is None:
+                # A forward record's own graph_task is otherwise unused: it marks "not recorded
+                # in this backward", so the call's other outputs are not counted again.
+                forward.graph_task = task
+                return
         record = Record(SpanKind.MODULE, f"{forward.fqn} {semconv.PASS_BACKWARD}", now)
         record.fqn, record.module_type = forward.fqn, forward.module_type
         record.pass_ = semconv.PASS_BACKWARD
@@ -433,7 +495,6 @@ class Recorder:
         forward.open_bw = record
         forward.bw_records.append(record)
         self._begin_backward(record)
-        step = self._step
         if step is not None:
             step.records.append(record)
         if self._bw_callback_task != task:
@@ -603,11 +664,7 @@ class Recorder:
             owner.events.append((name, attrs, now))
             return
         owner.dropped_events += 1
-        if self._metrics is not None:
-            try:
-                self._metrics.dropped(semconv.DROPPED_KIND_EVENT, 1)
-            except Exception as error:
-                self.hook_failed("metrics", error)
+        self._count_dropped(semconv.DROPPED_KIND_EVENT)
 
 
 def _end_backward_records(records: list[Record], now: int) -> None:

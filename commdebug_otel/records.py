@@ -68,7 +68,7 @@ class Step:
     """One step's records: a training step, an inference forward, or the ``outside_step`` root."""
 
     __slots__ = ("index", "traced", "root", "records", "kind", "backward_done", "had_module",
-                 "trace_id", "hooks", "inference", "quiet")
+                 "trace_id", "hooks", "inference", "quiet", "part")
 
     def __init__(self, index: int, traced: bool, root: Record, kind: SpanKind) -> None:
         self.index = index
@@ -84,6 +84,8 @@ class Step:
         # Keeps nothing but metric points (untraced, no module label, no observer of every
         # collective): its collectives take the short path in Recorder.collective().
         self.quiet = False
+        # 0, or which part of its step this is: a step past max_spans_per_step goes on in a fresh Step.
+        self.part = 0
 
 
 # ------------------------------------------------------------------ the span tree

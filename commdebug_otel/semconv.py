@@ -20,6 +20,9 @@ MODULE_PARAMETERS = "torch.module.parameters"
 SPAN_UNMATCHED = "commdebug.span.unmatched"
 SPAN_DROPPED_EVENTS = "commdebug.span.dropped_events"
 SPAN_UNOBSERVED = "commdebug.span.unobserved"
+# A train_step cut at OTEL_PYTHON_COMMDEBUG_MAX_SPANS_PER_STEP: this part is exported, the step goes on.
+STEP_TRUNCATED = "commdebug.step.truncated"
+STEP_PART = "commdebug.step.part"  # on the parts after such a cut: 1, 2, ...
 
 # Module pass values.
 PASS_FORWARD = "forward"
@@ -75,6 +78,10 @@ DROPPED_KIND_METRIC_EXPORT = "metric_export"  # a failed metric export
 DROPPED_KIND_HOOK_ERROR = "hook_error"
 DROPPED_KIND_METRIC_OVERFLOW = "metric_overflow"  # a metric past the SDK's cardinality limit, per export
 DROPPED_KIND_METRIC = "metric_point"  # collectives not recorded in metrics: the metrics worker fell behind
+# A traced step cut at MAX_SPANS_PER_STEP (one per cut): backward spans of the passes before the cut are lost.
+DROPPED_KIND_STEP_SPLIT = "step_split"
+# A module pass not recorded: the step part was full inside a pass, where it cannot be cut.
+DROPPED_KIND_STEP_FULL = "step_full"
 
 # Resource attributes.
 RANK = "torch.distributed.rank"
