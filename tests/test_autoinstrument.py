@@ -1,11 +1,15 @@
 """Unmodified scripts traced from the environment: torchrun, `commdebug-otel run`, opentelemetry-instrument, spawn."""
 
 import collections
+import importlib.machinery
 import json
 import os
 import pathlib
+import shutil
+import site
 import subprocess
 import sys
+import zipfile
 
 import pytest
 
@@ -187,3 +191,166 @@ def test_started_from_the_environment_stops_through_the_instrumentor(tmp_path):
     [traces] = tmp_path.glob("run-*/traces-rank0.jsonl")
     names = [span["name"] for line in traces.read_text().splitlines() for span in spans_from_otlp_json(line)]
     assert names == ["Linear forward"]
+
+
+# ----------------------------------------------------------------- start only where torch is imported
+PACKAGE_PARENT = pathlib.Path(semconv.__file__).parents[1]
+BOOTSTRAP = pathlib.Path(semconv.__file__).parent / "_bootstrap"  # what `commdebug-otel run` puts first
+PTH = "commdebug_otel.pth"
+
+NO_TORCH = """
+import json, sys
+finders = [type(finder).__name__ for finder in sys.meta_path]
+json.dump({"torch": "torch" in sys.modules, "autostart": "commdebug_otel._autostart" in sys.modules,
+           "hooked": finders.count("TorchImportHook"),
+           "loaded": sorted(m for m in sys.modules if m.startswith(("opentelemetry", "commdebug_otel.config")))},
+          sys.stdout)
+"""
+
+TRAINS = """
+import json, sys
+import torch
+from commdebug_otel.instrumentor import current
+model = torch.nn.Linear(2, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(2):
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+json.dump({"started": current() is not None and current().started,
+           "hooked": [type(finder).__name__ for finder in sys.meta_path].count("TorchImportHook"),
+           "loaders": [type(torch.__loader__).__name__, type(torch.__spec__.loader).__name__]}, sys.stdout)
+"""
+
+
+def start_route_env(route, tmp_path):
+    """The environment of a process started with ENABLED=true through the .pth or `commdebug-otel run`'s bootstrap."""
+    if route == "pth":
+        installed = [path for path in site.getsitepackages() if (pathlib.Path(path) / PTH).is_file()]
+        assert installed, f"{PTH} is not in {site.getsitepackages()}: install the package (pip install . or -e .)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "PYTHONPATH"))}
+    path = [str(BOOTSTRAP)] if route == "run" else []
+    env.update(OTEL_PYTHON_COMMDEBUG_ENABLED="true", OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR=str(tmp_path),
+               OTEL_METRICS_EXPORTER="none", PYTHONPATH=os.pathsep.join([*path, str(PACKAGE_PARENT)]))
+    return env
+
+
+def run_python(code, env, cwd):
+    result = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout), result.stderr
+
+
+@pytest.mark.parametrize("route", ["pth", "run"])
+def test_enabled_imports_nothing_into_processes_without_torch(route, tmp_path):
+    """pip, a launcher's helpers, `python -c`: ENABLED=true used to import torch and the SDK into all of them."""
+    state, stderr = run_python(NO_TORCH, start_route_env(route, tmp_path), tmp_path)
+    assert state == {"torch": False, "autostart": True, "hooked": 1, "loaded": []}
+    assert stderr == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("route", ["pth", "run"])
+def test_enabled_starts_tracing_when_the_script_imports_torch(route, tmp_path):
+    state, _ = run_python(TRAINS, start_route_env(route, tmp_path), tmp_path)
+    # the hook removed itself; torch's loader is torch's own again
+    assert state == {"started": True, "hooked": 0, "loaders": ["SourceFileLoader", "SourceFileLoader"]}
+    from commdebug_otel.offline.otlp_json import spans_from_otlp_json
+
+    [traces] = tmp_path.glob("run-*/traces-rank0.jsonl")
+    names = [span["name"] for line in traces.read_text().splitlines() for span in spans_from_otlp_json(line)]
+    assert sorted(names) == sorted(["Linear forward", "Linear backward", "train_step"] * 2)
+
+
+def test_enabled_starts_at_once_when_torch_is_already_imported(tmp_path):
+    env = start_route_env("run", tmp_path)
+    env["PYTHONPATH"] = str(PACKAGE_PARENT)
+    env["OTEL_PYTHON_COMMDEBUG_ENABLED"] = ""  # the .pth does nothing at start-up
+    code = ("import json, os, sys, torch\n"
+            "os.environ['OTEL_PYTHON_COMMDEBUG_ENABLED'] = 'true'\n"
+            "import commdebug_otel._autostart\n"
+            "from commdebug_otel.instrumentor import current\n"
+            "json.dump({'started': current() is not None and current().started,\n"
+            "           'hooked': [type(f).__name__ for f in sys.meta_path].count('TorchImportHook')}, sys.stdout)")
+    state, _ = run_python(code, env, tmp_path)
+    assert state == {"started": True, "hooked": 0}
+
+
+@pytest.fixture
+def fake_torch(tmp_path, monkeypatch):
+    """The hook aimed at a module of our own (``fake_torch_for_hook``), and the list of start calls."""
+    from commdebug_otel import _autostart
+
+    name = "fake_torch_for_hook"
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(_autostart, "TARGET", name)
+    starts = []
+    monkeypatch.setattr(_autostart, "maybe_start", lambda: starts.append(sys.modules[name].VALUE))
+    hook = _autostart.TorchImportHook()
+    monkeypatch.setattr(sys, "meta_path", [hook, *sys.meta_path])
+    yield tmp_path / f"{name}.py", hook, starts
+    sys.modules.pop(name, None)
+
+
+def test_import_hook_starts_once_after_the_module_ran_and_removes_itself(fake_torch):
+    source, hook, starts = fake_torch
+    source.write_text("VALUE = 1\n")
+    import fake_torch_for_hook
+
+    assert starts == [1]  # after the module's own code ran
+    assert hook not in sys.meta_path
+    assert type(fake_torch_for_hook.__loader__) is importlib.machinery.SourceFileLoader
+    assert fake_torch_for_hook.__spec__.loader is fake_torch_for_hook.__loader__
+    importlib.reload(fake_torch_for_hook)
+    assert starts == [1]
+
+
+def test_import_hook_waits_for_an_import_that_succeeds(fake_torch):
+    """A failed torch import is the script's own error; the hook stays for the next try."""
+    source, hook, starts = fake_torch
+    source.write_text("raise ImportError('no libcuda')\n")
+    with pytest.raises(ImportError, match="no libcuda"):
+        import fake_torch_for_hook
+    assert starts == [] and hook in sys.meta_path
+    source.write_text("VALUE = 2\n")
+    importlib.invalidate_caches()
+    import fake_torch_for_hook  # noqa: F401
+
+    assert starts == [2] and hook not in sys.meta_path
+
+
+def test_a_failed_start_warns_once_and_never_raises(monkeypatch, caplog):
+    from commdebug_otel import _autostart, instrumentor
+
+    def broken(**_):
+        raise RuntimeError("boom")
+
+    monkeypatch.setenv("OTEL_PYTHON_COMMDEBUG_ENABLED", "true")
+    monkeypatch.setattr(instrumentor, "instrument", broken)
+    _autostart.maybe_start()
+    assert [r.getMessage() for r in caplog.records] == [
+        "commdebug-otel: could not start tracing: RuntimeError: boom"]
+
+
+# ------------------------------------------------------------------------- the .pth in every install
+PROJECT = pathlib.Path(__file__).parents[1]
+
+
+@pytest.mark.parametrize("build", ["build_wheel", "build_editable"])
+def test_wheels_ship_the_start_hook(build, tmp_path):
+    """`pip install .` and `pip install -e .` both put commdebug_otel.pth at site-packages' top level."""
+    project = tmp_path / "project"
+    shutil.copytree(PROJECT / "commdebug_otel", project / "commdebug_otel",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("setup.py", "pyproject.toml", "README.md", PTH):
+        shutil.copy(PROJECT / name, project / name)
+    code = f"import sys; from setuptools import build_meta; build_meta.{build}(sys.argv[1])"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "dist")], cwd=project, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    [wheel] = (tmp_path / "dist").glob("*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        assert archive.read(PTH) == (PROJECT / PTH).read_bytes()
+        [record] = [name for name in archive.namelist() if name.endswith(".dist-info/RECORD")]
+        assert f"{PTH},sha256=" in archive.read(record).decode()  # so pip uninstall removes it
