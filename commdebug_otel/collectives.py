@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -33,8 +34,21 @@ PASS_NONE = "none"  # a collective outside any module pass (set-up, optimizer, l
 class Collective:
     """One collective that keeps records (a traced step, an observer, or module labels on metrics)."""
 
-    __slots__ = ("spec", "args", "group", "seq", "duration_ns", "out", "start_ns",
-                 "pass_", "owner", "nbytes", "dtype", "shape", "fake")
+    __slots__ = (
+        "args",
+        "dtype",
+        "duration_ns",
+        "fake",
+        "group",
+        "nbytes",
+        "out",
+        "owner",
+        "pass_",
+        "seq",
+        "shape",
+        "spec",
+        "start_ns",
+    )
 
     def __init__(self, spec: CollectiveSpec, args: tuple, group: GroupFacts, seq: int,
                  duration_ns: int, out: Any, start_ns: int) -> None:
@@ -67,7 +81,9 @@ class CollectiveCounter:
             (the recorder sets it per step: ``trace_every``'s and one step in ``completion_every``).
     """
 
-    def __init__(self, metrics: Any, rank: Callable[[], Any], hook_failed: Callable[[str, BaseException], None]) -> None:
+    def __init__(
+        self, metrics: Any, rank: Callable[[], Any], hook_failed: Callable[[str, BaseException], None]
+    ) -> None:
         self._metrics = metrics
         self._rank = rank
         self._hook_failed = hook_failed
@@ -126,7 +142,7 @@ class CollectiveCounter:
 class _Completion:
     """A ``Work`` future's done callback: runs on the backend's thread and must never raise."""
 
-    __slots__ = ("counter", "op", "pass_", "group", "rank", "fqn", "start_ns")
+    __slots__ = ("counter", "fqn", "group", "op", "pass_", "rank", "start_ns")
 
     def __init__(self, counter: CollectiveCounter, op: str, pass_: str, group: GroupFacts, rank: int,
                  fqn: str, start_ns: int) -> None:
@@ -189,7 +205,7 @@ class Why:
         args: its DTensor arguments or input specs (anything with ``placements`` and ``device_mesh``).
     """
 
-    __slots__ = ("op", "args", "_facts_of", "_attrs")
+    __slots__ = ("_attrs", "_facts_of", "args", "op")
 
     def __init__(self) -> None:
         self.op: Any = None
@@ -230,7 +246,7 @@ class Why:
 
 
 class _WhyScope:
-    __slots__ = ("_why", "_op", "_args", "_saved")
+    __slots__ = ("_args", "_op", "_saved", "_why")
 
     def __init__(self, why: Why, op: Any, args: tuple) -> None:
         self._why, self._op, self._args = why, op, args

@@ -24,8 +24,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from ._torch import in_backward
 from .config import Detail, Settings
-from .metrics import LazyCollectiveMetrics
 from .intercept import interceptor
+from .metrics import LazyCollectiveMetrics
 from .mode import COLLECTIVES, CollectiveDispatchMode, enter_below_user_modes, exit_from_stack, on_stack
 from .observer import RecorderObserver
 from .recorder import Recorder

@@ -41,8 +41,8 @@ from .config import Settings, TraceScope, variable
 from .observer import RecorderObserver, SpanSink
 from .ops import CollectiveSpec, GroupResolver, payload_facts
 from .records import Record, SpanKind, Step, descends_from, dtensor_facts, parameter_facts, span_tree
-from .steps import RankInfo, job_nonce, rank_info, step_trace_id
 from .redact import code_locations, describe
+from .steps import RankInfo, job_nonce, rank_info, step_trace_id
 
 __all__ = ["NO_OPTIMIZER_CYCLES", "PASS_NONE", "Recorder"]
 

@@ -32,10 +32,29 @@ class Record:
     """A span-to-be. Times are ``time.time_ns()`` nanoseconds (``end_ns`` 0: still open)."""
 
     __slots__ = (
-        "kind", "name", "fqn", "module_type", "pass_", "call_index", "start_ns", "end_ns",
-        "parent", "fwd", "events", "dropped_events", "error", "unmatched", "params",
-        "open_bw", "bw_records", "graph_task", "input_hooked", "hidden", "attrs", "hooked_outputs",
+        "attrs",
+        "bw_records",
+        "call_index",
+        "dropped_events",
+        "end_ns",
+        "error",
+        "events",
+        "fqn",
+        "fwd",
+        "graph_task",
+        "hidden",
+        "hooked_outputs",
+        "input_hooked",
+        "kind",
+        "module_type",
+        "name",
+        "open_bw",
+        "params",
+        "parent",
+        "pass_",
         "span_id",
+        "start_ns",
+        "unmatched",
     )
 
     def __init__(self, kind: SpanKind, name: str, start_ns: int) -> None:
@@ -67,8 +86,20 @@ class Record:
 class Step:
     """One step's records: a training step, an inference forward, or the ``outside_step`` root."""
 
-    __slots__ = ("index", "traced", "root", "records", "kind", "backward_done", "had_module",
-                 "trace_id", "hooks", "inference", "quiet", "part")
+    __slots__ = (
+        "backward_done",
+        "had_module",
+        "hooks",
+        "index",
+        "inference",
+        "kind",
+        "part",
+        "quiet",
+        "records",
+        "root",
+        "trace_id",
+        "traced",
+    )
 
     def __init__(self, index: int, traced: bool, root: Record, kind: SpanKind) -> None:
         self.index = index

@@ -215,7 +215,7 @@ class ModuleTracker:
 
 
 class _BackwardBegin:
-    __slots__ = ("recorder", "record")
+    __slots__ = ("record", "recorder")
 
     def __init__(self, recorder: Recorder, record: Record) -> None:
         self.recorder, self.record = recorder, record

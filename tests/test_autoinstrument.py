@@ -15,6 +15,7 @@ import pytest
 
 from commdebug_otel import semconv
 from commdebug_otel.testing.otlp_receiver import OtlpReceiver
+
 from distributed import free_port
 
 SCRIPT = str(pathlib.Path(__file__).parent / "scripts" / "train.py")

@@ -15,6 +15,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, Sp
 
 from commdebug_otel import CommTracer, Settings, semconv
 from commdebug_otel.config import OPTIONS, read_option
+
 from models import Block
 
 # Past each number's upper bound: the absurd values users set (1e10 s is past threading.TIMEOUT_MAX,
