@@ -145,7 +145,7 @@ class Telemetry:
         # The recorder's span sink: finished records become spans on this telemetry's tracer.
         self.spans = SpanBuilder(self.tracer_setup)
         self._atexit = False
-        self._said_where: set[str] = set()  # signals whose file destination was said
+        self._said_where = False  # where the files go was said (once per process)
         self.disabled = ExportEnv.from_env(environ).sdk_disabled
         # The variables as our own providers last read them when they started (None before).
         self.export_env: ExportEnv | None = None
@@ -306,7 +306,7 @@ class Telemetry:
         self.shutdown()
 
     # ------------------------------------------------------------- exporters
-    def _file_path(self, signal: str, rank: RankInfo) -> str | None:
+    def _file_path(self, signal: str, rank: RankInfo, export: ExportEnv) -> str | None:
         """``OUTPUT_DIR/run-<job id>/<signal>-rank<N>.jsonl``: one folder per run, shared by its ranks.
 
         None (said once, naming the variable) when the folder cannot be made.
@@ -326,13 +326,24 @@ class Telemetry:
                                 "there are not exported, training continues", directory,
                                 self._settings.output_dir, describe(error))
             return None
-        if signal not in self._said_where:
-            self._said_where.add(signal)
-            log = _logger.warning if rank.rank == 0 else _logger.info
-            variable = f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT"
-            log("commdebug-otel: no OTLP endpoint for %s; writing them as OTLP-JSON lines to %s "
-                "(set OTEL_EXPORTER_OTLP_ENDPOINT or %s to send to a collector)", signal, directory, variable)
+        if not self._said_where:
+            self._said_where = True
+            self._say_where(directory, rank, export)
         return os.path.join(directory, f"{signal}-rank{rank.rank}.jsonl")
+
+    @staticmethod
+    def _say_where(directory: str, rank: RankInfo, export: ExportEnv) -> None:
+        """One line per process naming every signal written to files: WARNING on rank 0, DEBUG elsewhere
+        (all ranks write into the same folder)."""
+        signals = [signal for signal in ("traces", "metrics") if "file" in export.exporter_names(signal)]
+        unset = [signal for signal in signals if not (export.endpoint or export.signal(signal).endpoint)]
+        why = ""
+        if unset:
+            variables = " or ".join(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT" for signal in unset)
+            why = (f" (no OTLP endpoint for {' and '.join(unset)}: set OTEL_EXPORTER_OTLP_ENDPOINT or {variables} "
+                   "to send to a collector)")
+        log = _logger.warning if rank.rank == 0 else _logger.debug
+        log("commdebug-otel: writing %s as OTLP-JSON lines to %s%s", " and ".join(signals), directory, why)
 
     def _exporters(self, signal: str, rank: RankInfo, export: ExportEnv) -> list[Any]:
         """The exporters ``OTEL_{signal}_EXPORTER`` names (after the embedded default)."""
@@ -354,7 +365,7 @@ class Telemetry:
                 exporters.append(exporter)
             elif name == "file":
                 fold_exporter_logs()
-                path = self._file_path(signal, rank)
+                path = self._file_path(signal, rank, export)
                 if path is None:
                     continue
                 guard = SizedSpanExporter if signal == "traces" else CountingMetricExporter

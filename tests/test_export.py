@@ -87,7 +87,7 @@ def test_demo_exports_to_a_live_otlp_receiver(tmp_path, receiver, protocol):
 def test_demo_without_endpoint_writes_otlp_json_files(tmp_path):
     out = run_demo(tmp_path, {})
     [folder] = glob.glob(str(tmp_path / "commdebug-otel-out" / "run-*"))  # one folder per run
-    assert f"writing OTLP-JSON lines to {folder}" in out
+    assert f"writing traces and metrics as OTLP-JSON lines to {folder} (no OTLP endpoint" in out
     assert sorted(os.listdir(folder)) == ["metrics-rank0.jsonl", "metrics-rank1.jsonl",
                                           "traces-rank0.jsonl", "traces-rank1.jsonl"]
     spans = []

@@ -24,10 +24,10 @@ with CommTracer():
 """
 
 
-def _train(tmp_path, modules=2, **variables):
+def _train(tmp_path, modules=2, prelude="", **variables):
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env.update(OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR=str(tmp_path), **variables)
-    done = subprocess.run([sys.executable, "-c", _SCRIPT, str(modules)], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", prelude + _SCRIPT, str(modules)], env=env, capture_output=True, text=True,
                           timeout=180)
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
@@ -88,8 +88,19 @@ def test_only_a_traces_endpoint_says_where_metrics_go(tmp_path):
         stderr = _train(tmp_path, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=receiver.grpc_endpoint)
         assert receiver.spans()
     assert not _said(stderr, "no OTLP endpoint configured")
-    [where] = _said(stderr, "no OTLP endpoint for metrics")
+    [where] = _said(stderr, "writing metrics as OTLP-JSON lines")
+    assert "(no OTLP endpoint for metrics: " in where
     assert "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT" in where
+
+
+def test_where_files_go_is_said_once_with_logging_at_info(tmp_path):
+    # A script that sets logging to INFO used to see the line once per signal.
+    stderr = _train(tmp_path, prelude="import logging; logging.basicConfig(level=logging.INFO)\n")
+    [where] = _said(stderr, "OTLP-JSON lines")
+    folder = next(tmp_path.glob("run-*"))
+    assert where.endswith(f"writing traces and metrics as OTLP-JSON lines to {folder} (no OTLP endpoint for traces "
+                          "and metrics: set OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
+                          "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT to send to a collector)")
 
 
 def test_a_missing_certificate_is_named_at_start(tmp_path):
