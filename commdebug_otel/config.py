@@ -33,14 +33,20 @@ import enum
 import logging
 import numbers
 import os
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from opentelemetry.environment_variables import OTEL_METRICS_EXPORTER, OTEL_TRACES_EXPORTER
 from opentelemetry.instrumentation.environment_variables import OTEL_PYTHON_DISABLED_INSTRUMENTATIONS
 from opentelemetry.sdk.environment_variables import (
+    OTEL_ATTRIBUTE_COUNT_LIMIT,
+    OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT,
+    OTEL_BSP_EXPORT_TIMEOUT,
     OTEL_BSP_MAX_EXPORT_BATCH_SIZE,
     OTEL_BSP_MAX_QUEUE_SIZE,
+    OTEL_BSP_SCHEDULE_DELAY,
+    OTEL_EVENT_ATTRIBUTE_COUNT_LIMIT,
     OTEL_EXPORTER_OTLP_CERTIFICATE,
     OTEL_EXPORTER_OTLP_COMPRESSION,
     OTEL_EXPORTER_OTLP_ENDPOINT,
@@ -64,11 +70,17 @@ from opentelemetry.sdk.environment_variables import (
     OTEL_EXPORTER_OTLP_TRACES_TIMEOUT,
     OTEL_EXPORTER_PROMETHEUS_HOST,
     OTEL_EXPORTER_PROMETHEUS_PORT,
+    OTEL_LINK_ATTRIBUTE_COUNT_LIMIT,
     OTEL_METRIC_EXPORT_INTERVAL,
+    OTEL_METRIC_EXPORT_TIMEOUT,
     OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED,
     OTEL_RESOURCE_ATTRIBUTES,
     OTEL_SDK_DISABLED,
     OTEL_SERVICE_NAME,
+    OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT,
+    OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT,
+    OTEL_SPAN_EVENT_COUNT_LIMIT,
+    OTEL_SPAN_LINK_COUNT_LIMIT,
 )
 
 _logger = logging.getLogger(__name__)
@@ -442,6 +454,30 @@ COMPRESSIONS = ("gzip", "deflate", "none")
 DEFAULT_OTLP_TIMEOUT_S = 10.0  # the OTLP exporters' own default
 MAX_OTLP_TIMEOUT_S = 600.0
 MAX_SPAN_QUEUE = 10_000_000
+
+# The SDK's own numeric variables. A value it cannot read turns spans or metrics off (SpanLimits raises), prints a
+# traceback from its export thread, or (OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT) makes `import opentelemetry.sdk.trace`
+# raise; an interval past threading.TIMEOUT_MAX kills the metric reader's thread. We read them and hand the SDK
+# numbers. Millisecond variables: (the SDK's default, a minimum); all get MAX_SDK_NUMBER as the upper bound.
+SDK_MILLIS: dict[str, tuple[int, int]] = {
+    OTEL_BSP_SCHEDULE_DELAY: (5000, 1),
+    OTEL_BSP_EXPORT_TIMEOUT: (30000, 1),
+    OTEL_METRIC_EXPORT_INTERVAL: (60000, 1),
+    OTEL_METRIC_EXPORT_TIMEOUT: (30000, 1),
+}
+SPAN_LIMITS_UNSET = -1  # opentelemetry.sdk.trace.SpanLimits.UNSET: no limit (the value "unset")
+# SpanLimits argument -> (variable, the SDK's default): counts >= 0, or "unset".
+SDK_SPAN_LIMITS: dict[str, tuple[str, int]] = {
+    "max_attributes": (OTEL_ATTRIBUTE_COUNT_LIMIT, 128),
+    "max_events": (OTEL_SPAN_EVENT_COUNT_LIMIT, 128),
+    "max_links": (OTEL_SPAN_LINK_COUNT_LIMIT, 128),
+    "max_span_attributes": (OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT, 128),
+    "max_event_attributes": (OTEL_EVENT_ATTRIBUTE_COUNT_LIMIT, 128),
+    "max_link_attributes": (OTEL_LINK_ATTRIBUTE_COUNT_LIMIT, 128),
+    "max_attribute_length": (OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT, SPAN_LIMITS_UNSET),
+    "max_span_attribute_length": (OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT, SPAN_LIMITS_UNSET),
+}
+MAX_SDK_NUMBER = 10**9  # ms (11.6 days) or a count
 PROTOCOLS = ("grpc", "http/protobuf")
 DEFAULT_PROMETHEUS_PORT = 9464  # OTel's
 
@@ -484,6 +520,8 @@ class ExportEnv:
     span_batch_text: str | None = None  # OTEL_BSP_MAX_EXPORT_BATCH_SIZE
     # Timeout, compression, headers and certificate variables that are set, by name.
     exporter_values: tuple[tuple[str, str], ...] = ()
+    # The SDK's numeric variables (SDK_MILLIS, SDK_SPAN_LIMITS) that are set, by name.
+    sdk_numbers: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ExportEnv:
@@ -510,6 +548,7 @@ class ExportEnv:
             exporter_values=tuple((name, environ[name]) for name in sorted(
                 {name for names in _EXPORTER_VARIABLES.values() for pair in names for name in pair})
                 if environ.get(name) is not None),
+            sdk_numbers=tuple((name, environ[name]) for name in _SDK_NUMBER_VARIABLES if environ.get(name) is not None),
         )
 
     def signal(self, signal: str) -> SignalEnv:
@@ -584,6 +623,34 @@ class ExportEnv:
             batch = queue
         return queue, batch
 
+    def sdk_millis(self, variable: str) -> int:
+        """A millisecond variable of ``SDK_MILLIS`` for the SDK: its value, or (said once) the SDK's default."""
+        default, minimum = SDK_MILLIS[variable]
+        text = dict(self.sdk_numbers).get(variable)
+        value = _sdk_number(text, minimum)
+        if value is None:
+            if text is not None and text.strip():
+                _warn_endpoint_once(variable, text, f"is not a number of milliseconds from {minimum} to "
+                                                    f"{MAX_SDK_NUMBER}; using {default}")
+            return default
+        return value
+
+    def span_limit_arguments(self) -> dict[str, int]:
+        """``SpanLimits`` arguments replacing the limit variables the SDK would refuse (said once each).
+
+        The SDK reads the valid ones itself; an argument given here stops it reading its variable.
+        """
+        given = dict(self.sdk_numbers)
+        arguments = {}
+        for argument, (variable, default) in SDK_SPAN_LIMITS.items():
+            text = given.get(variable)
+            if text is not None and _sdk_number(text, 0, unset_allowed=True) is None:
+                shown = "unset" if default == SPAN_LIMITS_UNSET else str(default)
+                _warn_endpoint_once(variable, text, f"is not an integer from 0 to {MAX_SDK_NUMBER} or 'unset'; "
+                                                    f"using {shown}")
+                arguments[argument] = default
+        return arguments
+
     def exporter_arguments(self, signal: str) -> dict[str, Any]:
         """Keyword arguments for ``signal``'s OTLP exporter that replace unusable variables.
 
@@ -648,6 +715,39 @@ def _positive_int_or(variable: str, text: str | None, default: int, maximum: int
     return default
 
 
+_SDK_NUMBER_VARIABLES = (*SDK_MILLIS, *(variable for variable, _ in SDK_SPAN_LIMITS.values()))
+
+
+def _sdk_number(text: str | None, minimum: int, unset_allowed: bool = False) -> int | None:
+    """``text`` as the SDK reads it (an integer), within [minimum, MAX_SDK_NUMBER]; None when unusable."""
+    if text is None:
+        return None
+    text = text.strip().lower()
+    if unset_allowed and text == "unset":
+        return SPAN_LIMITS_UNSET
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return value if minimum <= value <= MAX_SDK_NUMBER else None
+
+
+def _import_sdk_trace_despite_its_variable() -> None:
+    """``import opentelemetry.sdk.trace`` reads OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT and raises on a bad value, which
+    would make importing us raise in the training script: import it with the variable hidden for that moment.
+    (Tracing then uses the SDK's default, said once by ``span_limit_arguments``; the variable stays as it was.)"""
+    text = os.environ.get(OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT)
+    if text is None or "opentelemetry.sdk.trace" in sys.modules or _sdk_number(text, 0, unset_allowed=True) is not None:
+        return
+    del os.environ[OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT]
+    try:
+        import opentelemetry.sdk.trace  # noqa: F401
+    except Exception:
+        pass  # whatever else is wrong is said where the tracer provider is made
+    finally:
+        os.environ[OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT] = text
+
+
 def otlp_endpoint(signal: str, environ: Mapping[str, str] | None = None) -> str:
     """``ExportEnv.from_env(environ).otlp_endpoint(signal)``: where OTLP for ``signal`` goes."""
     return ExportEnv.from_env(environ).otlp_endpoint(signal)
@@ -710,3 +810,6 @@ def _rank_int(environ: Mapping[str, str], name: str, default: int | None = None)
         _logger.warning("commdebug-otel: ignoring %s=%r: expected an integer >= 0; using %s",
                         name, raw, "the default" if default is None else default)
     return default
+
+
+_import_sdk_trace_despite_its_variable()

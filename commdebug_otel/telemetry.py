@@ -37,6 +37,12 @@ from typing import Any
 
 from opentelemetry import metrics as otel_metrics
 from opentelemetry import trace as otel_trace
+from opentelemetry.sdk.environment_variables import (
+    OTEL_BSP_EXPORT_TIMEOUT,
+    OTEL_BSP_SCHEDULE_DELAY,
+    OTEL_METRIC_EXPORT_INTERVAL,
+    OTEL_METRIC_EXPORT_TIMEOUT,
+)
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
@@ -222,14 +228,16 @@ class Telemetry:
             return otel_trace.NoOpTracerProvider()
         export = self._read_export_env()
         rank = self._rank()
-        limits = SpanLimits(max_events=self._settings.max_events_per_span,
-                            max_attribute_length=MAX_ATTRIBUTE_CHARS)
+        limits = SpanLimits(**{**export.span_limit_arguments(), "max_events": self._settings.max_events_per_span,
+                                "max_attribute_length": MAX_ATTRIBUTE_CHARS})
         # shutdown_on_exit=False: our own atexit shutdown is bounded; the SDK's waits ~10 s per provider.
         provider = TracerProvider(resource=build_resource(rank, export), span_limits=limits,
                                   id_generator=StepIdGenerator(), shutdown_on_exit=False)
         queue, batch = export.batch_sizes(DEFAULT_SPAN_QUEUE, DEFAULT_EXPORT_BATCH_SPANS)
         processors = [CountingBatchSpanProcessor(exporter, self.count_dropped, max_queue_size=queue,
-                                                 max_export_batch_size=batch)
+                                                 max_export_batch_size=batch,
+                                                 schedule_delay_millis=export.sdk_millis(OTEL_BSP_SCHEDULE_DELAY),
+                                                 export_timeout_millis=export.sdk_millis(OTEL_BSP_EXPORT_TIMEOUT))
                       for exporter in self._exporters("traces", rank, export)]
         for processor in processors:
             provider.add_span_processor(processor)
@@ -244,7 +252,10 @@ class Telemetry:
         export = self._read_export_env()
         rank = self._rank()
         readers: list[MetricReader] = [
-            PeriodicExportingMetricReader(exporter) for exporter in self._exporters("metrics", rank, export)
+            PeriodicExportingMetricReader(exporter,
+                                          export_interval_millis=export.sdk_millis(OTEL_METRIC_EXPORT_INTERVAL),
+                                          export_timeout_millis=export.sdk_millis(OTEL_METRIC_EXPORT_TIMEOUT))
+            for exporter in self._exporters("metrics", rank, export)
         ]
         if "prometheus" in export.exporter_names("metrics"):
             reader = _prometheus_reader(rank, export)

@@ -8,7 +8,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from commdebug_otel import semconv
+from commdebug_otel.offline.otlp_json import spans_from_otlp_json
 from commdebug_otel.testing.otlp_receiver import OtlpReceiver
 
 _SCRIPT = """
@@ -27,8 +30,8 @@ with CommTracer():
 def _train(tmp_path, modules=2, prelude="", **variables):
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env.update(OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR=str(tmp_path), **variables)
-    done = subprocess.run([sys.executable, "-c", prelude + _SCRIPT, str(modules)], env=env, capture_output=True, text=True,
-                          timeout=180)
+    done = subprocess.run([sys.executable, "-c", prelude + _SCRIPT, str(modules)], env=env, capture_output=True,
+                          text=True, timeout=180)
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     return done.stderr
@@ -72,6 +75,25 @@ def test_bad_timeout_and_compression_cost_one_message_each_not_the_export(tmp_pa
     assert not _said(stderr, "are off")  # both exporters were made (the script issues no collective)
     assert len(_said(stderr, "OTEL_EXPORTER_OTLP_TIMEOUT=garbage")) == 1
     assert len(_said(stderr, "OTEL_EXPORTER_OTLP_COMPRESSION=zstd-please")) == 1
+
+
+@pytest.mark.parametrize("variable, value, default", [
+    ("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", "abc", "128"),  # the SDK raised when imported: the script died
+    ("OTEL_ATTRIBUTE_COUNT_LIMIT", "-3", "128"),  # the SDK refused its span limits: spans were off
+    ("OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", "many", "unset"),
+    ("OTEL_BSP_SCHEDULE_DELAY", "1e20", "5000"),  # a traceback from the export thread
+    ("OTEL_BSP_EXPORT_TIMEOUT", "soon", "30000"),
+    ("OTEL_METRIC_EXPORT_INTERVAL", "100000000000000000000", "60000"),  # past TIMEOUT_MAX: the reader died
+    ("OTEL_METRIC_EXPORT_TIMEOUT", "0", "30000"),
+])
+def test_the_sdks_own_numbers_out_of_range_cost_one_message_not_the_export(tmp_path, variable, value, default):
+    stderr = _train(tmp_path, **{variable: value})
+    spans = [span for path in tmp_path.glob("run-*/traces-rank0.jsonl")
+             for line in path.read_text().splitlines() for span in spans_from_otlp_json(line)]
+    assert sorted(s["attributes"][semconv.STEP] for s in spans if s["name"] == "train_step") == [0, 1]
+    assert not _said(stderr, "are off")
+    [said] = _said(stderr, variable)
+    assert f"{variable}={value} is not" in said and said.endswith(f"; using {default}")
 
 
 def test_a_malformed_header_is_named_without_its_secret(tmp_path):
