@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -121,16 +122,19 @@ def main(argv: list[str] | None = None) -> int:
     command quietly with :data:`EXIT_PIPE_CLOSED` (141), as Unix tools killed by SIGPIPE do.
     """
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # argparse's --help ignores a closed stdout itself
     try:
         status = _dispatch(args)
         sys.stdout.flush()  # inside the try: a buffered tail meets the closed pipe here, not at exit
         return status
     except BrokenPipeError:
         # Python flushes stdout again at exit: point it at devnull so that flush cannot fail too.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
+        with contextlib.suppress(OSError, ValueError):  # a stdout without a file descriptor
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(devnull, sys.stdout.fileno())
+            finally:
+                os.close(devnull)
         return EXIT_PIPE_CLOSED
 
 

@@ -66,22 +66,25 @@ def _hand_built_pipeline():
     return rank0 + rank1 + rank3
 
 
+_HAND_BUILT_WAITS = {
+    "pairs": 3,
+    "wait_ms": 7.5 + 1.0,
+    "unmatched": {"send": 0, "recv": 1},
+    "per_stage": [
+        # 9 - 1.5 = 7.5 ms, then the second recv was posted 1 ms after its send began: 0.
+        {"rank": 1, "group": "0", "group_rank": 1, "recvs": 2, "wait_ms": 7.5, "max_wait_ms": 7.5,
+         "mean_wait_ms": 3.75},
+        # rank 3 (group rank 1 of group "5") posted its recv at 20 ms, rank 1 began sending at 21 ms.
+        {"rank": 3, "group": "5", "group_rank": 1, "recvs": 1, "wait_ms": 1.0, "max_wait_ms": 1.0,
+         "mean_wait_ms": 1.0},
+    ],
+}
+
+
 def test_send_and_recv_pair_by_peer_and_order_not_as_collectives():
     spans = _hand_built_pipeline()
     waits = summary.pipeline_waits(spans)
-    assert waits == {
-        "pairs": 3,
-        "wait_ms": 7.5 + 1.0,
-        "unmatched": {"send": 0, "recv": 1},
-        "per_stage": [
-            # 9 - 1.5 = 7.5 ms, then the second recv was posted 1 ms after its send began: 0.
-            {"rank": 1, "group": "0", "group_rank": 1, "recvs": 2, "wait_ms": 7.5, "max_wait_ms": 7.5,
-             "mean_wait_ms": 3.75},
-            # rank 3 (stage 1 of group "5") posted its recv at 20 ms, rank 1 began sending at 21 ms.
-            {"rank": 3, "group": "5", "group_rank": 1, "recvs": 1, "wait_ms": 1.0, "max_wait_ms": 1.0,
-             "mean_wait_ms": 1.0},
-        ],
-    }
+    assert waits == _HAND_BUILT_WAITS
     # The recv on outside_step belongs to its send's step.
     assert summary.pipeline_waits(spans, step=0) == waits
     assert summary.pipeline_waits(spans, step=1) == {"pairs": 0, "wait_ms": 0.0,
@@ -219,9 +222,22 @@ def test_step_on_the_command_line(tmp_path):
     assert out.stderr == "commdebug-otel summarize: no train_step 5 in the files; steps present: 0, 1\n"
 
 
-@pytest.mark.parametrize("command", [["summarize"], ["summarize", "--format", "report-json"],
-                                     ["summarize", "--format", "json"], ["perfetto", "-o", "TRACE"]])
-def test_a_closed_stdout_ends_quietly(tmp_path, command):
+def test_pipeline_waits_from_otlp_json_files(tmp_path):
+    _write_otlp(_hand_built_pipeline(), tmp_path / "traces.jsonl")
+    out = subprocess.run([*_CLI, "summarize", str(tmp_path), "--format", "report-json"], capture_output=True,
+                         text=True, env=_env())
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["pipeline_waits"] == _HAND_BUILT_WAITS
+    assert report["stragglers"]["matched"] == 1 and report["stragglers"]["per_rank"]["1"]["max_late_ms"] == 1.0
+
+
+@pytest.mark.parametrize(("command", "status"), [
+    (["summarize"], 141), (["summarize", "--format", "report-json"], 141), (["summarize", "--format", "json"], 141),
+    (["perfetto", "-o", "TRACE"], 141),
+    (["summarize", "--help"], 0),  # argparse ignores a failed help write itself and exits 0
+])
+def test_a_closed_stdout_ends_quietly(tmp_path, command, status):
     path = tmp_path / "traces-rank0.jsonl"
     _write_otlp(_steps_job(), path)
     command = [str(tmp_path / "t.json") if arg == "TRACE" else arg for arg in command]
@@ -233,7 +249,7 @@ def test_a_closed_stdout_ends_quietly(tmp_path, command):
     finally:
         os.close(write)
     assert process.stderr == ""
-    assert process.returncode == 141  # 128 + SIGPIPE, what a shell shows for `yes | head`
+    assert process.returncode == status  # 141 = 128 + SIGPIPE, what a shell shows for `yes | head`
 
 
 def test_a_pipe_closed_after_one_line(tmp_path):
