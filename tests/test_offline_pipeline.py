@@ -346,5 +346,9 @@ def test_a_real_pipeline_reports_its_bubble_not_stragglers(pipeline_spans):
     one_row = next(row for row in one["per_stage"] if row["rank"] == 1)
     expected_ms = _DELAY_S * 1e3 * _MICROBATCHES
     assert abs(one_row["wait_ms"] - expected_ms) <= 0.2 * expected_ms, one_row
+    assert rows[0]["group_rank"] == 0 and rows[0]["recvs"] == per_microbatch
     text = summary.format_report(pipeline_spans)
     assert "Pipeline waits: 12 send/recv pairs" in text and "Stragglers: 3 collectives matched" in text
+    assert "differs from the other ranks" not in text  # stage 0 sends what stage 1 receives, and back
+    text = summary.format_report(pipeline_spans, step=1)
+    assert "Pipeline waits: 4 send/recv pairs" in text and "Stragglers: 0 collectives matched" in text
