@@ -169,6 +169,11 @@ def test_step_selects_one_train_step_and_its_descendants():
     assert report["rank_totals"] == {0: {"events": 2, "bytes": 8, "by_op": {"all_reduce": 2}, "odd": False}}
     whole = summary.report_dict(spans)
     assert whole["rank_totals"][0]["events"] == 5  # set-up, steps 0 and 1, inference
+    assert summary.steps_present(spans) == [0, 1]
+    # A step exported in parts (MAX_SPANS_PER_STEP): every part is the step.
+    part = _span(0, "train_step", "r1b", start=150, end=160, events=[(155, _all_reduce(13))], trace="r1b",
+                 **{semconv.STEP: 1, semconv.STEP_PART: 1})
+    assert [span["span_id"] for span in summary.step_spans([*spans, part], 1)] == ["r1", "r1m", "r1b"]
     assert summary.format_report(spans, step=1).startswith("2 spans in step 1 from 1 rank(s) in 1 file(s)\n")
 
 
