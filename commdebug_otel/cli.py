@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -100,9 +101,11 @@ def run_command(args: argparse.Namespace) -> int:
     return 0  # not reached
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    args = build_parser().parse_args(argv)
+# What a shell reports for a process that SIGPIPE ended (128 + 13), as for `yes | head -1`.
+EXIT_PIPE_CLOSED = 141
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.command_name == "demo":
         from .demo import run_demo
 
@@ -110,6 +113,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.command_name == "run":
         return run_command(args)
     return args.handler(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one ``commdebug-otel`` subcommand. Returns its exit status.
+
+    A reader that closes stdout early (``commdebug-otel summarize ... | head``) ends the
+    command quietly with :data:`EXIT_PIPE_CLOSED` (141), as Unix tools killed by SIGPIPE do.
+    """
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    args = build_parser().parse_args(argv)  # argparse's --help ignores a closed stdout itself
+    try:
+        status = _dispatch(args)
+        sys.stdout.flush()  # inside the try: a buffered tail meets the closed pipe here, not at exit
+        return status
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at devnull so that flush cannot fail too.
+        with contextlib.suppress(OSError, ValueError):  # a stdout without a file descriptor
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(devnull, sys.stdout.fileno())
+            finally:
+                os.close(devnull)
+        return EXIT_PIPE_CLOSED
 
 
 if __name__ == "__main__":

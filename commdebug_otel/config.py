@@ -269,7 +269,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("ranks", "RANKS", _parse_ranks, None, "all, or a comma list of ranks like 0,3",
            "Ranks that export spans; metrics come from every rank."),
     Option("trace_scope", "TRACE_SCOPE", _parse_scope, TraceScope.JOB, "job or rank",
-           "job: step N of every rank shares one trace id; rank: one trace per rank per step."),
+           "job: step N of every rank shares one trace id, and so does each `outside_step` segment "
+           "(set-up, between steps); rank: one trace per rank per step."),
     Option("output_dir", "OUTPUT_DIR", _parse_dir, "./commdebug-otel-out", "a directory path",
            "Where the embedded default writes OTLP-JSON lines when no exporter is configured."),
     Option("max_events_per_span", "MAX_EVENTS_PER_SPAN", _parse_events_per_span, 1024,

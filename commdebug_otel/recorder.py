@@ -42,7 +42,7 @@ from .observer import RecorderObserver, SpanSink
 from .ops import CollectiveSpec, GroupResolver, payload_facts
 from .records import Record, SpanKind, Step, descends_from, dtensor_facts, parameter_facts, span_tree
 from .redact import code_locations, describe
-from .steps import RankInfo, job_nonce, rank_info, step_trace_id
+from .steps import RankInfo, job_nonce, outside_step_label, rank_info, step_trace_id
 
 __all__ = ["NO_OPTIMIZER_CYCLES", "PASS_NONE", "Recorder"]
 
@@ -369,11 +369,15 @@ class Recorder:
                 self.hook_failed("metrics", error)
 
     def _trace_id(self, step: Step) -> int | None:
-        if self.settings.trace_scope is not TraceScope.JOB or step.kind is SpanKind.OUTSIDE_STEP:
+        if self.settings.trace_scope is not TraceScope.JOB:
             return None
         if self._nonce is None:
             self._nonce = job_nonce()
-        label = f"inference-{step.index}" if step.inference else step.index
+        if step.kind is SpanKind.OUTSIDE_STEP:
+            # The counts cannot change while an outside_step is open: any step's opening closes it first.
+            label = outside_step_label(self._next_step, self._next_inference)
+        else:
+            label = f"inference-{step.index}" if step.inference else step.index
         return step_trace_id(self.rank().run_id, self._nonce, label)
 
     def finish(self) -> None:

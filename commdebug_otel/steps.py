@@ -7,6 +7,12 @@ started without ``--rdzv-id``, so a random nonce is mixed in. The nonce is
 agreed through the default process group's store with ``compare_set`` (a
 key-value round trip, not a collective, and it never blocks on other ranks):
 the first rank to ask sets it, every other rank reads it.
+
+``outside_step`` segments (set-up, evaluation collectives, checkpoint saves
+between steps) get the same treatment: each is named by how many training
+steps and inference roots closed before it (:func:`outside_step_label`), which
+every rank running the same program agrees on, so the same segment is one
+trace on all ranks.
 """
 
 from __future__ import annotations
@@ -117,3 +123,16 @@ def step_trace_id(run_id: str, nonce: str, step: int | str) -> int:
     """
     digest = hashlib.sha256(f"{run_id}/{nonce}/{step}".encode()).digest()
     return int.from_bytes(digest[:16], "big") or 1
+
+
+def outside_step_label(steps_done: int, inferences_done: int) -> str:
+    """The trace label of the ``outside_step`` segment that opens after ``steps_done`` training
+    steps and ``inferences_done`` inference roots closed, for :func:`step_trace_id`.
+
+    >>> outside_step_label(0, 0)  # set-up, before the first step
+    'outside-0-0'
+
+    Ranks agree on it as they agree on step numbers; two segments of one rank never share it
+    (a segment ends only when a step or an inference root opens, which advances one count).
+    """
+    return f"outside-{steps_done}-{inferences_done}"

@@ -9,6 +9,7 @@ folders, and answers four questions without torch or a live job:
   counts, from span parents alone);
 * did every rank issue the same collectives, with how many bytes;
 * which rank reaches collectives last (stragglers);
+* how long pipeline stages wait for their peers (send/recv pairs, apart from stragglers);
 * which collectives move the most bytes.
 
 Usage::
@@ -20,7 +21,7 @@ Usage::
     # {"Global": {"forward": {"c10d.scatter_": 16, ...}, "backward": {...}}, ...}
     print(summary.format_report(spans, rank=0))
 
-or ``commdebug-otel summarize PATH... [--rank N] [--top N] [--format text|json]``.
+or ``commdebug-otel summarize PATH... [--rank N] [--step N] [--top N] [--format text|json|report-json]``.
 
 What it does not do: it sees only traced steps (``OTEL_PYTHON_COMMDEBUG_TRACE_EVERY``)
 and traced ranks, and events beyond the per-span cap are counted on the span
@@ -55,8 +56,12 @@ __all__ = [
     "module_counts",
     "module_pass_counts",
     "packet_name",
+    "pipeline_waits",
     "rank_totals",
+    "report_dict",
     "run",
+    "step_spans",
+    "steps_present",
     "stragglers",
     "top_collectives",
     "trace_files",
@@ -65,6 +70,8 @@ __all__ = [
 _FORWARD, _BACKWARD, _RECOMPUTE = semconv.PASS_FORWARD, semconv.PASS_BACKWARD, semconv.PASS_RECOMPUTE
 _LEGACY_FUNCTIONAL = semconv.LEGACY_FUNCTIONAL_PACKETS
 _SUFFIXES = (".jsonl", ".json")
+# Point-to-point ops: paired by (group, sender, receiver), never matched as collectives.
+_P2P = frozenset({semconv.SEND, semconv.RECV, semconv.BATCH_P2P})
 
 
 # ------------------------------------------------------------------- loading
@@ -171,6 +178,49 @@ def _parent(span: dict, index: dict[tuple, dict]) -> dict | None:
 
 def _fqn(span: dict) -> str | None:
     return span["attributes"].get(semconv.MODULE_FQN)
+
+
+def _own_step(span: dict) -> int | None:
+    value = span["attributes"].get(semconv.STEP)
+    return value if span["name"] == semconv.SPAN_TRAIN_STEP and isinstance(value, int) else None
+
+
+def _span_steps(spans: list[dict]) -> dict[int, int | None]:
+    """``id(span)`` -> the ``torch.step`` of its ``train_step`` root; None under any other root.
+
+    A span whose parent is not in the files counts as a root.
+    """
+    index = _index(spans)
+    steps: dict[int, int | None] = {}
+    for span in spans:
+        node, chain, on_chain = span, [], set()
+        while id(node) not in steps:
+            chain.append(node)
+            on_chain.add(id(node))
+            parent = _parent(node, index)
+            if parent is None or id(parent) in on_chain:  # a root (or a malformed loop)
+                steps[id(node)] = _own_step(node)
+                break
+            node = parent
+        for item in chain:
+            steps[id(item)] = steps[id(node)]
+    return steps
+
+
+def steps_present(spans: list[dict]) -> list[int]:
+    """The ``torch.step`` values of the ``train_step`` spans in ``spans``, ascending."""
+    return sorted({step for step in map(_own_step, spans) if step is not None})
+
+
+def step_spans(spans: list[dict], step: int) -> list[dict]:
+    """The spans of training step ``step`` on every rank: its ``train_step`` span(s) and their descendants.
+
+    A step exported in parts (``commdebug.step.part``) has several ``train_step``
+    spans with the same ``torch.step``: all are kept. ``outside_step`` spans and
+    inference roots belong to no step. Order is kept; ``[]`` when no rank has that step.
+    """
+    steps = _span_steps(spans)
+    return [span for span in spans if steps[id(span)] == step]
 
 
 def collective_events(spans: list[dict], rank: int | None = None) -> list[dict[str, Any]]:
@@ -360,7 +410,8 @@ def _operation(event: dict, span_pass: str | None) -> Operation:
 def rank_totals(spans: list[dict]) -> dict[int, dict[str, Any]]:
     """Per rank: ``{"events": n, "bytes": total payload bytes, "by_op": {op: n}, "odd": bool}``.
 
-    ``odd`` marks a rank whose per-op counts differ from the most common ones.
+    ``odd`` marks a rank whose per-op counts differ from the most common ones,
+    point-to-point ops aside (pipeline stages send and receive different amounts).
     """
     totals: dict[int, dict[str, Any]] = {
         rank: {"events": 0, "bytes": 0, "by_op": Counter()} for rank in _ranks(spans)}
@@ -369,19 +420,29 @@ def rank_totals(spans: list[dict]) -> dict[int, dict[str, Any]]:
         total["events"] += 1
         total["bytes"] += int(event["attributes"].get(semconv.COLLECTIVE_BYTES, 0))
         total["by_op"][event["name"]] += 1
-    shapes = Counter(tuple(sorted(total["by_op"].items())) for total in totals.values())
+    def shape(total: dict) -> tuple:
+        return tuple(sorted((op, n) for op, n in total["by_op"].items() if op not in _P2P))
+
+    shapes = Counter(map(shape, totals.values()))
     usual = shapes.most_common(1)[0][0] if shapes else ()
     for total in totals.values():
+        total["odd"] = len(shapes) > 1 and shape(total) != usual
         total["by_op"] = dict(total["by_op"])
-        total["odd"] = len(shapes) > 1 and tuple(sorted(total["by_op"].items())) != usual
     return totals
 
 
-def stragglers(spans: list[dict]) -> dict[str, Any]:
+def stragglers(spans: list[dict], step: int | None = None) -> dict[str, Any]:
     """Match each collective across ranks by (process group name, seq) and measure lateness.
+
+    Point-to-point ops (``send``, ``recv``, ``batch_p2p``) are no collectives:
+    they are left out (see :func:`pipeline_waits`), and a collective's seq is
+    taken less the point-to-point ops its rank issued before it on that group,
+    because ``torch.collective.seq`` counts both and stages of a pipeline issue
+    different numbers of them.
 
     A rank's lateness in a match is its event time minus the earliest rank's
     (ns). A match is complete when as many ranks as the group's size took part.
+    ``step``: only collectives of that training step (matched over all of ``spans``).
 
     Returns:
         ``{"matched": complete matches, "incomplete": other matches,
@@ -393,13 +454,19 @@ def stragglers(spans: list[dict]) -> dict[str, Any]:
     The times are each host's wall clock when the CPU issued the collective,
     not when the device ran it; across hosts, clock skew adds to lateness.
     """
+    steps = _span_steps(spans) if step is not None else {}
     matches: dict[tuple[str, int], dict[int, int]] = defaultdict(dict)
     sizes: dict[tuple[str, int], int] = {}
+    p2p_before: Counter = Counter()  # (rank, group) -> point-to-point ops issued so far
     for event in collective_events(spans):
         attrs = event["attributes"]
-        if semconv.COLLECTIVE_SEQ not in attrs:
+        group = str(attrs.get(semconv.PROCESS_GROUP_NAME, ""))
+        if event["name"] in _P2P:
+            p2p_before[(event["rank"], group)] += 1
             continue
-        key = (str(attrs.get(semconv.PROCESS_GROUP_NAME, "")), int(attrs[semconv.COLLECTIVE_SEQ]))
+        if semconv.COLLECTIVE_SEQ not in attrs or (step is not None and steps[id(event["span"])] != step):
+            continue
+        key = (group, int(attrs[semconv.COLLECTIVE_SEQ]) - p2p_before[(event["rank"], group)])
         matches[key].setdefault(event["rank"], event["time_ns"])
         sizes[key] = int(attrs.get(semconv.PROCESS_GROUP_SIZE, 1))
     late: dict[int, list[int]] = {rank: [] for rank in _ranks(spans)}
@@ -422,6 +489,96 @@ def stragglers(spans: list[dict]) -> dict[str, Any]:
     } for rank, values in late.items()}
     return {"matched": complete, "incomplete": len(matches) - complete, "per_rank": per_rank,
             "most_often_last": last.most_common(1)[0][0] if last else None}
+
+
+def _group_members(events: list[dict]) -> dict[str, list[int] | None]:
+    """Process group name -> its global ranks in group-rank order, or None where the files cannot tell.
+
+    torch orders a group's ranks ascending (``new_group`` sorts them), so a group whose
+    every member left an event maps in sorted order; one as large as the world is the identity.
+    """
+    seen: dict[str, set[int]] = defaultdict(set)
+    sizes: dict[str, int] = {}
+    worlds: dict[str, int] = {}
+    for event in events:
+        group = str(event["attributes"].get(semconv.PROCESS_GROUP_NAME, ""))
+        seen[group].add(event["rank"])
+        sizes[group] = int(event["attributes"].get(semconv.PROCESS_GROUP_SIZE, 1))
+        worlds[group] = int(event["span"]["resource"].get(semconv.WORLD_SIZE, 0))
+    members: dict[str, list[int] | None] = {}
+    for group, ranks in seen.items():
+        if len(ranks) == sizes[group]:
+            members[group] = sorted(ranks)
+        else:
+            members[group] = list(range(sizes[group])) if sizes[group] == worlds[group] else None
+    return members
+
+
+def _issued_ns(event: dict) -> int:
+    """When the CPU began issuing the op: the event is stamped when the call returned."""
+    return event["time_ns"] - round(float(event["attributes"].get(semconv.COLLECTIVE_DURATION, 0.0)) * 1e9)
+
+
+def pipeline_waits(spans: list[dict], step: int | None = None) -> dict[str, Any]:
+    """Pair each ``send`` with its ``recv`` and measure how long the receiver waited for the sender.
+
+    A pair is the n-th ``send`` from rank A to rank B on a process group and the
+    n-th ``recv`` on B from A on that group (``torch.collective.peer`` is a group
+    rank; see :func:`_group_members` for how it becomes a global rank). The
+    receiver's wait is how long its ``recv`` was posted before the matching
+    ``send`` began (0 when the data was sent first): in a pipeline, the bubble
+    where a stage waits for the stage before (forward) or after (backward).
+    ``step``: only pairs of that training step (paired over all of ``spans``): a pair's step is its
+    ``recv``'s, or its ``send``'s when the ``recv`` is in no step (a later stage posts the first
+    ``recv`` of a step before its first forward, so that ``recv`` is an ``outside_step`` event).
+    ``batch_p2p`` (coalesced, no peer) is not paired.
+
+    Returns:
+        ``{"pairs": n, "wait_ms": total wait over all pairs, "unmatched": {"send": n, "recv": n}
+        (no partner in the files, or a group whose ranks the files cannot tell),
+        "per_stage": [{"rank", "group", "group_rank" (the receiver's rank in the group),
+        "recvs": pairs received, "wait_ms", "max_wait_ms", "mean_wait_ms"}]}``,
+        one row per receiving (rank, group), sorted by rank then group. Times in ms,
+        from each host's wall clock (clock skew across hosts adds to or hides waits).
+    """
+    events = collective_events(spans)
+    members = _group_members(events)
+    steps = _span_steps(spans) if step is not None else {}
+
+    def in_step(event: dict, partner: dict | None = None) -> bool:
+        if step is None:
+            return True
+        own = steps[id(event["span"])]
+        return (own if own is not None or partner is None else steps[id(partner["span"])]) == step
+
+    queues: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: {semconv.SEND: [], semconv.RECV: []})
+    unmatched = {semconv.SEND: 0, semconv.RECV: 0}
+    for event in events:
+        attrs = event["attributes"]
+        if event["name"] not in unmatched or semconv.COLLECTIVE_PEER not in attrs:
+            continue
+        group = str(attrs.get(semconv.PROCESS_GROUP_NAME, ""))
+        ranks, peer = members.get(group), int(attrs[semconv.COLLECTIVE_PEER])
+        if ranks is None or not 0 <= peer < len(ranks):
+            unmatched[event["name"]] += in_step(event)
+            continue
+        ends = (event["rank"], ranks[peer]) if event["name"] == semconv.SEND else (ranks[peer], event["rank"])
+        queues[(group, *ends)][event["name"]].append(event)
+    rows: dict[tuple[int, str], list[int]] = defaultdict(list)
+    for (group, _, _), queue in queues.items():
+        sends, recvs = queue[semconv.SEND], queue[semconv.RECV]
+        for send, recv in zip(sends, recvs, strict=False):
+            if in_step(recv, send):
+                rows[(recv["rank"], group)].append(max(0, _issued_ns(send) - _issued_ns(recv)))
+        for name, left in ((semconv.SEND, sends[len(recvs):]), (semconv.RECV, recvs[len(sends):])):
+            unmatched[name] += sum(map(in_step, left))
+    per_stage = [{
+        "rank": rank, "group": group, "group_rank": members[group].index(rank), "recvs": len(waits),
+        "wait_ms": sum(waits) / 1e6, "max_wait_ms": max(waits) / 1e6, "mean_wait_ms": sum(waits) / len(waits) / 1e6,
+    } for (rank, group), waits in sorted(rows.items())]
+    return {"pairs": sum(len(waits) for waits in rows.values()),
+            "wait_ms": sum(sum(waits) for waits in rows.values()) / 1e6,
+            "unmatched": unmatched, "per_stage": per_stage}
 
 
 def top_collectives(spans: list[dict], rank: int = 0, limit: int = 10) -> list[dict[str, Any]]:
@@ -478,16 +635,48 @@ def _warnings(spans: list[dict]) -> list[str]:
     return notes
 
 
-def format_report(spans: list[dict], rank: int = 0, top: int = 10) -> str:
-    """``commdebug-otel summarize``'s text: module table, per-rank totals, stragglers, top bytes."""
-    ranks = _ranks(spans)
-    files = len({span["file"] for span in spans if "file" in span})
-    out = [f"{len(spans)} spans from {len(ranks)} rank(s) in {files} file(s)", *_warnings(spans), ""]
+def report_dict(spans: list[dict], rank: int = 0, top: int = 10, step: int | None = None) -> dict[str, Any]:
+    """Everything ``summarize``'s text report says, as plain data (``--format report-json``).
+
+    ``step``: training step ``step`` only (:func:`step_spans`); stragglers and
+    pipeline pairs are matched over all of ``spans`` first.
+
+    Returns:
+        ``{"spans": n, "step": step or None, "ranks": [rank...], "files": n,
+        "warnings": [str], "rank": rank, "module_counts": module_counts(...),
+        "rank_totals": rank_totals(...), "stragglers": stragglers(...),
+        "pipeline_waits": pipeline_waits(...), "top_collectives": top_collectives(...)}``.
+    """
+    chosen = spans if step is None else step_spans(spans, step)
+    return {
+        "spans": len(chosen),
+        "step": step,
+        "ranks": _ranks(chosen),
+        "files": len({span["file"] for span in chosen if "file" in span}),
+        "warnings": _warnings(chosen),
+        "rank": rank,
+        "module_counts": module_counts(chosen, rank),
+        "rank_totals": rank_totals(chosen),
+        "stragglers": stragglers(spans, step),
+        "pipeline_waits": pipeline_waits(spans, step),
+        "top_collectives": top_collectives(chosen, rank, top),
+    }
+
+
+def format_report(spans: list[dict], rank: int = 0, top: int = 10, step: int | None = None) -> str:
+    """``commdebug-otel summarize``'s text: module table, per-rank totals, stragglers, pipeline waits, top bytes.
+
+    ``step``: as :func:`report_dict`.
+    """
+    report = report_dict(spans, rank, top, step)
+    where = "" if step is None else f" in step {step}"
+    out = [f"{report['spans']} spans{where} from {len(report['ranks'])} rank(s) in {report['files']} file(s)",
+           *report["warnings"], ""]
     out.append(f"Collectives per module on rank {rank} (CommDebugMode's tracing table; "
                "counts include submodules; Global = all):")
-    out.append(format_table(spans, rank) or "(no collectives)")
+    out.append(format_table(spans if step is None else step_spans(spans, step), rank) or "(no collectives)")
 
-    totals = rank_totals(spans)
+    totals = report["rank_totals"]
     ops = sorted({op for total in totals.values() for op in total["by_op"]})
     out += ["", "Collectives per rank:"]
     rows = [("rank", "events", "bytes", *ops, "")]
@@ -497,9 +686,10 @@ def format_report(spans: list[dict], rank: int = 0, top: int = 10) -> str:
                      "<- differs from the other ranks" if total["odd"] else ""))
     out += _columns(rows)
 
-    lag = stragglers(spans)
+    lag = report["stragglers"]
     out += ["", (f"Stragglers: {lag['matched']} collectives matched across ranks by "
-                 f"(process group, seq); {lag['incomplete']} seen on fewer ranks than the group size.")]
+                 f"(process group, seq); {lag['incomplete']} seen on fewer ranks than the group size. "
+                 "Send/recv are not collectives: see pipeline waits.")]
     rows = [("rank", "matched", "mean late ms", "max late ms", "last")]
     for r, stats in lag["per_rank"].items():
         rows.append((r, stats["matched"], f"{stats['mean_late_ms']:.3f}", f"{stats['max_late_ms']:.3f}",
@@ -512,8 +702,20 @@ def format_report(spans: list[dict], rank: int = 0, top: int = 10) -> str:
     out.append("Lateness = when a rank's CPU issued the collective minus the earliest rank, by each "
                "host's wall clock: across hosts, clock skew adds to it.")
 
+    waits = report["pipeline_waits"]
+    if waits["pairs"] or any(waits["unmatched"].values()):
+        out += ["", (f"Pipeline waits: {waits['pairs']} send/recv pairs matched by (process group, sender, "
+                     f"receiver) in order; {waits['unmatched']['send']} sends and {waits['unmatched']['recv']} "
+                     f"recvs without a partner. Total wait {waits['wait_ms']:.3f} ms.")]
+        rows = [("rank", "group", "group rank", "recvs", "wait ms", "mean wait ms", "max wait ms")]
+        rows += [(row["rank"], row["group"], row["group_rank"], row["recvs"], f"{row['wait_ms']:.3f}",
+                  f"{row['mean_wait_ms']:.3f}", f"{row['max_wait_ms']:.3f}") for row in waits["per_stage"]]
+        out += _columns(rows)
+        out.append("Wait = how long a rank's recv was posted before its peer began the send "
+                   "(the pipeline bubble), by each host's wall clock.")
+
     out += ["", f"Top collectives by bytes on rank {rank}:"]
-    biggest = top_collectives(spans, rank, top)
+    biggest = report["top_collectives"]
     rows = [("op", "module", "bytes", "count")]
     rows += [(c["op"], c["module"], _human_bytes(c["bytes"]), c["count"]) for c in biggest]
     out += _columns(rows) if biggest else ["(none)"]
@@ -529,9 +731,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="OTLP-JSON trace files, or folders to search for *.jsonl / *.json")
     parser.add_argument("--rank", type=int, default=0,
                         help="rank for the module table, the JSON tree and top bytes (default 0)")
+    parser.add_argument("--step", type=int, default=None, metavar="N",
+                        help="only training step N (its train_step spans and everything under them, "
+                             "on every rank); default all spans")
     parser.add_argument("--top", type=int, default=10, help="rows of top collectives by bytes (default 10)")
-    parser.add_argument("--format", choices=("text", "json"), default="text",
-                        help="text report, or CommDebugMode's generate_json_dump tree (default text)")
+    parser.add_argument("--format", choices=("text", "json", "report-json"), default="text",
+                        help="text report, CommDebugMode's generate_json_dump tree (json), or the text "
+                             "report's content as JSON (report-json) (default text)")
 
 
 def load_for_command(paths: Iterable[str], command: str) -> list[dict[str, Any]] | None:
@@ -548,7 +754,10 @@ def load_for_command(paths: Iterable[str], command: str) -> list[dict[str, Any]]
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the report (or JSON tree) for ``args.paths``. Returns 0, or 1 when there is nothing to show."""
+    """Print the report (or JSON) for ``args.paths``. Returns 0, or 1 when there is nothing to show.
+
+    Nothing to show: no spans, no spans of ``--rank``, or no ``train_step`` ``--step`` (said on stderr).
+    """
     spans = load_for_command(args.paths, "summarize")
     if spans is None:
         return 1
@@ -557,8 +766,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"commdebug-otel summarize: no spans for rank {args.rank}; ranks present: "
               f"{', '.join(map(str, ranks))}", file=sys.stderr)
         return 1
+    if args.step is not None and args.step not in steps_present(spans):
+        print(f"commdebug-otel summarize: no train_step {args.step} in the files; steps present: "
+              f"{', '.join(map(str, steps_present(spans))) or 'none'}", file=sys.stderr)
+        return 1
     if args.format == "json":
-        print(json.dumps(comm_debug_json(spans, args.rank), indent=4))
+        chosen = spans if args.step is None else step_spans(spans, args.step)
+        print(json.dumps(comm_debug_json(chosen, args.rank), indent=4))
+    elif args.format == "report-json":
+        print(json.dumps(report_dict(spans, args.rank, args.top, args.step), indent=4))
     else:
-        print(format_report(spans, args.rank, args.top))
+        print(format_report(spans, args.rank, args.top, args.step))
     return 0

@@ -1,0 +1,62 @@
+"""Job-scope trace ids on real gloo ranks: train_step and outside_step segments agree across ranks."""
+
+import torch
+
+from distributed import run_ranks
+
+
+def _segments(rank, world_size, scope):
+    """Set-up, a step, a checkpoint-like all_reduce, an evaluation forward, another all_reduce, a step."""
+    import torch.distributed as dist
+
+    from commdebug_otel import CommTracer, Settings
+    from commdebug_otel.steps import NONCE_KEY
+    from commdebug_otel.testing import InMemoryTelemetry
+
+    torch.manual_seed(0)
+    telemetry = InMemoryTelemetry()
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step():
+        model(torch.ones(1, 2)).sum().backward()
+        optimizer.step()
+
+    with CommTracer(Settings(trace_scope=scope), tracer_provider=telemetry.tracer_provider,
+                    meter_provider=telemetry.meter_provider):
+        dist.broadcast(torch.zeros(2), src=0)  # set-up: outside-0-0
+        step()
+        dist.all_reduce(torch.ones(1))  # a checkpoint save between steps: outside-1-0
+        with torch.no_grad():
+            model(torch.ones(1, 2))  # evaluation: an inference root
+        dist.barrier()  # outside-1-1
+        step()
+    nonce = dist.distributed_c10d._get_default_store().get(NONCE_KEY).decode() if scope == "job" else ""
+    return {"nonce": nonce, "spans": [(span.name, span.context.trace_id, span.parent is None,
+                                       [event.name for event in span.events]) for span in telemetry.spans()]}
+
+
+def test_outside_step_segments_share_a_trace_id_on_every_rank():
+    from commdebug_otel.steps import step_trace_id
+
+    results = run_ranks(_segments, 2, "job")
+    views = [[span for span in result["spans"] if span[0] in ("outside_step", "train_step")] for result in results]
+    assert views[0] == views[1]  # names, trace ids, roots, events: the same on both ranks
+    nonce = results[0]["nonce"]
+
+    def trace(label):
+        return step_trace_id("none", nonce, label)  # TORCHELASTIC_RUN_ID is unset: "none"
+
+    assert [(name, trace_id, root, events) for name, trace_id, root, events in views[0]] == [
+        ("outside_step", trace("outside-0-0"), True, ["broadcast"]),
+        ("train_step", trace(0), True, []),
+        ("outside_step", trace("outside-1-0"), True, ["all_reduce"]),
+        ("outside_step", trace("outside-1-1"), True, ["barrier"]),
+        ("train_step", trace(1), True, []),
+    ]
+
+
+def test_rank_scope_keeps_outside_step_traces_apart():
+    results = run_ranks(_segments, 2, "rank")
+    ids = [{trace_id for name, trace_id, _, _ in result["spans"] if name == "outside_step"} for result in results]
+    assert len(ids[0]) == len(ids[1]) == 3 and not ids[0] & ids[1]
