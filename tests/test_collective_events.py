@@ -28,6 +28,8 @@ def test_collective_event_attributes_and_owner(telemetry, tracer_factory, single
         semconv.COLLECTIVE_OP: "all_reduce",
         semconv.OP_NAME: "c10d.allreduce_.default",
         semconv.COLLECTIVE_BYTES: 3 * 4 * 4,
+        semconv.COLLECTIVE_INPUT_ELEMENTS: 12,
+        semconv.COLLECTIVE_OUTPUT_ELEMENTS: 12,
         semconv.COLLECTIVE_DTYPE: "float32",
         semconv.COLLECTIVE_SHAPE: (3, 4),
         semconv.COLLECTIVE_REDUCE_OP: "sum",
