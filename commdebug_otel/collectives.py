@@ -264,12 +264,14 @@ class Why:
 
     def _build(self) -> dict[str, Any]:
         attrs: dict[str, Any] = {}
-        facts = dtensor_facts(self.args) if self.op is not None else {}
-        if self.op is not None:
-            attrs[semconv.DTENSOR_OP] = str(self.op)
+        by_op = self.cause is None  # an explicit cause inside an op's dispatch is the nearer one
+        facts = dtensor_facts(self.args) if by_op else {}
+        if by_op:
+            attrs[semconv.DTENSOR_OP] = attrs[semconv.DTENSOR_CAUSE] = str(self.op)
             if semconv.DTENSOR_INPUT_PLACEMENTS in facts:
                 attrs[semconv.DTENSOR_INPUT_PLACEMENTS] = facts[semconv.DTENSOR_INPUT_PLACEMENTS]
-        attrs[semconv.DTENSOR_CAUSE] = str(self.op) if self.op is not None and self.cause is None else self.cause
+        else:
+            attrs[semconv.DTENSOR_CAUSE] = self.cause
         if self.source is not None and self.target is not None:
             attrs[semconv.DTENSOR_SOURCE_PLACEMENTS] = str(self.source)[:ATTR_MAX_CHARS]
             attrs[semconv.DTENSOR_TARGET_PLACEMENTS] = str(self.target)[:ATTR_MAX_CHARS]

@@ -21,16 +21,25 @@ Ops that are not collectives never reach Python. A collective issued inside
 another (the c10d op a functional collective's kernel calls) is not counted
 twice: a per-thread flag marks the outer one in progress.
 
-The "why" of a collective (the DTensor op whose inputs are being redistributed)
-comes from DTensor's own redistribution step, ``OpDispatcher.redistribute_local_args``
-(torch/distributed/tensor/_dispatch.py), which DTensor's dispatch calls (from
-``_dispatch_get_local_results_slow_path``) only when an op's inputs must move:
-while it runs, subscribers hold the op and its input specs. DTensor calls it
-for most ops that redistribute (about 30 per step of the demo transformer under
-tensor parallel), so the wrapper is in place only while some subscriber may
+The "why" of a collective comes from DTensor's own redistribution steps:
+
+* ``OpDispatcher.redistribute_local_args`` (torch/distributed/tensor/_dispatch.py),
+  which DTensor's dispatch calls (from ``_dispatch_get_local_results_slow_path``)
+  only when an op's inputs must move: while it runs, subscribers hold the op
+  and its input specs;
+* ``redistribute_local_tensor(local, current_spec, target_spec)``, which every
+  redistribution runs, wrapped in each module that calls it (``_torch.dtensor_redistribute_sites``):
+  subscribers hold the source and target placements, the mesh, and the
+  cause (``redistribute`` for ``DTensor.redistribute()`` and its backward,
+  ``from_local`` for ``from_local``'s backward, the op inside a dispatch);
+* ``DTensor.full_tensor``, which names itself the cause of the redistribution it makes.
+
+DTensor redistributes about 30 times per step of the demo transformer under
+tensor parallel, so the wrappers are in place only while some subscriber may
 record a "why" (:meth:`CollectiveInterceptor.want_why`): an untraced step
-calls torch's own. Where torch lacks that function, :attr:`names_dtensor_ops` is False and the tracer falls back to
-its dispatch mode on traced steps.
+calls torch's own. Where torch lacks ``redistribute_local_args``, :attr:`names_dtensor_ops` is False and the
+tracer falls back to its dispatch mode on traced steps; where it lacks the others, only an op's
+redistributions have a "why".
 """
 
 from __future__ import annotations
@@ -62,7 +71,7 @@ class CollectiveInterceptor:
     """Process-wide: reports each collective to every subscribed recorder.
 
     A subscriber (a ``Recorder``) has ``collective(spec, args, duration_ns, out, start_ns)``,
-    ``hook_failed(where, error)``, ``thread_id`` and ``why`` (``with why(op, specs): ...``).
+    ``hook_failed(where, error)``, ``thread_id`` and ``why`` (a :class:`~commdebug_otel.collectives.Why`).
     Kernels are registered at the first subscription and stay (see :meth:`unsubscribe`).
     """
 
