@@ -107,6 +107,48 @@ def dtensor_redistribution() -> tuple[type, Any]:
     return OpDispatcher, OpDispatcher.__dict__["redistribute_local_args"]
 
 
+# Where DTensor calls ``redistribute_local_tensor(local, current_spec, target_spec, ...)``, the one
+# function every DTensor redistribution runs (torch/distributed/tensor/_redistribute.py), and what
+# caused the calls from there: each module holds its own reference (``from ... import``).
+_REDISTRIBUTE_CALLERS = (
+    ("torch.distributed.tensor._redistribute", "redistribute"),  # DTensor.redistribute(), fwd and bwd
+    ("torch.distributed.tensor._api", "from_local"),  # from_local's backward (gradient placements)
+    ("torch.distributed.tensor._dispatch", None),  # an op's dispatch: the op is the cause
+)
+
+
+def dtensor_redistribute_sites() -> list[tuple[Any, str, Any, str | None]]:
+    """``(module, attribute, function, cause)`` for each module that calls DTensor's ``redistribute_local_tensor``.
+
+    ``cause`` is what a call from that module is for: ``"redistribute"``,
+    ``"from_local"``, or None for an op's dispatch. Raises whatever the
+    imports raise on a torch without them.
+    """
+    import importlib
+
+    from torch.distributed.tensor import _redistribute
+
+    original = _redistribute.__dict__["redistribute_local_tensor"]
+    sites = []
+    for name, cause in _REDISTRIBUTE_CALLERS:
+        module = importlib.import_module(name)
+        if module.__dict__.get("redistribute_local_tensor") is original:
+            sites.append((module, "redistribute_local_tensor", original, cause))
+    return sites
+
+
+def dtensor_full_tensor() -> tuple[type, Any]:
+    """``DTensor`` and its ``full_tensor`` method as stored on the class (a public API that redistributes)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor, DTensor.__dict__["full_tensor"]
+
+
+def redistribution_specs(current_spec: Any, target_spec: Any) -> tuple[tuple, tuple, Any]:
+    """``(source placements, target placements, mesh)`` of ``redistribute_local_tensor``'s two ``DTensorSpec``."""
+    return tuple(current_spec.placements), tuple(target_spec.placements), current_spec.mesh
+
+
 def redistribution_op(op_info: Any, suggested_input_schema: Any) -> tuple[Any, tuple]:
     """The op being redistributed and its input specs, from ``redistribute_local_args``'s arguments."""
     return suggested_input_schema.op, tuple(op_info.flat_args_schema)

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from . import _torch, semconv
-from .ops import CollectiveSpec, GroupFacts, payload_bytes, reduce_op_name
-from .records import Record, dtensor_facts
+from .ops import CollectiveSpec, GroupFacts, Message, message, payload_bytes, reduce_op_name
+from .records import ATTR_MAX_CHARS, Record, dtensor_facts, mesh_facts
 from .redact import describe
 
 _logger = logging.getLogger(__name__)
@@ -38,14 +38,12 @@ class Collective:
         "args",
         "dtype",
         "duration_ns",
-        "fake",
         "group",
-        "nbytes",
+        "message",
         "out",
         "owner",
         "pass_",
         "seq",
-        "shape",
         "spec",
         "start_ns",
     )
@@ -61,10 +59,12 @@ class Collective:
         self.start_ns = start_ns  # time.perf_counter_ns() at issue
         self.pass_ = PASS_NONE
         self.owner: Record | None = None
-        self.nbytes = 0
-        self.dtype = ""
-        self.shape: list[int] = []
-        self.fake = False  # fake/meta tensors move no bytes
+        self.message: Message = message(spec, args, out, group.size)
+
+    @property
+    def fake(self) -> bool:
+        """Fake or meta tensors: traced shapes that move no bytes."""
+        return self.message.fake
 
 
 class CollectiveCounter:
@@ -95,7 +95,7 @@ class CollectiveCounter:
         """The points of a collective that keeps no records: the quiet path, kept short on purpose."""
         if self._metrics is None:
             return
-        nbytes, fake = payload_bytes(spec, args)
+        nbytes, fake = payload_bytes(spec, args, out)
         if fake:
             return
         rank = self._rank().rank
@@ -109,7 +109,7 @@ class CollectiveCounter:
             return
         spec, pass_, group = collective.spec, collective.pass_, collective.group
         rank = self._rank().rank
-        self._metrics.collective(spec.op, pass_, group, rank, collective.nbytes,
+        self._metrics.collective(spec.op, pass_, group, rank, collective.message.nbytes,
                                  collective.duration_ns / 1e9, fqn, context=context)
         if not spec.functional and collective.out is not None and self.time_completions:
             self._time_completion(collective.out, spec, pass_, group, rank, fqn, collective.start_ns)
@@ -162,22 +162,25 @@ def event_attributes(collective: Collective, why: dict[str, Any] | None) -> dict
 
     ``why``: the attributes of the DTensor op behind it (:meth:`Why.attributes`), or None.
     """
-    spec, group, args = collective.spec, collective.group, collective.args
+    spec, group, args, msg = collective.spec, collective.group, collective.args, collective.message
     attrs: dict[str, Any] = {
         semconv.COLLECTIVE_OP: spec.op,
         semconv.OP_NAME: spec.overload_name,
-        semconv.COLLECTIVE_BYTES: collective.nbytes,
-        semconv.COLLECTIVE_DTYPE: collective.dtype,
-        semconv.COLLECTIVE_SHAPE: collective.shape,
+        semconv.COLLECTIVE_BYTES: msg.nbytes,
+        semconv.COLLECTIVE_INPUT_ELEMENTS: msg.input_elements,
+        semconv.COLLECTIVE_OUTPUT_ELEMENTS: msg.output_elements,
+        semconv.COLLECTIVE_DTYPE: msg.dtype,
         semconv.PROCESS_GROUP_NAME: group.name,
         semconv.PROCESS_GROUP_SIZE: group.size,
         semconv.COLLECTIVE_SEQ: collective.seq,
         semconv.MODULE_PASS: collective.pass_,
         semconv.COLLECTIVE_DURATION: collective.duration_ns / 1e9,
     }
+    if msg.shape:  # a 0-d tensor's shape is empty: the key is left out
+        attrs[semconv.COLLECTIVE_SHAPE] = msg.shape
     if group.dim_name:
         attrs[semconv.DEVICE_MESH_DIM_NAME] = group.dim_name
-    if collective.fake:
+    if msg.fake:
         attrs[semconv.COLLECTIVE_FAKE] = True
     if 0 <= spec.reduce_index < len(args):
         attrs[semconv.COLLECTIVE_REDUCE_OP] = reduce_op_name(args[spec.reduce_index])
@@ -189,33 +192,52 @@ def event_attributes(collective: Collective, why: dict[str, Any] | None) -> dict
 
 
 class Why:
-    """The DTensor op whose redistribution is in progress: the "why" of the collectives it issues.
+    """What DTensor is redistributing for: the "why" of the collectives issued meanwhile.
 
-    Set in one of two ways, and read by the recorder only when a functional
-    collective follows (its facts are computed then, once per op):
+    Set in three ways, and read by the recorder only when a functional
+    collective follows (its facts are computed then, once per redistribution):
 
-    * ``with why(op, args): ...`` sets it for the block and restores what was
-      there before (DTensor's dispatch, or its ``redistribute_local_args``);
-    * :meth:`until_local_op` sets it until DTensor runs the op's local
+    * ``with why(op, args): ...`` sets the op whose inputs are redistributed
+      for the block and restores what was there before (DTensor's dispatch, or
+      its ``redistribute_local_args``);
+    * ``with why.redistributing(cause, source, target, mesh): ...`` sets one
+      redistribution's placements and mesh, and its cause when it is not an op
+      (``redistribute``, ``full_tensor``, ``from_local``);
+    * :meth:`until_local_op` sets the op until DTensor runs the op's local
       version (:meth:`local_op_ran`), a module pass begins or ends, or the step
       ends (:meth:`clear`).
 
     Attributes:
         op: the ``OpOverload`` being redistributed, or None. Read-only outside this class.
         args: its DTensor arguments or input specs (anything with ``placements`` and ``device_mesh``).
+        cause: what asked for a redistribution that is not an op's, or None.
+        source, target: the placements (tuples) being redistributed from and to, or None.
+        mesh: their ``DeviceMesh``, or None.
     """
 
-    __slots__ = ("_attrs", "_facts_of", "args", "op")
+    __slots__ = ("_attrs", "_facts_of", "args", "cause", "mesh", "op", "source", "target")
 
     def __init__(self) -> None:
         self.op: Any = None
         self.args: tuple = ()
-        self._facts_of: Any = None
+        self.cause: str | None = None
+        self.source: tuple | None = None
+        self.target: tuple | None = None
+        self.mesh: Any = None
+        self._facts_of: tuple = ()
         self._attrs: dict[str, Any] = {}
 
-    def __call__(self, op: Any, args: tuple) -> _WhyScope:
+    def __call__(self, op: Any, args: tuple) -> _Scope:
         """A context manager: ``op`` is the why inside the block."""
-        return _WhyScope(self, op, args)
+        return _Scope(self, ("op", "args"), (op, args))
+
+    def redistributing(self, cause: str | None, source: tuple | None, target: tuple | None, mesh: Any) -> _Scope:
+        """A context manager: one redistribution from ``source`` to ``target`` placements on ``mesh``.
+
+        ``cause`` None keeps the cause already set (an op's, or an outer API's, e.g. ``full_tensor``).
+        """
+        cause = self.cause if cause is None or self.cause == FULL_TENSOR else cause
+        return _Scope(self, ("cause", "source", "target", "mesh"), (cause, source, target, mesh))
 
     def until_local_op(self, op: Any, args: tuple) -> None:
         """``op`` is the why until DTensor runs its local op (or a module boundary, or the step end)."""
@@ -228,34 +250,58 @@ class Why:
 
     def clear(self) -> None:
         self.op, self.args = None, ()
+        self.cause = self.source = self.target = self.mesh = None
 
     def attributes(self) -> dict[str, Any] | None:
-        """The event attributes of the current why, None when there is none (cached per op)."""
-        if self.op is None:
+        """The event attributes of the current why, None when there is none (cached per redistribution)."""
+        if self.op is None and self.cause is None:
             return None
-        if self._facts_of is not self.args:
-            self._facts_of = self.args
-            facts = dtensor_facts(self.args)
-            self._attrs = {
-                semconv.DTENSOR_OP: str(self.op),
-                semconv.DTENSOR_INPUT_PLACEMENTS: facts[semconv.DTENSOR_INPUT_PLACEMENTS],
-            }
-            if semconv.DEVICE_MESH_SHAPE in facts:
-                self._attrs[semconv.DEVICE_MESH_SHAPE] = facts[semconv.DEVICE_MESH_SHAPE]
+        key = (self.op, self.args, self.cause, self.source, self.target)
+        if len(key) != len(self._facts_of) or any(a is not b for a, b in zip(key, self._facts_of)):
+            self._facts_of = key
+            self._attrs = self._build()
         return self._attrs
 
+    def _build(self) -> dict[str, Any]:
+        attrs: dict[str, Any] = {}
+        by_op = self.cause is None  # an explicit cause inside an op's dispatch is the nearer one
+        facts = dtensor_facts(self.args) if by_op else {}
+        if by_op:
+            attrs[semconv.DTENSOR_OP] = attrs[semconv.DTENSOR_CAUSE] = str(self.op)
+            if semconv.DTENSOR_INPUT_PLACEMENTS in facts:
+                attrs[semconv.DTENSOR_INPUT_PLACEMENTS] = facts[semconv.DTENSOR_INPUT_PLACEMENTS]
+        else:
+            attrs[semconv.DTENSOR_CAUSE] = self.cause
+        if self.source is not None and self.target is not None:
+            attrs[semconv.DTENSOR_SOURCE_PLACEMENTS] = str(self.source)[:ATTR_MAX_CHARS]
+            attrs[semconv.DTENSOR_TARGET_PLACEMENTS] = str(self.target)[:ATTR_MAX_CHARS]
+        mesh = mesh_facts(self.mesh) if self.mesh is not None else facts
+        for key in (semconv.DEVICE_MESH_SHAPE, semconv.DEVICE_MESH_DIM_NAMES):
+            if key in mesh:
+                attrs[key] = mesh[key]
+        return attrs
 
-class _WhyScope:
-    __slots__ = ("_args", "_op", "_saved", "_why")
 
-    def __init__(self, why: Why, op: Any, args: tuple) -> None:
-        self._why, self._op, self._args = why, op, args
-        self._saved: tuple = (None, ())
+# Causes of redistributions that are not an op's (torch.dtensor.cause).
+REDISTRIBUTE = "redistribute"
+FULL_TENSOR = "full_tensor"
+
+
+class _Scope:
+    """Sets some of a :class:`Why`'s fields for a block and restores them after."""
+
+    __slots__ = ("_names", "_saved", "_values", "_why")
+
+    def __init__(self, why: Why, names: tuple[str, ...], values: tuple) -> None:
+        self._why, self._names, self._values = why, names, values
+        self._saved: tuple = ()
 
     def __enter__(self) -> None:
         why = self._why
-        self._saved = (why.op, why.args)
-        why.op, why.args = self._op, self._args
+        self._saved = tuple(getattr(why, name) for name in self._names)
+        for name, value in zip(self._names, self._values):
+            setattr(why, name, value)
 
     def __exit__(self, *exc: Any) -> None:
-        self._why.op, self._why.args = self._saved
+        for name, value in zip(self._names, self._saved):
+            setattr(self._why, name, value)

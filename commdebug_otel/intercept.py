@@ -21,21 +21,31 @@ Ops that are not collectives never reach Python. A collective issued inside
 another (the c10d op a functional collective's kernel calls) is not counted
 twice: a per-thread flag marks the outer one in progress.
 
-The "why" of a collective (the DTensor op whose inputs are being redistributed)
-comes from DTensor's own redistribution step, ``OpDispatcher.redistribute_local_args``
-(torch/distributed/tensor/_dispatch.py), which DTensor's dispatch calls (from
-``_dispatch_get_local_results_slow_path``) only when an op's inputs must move:
-while it runs, subscribers hold the op and its input specs. DTensor calls it
-for most ops that redistribute (about 30 per step of the demo transformer under
-tensor parallel), so the wrapper is in place only while some subscriber may
+The "why" of a collective comes from DTensor's own redistribution steps:
+
+* ``OpDispatcher.redistribute_local_args`` (torch/distributed/tensor/_dispatch.py),
+  which DTensor's dispatch calls (from ``_dispatch_get_local_results_slow_path``)
+  only when an op's inputs must move: while it runs, subscribers hold the op
+  and its input specs;
+* ``redistribute_local_tensor(local, current_spec, target_spec)``, which every
+  redistribution runs, wrapped in each module that calls it (``_torch.dtensor_redistribute_sites``):
+  subscribers hold the source and target placements, the mesh, and the
+  cause (``redistribute`` for ``DTensor.redistribute()`` and its backward,
+  ``from_local`` for ``from_local``'s backward, the op inside a dispatch);
+* ``DTensor.full_tensor``, which names itself the cause of the redistribution it makes.
+
+DTensor redistributes about 30 times per step of the demo transformer under
+tensor parallel, so the wrappers are in place only while some subscriber may
 record a "why" (:meth:`CollectiveInterceptor.want_why`): an untraced step
-calls torch's own. Where torch lacks that function, :attr:`names_dtensor_ops` is False and the tracer falls back to
-its dispatch mode on traced steps.
+calls torch's own. Where torch lacks ``redistribute_local_args``, :attr:`names_dtensor_ops` is False and the
+tracer falls back to its dispatch mode on traced steps; where it lacks the others, only an op's
+redistributions have a "why".
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -44,6 +54,7 @@ from typing import Any
 import torch
 
 from . import _torch
+from .collectives import FULL_TENSOR
 from .ops import CollectiveSpec
 from .redact import describe
 
@@ -60,7 +71,7 @@ class CollectiveInterceptor:
     """Process-wide: reports each collective to every subscribed recorder.
 
     A subscriber (a ``Recorder``) has ``collective(spec, args, duration_ns, out, start_ns)``,
-    ``hook_failed(where, error)``, ``thread_id`` and ``why`` (``with why(op, specs): ...``).
+    ``hook_failed(where, error)``, ``thread_id`` and ``why`` (a :class:`~commdebug_otel.collectives.Why`).
     Kernels are registered at the first subscription and stay (see :meth:`unsubscribe`).
     """
 
@@ -71,9 +82,8 @@ class CollectiveInterceptor:
         self._lock = threading.Lock()
         self._local = _InProgress()
         self._below = _torch.keys_after_backend_select()
-        self._dtensor_dispatcher: Any = None  # OpDispatcher, once its redistributions are watched
-        self._original_redistribute: Any = None
-        self._redistribute_wrapper: Any = None
+        self._original_redistribute: Any = None  # OpDispatcher.redistribute_local_args, once watched
+        self._patches: list[_Patch] = []  # in place while some subscriber wants a "why"
         self._wanting_why: set[int] = set()  # ids of subscribers that may record a "why" now
 
     @property
@@ -112,9 +122,8 @@ class CollectiveInterceptor:
             self._wanting_why.add(id(recorder))
         else:
             self._wanting_why.discard(id(recorder))
-        if self._original_redistribute is not None:
-            self._dtensor_dispatcher.redistribute_local_args = (
-                self._redistribute_wrapper if self._wanting_why else self._original_redistribute)
+        for patch in self._patches:
+            patch.apply(bool(self._wanting_why))
 
     def _install(self) -> bool:
         libraries: dict[str, torch.library.Library] = {}
@@ -141,30 +150,78 @@ class CollectiveInterceptor:
         except Exception as error:  # another torch: the mode names the ops instead
             _logger.debug("commdebug-otel: DTensor redistributions not watched: %s", describe(error))
             return
-        interceptor = self
+        whys = self._whys
 
         def redistribute_local_args(op_info: Any, suggested_input_schema: Any, *args: Any, **kwargs: Any) -> Any:
-            # Only a recorder's training thread (or autograd's) sets its "why": another
-            # thread's redistribution must not name the training thread's collectives.
-            thread, in_backward = threading.get_ident(), _torch.in_backward()
-            with contextlib.ExitStack() as whys:
+            with contextlib.ExitStack() as stack:
                 try:
                     op, specs = _torch.redistribution_op(op_info, suggested_input_schema)
-                    for recorder in interceptor._subscribers:
-                        if in_backward or recorder.thread_id == thread:
-                            whys.enter_context(recorder.why(op, specs))
+                    for why in whys():
+                        stack.enter_context(why(op, specs))
                 except Exception:  # a changed OpInfo: the collectives still count, without a "why"
                     pass
                 return redistribute(op_info, suggested_input_schema, *args, **kwargs)
 
-        self._redistribute_wrapper = staticmethod(redistribute_local_args)
-        self._dtensor_dispatcher = dispatcher
+        self._patches.append(_Patch(dispatcher, "redistribute_local_args", original,
+                                    staticmethod(redistribute_local_args)))
         self._original_redistribute = original
+        try:
+            sites = _torch.dtensor_redistribute_sites()
+            dtensor, full_tensor = _torch.dtensor_full_tensor()
+        except Exception as error:  # another torch: only redistributions inside an op are named
+            _logger.debug("commdebug-otel: explicit DTensor redistributions not watched: %s", describe(error))
+            return
+        for module, name, function, cause in sites:
+            self._patches.append(_Patch(module, name, function, self._redistribution_wrapper(function, cause)))
+        self._patches.append(_Patch(dtensor, "full_tensor", full_tensor, self._full_tensor_wrapper(full_tensor)))
+
+    def _whys(self) -> list[Any]:
+        """The "why" of each subscriber whose collectives this thread issues now.
+
+        Only a recorder's training thread (or autograd's) sets its "why": another
+        thread's redistribution must not name the training thread's collectives.
+        """
+        thread, in_backward = threading.get_ident(), _torch.in_backward()
+        return [recorder.why for recorder in self._subscribers if in_backward or recorder.thread_id == thread]
+
+    def _redistribution_wrapper(self, function: Any, cause: str | None) -> Any:
+        """``redistribute_local_tensor`` that gives its placements and mesh (and ``cause``) to the "why"."""
+        whys = self._whys
+
+        def redistribute_local_tensor(local_tensor: Any, current_spec: Any, target_spec: Any,
+                                      *args: Any, **kwargs: Any) -> Any:
+            with contextlib.ExitStack() as stack:
+                try:
+                    source, target, mesh = _torch.redistribution_specs(current_spec, target_spec)
+                    for why in whys():
+                        stack.enter_context(why.redistributing(cause, source, target, mesh))
+                except Exception:  # a changed DTensorSpec: the collectives still count, without a "why"
+                    pass
+                return function(local_tensor, current_spec, target_spec, *args, **kwargs)
+
+        return redistribute_local_tensor
+
+    def _full_tensor_wrapper(self, function: Any) -> Any:
+        """``DTensor.full_tensor`` that names itself the cause of the redistribution it makes."""
+        whys = self._whys
+
+        @functools.wraps(function)
+        def full_tensor(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            with contextlib.ExitStack() as stack:
+                try:
+                    for why in whys():
+                        stack.enter_context(why.redistributing(FULL_TENSOR, None, None, None))
+                except Exception:
+                    pass
+                return function(tensor, *args, **kwargs)
+
+        return full_tensor
 
     def _uninstall(self) -> None:
-        if self._original_redistribute is not None:
-            self._dtensor_dispatcher.redistribute_local_args = self._original_redistribute
-            self._original_redistribute = None
+        for patch in self._patches:
+            patch.apply(False)
+        self._patches = []
+        self._original_redistribute = None
         libraries, self._libraries = self._libraries, []
         for library in libraries:
             try:
@@ -196,6 +253,18 @@ class CollectiveInterceptor:
             return out
 
         return kernel
+
+
+class _Patch:
+    """One attribute of torch's replaced by our wrapper while a "why" is wanted, and put back after."""
+
+    __slots__ = ("name", "original", "owner", "wrapper")
+
+    def __init__(self, owner: Any, name: str, original: Any, wrapper: Any) -> None:
+        self.owner, self.name, self.original, self.wrapper = owner, name, original, wrapper
+
+    def apply(self, on: bool) -> None:
+        setattr(self.owner, self.name, self.wrapper if on else self.original)
 
 
 _interceptor: CollectiveInterceptor | None = None

@@ -94,6 +94,9 @@ _REGISTRY: dict[str, dict[str, str]] = {
 # c10d, native functional and legacy functional forms (see each op's _schema).
 _PAYLOAD_ARGS = ("input_tensor", "input_tensors", "input_list", "inputs", "input",
                  "shard", "self", "tensors", "tensor")
+# c10d ops with an output argument; the others' output is their input (in place) or,
+# for functional collectives, what they return.
+_OUTPUT_ARGS = ("output_tensor", "output_tensors", "output_lists", "outputs", "output")
 _GROUP_ARGS = ("process_group", "group_name")
 _REDUCE_ARGS = ("reduce_op", "reduceOp")
 _PEER_ARGS = ("dst", "src")
@@ -115,6 +118,7 @@ class CollectiveSpec:
     namespace: str
     packet_name: str  # op name within its namespace, e.g. "all_gather_into_tensor"
     payload_index: int
+    output_index: int  # -1: the output is the input (c10d, in place) or the return value (functional)
     group_index: int
     reduce_index: int
     peer_index: int
@@ -158,6 +162,7 @@ def build_registry() -> dict[Any, CollectiveSpec]:
             namespace=namespace,
             packet_name=name,
             payload_index=_arg_index(names, _PAYLOAD_ARGS),
+            output_index=_arg_index(names, _OUTPUT_ARGS),
             group_index=_arg_index(names, _GROUP_ARGS),
             reduce_index=_arg_index(names, _REDUCE_ARGS),
             peer_index=_arg_index(names, _PEER_ARGS) if canonical in _P2P else -1,
@@ -181,45 +186,103 @@ def _is_fake(tensor: torch.Tensor) -> bool:
     return tensor.is_meta or type(tensor).__name__ == "FakeTensor"
 
 
-def payload_facts(spec: CollectiveSpec, args: tuple) -> tuple[int, str, list[int], bool]:
-    """Return ``(bytes, dtype, shape, fake)`` of a collective's input payload on this rank.
+# What a barrier reports, as the PyTorch profiler does (ParamCommsUtils: 0 elements of kByte).
+_BARRIER_DTYPE = "uint8"
 
-    ``bytes`` sums ``numel * element_size`` over every input tensor (a list
-    input counts all its tensors); ``shape`` is the first tensor's shape.
-    A barrier's placeholder tensor counts as 0 bytes. ``fake`` is True for
-    FakeTensor or meta-device payloads (no real traffic).
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    """A collective's message on this rank, without any tensor value.
+
+    Attributes:
+        nbytes: bytes this rank sends; on a rank that sends nothing (scatter's
+            non-source ranks) the bytes it receives. 0 for barrier.
+        dtype: dtype of the first input tensor, else of the first output tensor
+            (``"uint8"`` for barrier, as the profiler records it); never empty.
+        shape: shape of that tensor (``[0]`` for barrier); empty only for a 0-d tensor.
+        input_elements: the profiler's ``in_msg_nelems`` (c10d ``RECORD_PARAM_COMMS``):
+            elements in the op's input message, the same on every rank of the group.
+        output_elements: the profiler's ``out_msg_nelems``.
+        fake: FakeTensor or meta-device tensors (traced shapes, no real traffic).
     """
-    total, first = _payload(spec, args)
-    if first is None:
-        return 0, "", [], False
-    dtype = str(first.dtype).removeprefix("torch.")
-    return total, dtype, [int(size) for size in first.shape], _is_fake(first)
+
+    nbytes: int
+    dtype: str
+    shape: list[int]
+    input_elements: int
+    output_elements: int
+    fake: bool
 
 
-def payload_bytes(spec: CollectiveSpec, args: tuple) -> tuple[int, bool]:
-    """``(bytes, fake)`` of :func:`payload_facts`, without building the dtype and shape (metrics only)."""
+def message(spec: CollectiveSpec, args: tuple, out: Any, group_size: int) -> Message:
+    """The :class:`Message` of a collective from its arguments and what the op returned.
+
+    ``out``: the op's return value (a functional collective's output tensor);
+    ``group_size``: ranks in its process group. Per op (docs/semantic-conventions.md):
+    element counts sum the input and output tensors; scatter's input on a
+    non-source rank is its output times the group size, gather's output on a
+    non-root rank its input times the group size, as the profiler records them.
+    """
+    if spec.barrier:
+        return Message(0, _BARRIER_DTYPE, [0], 0, 0, False)
+    in_bytes, in_elements, first_in = _sizes(_arg(args, spec.payload_index))
+    out_bytes, out_elements, first_out = _sizes(_output(spec, args, out))
+    if spec.op == semconv.SCATTER and first_in is None:
+        in_elements = out_elements * group_size
+    elif spec.op == semconv.GATHER and first_out is None:
+        out_elements = in_elements * group_size
+    first = first_in if first_in is not None else first_out
+    if first is None:  # no tensor at all: nothing can be said but the op
+        return Message(0, "unknown", [0], 0, 0, False)
+    return Message(
+        nbytes=in_bytes if first_in is not None else out_bytes,
+        dtype=str(first.dtype).removeprefix("torch."),
+        shape=[int(size) for size in first.shape],
+        input_elements=in_elements,
+        output_elements=out_elements,
+        fake=_is_fake(first),
+    )
+
+
+def payload_bytes(spec: CollectiveSpec, args: tuple, out: Any) -> tuple[int, bool]:
+    """``(nbytes, fake)`` of :func:`message`, without the rest (metrics, on every step)."""
     index = spec.payload_index
     if 0 <= index < len(args):
         payload = args[index]
         if type(payload) is torch.Tensor and not payload.is_meta:  # the common case, on every step
             return (0 if spec.barrier else payload.nbytes), False
-    total, first = _payload(spec, args)
-    return total, first is not None and _is_fake(first)
+    if spec.barrier:
+        return 0, False
+    nbytes, _, first = _sizes(_arg(args, index))
+    if first is None:  # this rank sends nothing: what it receives
+        nbytes, _, first = _sizes(_output(spec, args, out))
+    return nbytes, first is not None and _is_fake(first)
 
 
-def _payload(spec: CollectiveSpec, args: tuple) -> tuple[int, torch.Tensor | None]:
-    if spec.payload_index < 0 or spec.payload_index >= len(args):
-        return 0, None
-    payload = args[spec.payload_index]
-    if isinstance(payload, torch.Tensor):  # most collectives: one tensor
-        return (0 if spec.barrier else payload.numel() * payload.element_size()), payload
+def _arg(args: tuple, index: int) -> Any:
+    return args[index] if 0 <= index < len(args) else None
+
+
+def _output(spec: CollectiveSpec, args: tuple, out: Any) -> Any:
+    if spec.output_index >= 0:
+        return _arg(args, spec.output_index)
+    if spec.functional:
+        return out
+    return _arg(args, spec.payload_index)  # c10d in place: the buffer is both
+
+
+def _sizes(value: Any) -> tuple[int, int, torch.Tensor | None]:
+    """``(bytes, elements, first tensor)`` of a tensor or a (nested) list of tensors."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size(), value.numel(), value
     first: torch.Tensor | None = None
-    total = 0
-    for tensor in _tensors(payload):
+    nbytes = elements = 0
+    for tensor in _tensors(value):
         if first is None:
             first = tensor
-        total += tensor.numel() * tensor.element_size()
-    return (0 if spec.barrier else total), first
+        elements += tensor.numel()
+        nbytes += tensor.numel() * tensor.element_size()
+    return nbytes, elements, first
 
 
 def _reduce_op_names() -> dict[int, str]:
@@ -252,6 +315,26 @@ def reduce_op_name(value: Any) -> str:
     if isinstance(name, str):
         return name.lower()
     return str(op).rsplit(".", 1)[-1].lower()
+
+
+def backend_name(group: Any = None) -> str:
+    """The backend of ``group`` (default: the world group), resolved per device when torch says ``undefined``.
+
+    A group made by ``init_process_group()`` without a backend, or by
+    ``init_device_mesh``, has ``get_backend() == "undefined"``: its backend
+    is chosen per device, as ``get_backend_config()`` lists (``cpu:gloo`` or
+    ``cpu:gloo,cuda:nccl``). One backend for every device is given by name
+    (``gloo``), several as that list. Raises what torch raises on a group this
+    rank is not part of.
+    """
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend(group))
+    if backend and backend != dist.Backend.UNDEFINED:
+        return backend
+    config = str(dist.get_backend_config(group))
+    names = {pair.split(":", 1)[-1] for pair in config.split(",") if pair}
+    return names.pop() if len(names) == 1 else config
 
 
 @dataclasses.dataclass(frozen=True)

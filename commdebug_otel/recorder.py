@@ -39,7 +39,7 @@ from ._torch import graph_task_id, queue_engine_callback
 from .collectives import PASS_NONE, Collective, CollectiveCounter, Why, event_attributes
 from .config import Settings, TraceScope, variable
 from .observer import RecorderObserver, SpanSink
-from .ops import CollectiveSpec, GroupResolver, payload_facts
+from .ops import CollectiveSpec, GroupResolver
 from .records import Record, SpanKind, Step, descends_from, dtensor_facts, parameter_facts, span_tree
 from .redact import code_locations, describe
 from .steps import RankInfo, job_nonce, outside_step_label, rank_info, step_trace_id
@@ -618,8 +618,6 @@ class Recorder:
         """Metric points with module label and exemplar, the observers, then the span event."""
         now = time.time_ns()
         spec = collective.spec
-        collective.nbytes, collective.dtype, collective.shape, collective.fake = payload_facts(
-            spec, collective.args)
         owner, step = self._owner()
         if owner is not None and owner.kind is SpanKind.MODULE:
             collective.pass_ = owner.pass_
@@ -658,9 +656,9 @@ class Recorder:
         if is_dtensor:
             attrs.update(dtensor_facts(args))
         else:
-            attrs[semconv.OP_INPUT_SHAPES] = [
-                str(list(arg.shape)) for arg in args if isinstance(arg, torch.Tensor)
-            ]
+            shapes = [str(list(arg.shape)) for arg in args if isinstance(arg, torch.Tensor)]
+            if shapes:  # never an empty array: ops on tensor lists (_foreach_*) have no top-level tensor
+                attrs[semconv.OP_INPUT_SHAPES] = shapes
         self._add_event(owner, name, attrs, time.time_ns())
 
     def _add_event(self, owner: Record, name: str, attrs: dict, now: int) -> None:

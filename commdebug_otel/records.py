@@ -206,16 +206,30 @@ def _placements_text(tensor: Any) -> str:
 
 
 def dtensor_facts(args: tuple) -> dict[str, Any]:
-    """Event attributes describing the DTensor arguments in ``args``: shapes, placements, mesh."""
+    """Event attributes describing the DTensor arguments in ``args``: shapes, placements, mesh.
+
+    Keys whose value would be an empty array are left out (a ``_foreach_*`` op's
+    DTensors sit in lists, a mesh may have no dimension names).
+    """
     shapes, placements, mesh = dtensor_inputs(args)
-    facts: dict[str, Any] = {
-        semconv.DTENSOR_INPUT_SHAPES: [str(list(shape)) for shape in shapes],
-        semconv.DTENSOR_INPUT_PLACEMENTS: [str(tuple(placement))[:ATTR_MAX_CHARS] for placement in placements],
-    }
+    facts: dict[str, Any] = {}
+    if shapes:
+        facts[semconv.DTENSOR_INPUT_SHAPES] = [str(list(shape)) for shape in shapes]
+        facts[semconv.DTENSOR_INPUT_PLACEMENTS] = [
+            str(tuple(placement))[:ATTR_MAX_CHARS] for placement in placements]
     if mesh is not None:
-        facts[semconv.DEVICE_MESH] = str(mesh)[:ATTR_MAX_CHARS]
-        facts[semconv.DEVICE_MESH_SHAPE] = [int(size) for size in mesh.shape]
-        facts[semconv.DEVICE_MESH_DIM_NAMES] = list(mesh.mesh_dim_names or ())
+        facts.update(mesh_facts(mesh))
+    return facts
+
+
+def mesh_facts(mesh: Any) -> dict[str, Any]:
+    """``torch.device_mesh``, its shape, and its dimension names when it has any."""
+    facts: dict[str, Any] = {
+        semconv.DEVICE_MESH: str(mesh)[:ATTR_MAX_CHARS],
+        semconv.DEVICE_MESH_SHAPE: [int(size) for size in mesh.shape],
+    }
+    if mesh.mesh_dim_names:
+        facts[semconv.DEVICE_MESH_DIM_NAMES] = list(mesh.mesh_dim_names)
     return facts
 
 

@@ -33,6 +33,8 @@ PASS_RECOMPUTE = "recompute"
 COLLECTIVE_OP = "torch.collective.op"
 OP_NAME = "torch.op.name"
 COLLECTIVE_BYTES = "torch.collective.bytes"
+COLLECTIVE_INPUT_ELEMENTS = "torch.collective.input_elements"  # the profiler's in_msg_nelems
+COLLECTIVE_OUTPUT_ELEMENTS = "torch.collective.output_elements"  # the profiler's out_msg_nelems
 COLLECTIVE_DTYPE = "torch.collective.dtype"
 COLLECTIVE_SHAPE = "torch.collective.shape"
 COLLECTIVE_REDUCE_OP = "torch.collective.reduce_op"
@@ -49,6 +51,10 @@ DEVICE_MESH_DIM_NAMES = "torch.device_mesh.dim_names"
 DTENSOR_OP = "torch.dtensor.op"
 DTENSOR_INPUT_SHAPES = "torch.dtensor.input_shapes"
 DTENSOR_INPUT_PLACEMENTS = "torch.dtensor.input_placements"
+# The "why" of a collective that a DTensor redistribution issued (any detail level).
+DTENSOR_CAUSE = "torch.dtensor.cause"  # the op, or redistribute | full_tensor | from_local
+DTENSOR_SOURCE_PLACEMENTS = "torch.dtensor.source_placements"
+DTENSOR_TARGET_PLACEMENTS = "torch.dtensor.target_placements"
 OP_INPUT_SHAPES = "torch.op.input_shapes"
 
 # Canonical collective names (span event names and the torch.collective.op value).

@@ -25,6 +25,7 @@ import time
 from collections.abc import Mapping
 
 from .config import RankEnv
+from .ops import backend_name
 
 _logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def rank_info(environ: Mapping[str, str] | None = None) -> RankInfo:
 
         if dist.is_available() and dist.is_initialized():
             rank, world_size = dist.get_rank(), dist.get_world_size()
-            backend = str(dist.get_backend())
+            backend = backend_name()
             distributed = True
     except Exception:  # a half-initialized group must not stop telemetry
         pass

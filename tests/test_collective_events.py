@@ -28,6 +28,8 @@ def test_collective_event_attributes_and_owner(telemetry, tracer_factory, single
         semconv.COLLECTIVE_OP: "all_reduce",
         semconv.OP_NAME: "c10d.allreduce_.default",
         semconv.COLLECTIVE_BYTES: 3 * 4 * 4,
+        semconv.COLLECTIVE_INPUT_ELEMENTS: 12,
+        semconv.COLLECTIVE_OUTPUT_ELEMENTS: 12,
         semconv.COLLECTIVE_DTYPE: "float32",
         semconv.COLLECTIVE_SHAPE: (3, 4),
         semconv.COLLECTIVE_REDUCE_OP: "sum",
@@ -197,6 +199,32 @@ def test_dtensor_op_events_by_detail(telemetry, tracer_factory, single_rank_grou
     with tracer_factory(detail=Detail.ALL):
         MatMul()(a, a)
     assert "aten.t.default" in [event.name for event in telemetry.one("MatMul forward").events]
+
+
+def test_no_attribute_is_an_empty_array(telemetry, tracer_factory, single_rank_group):
+    """``_foreach_*`` optimizer ops on DTensor parameters at detail ``dtensor``, on a mesh without dim names."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    weight = torch.nn.Parameter(distribute_tensor(torch.ones(4, 4), mesh, [Replicate()]))
+    optimizer = torch.optim.AdamW([weight], lr=0.1, foreach=True)
+
+    class Square(torch.nn.Module):
+        def forward(self, x):
+            return (x @ weight).full_tensor()
+
+    with tracer_factory(detail=Detail.DTENSOR):
+        Square()(distribute_tensor(torch.ones(2, 4), mesh, [Replicate()])).sum().backward()
+        optimizer.step()
+    events = [(e.name, dict(e.attributes)) for s in telemetry.spans() for e in s.events]
+    foreach = [attributes for name, attributes in events if name.startswith("aten._foreach_")]
+    assert foreach and all(attributes == {semconv.OP_NAME: attributes[semconv.OP_NAME]} for attributes in foreach)
+    mm = next(attributes for name, attributes in events if name == "aten.mm.default")
+    assert semconv.DEVICE_MESH_DIM_NAMES not in mm and mm[semconv.DEVICE_MESH_SHAPE] == (1,)
+    empty = [(name, key) for name, attributes in events for key, value in attributes.items() if value == ()]
+    empty += [(s.name, key) for s in telemetry.spans() for key, value in s.attributes.items() if value == ()]
+    assert empty == []
 
 
 def test_no_tensor_values_leave_the_process(telemetry, tracer_factory, single_rank_group):

@@ -2,7 +2,7 @@
 
 Compares torch's own global registries before ``start()`` and after ``stop()``, after a traced step that
 used every part of the tracer (module hooks, tensor hooks, the dispatch mode at detail ``dtensor``, the
-collective kernels, the optimizer-step hooks, DTensor's redistribution watch, exit handlers). Leaving any one of them
+collective kernels, the optimizer-step hooks, DTensor's redistribution watches, exit handlers). Leaving any one of them
 installed makes this test fail.
 """
 
@@ -26,6 +26,7 @@ _MODULE_REGISTRIES = (
 
 
 def _process_state() -> dict:
+    from torch.distributed.tensor import DTensor, _api, _dispatch, _redistribute
     from torch.distributed.tensor._dispatch import OpDispatcher
 
     state = {name: dict(getattr(module_hooks, name)) for name in _MODULE_REGISTRIES
@@ -34,6 +35,9 @@ def _process_state() -> dict:
     state["optimizer post"] = dict(optimizer_hooks._global_optimizer_post_hooks)
     state["dispatch modes"] = list(_get_current_dispatch_mode_stack())
     state["redistribute_local_args"] = OpDispatcher.__dict__["redistribute_local_args"]
+    state["redistribute_local_tensor"] = [module.__dict__["redistribute_local_tensor"]
+                                          for module in (_redistribute, _api, _dispatch)]
+    state["full_tensor"] = DTensor.__dict__["full_tensor"]
     return state
 
 
@@ -77,7 +81,8 @@ def test_stop_removes_every_hook_mode_patch_and_exit_handler(telemetry, single_r
         out = net(torch.ones(2, 4, requires_grad=True))
         kept.append(out)  # a tensor that outlives the step, with the hooks it had
         sharded = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)])
-        sharded.redistribute(mesh, [Replicate()])  # DTensor's redistribution path
+        sharded.redistribute(mesh, [Replicate()])  # DTensor's redistribution paths
+        sharded.full_tensor()
         (sharded.to_local().sum() + out.sum()).backward()
         optimizer.step()
     assert _process_state() != before and exit_handlers  # what follows can fail: things were installed
