@@ -478,14 +478,15 @@ class Recorder:
         task = graph_task_id()
         if forward.bw_records and forward.bw_records[-1].graph_task == task:
             return  # another output of the call, or one hooked twice (before and after its own hooks)
+        if forward.graph_task == task:
+            # A forward record's own graph_task marks "no backward recorded for this call in
+            # this pass": its input gradients were computed already (an output that passes an
+            # input through in a way the tracker cannot see), or the step was full.
+            return
         step = self._step
         if step is not None and len(step.records) >= self._max_records:
-            if forward.graph_task == task:
-                return  # already not recorded in this backward: another output of the call
             if self._step_full(step, now, in_backward=True) is None:
-                # A forward record's own graph_task is otherwise unused: it marks "not recorded
-                # in this backward", so the call's other outputs are not counted again.
-                forward.graph_task = task
+                forward.graph_task = task  # the call's other outputs are not counted again
                 return
         record = Record(SpanKind.MODULE, f"{forward.fqn} {semconv.PASS_BACKWARD}", now)
         record.fqn, record.module_type = forward.fqn, forward.module_type
@@ -516,7 +517,11 @@ class Recorder:
     def backward_ended(self, forward: Record) -> None:
         """Gradients w.r.t. a module call's inputs are computed: its backward ends."""
         record = forward.open_bw
-        if record is not None:
+        if record is None:
+            # Input gradients before any output gradient: nothing of this call runs later in
+            # this pass, so a late output hook must not open a backward that never ends.
+            forward.graph_task = graph_task_id()
+        else:
             forward.open_bw = None
             record.end_ns = time.time_ns()
             try:

@@ -44,6 +44,7 @@ class Record:
         "graph_task",
         "hidden",
         "hooked_outputs",
+        "input_edges",
         "input_hooked",
         "kind",
         "module_type",
@@ -80,6 +81,7 @@ class Record:
         self.hidden = False
         self.attrs: dict[str, Any] = {}
         self.hooked_outputs: set[int] | frozenset = set()  # ids of outputs with a backward hook
+        self.input_edges: set | frozenset = frozenset()  # the call's inputs' autograd edges (tracker._edge)
         self.span_id = 0  # assigned up front when a metric exemplar points at this span
 
 

@@ -53,6 +53,15 @@ def _grad_tensors(value: Any, found: list) -> list:
     return found
 
 
+def _edge(tensor: torch.Tensor) -> Any:
+    """What identifies the gradient a tensor receives: its autograd node and output slot, or the leaf itself.
+
+    Compared only while the call runs, when its inputs keep their nodes alive.
+    """
+    node = tensor.grad_fn
+    return (id(node), tensor.output_nr) if node is not None else id(tensor)
+
+
 _EMPTY: frozenset = frozenset()
 
 
@@ -134,10 +143,13 @@ class ModuleTracker:
                 if len(self._calls) == 1:
                     self._suspend_inside(module)
             elif torch.is_grad_enabled() and record.pass_ == "forward":
+                grads = _grad_tensors(args, [])
+                if grads:
+                    record.input_edges = {_edge(t) for t in grads}
                 # Leaves are left out: torch's "all" multi-grad hook asks the engine about
                 # each tensor's node, which raises for a leaf inside torch.autograd.grad()
                 # (pipeline parallel does that). Without a hook, backward ends with the pass.
-                inputs = [t for t in _grad_tensors(args, []) if t.grad_fn is not None]
+                inputs = [t for t in grads if t.grad_fn is not None]
                 if inputs:
                     record.input_hooked = True
                     end = _BackwardEnd(recorder, record)
@@ -182,7 +194,12 @@ class ModuleTracker:
     def _hook_backward_begin(self, record: Record, output: Any) -> None:
         if record.pass_ != "forward" or not torch.is_grad_enabled():
             return
-        outputs = [t for t in _grad_tensors(output, []) if id(t) not in record.hooked_outputs]
+        # An output that is an input passed through (the same tensor, or the same autograd
+        # edge: Identity, Dropout(p=0) or in eval, a gate returning x) gets its gradient
+        # only when the inputs' gradients are ready: the module has no backward of its own.
+        inputs = record.input_edges
+        outputs = [t for t in _grad_tensors(output, [])
+                   if id(t) not in record.hooked_outputs and _edge(t) not in inputs]
         if outputs:
             record.hooked_outputs.update(id(t) for t in outputs)
             # A plain hook per output tensor: the first to fire begins the backward and the
@@ -209,7 +226,7 @@ class ModuleTracker:
             if record is not None:
                 # The module's own hooks may have replaced the outputs (tensor parallel).
                 self._hook_backward_begin(record, output)
-                record.hooked_outputs = _EMPTY
+                record.hooked_outputs = record.input_edges = _EMPTY
         except Exception as error:
             recorder.hook_failed("module forward hook", error)
 
