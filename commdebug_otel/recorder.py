@@ -319,7 +319,7 @@ class Recorder:
             except Exception as error:
                 self.hook_failed("building spans", error)
         for record in step.records:  # nothing outlives the step through these links
-            record.parent = record.fwd = record.open_bw = None
+            record.parent = record.fwd = record.open_bw = record.handling = None
             record.bw_records = []
             record.events = []
         step.records.clear()
@@ -418,6 +418,9 @@ class Recorder:
         record.module_type = f"{type(module).__module__}.{type(module).__qualname__}"
         record.call_index = self._next_call_index(fqn, pass_)
         record.hidden = self._hidden(fqn)
+        handled = sys.exc_info()[1]
+        if handled is not None:  # called inside an ``except`` block (a fallback, a retry)
+            record.handling = (handled, handled.__traceback__)
         if self._fwd_stack:
             record.parent = self._fwd_stack[-1]
         elif in_backward and self._open_bw:
@@ -466,7 +469,12 @@ class Recorder:
                 top.unmatched = True  # a pre-hook whose post-hook never came
             error = sys.exc_info()[1]
             if error is not None and type(error).__name__ not in _CONTROL_FLOW_ERRORS:
-                record.error = error
+                # Only the call's own exception: not one that its caller was already handling
+                # when the call began (a raise through the call gives it a new traceback head).
+                handled = record.handling
+                if handled is None or error is not handled[0] or error.__traceback__ is not handled[1]:
+                    record.error = error
+            record.handling = None
         step = self._step
         if step is not None and step.inference and not self._fwd_stack and self._depth == 0:
             self._close_step(now)

@@ -42,6 +42,7 @@ class Record:
         "fqn",
         "fwd",
         "graph_task",
+        "handling",
         "hidden",
         "hooked_outputs",
         "input_edges",
@@ -72,6 +73,8 @@ class Record:
         self.events: list[tuple[str, dict, int]] = []
         self.dropped_events = 0
         self.error: BaseException | None = None
+        # (exception, its traceback) being handled when a forward began; None once it ended
+        self.handling: tuple[BaseException, Any] | None = None
         self.unmatched = False
         self.params: list[str] | None = None
         self.open_bw: Record | None = None  # forward record -> its open backward record
