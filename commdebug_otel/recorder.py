@@ -72,9 +72,12 @@ class Recorder:
         why: the DTensor op behind the collectives issued now
             (:class:`~commdebug_otel.collectives.Why`): ``with recorder.why(op, args): ...``.
         active: False once the tracer stopped: reporters ignore their hooks then.
-        thread_id: the training thread (the one that opened the last step).
-            Collectives on other threads (but autograd's) are counted in
-            metrics only: no module, pass ``none``, no span event.
+        thread_id: the training thread: the one that steps the optimizer; before
+            the first ``optimizer.step()``, the one that opened the step (the
+            tracer's starting thread until then). Module calls on other threads
+            (but autograd's) are ignored (:meth:`tracks_thread`); their
+            collectives are counted in metrics only: no module, pass ``none``,
+            no span event.
     """
 
     def __init__(self, settings: Settings, spans: SpanSink | None, metrics: Any | None,
@@ -228,8 +231,6 @@ class Recorder:
         self._counter.time_completions = sampled or index % self.settings.completion_every == 0
         step.inference = inference
         self._call_counts.clear()
-        if graph_task_id() == -1:  # recompute in backward may run on autograd's thread
-            self.thread_id = threading.get_ident()
         if traced and self._exemplars_on():
             step.trace_id = self._trace_id(step) or random.getrandbits(128) or 1
         step.quiet = not (traced or self._every_event or self.settings.metric_module_depth)
@@ -261,7 +262,17 @@ class Recorder:
         return self._outside
 
     def optimizer_step_done(self) -> None:
-        """``optimizer.step()`` returned: the step ends (if a module ran since the last one)."""
+        """``optimizer.step()`` returned: the step ends (if a module ran since the last one).
+
+        The first optimizer step's thread is the training thread from then on;
+        an optimizer stepped on another thread later ends nothing.
+        """
+        if graph_task_id() == -1:  # optimizer-in-backward steps inside the training thread's backward
+            ident = threading.get_ident()
+            if ident != self.thread_id:
+                if self._seen_optimizer:
+                    return
+                self.thread_id = ident
         self._seen_optimizer = True
         step = self._step
         if step is not None and step.had_module:
@@ -387,6 +398,22 @@ class Recorder:
             self._close(outside, now)
 
     # ---------------------------------------------------------------- modules
+    def tracks_thread(self, claim: bool = True) -> bool:
+        """Whether module calls on the calling thread are tracked: the training thread's, and autograd's.
+
+        Another thread (an inference, EMA or evaluation thread) takes the role only
+        before the first optimizer step, when no step and no module call is open
+        (scripts that train on a thread other than the tracer's), if ``claim``; after
+        that its module calls are ignored, so they never change the training step.
+        """
+        ident = threading.get_ident()
+        if ident == self.thread_id or graph_task_id() != -1:
+            return True
+        if not claim or self._seen_optimizer or self._step is not None or self._fwd_stack or self._depth:
+            return False
+        self.thread_id = ident
+        return True
+
     def module_pre(self, module: torch.nn.Module, fqn: str, args: tuple) -> Record | None:
         """A module's forward (or recompute) begins. Returns its record, or None when not recorded."""
         now = time.time_ns()

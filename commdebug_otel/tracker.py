@@ -125,6 +125,8 @@ class ModuleTracker:
         if not recorder.active:
             return
         try:
+            if not recorder.tracks_thread():
+                return  # another thread's call (inference, EMA): never part of the training step
             if in_compiled_module():
                 recorder.unobserved("torch.compile")  # module hooks inside compiled code
                 return
@@ -185,6 +187,8 @@ class ModuleTracker:
         if not recorder.active or not self._calls:
             return
         try:
+            if not recorder.tracks_thread(claim=False):
+                return
             entry_module, record = self._calls[-1]
             if entry_module is module and record is not None:
                 self._hook_backward_begin(record, output)
@@ -214,6 +218,8 @@ class ModuleTracker:
         if not recorder.active or not self._calls:
             return
         try:
+            if not recorder.tracks_thread(claim=False):
+                return
             calls = self._calls
             entry_module, record = calls.pop()
             while entry_module is not module and calls:
