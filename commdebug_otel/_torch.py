@@ -45,6 +45,19 @@ def keep_forward_hook_last(module: torch.nn.Module, handle: Any) -> None:
         hooks.move_to_end(handle.id)
 
 
+def remove_global_forward_hook(handle: Any) -> None:
+    """Remove a ``register_module_forward_hook(..., with_kwargs=True)`` hook completely.
+
+    Its ``RemovableHandle`` forgets the hook but not its id in
+    ``torch.nn.modules.module._global_forward_hooks_with_kwargs``: without this,
+    every removal (one per suspended step) would leave an entry behind.
+    """
+    handle.remove()
+    from torch.nn.modules import module
+
+    module._global_forward_hooks_with_kwargs.pop(handle.id, None)
+
+
 # ------------------------------------------------------------------ dispatch modes
 dispatch_mode_stack = _get_current_dispatch_mode_stack
 push_mode = _push_mode

@@ -35,7 +35,7 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from ._torch import in_compiled_module, keep_forward_hook_last
+from ._torch import in_compiled_module, keep_forward_hook_last, remove_global_forward_hook
 from .recorder import Recorder
 from .records import Record
 
@@ -83,12 +83,13 @@ class ModuleTracker:
     def _add_global_hooks(self) -> None:
         self._suspended = False
         self._pre_handle = register_module_forward_pre_hook(self._pre_hook)
-        self._early_post_handle = register_module_forward_hook(self._early_post_hook)
+        self._early_post_handle = register_module_forward_hook(self._early_post_hook, with_kwargs=True)
 
     def _remove_global_hooks(self) -> None:
-        for handle in (self._early_post_handle, self._pre_handle):
-            if handle is not None:
-                handle.remove()
+        if self._early_post_handle is not None:
+            remove_global_forward_hook(self._early_post_handle)
+        if self._pre_handle is not None:
+            self._pre_handle.remove()
         self._pre_handle = self._early_post_handle = None
 
     def remove(self) -> None:
@@ -176,12 +177,14 @@ class ModuleTracker:
                     handle.remove()
                     del self._post_handles[module]
 
-    def _early_post_hook(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+    def _early_post_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """Global forward hooks run before the module's own: hook the raw outputs first.
 
         A module's own forward hook may put a tensor hook on its outputs that
         issues collectives in backward (FSDP2's pre-backward all-gather); ours,
-        registered earlier on the same tensors, fires before it.
+        registered earlier on the same tensors, fires before it. Keyword inputs
+        (which the global pre-hook does not see) are known here: an output that
+        passes one through is not hooked either.
         """
         recorder = self._recorder
         if not recorder.active or not self._calls:
@@ -191,6 +194,10 @@ class ModuleTracker:
                 return
             entry_module, record = self._calls[-1]
             if entry_module is module and record is not None:
+                if kwargs and record.pass_ == "forward":
+                    grads = _grad_tensors(kwargs, [])
+                    if grads:
+                        record.input_edges = {*record.input_edges, *(_edge(t) for t in grads)}
                 self._hook_backward_begin(record, output)
         except Exception as error:
             recorder.hook_failed("module forward hook", error)

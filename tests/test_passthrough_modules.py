@@ -53,6 +53,7 @@ class PassThroughs(nn.Module):
         self.drop = nn.Dropout(0.0)
         self.ident = nn.Identity()
         self.gate = Gate()
+        self.kw_gate = Gate()  # called with its input as a keyword argument
         self.eval_drop = nn.Dropout(0.5).eval()
         self.aux = WithAux()
         self.view = AsView()
@@ -63,7 +64,7 @@ class PassThroughs(nn.Module):
 
     def forward(self, x):
         h = self.a(self.entry(x))
-        h = self.eval_drop(self.gate(self.ident(self.drop(h))))
+        h = self.eval_drop(self.kw_gate(x=self.gate(self.ident(self.drop(h)))))
         h, _ = self.aux(h)
         first, second = h.split(4, dim=-1)
         h = self.pick(first, second)
@@ -72,7 +73,7 @@ class PassThroughs(nn.Module):
 
 
 FORWARD = [
-    "entry", "a", "drop", "ident", "gate", "eval_drop", "aux", "pick", "view", "scale", "b", "no_grad_input",
+    "entry", "a", "drop", "ident", "gate", "kw_gate", "eval_drop", "aux", "pick", "view", "scale", "b", "no_grad_input",
 ]
 # Only modules that computed something have a backward: the linears, the view and the in-place scale.
 BACKWARD = ["b", "scale", "view", "a"]

@@ -46,8 +46,14 @@ def _check(telemetry, trace_every=1):
 
 @pytest.mark.parametrize("trace_every", [1, 3])
 def test_training_alone(telemetry, tracer_factory, trace_every):
+    from torch.nn.modules import module
+
+    before = len(module._global_forward_hooks_with_kwargs)
     with tracer_factory(trace_every=trace_every):
         _train(TwoBlocks())
+        # Untraced steps remove and add the global hooks again: torch's handle leaves an entry each time.
+        assert len(module._global_forward_hooks_with_kwargs) == before + 1
+    assert len(module._global_forward_hooks_with_kwargs) == before
     _check(telemetry, trace_every)
 
 
