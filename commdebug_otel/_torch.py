@@ -58,6 +58,13 @@ def remove_global_forward_hook(handle: Any) -> None:
     module._global_forward_hooks_with_kwargs.pop(handle.id, None)
 
 
+def rewrites_keyword_inputs(module: torch.nn.Module) -> bool:
+    """True if ``module`` has forward pre-hooks that may replace its keyword inputs (``with_kwargs=True``: FSDP2,
+    TP's ``PrepareModuleInput``): the keyword inputs its forward hooks see are not the caller's (``Module._call_impl``).
+    """
+    return bool(module._forward_pre_hooks_with_kwargs)
+
+
 # ------------------------------------------------------------------ dispatch modes
 dispatch_mode_stack = _get_current_dispatch_mode_stack
 push_mode = _push_mode

@@ -35,7 +35,7 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from ._torch import in_compiled_module, keep_forward_hook_last, remove_global_forward_hook
+from ._torch import in_compiled_module, keep_forward_hook_last, remove_global_forward_hook, rewrites_keyword_inputs
 from .recorder import Recorder
 from .records import Record
 
@@ -72,7 +72,8 @@ class ModuleTracker:
         self._recorder = recorder
         self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._post_handles: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._calls: list[tuple[torch.nn.Module, Record | None]] = []  # calls in flight
+        # Calls in flight: (module, record, (positional inputs hooked for the end, their hook) or None).
+        self._calls: list[tuple[torch.nn.Module, Record | None, tuple | None]] = []
         self._pre_handle = None
         self._early_post_handle = None
         self._suspended = False  # global hooks off inside an unrecorded outermost call
@@ -141,7 +142,7 @@ class ModuleTracker:
             if name is None:
                 name = self.fqn(module)
             record = recorder.module_pre(module, name, args)
-            self._calls.append((module, record))
+            self._calls.append((module, record, None))
             if record is None:
                 if len(self._calls) == 1:
                     self._suspend_inside(module)
@@ -154,13 +155,45 @@ class ModuleTracker:
                 # (pipeline parallel does that). Without a hook, backward ends with the pass.
                 inputs = [t for t in grads if t.grad_fn is not None]
                 if inputs:
-                    record.input_hooked = True
-                    end = _BackwardEnd(recorder, record)
-                    # One input (the common case): its own hook is "all" grads, at a third of the cost.
-                    recorder.keep_hook(inputs[0].register_hook(end) if len(inputs) == 1
-                                       else register_multi_grad_hook(inputs, end))
+                    self._calls[-1] = (module, record, (inputs, self._hook_backward_end(record, inputs)))
         except Exception as error:
             recorder.hook_failed("module forward pre-hook", error)
+
+    def _hook_backward_end(self, record: Record, inputs: list) -> Any:
+        """Hook the end of ``record``'s backward: all gradients w.r.t. ``inputs`` (non-leaf tensors) computed."""
+        record.input_hooked = True
+        end = _BackwardEnd(self._recorder, record)
+        # One input (the common case): its own hook is "all" grads, at a third of the cost.
+        handle = inputs[0].register_hook(end) if len(inputs) == 1 else register_multi_grad_hook(inputs, end)
+        self._recorder.keep_hook(handle)
+        return handle
+
+    def _add_keyword_inputs(self, module: torch.nn.Module, record: Record, ends: tuple | None,
+                            kwargs: dict) -> None:
+        """Keyword inputs, which the global pre-hook does not see, join the call's inputs.
+
+        An output that passes one through opens no backward, and the backward ends
+        when their gradients are computed too (the end hook is registered again over
+        all inputs). Hooked now, after the forward, so the pre-hook's end hook stays
+        where a positional input was modified in place since the call began, and where
+        the module's own pre-hooks may have replaced the keyword inputs (FSDP2, TP's
+        ``PrepareModuleInput``: their backward, the unit's reduce-scatter, belongs inside
+        the span): then the backward ends at the end of the pass, as before.
+        """
+        grads = _grad_tensors(kwargs, [])
+        if not grads:
+            return
+        before = record.input_edges
+        record.input_edges = {*before, *(_edge(t) for t in grads)}
+        keywords = [t for t in grads if t.grad_fn is not None]
+        if not keywords or not torch.is_grad_enabled() or rewrites_keyword_inputs(module):
+            return
+        inputs, handle = ends or ((), None)
+        if any(_edge(t) not in before for t in inputs):
+            return
+        if handle is not None:
+            handle.remove()
+        self._hook_backward_end(record, [*inputs, *keywords])
 
     def _suspend_inside(self, outermost: torch.nn.Module) -> None:
         """Nothing is recorded inside ``outermost``'s call: no hook of ours runs there.
@@ -192,12 +225,10 @@ class ModuleTracker:
         try:
             if not recorder.tracks_thread(claim=False):
                 return
-            entry_module, record = self._calls[-1]
+            entry_module, record, ends = self._calls[-1]
             if entry_module is module and record is not None:
                 if kwargs and record.pass_ == "forward":
-                    grads = _grad_tensors(kwargs, [])
-                    if grads:
-                        record.input_edges = {*record.input_edges, *(_edge(t) for t in grads)}
+                    self._add_keyword_inputs(module, record, ends, kwargs)
                 self._hook_backward_begin(record, output)
         except Exception as error:
             recorder.hook_failed("module forward hook", error)
@@ -228,9 +259,9 @@ class ModuleTracker:
             if not recorder.tracks_thread(claim=False):
                 return
             calls = self._calls
-            entry_module, record = calls.pop()
+            entry_module, record, _ = calls.pop()
             while entry_module is not module and calls:
-                entry_module, record = calls.pop()  # a call whose hook never came back
+                entry_module, record, _ = calls.pop()  # a call whose hook never came back
             if entry_module is not module:
                 return
             if self._suspended and not calls:

@@ -228,3 +228,76 @@ def test_fsdp2_blocks_with_dropout_zero_book_their_reduce_scatter_to_the_block()
         for leaf in (f"{root}.layers.0.attention_norm", f"{root}.layers.1.attention_norm", f"{root}.embed"):
             assert theirs.pop(leaf) == {"backward": {"c10d._reduce_scatter_base_": 1}}
         assert _without_empty(ours) == _without_empty(theirs)
+
+
+class Mix(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, y=None):
+        return self.lin(x * y)
+
+
+class KeywordCalls(nn.Module):
+    """Submodules called with keyword inputs (as Hugging Face layers call their attention)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.kw_only = Mix()
+        self.mixed = Mix()
+
+    def forward(self, x):
+        h = self.kw_only(x=self.a(x), y=self.b(x))
+        return self.mixed(h, y=self.b(x))
+
+
+def test_a_backward_ends_when_its_keyword_inputs_gradients_are_computed(telemetry, tracer_factory):
+    model = KeywordCalls()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tracer_factory():
+        model(torch.randn(2, 4, requires_grad=True) * 1).sum().backward()  # non-leaf: a and b have an end
+        optimizer.step()
+    spans = {(s.name, s.attributes[semconv.MODULE_CALL_INDEX]): s for s in telemetry.spans() if s.name != "train_step"}
+    assert not any(s.attributes.get(semconv.SPAN_UNMATCHED) for s in spans.values())
+
+    def end(name, index=0):
+        return spans[(f"KeywordCalls.{name} backward", index)].end_time
+    # b runs twice: call 0 feeds kw_only's keyword y, call 1 mixed's. A module's backward ends
+    # (its input gradients are computed) before the modules that made its inputs end theirs,
+    # not at the end of the backward pass.
+    assert end("kw_only") < min(end("a"), end("b", 0))
+    assert end("mixed") < min(end("kw_only"), end("b", 1))
+
+
+class _AllReduceGrad(torch.autograd.Function):
+    """Identity in forward; all-reduces the gradient in backward (as FSDP2's post-backward reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        torch.distributed.all_reduce(grad)
+        return grad
+
+
+def test_keyword_inputs_replaced_by_a_pre_hook_keep_the_hooks_backward_in_the_span(
+        telemetry, tracer_factory, single_rank_group):
+    outer = nn.Sequential()
+    outer.inner = Mix()
+
+    def wrap(module, args, kwargs):  # an FSDP2 / PrepareModuleInput-style pre-hook on keyword inputs
+        return args, {name: _AllReduceGrad.apply(value) for name, value in kwargs.items()}
+
+    outer.inner.register_forward_pre_hook(wrap, with_kwargs=True)
+    outer.forward = lambda x: outer.inner(x=x * 1, y=x * 2)
+    optimizer = torch.optim.SGD(outer.parameters(), lr=0.1)
+    with tracer_factory():
+        outer(torch.randn(2, 4, requires_grad=True)).sum().backward()
+        optimizer.step()
+    owners = [(s.name, e.name) for s in telemetry.spans() for e in s.events]
+    assert owners == [("Sequential.inner backward", "all_reduce")] * 2
