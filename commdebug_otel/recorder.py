@@ -72,12 +72,11 @@ class Recorder:
         why: the DTensor op behind the collectives issued now
             (:class:`~commdebug_otel.collectives.Why`): ``with recorder.why(op, args): ...``.
         active: False once the tracer stopped: reporters ignore their hooks then.
-        thread_id: the training thread: the one that steps the optimizer; before
-            the first ``optimizer.step()``, the one that opened the step (the
-            tracer's starting thread until then). Module calls on other threads
-            (but autograd's) are ignored (:meth:`tracks_thread`); their
-            collectives are counted in metrics only: no module, pass ``none``,
-            no span event.
+        thread_id: the training thread: the tracer's starting thread, or the first
+            to call a module while no step is open before the first optimizer step
+            (:meth:`tracks_thread`). Module calls and optimizer steps on other
+            threads (but autograd's) are ignored; their collectives are counted in
+            metrics only: no module, pass ``none``, no span event.
     """
 
     def __init__(self, settings: Settings, spans: SpanSink | None, metrics: Any | None,
@@ -264,15 +263,11 @@ class Recorder:
     def optimizer_step_done(self) -> None:
         """``optimizer.step()`` returned: the step ends (if a module ran since the last one).
 
-        The first optimizer step's thread is the training thread from then on;
-        an optimizer stepped on another thread later ends nothing.
+        Only on the training thread (or inside its backward: optimizer-in-backward):
+        an optimizer stepped on another thread (an EMA update) ends nothing.
         """
-        if graph_task_id() == -1:  # optimizer-in-backward steps inside the training thread's backward
-            ident = threading.get_ident()
-            if ident != self.thread_id:
-                if self._seen_optimizer:
-                    return
-                self.thread_id = ident
+        if graph_task_id() == -1 and threading.get_ident() != self.thread_id:
+            return
         self._seen_optimizer = True
         step = self._step
         if step is not None and step.had_module:

@@ -1,9 +1,9 @@
 """Module calls on other threads (inference, EMA, evaluation) never touch the training thread's steps.
 
-The training thread is the one that steps the optimizer (before the first
-``optimizer.step()``, the one that opened the step). Other threads' module
-calls are ignored: no spans, no effect on the training steps; their
-collectives are counted in metrics only (``test_hard_cases.py``).
+The training thread is the tracer's (or, before the first optimizer step, the
+first to call a module while no step is open). Other threads' module calls and
+optimizer steps are ignored: no spans, no effect on the training steps; their
+collectives are counted in metrics only.
 """
 
 import threading
@@ -79,6 +79,7 @@ def test_a_concurrent_inference_thread_leaves_the_training_steps_as_they_are(
 
     def make_worker(index, stop, calls):
         target = model if index == 0 else other
+        own_optimizer = torch.optim.SGD(other.parameters(), lr=0.1)  # an EMA-style update on its thread
 
         def work():
             while not stop.is_set():
@@ -87,6 +88,7 @@ def test_a_concurrent_inference_thread_leaves_the_training_steps_as_they_are(
                 calls[index] += 1
                 target(torch.randn(2, 4, requires_grad=True)).sum()  # with grad, never backward
                 calls[index] += 1
+                own_optimizer.step()
         return work
 
     with tracer_factory(trace_every=trace_every) as tracer:
