@@ -55,14 +55,14 @@ def remove_global_forward_hook(handle: Any) -> None:
     handle.remove()
     from torch.nn.modules import module
 
-    module._global_forward_hooks_with_kwargs.pop(handle.id, None)
+    getattr(module, "_global_forward_hooks_with_kwargs", {}).pop(handle.id, None)
 
 
 def rewrites_keyword_inputs(module: torch.nn.Module) -> bool:
     """True if ``module`` has forward pre-hooks that may replace its keyword inputs (``with_kwargs=True``: FSDP2,
     TP's ``PrepareModuleInput``): the keyword inputs its forward hooks see are not the caller's (``Module._call_impl``).
     """
-    return bool(module._forward_pre_hooks_with_kwargs)
+    return bool(getattr(module, "_forward_pre_hooks_with_kwargs", True))  # unknown torch: assume they may
 
 
 # ------------------------------------------------------------------ dispatch modes
