@@ -216,11 +216,18 @@ def test_fsdp2_blocks_with_dropout_zero_book_their_reduce_scatter_to_the_block()
             (2, f"{root}.output forward"),
         ]
         owners = {s["name"]: [name for name, _ in s["events"]] for s in spans if s["events"]}
-        # Each FSDP unit's post-backward reduce-scatter is on the unit's backward span,
-        # after the all-gather it prefetched for the next unit (layer 1's for layer 0).
-        assert owners[f"{root}.layers.1 backward"] == ["all_gather", "reduce_scatter"]
-        assert owners[f"{root}.layers.0 backward"] == ["reduce_scatter"]
-        assert owners[f"{root} backward"] == ["reduce_scatter"]
+        # Every collective's owner; none is on a dropout. Each FSDP unit's post-backward
+        # reduce-scatter is on the unit's backward span, layer 1's after the all-gather it
+        # prefetched for layer 0; the root's backward prefetch is on its last module.
+        assert owners == {
+            f"{root} forward": ["all_gather"],
+            f"{root}.layers.0 forward": ["all_gather"],
+            f"{root}.layers.1 forward": ["all_gather"],
+            f"{root}.output backward": ["all_gather"],
+            f"{root}.layers.1 backward": ["all_gather", "reduce_scatter"],
+            f"{root}.layers.0 backward": ["reduce_scatter"],
+            f"{root} backward": ["reduce_scatter"],
+        }
         # torch books a unit's reduce-scatter to a leaf of the unit, and the root's prefetch
         # all-gather to the root (docs/comparison.md); every other count is the same.
         ours, theirs = result["ours"], result["torch"]
