@@ -45,6 +45,26 @@ def keep_forward_hook_last(module: torch.nn.Module, handle: Any) -> None:
         hooks.move_to_end(handle.id)
 
 
+def remove_global_forward_hook(handle: Any) -> None:
+    """Remove a ``register_module_forward_hook(..., with_kwargs=True)`` hook completely.
+
+    Its ``RemovableHandle`` forgets the hook but not its id in
+    ``torch.nn.modules.module._global_forward_hooks_with_kwargs``: without this,
+    every removal (one per suspended step) would leave an entry behind.
+    """
+    handle.remove()
+    from torch.nn.modules import module
+
+    getattr(module, "_global_forward_hooks_with_kwargs", {}).pop(handle.id, None)
+
+
+def rewrites_keyword_inputs(module: torch.nn.Module) -> bool:
+    """True if ``module`` has forward pre-hooks that may replace its keyword inputs (``with_kwargs=True``: FSDP2,
+    TP's ``PrepareModuleInput``): the keyword inputs its forward hooks see are not the caller's (``Module._call_impl``).
+    """
+    return bool(getattr(module, "_forward_pre_hooks_with_kwargs", True))  # unknown torch: assume they may
+
+
 # ------------------------------------------------------------------ dispatch modes
 dispatch_mode_stack = _get_current_dispatch_mode_stack
 push_mode = _push_mode

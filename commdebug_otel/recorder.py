@@ -72,8 +72,10 @@ class Recorder:
         why: the DTensor op behind the collectives issued now
             (:class:`~commdebug_otel.collectives.Why`): ``with recorder.why(op, args): ...``.
         active: False once the tracer stopped: reporters ignore their hooks then.
-        thread_id: the training thread (the one that opened the last step).
-            Collectives on other threads (but autograd's) are counted in
+        thread_id: the training thread: the tracer's starting thread, or the first
+            to call a module while no step is open before the first optimizer step
+            (:meth:`tracks_thread`). Module calls and optimizer steps on other
+            threads (but autograd's) are ignored; their collectives are counted in
             metrics only: no module, pass ``none``, no span event.
     """
 
@@ -228,8 +230,6 @@ class Recorder:
         self._counter.time_completions = sampled or index % self.settings.completion_every == 0
         step.inference = inference
         self._call_counts.clear()
-        if graph_task_id() == -1:  # recompute in backward may run on autograd's thread
-            self.thread_id = threading.get_ident()
         if traced and self._exemplars_on():
             step.trace_id = self._trace_id(step) or random.getrandbits(128) or 1
         step.quiet = not (traced or self._every_event or self.settings.metric_module_depth)
@@ -261,7 +261,13 @@ class Recorder:
         return self._outside
 
     def optimizer_step_done(self) -> None:
-        """``optimizer.step()`` returned: the step ends (if a module ran since the last one)."""
+        """``optimizer.step()`` returned: the step ends (if a module ran since the last one).
+
+        Only on the training thread (or inside its backward: optimizer-in-backward):
+        an optimizer stepped on another thread (an EMA update) ends nothing.
+        """
+        if graph_task_id() == -1 and threading.get_ident() != self.thread_id:
+            return
         self._seen_optimizer = True
         step = self._step
         if step is not None and step.had_module:
@@ -319,7 +325,7 @@ class Recorder:
             except Exception as error:
                 self.hook_failed("building spans", error)
         for record in step.records:  # nothing outlives the step through these links
-            record.parent = record.fwd = record.open_bw = None
+            record.parent = record.fwd = record.open_bw = record.handling = None
             record.bw_records = []
             record.events = []
         step.records.clear()
@@ -391,6 +397,22 @@ class Recorder:
             self._close(outside, now)
 
     # ---------------------------------------------------------------- modules
+    def tracks_thread(self, claim: bool = True) -> bool:
+        """Whether module calls on the calling thread are tracked: the training thread's, and autograd's.
+
+        Another thread (an inference, EMA or evaluation thread) takes the role only
+        before the first optimizer step, when no step and no module call is open
+        (scripts that train on a thread other than the tracer's), if ``claim``; after
+        that its module calls are ignored, so they never change the training step.
+        """
+        ident = threading.get_ident()
+        if ident == self.thread_id or graph_task_id() != -1:
+            return True
+        if not claim or self._seen_optimizer or self._step is not None or self._fwd_stack or self._depth:
+            return False
+        self.thread_id = ident
+        return True
+
     def module_pre(self, module: torch.nn.Module, fqn: str, args: tuple) -> Record | None:
         """A module's forward (or recompute) begins. Returns its record, or None when not recorded."""
         now = time.time_ns()
@@ -422,6 +444,9 @@ class Recorder:
         record.module_type = f"{type(module).__module__}.{type(module).__qualname__}"
         record.call_index = self._next_call_index(fqn, pass_)
         record.hidden = self._hidden(fqn)
+        handled = sys.exc_info()[1]
+        if handled is not None:  # called inside an ``except`` block (a fallback, a retry)
+            record.handling = (handled, handled.__traceback__)
         if self._fwd_stack:
             record.parent = self._fwd_stack[-1]
         elif in_backward and self._open_bw:
@@ -470,7 +495,12 @@ class Recorder:
                 top.unmatched = True  # a pre-hook whose post-hook never came
             error = sys.exc_info()[1]
             if error is not None and type(error).__name__ not in _CONTROL_FLOW_ERRORS:
-                record.error = error
+                # Only the call's own exception: not one that its caller was already handling
+                # when the call began (a raise through the call gives it a new traceback head).
+                handled = record.handling
+                if handled is None or error is not handled[0] or error.__traceback__ is not handled[1]:
+                    record.error = error
+            record.handling = None
         step = self._step
         if step is not None and step.inference and not self._fwd_stack and self._depth == 0:
             self._close_step(now)
@@ -482,14 +512,15 @@ class Recorder:
         task = graph_task_id()
         if forward.bw_records and forward.bw_records[-1].graph_task == task:
             return  # another output of the call, or one hooked twice (before and after its own hooks)
+        if forward.graph_task == task:
+            # A forward record's own graph_task marks "no backward recorded for this call in
+            # this pass": its input gradients were computed already (an output that passes an
+            # input through in a way the tracker cannot see), or the step was full.
+            return
         step = self._step
         if step is not None and len(step.records) >= self._max_records:
-            if forward.graph_task == task:
-                return  # already not recorded in this backward: another output of the call
             if self._step_full(step, now, in_backward=True) is None:
-                # A forward record's own graph_task is otherwise unused: it marks "not recorded
-                # in this backward", so the call's other outputs are not counted again.
-                forward.graph_task = task
+                forward.graph_task = task  # the call's other outputs are not counted again
                 return
         record = Record(SpanKind.MODULE, f"{forward.fqn} {semconv.PASS_BACKWARD}", now)
         record.fqn, record.module_type = forward.fqn, forward.module_type
@@ -520,7 +551,11 @@ class Recorder:
     def backward_ended(self, forward: Record) -> None:
         """Gradients w.r.t. a module call's inputs are computed: its backward ends."""
         record = forward.open_bw
-        if record is not None:
+        if record is None:
+            # Input gradients before any output gradient: nothing of this call runs later in
+            # this pass, so a late output hook must not open a backward that never ends.
+            forward.graph_task = graph_task_id()
+        else:
             forward.open_bw = None
             record.end_ns = time.time_ns()
             try:

@@ -42,8 +42,10 @@ class Record:
         "fqn",
         "fwd",
         "graph_task",
+        "handling",
         "hidden",
         "hooked_outputs",
+        "input_edges",
         "input_hooked",
         "kind",
         "module_type",
@@ -71,6 +73,8 @@ class Record:
         self.events: list[tuple[str, dict, int]] = []
         self.dropped_events = 0
         self.error: BaseException | None = None
+        # (exception, its traceback) being handled when a forward began; None once it ended
+        self.handling: tuple[BaseException, Any] | None = None
         self.unmatched = False
         self.params: list[str] | None = None
         self.open_bw: Record | None = None  # forward record -> its open backward record
@@ -80,6 +84,7 @@ class Record:
         self.hidden = False
         self.attrs: dict[str, Any] = {}
         self.hooked_outputs: set[int] | frozenset = set()  # ids of outputs with a backward hook
+        self.input_edges: set | frozenset = frozenset()  # the call's inputs' autograd edges (tracker._edge)
         self.span_id = 0  # assigned up front when a metric exemplar points at this span
 
 

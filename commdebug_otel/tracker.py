@@ -35,7 +35,7 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from ._torch import in_compiled_module, keep_forward_hook_last
+from ._torch import in_compiled_module, keep_forward_hook_last, remove_global_forward_hook, rewrites_keyword_inputs
 from .recorder import Recorder
 from .records import Record
 
@@ -53,6 +53,15 @@ def _grad_tensors(value: Any, found: list) -> list:
     return found
 
 
+def _edge(tensor: torch.Tensor) -> Any:
+    """What identifies the gradient a tensor receives: its autograd node and output slot, or the leaf itself.
+
+    Compared only while the call runs, when its inputs keep their nodes alive.
+    """
+    node = tensor.grad_fn
+    return (id(node), tensor.output_nr) if node is not None else id(tensor)
+
+
 _EMPTY: frozenset = frozenset()
 
 
@@ -63,7 +72,8 @@ class ModuleTracker:
         self._recorder = recorder
         self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._post_handles: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._calls: list[tuple[torch.nn.Module, Record | None]] = []  # calls in flight
+        # Calls in flight: (module, record, (positional inputs hooked for the end, their hook) or None).
+        self._calls: list[tuple[torch.nn.Module, Record | None, tuple | None]] = []
         self._pre_handle = None
         self._early_post_handle = None
         self._suspended = False  # global hooks off inside an unrecorded outermost call
@@ -74,12 +84,13 @@ class ModuleTracker:
     def _add_global_hooks(self) -> None:
         self._suspended = False
         self._pre_handle = register_module_forward_pre_hook(self._pre_hook)
-        self._early_post_handle = register_module_forward_hook(self._early_post_hook)
+        self._early_post_handle = register_module_forward_hook(self._early_post_hook, with_kwargs=True)
 
     def _remove_global_hooks(self) -> None:
-        for handle in (self._early_post_handle, self._pre_handle):
-            if handle is not None:
-                handle.remove()
+        if self._early_post_handle is not None:
+            remove_global_forward_hook(self._early_post_handle)
+        if self._pre_handle is not None:
+            self._pre_handle.remove()
         self._pre_handle = self._early_post_handle = None
 
     def remove(self) -> None:
@@ -116,6 +127,8 @@ class ModuleTracker:
         if not recorder.active:
             return
         try:
+            if not recorder.tracks_thread():
+                return  # another thread's call (inference, EMA): never part of the training step
             if in_compiled_module():
                 recorder.unobserved("torch.compile")  # module hooks inside compiled code
                 return
@@ -129,23 +142,58 @@ class ModuleTracker:
             if name is None:
                 name = self.fqn(module)
             record = recorder.module_pre(module, name, args)
-            self._calls.append((module, record))
+            self._calls.append((module, record, None))
             if record is None:
                 if len(self._calls) == 1:
                     self._suspend_inside(module)
             elif torch.is_grad_enabled() and record.pass_ == "forward":
+                grads = _grad_tensors(args, [])
+                if grads:
+                    record.input_edges = {_edge(t) for t in grads}
                 # Leaves are left out: torch's "all" multi-grad hook asks the engine about
                 # each tensor's node, which raises for a leaf inside torch.autograd.grad()
                 # (pipeline parallel does that). Without a hook, backward ends with the pass.
-                inputs = [t for t in _grad_tensors(args, []) if t.grad_fn is not None]
+                inputs = [t for t in grads if t.grad_fn is not None]
                 if inputs:
-                    record.input_hooked = True
-                    end = _BackwardEnd(recorder, record)
-                    # One input (the common case): its own hook is "all" grads, at a third of the cost.
-                    recorder.keep_hook(inputs[0].register_hook(end) if len(inputs) == 1
-                                       else register_multi_grad_hook(inputs, end))
+                    self._calls[-1] = (module, record, (inputs, self._hook_backward_end(record, inputs)))
         except Exception as error:
             recorder.hook_failed("module forward pre-hook", error)
+
+    def _hook_backward_end(self, record: Record, inputs: list) -> Any:
+        """Hook the end of ``record``'s backward: all gradients w.r.t. ``inputs`` (non-leaf tensors) computed."""
+        record.input_hooked = True
+        end = _BackwardEnd(self._recorder, record)
+        # One input (the common case): its own hook is "all" grads, at a third of the cost.
+        handle = inputs[0].register_hook(end) if len(inputs) == 1 else register_multi_grad_hook(inputs, end)
+        self._recorder.keep_hook(handle)
+        return handle
+
+    def _add_keyword_inputs(self, module: torch.nn.Module, record: Record, ends: tuple | None,
+                            kwargs: dict) -> None:
+        """Keyword inputs, which the global pre-hook does not see, join the call's inputs.
+
+        An output that passes one through opens no backward, and the backward ends
+        when their gradients are computed too (the end hook is registered again over
+        all inputs). Hooked now, after the forward, so the pre-hook's end hook stays
+        where a positional input was modified in place since the call began, and where
+        the module's own pre-hooks may have replaced the keyword inputs (FSDP2, TP's
+        ``PrepareModuleInput``: their backward, the unit's reduce-scatter, belongs inside
+        the span): then the backward ends at the end of the pass, as before.
+        """
+        grads = _grad_tensors(kwargs, [])
+        if not grads:
+            return
+        before = record.input_edges
+        record.input_edges = {*before, *(_edge(t) for t in grads)}
+        keywords = [t for t in grads if t.grad_fn is not None]
+        if not keywords or not torch.is_grad_enabled() or rewrites_keyword_inputs(module):
+            return
+        inputs, handle = ends or ((), None)
+        if any(_edge(t) not in before for t in inputs):
+            return
+        if handle is not None:
+            handle.remove()
+        self._hook_backward_end(record, [*inputs, *keywords])
 
     def _suspend_inside(self, outermost: torch.nn.Module) -> None:
         """Nothing is recorded inside ``outermost``'s call: no hook of ours runs there.
@@ -162,19 +210,25 @@ class ModuleTracker:
                     handle.remove()
                     del self._post_handles[module]
 
-    def _early_post_hook(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+    def _early_post_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """Global forward hooks run before the module's own: hook the raw outputs first.
 
         A module's own forward hook may put a tensor hook on its outputs that
         issues collectives in backward (FSDP2's pre-backward all-gather); ours,
-        registered earlier on the same tensors, fires before it.
+        registered earlier on the same tensors, fires before it. Keyword inputs
+        (which the global pre-hook does not see) are known here: an output that
+        passes one through is not hooked either.
         """
         recorder = self._recorder
         if not recorder.active or not self._calls:
             return
         try:
-            entry_module, record = self._calls[-1]
+            if not recorder.tracks_thread(claim=False):
+                return
+            entry_module, record, ends = self._calls[-1]
             if entry_module is module and record is not None:
+                if kwargs and record.pass_ == "forward":
+                    self._add_keyword_inputs(module, record, ends, kwargs)
                 self._hook_backward_begin(record, output)
         except Exception as error:
             recorder.hook_failed("module forward hook", error)
@@ -182,7 +236,12 @@ class ModuleTracker:
     def _hook_backward_begin(self, record: Record, output: Any) -> None:
         if record.pass_ != "forward" or not torch.is_grad_enabled():
             return
-        outputs = [t for t in _grad_tensors(output, []) if id(t) not in record.hooked_outputs]
+        # An output that is an input passed through (the same tensor, or the same autograd
+        # edge: Identity, Dropout(p=0) or in eval, a gate returning x) gets its gradient
+        # only when the inputs' gradients are ready: the module has no backward of its own.
+        inputs = record.input_edges
+        outputs = [t for t in _grad_tensors(output, [])
+                   if id(t) not in record.hooked_outputs and _edge(t) not in inputs]
         if outputs:
             record.hooked_outputs.update(id(t) for t in outputs)
             # A plain hook per output tensor: the first to fire begins the backward and the
@@ -197,10 +256,12 @@ class ModuleTracker:
         if not recorder.active or not self._calls:
             return
         try:
+            if not recorder.tracks_thread(claim=False):
+                return
             calls = self._calls
-            entry_module, record = calls.pop()
+            entry_module, record, _ = calls.pop()
             while entry_module is not module and calls:
-                entry_module, record = calls.pop()  # a call whose hook never came back
+                entry_module, record, _ = calls.pop()  # a call whose hook never came back
             if entry_module is not module:
                 return
             if self._suspended and not calls:
@@ -209,7 +270,7 @@ class ModuleTracker:
             if record is not None:
                 # The module's own hooks may have replaced the outputs (tensor parallel).
                 self._hook_backward_begin(record, output)
-                record.hooked_outputs = _EMPTY
+                record.hooked_outputs = record.input_edges = _EMPTY
         except Exception as error:
             recorder.hook_failed("module forward hook", error)
 

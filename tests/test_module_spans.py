@@ -8,7 +8,7 @@ from torch.utils.checkpoint import checkpoint
 
 from commdebug_otel import semconv
 
-from models import Block, MaybeBoom, TwoBlocks
+from models import Block, Boom, MaybeBoom, TwoBlocks
 
 FORWARD_TREE = [
     (1, "TwoBlocks forward"),
@@ -218,3 +218,67 @@ def test_evaluation_between_steps_is_its_own_root_and_keeps_step_numbers(telemet
     assert roots == ["train_step", "Block forward", "Block forward", "Block forward"] * 2
     assert [s.attributes[semconv.STEP] for s in telemetry.by_name("train_step")] == [0, 1]
     assert not tracer.recorder.step_open  # nothing left open to grow
+
+
+class Fallback(torch.nn.Module):
+    """The fallback-kernel pattern: ``fast`` raises, ``slow`` runs inside the ``except`` block."""
+
+    def __init__(self):
+        super().__init__()
+        self.fast = Boom()
+        self.slow = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        try:
+            return self.fast(x)
+        except ValueError:
+            return self.slow(x)
+
+
+class Reraise(torch.nn.Module):
+    """A bare ``raise`` of the exception its caller is handling: its own forward raised."""
+
+    def forward(self, x):
+        raise
+
+
+def _status(span):
+    return span.status.status_code.name
+
+
+def test_only_the_module_whose_forward_raised_is_error(telemetry, tracer_factory):
+    model = Fallback()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tracer_factory():
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+    fast = telemetry.one("Fallback.fast forward")
+    assert _status(fast) == "ERROR"
+    assert [(e.name, e.attributes["exception.type"]) for e in fast.events] == [("exception", "ValueError")]
+    # slow ran inside the except block, and Fallback caught fast's exception: both succeeded.
+    for name in ("Fallback.slow forward", "Fallback forward", "Fallback.slow backward", "Fallback backward"):
+        assert (_status(telemetry.one(name)), telemetry.one(name).events) == ("UNSET", ())
+    assert telemetry.tree() == [
+        (0, "train_step"),
+        (1, "Fallback forward"), (2, "Fallback.fast forward"), (2, "Fallback.slow forward"),
+        (1, "Fallback backward"), (2, "Fallback.slow backward"),
+    ]
+
+
+def test_a_retry_inside_except_is_ok_and_a_reraise_there_is_error(telemetry, tracer_factory):
+    model, reraise = MaybeBoom(), Reraise()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tracer_factory():
+        try:
+            model(torch.randn(2, 4), explode=True)
+        except ValueError:
+            model(torch.randn(2, 4)).sum().backward()  # the OOM-retry pattern
+            with pytest.raises(ValueError, match="boom"):
+                reraise(torch.randn(2, 4))
+        optimizer.step()
+    assert [_status(s) for s in telemetry.by_name("MaybeBoom forward")] == ["ERROR", "UNSET"]
+    assert [_status(s) for s in telemetry.by_name("MaybeBoom.lin forward")] == ["UNSET", "UNSET"]
+    assert _status(telemetry.one("MaybeBoom.boom forward")) == "ERROR"
+    assert _status(telemetry.one("MaybeBoom backward")) == "UNSET"
+    failed = telemetry.one("Reraise forward")
+    assert _status(failed) == "ERROR" and [e.name for e in failed.events] == ["exception"]

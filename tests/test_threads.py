@@ -1,0 +1,110 @@
+"""Module calls on other threads (inference, EMA, evaluation) never touch the training thread's steps.
+
+The training thread is the tracer's (or, before the first optimizer step, the
+first to call a module while no step is open). Other threads' module calls and
+optimizer steps are ignored: no spans, no effect on the training steps; their
+collectives are counted in metrics only.
+"""
+
+import threading
+
+import pytest
+import torch
+from test_module_spans import BACKWARD_TREE, FORWARD_TREE
+
+from commdebug_otel import semconv
+
+from models import AllReduceLinear, TwoBlocks
+
+STEPS = 30
+
+
+def _train(model, during_first_forward=lambda: None):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for index in range(STEPS):
+        out = model(torch.randn(2, 4, requires_grad=True))
+        if index == 0:
+            during_first_forward()
+        out.sum().backward()
+        optimizer.step()
+
+
+def _one_step():
+    return [(0, "train_step"), *FORWARD_TREE, *BACKWARD_TREE]
+
+
+def _check(telemetry, trace_every=1):
+    spans = telemetry.spans()
+    tree = telemetry.tree()
+    traced = list(range(0, STEPS, trace_every))
+    assert tree == _one_step() * len(traced)
+    assert len(tree) == len(spans)  # every span is in the tree: no orphans
+    assert [s.attributes[semconv.STEP] for s in telemetry.by_name("train_step")] == traced
+    assert not any(s.attributes.get(semconv.SPAN_UNMATCHED) for s in spans)
+    assert telemetry.metric_points(semconv.METRIC_DROPPED) == []
+
+
+@pytest.mark.parametrize("trace_every", [1, 3])
+def test_training_alone(telemetry, tracer_factory, trace_every):
+    from torch.nn.modules import module
+
+    before = len(module._global_forward_hooks_with_kwargs)
+    with tracer_factory(trace_every=trace_every):
+        _train(TwoBlocks())
+        # Untraced steps remove and add the global hooks again: torch's handle leaves an entry each time.
+        assert len(module._global_forward_hooks_with_kwargs) == before + 1
+    assert len(module._global_forward_hooks_with_kwargs) == before
+    _check(telemetry, trace_every)
+
+
+def _run_with_threads(model, make_worker, count=2):
+    stop = threading.Event()
+    calls = [0] * count
+    threads = [threading.Thread(target=make_worker(index, stop, calls), daemon=True) for index in range(count)]
+    try:
+        _train(model, during_first_forward=lambda: [thread.start() for thread in threads])
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    return calls
+
+
+@pytest.mark.parametrize("trace_every", [1, 3])  # 3: untraced steps run with the global hooks off
+def test_a_concurrent_inference_thread_leaves_the_training_steps_as_they_are(
+        telemetry, tracer_factory, single_rank_group, trace_every):
+    model = TwoBlocks()
+    # The same model object (a serving thread), and another model that all-reduces in forward.
+    other = AllReduceLinear()
+
+    def make_worker(index, stop, calls):
+        target = model if index == 0 else other
+        own_optimizer = torch.optim.SGD(other.parameters(), lr=0.1)  # an EMA-style update on its thread
+
+        def work():
+            while not stop.is_set():
+                with torch.no_grad():
+                    target(torch.randn(2, 4))
+                calls[index] += 1
+                target(torch.randn(2, 4, requires_grad=True)).sum()  # with grad, never backward
+                calls[index] += 1
+                own_optimizer.step()
+        return work
+
+    with tracer_factory(trace_every=trace_every) as tracer:
+        calls = _run_with_threads(model, make_worker)
+        tracer.flush_metrics()
+    assert all(calls)  # the threads really ran during training
+    _check(telemetry, trace_every)
+    # The other thread's collectives: in the metrics, owned by no module and no span.
+    operations = telemetry.metric_points(semconv.METRIC_OPERATIONS)
+    assert [(attrs[semconv.MODULE_PASS], value) for attrs, value in operations] == [("none", calls[1])]
+
+
+def test_training_on_a_thread_other_than_the_tracers(telemetry, tracer_factory):
+    # The tracer starts here; the first module call on the worker, with no step open, makes it the training thread.
+    with tracer_factory():
+        worker = threading.Thread(target=_train, args=(TwoBlocks(),))
+        worker.start()
+        worker.join()
+    _check(telemetry)
