@@ -16,6 +16,14 @@
   ``queue_callback`` closes whatever is left at the end of the backward.
 * A forward that runs while the autograd engine is running is activation
   checkpoint recompute.
+* A module compiled on its own is one span, marked compiled: torch's
+  ``OptimizedModule`` (``torch.compile(module)``) runs its module hooks
+  eagerly around the compiled code, and an in-place ``module.compile()``'s
+  compiled call (``Module._compiled_call_impl``) is wrapped when the module is
+  first named, because its hooks run inside the compiled code. Hooks traced
+  into compiled code return at once (``torch.compiler.is_compiling()``), so
+  they add nothing to the graph; modules inside a compiled call get no spans,
+  even where a graph break runs them eagerly.
 * On a step that records no module passes (untraced, no module label in the
   metrics), only the outermost call matters (the pass label of its
   collectives): the global hooks are removed for its duration, so the modules
@@ -33,9 +41,10 @@ from typing import Any
 
 import torch
 from torch.autograd.graph import register_multi_grad_hook
+from torch.compiler import is_compiling
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from ._torch import in_compiled_module, keep_forward_hook_last
+from ._torch import compiled_call, compiled_original, keep_forward_hook_last, set_compiled_call
 from .recorder import Recorder
 from .records import Record
 
@@ -63,7 +72,9 @@ class ModuleTracker:
         self._recorder = recorder
         self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._post_handles: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._calls: list[tuple[torch.nn.Module, Record | None]] = []  # calls in flight
+        # Calls in flight: (module, record, whether its inside is compiled).
+        self._calls: list[tuple[torch.nn.Module, Record | None, bool]] = []
+        self._wrapped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module.compile()'d
         self._pre_handle = None
         self._early_post_handle = None
         self._suspended = False  # global hooks off inside an unrecorded outermost call
@@ -89,6 +100,10 @@ class ModuleTracker:
             handle.remove()
         self._post_handles.clear()
         self._calls.clear()
+        for module, wrapper in list(self._wrapped.items()):
+            if compiled_call(module) is wrapper:
+                set_compiled_call(module, wrapper.call)
+        self._wrapped.clear()
 
     def state_sizes(self) -> dict[str, int]:
         """How many entries each piece of per-run state holds, by name (for leak checks)."""
@@ -99,53 +114,91 @@ class ModuleTracker:
         """CommDebugMode's FQN: the root's class name, then the dotted path."""
         name = self._names.get(module)
         if name is None:
-            name = self._names[module] = type(module).__name__
+            name = self._names[module] = type(compiled_original(module) or module).__name__
+            self._wrap_compiled_call(module)
             self._name_children(module, name)
         return name
 
     def _name_children(self, module: torch.nn.Module, prefix: str) -> None:
+        original = compiled_original(module)
         for child_name, child in module.named_children():
             if child not in self._names:
-                full = f"{prefix}.{child_name}"
+                # torch.compile(module) registers the module as its "_orig_mod": one FQN for both.
+                full = prefix if child is original else f"{prefix}.{child_name}"
                 self._names[child] = full
+                self._wrap_compiled_call(child)
                 self._name_children(child, full)
+
+    def _wrap_compiled_call(self, module: torch.nn.Module) -> None:
+        """An in-place ``module.compile()``: our calls go around its compiled call (undone in remove())."""
+        call = compiled_call(module)
+        if call is not None and not isinstance(call, _CompiledCall):
+            wrapper = self._wrapped[module] = _CompiledCall(self, module, call)
+            set_compiled_call(module, wrapper)
 
     # The hooks. Each one swallows its own failure: training must never see it.
     def _pre_hook(self, module: torch.nn.Module, args: tuple) -> None:
+        if is_compiling():
+            return  # traced into compiled code: nothing of ours goes into the graph
         recorder = self._recorder
         if not recorder.active:
             return
         try:
-            if in_compiled_module():
-                recorder.unobserved("torch.compile")  # module hooks inside compiled code
-                return
+            if self._calls and self._calls[-1][2]:
+                return  # inside a compiled call (a graph break runs this module eagerly): no span
+            original = compiled_original(module)
             handle = self._post_handles.get(module)
             if handle is None:
                 handle = module.register_forward_hook(self._post_hook, always_call=True)
                 self._post_handles[module] = handle
             else:
                 keep_forward_hook_last(module, handle)  # hooks added after ours must run inside the span
-            name = self._names.get(module)
-            if name is None:
-                name = self.fqn(module)
-            record = recorder.module_pre(module, name, args)
-            self._calls.append((module, record))
-            if record is None:
-                if len(self._calls) == 1:
-                    self._suspend_inside(module)
-            elif torch.is_grad_enabled() and record.pass_ == "forward":
-                # Leaves are left out: torch's "all" multi-grad hook asks the engine about
-                # each tensor's node, which raises for a leaf inside torch.autograd.grad()
-                # (pipeline parallel does that). Without a hook, backward ends with the pass.
-                inputs = [t for t in _grad_tensors(args, []) if t.grad_fn is not None]
-                if inputs:
-                    record.input_hooked = True
-                    end = _BackwardEnd(recorder, record)
-                    # One input (the common case): its own hook is "all" grads, at a third of the cost.
-                    recorder.keep_hook(inputs[0].register_hook(end) if len(inputs) == 1
-                                       else register_multi_grad_hook(inputs, end))
+            self._begin(module, args, original)
         except Exception as error:
             recorder.hook_failed("module forward pre-hook", error)
+
+    def _begin(self, module: torch.nn.Module, args: tuple, original: torch.nn.Module | None) -> None:
+        """A call begins; ``original``: the module whose compiled code runs inside it, else None."""
+        recorder = self._recorder
+        name = self._names.get(module)
+        if name is None:
+            name = self.fqn(module)
+        compiled = original is not None
+        record = recorder.module_pre(original or module, name, args, compiled)
+        self._calls.append((module, record, compiled))
+        if record is None:
+            if len(self._calls) == 1:
+                self._suspend_inside(module)
+        elif torch.is_grad_enabled() and record.pass_ == "forward":
+            # Leaves are left out: torch's "all" multi-grad hook asks the engine about
+            # each tensor's node, which raises for a leaf inside torch.autograd.grad()
+            # (pipeline parallel does that). Without a hook, backward ends with the pass.
+            inputs = [t for t in _grad_tensors(args, []) if t.grad_fn is not None]
+            if inputs:
+                record.input_hooked = True
+                end = _BackwardEnd(recorder, record)
+                # One input (the common case): its own hook is "all" grads, at a third of the cost.
+                recorder.keep_hook(inputs[0].register_hook(end) if len(inputs) == 1
+                                   else register_multi_grad_hook(inputs, end))
+
+    def _run_compiled(self, module: torch.nn.Module, call: Any, args: tuple, kwargs: dict) -> Any:
+        """``module.compile()``'s call, as one span: the hooks inside it are compiled code."""
+        began = False
+        try:
+            if not (self._calls and self._calls[-1][2]):  # not inside another compiled call
+                self._begin(module, args, module)
+                began = True
+        except Exception as error:
+            self._recorder.hook_failed("module forward pre-hook", error)
+        if not began:
+            return call(*args, **kwargs)
+        try:
+            output = call(*args, **kwargs)
+        except BaseException:
+            self._post_hook(module, args, None)  # inside the handler: the span records the error
+            raise
+        self._post_hook(module, args, output)
+        return output
 
     def _suspend_inside(self, outermost: torch.nn.Module) -> None:
         """Nothing is recorded inside ``outermost``'s call: no hook of ours runs there.
@@ -169,11 +222,13 @@ class ModuleTracker:
         issues collectives in backward (FSDP2's pre-backward all-gather); ours,
         registered earlier on the same tensors, fires before it.
         """
+        if is_compiling():
+            return
         recorder = self._recorder
         if not recorder.active or not self._calls:
             return
         try:
-            entry_module, record = self._calls[-1]
+            entry_module, record, _ = self._calls[-1]
             if entry_module is module and record is not None:
                 self._hook_backward_begin(record, output)
         except Exception as error:
@@ -193,14 +248,18 @@ class ModuleTracker:
                 self._recorder.keep_hook(tensor.register_hook(begin))
 
     def _post_hook(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if is_compiling():
+            return
         recorder = self._recorder
         if not recorder.active or not self._calls:
             return
         try:
             calls = self._calls
-            entry_module, record = calls.pop()
+            if calls[-1][2] and calls[-1][0] is not module:
+                return  # a module inside a compiled call
+            entry_module, record, _ = calls.pop()
             while entry_module is not module and calls:
-                entry_module, record = calls.pop()  # a call whose hook never came back
+                entry_module, record, _ = calls.pop()  # a call whose hook never came back
             if entry_module is not module:
                 return
             if self._suspended and not calls:
@@ -212,6 +271,21 @@ class ModuleTracker:
                 record.hooked_outputs = _EMPTY
         except Exception as error:
             recorder.hook_failed("module forward hook", error)
+
+
+class _CompiledCall:
+    """Stands in for an in-place compiled module's ``_compiled_call_impl``: our span around its call."""
+
+    __slots__ = ("call", "module", "tracker")
+
+    def __init__(self, tracker: ModuleTracker, module: torch.nn.Module, call: Any) -> None:
+        self.tracker, self.module, self.call = tracker, weakref.ref(module), call
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        tracker, module = self.tracker, self.module()
+        if is_compiling() or tracker._suspended or not tracker._recorder.active or module is None:
+            return self.call(*args, **kwargs)
+        return tracker._run_compiled(module, self.call, args, kwargs)
 
 
 class _BackwardBegin:
