@@ -57,6 +57,21 @@ def set_compiled_call(module: torch.nn.Module, call: Any) -> None:
     module._compiled_call_impl = call
 
 
+def run_tensor_hook_first(tensor: torch.Tensor, handle: Any) -> None:
+    """Run the tensor hook ``handle`` (``Tensor.register_hook``) before the hooks registered earlier.
+
+    Autograd calls ``Tensor._backward_hooks`` in the order of the underlying dict
+    (``PyDict_Next``), which ``OrderedDict.move_to_end`` does not change: the
+    entries are inserted again, in the same dict object the handles refer to.
+    """
+    hooks = tensor._backward_hooks
+    ours = hooks.pop(handle.id)
+    rest = list(hooks.items())
+    hooks.clear()
+    hooks[handle.id] = ours
+    hooks.update(rest)
+
+
 def keep_forward_hook_last(module: torch.nn.Module, handle: Any) -> None:
     """Move the module-local forward hook ``handle`` behind hooks added after it (``Module._forward_hooks``)."""
     hooks = module._forward_hooks

@@ -44,7 +44,13 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.compiler import is_compiling
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from ._torch import compiled_call, compiled_original, keep_forward_hook_last, set_compiled_call
+from ._torch import (
+    compiled_call,
+    compiled_original,
+    keep_forward_hook_last,
+    run_tensor_hook_first,
+    set_compiled_call,
+)
 from .recorder import Recorder
 from .records import Record
 
@@ -195,9 +201,9 @@ class ModuleTracker:
         try:
             output = call(*args, **kwargs)
         except BaseException:
-            self._post_hook(module, args, None)  # inside the handler: the span records the error
+            self._end(module, None, True)  # inside the handler: the span records the error
             raise
-        self._post_hook(module, args, output)
+        self._end(module, output, True)
         return output
 
     def _suspend_inside(self, outermost: torch.nn.Module) -> None:
@@ -234,7 +240,8 @@ class ModuleTracker:
         except Exception as error:
             recorder.hook_failed("module forward hook", error)
 
-    def _hook_backward_begin(self, record: Record, output: Any) -> None:
+    def _hook_backward_begin(self, record: Record, output: Any, first: bool = False) -> None:
+        """Our backward-begin hook on each output; ``first``: before the output's hooks registered so far."""
         if record.pass_ != "forward" or not torch.is_grad_enabled():
             return
         outputs = [t for t in _grad_tensors(output, []) if id(t) not in record.hooked_outputs]
@@ -245,11 +252,17 @@ class ModuleTracker:
             # "any" mode, without its per-call wrapper and lock).
             begin = _BackwardBegin(self._recorder, record)
             for tensor in outputs:
-                self._recorder.keep_hook(tensor.register_hook(begin))
+                handle = tensor.register_hook(begin)
+                self._recorder.keep_hook(handle)
+                if first:
+                    run_tensor_hook_first(tensor, handle)
 
     def _post_hook(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        if is_compiling():
-            return
+        if not is_compiling():
+            self._end(module, output)
+
+    def _end(self, module: torch.nn.Module, output: Any, in_place_compiled: bool = False) -> None:
+        """A call ended; ``in_place_compiled``: the module's own hooks ran inside its compiled call."""
         recorder = self._recorder
         if not recorder.active or not self._calls:
             return
@@ -266,8 +279,10 @@ class ModuleTracker:
                 self._add_global_hooks()
             recorder.module_post(module, record)
             if record is not None:
-                # The module's own hooks may have replaced the outputs (tensor parallel).
-                self._hook_backward_begin(record, output)
+                # The module's own hooks may have replaced the outputs (tensor parallel). In place
+                # compiled, they ran inside the compiled call: ours go before theirs (FSDP2's
+                # pre-backward all-gather belongs to this backward).
+                self._hook_backward_begin(record, output, first=in_place_compiled)
                 record.hooked_outputs = _EMPTY
         except Exception as error:
             recorder.hook_failed("module forward hook", error)

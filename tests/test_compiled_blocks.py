@@ -163,6 +163,21 @@ def test_checkpoint_around_a_compiled_block(telemetry, tracer_factory):
     assert_compiled_spans(telemetry, "Checkpointed.block", ("forward", "backward", "recompute"))
 
 
+
+def test_activation_checkpointing_inside_a_compiled_block(telemetry, tracer_factory):
+    """torchtitan's order: wrap the block for checkpointing, then compile it. The recompute is compiled code."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = Net()
+    model.layers[0] = torch.compile(checkpoint_wrapper(model.layers[0]), backend="eager")
+    with tracer_factory():
+        train(model)
+    assert telemetry.tree() == MIXED_TREE * 2
+    [forward, _] = telemetry.by_name("Net.layers.0 forward")
+    assert forward.attributes[semconv.MODULE_TYPE].endswith(".CheckpointWrapper")
+    assert {s.name for s in telemetry.spans() if semconv.MODULE_COMPILED in s.attributes} == {
+        "Net.layers.0 forward", "Net.layers.0 backward"}
+
 # ------------------------------------------------------------------ two gloo ranks
 class Mlp(nn.Module):
     def __init__(self) -> None:
@@ -291,9 +306,11 @@ def test_compiled_blocks_under_tensor_parallel(backend, in_place, op):
     assert results[0]["torch"] == {("all_reduce", "forward"): 2, ("all_reduce", "backward"): 2}
 
 
-@pytest.mark.parametrize("backend", ["eager", "inductor"])
-def test_compiled_blocks_under_fsdp2(backend):
-    results = run_ranks(_compiled_parallel, 2, "dp", backend, False)
+@pytest.mark.parametrize(("backend", "in_place"), [("eager", False), ("inductor", False), ("eager", True)])
+def test_compiled_blocks_under_fsdp2(backend, in_place):
+    # In place, FSDP2's hooks run inside the compiled call and hook the outputs before ours do:
+    # ours must still run first, or the pre-backward all-gathers would go to train_step.
+    results = run_ranks(_compiled_parallel, 2, "dp", backend, in_place)
     gather, scatter = "c10d._allgather_base_.default", "c10d._reduce_scatter_base_.default"
     root = "FSDPMlpNet"
     assert results[0]["spans"] == {
