@@ -120,15 +120,34 @@ def test_whole_model_compile_keeps_the_root_span(telemetry, tracer_factory):
     assert_compiled_spans(telemetry, "Block")
 
 
+def test_under_a_dispatch_mode_the_block_runs_eagerly_and_is_still_one_span(telemetry, tracer_factory):
+    """Op events (detail dtensor and up) push a dispatch mode on traced steps: dynamo then runs the block eagerly."""
+    model = Net()
+    model.layers[0] = torch.compile(model.layers[0], backend="eager")
+    with tracer_factory(detail="ops"):
+        train(model)
+    assert telemetry.tree() == MIXED_TREE * 2
+    assert_compiled_spans(telemetry, "Net.layers.0")
+    assert "unique_graphs" not in torch._dynamo.utils.counters["stats"]
+    # The ops of the eager run of its inside are its own events.
+    [forward, _] = telemetry.by_name("Net.layers.0 forward")
+    assert [e.name for e in forward.events].count("aten.addmm.default") == 2
+
+
+class Breaking(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()  # dynamo runs this call eagerly, its module hooks included
+        return super().forward(x)
+
+
 class GraphBreak(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.inner = nn.Linear(4, 4)
+        self.breaking = Breaking(4, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inner(x)
-        torch._dynamo.graph_break()  # the rest runs in a resumed frame; the break itself eagerly
-        return self.inner(x)
+        return self.inner(self.breaking(self.inner(x)))
 
 
 def test_modules_inside_a_compiled_block_get_no_spans_even_across_a_graph_break(telemetry, tracer_factory):
@@ -138,7 +157,7 @@ def test_modules_inside_a_compiled_block_get_no_spans_even_across_a_graph_break(
     assert telemetry.tree() == [
         (0, "train_step"), (1, "Sequential forward"), (2, "Sequential.0 forward"), (2, "Sequential.1 forward"),
         (1, "Sequential backward"), (2, "Sequential.1 backward"), (2, "Sequential.0 backward")] * 2
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2  # the break splits the graph
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3  # the break splits the graphs
 
 
 class Checkpointed(nn.Module):
