@@ -41,9 +41,11 @@ def compiled_original(module: torch.nn.Module) -> torch.nn.Module | None:
     never imported it has none (importing torch._dynamo here would cost every
     start-up a second).
     """
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
-        return module._orig_mod
+    original = module._modules.get("_orig_mod")  # the cheap test first: this runs on every module call
+    if original is not None:
+        eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+        if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
+            return original
     return None
 
 
