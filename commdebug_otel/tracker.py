@@ -114,7 +114,7 @@ class ModuleTracker:
     def state_sizes(self) -> dict[str, int]:
         """How many entries each piece of per-run state holds, by name (for leak checks)."""
         return {"named modules": len(self._names), "module hooks": len(self._post_handles),
-                "calls in flight": len(self._calls)}
+                "calls in flight": len(self._calls), "compiled calls wrapped": len(self._wrapped)}
 
     def fqn(self, module: torch.nn.Module) -> str:
         """CommDebugMode's FQN: the root's class name, then the dotted path."""

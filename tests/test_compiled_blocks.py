@@ -98,8 +98,9 @@ def test_a_compiled_block_is_one_span_under_its_own_fqn(telemetry, tracer_factor
 def test_a_block_compiled_in_place(telemetry, tracer_factory, single_rank_group):
     model = Net(ReduceBlock)
     model.layers[0].compile(backend="eager")
-    with tracer_factory():
+    with tracer_factory() as tracer:
         train(model)
+        assert tracer.state_sizes()["compiled calls wrapped"] == 1
     assert telemetry.tree() == MIXED_TREE * 2
     assert_compiled_spans(telemetry, "Net.layers.0")
     for span in telemetry.by_name("Net.layers.0 forward"):
@@ -107,6 +108,7 @@ def test_a_block_compiled_in_place(telemetry, tracer_factory, single_rank_group)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     # Stopping puts torch's compiled call back: no span of ours afterwards.
     assert type(model.layers[0]._compiled_call_impl).__name__ != "_CompiledCall"
+    assert tracer.state_sizes()["compiled calls wrapped"] == 0
     telemetry.clear()
     train(model, steps=1)
     assert telemetry.spans() == []
