@@ -136,6 +136,22 @@ def test_under_a_dispatch_mode_the_block_runs_eagerly_and_is_still_one_span(tele
     assert [e.name for e in forward.events].count("aten.addmm.default") == 2
 
 
+def test_the_commdebugmode_drop_in_books_a_compiled_blocks_collectives_to_it(telemetry, single_rank_group):
+    """The drop-in keeps a dispatch mode on (the block runs eagerly); counts go to the block, never `_orig_mod`."""
+    from commdebug_otel import CommDebugMode
+
+    model = Net(ReduceBlock)
+    model.layers[0] = torch.compile(model.layers[0], backend="eager")
+    comm_mode = CommDebugMode(tracer_provider=telemetry.tracer_provider, meter_provider=telemetry.meter_provider)
+    with comm_mode:
+        model(torch.ones(1, 4, requires_grad=True)).sum().backward()
+    counts = {fqn: {p: {str(op): n for op, n in ops.items()} for p, ops in by_pass.items() if ops}
+              for fqn, by_pass in comm_mode.comm_module_counts.items()}
+    one = {"forward": {"c10d_functional.all_reduce": 1}}
+    assert counts == {"Global": {"forward": {"c10d_functional.all_reduce": 2}},
+                      "Net": {"forward": {"c10d_functional.all_reduce": 2}},
+                      "Net.layers.0": one, "Net.layers.1": one}
+
 class Breaking(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         torch._dynamo.graph_break()  # dynamo runs this call eagerly, its module hooks included
