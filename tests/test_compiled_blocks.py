@@ -35,6 +35,9 @@ class ReduceBlock(Block):
         return out + funcol.all_reduce(out.detach(), "sum", dist.group.WORLD)
 
 
+REDUCE_BLOCK = f"{__name__}.ReduceBlock"
+
+
 class Net(nn.Module):
     def __init__(self, block: type = Block) -> None:
         super().__init__()
@@ -63,13 +66,13 @@ MIXED_TREE = [(0, "train_step"), (1, "Net forward"), (2, "Net.layers.0 forward")
               (1, "Net backward"), *EAGER_LAYER_1_BACKWARD, (2, "Net.layers.0 backward")]
 
 
-def assert_compiled_spans(telemetry, fqn, passes=("forward", "backward")):
+def assert_compiled_spans(telemetry, fqn, module_type="models.Block", passes=("forward", "backward")):
+    """Exactly ``fqn``'s passes are marked compiled, typed as the original module; no FQN has ``_orig_mod``."""
     for pass_ in passes:
         for span in telemetry.by_name(f"{fqn} {pass_}"):
             assert span.attributes[semconv.MODULE_COMPILED] is True
-            assert span.attributes[semconv.MODULE_TYPE] == "models.Block" or span.attributes[
-                semconv.MODULE_TYPE].endswith("ReduceBlock")
-    assert not any("_orig_mod" in span.name for span in telemetry.spans())
+            assert span.attributes[semconv.MODULE_TYPE] == module_type
+    assert not any("_orig_mod" in span.attributes.get(semconv.MODULE_FQN, "") for span in telemetry.spans())
     compiled = {span.name for span in telemetry.spans() if semconv.MODULE_COMPILED in span.attributes}
     assert compiled == {f"{fqn} {pass_}" for pass_ in passes}
 
@@ -81,7 +84,7 @@ def test_a_compiled_block_is_one_span_under_its_own_fqn(telemetry, tracer_factor
     with tracer_factory():
         train(model)
     assert telemetry.tree() == MIXED_TREE * 2
-    assert_compiled_spans(telemetry, "Net.layers.0")
+    assert_compiled_spans(telemetry, "Net.layers.0", REDUCE_BLOCK)
     # The all_reduce its compiled code issues, as Inductor issues it (in place); none from compiling.
     op = "_c10d_functional.all_reduce_.default" if backend == "inductor" else "_c10d_functional.all_reduce.default"
     for span in telemetry.by_name("Net.layers.0 forward"):
@@ -102,7 +105,7 @@ def test_a_block_compiled_in_place(telemetry, tracer_factory, single_rank_group)
         train(model)
         assert tracer.state_sizes()["compiled calls wrapped"] == 1
     assert telemetry.tree() == MIXED_TREE * 2
-    assert_compiled_spans(telemetry, "Net.layers.0")
+    assert_compiled_spans(telemetry, "Net.layers.0", REDUCE_BLOCK)
     for span in telemetry.by_name("Net.layers.0 forward"):
         assert [e.name for e in span.events] == ["all_reduce"]
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
@@ -197,7 +200,7 @@ def test_checkpoint_around_a_compiled_block(telemetry, tracer_factory):
         (0, "train_step"), (1, "Checkpointed forward"), (2, "Checkpointed.stem forward"),
         (2, "Checkpointed.block forward"), (1, "Checkpointed backward"), (2, "Checkpointed.block backward"),
         (3, "Checkpointed.block recompute"), (2, "Checkpointed.stem backward")]
-    assert_compiled_spans(telemetry, "Checkpointed.block", ("forward", "backward", "recompute"))
+    assert_compiled_spans(telemetry, "Checkpointed.block", passes=("forward", "backward", "recompute"))
 
 
 
