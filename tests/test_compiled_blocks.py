@@ -125,6 +125,17 @@ def test_whole_model_compile_keeps_the_root_span(telemetry, tracer_factory):
     assert_compiled_spans(telemetry, "Block")
 
 
+def test_a_block_compiled_in_place_inside_a_compiled_model_is_traced_through(telemetry, tracer_factory):
+    """Our wrapper of the block's compiled call is itself traced by dynamo: fullgraph holds, one graph."""
+    net = Net()
+    net.layers[0].compile(backend="eager")
+    with tracer_factory() as tracer:
+        train(torch.compile(net, backend="eager", fullgraph=True))
+        assert tracer.state_sizes()["compiled calls wrapped"] == 1
+    assert telemetry.tree() == [(0, "train_step"), (1, "Net forward"), (1, "Net backward")] * 2
+    assert_compiled_spans(telemetry, "Net", "test_compiled_blocks.Net")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
 def test_under_a_dispatch_mode_the_block_runs_eagerly_and_is_still_one_span(telemetry, tracer_factory):
     """Op events (detail dtensor and up) push a dispatch mode on traced steps: dynamo then runs the block eagerly."""
     model = Net()
