@@ -7,6 +7,7 @@ internals from here and nowhere else.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -33,9 +34,44 @@ def queue_engine_callback(callback: Any) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
-def in_compiled_module() -> bool:
-    """True inside a ``torch.compile``-optimized module, where module hooks do not run as written."""
-    return torch._dynamo.eval_frame._is_in_optimized_module()
+def compiled_original(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The module that ``torch.compile(module)`` wrapped (``OptimizedModule._orig_mod``); None for others.
+
+    ``OptimizedModule`` lives in torch/_dynamo/eval_frame.py; a process that
+    never imported it has none (importing torch._dynamo here would cost every
+    start-up a second).
+    """
+    original = module._modules.get("_orig_mod")  # the cheap test first: this runs on every module call
+    if original is not None:
+        eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+        if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
+            return original
+    return None
+
+
+def compiled_call(module: torch.nn.Module) -> Any:
+    """``module.compile()``'s compiled ``_call_impl`` (``Module._compiled_call_impl``), or None."""
+    return module.__dict__.get("_compiled_call_impl")
+
+
+def set_compiled_call(module: torch.nn.Module, call: Any) -> None:
+    """Replace what ``Module._wrapped_call_impl`` calls for an in-place compiled module."""
+    module._compiled_call_impl = call
+
+
+def run_tensor_hook_first(tensor: torch.Tensor, handle: Any) -> None:
+    """Run the tensor hook ``handle`` (``Tensor.register_hook``) before the hooks registered earlier.
+
+    Autograd calls ``Tensor._backward_hooks`` in the order of the underlying dict
+    (``PyDict_Next``), which ``OrderedDict.move_to_end`` does not change: the
+    entries are inserted again, in the same dict object the handles refer to.
+    """
+    hooks = tensor._backward_hooks
+    ours = hooks.pop(handle.id)
+    rest = list(hooks.items())
+    hooks.clear()
+    hooks[handle.id] = ours
+    hooks.update(rest)
 
 
 def keep_forward_hook_last(module: torch.nn.Module, handle: Any) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
+from torch.compiler import is_compiling
 
 from . import semconv
 from ._torch import graph_task_id, queue_engine_callback
@@ -184,18 +185,6 @@ class Recorder:
             # Type, redacted message and code locations: never a tensor value (redact.py).
             _logger.warning("commdebug-otel: %s failed (%s); telemetry continues, training is "
                             "unaffected\n%s", where, describe(error), code_locations(error))
-
-    def unobserved(self, what: str) -> None:
-        """Something ran that we cannot see into (e.g. a ``torch.compile`` region): say it once, mark the step."""
-        if what not in self._failed:
-            self._failed.add(what)
-            _logger.warning("commdebug-otel: modules inside %s regions are not observed; their "
-                            "collectives are booked to the enclosing span (docs/troubleshooting.md)", what)
-        step = self._step
-        if step is None:
-            step = self._open_step(time.time_ns())
-        step.had_module = True  # the optimizer step still ends (and exports) this step
-        step.root.attrs[semconv.SPAN_UNOBSERVED] = what
 
     # --------------------------------------------------------------- observers
     def _tell_traced(self, traced: bool) -> None:
@@ -413,8 +402,13 @@ class Recorder:
         self.thread_id = ident
         return True
 
-    def module_pre(self, module: torch.nn.Module, fqn: str, args: tuple) -> Record | None:
-        """A module's forward (or recompute) begins. Returns its record, or None when not recorded."""
+    def module_pre(self, module: torch.nn.Module, fqn: str, args: tuple,
+                   compiled: bool = False) -> Record | None:
+        """A module's forward (or recompute) begins. Returns its record, or None when not recorded.
+
+        ``compiled``: the call runs ``module``'s compiled code (``torch.compile``), which holds
+        its collectives; the modules inside it get no records.
+        """
         now = time.time_ns()
         self.why.clear()
         in_backward = graph_task_id() != -1
@@ -447,6 +441,7 @@ class Recorder:
         handled = sys.exc_info()[1]
         if handled is not None:  # called inside an ``except`` block (a fallback, a retry)
             record.handling = (handled, handled.__traceback__)
+        record.compiled = compiled
         if self._fwd_stack:
             record.parent = self._fwd_stack[-1]
         elif in_backward and self._open_bw:
@@ -523,7 +518,7 @@ class Recorder:
                 forward.graph_task = task  # the call's other outputs are not counted again
                 return
         record = Record(SpanKind.MODULE, f"{forward.fqn} {semconv.PASS_BACKWARD}", now)
-        record.fqn, record.module_type = forward.fqn, forward.module_type
+        record.fqn, record.module_type, record.compiled = forward.fqn, forward.module_type, forward.compiled
         record.pass_ = semconv.PASS_BACKWARD
         record.fwd, record.graph_task, record.hidden = forward, task, forward.hidden
         record.call_index = self._next_call_index(forward.fqn, semconv.PASS_BACKWARD)
@@ -622,6 +617,8 @@ class Recorder:
         another thread's and a quiet step's collectives are metric points
         only; the rest keep records (:meth:`_record_collective`).
         """
+        if is_compiling():
+            return  # run on fake tensors while torch.compile builds a graph: the compiled code issues the real one
         group = self._groups.resolve(spec, args)
         in_backward = graph_task_id() != -1
         if not in_backward and threading.get_ident() != self.thread_id:

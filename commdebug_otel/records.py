@@ -35,6 +35,7 @@ class Record:
         "attrs",
         "bw_records",
         "call_index",
+        "compiled",
         "dropped_events",
         "end_ns",
         "error",
@@ -82,6 +83,7 @@ class Record:
         self.graph_task = -1
         self.input_hooked = False
         self.hidden = False
+        self.compiled = False  # the module's own code ran compiled (torch.compile): no records inside
         self.attrs: dict[str, Any] = {}
         self.hooked_outputs: set[int] | frozenset = set()  # ids of outputs with a backward hook
         self.input_edges: set | frozenset = frozenset()  # the call's inputs' autograd edges (tracker._edge)
@@ -199,6 +201,8 @@ def span_attributes(record: Record) -> dict[str, Any]:
         attributes[semconv.MODULE_CALL_INDEX] = record.call_index
     if record.params:
         attributes[semconv.MODULE_PARAMETERS] = record.params
+    if record.compiled:
+        attributes[semconv.MODULE_COMPILED] = True
     if record.unmatched:
         attributes[semconv.SPAN_UNMATCHED] = True
     if record.dropped_events:

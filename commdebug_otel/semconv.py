@@ -17,9 +17,9 @@ MODULE_PASS = "torch.module.pass"
 MODULE_DEPTH = "torch.module.depth"
 MODULE_CALL_INDEX = "torch.module.call_index"
 MODULE_PARAMETERS = "torch.module.parameters"
+MODULE_COMPILED = "torch.module.compiled"  # its call ran compiled code: no module spans inside
 SPAN_UNMATCHED = "commdebug.span.unmatched"
 SPAN_DROPPED_EVENTS = "commdebug.span.dropped_events"
-SPAN_UNOBSERVED = "commdebug.span.unobserved"
 # A train_step cut at OTEL_PYTHON_COMMDEBUG_MAX_SPANS_PER_STEP: this part is exported, the step goes on.
 STEP_TRUNCATED = "commdebug.step.truncated"
 STEP_PART = "commdebug.step.part"  # on the parts after such a cut: 1, 2, ...

@@ -16,6 +16,14 @@
   ``queue_callback`` closes whatever is left at the end of the backward.
 * A forward that runs while the autograd engine is running is activation
   checkpoint recompute.
+* A module compiled on its own is one span, marked compiled: torch's
+  ``OptimizedModule`` (``torch.compile(module)``) runs its module hooks
+  eagerly around the compiled code, and an in-place ``module.compile()``'s
+  compiled call (``Module._compiled_call_impl``) is wrapped when the module is
+  first named, because its hooks run inside the compiled code. Hooks traced
+  into compiled code return at once (``torch.compiler.is_compiling()``), so
+  they add nothing to the graph; modules inside a compiled call get no spans,
+  even where a graph break runs them eagerly.
 * On a step that records no module passes (untraced, no module label in the
   metrics), only the outermost call matters (the pass label of its
   collectives): the global hooks are removed for its duration, so the modules
@@ -33,9 +41,18 @@ from typing import Any
 
 import torch
 from torch.autograd.graph import register_multi_grad_hook
+from torch.compiler import is_compiling
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from ._torch import in_compiled_module, keep_forward_hook_last, remove_global_forward_hook, rewrites_keyword_inputs
+from ._torch import (
+    compiled_call,
+    compiled_original,
+    keep_forward_hook_last,
+    remove_global_forward_hook,
+    rewrites_keyword_inputs,
+    run_tensor_hook_first,
+    set_compiled_call,
+)
 from .recorder import Recorder
 from .records import Record
 
@@ -72,8 +89,10 @@ class ModuleTracker:
         self._recorder = recorder
         self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._post_handles: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        # Calls in flight: (module, record, (positional inputs hooked for the end, their hook) or None).
-        self._calls: list[tuple[torch.nn.Module, Record | None, tuple | None]] = []
+        # Calls in flight: (module, record, (positional inputs hooked for the end, their hook) or None,
+        # whether its inside is compiled).
+        self._calls: list[tuple[torch.nn.Module, Record | None, tuple | None, bool]] = []
+        self._wrapped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module.compile()'d
         self._pre_handle = None
         self._early_post_handle = None
         self._suspended = False  # global hooks off inside an unrecorded outermost call
@@ -100,64 +119,106 @@ class ModuleTracker:
             handle.remove()
         self._post_handles.clear()
         self._calls.clear()
+        for module, wrapper in list(self._wrapped.items()):
+            if compiled_call(module) is wrapper:
+                set_compiled_call(module, wrapper.call)
+        self._wrapped.clear()
 
     def state_sizes(self) -> dict[str, int]:
         """How many entries each piece of per-run state holds, by name (for leak checks)."""
         return {"named modules": len(self._names), "module hooks": len(self._post_handles),
-                "calls in flight": len(self._calls)}
+                "calls in flight": len(self._calls), "compiled calls wrapped": len(self._wrapped)}
 
     def fqn(self, module: torch.nn.Module) -> str:
         """CommDebugMode's FQN: the root's class name, then the dotted path."""
         name = self._names.get(module)
         if name is None:
-            name = self._names[module] = type(module).__name__
+            name = self._names[module] = type(compiled_original(module) or module).__name__
+            self._wrap_compiled_call(module)
             self._name_children(module, name)
         return name
 
     def _name_children(self, module: torch.nn.Module, prefix: str) -> None:
+        original = compiled_original(module)
         for child_name, child in module.named_children():
             if child not in self._names:
-                full = f"{prefix}.{child_name}"
+                # torch.compile(module) registers the module as its "_orig_mod": one FQN for both.
+                full = prefix if child is original else f"{prefix}.{child_name}"
                 self._names[child] = full
+                self._wrap_compiled_call(child)
                 self._name_children(child, full)
+
+    def _wrap_compiled_call(self, module: torch.nn.Module) -> None:
+        """An in-place ``module.compile()``: our calls go around its compiled call (undone in remove())."""
+        call = compiled_call(module)
+        if call is not None and not isinstance(call, _CompiledCall):
+            wrapper = self._wrapped[module] = _CompiledCall(self, module, call)
+            set_compiled_call(module, wrapper)
 
     # The hooks. Each one swallows its own failure: training must never see it.
     def _pre_hook(self, module: torch.nn.Module, args: tuple) -> None:
+        if is_compiling():
+            return  # traced into compiled code: nothing of ours goes into the graph
         recorder = self._recorder
         if not recorder.active:
             return
         try:
             if not recorder.tracks_thread():
                 return  # another thread's call (inference, EMA): never part of the training step
-            if in_compiled_module():
-                recorder.unobserved("torch.compile")  # module hooks inside compiled code
-                return
+            if self._calls and self._calls[-1][3]:
+                return  # inside a compiled call (a graph break runs this module eagerly): no span
+            original = compiled_original(module)
             handle = self._post_handles.get(module)
             if handle is None:
                 handle = module.register_forward_hook(self._post_hook, always_call=True)
                 self._post_handles[module] = handle
             else:
                 keep_forward_hook_last(module, handle)  # hooks added after ours must run inside the span
-            name = self._names.get(module)
-            if name is None:
-                name = self.fqn(module)
-            record = recorder.module_pre(module, name, args)
-            self._calls.append((module, record, None))
-            if record is None:
-                if len(self._calls) == 1:
-                    self._suspend_inside(module)
-            elif torch.is_grad_enabled() and record.pass_ == "forward":
-                grads = _grad_tensors(args, [])
-                if grads:
-                    record.input_edges = {_edge(t) for t in grads}
-                # Leaves are left out: torch's "all" multi-grad hook asks the engine about
-                # each tensor's node, which raises for a leaf inside torch.autograd.grad()
-                # (pipeline parallel does that). Without a hook, backward ends with the pass.
-                inputs = [t for t in grads if t.grad_fn is not None]
-                if inputs:
-                    self._calls[-1] = (module, record, (inputs, self._hook_backward_end(record, inputs)))
+            self._begin(module, args, original)
         except Exception as error:
             recorder.hook_failed("module forward pre-hook", error)
+
+    def _begin(self, module: torch.nn.Module, args: tuple, original: torch.nn.Module | None) -> None:
+        """A call begins; ``original``: the module whose compiled code runs inside it, else None."""
+        recorder = self._recorder
+        name = self._names.get(module)
+        if name is None:
+            name = self.fqn(module)
+        compiled = original is not None
+        record = recorder.module_pre(original or module, name, args, compiled)
+        self._calls.append((module, record, None, compiled))
+        if record is None:
+            if len(self._calls) == 1:
+                self._suspend_inside(module)
+        elif torch.is_grad_enabled() and record.pass_ == "forward":
+            grads = _grad_tensors(args, [])
+            if grads:
+                record.input_edges = {_edge(t) for t in grads}
+            # Leaves are left out: torch's "all" multi-grad hook asks the engine about
+            # each tensor's node, which raises for a leaf inside torch.autograd.grad()
+            # (pipeline parallel does that). Without a hook, backward ends with the pass.
+            inputs = [t for t in grads if t.grad_fn is not None]
+            if inputs:
+                self._calls[-1] = (module, record, (inputs, self._hook_backward_end(record, inputs)), compiled)
+
+    def _run_compiled(self, module: torch.nn.Module, call: Any, args: tuple, kwargs: dict) -> Any:
+        """``module.compile()``'s call, as one span: the hooks inside it are compiled code."""
+        began = False
+        try:
+            if self._recorder.tracks_thread() and not (self._calls and self._calls[-1][3]):
+                self._begin(module, args, module)  # not another thread's, not inside another compiled call
+                began = True
+        except Exception as error:
+            self._recorder.hook_failed("module forward pre-hook", error)
+        if not began:
+            return call(*args, **kwargs)
+        try:
+            output = call(*args, **kwargs)
+        except BaseException:
+            self._end(module, None, True)  # inside the handler: the span records the error
+            raise
+        self._end(module, output, True)
+        return output
 
     def _hook_backward_end(self, record: Record, inputs: list) -> Any:
         """Hook the end of ``record``'s backward: all gradients w.r.t. ``inputs`` (non-leaf tensors) computed."""
@@ -219,13 +280,15 @@ class ModuleTracker:
         (which the global pre-hook does not see) are known here: an output that
         passes one through is not hooked either.
         """
+        if is_compiling():
+            return
         recorder = self._recorder
         if not recorder.active or not self._calls:
             return
         try:
             if not recorder.tracks_thread(claim=False):
                 return
-            entry_module, record, ends = self._calls[-1]
+            entry_module, record, ends, _ = self._calls[-1]
             if entry_module is module and record is not None:
                 if kwargs and record.pass_ == "forward":
                     self._add_keyword_inputs(module, record, ends, kwargs)
@@ -233,7 +296,8 @@ class ModuleTracker:
         except Exception as error:
             recorder.hook_failed("module forward hook", error)
 
-    def _hook_backward_begin(self, record: Record, output: Any) -> None:
+    def _hook_backward_begin(self, record: Record, output: Any, first: bool = False) -> None:
+        """Our backward-begin hook on each output; ``first``: before the output's hooks registered so far."""
         if record.pass_ != "forward" or not torch.is_grad_enabled():
             return
         # An output that is an input passed through (the same tensor, or the same autograd
@@ -249,9 +313,17 @@ class ModuleTracker:
             # "any" mode, without its per-call wrapper and lock).
             begin = _BackwardBegin(self._recorder, record)
             for tensor in outputs:
-                self._recorder.keep_hook(tensor.register_hook(begin))
+                handle = tensor.register_hook(begin)
+                self._recorder.keep_hook(handle)
+                if first:
+                    run_tensor_hook_first(tensor, handle)
 
     def _post_hook(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if not is_compiling():
+            self._end(module, output)
+
+    def _end(self, module: torch.nn.Module, output: Any, in_place_compiled: bool = False) -> None:
+        """A call ended; ``in_place_compiled``: the module's own hooks ran inside its compiled call."""
         recorder = self._recorder
         if not recorder.active or not self._calls:
             return
@@ -259,20 +331,39 @@ class ModuleTracker:
             if not recorder.tracks_thread(claim=False):
                 return
             calls = self._calls
-            entry_module, record, _ = calls.pop()
+            if calls[-1][3] and calls[-1][0] is not module:
+                return  # a module inside a compiled call
+            entry_module, record, _, _ = calls.pop()
             while entry_module is not module and calls:
-                entry_module, record, _ = calls.pop()  # a call whose hook never came back
+                entry_module, record, _, _ = calls.pop()  # a call whose hook never came back
             if entry_module is not module:
                 return
             if self._suspended and not calls:
                 self._add_global_hooks()
             recorder.module_post(module, record)
             if record is not None:
-                # The module's own hooks may have replaced the outputs (tensor parallel).
-                self._hook_backward_begin(record, output)
+                # The module's own hooks may have replaced the outputs (tensor parallel). In place
+                # compiled, they ran inside the compiled call: ours go before theirs (FSDP2's
+                # pre-backward all-gather belongs to this backward).
+                self._hook_backward_begin(record, output, first=in_place_compiled)
                 record.hooked_outputs = record.input_edges = _EMPTY
         except Exception as error:
             recorder.hook_failed("module forward hook", error)
+
+
+class _CompiledCall:
+    """Stands in for an in-place compiled module's ``_compiled_call_impl``: our span around its call."""
+
+    __slots__ = ("call", "module", "tracker")
+
+    def __init__(self, tracker: ModuleTracker, module: torch.nn.Module, call: Any) -> None:
+        self.tracker, self.module, self.call = tracker, weakref.ref(module), call
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        tracker, module = self.tracker, self.module()
+        if is_compiling() or tracker._suspended or not tracker._recorder.active or module is None:
+            return self.call(*args, **kwargs)
+        return tracker._run_compiled(module, self.call, args, kwargs)
 
 
 class _BackwardBegin:

@@ -133,19 +133,6 @@ def test_module_deleted_before_its_backward(telemetry, tracer_factory):
         "train_step", "Ephemeral forward", "Linear forward", "Ephemeral backward", "Linear backward"]
 
 
-def test_torch_compile_is_stated_and_the_step_still_exported(telemetry, tracer_factory, caplog):
-    model = Block()
-    compiled = torch.compile(model, backend="eager")
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with tracer_factory():
-        for _ in range(2):
-            step(compiled, optimizer, torch.ones(1, 4, requires_grad=True))
-    steps = telemetry.by_name("train_step")
-    assert len(steps) == 2
-    assert all(s.attributes.get(semconv.SPAN_UNOBSERVED) == "torch.compile" for s in steps)
-    assert len([r for r in caplog.records if "torch.compile" in r.getMessage()]) == 1
-
-
 def test_meta_tensor_collectives_are_marked_not_counted(telemetry, tracer_factory, single_rank_group):
     class Meta(nn.Module):
         def forward(self, x):
