@@ -6,11 +6,12 @@ message and the source lines. What we export and log of an exception is
 therefore built here:
 
 * ``exception.type``: the exception's class name (as the OTel SDK records it);
-* ``exception.message``: its message with every tensor or array repr, and
-  every bracketed list of numbers that holds a float or more than 16 numbers,
-  replaced by ``<values>``, and every other float literal too (a scalar read
-  with ``.item()``) (``redacted``, the default; integers and short integer
-  lists such as shapes stay), the message as it is (``full``, an opt-in), or nothing (``none``);
+* ``exception.message``: its message with every tensor or array repr, every
+  number (integers too: token ids and labels are tensor values, and a shape
+  cannot be told from them) and every bytes literal replaced by ``<values>``
+  (``redacted``, the default; digits inside names such as ``conv2d`` or
+  ``layers.0`` stay), the message as it is (``full``, an opt-in), or nothing
+  (``none``). Only the first 4,096 characters are read, in time linear in them;
 * ``exception.stacktrace``: code locations only (``File "...", line N, in f``),
   never source lines, locals or the message.
 
@@ -27,23 +28,16 @@ REDACTED = "<values>"
 
 # A repr that opens with one of these names and a parenthesis is a value dump to its closing parenthesis.
 _VALUE_CALL = re.compile(r"\b(?:tensor|Tensor|DTensor|AsyncCollectiveTensor|Parameter|array|ndarray|matrix)\(")
-# numpy's str(), tolist(): a bracketed block of numbers only. Kept when it holds at most
-# _MAX_KEPT_INTEGERS integers and no float (a shape, a rank list, an index).
-_NUMBER_BLOCK = re.compile(r"\[[\s\[\],.\deE+\-]*\d[\s\[\],.\deE+\-]*\]|\[[\s\[\],]*(?:nan|inf)[^\]]*\]")
-_FLOAT = re.compile(r"\d\.|\.\d|\de[+\-]?\d|nan|inf", re.IGNORECASE)
-_NUMBER = re.compile(r"\d+")
-_MAX_KEPT_INTEGERS = 16
-# Not inside a dotted version or name ("2.13.0", "layers.0.attention").
-_FLOAT_LITERAL = re.compile(
-    r"(?<![\w.])[-+]?(?:\d+\.\d*|\.\d+|\d+(?=[eE][-+]?\d))(?:[eE][-+]?\d+)?(?!\w|\.\d)|\b(?:nan|inf)\b",
+# Every number: decimal, float, exponent, hex (floats too: float.hex()), complex; "677/926" and "0,7311" are two.
+# Not the digits of a name ("conv2d", "fc_1") or of a dotted path after a name ("layers.0").
+_NUMBER = re.compile(
+    r"(?<![A-Za-z_\d])(?<![A-Za-z_]\.)"
+    r"(?:0[xX][\da-fA-F_]*(?:\.[\da-fA-F]*)?(?:[pP][-+]?\d+)?|\d[\d_]*(?:\.\d*)?(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?)"
+    r"[jJ]?|\b(?:nan|inf)\b",
     re.IGNORECASE)
-
-
-def _values_or_shape(match: re.Match) -> str:
-    block = match.group(0)
-    if _FLOAT.search(block) or len(_NUMBER.findall(block)) > _MAX_KEPT_INTEGERS:
-        return REDACTED
-    return block
+_BYTES = re.compile(r"\b[bB][rR]?(?:'(?:[^'\\\n]|\\.)*'|\"(?:[^\"\\\n]|\\.)*\")")
+_RUN = re.compile(r"<values>(?:[\s,;:/+\-]*<values>)+")  # "1, 2, 3" is one value dump, not three
+MAX_MESSAGE_CHARS = 4096  # what is read of a message: the span limits cut exported strings shorter
 
 
 def _close(text: str, start: int, opening: str, closing: str) -> int:
@@ -61,10 +55,14 @@ def _close(text: str, start: int, opening: str, closing: str) -> int:
 
 
 def redact_message(text: str) -> str:
-    """``text`` with tensor, array and number-list reprs and float literals replaced by ``<values>``.
+    """``text`` with tensor and array reprs, numbers and bytes literals replaced by ``<values>``.
 
-    Example: ``"out of range: tensor([[1.5, 2.0]])"`` becomes ``"out of range: <values>"``.
+    Example: ``"out of range: tensor([[1.5, 2.0]]) at step 7"`` becomes
+    ``"out of range: <values> at step <values>"``. Reads at most ``MAX_MESSAGE_CHARS``
+    characters (a longer message ends in ``…``); every pattern is linear in them.
     """
+    if len(text) > MAX_MESSAGE_CHARS:
+        text = text[:MAX_MESSAGE_CHARS] + "…"
     parts: list[str] = []
     position = 0
     for match in _VALUE_CALL.finditer(text):
@@ -74,9 +72,17 @@ def redact_message(text: str) -> str:
         parts.append(REDACTED)
         position = _close(text, match.end() - 1, "(", ")")
     parts.append(text[position:])
-    redacted = _NUMBER_BLOCK.sub(_values_or_shape, "".join(parts))
-    redacted = _FLOAT_LITERAL.sub(REDACTED, redacted)  # a scalar read out with .item()
-    return redacted
+    redacted = _BYTES.sub(REDACTED, "".join(parts))
+    redacted = _NUMBER.sub(REDACTED, redacted)
+    return _RUN.sub(REDACTED, redacted)
+
+
+def message_of(error: BaseException) -> str:
+    """``str(error)``, or ``<unprintable Type>`` when its ``__str__`` raises."""
+    try:
+        return str(error)
+    except Exception:
+        return f"<unprintable {type(error).__name__}>"
 
 
 def code_locations(error: BaseException) -> str:
@@ -96,7 +102,7 @@ def exception_attributes(error: BaseException, messages: str = "redacted") -> di
     """
     attributes: dict[str, Any] = {"exception.type": type(error).__name__}
     if messages != "none":
-        text = str(error)
+        text = message_of(error)
         message = text if messages == "full" else redact_message(text)
         if message:
             attributes["exception.message"] = message
@@ -107,5 +113,5 @@ def exception_attributes(error: BaseException, messages: str = "redacted") -> di
 
 def describe(error: BaseException) -> str:
     """``Type: redacted message``, for our own log lines."""
-    message = redact_message(str(error))
+    message = redact_message(message_of(error))
     return f"{type(error).__name__}: {message}" if message else type(error).__name__
