@@ -32,7 +32,10 @@ from typing import Any
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
 _instruments = ("torch >= 2.6",)
-_lock = threading.Lock()  # instrument() / uninstrument(): check and change, one thread at a time
+# Re-entrant: starting imports torch.optim, which can fire the environment start's
+# post-import hook on this same thread (opentelemetry-instrument with ENABLED=true).
+_lock = threading.RLock()
+_starting = threading.local()
 
 _LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch",
                      "torch.distributed.elastic.agent")
@@ -109,7 +112,13 @@ class CommDebugInstrumentor(BaseInstrumentor):
 
     def instrument(self, **kwargs: Any) -> Any:
         with _lock:  # check-then-start, one thread at a time
-            return super().instrument(**kwargs)
+            if getattr(_starting, "now", False):
+                return None  # a start inside this thread's own start: that one goes on
+            _starting.now = True
+            try:
+                return super().instrument(**kwargs)
+            finally:
+                _starting.now = False
 
     def uninstrument(self, **kwargs: Any) -> Any:
         with _lock:

@@ -90,6 +90,14 @@ def test_opentelemetry_instrument(receiver, tmp_path):
     check_tp_run(receiver, steps=[0, 1])
 
 
+def test_opentelemetry_instrument_with_enabled_too(receiver, tmp_path):
+    # The environment start fired inside opentelemetry-instrument's own start (both import torch) and waited
+    # for its lock forever: the workers never trained.
+    launch([str(BIN / "opentelemetry-instrument"), *torchrun(steps=2)], receiver, tmp_path,
+           OTEL_PYTHON_COMMDEBUG_ENABLED="true")
+    check_tp_run(receiver, steps=[0, 1])
+
+
 def test_disabled_instrumentations_turns_it_off(receiver, tmp_path):
     launch([str(BIN / "opentelemetry-instrument"), *torchrun(steps=1)], receiver, tmp_path,
            OTEL_PYTHON_DISABLED_INSTRUMENTATIONS="commdebug")
