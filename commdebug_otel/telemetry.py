@@ -274,19 +274,21 @@ class Telemetry:
             self._chain_signals()
 
     def _chain_signals(self) -> None:
-        """Flush on SIGTERM and SIGINT, then hand the signal to the handler that was there.
+        """Flush on the signals torchrun forwards, then hand the signal to the handler that was there.
 
         torchrun sends SIGTERM to every worker when a peer fails or the job is
-        restarted; the default action kills the process without atexit, and
-        every finished step and metric point still buffered would be lost. Only
-        the main thread can set handlers: elsewhere this does nothing.
+        restarted, and forwards SIGINT, SIGHUP and SIGQUIT it receives
+        (``torch.distributed.elastic``'s termination handler); their default
+        action kills the process without atexit, and every finished step and
+        metric point still buffered would be lost. Only the main thread can set
+        handlers: elsewhere this does nothing. An ignored signal stays ignored.
         """
         if threading.current_thread() is not threading.main_thread():
             return
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        for signum in _FLUSH_SIGNALS:
             try:
                 previous = signal.getsignal(signum)
-                if previous is None:  # set outside Python: leave it alone
+                if previous is None or previous == signal.SIG_IGN:  # set outside Python, or ignored: leave it
                     continue
                 signal.signal(signum, functools.partial(self._on_signal, previous))
             except (ValueError, OSError) as error:  # an embedded interpreter, a restricted platform
@@ -476,6 +478,11 @@ def _exporter_arguments(export: ExportEnv, signal: str, transport: str) -> dict[
             from opentelemetry.exporter.otlp.proto.http import Compression
         arguments["compression"] = Compression.NoCompression
     return arguments
+
+
+# SIGHUP and SIGQUIT do not exist on Windows.
+_FLUSH_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+                       if hasattr(signal, name))
 
 
 def _run_bounded(what: str, calls: list, timeout_s: float) -> bool:

@@ -364,7 +364,7 @@ def test_file_export_failures_are_counted_said_once_and_lines_stay_whole(tmp_pat
     assert oct(run.stat().st_mode & 0o777) == "0o700"
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT])
 def test_a_signal_keeps_the_finished_steps_and_ends_the_process_as_before(tmp_path, signum):
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env["OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR"] = str(tmp_path)  # files; metrics every 60 s by default
