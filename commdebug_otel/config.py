@@ -83,6 +83,8 @@ from opentelemetry.sdk.environment_variables import (
     OTEL_SPAN_LINK_COUNT_LIMIT,
 )
 
+from .redact import hide_credentials
+
 _logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "OTEL_PYTHON_COMMDEBUG_"
@@ -760,7 +762,7 @@ _endpoint_warnings: set[tuple[str, str]] = set()
 def _warn_endpoint_once(variable: str, endpoint: str, message: str) -> None:
     if (variable, endpoint) not in _endpoint_warnings:
         _endpoint_warnings.add((variable, endpoint))
-        job_log(_logger)("commdebug-otel: %s=%s %s", variable, endpoint, message)
+        job_log(_logger)("commdebug-otel: %s=%s %s", variable, hide_credentials(endpoint), hide_credentials(message))
 
 
 # ------------------------------------------------------------------ torchrun's variables

@@ -35,6 +35,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 
 from . import semconv
 from ._sdk import batch_queue, exporter_preferences, replace_batch_queue
+from .redact import describe, hide_credentials
 
 _logger = logging.getLogger(__name__)
 
@@ -112,7 +113,8 @@ def warn_once(endpoint: str, what: str) -> None:
         return
     detail = f" ({_fold.last_message})" if _fold.last_message else ""
     _logger.warning("commdebug-otel: cannot export %s to %s%s; dropped telemetry is counted in "
-                    "commdebug.telemetry.dropped and training continues", what, endpoint, detail)
+                    "commdebug.telemetry.dropped and training continues", what, hide_credentials(endpoint),
+                    hide_credentials(detail))
 
 
 def _span_bytes(span: ReadableSpan) -> int:
@@ -246,7 +248,7 @@ class SizedSpanExporter(SpanExporter):
             try:
                 outcome = self._inner.export(chunk)
             except Exception as error:  # an exporter bug must not kill the export thread
-                _fold.last_message = f"{type(error).__name__}: {error}"
+                _fold.last_message = describe(error)
                 outcome = SpanExportResult.FAILURE
             if outcome is not SpanExportResult.SUCCESS:
                 result = SpanExportResult.FAILURE
@@ -302,7 +304,7 @@ class CountingMetricExporter(MetricExporter):
         try:
             outcome = self._inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
         except Exception as error:
-            _fold.last_message = f"{type(error).__name__}: {error}"
+            _fold.last_message = describe(error)
             outcome = MetricExportResult.FAILURE
         if outcome is not MetricExportResult.SUCCESS:
             self._count_dropped(semconv.DROPPED_KIND_METRIC_EXPORT, 1)

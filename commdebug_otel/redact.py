@@ -72,7 +72,7 @@ def redact_message(text: str) -> str:
         parts.append(REDACTED)
         position = _close(text, match.end() - 1, "(", ")")
     parts.append(text[position:])
-    redacted = _BYTES.sub(REDACTED, "".join(parts))
+    redacted = _BYTES.sub(REDACTED, hide_credentials("".join(parts)))
     redacted = _NUMBER.sub(REDACTED, redacted)
     return _RUN.sub(REDACTED, redacted)
 
@@ -83,6 +83,19 @@ def message_of(error: BaseException) -> str:
         return str(error)
     except Exception:
         return f"<unprintable {type(error).__name__}>"
+
+
+# "user:password@" or "token@" before a host, with or without a scheme; and a URL's query (it may hold a key).
+_USERINFO = re.compile(r"(?<![\w.+-])((?:[A-Za-z][\w+.-]*://)?)[^\s/@?#'\"]+@(?=[\w\[])")
+_QUERY = re.compile(r"(://[^\s?#'\"]*)\?[^\s#'\"]*")
+
+
+def hide_credentials(text: str) -> str:
+    """``text`` with the credentials of any URL or endpoint in it replaced: ``http://<credentials>@host:4318/v1``.
+
+    An endpoint may carry ``user:password@`` or an API key in its query; we name endpoints in warnings.
+    """
+    return _QUERY.sub(r"\1?<credentials>", _USERINFO.sub(r"\1<credentials>@", text))
 
 
 def code_locations(error: BaseException) -> str:

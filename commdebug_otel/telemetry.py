@@ -59,7 +59,7 @@ from .export_guard import (
     fold_exporter_logs,
 )
 from .metrics import dropped_counter
-from .redact import describe
+from .redact import describe, hide_credentials
 from .spans import SpanBuilder, StepIdGenerator, TracerSetup, attach_id_generator
 from .steps import RankCache, RankInfo
 from .version import __version__
@@ -460,7 +460,7 @@ class Telemetry:
             return
         self._stalled = True
         unnamed = [endpoint for endpoint in dict.fromkeys(self.endpoints) if claim_warning(endpoint)]
-        where = f" to {', '.join(unnamed)}" if unnamed else ""
+        where = f" to {', '.join(hide_credentials(endpoint) for endpoint in unnamed)}" if unnamed else ""
         # One warning per process: where the endpoint's own warning came first, this one is detail.
         log = _logger.warning if unnamed or not self.endpoints else _logger.info
         log("commdebug-otel: telemetry %s did not finish within %.1f s "

@@ -96,6 +96,18 @@ def test_the_sdks_own_numbers_out_of_range_cost_one_message_not_the_export(tmp_p
     assert f"{variable}={value} is not" in said and said.endswith(f"; using {default}")
 
 
+@pytest.mark.parametrize("variables", [
+    {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://bob:pa55w0rd@127.0.0.1:9"},
+    {"OTEL_EXPORTER_OTLP_ENDPOINT": "bob:pa55w0rd@127.0.0.1:9"},  # no scheme: named in the TLS hint too
+    {"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "bob:pa55w0rd@127.0.0.1:9"},
+    {"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9/?key=pa55w0rd"},
+])
+def test_credentials_in_an_endpoint_are_never_printed(tmp_path, variables):
+    stderr = _train(tmp_path, OTEL_EXPORTER_OTLP_TIMEOUT="1", OTEL_PYTHON_COMMDEBUG_SHUTDOWN_TIMEOUT="2", **variables)
+    assert "pa55w0rd" not in stderr and "bob" not in stderr
+    assert _said(stderr, "<credentials>")  # the endpoint is still named
+
+
 def test_a_malformed_header_is_named_without_its_secret(tmp_path):
     with OtlpReceiver() as receiver:
         stderr = _train(tmp_path, OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint,

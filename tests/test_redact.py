@@ -2,7 +2,7 @@
 
 import pytest
 
-from commdebug_otel.redact import MAX_MESSAGE_CHARS, describe, exception_attributes, redact_message
+from commdebug_otel.redact import MAX_MESSAGE_CHARS, describe, exception_attributes, hide_credentials, redact_message
 
 
 @pytest.mark.parametrize("message, exported", [
@@ -44,3 +44,13 @@ def test_an_exception_whose_str_raises_is_named_not_raised():
     # Its step's spans were lost: building the exception event raised.
     assert exception_attributes(_Unprintable())["exception.message"] == "<unprintable _Unprintable>"
     assert describe(_Unprintable()) == "_Unprintable: <unprintable _Unprintable>"
+
+
+@pytest.mark.parametrize("text, shown", [
+    ("user:S3CRET@127.0.0.1:1", "<credentials>@127.0.0.1:1"),
+    ("Failed to export to http://u:p@[::1]:4317 now", "Failed to export to http://<credentials>@[::1]:4317 now"),
+    ("http://collector:4318/v1/traces?api_key=abc&x=1", "http://collector:4318/v1/traces?<credentials>"),
+    ("https://collector:4317", "https://collector:4317"),
+])
+def test_endpoint_credentials_are_hidden(text, shown):
+    assert hide_credentials(text) == shown
