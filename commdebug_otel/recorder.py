@@ -699,6 +699,12 @@ class Recorder:
             return
         owner.dropped_events += 1
         self._count_dropped(semconv.DROPPED_KIND_EVENT)
+        if owner.dropped_events == 1 and variable("max_events_per_span") not in self._failed:
+            self._failed.add(variable("max_events_per_span"))
+            _logger.warning("commdebug-otel: span %r reached %s=%d events; later ones are dropped, counted on the "
+                            "span (%s) and in %s (kind %s)", owner.name, variable("max_events_per_span"),
+                            self.settings.max_events_per_span, semconv.SPAN_DROPPED_EVENTS, semconv.METRIC_DROPPED,
+                            semconv.DROPPED_KIND_EVENT)
 
 
 def _end_backward_records(records: list[Record], now: int) -> None:

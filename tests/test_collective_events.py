@@ -154,7 +154,7 @@ def test_metrics_of_a_step_that_never_ends_are_recorded(telemetry, tracer_factor
     assert sum(point.count for _, point in completions) == 2  # both c10d all_reduces completed
 
 
-def test_event_cap_counts_overflow_on_span_and_metric(telemetry, tracer_factory, single_rank_group):
+def test_event_cap_counts_overflow_on_span_and_metric(telemetry, tracer_factory, single_rank_group, caplog):
     class Chatty(torch.nn.Module):
         def forward(self, x):
             for _ in range(7):
@@ -163,12 +163,15 @@ def test_event_cap_counts_overflow_on_span_and_metric(telemetry, tracer_factory,
 
     with tracer_factory(max_events_per_span=5):
         Chatty()(torch.ones(1))
-    span = telemetry.one("Chatty forward")
+        Chatty()(torch.ones(1))
+    [said] = [r.getMessage() for r in caplog.records if "OTEL_PYTHON_COMMDEBUG_MAX_EVENTS_PER_SPAN" in r.getMessage()]
+    assert said.startswith("commdebug-otel: span 'Chatty forward' reached OTEL_PYTHON_COMMDEBUG_MAX_EVENTS_PER_SPAN=5")
+    span = telemetry.by_name("Chatty forward")[0]
     assert len(span.events) == 5
     assert span.attributes[semconv.SPAN_DROPPED_EVENTS] == 2
-    assert telemetry.metric_points(semconv.METRIC_DROPPED) == [({semconv.DROPPED_KIND: "event", semconv.RANK: 0}, 2)]
+    assert telemetry.metric_points(semconv.METRIC_DROPPED) == [({semconv.DROPPED_KIND: "event", semconv.RANK: 0}, 4)]
     [(_, count)] = telemetry.metric_points(semconv.METRIC_OPERATIONS)
-    assert count == 7  # metrics never drop
+    assert count == 14  # metrics never drop
 
 
 def test_dtensor_op_events_by_detail(telemetry, tracer_factory, single_rank_group):
