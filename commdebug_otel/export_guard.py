@@ -201,6 +201,8 @@ class SizedSpanExporter(SpanExporter):
         self._count_dropped = count_dropped
         self._max_request_bytes = max_request_bytes
         self._framing: tuple[Any, Any, int] | None = None
+        self._in_flight = 0  # spans of the request being sent
+        self._abandoned = False  # what is unsent was counted already (exit ran out of time)
 
     def _framing_bound(self, span: ReadableSpan) -> int:
         """Resource and scope bytes a request carries for ``span`` (cached per resource)."""
@@ -245,16 +247,26 @@ class SizedSpanExporter(SpanExporter):
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         result = SpanExportResult.SUCCESS
         for chunk in self._chunks(spans):
+            self._in_flight = len(chunk)
             try:
                 outcome = self._inner.export(chunk)
             except Exception as error:  # an exporter bug must not kill the export thread
                 _fold.last_message = describe(error)
                 outcome = SpanExportResult.FAILURE
+            finally:
+                self._in_flight = 0
             if outcome is not SpanExportResult.SUCCESS:
                 result = SpanExportResult.FAILURE
-                self._count_dropped(semconv.DROPPED_KIND_SPAN, len(chunk))
+                if not self._abandoned:
+                    self._count_dropped(semconv.DROPPED_KIND_SPAN, len(chunk))
                 warn_once(self._endpoint, "spans")
         return result
+
+    def abandon(self) -> int:
+        """The process is leaving without waiting for this exporter: the spans of the request in flight,
+        which the caller counts as dropped (a failure later is not counted again)."""
+        self._abandoned = True
+        return self._in_flight
 
     def shutdown(self) -> None:
         self._inner.shutdown()

@@ -49,6 +49,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 
 from . import semconv
+from ._sdk import batch_queue
 from .config import ExportEnv, Settings
 from .export_guard import (
     CountingBatchSpanProcessor,
@@ -147,6 +148,7 @@ class Telemetry:
         self._meter = None
         self._tracer_setup: TracerSetup | None = None
         self._own_span_processors: list[Any] = []
+        self._span_guards: list[SizedSpanExporter] = []  # our span exporters' guards (unsent spans at exit)
         self._lock = threading.Lock()
         # The recorder's span sink: finished records become spans on this telemetry's tracer.
         self.spans = SpanBuilder(self.tracer_setup)
@@ -391,6 +393,7 @@ class Telemetry:
                 extra = ", prometheus" if signal == "metrics" else ""
                 _logger.warning("commdebug-otel: ignoring OTEL_%s_EXPORTER value %r: "
                                 "expected otlp%s, file, console or none", signal.upper(), name, extra)
+        self._span_guards.extend(exporter for exporter in exporters if isinstance(exporter, SizedSpanExporter))
         return exporters
 
     def reset_after_fork(self) -> None:
@@ -401,6 +404,7 @@ class Telemetry:
             self._rank.reset()
         self._own_tracer_provider = self._own_meter_provider = None
         self._own_span_processors = []
+        self._span_guards = []
         self._lock = threading.Lock()
 
     def count_dropped(self, kind: str, count: int) -> None:
@@ -419,41 +423,54 @@ class Telemetry:
     # -------------------------------------------------------------- shutdown
     def force_flush(self) -> None:
         """Export what our own providers buffer, within what is left of the budget (see :meth:`shutdown`)."""
-        providers = [p for p in (self._own_tracer_provider, self._own_meter_provider) if p is not None]
         timeout_ms = int(self._settings.shutdown_timeout_s * 1000)
-        self._bounded("flush", [lambda p=p: p.force_flush(timeout_ms) for p in providers])
+        traces, metrics = self._own_tracer_provider, self._own_meter_provider
+        self._bounded("flush", [lambda: traces.force_flush(timeout_ms)] if traces is not None else [],
+                      [lambda: metrics.force_flush(timeout_ms)] if metrics is not None else [])
 
     def shutdown(self) -> None:
         """Flush and shut our providers down, traces and metrics together, within the budget.
 
         The budget is ``shutdown_timeout_s`` for a flush (``CommTracer.stop``) and
         the shutdown at exit that follows it, together. The providers' calls run
-        in a daemon thread joined with what is left, so an unreachable or
+        in daemon threads joined with what is left, so an unreachable or
         black-holed collector costs at most that and never blocks exit; once a
         call has run out of time, later ones are not waited for at all, and one
-        warning says so. Injected providers are left to their owner.
+        warning says so. Metrics go after spans (spans dropped at exit are
+        counted in them), but a quarter of the budget (at most 1 s) is theirs
+        whatever the spans do: a dead trace endpoint does not cost the metrics,
+        and the spans still unsent then are counted as dropped (the same goes
+        for ``force_flush``: a collector that answers later gets them, counted
+        all the same). Injected
+        providers are left to their owner.
         """
-        providers = [p for p in (self._own_tracer_provider, self._own_meter_provider) if p is not None]
+        traces, metrics = self._own_tracer_provider, self._own_meter_provider
         self._own_tracer_provider = self._own_meter_provider = None
-        timeout_s = self._settings.shutdown_timeout_s
-        calls = []
-        for provider in providers:
-            if isinstance(provider, MeterProvider):
-                calls.append(lambda p=provider: p.shutdown(timeout_millis=timeout_s * 1000))
-            else:
-                calls.append(provider.shutdown)
-        self._bounded("shutdown", calls)
+        timeout_ms = self._settings.shutdown_timeout_s * 1000
+        self._bounded("shutdown", [traces.shutdown] if traces is not None else [],
+                      [lambda: metrics.shutdown(timeout_millis=timeout_ms)] if metrics is not None else [])
 
-    def _bounded(self, what: str, calls: list) -> None:
-        """Run ``calls`` off this thread; wait at most what is left of the budget, nothing once one stalled."""
-        if not calls:
+    def _bounded(self, what: str, span_calls: list, metric_calls: list) -> None:
+        """Run the calls off this thread; wait at most what is left of the budget, nothing once one stalled."""
+        if not span_calls and not metric_calls:
             return
         budget_s = self._settings.shutdown_timeout_s
         now = time.monotonic()
         if now - self._last_wait_end > budget_s:
             self._spent_s = 0.0  # a flush long ago (an earlier `with` block) is not part of this exit
         left_s = 0.0 if self._stalled else max(0.0, budget_s - self._spent_s)
-        finished = _run_bounded(what, calls, left_s)
+        spans = _start_bounded(what, span_calls)
+        if spans is not None:
+            spans.join(left_s - min(1.0, left_s / 4) if metric_calls else left_s)
+        unsent = 0
+        if spans is not None and spans.is_alive() and not self._stalled:
+            unsent = self._count_unsent_spans()  # counted once: later waits are not waited for
+        points = _start_bounded(what, metric_calls)
+        if points is not None:
+            points.join(max(0.0, left_s - (time.monotonic() - now)))
+        if spans is not None:
+            spans.join(max(0.0, left_s - (time.monotonic() - now)))
+        finished = not any(worker is not None and worker.is_alive() for worker in (spans, points))
         self._last_wait_end = time.monotonic()
         self._spent_s += self._last_wait_end - now
         if finished or self._stalled:
@@ -461,11 +478,23 @@ class Telemetry:
         self._stalled = True
         unnamed = [endpoint for endpoint in dict.fromkeys(self.endpoints) if claim_warning(endpoint)]
         where = f" to {', '.join(hide_credentials(endpoint) for endpoint in unnamed)}" if unnamed else ""
+        counted = f" ({unsent} spans counted as dropped)" if unsent else ""
         # One warning per process: where the endpoint's own warning came first, this one is detail.
         log = _logger.warning if unnamed or not self.endpoints else _logger.info
         log("commdebug-otel: telemetry %s did not finish within %.1f s "
-                        "(OTEL_PYTHON_COMMDEBUG_SHUTDOWN_TIMEOUT, for flush and shutdown together); "
-                        "unsent telemetry%s is dropped", what, budget_s, where)
+            "(OTEL_PYTHON_COMMDEBUG_SHUTDOWN_TIMEOUT, for flush and shutdown together); "
+            "unsent telemetry%s is dropped%s", what, budget_s, where, counted)
+
+    def _count_unsent_spans(self) -> int:
+        """Count the spans still queued in our processors as dropped (before the last metrics go). Never raises."""
+        unsent = sum(guard.abandon() for guard in self._span_guards)
+        for processor in self._own_span_processors:
+            found = batch_queue(processor)
+            if found is not None:
+                unsent += len(found[1])
+        if unsent:
+            self.count_dropped(semconv.DROPPED_KIND_SPAN, unsent)
+        return unsent
 
 
 def _exporter_arguments(export: ExportEnv, signal: str, transport: str) -> dict[str, Any]:
@@ -485,8 +514,10 @@ _FLUSH_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "
                        if hasattr(signal, name))
 
 
-def _run_bounded(what: str, calls: list, timeout_s: float) -> bool:
-    """Run ``calls`` in order in one daemon thread; wait at most ``timeout_s`` seconds. True if they finished."""
+def _start_bounded(what: str, calls: list) -> threading.Thread | None:
+    """Run ``calls`` in order in a daemon thread (None when there are none); the caller joins it."""
+    if not calls:
+        return None
 
     def run() -> None:
         for call in calls:
@@ -497,8 +528,7 @@ def _run_bounded(what: str, calls: list, timeout_s: float) -> bool:
 
     worker = threading.Thread(target=run, name=f"commdebug-otel-{what}", daemon=True)
     worker.start()
-    worker.join(timeout_s)
-    return not worker.is_alive()
+    return worker
 
 
 def _pull_reader_class() -> type:

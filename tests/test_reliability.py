@@ -62,6 +62,40 @@ def closed_port():
         return sock.getsockname()[1]
 
 
+def _dropped_spans(run_dir):
+    from commdebug_otel.offline.otlp_json import metrics_from_otlp_json
+
+    points = [point for line in (run_dir / "metrics-rank0.jsonl").read_text().splitlines()
+              for point in metrics_from_otlp_json(line) if point["name"] == semconv.METRIC_DROPPED
+              and point["attributes"][semconv.DROPPED_KIND] == semconv.DROPPED_KIND_SPAN]
+    return max((point["value"] for point in points), default=0)
+
+
+@pytest.mark.parametrize("collector", ["black-holed", "unreachable"])
+@pytest.mark.parametrize("ending", ["exit", "stop"])
+def test_a_dead_trace_endpoint_costs_neither_the_metrics_nor_an_uncounted_span(tmp_path, collector, ending):
+    # The metrics went after the spans in one thread: a trace endpoint that never answered took the whole
+    # budget, no metric reached its (working) file, and the spans left unsent were counted nowhere.
+    healthy = tmp_path / "healthy"
+    stop = ["--stop"] if ending == "stop" else []
+    result, _ = run_script(["one_rank.py", "3", *stop], {"OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR": str(healthy)})
+    assert result.returncode == 0, result.stderr
+    from commdebug_otel.offline.summary import load_spans
+
+    spans = len(load_spans([str(next(healthy.glob("run-*")))]))
+    hole = BlackHole() if collector == "black-holed" else None
+    try:
+        result, _ = run_script(["one_rank.py", "3", *stop], {
+            "OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR": str(tmp_path / "dead"), "OTEL_EXPORTER_OTLP_TIMEOUT": "30",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{hole.port if hole else closed_port()}",
+            "OTEL_PYTHON_COMMDEBUG_SHUTDOWN_TIMEOUT": "3"})
+    finally:
+        if hole:
+            hole.close()
+    assert result.returncode == 0, result.stderr
+    assert spans > 0 and _dropped_spans(next((tmp_path / "dead").glob("run-*"))) == spans, result.stderr
+
+
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
 @pytest.mark.parametrize("collector", ["black-holed", "unreachable"])
 @pytest.mark.parametrize("ending", ["exit", "stop"])
