@@ -36,6 +36,7 @@ errors, logs once and gives up; none raises into training.
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import Any
 
@@ -170,7 +171,7 @@ class ModuleTracker:
             original = compiled_original(module)
             handle = self._post_handles.get(module)
             if handle is None:
-                handle = module.register_forward_hook(self._post_hook, always_call=True)
+                handle = module.register_forward_hook(_PostHook(self), always_call=True)
                 self._post_handles[module] = handle
             else:
                 keep_forward_hook_last(module, handle)  # hooks added after ours must run inside the span
@@ -351,6 +352,34 @@ class ModuleTracker:
             recorder.hook_failed("module forward hook", error)
 
 
+def _inert_hook(*_args: Any) -> None:
+    """What a copy or an unpickled module gets in place of our forward hook: nothing (ours is added anew)."""
+    return None
+
+
+def _inert() -> Any:
+    return _inert_hook
+
+
+class _PostHook:
+    """Our per-module forward hook. A module holds it in ``_forward_hooks``, so ``copy.deepcopy(model)``
+    (an EMA copy) and ``torch.save(model)`` meet it: they get :func:`_inert_hook`, not the tracer."""
+
+    __slots__ = ("tracker",)
+
+    def __init__(self, tracker: ModuleTracker) -> None:
+        self.tracker = tracker
+
+    def __call__(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        self.tracker._post_hook(module, args, output)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return _inert_hook
+
+    def __reduce__(self) -> Any:
+        return _inert, ()  # unpickled, it is _inert_hook
+
+
 class _CompiledCall:
     """Stands in for an in-place compiled module's ``_compiled_call_impl``: our span around its call."""
 
@@ -358,6 +387,12 @@ class _CompiledCall:
 
     def __init__(self, tracker: ModuleTracker, module: torch.nn.Module, call: Any) -> None:
         self.tracker, self.module, self.call = tracker, weakref.ref(module), call
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return copy.deepcopy(self.call, memo)  # a copy of the module gets torch's compiled call, as untraced
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self.call.__reduce_ex__(protocol)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         tracker, module = self.tracker, self.module()

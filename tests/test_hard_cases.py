@@ -196,3 +196,26 @@ def test_a_thousand_traced_steps_leave_nothing_open_and_no_state_growth(telemetr
     assert late["open forward records"] == late["open backward records"] == 0
     assert telemetry.by_name("train_step")[-1].attributes[semconv.STEP] == 999
     assert not any(semconv.SPAN_UNMATCHED in s.attributes for s in telemetry.spans())
+
+
+def test_a_model_copied_or_saved_while_traced(telemetry, tracer_factory):
+    # copy.deepcopy(model) (an EMA copy) and torch.save(model) reached the tracer through our forward hook
+    # and raised "cannot pickle '_thread.lock' object" into the script.
+    import copy
+    import io
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tracer_factory():
+        model(torch.ones(1, 4)).sum().backward()
+        optimizer.step()
+        ema = copy.deepcopy(model)
+        saved = io.BytesIO()
+        torch.save(model, saved)
+        saved.seek(0)
+        loaded = torch.load(saved, weights_only=False)
+        assert torch.equal(ema(torch.ones(1, 4)), loaded(torch.ones(1, 4)))
+        model(torch.ones(1, 4)).sum().backward()
+        optimizer.step()
+    assert [span.attributes[semconv.STEP] for span in telemetry.by_name("train_step")] == [0, 1]
+    assert len(telemetry.by_name("Sequential.1 backward")) == 2  # the model's own spans go on
