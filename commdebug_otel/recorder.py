@@ -369,8 +369,8 @@ class Recorder:
         if self._nonce is None:
             self._nonce = job_nonce()
         if step.kind is SpanKind.OUTSIDE_STEP:
-            # The counts cannot change while an outside_step is open: any step's opening closes it first.
-            label = outside_step_label(self._next_step, self._next_inference)
+            # The count cannot change while an outside_step is open: a step's opening closes it first.
+            label = outside_step_label(self._next_step)
         else:
             label = f"inference-{step.index}" if step.inference else step.index
         return step_trace_id(self.rank().run_id, self._nonce, label)

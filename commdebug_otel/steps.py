@@ -10,9 +10,9 @@ the first rank to ask sets it, every other rank reads it.
 
 ``outside_step`` segments (set-up, evaluation collectives, checkpoint saves
 between steps) get the same treatment: each is named by how many training
-steps and inference roots closed before it (:func:`outside_step_label`), which
-every rank running the same program agrees on, so the same segment is one
-trace on all ranks.
+steps closed before it (:func:`outside_step_label`), which every rank running
+the same program agrees on, so the segments between two steps are one trace on
+all ranks.
 """
 
 from __future__ import annotations
@@ -126,14 +126,15 @@ def step_trace_id(run_id: str, nonce: str, step: int | str) -> int:
     return int.from_bytes(digest[:16], "big") or 1
 
 
-def outside_step_label(steps_done: int, inferences_done: int) -> str:
-    """The trace label of the ``outside_step`` segment that opens after ``steps_done`` training
-    steps and ``inferences_done`` inference roots closed, for :func:`step_trace_id`.
+def outside_step_label(steps_done: int) -> str:
+    """The trace label of the ``outside_step`` segments that open after ``steps_done`` training steps,
+    for :func:`step_trace_id`.
 
-    >>> outside_step_label(0, 0)  # set-up, before the first step
-    'outside-0-0'
+    >>> outside_step_label(0)  # set-up, before the first step
+    'outside-0'
 
-    Ranks agree on it as they agree on step numbers; two segments of one rank never share it
-    (a segment ends only when a step or an inference root opens, which advances one count).
+    Ranks agree on it as they agree on step numbers, whatever else one rank does between steps (an
+    evaluation on rank 0 alone closes a segment there and not elsewhere): all segments between two
+    steps are one trace, with a root span per segment.
     """
-    return f"outside-{steps_done}-{inferences_done}"
+    return f"outside-{steps_done}"
