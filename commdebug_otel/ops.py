@@ -186,6 +186,13 @@ def _is_fake(tensor: torch.Tensor) -> bool:
     return tensor.is_meta or type(tensor).__name__ == "FakeTensor"
 
 
+def compiler_traced(args: tuple) -> bool:
+    """Whether a collective's first tensor is a ``FakeTensor``: torch.compile tracing it (AOTAutograd
+    compiles a backward at its first run), not traffic; the compiled code issues the real one."""
+    first = next(_tensors(args), None)
+    return first is not None and type(first).__name__ == "FakeTensor"
+
+
 # What a barrier reports, as the PyTorch profiler does (ParamCommsUtils: 0 elements of kByte).
 _BARRIER_DTYPE = "uint8"
 

@@ -40,7 +40,7 @@ from ._torch import graph_task_id, queue_engine_callback
 from .collectives import PASS_NONE, Collective, CollectiveCounter, Why, event_attributes
 from .config import Settings, TraceScope, variable
 from .observer import RecorderObserver, SpanSink
-from .ops import CollectiveSpec, GroupResolver
+from .ops import CollectiveSpec, GroupResolver, compiler_traced
 from .records import Record, SpanKind, Step, descends_from, dtensor_facts, parameter_facts, span_tree
 from .redact import code_locations, describe
 from .steps import RankInfo, job_nonce, outside_step_label, rank_info, step_trace_id
@@ -619,6 +619,8 @@ class Recorder:
         """
         if is_compiling():
             return  # run on fake tensors while torch.compile builds a graph: the compiled code issues the real one
+        if compiler_traced(args):
+            return  # the same, where dynamo is not the tracer (AOTAutograd's backward): no event, no seq
         group = self._groups.resolve(spec, args)
         in_backward = graph_task_id() != -1
         if not in_backward and threading.get_ident() != self.thread_id:

@@ -219,3 +219,22 @@ def test_a_model_copied_or_saved_while_traced(telemetry, tracer_factory):
         optimizer.step()
     assert [span.attributes[semconv.STEP] for span in telemetry.by_name("train_step")] == [0, 1]
     assert len(telemetry.by_name("Sequential.1 backward")) == 2  # the model's own spans go on
+
+
+def test_collectives_on_fake_tensors_are_neither_events_nor_numbered(telemetry, tracer_factory, single_rank_group):
+    # AOTAutograd traces a compiled block's backward on FakeTensors at its first run: those collectives took
+    # sequence numbers and became events (torch.collective.fake) on the block's backward span.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    class Traced(nn.Module):
+        def forward(self, x):
+            with FakeTensorMode():
+                funcol.all_reduce(torch.empty(4), "sum", single_rank_group)
+            return funcol.all_reduce(x, "sum", single_rank_group)
+
+    with tracer_factory():
+        Traced()(torch.ones(2))
+    [event] = telemetry.one("Traced forward").events
+    assert event.attributes[semconv.COLLECTIVE_SEQ] == 0 and semconv.COLLECTIVE_FAKE not in event.attributes
+    [(_, count)] = telemetry.metric_points(semconv.METRIC_OPERATIONS)
+    assert count == 1
