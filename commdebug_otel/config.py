@@ -698,10 +698,13 @@ class ExportEnv:
         if self.prometheus_port_text is not None:
             try:
                 base = int(self.prometheus_port_text)
+                if not 1 <= base + local_rank <= 65535:
+                    raise ValueError(base)
             except ValueError:
-                _logger.warning("commdebug-otel: ignoring %s=%r: expected a port number; using %d",
-                                OTEL_EXPORTER_PROMETHEUS_PORT, self.prometheus_port_text,
-                                DEFAULT_PROMETHEUS_PORT)
+                _logger.warning("commdebug-otel: ignoring %s=%r: expected a port number from 1 to 65535 (less "
+                                "the local rank); using %d", OTEL_EXPORTER_PROMETHEUS_PORT,
+                                self.prometheus_port_text, DEFAULT_PROMETHEUS_PORT)
+                base = DEFAULT_PROMETHEUS_PORT
         return base + local_rank
 
 

@@ -371,8 +371,8 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
                 count_dropped(semconv.DROPPED_KIND_SPAN, 1)
                 if claim_warning("span queue"):
                     _logger.warning("commdebug-otel: the span export queue (%d spans) is full; spans are "
-                                    "dropped and counted (raise OTEL_BSP_MAX_QUEUE_SIZE, or lower "
-                                    "OTEL_PYTHON_COMMDEBUG_TRACE_EVERY's share of traced steps)", queue.maxlen)
+                                    "dropped and counted (raise OTEL_BSP_MAX_QUEUE_SIZE, or trace fewer steps: raise "
+                                    "OTEL_PYTHON_COMMDEBUG_TRACE_EVERY)", queue.maxlen)
 
             replace_batch_queue(holder, _CountingQueue(queue, queue.maxlen, dropped))
 

@@ -135,11 +135,12 @@ def test_the_signal_insecure_variable_beats_the_generic_one_as_in_the_sdk(caplog
         assert len(warned(environ)) == expected, environ
 
 
-def test_bad_prometheus_port_warns_and_uses_9464(caplog):
+@pytest.mark.parametrize("port", ["http", "99999", "-5", "65535"])  # 65535: the local rank 1 is past the last port
+def test_bad_prometheus_port_warns_and_uses_9464(caplog, port):
     with caplog.at_level(logging.WARNING, logger="commdebug_otel.config"):
-        assert ExportEnv.from_env({"OTEL_EXPORTER_PROMETHEUS_PORT": "http"}).prometheus_port(1) == 9465
+        assert ExportEnv.from_env({"OTEL_EXPORTER_PROMETHEUS_PORT": port}).prometheus_port(1) == 9465
     [record] = caplog.records
-    assert "OTEL_EXPORTER_PROMETHEUS_PORT" in record.getMessage() and "'http'" in record.getMessage()
+    assert "OTEL_EXPORTER_PROMETHEUS_PORT" in record.getMessage() and f"'{port}'" in record.getMessage()
 
 
 def test_rank_variables_from_a_plain_dict(caplog):
