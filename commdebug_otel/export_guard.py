@@ -73,17 +73,28 @@ _warned_lock = threading.Lock()
 
 
 class _SdkLogGuard(logging.Filter):
-    """The SDK's own lines that we replace: one per dropped span, and header values (secrets) it prints."""
+    """The SDK's own lines that we replace or repeat: one per dropped span, malformed header entries (printed
+    verbatim: secrets; we name the variable ourselves), and resource lines said once per provider."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._said: set[str] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.name == _HEADER_LOGGER:
-            record.args = ("(an entry of an OTEL_EXPORTER_OTLP_*HEADERS variable, not shown)",)
+            return False  # ExportEnv.exporter_arguments names the variable, without its value
+        if record.name == _RESOURCE_LOGGER:
+            message = record.getMessage()
+            if message in self._said:
+                return False  # the tracer and the meter provider each parse OTEL_RESOURCE_ATTRIBUTES
+            self._said.add(message)
             return True
         return not str(record.msg).startswith("Queue full")  # counted, and said once, by us
 
 
 _HEADER_LOGGER = "opentelemetry.util.re"  # parse_env_headers logs a malformed entry verbatim
-_SDK_LOGGERS = ("opentelemetry.sdk._shared_internal", _HEADER_LOGGER)
+_RESOURCE_LOGGER = "opentelemetry.sdk.resources"
+_SDK_LOGGERS = ("opentelemetry.sdk._shared_internal", _HEADER_LOGGER, _RESOURCE_LOGGER)
 
 
 def fold_exporter_logs() -> None:

@@ -106,6 +106,7 @@ def build_resource(rank: RankInfo, export: ExportEnv | None = None) -> Resource:
     ``export``: the standard variables (default: read now); without a service name there,
     ``service.name`` is ``torch-training``.
     """
+    fold_exporter_logs()  # the SDK's lines about OTEL_RESOURCE_ATTRIBUTES, once per process, not per provider
     attributes: dict[str, Any] = {
         semconv.RANK: rank.rank,
         semconv.WORLD_SIZE: rank.world_size,

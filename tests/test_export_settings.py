@@ -115,6 +115,7 @@ def test_a_malformed_header_is_named_without_its_secret(tmp_path):
         assert receiver.spans()
     assert "s3cr3t" not in stderr
     assert len(_said(stderr, "OTEL_EXPORTER_OTLP_HEADERS")) == 1
+    assert not _said(stderr, "Header format invalid")  # the SDK's own line, once per exporter, said nothing more
 
 
 def test_only_a_traces_endpoint_says_where_metrics_go(tmp_path):
@@ -135,6 +136,11 @@ def test_where_files_go_is_said_once_with_logging_at_info(tmp_path):
     assert where.endswith(f"writing traces and metrics as OTLP-JSON lines to {folder} (no OTLP endpoint for traces "
                           "and metrics: set OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
                           "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT to send to a collector)")
+
+
+def test_a_malformed_resource_attribute_is_said_once(tmp_path):
+    stderr = _train(tmp_path, OTEL_RESOURCE_ATTRIBUTES="team=ml,oops")  # the SDK says it per provider
+    assert len(_said(stderr, "oops")) == 1
 
 
 def test_a_missing_certificate_is_named_at_start(tmp_path):
