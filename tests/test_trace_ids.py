@@ -33,6 +33,7 @@ def _segments(rank, world_size, scope):
         dist.barrier()  # outside-1 still: ranks that evaluated and ranks that did not agree
         step()
     nonce = dist.distributed_c10d._get_default_store().get(NONCE_KEY).decode() if scope == "job" else ""
+    dist.barrier()  # rank 0 hosts the store: it stays until every rank has read it
     return {"nonce": nonce, "spans": [(span.name, span.context.trace_id, span.parent is None,
                                        [event.name for event in span.events]) for span in telemetry.spans()]}
 
