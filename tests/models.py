@@ -54,3 +54,18 @@ class AllReduceLinear(nn.Module):
         out = self.lin(x)
         torch.distributed.all_reduce(out.detach())
         return out
+
+
+class AllReduceInBackward(torch.autograd.Function):
+    """Identity in forward; all-reduces the gradient in backward (as ColwiseParallel's input, or FSDP2's
+    post-backward reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        torch.distributed.all_reduce(grad)
+        return grad

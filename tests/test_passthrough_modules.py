@@ -12,6 +12,7 @@ from torch import nn
 from commdebug_otel import semconv
 
 from distributed import run_ranks
+from models import AllReduceInBackward
 
 
 class Gate(nn.Module):
@@ -279,26 +280,13 @@ def test_a_backward_ends_when_its_keyword_inputs_gradients_are_computed(telemetr
     assert end("mixed") < min(end("kw_only"), end("b", 1))
 
 
-class _AllReduceGrad(torch.autograd.Function):
-    """Identity in forward; all-reduces the gradient in backward (as FSDP2's post-backward reduce-scatter)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        torch.distributed.all_reduce(grad)
-        return grad
-
-
 def test_keyword_inputs_replaced_by_a_pre_hook_keep_the_hooks_backward_in_the_span(
         telemetry, tracer_factory, single_rank_group):
     outer = nn.Sequential()
     outer.inner = Mix()
 
     def wrap(module, args, kwargs):  # an FSDP2 / PrepareModuleInput-style pre-hook on keyword inputs
-        return args, {name: _AllReduceGrad.apply(value) for name, value in kwargs.items()}
+        return args, {name: AllReduceInBackward.apply(value) for name, value in kwargs.items()}
 
     outer.inner.register_forward_pre_hook(wrap, with_kwargs=True)
     outer.forward = lambda x: outer.inner(x=x * 1, y=x * 2)

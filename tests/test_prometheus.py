@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 import grafana_dashboard as dash
 from distributed import run_ranks
+from models import AllReduceInBackward
 from prometheus_server import INSTALL_HINT, PrometheusServer, by_labels, free_port_run, prometheus_binary, query
 
 WORLD_SIZE = 2
@@ -51,20 +52,6 @@ class _AllReduceInForward(torch.autograd.Function):
         return grad
 
 
-class _AllReduceInBackward(torch.autograd.Function):
-    """ColwiseParallel's input: identity in forward, all_reduce of the gradient in backward."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        dist.all_reduce(grad)
-        return grad
-
-
 class _Net(torch.nn.Module):
     """Per forward: all_reduce of [BATCH, DIM] and all_gather of [DIM]; per backward: all_reduce of [BATCH, DIM]."""
 
@@ -77,7 +64,7 @@ class _Net(torch.nn.Module):
         h = _AllReduceInForward.apply(self.fc1(x))
         gathered = [torch.empty(DIM) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, h.detach().mean(0))
-        h = _AllReduceInBackward.apply(h)
+        h = AllReduceInBackward.apply(h)
         return self.fc2(h)
 
 
