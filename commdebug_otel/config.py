@@ -204,6 +204,16 @@ def _parse_scope(text: str) -> TraceScope:
     return TraceScope(text.strip().lower())
 
 
+EXCEPTION_MESSAGES = ("redacted", "full", "none")
+
+
+def _parse_exception_messages(text: str) -> str:
+    value = text.strip().lower()
+    if value not in EXCEPTION_MESSAGES:
+        raise ValueError(text)
+    return value
+
+
 def _parse_patterns(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
@@ -291,6 +301,11 @@ OPTIONS: tuple[Option, ...] = (
            "exported in parts, cut at its next top-level forward, each earlier part marked "
            "`commdebug.step.truncated`; the pass under way stays whole up to twice this. Cuts and "
            "passes not recorded are counted in commdebug.telemetry.dropped (docs/troubleshooting.md)."),
+    Option("exception_messages", "EXCEPTION_MESSAGES", _parse_exception_messages, "redacted",
+           "redacted, full or none",
+           "What an `exception` event carries of the message: redacted (tensor and array reprs, numbers and "
+           "bytes literals replaced by <values>), full (as raised: may hold tensor values), or none. Stack "
+           "traces are code locations only in every case."),
     Option("module_include", "MODULE_INCLUDE", _parse_patterns, (), "comma list of fnmatch patterns",
            "Only modules whose FQN matches get spans (empty = all)."),
     Option("module_exclude", "MODULE_EXCLUDE", _parse_patterns, (), "comma list of fnmatch patterns",
@@ -325,6 +340,7 @@ class Settings:
     metric_module_depth: int = 0
     shutdown_timeout_s: float = 5.0
     max_spans_per_step: int = 50_000
+    exception_messages: str = "redacted"
     module_include: tuple[str, ...] = ()
     module_exclude: tuple[str, ...] = ()
 
@@ -335,6 +351,8 @@ class Settings:
             object.__setattr__(self, "trace_scope", _checked("trace_scope", _parse_scope, self.trace_scope))
         if isinstance(self.ranks, str):
             object.__setattr__(self, "ranks", _checked("ranks", _parse_ranks, self.ranks))
+        object.__setattr__(self, "exception_messages",
+                           _checked("exception_messages", _parse_exception_messages, self.exception_messages))
         for option in _NUMBERS:
             object.__setattr__(self, option.field, option.parse.check(option.field, getattr(self, option.field)))
 

@@ -45,7 +45,7 @@ def shared_telemetry(settings: Settings) -> Telemetry:
 
     It holds no tracer: its rank and its drop counter are its own.
     """
-    key = (settings.output_dir, settings.max_events_per_span, settings.shutdown_timeout_s)
+    key = (settings.output_dir, settings.max_events_per_span, settings.shutdown_timeout_s, settings.exception_messages)
     with _shared_lock:
         telemetry = _shared_telemetry.get(key)
         if telemetry is None:

@@ -152,7 +152,7 @@ class Telemetry:
         self._span_guards: list[SizedSpanExporter] = []  # our span exporters' guards (unsent spans at exit)
         self._lock = threading.Lock()
         # The recorder's span sink: finished records become spans on this telemetry's tracer.
-        self.spans = SpanBuilder(self.tracer_setup)
+        self.spans = SpanBuilder(self.tracer_setup, self._settings.exception_messages)
         self._atexit = False
         self._said_where = False  # where the files go was said (once per process)
         self.disabled = ExportEnv.from_env(environ).sdk_disabled

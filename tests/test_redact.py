@@ -54,3 +54,30 @@ def test_an_exception_whose_str_raises_is_named_not_raised():
 ])
 def test_endpoint_credentials_are_hidden(text, shown):
     assert hide_credentials(text) == shown
+
+
+@pytest.mark.parametrize("messages, exported", [
+    ("redacted", "activation out of range: <values>"),
+    ("full", "activation out of range: tensor([0.7311])"),  # the user's opt-in
+    ("none", None),
+])
+def test_the_exception_message_setting(telemetry, tracer_factory, messages, exported):
+    import torch
+
+    class Raises(torch.nn.Module):
+        def forward(self, x):
+            raise ValueError(f"activation out of range: {x}")
+
+    with tracer_factory(exception_messages=messages), pytest.raises(ValueError):
+        Raises()(torch.tensor([0.7311]))
+    [event] = telemetry.one("Raises forward").events
+    assert event.attributes.get("exception.message") == exported
+    assert event.attributes["exception.type"] == "ValueError"
+
+
+def test_the_exception_message_setting_from_the_environment(caplog):
+    from commdebug_otel import Settings
+
+    assert Settings.from_env({"OTEL_PYTHON_COMMDEBUG_EXCEPTION_MESSAGES": "None"}).exception_messages == "none"
+    assert Settings.from_env({"OTEL_PYTHON_COMMDEBUG_EXCEPTION_MESSAGES": "all"}).exception_messages == "redacted"
+    assert "OTEL_PYTHON_COMMDEBUG_EXCEPTION_MESSAGES" in caplog.text and "redacted, full or none" in caplog.text
