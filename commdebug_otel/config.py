@@ -479,12 +479,12 @@ MAX_SPAN_QUEUE = 10_000_000
 # The SDK's own numeric variables. A value it cannot read turns spans or metrics off (SpanLimits raises), prints a
 # traceback from its export thread, or (OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT) makes `import opentelemetry.sdk.trace`
 # raise; an interval past threading.TIMEOUT_MAX kills the metric reader's thread. We read them and hand the SDK
-# numbers. Millisecond variables: (the SDK's default, a minimum); all get MAX_SDK_NUMBER as the upper bound.
-SDK_MILLIS: dict[str, tuple[int, int]] = {
-    OTEL_BSP_SCHEDULE_DELAY: (5000, 1),
-    OTEL_BSP_EXPORT_TIMEOUT: (30000, 1),
-    OTEL_METRIC_EXPORT_INTERVAL: (60000, 1),
-    OTEL_METRIC_EXPORT_TIMEOUT: (30000, 1),
+# numbers. Millisecond variables -> the SDK's default; each is from 1 to MAX_SDK_NUMBER.
+SDK_MILLIS: dict[str, int] = {
+    OTEL_BSP_SCHEDULE_DELAY: 5000,
+    OTEL_BSP_EXPORT_TIMEOUT: 30000,
+    OTEL_METRIC_EXPORT_INTERVAL: 60000,
+    OTEL_METRIC_EXPORT_TIMEOUT: 30000,
 }
 SPAN_LIMITS_UNSET = -1  # opentelemetry.sdk.trace.SpanLimits.UNSET: no limit (the value "unset")
 # SpanLimits argument -> (variable, the SDK's default): counts >= 0, or "unset".
@@ -634,9 +634,8 @@ class ExportEnv:
         ``OTEL_BSP_MAX_QUEUE_SIZE`` and ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE`` when valid, else
         the defaults; a batch is never larger than the queue (the SDK would refuse to start).
         """
-        queue = _positive_int_or(OTEL_BSP_MAX_QUEUE_SIZE, self.span_queue_text, default_queue, MAX_SPAN_QUEUE)
-        batch = _positive_int_or(OTEL_BSP_MAX_EXPORT_BATCH_SIZE, self.span_batch_text, default_batch,
-                                 MAX_SPAN_QUEUE)
+        queue = _int_or(OTEL_BSP_MAX_QUEUE_SIZE, self.span_queue_text, default_queue, MAX_SPAN_QUEUE)
+        batch = _int_or(OTEL_BSP_MAX_EXPORT_BATCH_SIZE, self.span_batch_text, default_batch, MAX_SPAN_QUEUE)
         if batch > queue:
             if self.span_batch_text is not None:
                 _warn_endpoint_once(OTEL_BSP_MAX_EXPORT_BATCH_SIZE, str(batch),
@@ -646,15 +645,8 @@ class ExportEnv:
 
     def sdk_millis(self, variable: str) -> int:
         """A millisecond variable of ``SDK_MILLIS`` for the SDK: its value, or (said once) the SDK's default."""
-        default, minimum = SDK_MILLIS[variable]
-        text = dict(self.sdk_numbers).get(variable)
-        value = _sdk_number(text, minimum)
-        if value is None:
-            if text is not None and text.strip():
-                _warn_endpoint_once(variable, text, f"is not a number of milliseconds from {minimum} to "
-                                                    f"{MAX_SDK_NUMBER}; using {default}")
-            return default
-        return value
+        return _int_or(variable, dict(self.sdk_numbers).get(variable), SDK_MILLIS[variable], MAX_SDK_NUMBER,
+                       "a number of milliseconds")
 
     def span_limit_arguments(self) -> dict[str, int]:
         """``SpanLimits`` arguments replacing the limit variables the SDK would refuse (said once each).
@@ -726,24 +718,23 @@ class ExportEnv:
         return base + local_rank
 
 
-def _positive_int_or(variable: str, text: str | None, default: int, maximum: int) -> int:
+def _int_or(variable: str, text: str | None, default: int, maximum: int, what: str = "an integer") -> int:
+    """``text`` as an integer from 1 to ``maximum``; unset or blank: ``default``; else ``default``, said once."""
     if text is None or not text.strip():
         return default
-    try:
-        value = int(text)
-        if 1 <= value <= maximum:
-            return value
-    except ValueError:
-        pass
-    _warn_endpoint_once(variable, text, f"is not an integer from 1 to {maximum}; using {default}")
-    return default
+    value = _sdk_number(text, 1, maximum)
+    if value is None:
+        _warn_endpoint_once(variable, text, f"is not {what} from 1 to {maximum}; using {default}")
+        return default
+    return value
 
 
 _SDK_NUMBER_VARIABLES = (*SDK_MILLIS, *(variable for variable, _ in SDK_SPAN_LIMITS.values()))
 
 
-def _sdk_number(text: str | None, minimum: int, unset_allowed: bool = False) -> int | None:
-    """``text`` as the SDK reads it (an integer), within [minimum, MAX_SDK_NUMBER]; None when unusable."""
+def _sdk_number(text: str | None, minimum: int, maximum: int = MAX_SDK_NUMBER,
+                unset_allowed: bool = False) -> int | None:
+    """``text`` as the SDK reads it (an integer), within [minimum, maximum]; None when unusable."""
     if text is None:
         return None
     text = text.strip().lower()
@@ -753,7 +744,7 @@ def _sdk_number(text: str | None, minimum: int, unset_allowed: bool = False) -> 
         value = int(text)
     except ValueError:
         return None
-    return value if minimum <= value <= MAX_SDK_NUMBER else None
+    return value if minimum <= value <= maximum else None
 
 
 def _import_sdk_trace_despite_its_variable() -> None:

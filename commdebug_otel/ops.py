@@ -181,16 +181,20 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
+def _is_fake_tensor(tensor: torch.Tensor) -> bool:
+    return type(tensor).__name__ == "FakeTensor"  # no import of torch._subclasses on the hot path
+
+
 def _is_fake(tensor: torch.Tensor) -> bool:
     """FakeTensorMode or meta-device tensors: traced shapes, no real traffic."""
-    return tensor.is_meta or type(tensor).__name__ == "FakeTensor"
+    return tensor.is_meta or _is_fake_tensor(tensor)
 
 
 def compiler_traced(args: tuple) -> bool:
     """Whether a collective's first tensor is a ``FakeTensor``: torch.compile tracing it (AOTAutograd
     compiles a backward at its first run), not traffic; the compiled code issues the real one."""
     first = next(_tensors(args), None)
-    return first is not None and type(first).__name__ == "FakeTensor"
+    return first is not None and _is_fake_tensor(first)
 
 
 # What a barrier reports, as the PyTorch profiler does (ParamCommsUtils: 0 elements of kByte).

@@ -32,7 +32,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from opentelemetry import metrics as otel_metrics
@@ -426,8 +426,8 @@ class Telemetry:
         """Export what our own providers buffer, within what is left of the budget (see :meth:`shutdown`)."""
         timeout_ms = int(self._settings.shutdown_timeout_s * 1000)
         traces, metrics = self._own_tracer_provider, self._own_meter_provider
-        self._bounded("flush", [lambda: traces.force_flush(timeout_ms)] if traces is not None else [],
-                      [lambda: metrics.force_flush(timeout_ms)] if metrics is not None else [])
+        self._bounded("flush", None if traces is None else lambda: traces.force_flush(timeout_ms),
+                      None if metrics is None else lambda: metrics.force_flush(timeout_ms))
 
     def shutdown(self) -> None:
         """Flush and shut our providers down, traces and metrics together, within the budget.
@@ -442,31 +442,31 @@ class Telemetry:
         whatever the spans do: a dead trace endpoint does not cost the metrics,
         and the spans still unsent then are counted as dropped (the same goes
         for ``force_flush``: a collector that answers later gets them, counted
-        all the same). Injected
-        providers are left to their owner.
+        all the same). Injected providers are left to their owner.
         """
         traces, metrics = self._own_tracer_provider, self._own_meter_provider
         self._own_tracer_provider = self._own_meter_provider = None
         timeout_ms = self._settings.shutdown_timeout_s * 1000
-        self._bounded("shutdown", [traces.shutdown] if traces is not None else [],
-                      [lambda: metrics.shutdown(timeout_millis=timeout_ms)] if metrics is not None else [])
+        self._bounded("shutdown", None if traces is None else traces.shutdown,
+                      None if metrics is None else lambda: metrics.shutdown(timeout_millis=timeout_ms))
 
-    def _bounded(self, what: str, span_calls: list, metric_calls: list) -> None:
+    def _bounded(self, what: str, span_call: Callable[[], Any] | None,
+                 metric_call: Callable[[], Any] | None) -> None:
         """Run the calls off this thread; wait at most what is left of the budget, nothing once one stalled."""
-        if not span_calls and not metric_calls:
+        if span_call is None and metric_call is None:
             return
         budget_s = self._settings.shutdown_timeout_s
         now = time.monotonic()
         if now - self._last_wait_end > budget_s:
             self._spent_s = 0.0  # a flush long ago (an earlier `with` block) is not part of this exit
         left_s = 0.0 if self._stalled else max(0.0, budget_s - self._spent_s)
-        spans = _start_bounded(what, span_calls)
+        spans = _start_bounded(what, span_call)
         if spans is not None:
-            spans.join(left_s - min(1.0, left_s / 4) if metric_calls else left_s)
+            spans.join(left_s - min(1.0, left_s / 4) if metric_call is not None else left_s)
         unsent = 0
         if spans is not None and spans.is_alive() and not self._stalled:
             unsent = self._count_unsent_spans()  # counted once: later waits are not waited for
-        points = _start_bounded(what, metric_calls)
+        points = _start_bounded(what, metric_call)
         if points is not None:
             points.join(max(0.0, left_s - (time.monotonic() - now)))
         if spans is not None:
@@ -515,17 +515,16 @@ _FLUSH_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "
                        if hasattr(signal, name))
 
 
-def _start_bounded(what: str, calls: list) -> threading.Thread | None:
-    """Run ``calls`` in order in a daemon thread (None when there are none); the caller joins it."""
-    if not calls:
+def _start_bounded(what: str, call: Callable[[], Any] | None) -> threading.Thread | None:
+    """Run ``call`` in a daemon thread (None when there is no call); the caller joins it."""
+    if call is None:
         return None
 
     def run() -> None:
-        for call in calls:
-            try:
-                call()
-            except Exception as error:  # exporter failures are counted by the guards
-                _logger.debug("commdebug-otel: telemetry %s failed: %s", what, describe(error))
+        try:
+            call()
+        except Exception as error:  # exporter failures are counted by the guards
+            _logger.debug("commdebug-otel: telemetry %s failed: %s", what, describe(error))
 
     worker = threading.Thread(target=run, name=f"commdebug-otel-{what}", daemon=True)
     worker.start()
