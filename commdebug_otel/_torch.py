@@ -218,6 +218,18 @@ def work_future(work: Any) -> Any:
     return Work.unbox(work).get_future()
 
 
+def work_class() -> type:
+    """c10d's ``Work``, whose ``wait()`` Python calls block in (``dist.all_reduce``, FSDP2's unshard)."""
+    from torch.distributed import Work
+
+    return Work
+
+
+def wait_tensor_overload() -> Any:
+    """``_c10d_functional.wait_tensor.default``: where a functional collective's output is waited for."""
+    return torch.ops._c10d_functional.wait_tensor.default
+
+
 def unbox_process_group(group: Any) -> Any:
     """The ``ProcessGroup`` of a c10d op's boxed group argument (other values as they are)."""
     if isinstance(group, torch.ScriptObject):

@@ -75,6 +75,8 @@ class CollectiveCounter:
             ``collective`` and ``completion`` methods), or None for no metrics.
         rank: ``rank() -> RankInfo``, called per point (the rank can change once the group is up).
         hook_failed: ``hook_failed(where, error)``, for failures on a backend's thread.
+        completed: ``completed(group name, seq)``, told on the backend's thread when a timed
+            collective completes (a seq of -1: not counted by the training thread).
 
     Attributes:
         time_completions: whether c10d collectives are timed to completion now
@@ -82,16 +84,18 @@ class CollectiveCounter:
     """
 
     def __init__(
-        self, metrics: Any, rank: Callable[[], Any], hook_failed: Callable[[str, BaseException], None]
+        self, metrics: Any, rank: Callable[[], Any], hook_failed: Callable[[str, BaseException], None],
+        completed: Callable[[str, int], None] = lambda group, seq: None,
     ) -> None:
         self._metrics = metrics
         self._rank = rank
         self._hook_failed = hook_failed
+        self._completed = completed
         self._untimed: set[str] = set()  # overloads whose Work has no future on this backend
         self.time_completions = True
 
     def count(self, spec: CollectiveSpec, args: tuple, group: GroupFacts, pass_: str, duration_ns: int,
-              out: Any, start_ns: int) -> None:
+              out: Any, start_ns: int, seq: int) -> None:
         """The points of a collective that keeps no records: the quiet path, kept short on purpose."""
         if self._metrics is None:
             return
@@ -101,7 +105,7 @@ class CollectiveCounter:
         rank = self._rank().rank
         self._metrics.collective(spec.op, pass_, group, rank, nbytes, duration_ns / 1e9, "", context=None)
         if not spec.functional and out is not None and self.time_completions:
-            self._time_completion(out, spec, pass_, group, rank, "", start_ns)
+            self._time_completion(out, spec, pass_, group, rank, "", start_ns, seq)
 
     def count_recorded(self, collective: Collective, fqn: str, context: Any) -> None:
         """The points of a recorded collective: ``fqn`` for module labels, ``context`` for exemplars."""
@@ -112,10 +116,11 @@ class CollectiveCounter:
         self._metrics.collective(spec.op, pass_, group, rank, collective.message.nbytes,
                                  collective.duration_ns / 1e9, fqn, context=context)
         if not spec.functional and collective.out is not None and self.time_completions:
-            self._time_completion(collective.out, spec, pass_, group, rank, fqn, collective.start_ns)
+            self._time_completion(collective.out, spec, pass_, group, rank, fqn, collective.start_ns,
+                                  collective.seq)
 
     def _time_completion(self, out: Any, spec: CollectiveSpec, pass_: str, group: GroupFacts, rank: int,
-                         fqn: str, start_ns: int) -> None:
+                         fqn: str, start_ns: int, seq: int) -> None:
         """Record issue-to-completion time when the c10d ``Work``'s future completes (never waits).
 
         Some backends' works have no future (gloo's ``_reduce_scatter_base_`` raises
@@ -133,7 +138,7 @@ class CollectiveCounter:
             _logger.debug("commdebug-otel: %s is not timed to completion: %s", spec.overload_name, describe(error))
             return
         try:
-            future.add_done_callback(_Completion(self, spec.op, pass_, group, rank, fqn, start_ns))
+            future.add_done_callback(_Completion(self, spec.op, pass_, group, rank, fqn, start_ns, seq))
         except Exception as error:
             self._untimed.add(spec.overload_name)
             self._hook_failed("completion time", error)
@@ -142,15 +147,16 @@ class CollectiveCounter:
 class _Completion:
     """A ``Work`` future's done callback: runs on the backend's thread and must never raise."""
 
-    __slots__ = ("counter", "fqn", "group", "op", "pass_", "rank", "start_ns")
+    __slots__ = ("counter", "fqn", "group", "op", "pass_", "rank", "seq", "start_ns")
 
     def __init__(self, counter: CollectiveCounter, op: str, pass_: str, group: GroupFacts, rank: int,
-                 fqn: str, start_ns: int) -> None:
+                 fqn: str, start_ns: int, seq: int) -> None:
         self.counter, self.op, self.pass_, self.group = counter, op, pass_, group
-        self.rank, self.fqn, self.start_ns = rank, fqn, start_ns
+        self.rank, self.fqn, self.start_ns, self.seq = rank, fqn, start_ns, seq
 
     def __call__(self, _future: Any) -> None:
         try:
+            self.counter._completed(self.group.name, self.seq)
             self.counter._metrics.completion(self.op, self.pass_, self.group, self.rank,
                                              (time.perf_counter_ns() - self.start_ns) / 1e9, self.fqn)
         except Exception as error:

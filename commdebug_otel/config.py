@@ -190,6 +190,23 @@ _parse_spans_per_step = _Number(1, MAX_SPANS_PER_STEP)
 _parse_timeout_s = _Number(0, MAX_SHUTDOWN_TIMEOUT_S, integer=False, low_open=True, unit="seconds")
 
 
+MAX_STALL_AFTER_S = 86_400.0  # a day: past any step, below what a timer can hold
+STALL_AUTO = "auto"  # Settings.stall_after_s: a threshold from the rank's recent step times
+STALL_ACCEPTED = f"auto, off, or a number of seconds > 0 and <= {MAX_STALL_AFTER_S:g}"
+
+
+def _parse_stall_after(text: str) -> float | str | None:
+    value = text.strip().lower()
+    if value == STALL_AUTO:
+        return STALL_AUTO
+    if value in ("off", "none", "0"):
+        return None
+    return _parse_timeout_stall(value)
+
+
+_parse_timeout_stall = _Number(0, MAX_STALL_AFTER_S, integer=False, low_open=True, unit="seconds")
+
+
 def _parse_ranks(text: str) -> frozenset[int] | None:
     text = text.strip().lower()
     if text == "all":
@@ -306,6 +323,12 @@ OPTIONS: tuple[Option, ...] = (
            "What an `exception` event carries of the message: redacted (tensor and array reprs, numbers and "
            "bytes literals replaced by <values>), full (as raised: may hold tensor values), or none. Stack "
            "traces are code locations only in every case."),
+    Option("stall_after_s", "STALL_AFTER", _parse_stall_after, STALL_AUTO, STALL_ACCEPTED,
+           "When the current step (or, between steps, the time since the last one) has lasted this long, "
+           "a watchdog thread exports a stall snapshot at once: the step's spans so far, a `stalled` span "
+           "with the collectives in flight and the recent ones, and the metrics; again with back-off "
+           "while it lasts. auto: 10 x the median of the rank's recent step times, at least 30 s "
+           "(300 s until 3 steps have ended); off: no watchdog (docs/diagnosis.md)."),
     Option("module_include", "MODULE_INCLUDE", _parse_patterns, (), "comma list of fnmatch patterns",
            "Only modules whose FQN matches get spans (empty = all)."),
     Option("module_exclude", "MODULE_EXCLUDE", _parse_patterns, (), "comma list of fnmatch patterns",
@@ -341,6 +364,7 @@ class Settings:
     shutdown_timeout_s: float = 5.0
     max_spans_per_step: int = 50_000
     exception_messages: str = "redacted"
+    stall_after_s: float | str | None = STALL_AUTO
     module_include: tuple[str, ...] = ()
     module_exclude: tuple[str, ...] = ()
 
@@ -351,6 +375,8 @@ class Settings:
             object.__setattr__(self, "trace_scope", _checked("trace_scope", _parse_scope, self.trace_scope))
         if isinstance(self.ranks, str):
             object.__setattr__(self, "ranks", _checked("ranks", _parse_ranks, self.ranks))
+        if isinstance(self.stall_after_s, str) or self.stall_after_s is not None:
+            object.__setattr__(self, "stall_after_s", _checked_stall(self.stall_after_s))
         object.__setattr__(self, "exception_messages",
                            _checked("exception_messages", _parse_exception_messages, self.exception_messages))
         for option in _NUMBERS:
@@ -371,6 +397,12 @@ class Settings:
 
     def traces_rank(self, rank: int) -> bool:
         return self.ranks is None or rank in self.ranks
+
+
+def _checked_stall(value: Any) -> float | str:
+    if isinstance(value, str):
+        return _checked("stall_after_s", _parse_stall_after, value)
+    return _parse_timeout_stall.check("stall_after_s", value)
 
 
 def read_option(field: str, environ: Mapping[str, str] | None = None) -> Any:

@@ -29,6 +29,7 @@ from .metrics import LazyCollectiveMetrics
 from .mode import COLLECTIVES, CollectiveDispatchMode, enter_below_user_modes, exit_from_stack, on_stack
 from .observer import RecorderObserver
 from .recorder import Recorder
+from .stall import StallWatch
 from .telemetry import Telemetry
 from .tracker import ModuleTracker
 
@@ -128,11 +129,13 @@ class CommTracer:
             self.telemetry = shared_telemetry(self.settings)
         else:
             self.telemetry = Telemetry(self.settings, self._rank, tracer_provider, meter_provider)
-        metrics = LazyCollectiveMetrics(self.telemetry.meter, self.settings.metric_module_depth, self._rank)
+        metrics = LazyCollectiveMetrics(self.telemetry.meter, self.settings.metric_module_depth, self._rank,
+                                        self._progress)
         self._metrics = metrics
         observers = (_ModeSwitch(self),) if observer is None else (_ModeSwitch(self), observer)
         self.recorder = Recorder(self.settings, self.telemetry.spans, metrics, observers)
         self._tracker = ModuleTracker(self.recorder)
+        self._stall_watch: StallWatch | None = None
         self._mode: CollectiveDispatchMode | None = None
         self._mode_follows_steps = False  # the dispatch mode is on only while a traced step is open
         self._wants_every_op = observer is not None and observer.wants_every_event
@@ -144,6 +147,11 @@ class CommTracer:
 
     def _rank(self) -> Any:
         return self.recorder.rank()
+
+    def _progress(self) -> tuple[int, float, list[tuple[str, int, int]]]:
+        """(rank, current step age in seconds, per process group (name, issued seq, completed seq)): the gauges."""
+        progress = self.recorder.progress
+        return self.recorder.rank().rank, progress.age_s(), progress.seqs()
 
     @property
     def started(self) -> bool:
@@ -185,6 +193,10 @@ class CommTracer:
             self._mode = None  # detail "collectives": no dispatch mode at all
         self._optimizer_handle = register_optimizer_step_post_hook(
             self._optimizer_step_post_hook)
+        if self.settings.stall_after_s is not None and self._exports:
+            self._stall_watch = StallWatch(self.recorder, self.settings.stall_after_s,
+                                           self.telemetry.flush_from_watchdog, self._tracker.known_fqn)
+            self._stall_watch.start()
         atexit.register(self._stop_at_exit)
         self.telemetry.before_shutdown.append(self._stop_at_exit)
         _STARTED.add(self)  # weakly: a tracer that is dropped can be collected
@@ -279,6 +291,9 @@ class CommTracer:
         """Undo :meth:`start`'s hooks in mirrored order: optimizer hooks, dispatch mode, kernels, module hooks."""
         self.recorder.active = False
         self._mode_follows_steps = False
+        if self._stall_watch is not None:
+            self._stall_watch.stop()
+            self._stall_watch = None
         for handle in (self._optimizer_handle, self._optimizer_pre_handle):
             if handle is not None:
                 handle.remove()

@@ -17,6 +17,12 @@ Instead, one Python kernel per collective overload is registered at the
   fallthrough), so nothing of torch's is replaced: the kernel calls
   ``OpOverload.redispatch`` with the keys after ``BackendSelect``.
 
+Waits are timed too, for each step's ``torch.step.collective_wait``: a kernel
+at the same key for ``_c10d_functional.wait_tensor`` (functional collectives,
+DTensor, compiled code), and ``Work.wait`` wrapped while a recorder is
+subscribed (``dist.*`` calls, FSDP2's unshard); subscribers get
+``waited(handle, duration_ns)``.
+
 Ops that are not collectives never reach Python. A collective issued inside
 another (the c10d op a functional collective's kernel calls) is not counted
 twice: a per-thread flag marks the outer one in progress.
@@ -85,6 +91,7 @@ class CollectiveInterceptor:
         self._original_redistribute: Any = None  # OpDispatcher.redistribute_local_args, once watched
         self._patches: list[_Patch] = []  # in place while some subscriber wants a "why"
         self._wanting_why: set[int] = set()  # ids of subscribers that may record a "why" now
+        self._wait_patch: _Patch | None = None  # Work.wait timed, while someone is subscribed
 
     @property
     def names_dtensor_ops(self) -> bool:
@@ -99,6 +106,8 @@ class CollectiveInterceptor:
             if recorder not in self._subscribers:
                 self._subscribers = (*self._subscribers, recorder)
             self._want_why(recorder, True)
+            if self._wait_patch is not None:
+                self._wait_patch.apply(True)
             return True
 
     def unsubscribe(self, recorder: Any) -> None:
@@ -111,6 +120,8 @@ class CollectiveInterceptor:
         with self._lock:
             self._subscribers = tuple(s for s in self._subscribers if s is not recorder)
             self._want_why(recorder, False)
+            if self._wait_patch is not None and not self._subscribers:
+                self._wait_patch.apply(False)
 
     def want_why(self, recorder: Any, wanted: bool) -> None:
         """Whether ``recorder`` may record the DTensor op behind a collective now (a traced step, set-up)."""
@@ -135,6 +146,7 @@ class CollectiveInterceptor:
                     self._libraries.append(library)
                 library.impl(_torch.impl_name(overload), self._kernel(overload, spec), _KEY, with_keyset=True)
             self._watch_redistributions()
+            self._time_waits(libraries)
         except Exception as error:
             _logger.warning("commdebug-otel: cannot register collective kernels (%s); the "
                             "dispatch mode counts collectives instead, at a cost on every op",
@@ -142,6 +154,52 @@ class CollectiveInterceptor:
             self._uninstall()
             return False
         return True
+
+    def _time_waits(self, libraries: dict[str, torch.library.Library]) -> None:
+        """Time ``wait_tensor`` (a kernel) and ``Work.wait`` (a wrapper): where the training thread blocks."""
+        try:
+            overload = _torch.wait_tensor_overload()
+            namespace = overload.namespace
+            library = libraries.get(namespace)
+            if library is None:
+                library = libraries[namespace] = torch.library.Library(namespace, "IMPL")
+                self._libraries.append(library)
+            library.impl(_torch.impl_name(overload), self._wait_kernel(overload), _KEY, with_keyset=True)
+            work = _torch.work_class()
+            self._wait_patch = _Patch(work, "wait", work.wait, self._wait_wrapper(work.wait))
+        except Exception as error:  # another torch: steps report no collective wait
+            _logger.debug("commdebug-otel: collective waits not timed: %s", describe(error))
+
+    def _tell_waited(self, handle: Any, duration_ns: int) -> None:
+        for recorder in self._subscribers:
+            try:
+                recorder.waited(handle, duration_ns)
+            except Exception as error:
+                recorder.hook_failed("collective wait", error)
+
+    def _wait_kernel(self, overload: Any) -> Any:
+        redispatch = _torch.boxed_redispatch(overload)
+        below = self._below
+
+        def kernel(keyset: Any, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            if not self._subscribers:
+                return redispatch(keyset & below, tensor, *args, **kwargs)
+            start = time.perf_counter_ns()
+            out = redispatch(keyset & below, tensor, *args, **kwargs)
+            self._tell_waited(tensor, time.perf_counter_ns() - start)
+            return out
+
+        return kernel
+
+    def _wait_wrapper(self, wait: Any) -> Any:
+        def timed_wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter_ns()
+            try:
+                return wait(work, *args, **kwargs)
+            finally:
+                self._tell_waited(work, time.perf_counter_ns() - start)
+
+        return timed_wait
 
     def _watch_redistributions(self) -> None:
         try:
@@ -218,9 +276,11 @@ class CollectiveInterceptor:
         return full_tensor
 
     def _uninstall(self) -> None:
-        for patch in self._patches:
-            patch.apply(False)
+        for patch in (*self._patches, self._wait_patch):
+            if patch is not None:
+                patch.apply(False)
         self._patches = []
+        self._wait_patch = None
         self._original_redistribute = None
         libraries, self._libraries = self._libraries, []
         for library in libraries:

@@ -12,6 +12,15 @@ Instruments (OTel name -> Prometheus name after the Collector's translation):
   without anyone waiting) on the steps ``trace_every`` picks and one in ``completion_every``;
   functional collectives complete at ``wait_tensor`` and are not timed here.
 * ``commdebug.telemetry.dropped`` Counter ``{item}`` -> ``commdebug_telemetry_dropped_total``
+* ``torch.step.duration`` Histogram ``s`` -> ``torch_step_duration_seconds_*``: each optimizer
+  step's wall time, on every step, per rank.
+* ``torch.step.collective_wait`` Histogram ``s`` -> ``torch_step_collective_wait_seconds_*``: time
+  the training thread spent blocked waiting for collectives in each step (``Work.wait()``,
+  ``wait_tensor``); the straggler is the rank that waits least while the others wait for it.
+* ``torch.step.age`` Gauge ``s`` -> ``torch_step_age_seconds``: how long the current step (or,
+  between steps, the gap since the last one) has lasted, read at each export: a stuck rank's grows.
+* ``torch.collective.seq.issued`` / ``torch.collective.seq.completed`` Gauges, per process group:
+  the last seq this rank issued / knows complete (stall.py); a stuck rank's line stays flat and behind.
 
 Labels are low-cardinality only: op, pass, process group name and size, mesh
 dimension name, rank, and the module FQN cut to ``metric_module_depth``
@@ -35,7 +44,7 @@ import queue
 import threading
 from typing import Any
 
-from opentelemetry.metrics import Meter
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from . import semconv
 from .ops import GroupFacts
@@ -44,6 +53,11 @@ from .redact import describe
 # Collective issue times span microseconds (in-process) to seconds (slow ranks).
 DURATION_BUCKETS_S = (0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05,
                       0.1, 0.5, 1.0, 5.0, 10.0)
+
+
+# Step times span milliseconds (small CPU jobs) to minutes (large models, stalls).
+STEP_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                  60.0, 120.0, 300.0, 600.0)
 
 
 # Pending counter sums are flushed at least this often, so long stretches without a step
@@ -111,7 +125,8 @@ def dropped_counter(meter: Meter) -> Any:
 class CollectiveMetrics:
     """Records collective metrics on ``meter``; label dicts are cached per label tuple."""
 
-    def __init__(self, meter: Meter, module_depth: int = 0, on_dropped: Any = None) -> None:
+    def __init__(self, meter: Meter, module_depth: int = 0, on_dropped: Any = None,
+                 progress: Any = None) -> None:
         self._module_depth = module_depth
         self._operations = meter.create_counter(
             semconv.METRIC_OPERATIONS, unit="{operation}",
@@ -128,6 +143,25 @@ class CollectiveMetrics:
             description="Time from issuing a c10d collective to its Work completing.",
             explicit_bucket_boundaries_advisory=DURATION_BUCKETS_S)
         self._dropped = dropped_counter(meter)
+        self._step_duration = meter.create_histogram(
+            semconv.METRIC_STEP_DURATION, unit="s", description="Wall time of each optimizer step.",
+            explicit_bucket_boundaries_advisory=STEP_BUCKETS_S)
+        self._step_wait = meter.create_histogram(
+            semconv.METRIC_STEP_WAIT, unit="s",
+            description="Time the training thread waited for collectives to complete, per step.",
+            explicit_bucket_boundaries_advisory=STEP_BUCKETS_S)
+        self._steps: collections.deque = collections.deque()
+        if progress is not None:
+            self._progress = progress
+            meter.create_observable_gauge(
+                semconv.METRIC_STEP_AGE, [self._observe_age], unit="s",
+                description="How long the current step (or the gap since the last one) has lasted.")
+            meter.create_observable_gauge(
+                semconv.METRIC_SEQ_ISSUED, [self._observe_issued], unit="{collective}",
+                description="Seq of the last collective this rank issued, per process group.")
+            meter.create_observable_gauge(
+                semconv.METRIC_SEQ_COMPLETED, [self._observe_completed], unit="{collective}",
+                description="Seq of the last collective this rank knows complete, per process group.")
         self._labels: dict[tuple, dict[str, Any]] = {}  # the worker's only
         # Points as the training thread saw them, labelled and summed by the worker: a deque
         # because any thread appends (backend threads add completions) while the worker pops.
@@ -138,6 +172,26 @@ class CollectiveMetrics:
         self._on_dropped = on_dropped or (lambda kind, count: None)
         # Last: its thread may take pending points as soon as it runs.
         self._worker = MetricsWorker(self._record_pending)
+
+    def step(self, duration_s: float, wait_s: float, rank: int) -> None:
+        """One step ended: ``duration_s`` long, ``wait_s`` of it waiting for collectives (recorded at the flush)."""
+        self._steps.append((duration_s, wait_s, {semconv.RANK: rank}))
+
+    # The gauges' callbacks: run by the metric reader's thread at each collection.
+    def _observe_age(self, _options: CallbackOptions) -> list[Observation]:
+        rank, age_s, _ = self._progress()
+        return [Observation(age_s, {semconv.RANK: rank})]
+
+    def _observe_issued(self, _options: CallbackOptions) -> list[Observation]:
+        return self._observe_seq(1)
+
+    def _observe_completed(self, _options: CallbackOptions) -> list[Observation]:
+        return self._observe_seq(2)
+
+    def _observe_seq(self, which: int) -> list[Observation]:
+        rank, _, seqs = self._progress()
+        return [Observation(entry[which], {semconv.PROCESS_GROUP_NAME: entry[0], semconv.RANK: rank})
+                for entry in seqs if entry[which] >= 0]
 
     def _module_label(self, fqn: str) -> str:
         return ".".join(fqn.split(".")[: self._module_depth + 1])
@@ -194,7 +248,7 @@ class CollectiveMetrics:
     def flush(self) -> None:
         """Have the worker record the pending points (at every step end, and every few hundred collectives)."""
         self._unflushed = 0
-        if not self._take_queued and (self._points or self._completions):
+        if not self._take_queued and (self._points or self._completions or self._steps):
             self._take_queued = True  # one take in the queue at a time: it takes everything
             self._worker.submit(self._record_pending)
 
@@ -218,6 +272,11 @@ class CollectiveMetrics:
         for labels, count, nbytes, context in sums.values():
             self._operations.add(count, labels, context=context)
             self._io.add(nbytes, labels, context=context)
+        steps = self._steps
+        for _ in range(len(steps)):
+            duration_s, wait_s, labels = steps.popleft()
+            self._step_duration.record(duration_s, labels)
+            self._step_wait.record(wait_s, labels)
         completions, record = self._completions, self._completion.record
         for _ in range(len(completions)):
             op, pass_, group, rank, duration_s, fqn = completions.popleft()
@@ -236,9 +295,11 @@ class CollectiveMetrics:
 class LazyCollectiveMetrics:
     """Creates :class:`CollectiveMetrics` at the first record, when the rank is known."""
 
-    def __init__(self, meter_factory: Any, module_depth: int, rank: Any = lambda: 0) -> None:
+    def __init__(self, meter_factory: Any, module_depth: int, rank: Any = lambda: 0,
+                 progress: Any = None) -> None:
         self._meter_factory = meter_factory
         self._rank = rank
+        self._progress = progress
         self._module_depth = module_depth
         self._metrics: CollectiveMetrics | None = None
         self._lock = threading.Lock()
@@ -256,7 +317,7 @@ class LazyCollectiveMetrics:
 
                 _logger.warning("commdebug-otel: metrics are off: %s", describe(error))
                 meter = NoOpMeter("commdebug_otel")
-            self._metrics = CollectiveMetrics(meter, self._module_depth, self.dropped)
+            self._metrics = CollectiveMetrics(meter, self._module_depth, self.dropped, self._progress)
             # From now on the recorder calls the instruments' methods directly.
             self.collective = self._metrics.collective
             self.completion = self._metrics.completion
@@ -267,6 +328,9 @@ class LazyCollectiveMetrics:
 
     def completion(self, *args: Any) -> None:
         self._get().completion(*args)
+
+    def step(self, duration_s: float, wait_s: float) -> None:
+        self._get().step(duration_s, wait_s, self._rank().rank)
 
     def flush(self) -> None:
         if self._metrics is not None:

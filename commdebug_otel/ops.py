@@ -270,6 +270,19 @@ def payload_bytes(spec: CollectiveSpec, args: tuple, out: Any) -> tuple[int, boo
     return nbytes, first is not None and _is_fake(first)
 
 
+def payload_tensor(spec: CollectiveSpec, args: tuple, out: Any) -> torch.Tensor | None:
+    """The first tensor this rank sends, else the first it receives; None (barrier, no tensor)."""
+    index = spec.payload_index
+    if 0 <= index < len(args) and type(args[index]) is torch.Tensor:  # the common case, on every step
+        return None if spec.barrier else args[index]
+    if spec.barrier:
+        return None
+    _, _, first = _sizes(_arg(args, index))
+    if first is None:
+        _, _, first = _sizes(_output(spec, args, out))
+    return first
+
+
 def _arg(args: tuple, index: int) -> Any:
     return args[index] if 0 <= index < len(args) else None
 

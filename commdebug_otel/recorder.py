@@ -41,8 +41,9 @@ from .collectives import PASS_NONE, Collective, CollectiveCounter, Why, event_at
 from .config import Settings, TraceScope, variable
 from .observer import RecorderObserver, SpanSink
 from .ops import CollectiveSpec, GroupResolver, compiler_traced
-from .records import Record, SpanKind, Step, descends_from, dtensor_facts, parameter_facts, span_tree
+from .records import Record, SpanKind, Step, descends_from, dtensor_facts, parameter_facts, snapshot_tree, span_tree
 from .redact import code_locations, describe
+from .stall import Progress
 from .steps import RankInfo, job_nonce, outside_step_label, rank_info, step_trace_id
 
 __all__ = ["NO_OPTIMIZER_CYCLES", "PASS_NONE", "Recorder"]
@@ -88,11 +89,10 @@ class Recorder:
         self._observers = tuple(observers)
         self._every_event = any(observer.wants_every_event for observer in self._observers)
         self._exemplars: bool | None = None  # decided at the first traced step (spans.start())
-        self._counter = CollectiveCounter(metrics, self.rank, self.hook_failed)
+        self._counter = CollectiveCounter(metrics, self.rank, self.hook_failed, self._completed)
         self._max_records = settings.max_spans_per_step  # per step part (_step_full)
         self._count = self._counter.count  # the quiet path's one call
         self._groups = GroupResolver()
-        self._seq: dict[str, int] = {}
         self._next_step = 0
         self._next_inference = 0
         self._seen_optimizer = False
@@ -120,6 +120,9 @@ class Recorder:
         self._depth = 0  # module nesting when records are skipped (untraced steps)
         self._call_counts: dict[tuple[str, str], int] = {}
         self._rank: RankInfo | None = None
+        # Progress on every step (stall.py); its seq counters match collectives across ranks.
+        self.progress = Progress()
+        self._seq = self.progress.next_seq
         self.why.clear()
         self.thread_id = threading.get_ident()
         self._want_why(True)
@@ -215,6 +218,7 @@ class Recorder:
         root = Record(SpanKind.STEP, semconv.SPAN_TRAIN_STEP, now)
         root.attrs[semconv.STEP] = index
         step = self._step = Step(index, traced, root, SpanKind.STEP)
+        self.progress.step_began(now, index)
         # The same steps on every rank (sampled, not traced): their histograms compare.
         self._counter.time_completions = sampled or index % self.settings.completion_every == 0
         step.inference = inference
@@ -275,8 +279,30 @@ class Recorder:
         self._after_traced = step.traced
         if inference or step.inference:
             step.kind = SpanKind.INFERENCE  # no train_step span: each top-level forward is a root
+        self._step_signals(step, now)
         self._close(step, now)
         self._want_why(step.traced)  # between steps as the step before (_outside_step)
+
+    def _step_signals(self, step: Step, now: int) -> None:
+        """Every step: its duration and collective wait (metrics); traced steps: the same on train_step."""
+        training = step.kind is SpanKind.STEP
+        wait_s = self.progress.wait_ns / 1e9
+        duration_s, slow = self.progress.step_ended(now, training)
+        if not training:
+            return
+        if self._metrics is not None:
+            try:
+                self._metrics.step(duration_s, wait_s)
+            except Exception as error:
+                self.hook_failed("metrics", error)
+        attrs = step.root.attrs
+        if step.traced:
+            attrs[semconv.STEP_COLLECTIVE_WAIT] = round(wait_s, 6)
+            attrs.update(step.fingerprint_attributes())
+        if slow:
+            attrs[semconv.STEP_SLOW] = True
+        if step.stalled:
+            attrs[semconv.STEP_STALLED] = step.stalled
 
     def keep_hook(self, handle: Any) -> None:
         """Remember a tensor or multi-grad hook handle: it is removed when the step closes.
@@ -307,9 +333,10 @@ class Recorder:
         step.hooks.clear()
         if step.traced and step.kind is not SpanKind.OUTSIDE_STEP and not mode_stays:
             self._tell_traced(False)
-        if step.traced and self._spans is not None:
+        if (step.traced or step.stalled) and self._spans is not None:
             try:
-                roots, children = span_tree(step)
+                # An untraced step that stalled: its train_step alone (its snapshots hold the rest).
+                roots, children = span_tree(step) if step.traced else ([step.root], {})
                 self._spans.emit(roots, children, step.trace_id or self._trace_id(step))
             except Exception as error:
                 self.hook_failed("building spans", error)
@@ -626,7 +653,7 @@ class Recorder:
         if not in_backward and threading.get_ident() != self.thread_id:
             # Another thread (not autograd's): the training thread's open spans are not its
             # owners, and its sequence numbers (which match collectives across ranks) stay its own.
-            self._count(spec, args, group, PASS_NONE, duration_ns, out, start_ns)
+            self._count(spec, args, group, PASS_NONE, duration_ns, out, start_ns, -1)
             return
         seq = self._seq.get(group.name, 0)
         self._seq[group.name] = seq + 1
@@ -634,7 +661,9 @@ class Recorder:
         if (step is not None and step.quiet) or not self._keeps_records(step, in_backward):
             # An untraced step (the hot path of always-on tracing), between untraced steps,
             # or a backward outside any step: metric points only.
-            self._count(spec, args, group, self._pass_by_depth(in_backward), duration_ns, out, start_ns)
+            pass_ = self._pass_by_depth(in_backward)
+            self.progress.remember(spec, group, seq, args, out, "", pass_)
+            self._count(spec, args, group, pass_, duration_ns, out, start_ns, seq)
             return
         self._record_collective(Collective(spec, args, group, seq, duration_ns, out, start_ns), in_backward)
 
@@ -657,6 +686,8 @@ class Recorder:
             collective.pass_ = owner.pass_
         else:
             collective.pass_ = self._pass_by_depth(in_backward)
+        self.progress.remember(spec, collective.group, collective.seq, collective.args, collective.out,
+                               owner.fqn if owner is not None else "", collective.pass_)
         if not collective.fake:
             context = None
             if step is not None and step.trace_id and owner is not None:
@@ -673,6 +704,71 @@ class Recorder:
             return
         why = self.why.attributes() if spec.functional else None
         self._add_event(owner, spec.op, event_attributes(collective, why), now)
+        if step.kind is SpanKind.STEP:
+            message = collective.message
+            step.fingerprint(collective.group.name, collective.seq, spec.op, message.dtype, message.shape)
+
+    def _completed(self, group: str, seq: int) -> None:
+        """A c10d ``Work`` future completed (on the backend's thread)."""
+        if seq >= 0:
+            self.progress.complete(group, seq)
+
+    def waited(self, handle: Any, duration_ns: int) -> None:
+        """A thread waited ``duration_ns`` on a collective (``Work.wait()``, or ``wait_tensor`` on its output)."""
+        if threading.get_ident() == self.thread_id or graph_task_id() != -1:
+            self.progress.waited(handle, duration_ns)
+
+    # ------------------------------------------------------------------ stalls
+    def stall_snapshot(self, now: int, age_s: float, threshold_s: float, snapshot: int,
+                       where: tuple[str, str, list[str]]) -> bool:
+        """Export, from the watchdog's thread, what this rank is doing now (stall.py). True if exported.
+
+        ``where``: ``(module FQN, pass, code locations)`` of the training thread
+        (``stall.training_thread_location``). The step's records are copied, never
+        changed: the training thread may still be running it.
+        """
+        if self._spans is None or not self.active:
+            return False
+        progress = self.progress
+        module, pass_, stack = where
+        if not module:  # no module on the Python stack (a backward pass): the open record, if traced
+            open_records = self._fwd_stack or self._open_bw
+            if open_records:
+                module, pass_ = open_records[-1].fqn, open_records[-1].pass_
+        stalled = Record(SpanKind.MODULE, semconv.SPAN_STALLED, progress.since_ns)
+        stalled.end_ns = now
+        seqs = progress.seqs()
+        stalled.attrs.update({
+            semconv.STEP: progress.step_index if progress.in_step else self._next_step,
+            semconv.STALL_AGE: round(age_s, 3),
+            semconv.STALL_THRESHOLD: round(threshold_s, 3),
+            semconv.STALL_SNAPSHOT: snapshot,
+            semconv.STALL_MODULE: module,
+            semconv.STALL_PASS: pass_,
+        })
+        if stack:
+            stalled.attrs[semconv.STALL_STACK] = stack
+        if seqs:
+            stalled.attrs[semconv.STALL_GROUPS] = [group for group, _, _ in seqs]
+            stalled.attrs[semconv.STALL_ISSUED_SEQ] = [issued for _, issued, _ in seqs]
+            stalled.attrs[semconv.STALL_COMPLETED_SEQ] = [completed for _, _, completed in seqs]
+        if not progress.in_step:
+            stalled.attrs[semconv.STALL_BETWEEN_STEPS] = True
+        stalled.events = progress.ring_events(now)[-self.settings.max_events_per_span:]
+        step = self._step or self._outside
+        if step is None:  # between steps, no collective since the last one: the stalled span alone
+            gap = Step(-1, True, Record(SpanKind.OUTSIDE_STEP, semconv.SPAN_OUTSIDE_STEP, now), SpanKind.OUTSIDE_STEP)
+            self._spans.emit([stalled], {}, self._trace_id(gap))
+            return True
+        step.stalled = snapshot
+        if not step.trace_id:  # the step's export at its end joins the snapshot's trace
+            step.trace_id = self._trace_id(step) or random.getrandbits(128) or 1
+        roots, children, root = snapshot_tree(step, now, snapshot)
+        root.attrs[semconv.STEP_STALLED] = snapshot
+        stalled.attrs[semconv.STALL_SNAPSHOT] = snapshot
+        children.setdefault(id(root), []).append(stalled)
+        self._spans.emit(roots, children, step.trace_id)
+        return True
 
     # ------------------------------------------------------------------ ops
     def op_event(self, func: Any, args: tuple, is_dtensor: bool) -> None:

@@ -9,6 +9,7 @@ an OTel span with :func:`span_attributes`. Nothing here touches OTel.
 from __future__ import annotations
 
 import enum
+import hashlib
 from typing import Any
 
 import torch
@@ -95,6 +96,7 @@ class Step:
 
     __slots__ = (
         "backward_done",
+        "fingerprints",
         "had_module",
         "hooks",
         "index",
@@ -104,6 +106,7 @@ class Step:
         "quiet",
         "records",
         "root",
+        "stalled",
         "trace_id",
         "traced",
     )
@@ -124,6 +127,30 @@ class Step:
         self.quiet = False
         # 0, or which part of its step this is: a step past max_spans_per_step goes on in a fresh Step.
         self.part = 0
+        self.stalled = 0  # stall snapshots taken during this step
+        # Traced steps: per process group, [hash of the ordered (op, dtype, shape), count, first seq].
+        self.fingerprints: dict[str, list] = {}
+
+    def fingerprint(self, group: str, seq: int, op: str, dtype: str, shape: list[int]) -> None:
+        """Add a collective to its process group's desync fingerprint (traced steps)."""
+        entry = self.fingerprints.get(group)
+        if entry is None:
+            entry = self.fingerprints[group] = [hashlib.blake2b(digest_size=8), 0, seq]
+        entry[0].update(f"{op}|{dtype}|{shape};".encode())
+        entry[1] += 1
+
+    def fingerprint_attributes(self) -> dict[str, Any]:
+        """The ``torch.step.collective_*`` arrays, by process group name (none if no collective)."""
+        groups = sorted(self.fingerprints)
+        if not groups:
+            return {}
+        entries = [self.fingerprints[group] for group in groups]
+        return {
+            semconv.STEP_COLLECTIVE_GROUPS: groups,
+            semconv.STEP_COLLECTIVE_FINGERPRINTS: [entry[0].hexdigest() for entry in entries],
+            semconv.STEP_COLLECTIVE_COUNTS: [entry[1] for entry in entries],
+            semconv.STEP_COLLECTIVE_FIRST_SEQ: [entry[2] for entry in entries],
+        }
 
 
 # ------------------------------------------------------------------ the span tree
@@ -148,6 +175,39 @@ def span_tree(step: Step) -> tuple[list[Record], dict[int, list[Record]]]:
     if step.kind is SpanKind.INFERENCE:  # top-level forwards are the roots
         return children.get(id(root), []), children
     return [root], children
+
+
+def snapshot_tree(step: Step, now: int, snapshot: int) -> tuple[list[Record], dict[int, list[Record]], Record]:
+    """An open step's records so far as a finished tree, for stall snapshot ``snapshot``.
+
+    Works on copies (the training thread may still be running the step): records
+    still open end at ``now``, marked ``commdebug.span.incomplete``; every copy
+    carries ``commdebug.stall.snapshot`` and gets its own span id. Returns
+    ``(roots, children, the root's copy)`` as :func:`span_tree` does.
+    """
+    originals = [step.root, *list(step.records)]
+    copies: dict[int, Record] = {}
+    for record in originals:
+        copy = Record.__new__(Record)
+        for name in Record.__slots__:
+            setattr(copy, name, getattr(record, name))
+        copy.attrs = dict(record.attrs)
+        copy.attrs[semconv.STALL_SNAPSHOT] = snapshot
+        copy.events, copy.span_id = list(record.events), 0
+        if copy.end_ns == 0:
+            copy.end_ns = now
+            copy.attrs[semconv.SPAN_INCOMPLETE] = True
+        copies[id(record)] = copy
+    root = copies[id(step.root)]
+    for copy in copies.values():
+        if copy is not root:
+            copy.parent = copies.get(id(copy.parent), root)
+        copy.fwd = copies.get(id(copy.fwd))
+        copy.bw_records = [copies[id(other)] for other in copy.bw_records if id(other) in copies]
+    part = Step(step.index, True, root, step.kind)
+    part.records = [copies[id(record)] for record in originals[1:]]
+    roots, children = span_tree(part)
+    return roots, children, root
 
 
 def _parent_of(record: Record, root: Record) -> Record:

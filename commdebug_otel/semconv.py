@@ -23,6 +23,32 @@ SPAN_DROPPED_EVENTS = "commdebug.span.dropped_events"
 # A train_step cut at OTEL_PYTHON_COMMDEBUG_MAX_SPANS_PER_STEP: this part is exported, the step goes on.
 STEP_TRUNCATED = "commdebug.step.truncated"
 STEP_PART = "commdebug.step.part"  # on the parts after such a cut: 1, 2, ...
+# Per-step signals on train_step (traced steps).
+STEP_COLLECTIVE_WAIT = "torch.step.collective_wait_s"  # seconds the training thread waited in collectives
+STEP_SLOW = "commdebug.step.slow"  # longer than SLOW_STEP_FACTOR x the rank's recent median
+STEP_STALLED = "commdebug.step.stalled"  # a stall snapshot was taken during this step: how many
+# The desync fingerprint: parallel arrays, one entry per process group the step used.
+STEP_COLLECTIVE_GROUPS = "torch.step.collective_groups"
+STEP_COLLECTIVE_FINGERPRINTS = "torch.step.collective_fingerprints"  # hex hash of the ordered (op, dtype, shape)
+STEP_COLLECTIVE_COUNTS = "torch.step.collective_counts"
+STEP_COLLECTIVE_FIRST_SEQ = "torch.step.collective_first_seq"
+
+# Stall snapshots (stall.py).
+SPAN_STALLED = "stalled"
+SPAN_INCOMPLETE = "commdebug.span.incomplete"  # still open at the snapshot: ended there
+STALL_SNAPSHOT = "commdebug.stall.snapshot"  # on every span of a snapshot: 1, 2, ... while the stall lasts
+STALL_AGE = "commdebug.stall.age_s"
+STALL_THRESHOLD = "commdebug.stall.threshold_s"
+STALL_BETWEEN_STEPS = "commdebug.stall.between_steps"
+STALL_MODULE = "commdebug.stall.module"
+STALL_PASS = "commdebug.stall.pass"
+STALL_STACK = "commdebug.stall.stack"
+STALL_GROUPS = "commdebug.stall.groups"
+STALL_ISSUED_SEQ = "commdebug.stall.issued_seq"
+STALL_COMPLETED_SEQ = "commdebug.stall.completed_seq"
+COLLECTIVE_STATE = "commdebug.collective.state"  # on a snapshot's ring events
+STATE_IN_FLIGHT = "in_flight"
+STATE_COMPLETED = "completed"
 
 # Module pass values.
 PASS_FORWARD = "forward"
@@ -77,6 +103,11 @@ METRIC_IO = "torch.collective.io"
 METRIC_DURATION = "torch.collective.duration"
 METRIC_COMPLETION = "torch.collective.completion_duration"
 METRIC_DROPPED = "commdebug.telemetry.dropped"
+METRIC_STEP_DURATION = "torch.step.duration"
+METRIC_STEP_WAIT = "torch.step.collective_wait"
+METRIC_STEP_AGE = "torch.step.age"
+METRIC_SEQ_ISSUED = "torch.collective.seq.issued"
+METRIC_SEQ_COMPLETED = "torch.collective.seq.completed"
 DROPPED_KIND = "commdebug.dropped.kind"
 DROPPED_KIND_EVENT = "event"
 DROPPED_KIND_SPAN = "span"  # export queue full, export failed, or a span over the request size

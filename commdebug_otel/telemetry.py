@@ -78,6 +78,7 @@ DEFAULT_SPAN_QUEUE = 65_536
 METRIC_EXPORT_BATCH_POINTS = 2000
 # Longest string attribute value we export (exception messages and stack traces included).
 MAX_ATTRIBUTE_CHARS = 4096
+STALL_FLUSH_TIMEOUT_S = 10.0  # per provider, for a stall snapshot's flush (the watchdog's own thread)
 
 
 # (signal, kind) -> (module, class): imported only when chosen.
@@ -428,6 +429,18 @@ class Telemetry:
         traces, metrics = self._own_tracer_provider, self._own_meter_provider
         self._bounded("flush", None if traces is None else lambda: traces.force_flush(timeout_ms),
                       None if metrics is None else lambda: metrics.force_flush(timeout_ms))
+
+    def flush_from_watchdog(self, timeout_s: float = STALL_FLUSH_TIMEOUT_S) -> None:
+        """Export what our own providers buffer now, from a thread of ours that may wait (stall snapshots).
+
+        Not part of the exit budget; each provider gets ``timeout_s``. Never raises.
+        """
+        for provider in (self._own_tracer_provider, self._own_meter_provider):
+            if provider is not None:
+                try:
+                    provider.force_flush(int(timeout_s * 1000))
+                except Exception as error:
+                    _logger.debug("commdebug-otel: flush after a stall snapshot failed: %s", describe(error))
 
     def shutdown(self) -> None:
         """Flush and shut our providers down, traces and metrics together, within the budget.

@@ -130,6 +130,10 @@ class ModuleTracker:
         return {"named modules": len(self._names), "module hooks": len(self._post_handles),
                 "calls in flight": len(self._calls), "compiled calls wrapped": len(self._wrapped)}
 
+    def known_fqn(self, module: torch.nn.Module) -> str | None:
+        """The FQN of a module already called, else None (safe from any thread: names nothing)."""
+        return self._names.get(module)
+
     def fqn(self, module: torch.nn.Module) -> str:
         """CommDebugMode's FQN: the root's class name, then the dotted path."""
         name = self._names.get(module)

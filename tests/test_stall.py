@@ -1,0 +1,214 @@
+"""Stall snapshots, per-step signals and the desync fingerprint, on real gloo ranks and a real OTLP receiver."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from commdebug_otel import semconv
+from commdebug_otel.config import Settings
+from commdebug_otel.stall import AUTO_FIRST_S, AUTO_FLOOR_S, Progress, StallWatch
+from commdebug_otel.testing.otlp_receiver import OtlpReceiver
+from tests.distributed import run_ranks
+from tests.models import AllReduceLinear
+
+STEPS = 4
+STUCK_STEP = 2
+STUCK_S = 7.0
+STALL_AFTER_S = 1.5
+
+
+class Layer(nn.Module):
+    """An all-reducing layer whose forward can be told to sleep (the stuck rank's module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = AllReduceLinear(8)
+        self.sleep_s = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        return self.proj(x)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Layer(), Layer()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _train_with_one_rank_stuck(rank: int, world_size: int) -> dict:
+    from commdebug_otel import CommTracer
+
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    resumed = 0.0
+    with CommTracer():
+        for step in range(STEPS):
+            stuck = rank == 1 and step == STUCK_STEP
+            model.layers[1].sleep_s = STUCK_S if stuck else 0.0
+            model(torch.ones(2, 8)).sum().backward()
+            if stuck:
+                resumed = time.time()
+            optimizer.step()
+            optimizer.zero_grad()
+    return {"resumed": resumed}
+
+
+def _stalled_spans(receiver: OtlpReceiver, before: float) -> list[dict]:
+    spans = []
+    for request in receiver.requests("traces"):
+        if request.received_at < before:
+            from commdebug_otel.offline.otlp_json import span_dicts
+
+            spans += span_dicts(request.request, "http")
+    return spans
+
+
+def _rank(span: dict) -> int:
+    return span["resource"][semconv.RANK]
+
+
+@pytest.fixture(scope="module")
+def stuck_run():
+    with OtlpReceiver() as receiver:
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.http_endpoint,
+               "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+               "OTEL_PYTHON_COMMDEBUG_STALL_AFTER": str(STALL_AFTER_S),
+               "OTEL_METRIC_EXPORT_INTERVAL": "60000"}
+        results = run_ranks(_train_with_one_rank_stuck, 2, env=env)
+        yield receiver, results[1]["resumed"]
+
+
+def test_both_ranks_export_a_snapshot_while_one_is_stuck(stuck_run):
+    receiver, resumed = stuck_run
+    early = _stalled_spans(receiver, before=resumed)
+    stalled = {_rank(span): span for span in early if span["name"] == semconv.SPAN_STALLED
+               and span["attributes"][semconv.STALL_SNAPSHOT] == 1}
+    assert sorted(stalled) == [0, 1]
+    stuck, waiting = stalled[1]["attributes"], stalled[0]["attributes"]
+    # The stuck rank: in the sleeping module's forward, behind on the default group.
+    assert stuck[semconv.STEP] == waiting[semconv.STEP] == STUCK_STEP
+    assert (stuck[semconv.STALL_MODULE], stuck[semconv.STALL_PASS]) == ("Net.layers.1", "forward")
+    assert any("in forward" in frame and "test_stall.py" in frame for frame in stuck[semconv.STALL_STACK])
+    assert STALL_AFTER_S <= stuck[semconv.STALL_AGE] < STUCK_S
+    per_step = 2  # forward all-reduces per step, on the default group (one per layer)
+    issued = {rank: dict(zip(stalled[rank]["attributes"][semconv.STALL_GROUPS],
+                             stalled[rank]["attributes"][semconv.STALL_ISSUED_SEQ])) for rank in (0, 1)}
+    group = next(iter(issued[0]))
+    assert issued[1][group] == STUCK_STEP * per_step  # layers.0's all-reduce of the stuck step, seq 4
+    assert issued[0][group] == STUCK_STEP * per_step + 1  # rank 0 is in layers.1's, seq 5
+    # The waiting rank: its last collective is in flight, issued by layers.1.proj.
+    in_flight = [event["attributes"] for event in stalled[0]["events"]
+                 if event["attributes"][semconv.COLLECTIVE_STATE] == semconv.STATE_IN_FLIGHT]
+    assert [(a[semconv.COLLECTIVE_SEQ], a[semconv.COLLECTIVE_OP], a[semconv.MODULE_FQN]) for a in in_flight] == [
+        (STUCK_STEP * per_step + 1, "all_reduce", "Net.layers.1.proj")]
+    assert waiting[semconv.STALL_MODULE] == "Net.layers.1.proj"
+    assert in_flight[0][semconv.COLLECTIVE_SHAPE] == [2, 8] and in_flight[0][semconv.COLLECTIVE_BYTES] == 64
+    # Every collective of the earlier steps is known complete (ring of both ranks).
+    done = [event["attributes"][semconv.COLLECTIVE_SEQ] for event in stalled[0]["events"]
+            if event["attributes"][semconv.COLLECTIVE_STATE] == semconv.STATE_COMPLETED]
+    assert done == list(range(STUCK_STEP * per_step + 1))
+
+
+def test_the_snapshot_holds_the_steps_spans_so_far_in_the_steps_trace(stuck_run):
+    receiver, resumed = stuck_run
+    early = [span for span in _stalled_spans(receiver, before=resumed)
+             if span["attributes"].get(semconv.STALL_SNAPSHOT) == 1 and _rank(span) == 1]
+    by_name = {span["name"]: span for span in early}
+    assert by_name["train_step"]["attributes"][semconv.SPAN_INCOMPLETE] is True
+    assert by_name["train_step"]["attributes"][semconv.STEP_STALLED] == 1
+    assert by_name["Net.layers.1 forward"]["attributes"][semconv.SPAN_INCOMPLETE] is True
+    assert semconv.SPAN_INCOMPLETE not in by_name["Net.layers.0 forward"]["attributes"]  # it had ended
+    final = [span for span in receiver.spans() if span["name"] == "train_step" and _rank(span) == 1
+             and span["attributes"][semconv.STEP] == STUCK_STEP and semconv.STALL_SNAPSHOT not in span["attributes"]]
+    assert len(final) == 1 and final[0]["attributes"][semconv.STEP_STALLED] >= 1
+    assert {span["trace_id"] for span in early} == {final[0]["trace_id"]}
+    assert final[0]["end_ns"] / 1e9 >= resumed
+
+
+def test_metrics_arrive_during_the_stall(stuck_run):
+    receiver, resumed = stuck_run
+    from commdebug_otel.offline.otlp_json import metric_dicts
+
+    points = [point for request in receiver.requests("metrics") if request.received_at < resumed
+              for point in metric_dicts(request.request, "http")]
+    ages = {point["attributes"][semconv.RANK]: point["value"] for point in points
+            if point["name"] == semconv.METRIC_STEP_AGE}
+    assert ages and min(ages.values()) >= STALL_AFTER_S
+    issued = {point["attributes"][semconv.RANK]: point["value"] for point in points
+              if point["name"] == semconv.METRIC_SEQ_ISSUED}
+    assert issued == {0: STUCK_STEP * 2 + 1, 1: STUCK_STEP * 2}  # rank 1 flat and behind
+
+
+def test_every_traced_step_has_a_wait_and_a_fingerprint_equal_across_ranks(stuck_run):
+    receiver, _ = stuck_run
+    steps = [span for span in receiver.spans() if span["name"] == "train_step"
+             and semconv.STALL_SNAPSHOT not in span["attributes"]]
+    assert len(steps) == 2 * STEPS
+    by_step: dict[int, list[dict]] = {}
+    for span in steps:
+        by_step.setdefault(span["attributes"][semconv.STEP], []).append(span["attributes"])
+    for attributes in by_step.values():
+        fingerprints = {tuple(a[semconv.STEP_COLLECTIVE_FINGERPRINTS]) for a in attributes}
+        assert len(fingerprints) == 1
+        assert [a[semconv.STEP_COLLECTIVE_COUNTS] for a in attributes] == [[2], [2]]
+    waits = sorted(a[semconv.STEP_COLLECTIVE_WAIT] for a in by_step[STUCK_STEP])
+    assert waits[0] < 1.0 and waits[1] >= STUCK_S - 1.0  # rank 0 waited for rank 1
+    assert [a[semconv.STEP_COLLECTIVE_FIRST_SEQ] for a in by_step[3]] == [[6], [6]]
+
+
+# ----------------------------------------------------------------- the watchdog's rules, without ranks
+def test_auto_threshold_follows_recent_steps_with_a_floor():
+    progress = Progress()
+    assert progress.threshold_s("auto") == AUTO_FIRST_S
+    for _ in range(5):
+        progress.durations.append(0.2)
+    assert progress.threshold_s("auto") == AUTO_FLOOR_S
+    for _ in range(40):
+        progress.durations.append(10.0)
+    assert progress.threshold_s("auto") == 100.0
+    assert progress.threshold_s(2.5) == 2.5
+
+
+def test_snapshots_back_off_while_one_stall_lasts():
+    calls = []
+
+    class FakeRecorder:
+        thread_id = -1
+        progress = Progress()
+
+        def stall_snapshot(self, now, age_s, threshold_s, snapshot, where):
+            calls.append((round(age_s), snapshot))
+            return True
+
+    watch = StallWatch(FakeRecorder(), 2.0, lambda: None, lambda module: None)
+    start = FakeRecorder.progress.since_ns
+    for second in range(0, 20):
+        watch.check(start + second * 10**9)
+    assert calls == [(2, 1), (4, 2), (8, 3), (16, 4)]
+    FakeRecorder.progress.step_began(start + 20 * 10**9, 1)
+    watch.check(start + 23 * 10**9)
+    assert calls[-1] == (3, 1)  # a new stall starts counting again
+
+
+@pytest.mark.parametrize("text, expected", [("auto", "auto"), ("off", None), ("2.5", 2.5), ("0", None)])
+def test_stall_after_accepts_auto_off_and_seconds(text, expected):
+    assert Settings.from_env({"OTEL_PYTHON_COMMDEBUG_STALL_AFTER": text}).stall_after_s == expected
+
+
+def test_bad_stall_after_costs_one_message_and_keeps_the_default(caplog):
+    settings = Settings.from_env({"OTEL_PYTHON_COMMDEBUG_STALL_AFTER": "soon"})
+    assert settings.stall_after_s == "auto"
+    messages = [record.getMessage() for record in caplog.records]
+    assert len(messages) == 1 and "OTEL_PYTHON_COMMDEBUG_STALL_AFTER" in messages[0] and "auto, off" in messages[0]
