@@ -25,6 +25,15 @@ PROMETHEUS_METRICS = (
     "torch_collective_completion_duration_seconds_count",
     "torch_collective_completion_duration_seconds_sum",
     "commdebug_telemetry_dropped_total",
+    "torch_step_duration_seconds_bucket",
+    "torch_step_duration_seconds_count",
+    "torch_step_duration_seconds_sum",
+    "torch_step_collective_wait_seconds_bucket",
+    "torch_step_collective_wait_seconds_count",
+    "torch_step_collective_wait_seconds_sum",
+    "torch_step_age_seconds",
+    "torch_collective_seq_issued",
+    "torch_collective_seq_completed",
 )
 # Labels on the collective series (the device-mesh dim label only when the group is a mesh dim;
 # torch_module_fqn only with OTEL_PYTHON_COMMDEBUG_METRIC_MODULE_DEPTH > 0).

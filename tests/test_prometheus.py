@@ -34,6 +34,7 @@ STEP_PAUSE_S = 0.35  # training spans several 1 s scrapes, so rates have at leas
 BATCH, DIM = 8, 16
 FLOAT32_BYTES = 4
 POLL_TIMEOUT_S = 25.0
+LATE_S = 0.05  # rank 1 reaches each step's forward all_reduce this late: rank 0 waits for it
 WATCHDOG_S = 55.0  # a hung rank exits hard instead of holding the test for gloo's 30 min timeout
 
 
@@ -61,7 +62,10 @@ class _Net(torch.nn.Module):
         self.fc2 = torch.nn.Linear(DIM, DIM)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = _AllReduceInForward.apply(self.fc1(x))
+        h = self.fc1(x)
+        if dist.get_rank() == 1:
+            time.sleep(LATE_S)
+        h = _AllReduceInForward.apply(h)
         gathered = [torch.empty(DIM) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, h.detach().mean(0))
         h = AllReduceInBackward.apply(h)
@@ -293,3 +297,36 @@ def test_dashboard_rates_split_by_the_right_labels(scraped):
     by_pass = by_labels(_query(scraped, dash.render(passes, dashboard)), "torch_module_pass")
     assert set(by_pass) == {("forward",), ("backward",), ("none",)}
     assert by_pass[("forward",)] > by_pass[("backward",)] > 0  # 2 forward collectives per step, 1 backward
+
+
+def _ref_result(scraped, title: str, ref: str) -> list[dict]:
+    dashboard = dash.load()
+    [expr] = [expr for panel_title, panel_ref, expr in dash.queries(dashboard)
+              if panel_title == title and panel_ref == ref]
+    return _query(scraped, dash.render(expr, dashboard))
+
+
+def test_step_signals_name_the_rank_the_others_wait_for(scraped):
+    ranks = {(str(rank),) for rank in range(WORLD_SIZE)}
+    for metric in ("torch_step_duration_seconds_count", "torch_step_collective_wait_seconds_count"):
+        counts = by_labels(_query(scraped, f"sum by (torch_distributed_rank) ({metric})"), "torch_distributed_rank")
+        assert counts == {rank: float(STEPS) for rank in ranks}, metric
+    waited = by_labels(_query(scraped, "sum by (torch_distributed_rank) (torch_step_collective_wait_seconds_sum)"),
+                       "torch_distributed_rank")
+    assert waited[("0",)] >= 0.8 * LATE_S * STEPS  # rank 0 waits for the late rank at every step
+    assert waited[("1",)] < waited[("0",)] / 4  # the straggler waits least
+    steps = by_labels(_query(scraped, "sum by (torch_distributed_rank) (torch_step_duration_seconds_sum)"),
+                      "torch_distributed_rank")
+    assert min(steps.values()) >= LATE_S * STEPS  # both ranks' steps carry the delay
+    assert set(by_labels(_ref_result(scraped, "Collective wait per step, per rank", "A"), "torch_distributed_rank")) \
+        == ranks
+    ages = by_labels(_panel_result(scraped, "Step age per rank"), "torch_distributed_rank")
+    assert set(ages) == ranks and all(0 < age < WATCHDOG_S for age in ages.values())
+
+
+def test_seq_panels_are_exact_per_rank_and_group(scraped):
+    last = 4 + 3 * STEPS - 1  # set-up broadcasts, then three collectives per step, all on the default group
+    title = "Collective seq per rank and group (issued / completed)"
+    for ref in ("A", "B"):
+        seqs = by_labels(_ref_result(scraped, title, ref), "torch_distributed_rank", "torch_process_group_name")
+        assert seqs == {(str(rank), "0"): float(last) for rank in range(WORLD_SIZE)}, ref

@@ -168,6 +168,87 @@ def test_every_traced_step_has_a_wait_and_a_fingerprint_equal_across_ranks(stuck
     assert [a[semconv.STEP_COLLECTIVE_FIRST_SEQ] for a in by_step[3]] == [[6], [6]]
 
 
+class FunctionalLayer(nn.Module):
+    """A linear layer whose output is all-reduced by a functional collective (as DTensor's are), then waited for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed import _functional_collectives as funcol
+
+        out = self.lin(x)
+        reduced = funcol.all_reduce(out.detach(), "sum", torch.distributed.group.WORLD)
+        return out + funcol.wait_tensor(reduced) * 0
+
+
+def _train_untraced_with_a_stall(rank: int, world_size: int, where: str) -> dict:
+    from commdebug_otel import CommTracer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(FunctionalLayer(), FunctionalLayer())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    resumed = 0.0
+    with CommTracer():
+        for step in range(STEPS):
+            stuck = rank == 1 and step == STUCK_STEP
+            if stuck and where == "module":
+                model[1].register_forward_pre_hook(lambda module, args: time.sleep(SHORT_STUCK_S))
+            model(torch.ones(2, 8)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if stuck and where == "between steps":
+                time.sleep(SHORT_STUCK_S)  # data loading
+            if stuck:
+                resumed = time.time()
+                model[1]._forward_pre_hooks.clear()
+    return {"resumed": resumed}
+
+
+SHORT_STUCK_S = 4.0
+
+
+@pytest.mark.parametrize("where", ["module", "between steps"])
+def test_untraced_steps_and_functional_collectives_get_snapshots_too(where):
+    """Production settings (one step in 100 traced): the stuck rank is still named, from its Python stack."""
+    with OtlpReceiver() as receiver:
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.http_endpoint,
+               "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+               "OTEL_PYTHON_COMMDEBUG_STALL_AFTER": "1", "OTEL_PYTHON_COMMDEBUG_TRACE_EVERY": "100"}
+        resumed = run_ranks(_train_untraced_with_a_stall, 2, where, env=env)[1]["resumed"]
+        early = _stalled_spans(receiver, before=resumed)
+        finals = [span for span in receiver.spans() if span["name"] == "train_step"
+                  and semconv.STALL_SNAPSHOT not in span["attributes"]]
+    stalled = {_rank(span): span["attributes"] for span in early if span["name"] == semconv.SPAN_STALLED
+               and span["attributes"][semconv.STALL_SNAPSHOT] == 1}
+    assert sorted(stalled) == [0, 1]
+    per_step = 2
+    group = stalled[0][semconv.STALL_GROUPS][0]
+    if where == "module":
+        assert (stalled[1][semconv.STALL_MODULE], stalled[1][semconv.STALL_PASS]) == ("Sequential.1", "forward")
+        assert stalled[1][semconv.STEP] == STUCK_STEP and semconv.STALL_BETWEEN_STEPS not in stalled[1]
+        behind = STUCK_STEP * per_step
+    else:
+        assert (stalled[1][semconv.STALL_MODULE], stalled[1][semconv.STALL_PASS]) == ("", "")
+        assert stalled[1][semconv.STEP] == STUCK_STEP + 1 and stalled[1][semconv.STALL_BETWEEN_STEPS] is True
+        behind = (STUCK_STEP + 1) * per_step - 1
+    # behind: the stuck rank's last collective, complete; the waiting rank is one further, waiting in wait_tensor.
+    assert stalled[1][semconv.STALL_ISSUED_SEQ] == stalled[1][semconv.STALL_COMPLETED_SEQ] == [behind]
+    assert stalled[0][semconv.STALL_ISSUED_SEQ] == [behind + 1] and stalled[0][semconv.STALL_COMPLETED_SEQ] == [behind]
+    assert (stalled[0][semconv.STALL_MODULE], stalled[0][semconv.STALL_PASS]) == (
+        "Sequential.1" if where == "module" else "Sequential.0", "forward")
+    assert group == stalled[1][semconv.STALL_GROUPS][0]
+    # Untraced: the snapshot is train_step and stalled; the step's final export is its train_step alone.
+    snapshot_names = sorted(span["name"] for span in early if _rank(span) == 1
+                            and span["attributes"].get(semconv.STALL_SNAPSHOT) == 1)
+    assert snapshot_names == (["stalled", "train_step"] if where == "module" else ["stalled"])
+    stalled_steps = sorted((_rank(span), span["attributes"][semconv.STEP]) for span in finals
+                           if semconv.STEP_STALLED in span["attributes"])
+    waiting_step = STUCK_STEP if where == "module" else STUCK_STEP + 1
+    assert stalled_steps == sorted([(0, waiting_step)] + ([(1, STUCK_STEP)] if where == "module" else []))
+
+
 # ----------------------------------------------------------------- the watchdog's rules, without ranks
 def test_auto_threshold_follows_recent_steps_with_a_floor():
     progress = Progress()
