@@ -15,7 +15,9 @@ from typing import Any
 import pytest
 import yaml
 
+from commdebug_otel import semconv
 from commdebug_otel.config import OPTIONS
+from commdebug_otel.telemetry import MAX_ATTRIBUTE_CHARS
 
 import grafana_dashboard as dash
 
@@ -25,6 +27,7 @@ STACKS = {"jaeger": DEPLOY / "jaeger", "tempo": DEPLOY / "tempo"}
 COLLECTOR_CONFIG = DEPLOY / "common" / "otel-collector" / "config.yaml"
 PROMETHEUS_CONFIG = DEPLOY / "common" / "prometheus" / "prometheus.yaml"
 KUBERNETES = [DEPLOY / "kubernetes" / "torchrun-job.yaml", DEPLOY / "kubernetes" / "pytorchjob.yaml"]
+KUBERNETES_GATEWAY = DEPLOY / "kubernetes" / "gateway.yaml"
 GRPC_DEFAULT_MIB = 4
 TEMPO_DEFAULT_TRACE_BYTES = 5_000_000
 # Current names (Collector >= 0.144): `otlp` / `otlphttp` exporters are deprecated aliases there.
@@ -235,9 +238,11 @@ def test_dashboard_panels_and_queries():
     assert dash.queries(dashboard)
     for title, _ref, expr in dash.queries(dashboard):
         # The same queries work for the workers' own endpoints and the Collector's exporter:
-        # aggregate by our labels, never by the scrape's job/instance.
+        # aggregate by our labels, never by instance; `job` only through the Job variable, whose
+        # values come from Prometheus (service.namespace/service.name, service.name, or the scrape job).
         assert expr.lstrip().startswith(("sum by", "histogram_quantile(")), (title, expr)
-        assert not re.search(r"\b(job|instance)\b", expr), (title, expr)
+        assert not re.search(r"\binstance\b", expr), (title, expr)
+        assert re.findall(r"\bjob\b[^,}]*", expr) == ['job=~"$job"'], (title, expr)
         if "rate(" in expr:
             assert "[$__rate_interval]" in expr, (title, expr)
         dash.render(expr, dashboard)  # every $variable is defined
@@ -330,3 +335,105 @@ def test_dashboards_doc_names_every_metric_and_panel():
         assert name in text, name
     for panel in dash.panels(dash.load()):
         assert panel["title"] in text, panel["title"]
+
+
+# ------------------------------------------------- issue 18, part 6: deploy defects
+def _grafana_metrics_labels(tags: list[dict], span_tags: dict[str, Any]) -> list[str]:
+    """Grafana's ``buildMetricsQuery`` (public/app/features/explore/TraceView/createSpanLink.tsx): a tag becomes
+    a label matcher only when the span's value is truthy (``if (tagValue)``), as JavaScript sees it."""
+    labels = []
+    for tag in tags:
+        value = span_tags.get(tag["key"])
+        if value not in (None, 0, "", False):
+            labels.append(f'{tag.get("value") or tag["key"]}="{value}"')
+    return labels
+
+
+def _set_by_transform(config: dict) -> dict[str, str]:
+    """Resource attribute -> the statement of ``transform/links`` that sets it."""
+    [context] = config["processors"]["transform/links"]["trace_statements"]
+    assert context["context"] == "resource"
+    return {re.match(r'set\(attributes\["([^"]+)"\]', statement).group(1): statement
+            for statement in context["statements"]}
+
+
+@pytest.mark.parametrize("stack", sorted(STACKS))
+def test_trace_to_metrics_link_keeps_rank_0(stack):
+    link = _datasources(stack)[stack]["jsonData"]["tracesToMetrics"]
+    tags = {tag["key"]: tag["value"] for tag in link["tags"]}
+    assert tags == {"commdebug.rank": "torch_distributed_rank", "commdebug.job": "job"}
+    config = _yaml(COLLECTOR_CONFIG)
+    assert "transform/links" in config["service"]["pipelines"]["traces"]["processors"]
+    statements = _set_by_transform(config)
+    assert set(tags) <= set(statements)
+    copy = f'set(attributes["commdebug.rank"], Concat([attributes["{semconv.RANK}"]], ""))'
+    assert statements["commdebug.rank"].startswith(copy)
+    # What Grafana builds for rank 0 after the Collector (string copies) and before (the int attribute).
+    after = {semconv.RANK: 0, "commdebug.rank": "0", "commdebug.job": "training/llama"}
+    assert _grafana_metrics_labels(link["tags"], after) == ['torch_distributed_rank="0"', 'job="training/llama"']
+    assert _grafana_metrics_labels([{"key": semconv.RANK, "value": "torch_distributed_rank"}], after) == []
+    # commdebug.job is the `job` label of the Collector's Prometheus exporters: namespace/name, or name.
+    assert 'Concat([attributes["service.namespace"], attributes["service.name"]], "/")' in statements["commdebug.job"]
+
+
+def test_tempo_keeps_every_attribute_we_export_whole():
+    """Tempo 2.9 truncates string attributes at distributor.max_attribute_bytes (default 2048), counted in bytes."""
+    config = _yaml(STACKS["tempo"] / "tempo.yaml")
+    assert config["distributor"]["max_attribute_bytes"] >= 4 * MAX_ATTRIBUTE_CHARS  # UTF-8: 4 bytes a character
+    override = config["overrides"]["defaults"].get("ingestion", {}).get("max_attribute_bytes", 0)
+    assert override == 0 or override >= 4 * MAX_ATTRIBUTE_CHARS  # a per-tenant value above 0 wins
+
+
+def test_tempo_service_map_only_with_what_feeds_it():
+    """A serviceMap needs Tempo's metrics generator (service-graphs) remote-writing to a Prometheus that takes it."""
+    json_data = _datasources("tempo")["tempo"]["jsonData"]
+    if "serviceMap" not in json_data:
+        return
+    tempo = _yaml(STACKS["tempo"] / "tempo.yaml")
+    assert tempo["metrics_generator"]["storage"]["remote_write"]
+    assert "service-graphs" in tempo["overrides"]["defaults"]["metrics_generator"]["processors"]
+    assert "--web.enable-remote-write-receiver" in _compose("tempo")["services"]["prometheus"]["command"]
+
+
+def _cluster_dns(service: dict, namespace: str = "observability") -> str:
+    return f"{service['metadata']['name']}.{namespace}.svc.cluster.local"
+
+
+def test_kubernetes_gateway_runs_the_shared_config():
+    docs = {doc["kind"]: doc for doc in yaml.safe_load_all(KUBERNETES_GATEWAY.read_text()) if doc}
+    spec = docs["Deployment"]["spec"]["template"]["spec"]
+    [container] = spec["containers"]
+    env = {item["name"]: item["value"] for item in container["env"]}
+    assert _env_refs(COLLECTOR_CONFIG.read_text()) <= set(env)  # TRACES_OTLP_ENDPOINT: compose is not the only place
+    assert env["TRACES_OTLP_ENDPOINT"].endswith(":4317")
+    [volume] = spec["volumes"]
+    command = re.search(r"kubectl create configmap -n (\S+) (\S+) \\\s*#\s*--from-file=config\.yaml=(\S+)",
+                        KUBERNETES_GATEWAY.read_text())
+    assert command.group(2) == volume["configMap"]["name"]
+    assert ROOT / command.group(3) == COLLECTOR_CONFIG
+    [mount] = container["volumeMounts"]
+    assert container["args"] == [f"--config={mount['mountPath']}/config.yaml"]
+    # The sidecars' OTEL_GATEWAY_ENDPOINT names this Service in the namespace the comment creates it in.
+    service = docs["Service"]
+    sidecar_targets = set(re.findall(r"value:\s*(\S+\.svc\.cluster\.local:\d+)",
+                                     "".join(path.read_text() for path in KUBERNETES)))
+    assert sidecar_targets == {f"{_cluster_dns(service, command.group(1))}:4317"}
+    ports = {port["name"]: port["containerPort"] for port in container["ports"]}
+    assert {port["port"] for port in service["spec"]["ports"]} <= set(ports.values())
+    assert ports["prometheus"] == int(_yaml(COLLECTOR_CONFIG)["exporters"]["prometheus"]["endpoint"].rsplit(":", 1)[1])
+
+
+def _dropped_kinds() -> set[str]:
+    return {value for name, value in vars(semconv).items()
+            if name.startswith("DROPPED_KIND_") and isinstance(value, str)}
+
+
+def test_dropped_telemetry_panel_describes_every_kind():
+    kinds = _dropped_kinds()
+    assert {"event", "span", "step_split", "step_full"} <= kinds
+    [panel] = [panel for panel in dash.panels(dash.load()) if panel["title"] == "Dropped telemetry"]
+    described = set(re.findall(r"(\w+) = ", panel["description"]))
+    assert described == kinds
+    text = (ROOT / "docs" / "dashboards.md").read_text()
+    for kind in kinds:
+        assert f"`{kind}`" in text, kind
