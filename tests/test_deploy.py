@@ -6,6 +6,8 @@ real Prometheus held in tests/test_prometheus.py (``grafana_dashboard.PROMETHEUS
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import re
 import shutil
@@ -15,8 +17,11 @@ from typing import Any
 import pytest
 import yaml
 
+from commdebug_otel import semconv
 from commdebug_otel.config import OPTIONS
+from commdebug_otel.telemetry import MAX_ATTRIBUTE_CHARS
 
+import collector_schema as schema
 import grafana_dashboard as dash
 
 DEPLOY = dash.DEPLOY
@@ -25,6 +30,9 @@ STACKS = {"jaeger": DEPLOY / "jaeger", "tempo": DEPLOY / "tempo"}
 COLLECTOR_CONFIG = DEPLOY / "common" / "otel-collector" / "config.yaml"
 PROMETHEUS_CONFIG = DEPLOY / "common" / "prometheus" / "prometheus.yaml"
 KUBERNETES = [DEPLOY / "kubernetes" / "torchrun-job.yaml", DEPLOY / "kubernetes" / "pytorchjob.yaml"]
+KUBERNETES_GATEWAY = DEPLOY / "kubernetes" / "gateway.yaml"
+SCALE = {tier: DEPLOY / "scale" / f"{tier}.yaml" for tier in ("agent", "gateway", "sampler")}
+COLLECTOR_IMAGE = "otel/opentelemetry-collector-contrib:0.148.0"  # the version collector_schema.py was read at
 GRPC_DEFAULT_MIB = 4
 TEMPO_DEFAULT_TRACE_BYTES = 5_000_000
 # Current names (Collector >= 0.144): `otlp` / `otlphttp` exporters are deprecated aliases there.
@@ -235,9 +243,11 @@ def test_dashboard_panels_and_queries():
     assert dash.queries(dashboard)
     for title, _ref, expr in dash.queries(dashboard):
         # The same queries work for the workers' own endpoints and the Collector's exporter:
-        # aggregate by our labels, never by the scrape's job/instance.
+        # aggregate by our labels, never by instance; `job` only through the Job variable, whose
+        # values come from Prometheus (service.namespace/service.name, service.name, or the scrape job).
         assert expr.lstrip().startswith(("sum by", "histogram_quantile(")), (title, expr)
-        assert not re.search(r"\b(job|instance)\b", expr), (title, expr)
+        assert not re.search(r"\binstance\b", expr), (title, expr)
+        assert re.findall(r"\bjob\b[^,}]*", expr) == ['job=~"$job"'], (title, expr)
         if "rate(" in expr:
             assert "[$__rate_interval]" in expr, (title, expr)
         dash.render(expr, dashboard)  # every $variable is defined
@@ -330,3 +340,301 @@ def test_dashboards_doc_names_every_metric_and_panel():
         assert name in text, name
     for panel in dash.panels(dash.load()):
         assert panel["title"] in text, panel["title"]
+
+
+# ------------------------------------------------- collector configuration schema
+def _config_maps(path) -> list[tuple[str, str]]:
+    """``(name, config.yaml text)`` of every ConfigMap in a manifest that holds a Collector config."""
+    return [(doc["metadata"]["name"], doc["data"]["config.yaml"])
+            for doc in yaml.safe_load_all(path.read_text())
+            if doc and doc["kind"] == "ConfigMap" and "config.yaml" in doc["data"]]
+
+
+def _collector_configs() -> list[tuple[str, dict]]:
+    """Every Collector config in deploy/: the shared one, the sidecars' and deploy/scale/'s tiers."""
+    configs = [("common/otel-collector/config.yaml", _yaml(COLLECTOR_CONFIG))]
+    for path in KUBERNETES + list(SCALE.values()):
+        configs.extend((f"{path.parent.name}/{path.name}:{name}", yaml.safe_load(text))
+                       for name, text in _config_maps(path))
+    return configs
+
+
+@pytest.mark.parametrize("where, config", _collector_configs(), ids=[where for where, _ in _collector_configs()])
+def test_collector_configs_use_only_keys_of_the_pinned_collector(where, config):
+    """Every section, component type and key exists in the pinned Collector (tests/collector_schema.py)."""
+    assert schema.config_problems(config) == [], where
+    _check_pipelines(config, where)
+    for policy in ((config.get("processors") or {}).get("tail_sampling") or {}).get("policies", []):
+        assert policy["type"] in schema.TAIL_SAMPLING_POLICY_TYPES, (where, policy)
+        assert policy["type"] in policy or policy["type"] == "always_sample", (where, policy)
+
+
+def test_schema_check_rejects_unknown_keys():
+    config = {"receivers": {"otlp": {"protocols": {"grpc": {"endpoint": "0.0.0.0:4317", "max_recv_msg_size": 64}}}},
+              "processors": {"tail_sampling": {"policies": [{"name": "x", "type": "status_code",
+                                                             "status_code": {"codes": ["ERROR"]}}]}},
+              "exporters": {"otlp_http/x": {}}, "service": {"pipelines": {"traces": {"receiver": ["otlp"]}}}}
+    assert schema.config_problems(config) == [
+        "receivers.otlp.protocols.grpc.max_recv_msg_size",
+        "processors.tail_sampling.policies[0].status_code.codes",
+        "exporters.otlp_http/x: no such exporter in the table",
+        "service.pipelines.traces.receiver",
+    ]
+
+
+def _collector_images() -> list[str]:
+    images = [service["image"] for stack in STACKS for service in _compose(stack)["services"].values()]
+    for path in [*KUBERNETES, KUBERNETES_GATEWAY, *SCALE.values()]:
+        images.extend(re.findall(r"image:\s*(\S+)", path.read_text()))
+    return [image for image in images if "opentelemetry-collector" in image]
+
+
+def test_collector_images_are_the_version_the_schema_was_read_at():
+    images = _collector_images()
+    # compose stacks, sidecars (the PyTorchJob's Worker is a YAML alias), the Kubernetes gateway, the scale tiers
+    assert len(images) == 2 + 2 + 1 + 3
+    assert set(images) == {COLLECTOR_IMAGE}
+
+
+# ------------------------------------------------------------ deploy/scale/
+def _scale(tier: str) -> dict[str, dict]:
+    return {doc["kind"]: doc for doc in yaml.safe_load_all(SCALE[tier].read_text()) if doc}
+
+
+def _scale_config(tier: str) -> dict:
+    [(_, text)] = _config_maps(SCALE[tier])
+    return yaml.safe_load(text)
+
+
+def _cluster_dns(service: dict, namespace: str = "observability") -> str:
+    return f"{service['metadata']['name']}.{namespace}.svc.cluster.local"
+
+
+def _duration_s(text: str) -> float:
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m)", text)
+    return float(match.group(1)) * {"ms": 0.001, "s": 1.0, "m": 60.0}[match.group(2)]
+
+
+@pytest.mark.parametrize("tier", sorted(SCALE))
+def test_scale_tier_workload_runs_its_config(tier):
+    docs = _scale(tier)
+    workload = docs.get("DaemonSet") or docs["Deployment"]
+    spec = workload["spec"]["template"]["spec"]
+    [container] = spec["containers"]
+    assert container["image"] == COLLECTOR_IMAGE
+    [(config_map, text)] = _config_maps(SCALE[tier])
+    [volume] = spec["volumes"]
+    assert volume["configMap"]["name"] == config_map
+    [mount] = container["volumeMounts"]
+    assert container["args"] == [f"--config={mount['mountPath']}/config.yaml"]
+    assert _env_refs(text) <= {item["name"] for item in container.get("env", [])}
+    labels = workload["spec"]["template"]["metadata"]["labels"]
+    assert workload["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    service = docs["Service"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    ports = {port["name"]: port["containerPort"] for port in container["ports"]}
+    for port in service["spec"]["ports"]:
+        assert ports[port["targetPort"]] == port["port"]
+    listens = {receiver["endpoint"].rsplit(":", 1)[1]
+               for receiver in _scale_config(tier)["receivers"]["otlp"]["protocols"].values()}
+    assert listens <= {str(port["port"]) for port in service["spec"]["ports"]}
+
+
+def test_scale_agents_forward_to_the_gateway_pool_which_routes_by_trace_id():
+    agent, gateway, sampler = _scale("agent"), _scale("gateway"), _scale("sampler")
+    assert "DaemonSet" in agent and agent["Service"]["spec"]["internalTrafficPolicy"] == "Local"
+    for tier in (gateway, sampler):
+        assert tier["Service"]["spec"]["clusterIP"] == "None"  # headless: DNS names every pod
+    agent_config = _scale_config("agent")
+    [(name, exporter)] = agent_config["exporters"].items()
+    assert name.split("/")[0] == "otlp_grpc"
+    assert exporter["endpoint"] == f"dns:///{_cluster_dns(gateway['Service'])}:4317"
+    assert exporter["balancer_name"] == "round_robin"
+    assert {p: agent_config["service"]["pipelines"][p]["exporters"] for p in ("traces", "metrics")} == \
+        {"traces": [name], "metrics": [name]}
+    gateway_config = _scale_config("gateway")
+    balancer = gateway_config["exporters"]["loadbalancing/sampler"]
+    assert balancer["routing_key"] == "traceID"
+    assert balancer["resolver"]["dns"]["hostname"] == _cluster_dns(sampler["Service"])
+    assert balancer["resolver"]["dns"]["port"] == "4317"
+    pipelines = gateway_config["service"]["pipelines"]
+    assert pipelines["traces"]["exporters"] == ["loadbalancing/sampler"]
+    assert "batch" not in pipelines["traces"]["processors"]  # the balancer splits batches by trace anyway
+    assert pipelines["metrics"]["exporters"] == ["prometheusremotewrite"]
+    [container] = gateway["Deployment"]["spec"]["template"]["spec"]["containers"]
+    env = {item["name"]: item["value"] for item in container["env"]}
+    assert env["PROMETHEUS_REMOTE_WRITE_URL"].endswith("/api/v1/write")
+
+
+# Names the library sets for tail sampling (the stall and slow-step work defines them in semconv;
+# until it lands here, the getattr default is the agreed name).
+STALL_NAMES = {"SPAN_STALLED": "stalled", "SPAN_INCOMPLETE": "commdebug.span.incomplete",
+               "STEP_STALLED": "commdebug.step.stalled", "STEP_SLOW": "commdebug.step.slow"}
+BSP_SCHEDULE_DELAY_S = 5.0  # the SDK's default OTEL_BSP_SCHEDULE_DELAY
+
+
+def test_tail_sampling_keeps_stalled_failed_slow_steps_and_a_fraction_of_the_rest():
+    names = {key: getattr(semconv, key, default) for key, default in STALL_NAMES.items()}
+    assert names == STALL_NAMES
+    config = _scale_config("sampler")
+    sampling = config["processors"]["tail_sampling"]
+    assert _duration_s(sampling["decision_wait"]) > BSP_SCHEDULE_DELAY_S
+    policies = {policy["name"]: policy for policy in sampling["policies"]}
+    assert list(policies) == ["stalled", "failed", "slow", "baseline"]
+    stalled = policies["stalled"]["ottl_condition"]
+    assert stalled["error_mode"] == "ignore"
+    assert stalled["span"] == [
+        f'name == "{names["SPAN_STALLED"]}"',
+        f'attributes["{names["SPAN_INCOMPLETE"]}"] == true',
+        f'name == "{semconv.SPAN_TRAIN_STEP}" and attributes["{names["STEP_STALLED"]}"] == true',
+        f'name == "{semconv.SPAN_TRAIN_STEP}" and attributes["{names["STEP_STALLED"]}"] > 0',
+    ]
+    assert policies["failed"]["status_code"] == {"status_codes": ["ERROR"]}
+    assert policies["slow"]["boolean_attribute"] == {"key": names["STEP_SLOW"], "value": True}
+    assert 0 < policies["baseline"]["probabilistic"]["sampling_percentage"] < 100
+    processors = config["service"]["pipelines"]["traces"]["processors"]
+    assert processors.index("tail_sampling") < processors.index("batch")
+    # The sampler is the last hop before the backend: it adds the link copies, as the shared config does.
+    assert config["processors"]["transform/links"] == _yaml(COLLECTOR_CONFIG)["processors"]["transform/links"]
+
+
+# ------------------------------------------------- issue 18, part 6: deploy defects
+def _grafana_metrics_labels(tags: list[dict], span_tags: dict[str, Any]) -> list[str]:
+    """Grafana's ``buildMetricsQuery`` (public/app/features/explore/TraceView/createSpanLink.tsx): a tag becomes
+    a label matcher only when the span's value is truthy (``if (tagValue)``), as JavaScript sees it."""
+    labels = []
+    for tag in tags:
+        value = span_tags.get(tag["key"])
+        if value not in (None, 0, "", False):
+            labels.append(f'{tag.get("value") or tag["key"]}="{value}"')
+    return labels
+
+
+def _set_by_transform(config: dict) -> dict[str, str]:
+    """Resource attribute -> the statement of ``transform/links`` that sets it."""
+    [context] = config["processors"]["transform/links"]["trace_statements"]
+    assert context["context"] == "resource"
+    return {re.match(r'set\(attributes\["([^"]+)"\]', statement).group(1): statement
+            for statement in context["statements"]}
+
+
+@pytest.mark.parametrize("stack", sorted(STACKS))
+def test_trace_to_metrics_link_keeps_rank_0(stack):
+    link = _datasources(stack)[stack]["jsonData"]["tracesToMetrics"]
+    tags = {tag["key"]: tag["value"] for tag in link["tags"]}
+    assert tags == {"commdebug.rank": "torch_distributed_rank", "commdebug.job": "job"}
+    config = _yaml(COLLECTOR_CONFIG)
+    assert "transform/links" in config["service"]["pipelines"]["traces"]["processors"]
+    statements = _set_by_transform(config)
+    assert set(tags) <= set(statements)
+    copy = f'set(attributes["commdebug.rank"], Concat([attributes["{semconv.RANK}"]], ""))'
+    assert statements["commdebug.rank"].startswith(copy)
+    # What Grafana builds for rank 0 after the Collector (string copies) and before (the int attribute).
+    after = {semconv.RANK: 0, "commdebug.rank": "0", "commdebug.job": "training/llama"}
+    assert _grafana_metrics_labels(link["tags"], after) == ['torch_distributed_rank="0"', 'job="training/llama"']
+    assert _grafana_metrics_labels([{"key": semconv.RANK, "value": "torch_distributed_rank"}], after) == []
+    # commdebug.job is the `job` label of the Collector's Prometheus exporters: namespace/name, or name.
+    assert 'Concat([attributes["service.namespace"], attributes["service.name"]], "/")' in statements["commdebug.job"]
+
+
+def test_tempo_keeps_every_attribute_we_export_whole():
+    """Tempo 2.9 truncates string attributes at distributor.max_attribute_bytes (default 2048), counted in bytes."""
+    config = _yaml(STACKS["tempo"] / "tempo.yaml")
+    assert config["distributor"]["max_attribute_bytes"] >= 4 * MAX_ATTRIBUTE_CHARS  # UTF-8: 4 bytes a character
+    override = config["overrides"]["defaults"].get("ingestion", {}).get("max_attribute_bytes", 0)
+    assert override == 0 or override >= 4 * MAX_ATTRIBUTE_CHARS  # a per-tenant value above 0 wins
+
+
+def test_tempo_service_map_only_with_what_feeds_it():
+    """A serviceMap needs Tempo's metrics generator (service-graphs) remote-writing to a Prometheus that takes it."""
+    json_data = _datasources("tempo")["tempo"]["jsonData"]
+    if "serviceMap" not in json_data:
+        return
+    tempo = _yaml(STACKS["tempo"] / "tempo.yaml")
+    assert tempo["metrics_generator"]["storage"]["remote_write"]
+    assert "service-graphs" in tempo["overrides"]["defaults"]["metrics_generator"]["processors"]
+    assert "--web.enable-remote-write-receiver" in _compose("tempo")["services"]["prometheus"]["command"]
+
+
+def test_kubernetes_gateway_runs_the_shared_config():
+    docs = {doc["kind"]: doc for doc in yaml.safe_load_all(KUBERNETES_GATEWAY.read_text()) if doc}
+    spec = docs["Deployment"]["spec"]["template"]["spec"]
+    [container] = spec["containers"]
+    env = {item["name"]: item["value"] for item in container["env"]}
+    assert _env_refs(COLLECTOR_CONFIG.read_text()) <= set(env)  # TRACES_OTLP_ENDPOINT: compose is not the only place
+    assert env["TRACES_OTLP_ENDPOINT"].endswith(":4317")
+    [volume] = spec["volumes"]
+    command = re.search(r"kubectl create configmap -n (\S+) (\S+) \\\s*#\s*--from-file=config\.yaml=(\S+)",
+                        KUBERNETES_GATEWAY.read_text())
+    assert command.group(2) == volume["configMap"]["name"]
+    assert ROOT / command.group(3) == COLLECTOR_CONFIG
+    [mount] = container["volumeMounts"]
+    assert container["args"] == [f"--config={mount['mountPath']}/config.yaml"]
+    # The sidecars' OTEL_GATEWAY_ENDPOINT names this Service in the namespace the comment creates it in.
+    service = docs["Service"]
+    sidecar_targets = set(re.findall(r"value:\s*(\S+\.svc\.cluster\.local:\d+)",
+                                     "".join(path.read_text() for path in KUBERNETES)))
+    assert sidecar_targets == {f"{_cluster_dns(service, command.group(1))}:4317"}
+    ports = {port["name"]: port["containerPort"] for port in container["ports"]}
+    assert {port["port"] for port in service["spec"]["ports"]} <= set(ports.values())
+    assert ports["prometheus"] == int(_yaml(COLLECTOR_CONFIG)["exporters"]["prometheus"]["endpoint"].rsplit(":", 1)[1])
+
+
+def _dropped_kinds() -> set[str]:
+    return {value for name, value in vars(semconv).items()
+            if name.startswith("DROPPED_KIND_") and isinstance(value, str)}
+
+
+def test_dropped_telemetry_panel_describes_every_kind():
+    kinds = _dropped_kinds()
+    assert {"event", "span", "step_split", "step_full"} <= kinds
+    [panel] = [panel for panel in dash.panels(dash.load()) if panel["title"] == "Dropped telemetry"]
+    described = set(re.findall(r"(\w+) = ", panel["description"]))
+    assert described == kinds
+    text = (ROOT / "docs" / "dashboards.md").read_text()
+    for kind in kinds:
+        assert f"`{kind}`" in text, kind
+
+
+def _capacity_module():
+    spec = importlib.util.spec_from_file_location("capacity", DEPLOY / "scale" / "capacity.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _otlp_json_step(step: int) -> str:
+    """One OTLP-JSON line (the file exporter's format): a train_step and one module span with one event."""
+    trace_id = f"{step + 1:032x}"
+    attribute = {"key": "torch.step", "value": {"intValue": str(step)}}
+    spans = [{"traceId": trace_id, "spanId": "0" * 15 + "1", "name": semconv.SPAN_TRAIN_STEP, "kind": 1,
+              "startTimeUnixNano": "1", "endTimeUnixNano": "9", "attributes": [attribute]},
+             {"traceId": trace_id, "spanId": "0" * 15 + "2", "parentSpanId": "0" * 15 + "1", "kind": 1,
+              "name": "Net.layer forward", "startTimeUnixNano": "2", "endTimeUnixNano": "8",
+              "events": [{"timeUnixNano": "3", "name": "all_reduce"}]}]
+    resource = {"attributes": [{"key": semconv.RANK, "value": {"intValue": "0"}}]}
+    return json.dumps({"resourceSpans": [{"resource": resource, "scopeSpans": [
+        {"scope": {"name": "commdebug_otel"}, "spans": spans}]}]})
+
+
+def test_capacity_script_counts_each_traced_step(tmp_path):
+    capacity = _capacity_module()
+    traces = tmp_path / "traces-rank0.jsonl"
+    traces.write_text("\n".join(_otlp_json_step(step) for step in range(3)) + "\n")
+    sizes = capacity.step_sizes(traces)
+    assert [(size.spans, size.events) for size in sizes] == [(2, 1)] * 3
+    step = capacity.typical(sizes)
+    assert 0 < step.gzip_bytes and 0 < step.protobuf_bytes < len(_otlp_json_step(1))
+    rows = capacity.table(step, step_time_s=2.0).splitlines()[2:]
+    assert [row.split(" | ")[:2] for row in rows] == [["| 1", "1,000"], ["| 10", "100"], ["| 100", "10"]]
+
+
+def test_readme_gives_the_scale_deployment_and_its_capacity():
+    text = (DEPLOY / "README.md").read_text()
+    for needle in ("deploy/scale/sampler.yaml", "loadbalancing", "routing_key: traceID", "tail_sampling",
+                   "--web.enable-remote-write-receiver", "python deploy/scale/capacity.py", "1 s per step"):
+        assert needle in text, needle
+    rows = re.findall(r"^\| (1|10|100) \| ([\d,]+) \|", text, re.MULTILINE)
+    assert [every for every, _ in rows] == ["1", "10", "100"]
+    spans = [int(count.replace(",", "")) for _, count in rows]
+    assert spans[0] == 10 * spans[1] == 100 * spans[2]
