@@ -173,9 +173,12 @@ class CollectiveMetrics:
         # Last: its thread may take pending points as soon as it runs.
         self._worker = MetricsWorker(self._record_pending)
 
-    def step(self, duration_s: float, wait_s: float, rank: int) -> None:
-        """One step ended: ``duration_s`` long, ``wait_s`` of it waiting for collectives (recorded at the flush)."""
-        self._steps.append((duration_s, wait_s, {semconv.RANK: rank}))
+    def step(self, duration_s: float, wait_s: float, rank: int, context: Any = None) -> None:
+        """One step ended: ``duration_s`` long, ``wait_s`` of it waiting for collectives (recorded at the flush).
+
+        ``context``: the traced step's span context, for exemplars; None on untraced steps.
+        """
+        self._steps.append((duration_s, wait_s, {semconv.RANK: rank}, context))
 
     # The gauges' callbacks: run by the metric reader's thread at each collection.
     def _observe_age(self, _options: CallbackOptions) -> list[Observation]:
@@ -274,9 +277,9 @@ class CollectiveMetrics:
             self._io.add(nbytes, labels, context=context)
         steps = self._steps
         for _ in range(len(steps)):
-            duration_s, wait_s, labels = steps.popleft()
-            self._step_duration.record(duration_s, labels)
-            self._step_wait.record(wait_s, labels)
+            duration_s, wait_s, labels, context = steps.popleft()
+            self._step_duration.record(duration_s, labels, context=context)
+            self._step_wait.record(wait_s, labels, context=context)
         completions, record = self._completions, self._completion.record
         for _ in range(len(completions)):
             op, pass_, group, rank, duration_s, fqn = completions.popleft()
@@ -329,8 +332,8 @@ class LazyCollectiveMetrics:
     def completion(self, *args: Any) -> None:
         self._get().completion(*args)
 
-    def step(self, duration_s: float, wait_s: float) -> None:
-        self._get().step(duration_s, wait_s, self._rank().rank)
+    def step(self, duration_s: float, wait_s: float, context: Any = None) -> None:
+        self._get().step(duration_s, wait_s, self._rank().rank, context)
 
     def flush(self) -> None:
         if self._metrics is not None:

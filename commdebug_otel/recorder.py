@@ -292,7 +292,9 @@ class Recorder:
             return
         if self._metrics is not None:
             try:
-                self._metrics.step(duration_s, wait_s)
+                # Traced: the points' exemplars name this step's train_step span.
+                context = self._exemplar_context(step.root, step) if step.traced and step.trace_id else None
+                self._metrics.step(duration_s, wait_s, context)
             except Exception as error:
                 self.hook_failed("metrics", error)
         attrs = step.root.attrs

@@ -245,15 +245,16 @@ def test_dashboard_panels_and_queries():
         # The same queries work for the workers' own endpoints and the Collector's exporter:
         # aggregate by our labels, never by instance; `job` only through the Job variable, whose
         # values come from Prometheus (service.namespace/service.name, service.name, or the scrape job).
-        assert expr.lstrip().startswith(("sum by", "histogram_quantile(")), (title, expr)
+        assert expr.lstrip().startswith(("sum by", "max by", "histogram_quantile(")), (title, expr)
         assert not re.search(r"\binstance\b", expr), (title, expr)
-        assert re.findall(r"\bjob\b[^,}]*", expr) == ['job=~"$job"'], (title, expr)
+        selectors = re.findall(r"\bjob\b[^,}]*", expr)
+        assert selectors and set(selectors) == {'job=~"$job"'}, (title, expr)
         if "rate(" in expr:
             assert "[$__rate_interval]" in expr, (title, expr)
         dash.render(expr, dashboard)  # every $variable is defined
     quantiles = [expr for title, _, expr in dash.queries(dashboard) if "histogram_quantile" in expr]
     assert any("0.5," in expr for expr in quantiles) and any("0.99," in expr for expr in quantiles)
-    assert all(re.search(r"torch_collective_(completion_)?duration_seconds_bucket", expr) and "le," in expr
+    assert all(re.search(r"torch_(collective_(completion_)?duration|step_collective_wait)_seconds_bucket", expr) and "le," in expr
                for expr in quantiles)
 
 
