@@ -116,6 +116,7 @@ class Recorder:
         self._counter.time_completions = True
         self._fwd_stack: list[Record] = []
         self._open_bw: list[Record] = []  # open backward records, most recently begun last
+        self._bw_hint: tuple[Record | None, int] = (None, 0)  # the last record _begin_backward inserted, and where
         self._bw_callback_task = -1
         self._depth = 0  # module nesting when records are skipped (untraced steps)
         self._call_counts: dict[tuple[str, str], int] = {}
@@ -324,6 +325,7 @@ class Recorder:
         self._depth = 0
         _end_backward_records(self._open_bw, now)
         self._open_bw.clear()
+        self._bw_hint = (None, 0)
         step.root.end_ns = now
         if self._metrics is not None:
             try:
@@ -477,6 +479,7 @@ class Recorder:
             record.parent = self._open_bw[-1]
         else:
             record.parent = step.root
+        record.depth = record.parent.depth + 1
         if module not in self._params_seen:
             self._params_seen.add(module)
             record.params = parameter_facts(module)
@@ -550,6 +553,7 @@ class Recorder:
         record.fqn, record.module_type, record.compiled = forward.fqn, forward.module_type, forward.compiled
         record.pass_ = semconv.PASS_BACKWARD
         record.fwd, record.graph_task, record.hidden = forward, task, forward.hidden
+        record.depth = forward.depth
         record.call_index = self._next_call_index(forward.fqn, semconv.PASS_BACKWARD)
         forward.open_bw = record
         forward.bw_records.append(record)
@@ -568,9 +572,16 @@ class Recorder:
         """
         open_bw = self._open_bw
         index = len(open_bw)
+        # The last record inserted, if it still stands where it went and descends from this one
+        # (a chain of modules sharing one output: hooks fire innermost first): everything above
+        # it descends from it, so the search starts below it. Deep chains cost O(1) per record.
+        hint, at = self._bw_hint
+        if at < index and open_bw[at] is hint and descends_from(hint, record.fwd):
+            index = at
         while index > 0 and descends_from(open_bw[index - 1], record.fwd):
             index -= 1
         open_bw.insert(index, record)
+        self._bw_hint = (record, index)
 
     def backward_ended(self, forward: Record) -> None:
         """Gradients w.r.t. a module call's inputs are computed: its backward ends."""
@@ -582,10 +593,11 @@ class Recorder:
         else:
             forward.open_bw = None
             record.end_ns = time.time_ns()
-            try:
-                self._open_bw.remove(record)
-            except ValueError:
-                pass
+            open_bw = self._open_bw
+            for index in range(len(open_bw) - 1, -1, -1):  # the most recent end first, usually
+                if open_bw[index] is record:
+                    del open_bw[index]
+                    break
 
     def backward_done(self) -> None:
         """The autograd engine finished computing this backward (an engine final callback).
@@ -601,6 +613,7 @@ class Recorder:
                 descends_from(r, other.fwd) for other in self._open_bw if other is not r)]
             _end_backward_records([r for r in self._open_bw if r not in outermost], now)
             self._open_bw[:] = outermost
+            self._bw_hint = (None, 0)
             queue_engine_callback(self._backward_finally)
         except Exception as error:
             self.hook_failed("backward end", error)
@@ -609,6 +622,7 @@ class Recorder:
         try:
             _end_backward_records(self._open_bw, time.time_ns())
             self._open_bw.clear()
+            self._bw_hint = (None, 0)
             self._bw_callback_task = -1
             if self._step is not None:
                 self._step.backward_done += 1

@@ -37,6 +37,7 @@ class Record:
         "bw_records",
         "call_index",
         "compiled",
+        "depth",
         "dropped_events",
         "end_ns",
         "error",
@@ -68,6 +69,7 @@ class Record:
         self.module_type = ""
         self.pass_ = ""
         self.call_index = 0
+        self.depth = 0  # parents above it (train_step: 0); a backward record has its forward's
         self.start_ns = start_ns
         self.end_ns = 0
         self.parent: Record | None = None
@@ -240,9 +242,15 @@ def _widen(record: Record, children: dict[int, list[Record]]) -> None:
 
 
 def descends_from(record: Record, forward: Record | None) -> bool:
-    """True if ``record`` (a backward record) belongs to a module call inside ``forward``'s call."""
+    """True if ``record`` (a backward record) belongs to a module call inside ``forward``'s call.
+
+    Walks up only as far as ``forward``'s depth: the cost is the depth between the two, not to the root.
+    """
+    if forward is None:
+        return False
     ancestor = record.fwd.parent if record.fwd is not None else None
-    while ancestor is not None:
+    depth = forward.depth
+    while ancestor is not None and ancestor.depth >= depth:
         if ancestor is forward:
             return True
         ancestor = ancestor.parent
