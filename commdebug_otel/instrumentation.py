@@ -128,7 +128,8 @@ class CommTracer:
             self.telemetry = shared_telemetry(self.settings)
         else:
             self.telemetry = Telemetry(self.settings, self._rank, tracer_provider, meter_provider)
-        metrics = LazyCollectiveMetrics(self.telemetry.meter, self.settings.metric_module_depth, self._rank)
+        metrics = LazyCollectiveMetrics(self.telemetry.meter, self.settings.metric_module_depth, self._rank,
+                                        self.settings.metric_rank_label_on)
         self._metrics = metrics
         observers = (_ModeSwitch(self),) if observer is None else (_ModeSwitch(self), observer)
         self.recorder = Recorder(self.settings, self.telemetry.spans, metrics, observers)

@@ -43,7 +43,7 @@ from .observer import RecorderObserver, SpanSink
 from .ops import CollectiveSpec, GroupResolver, compiler_traced
 from .records import Record, SpanKind, Step, descends_from, dtensor_facts, parameter_facts, span_tree
 from .redact import code_locations, describe
-from .steps import RankInfo, job_nonce, outside_step_label, rank_info, step_trace_id
+from .steps import RankInfo, job_nonce, job_trace_id, outside_step_label, rank_info
 
 __all__ = ["NO_OPTIMIZER_CYCLES", "PASS_NONE", "Recorder"]
 
@@ -373,7 +373,10 @@ class Recorder:
             label = outside_step_label(self._next_step)
         else:
             label = f"inference-{step.index}" if step.inference else step.index
-        return step_trace_id(self.rank().run_id, self._nonce, label)
+        trace_id, block = job_trace_id(self.rank(), self._nonce, label, self.settings.ranks_per_trace)
+        if block is not None:  # a job cut into trace blocks: its train_step names its block
+            step.root.attrs[semconv.TRACE_BLOCK] = block
+        return trace_id
 
     def finish(self) -> None:
         """Close whatever is open (at exit or uninstrument) so every started span ends."""

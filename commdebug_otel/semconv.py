@@ -23,6 +23,9 @@ SPAN_DROPPED_EVENTS = "commdebug.span.dropped_events"
 # A train_step cut at OTEL_PYTHON_COMMDEBUG_MAX_SPANS_PER_STEP: this part is exported, the step goes on.
 STEP_TRUNCATED = "commdebug.step.truncated"
 STEP_PART = "commdebug.step.part"  # on the parts after such a cut: 1, 2, ...
+# Trace scope job, a job of more than RANKS_PER_TRACE ranks: the trace block (rank // RANKS_PER_TRACE) whose
+# trace holds this train_step or outside_step.
+TRACE_BLOCK = "commdebug.trace.block"
 
 # Module pass values.
 PASS_FORWARD = "forward"
