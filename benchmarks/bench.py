@@ -886,9 +886,12 @@ print(json.dumps({
 """
 
 
-def scale_row(world: int, result: dict[str, Any]) -> dict[str, Any]:
-    """One world size's row of ``{"scale": [...]}`` from its rank's result (bytes raw, as sent by default)."""
-    wire, times = result["wire"], [result["times"]]
+def scale_row(world: int, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One world size's row of ``{"scale": [...]}`` from its processes' results (one per pass; their
+    rounds pooled; bytes from the first, raw as sent by default)."""
+    wire = results[0]["wire"]
+    times = [{name: [block for result in results for block in result["times"][name]]
+              for name in results[0]["times"]}]
     step, metric = wire["step_bytes"], wire["metric_bytes_per_export"]
     steps_per_export = METRIC_EXPORT_INTERVAL_S / ASSUMED_STEP_S
 
@@ -923,11 +926,15 @@ def scale_row(world: int, result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def phase_scale(rx, worlds: tuple[int, ...], rounds: int, steps_per_block: int, report: dict[str, Any]) -> None:
+def phase_scale(rx, worlds: tuple[int, ...], rounds: int, steps_per_block: int, report: dict[str, Any],
+                passes: int = 2) -> None:
+    """Each world size runs ``passes`` times, a fresh process each, in the order 8, 128, ..., then
+    backwards (ABBA), ``rounds`` rounds each: drift of a shared machine over the phase then hits every
+    world size alike instead of favouring the first."""
     print(f"\n== scale: rank 0 of simulated FSDP2 + TP jobs (fake process group, mesh (world/{SCALE_TP}, "
-          f"{SCALE_TP}), {SCALE_LAYERS} transformer blocks), one fresh process per world size; default settings "
-          f"and always-on (trace_every={ALWAYS_ON_TRACE_EVERY}); {rounds} rounds x {steps_per_block} steps per "
-          f"config, interleaved", flush=True)
+          f"{SCALE_TP}), {SCALE_LAYERS} transformer blocks), a fresh process per world size and pass; default "
+          f"settings and always-on (trace_every={ALWAYS_ON_TRACE_EVERY}); {passes} passes (world sizes up, then "
+          f"down) x {rounds} rounds x {steps_per_block} steps per config, interleaved", flush=True)
     print(f"bytes: OTLP protobuf request bodies as the exporters encode them, raw (the Python OTLP exporters' "
           f"default: no compression) and gzip'd; always-on = traced step / {ALWAYS_ON_TRACE_EVERY} + one metric "
           f"export / {METRIC_EXPORT_INTERVAL_S / ASSUMED_STEP_S:.0f} steps (export every "
@@ -936,10 +943,13 @@ def phase_scale(rx, worlds: tuple[int, ...], rounds: int, steps_per_block: int, 
     rows = []
     print(f"{'world':>6} {'spans':>5} {'events':>6} {'traced B':>9} {'(gzip)':>7} {'always B':>8} {'(gzip)':>6} "
           f"{'largest trace':>13} {'(1 trace/job)':>13} {'series':>6} {'rank lbl':>8} {'traced':>6} {'always':>6}")
+    results: dict[int, list[dict[str, Any]]] = {world: [] for world in worlds}
+    order = [world for index in range(passes) for world in (worlds if index % 2 == 0 else worlds[::-1])]
+    for world in order:
+        results[world].append(run_ranks(scale_worker, 1, child_env(rx.grpc_endpoint), fake_world=world,
+                                        rounds=rounds, steps_per_block=steps_per_block)[0])
     for world in worlds:
-        result = run_ranks(scale_worker, 1, child_env(rx.grpc_endpoint), fake_world=world, rounds=rounds,
-                           steps_per_block=steps_per_block)[0]
-        row = scale_row(world, result)
+        row = scale_row(world, results[world])
         rows.append(row)
         print(f"{world:6d} {row['spans_per_rank_step']:5d} {row['events_per_rank_step']:6d} "
               f"{row['bytes_per_rank_step_traced']:9,d} {row['gzip']['bytes_per_rank_step_traced']:7,d} "
@@ -1095,8 +1105,8 @@ def main(argv: list[str] | None = None) -> int:
             if "blackhole" in phases:
                 phase_black_hole(rx, rounds=3 if q else 6, steps_per_block=5, report=report)
             if "scale" in phases:
-                phase_scale(rx, (8, 1024) if q else SCALE_WORLDS, rounds=4 if q else 10, steps_per_block=5,
-                            report=report)
+                phase_scale(rx, (8, 1024) if q else SCALE_WORLDS, rounds=4 if q else 8, steps_per_block=5,
+                            report=report, passes=1 if q else 2)
     except Exception:
         traceback.print_exc()
         return 1
