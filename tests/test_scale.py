@@ -1,6 +1,7 @@
 """Scale: trace blocks (ids, sizes at 1,024 simulated ranks) and metric label sets without the rank."""
 
 import multiprocessing
+import traceback
 
 import pytest
 
@@ -106,36 +107,46 @@ def test_metric_labels_without_the_rank_are_the_same_on_every_rank():
 
 
 def _simulated_rank(world_size, tp, result):
-    """Rank 0 of a ``world_size``-rank FSDP2 + TP job on torch's fake process group, default settings:
-    per trace, this rank's bytes and how many ranks share the trace; the metric label sets."""
+    """Rank 0 of a ``world_size``-rank FSDP2 + TP job on torch's fake process group: puts
+    :func:`_traces_and_labels`'s answer on ``result``, or the traceback."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from commdebug_otel import CommTracer, _demo_model
-    from commdebug_otel.testing.wire import trace_wire
 
     torch.set_num_threads(1)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        telemetry = InMemoryTelemetry()
-        with CommTracer(Settings(), tracer_provider=telemetry.tracer_provider,
-                        meter_provider=telemetry.meter_provider):
-            mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
-            args = _demo_model.ModelArgs(n_layers=4)
-            model = _demo_model.parallelize(_demo_model.Transformer(args, seed=0), mesh["tp"], mesh["dp"])
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-            for step in range(2):
-                _demo_model.train_step(model, optimizer, *_demo_model.make_batch(args, 2, step))
-        blocks = {span.context.trace_id: span.attributes.get(semconv.TRACE_BLOCK)
-                  for span in telemetry.spans() if span.parent is None}
-        result.put({"traces": {trace_id: (wire.raw, blocks[trace_id])
-                               for trace_id, wire in trace_wire(telemetry.spans()).items()},
-                    "labels": sorted({tuple(sorted(labels)) for labels, _ in
-                                      telemetry.metric_points(semconv.METRIC_OPERATIONS)})})
+        result.put(_traces_and_labels(world_size, tp))
+    except BaseException:
+        result.put(traceback.format_exc())
+        raise
     finally:
         dist.destroy_process_group()
+
+
+def _traces_and_labels(world_size, tp):
+    """Set-up and two steps traced with the default settings: per trace, this rank's bytes and the
+    block its roots name; the metric label sets."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from commdebug_otel import CommTracer, _demo_model
+    from commdebug_otel.testing.wire import trace_wire
+
+    telemetry = InMemoryTelemetry()
+    with CommTracer(Settings(), tracer_provider=telemetry.tracer_provider, meter_provider=telemetry.meter_provider):
+        mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+        args = _demo_model.ModelArgs(n_layers=4)
+        model = _demo_model.parallelize(_demo_model.Transformer(args, seed=0), mesh["tp"], mesh["dp"])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+        for step in range(2):
+            _demo_model.train_step(model, optimizer, *_demo_model.make_batch(args, 2, step))
+    blocks = {span.context.trace_id: span.attributes.get(semconv.TRACE_BLOCK)
+              for span in telemetry.spans() if span.parent is None}
+    return {"traces": {trace_id: (wire.raw, blocks[trace_id])
+                       for trace_id, wire in trace_wire(telemetry.spans()).items()},
+            "labels": sorted({tuple(sorted(labels)) for labels, _ in
+                              telemetry.metric_points(semconv.METRIC_OPERATIONS)})}
 
 
 def test_every_trace_of_a_1024_rank_job_stays_under_tempos_limit():
@@ -147,6 +158,7 @@ def test_every_trace_of_a_1024_rank_job_stays_under_tempos_limit():
     process.start()
     found = result.get(timeout=240)
     process.join(60)
+    assert isinstance(found, dict), found  # else the rank's traceback
     assert found["traces"] and all(block == 0 for _, block in found["traces"].values())
     largest = max(raw for raw, _ in found["traces"].values()) * DEFAULT_RANKS_PER_TRACE
     assert largest <= TEMPO_MAX_BYTES_PER_TRACE / 4, largest  # well under: a model 4x larger still fits
