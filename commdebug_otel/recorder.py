@@ -374,7 +374,7 @@ class Recorder:
         else:
             label = f"inference-{step.index}" if step.inference else step.index
         trace_id, block = job_trace_id(self.rank(), self._nonce, label, self.settings.ranks_per_trace)
-        if block is not None:  # a job cut into trace blocks: its train_step names its block
+        if block is not None:  # a job cut into trace blocks: the root names its block
             step.root.attrs[semconv.TRACE_BLOCK] = block
         return trace_id
 
