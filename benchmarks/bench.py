@@ -15,7 +15,11 @@ training the demo transformer of ``commdebug_otel._demo_model`` at the size in `
 2. RSS growth of rank 0 over 1000 traced steps exporting OTLP/gRPC to a local receiver;
 3. span events per second delivered to that receiver by an export-heavy run (detail ``all``);
 4. step-time ratio with the collector black-holed (accepts TCP, never answers) vs live;
-5. ``import commdebug_otel`` cost with tracing disabled, and that it installs no hooks.
+5. ``import commdebug_otel`` cost with tracing disabled, and that it installs no hooks;
+6. scale (``--only scale``): one rank of simulated FSDP2 + TP jobs of 8 to 8,192 ranks on
+   torch's fake process group (real DTensor/FSDP2/TP code, no traffic), each in a fresh
+   process: spans, events and OTLP bytes per rank and step, the largest trace, metric
+   series, and the traced and always-on step-time ratios, interleaved.
 
 It prints a results table and a PASS/FAIL line per target (docs/performance.md explains
 every number). ``--profile`` instead runs cProfile on rank 0 of a traced TP job and prints
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -51,6 +56,9 @@ TARGET_ALWAYS_ON = 1.03  # trace_every=100, ratio to uninstrumented
 TARGET_RSS_MB = 5.0  # RSS growth between step 100 and step 1000
 TARGET_BLACKHOLE = 1.05  # black-holed / live step-time ratio
 TARGET_IMPORT_MS = 20.0  # `import commdebug_otel`, disabled
+TARGET_TRACE_BYTES = 5_000_000  # largest trace at 1,024 ranks (Tempo's default max_bytes_per_trace)
+TARGET_ALWAYS_BYTES = 2048  # always-on, per rank per step on the wire, amortized
+TARGET_SCALE_TRACED = 1.15  # traced overhead (ratio - 1) at 1,024 ranks <= 1.15 x that at 8
 
 # The benchmark transformer: the demo's architecture, sized so that a pass-through dispatch
 # mode costs about what the issue measured on its workloads (6-13%), not the demo's tiny
@@ -61,6 +69,17 @@ for _item in filter(None, os.environ.get("BENCH_MODEL", "").split(",")):
     _key, _, _value = _item.partition("=")
     MODEL[_key.strip()] = int(_value)
 BATCH = MODEL["batch"]
+# The scale phase: the same model with 8 transformer blocks, tensor parallel of 4 inside FSDP2 over
+# world/4 data-parallel ranks, one simulated rank (rank 0) per world size.
+SCALE_WORLDS = (8, 128, 1024, 8192)
+SCALE_TP = 4
+SCALE_LAYERS = 8
+SCALE_REPORTED_WORLD = 1024  # the world size the byte and overhead targets are read at
+# Always-on bytes: metrics are exported every OTEL_METRIC_EXPORT_INTERVAL (60 s by default) whatever
+# the step time; amortized over the steps of one interval at this assumed step time.
+ASSUMED_STEP_S = 1.0
+METRIC_EXPORT_INTERVAL_S = 60.0
+ALWAYS_ON_TRACE_EVERY = 100  # the documented production setting (docs/performance.md)
 CONFIGS = ("uninstrumented", "torch CommDebugMode", "ours traced (every step)",
            "ours always-on (1 in 100)", "ours detail=all", "ref: empty TorchDispatchMode")
 BASELINE = CONFIGS[0]
@@ -189,13 +208,18 @@ def child_env(endpoint: str) -> dict[str, str]:
     return env
 
 
-def run_ranks(fn: Callable, world_size: int, env: dict[str, str], **kwargs: Any) -> list[Any]:
-    """Spawn ``world_size`` gloo ranks running ``fn(rank, world_size, **kwargs)``; return their results."""
+def run_ranks(fn: Callable, world_size: int, env: dict[str, str], fake_world: int = 0,
+              **kwargs: Any) -> list[Any]:
+    """Spawn ``world_size`` gloo ranks running ``fn(rank, world_size, **kwargs)``; return their results.
+
+    ``fake_world``: instead, ``world_size`` processes are the first ranks of a job of that many
+    ranks on torch's fake process group (no traffic), each alone; ``fn`` gets ``fake_world``.
+    """
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out_dir:
         try:
-            mp.start_processes(_rank_main, args=(world_size, free_port(), out_dir, env, fn, kwargs),
+            mp.start_processes(_rank_main, args=(world_size, free_port(), out_dir, env, fn, kwargs, fake_world),
                                nprocs=world_size, join=True, start_method="spawn")
         except Exception:
             for rank in range(world_size):
@@ -214,11 +238,12 @@ def run_ranks(fn: Callable, world_size: int, env: dict[str, str], **kwargs: Any)
 
 # ================================================================ rank-side code
 def _rank_main(rank: int, world_size: int, port: int, out_dir: str, env: dict[str, str],
-               fn: Callable, kwargs: dict[str, Any]) -> None:
+               fn: Callable, kwargs: dict[str, Any], fake_world: int = 0) -> None:
     # Worker stderr (SDK warnings such as "Queue full, dropping span.") goes to a file: it is
     # still written, as it would be in a job, but does not flood the table.
     log = open(os.path.join(out_dir, f"rank{rank}.log"), "w")
     os.dup2(log.fileno(), 2)
+    world_size = fake_world or world_size
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
@@ -227,7 +252,12 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str, env: dict[st
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if fake_world:
+            from torch.testing._internal.distributed.fake_pg import FakeStore
+
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        else:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
         kwargs["log_path"] = log.name
         result: Any = ("ok", fn(rank, world_size, **kwargs))
     except BaseException:
@@ -255,12 +285,20 @@ class Job:
         from commdebug_otel import _demo_model as dm
 
         self.dm = dm
+        sizes = {k: v for k, v in MODEL.items() if k != "batch"}
         if workload == "fsdp_tp":
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
             tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
+        elif workload == "scale":  # one rank of a large job on the fake process group
+            import torch.distributed as dist
+
+            world = dist.get_world_size()
+            mesh = init_device_mesh("cpu", (world // SCALE_TP, SCALE_TP), mesh_dim_names=("dp", "tp"))
+            tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
+            sizes["n_layers"] = SCALE_LAYERS
         else:
             tp_mesh, dp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), None
-        args = dm.ModelArgs(**{k: v for k, v in MODEL.items() if k != "batch"})
+        args = dm.ModelArgs(**sizes)
         self.model = dm.parallelize(dm.Transformer(args, seed=0), tp_mesh, dp_mesh)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3, foreach=False)
         self.batches = [dm.make_batch(args, BATCH, i) for i in range(8)]
@@ -462,6 +500,63 @@ def always_on_worker(rank: int, world_size: int, workload: str, rounds: int, ste
     blocks = {BASELINE: Block(lambda: None, lambda _: None), CONFIGS[3]: _tracer_block(tracer)}
     times = _run_interleaved(job, blocks, rounds, steps_per_block, warmup_blocks=1)
     return {"times": times, "steps_taken": tracer.recorder.steps_taken}
+
+
+def _wire_run(world_size: int) -> tuple[Job, dict[str, Any]]:
+    """Set-up and 3 steps traced with the default settings into in-memory telemetry, with this
+    rank's real resource; what one rank sends, as the OTLP exporters encode it."""
+    from commdebug_otel import CommTracer, Settings, semconv
+    from commdebug_otel.metrics import DURATION_BUCKETS_S
+    from commdebug_otel.steps import rank_info, trace_block
+    from commdebug_otel.telemetry import build_resource
+    from commdebug_otel.testing import InMemoryTelemetry
+    from commdebug_otel.testing.wire import metric_series, metric_wire, trace_wire
+
+    settings = Settings()
+    telemetry = InMemoryTelemetry(resource=build_resource(rank_info()))
+    with CommTracer(settings, tracer_provider=telemetry.tracer_provider, meter_provider=telemetry.meter_provider):
+        job = Job("scale")  # set-up is traced too: the outside-0 trace
+        for _ in range(3):
+            job.step()
+    _remove_collective_kernels()
+    spans = telemetry.spans()
+    per_trace = trace_wire(spans)
+    [last] = [span for span in spans if span.name == "train_step" and span.attributes[semconv.STEP] == 2]
+    step_spans = [span for span in spans if span.context.trace_id == last.context.trace_id]
+    step_bytes = per_trace[last.context.trace_id]
+    largest = max(per_trace.values(), key=lambda wire: wire.raw)
+    # Trace scope job: every rank of the trace block adds about as much to each trace.
+    sharing = world_size if trace_block(0, world_size, settings.ranks_per_trace) is None else settings.ranks_per_trace
+    data = telemetry.metric_reader.get_metrics_data()
+    series = metric_series(data)
+    histograms = (semconv.METRIC_DURATION, semconv.METRIC_COMPLETION)
+    return job, {
+        "spans_per_rank_step": len(step_spans),
+        "events_per_rank_step": sum(len(span.events) for span in step_spans),
+        "step_bytes": dataclasses.asdict(step_bytes),
+        "largest_rank_trace_bytes": dataclasses.asdict(largest),
+        "ranks_per_trace": sharing,
+        "trace_block": last.attributes.get(semconv.TRACE_BLOCK),
+        "metric_bytes_per_export": dataclasses.asdict(metric_wire(data)),
+        "metric_series_per_rank": sum(series.values()),
+        "metric_series_by_instrument": series,
+        "prometheus_series_per_rank": sum(count * (len(DURATION_BUCKETS_S) + 3 if name in histograms else 1)
+                                          for name, count in series.items()),
+        "metric_rank_label": settings.metric_rank_label_on(world_size),
+    }
+
+
+def scale_worker(rank: int, world_size: int, rounds: int, steps_per_block: int, log_path: str) -> dict[str, Any]:
+    """One rank of a ``world_size``-rank FSDP2 + TP job (fake process group): wire sizes, then
+    uninstrumented / traced / always-on blocks interleaved, exporting OTLP/gRPC to the receiver."""
+    job, wire = _wire_run(world_size)
+    for _ in range(2):
+        job.timed_step()
+    blocks = {BASELINE: Block(lambda: None, lambda _: None),
+              "traced": _tracer_block(_tracer({"trace_every": 1}, "scale-traced")),
+              "always-on": _tracer_block(_tracer({"trace_every": ALWAYS_ON_TRACE_EVERY}, "scale-always-on"))}
+    times = _run_interleaved(job, blocks, rounds, steps_per_block, warmup_blocks=1)
+    return {"wire": wire, "times": times}
 
 
 def _rss_bytes() -> int:
@@ -791,6 +886,85 @@ print(json.dumps({
 """
 
 
+def scale_row(world: int, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One world size's row of ``{"scale": [...]}`` from its processes' results (one per pass; their
+    rounds pooled; bytes from the first, raw as sent by default)."""
+    wire = results[0]["wire"]
+    times = [{name: [block for result in results for block in result["times"][name]]
+              for name in results[0]["times"]}]
+    step, metric = wire["step_bytes"], wire["metric_bytes_per_export"]
+    steps_per_export = METRIC_EXPORT_INTERVAL_S / ASSUMED_STEP_S
+
+    def always(kind: str) -> float:
+        return step[kind] / ALWAYS_ON_TRACE_EVERY + metric[kind] / steps_per_export
+
+    traced, always_on = (summarize(per_round_ratios(times, name)) for name in ("traced", "always-on"))
+    return {
+        "world": world,
+        "spans_per_rank_step": wire["spans_per_rank_step"],
+        "events_per_rank_step": wire["events_per_rank_step"],
+        "bytes_per_rank_step_traced": step["raw"],
+        "bytes_per_rank_step_always": round(always("raw")),
+        "largest_trace_bytes": wire["largest_rank_trace_bytes"]["raw"] * wire["ranks_per_trace"],
+        "metric_series_per_rank": wire["metric_series_per_rank"],
+        "overhead_traced": traced["median"],
+        "overhead_always": always_on["median"],
+        # the same, gzip'd (OTEL_EXPORTER_OTLP_COMPRESSION=gzip), and what stands behind each number
+        "gzip": {"bytes_per_rank_step_traced": step["gzip"], "bytes_per_rank_step_always": round(always("gzip")),
+                 "largest_trace_bytes": wire["largest_rank_trace_bytes"]["gzip"] * wire["ranks_per_trace"]},
+        "ranks_per_trace": wire["ranks_per_trace"],
+        "largest_trace_bytes_one_trace_per_job": wire["largest_rank_trace_bytes"]["raw"] * world,
+        "metric_bytes_per_export": metric,
+        "metric_rank_label": wire["metric_rank_label"],
+        "metric_series_per_job": wire["metric_series_per_rank"] * world,
+        "metric_label_sets_per_job": wire["metric_series_per_rank"] * (world if wire["metric_rank_label"] else 1),
+        "prometheus_series_per_rank": wire["prometheus_series_per_rank"],
+        "metric_series_by_instrument": wire["metric_series_by_instrument"],
+        "overhead_traced_iqr": [traced["q1"], traced["q3"]],
+        "overhead_always_iqr": [always_on["q1"], always_on["q3"]],
+        "step_ms": {name: step_ms(times, name) for name in (BASELINE, "traced", "always-on")},
+    }
+
+
+def phase_scale(rx, worlds: tuple[int, ...], rounds: int, steps_per_block: int, report: dict[str, Any],
+                passes: int = 2) -> None:
+    """Each world size runs ``passes`` times, a fresh process each, in the order 8, 128, ..., then
+    backwards (ABBA), ``rounds`` rounds each: drift of a shared machine over the phase then hits every
+    world size alike instead of favouring the first."""
+    print(f"\n== scale: rank 0 of simulated FSDP2 + TP jobs (fake process group, mesh (world/{SCALE_TP}, "
+          f"{SCALE_TP}), {SCALE_LAYERS} transformer blocks), a fresh process per world size and pass; default "
+          f"settings and always-on (trace_every={ALWAYS_ON_TRACE_EVERY}); {passes} passes (world sizes up, then "
+          f"down) x {rounds} rounds x {steps_per_block} steps per config, interleaved", flush=True)
+    print(f"bytes: OTLP protobuf request bodies as the exporters encode them, raw (the Python OTLP exporters' "
+          f"default: no compression) and gzip'd; always-on = traced step / {ALWAYS_ON_TRACE_EVERY} + one metric "
+          f"export / {METRIC_EXPORT_INTERVAL_S / ASSUMED_STEP_S:.0f} steps (export every "
+          f"{METRIC_EXPORT_INTERVAL_S:.0f} s, assumed step time {ASSUMED_STEP_S:.0f} s)")
+    began = time.perf_counter()
+    rows = []
+    print(f"{'world':>6} {'spans':>5} {'events':>6} {'traced B':>9} {'(gzip)':>7} {'always B':>8} {'(gzip)':>6} "
+          f"{'largest trace':>13} {'(1 trace/job)':>13} {'series':>6} {'rank lbl':>8} {'traced':>6} {'always':>6}")
+    results: dict[int, list[dict[str, Any]]] = {world: [] for world in worlds}
+    order = [world for index in range(passes) for world in (worlds if index % 2 == 0 else worlds[::-1])]
+    for world in order:
+        results[world].append(run_ranks(scale_worker, 1, child_env(rx.grpc_endpoint), fake_world=world,
+                                        rounds=rounds, steps_per_block=steps_per_block)[0])
+    for world in worlds:
+        row = scale_row(world, results[world])
+        rows.append(row)
+        print(f"{world:6d} {row['spans_per_rank_step']:5d} {row['events_per_rank_step']:6d} "
+              f"{row['bytes_per_rank_step_traced']:9,d} {row['gzip']['bytes_per_rank_step_traced']:7,d} "
+              f"{row['bytes_per_rank_step_always']:8,d} {row['gzip']['bytes_per_rank_step_always']:6,d} "
+              f"{row['largest_trace_bytes']:13,d} {row['largest_trace_bytes_one_trace_per_job']:13,d} "
+              f"{row['metric_series_per_rank']:6d} {'on' if row['metric_rank_label'] else 'off':>8} "
+              f"{row['overhead_traced']:6.3f} {row['overhead_always']:6.3f}", flush=True)
+    untraced_ms = ", ".join(f"{row['step_ms'][BASELINE]:.1f}" for row in rows)
+    print(f"(largest trace: the largest of this rank's traces, set-up included, times the ranks sharing it: "
+          f"blocks of {rows[-1]['ranks_per_trace']} ranks past that size; '1 trace/job': the same without blocks. "
+          f"Untraced step ms {untraced_ms})")
+    print(f"({time.perf_counter() - began:.0f} s)", flush=True)
+    report["scale"] = rows
+
+
 def phase_import(use_tree: bool, report: dict[str, Any]) -> None:
     print("\n== import cost with tracing disabled", flush=True)
     env = {k: v for k, v in os.environ.items() if k != "OTEL_PYTHON_COMMDEBUG_ENABLED"}
@@ -884,7 +1058,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write every number to PATH")
     parser.add_argument("--profile", action="store_true",
                         help="only cProfile rank 0 of a traced TP job and print our hot spots")
-    parser.add_argument("--only", default="overhead,always,memory,blackhole,import",
+    parser.add_argument("--only", default="overhead,always,memory,blackhole,import,scale",
                         help="comma list of phases to run (default: all)")
     args = parser.parse_args(argv)
     if not args.installed:
@@ -930,6 +1104,9 @@ def main(argv: list[str] | None = None) -> int:
                                       rate_steps=10 if q else 30, report=report)
             if "blackhole" in phases:
                 phase_black_hole(rx, rounds=3 if q else 6, steps_per_block=5, report=report)
+            if "scale" in phases:
+                phase_scale(rx, (8, 1024) if q else SCALE_WORLDS, rounds=4 if q else 8, steps_per_block=5,
+                            report=report, passes=1 if q else 2)
     except Exception:
         traceback.print_exc()
         return 1
@@ -975,6 +1152,24 @@ def print_targets(report: dict[str, Any]) -> None:
         lines.append((f"import (disabled) <= {TARGET_IMPORT_MS:.0f} ms, no hooks",
                       f"{imp['importtime_ms']:.2f} ms, {imp['hooks_when_disabled']} hooks",
                       imp["importtime_ms"] <= TARGET_IMPORT_MS and imp["hooks_when_disabled"] == 0))
+    rows = {row["world"]: row for row in report.get("scale", ())}
+    at = rows.get(SCALE_REPORTED_WORLD)
+    if at is not None:
+        lines.append((f"[scale] largest trace at {at['world']:,} ranks <= {TARGET_TRACE_BYTES / 1e6:.0f} MB",
+                      f"{at['largest_trace_bytes'] / 1e6:.2f} MB ({at['ranks_per_trace']} ranks per trace; "
+                      f"gzip {at['gzip']['largest_trace_bytes'] / 1e6:.2f} MB)",
+                      at["largest_trace_bytes"] <= TARGET_TRACE_BYTES))
+        lines.append((f"[scale] always-on <= {TARGET_ALWAYS_BYTES} B/rank/step (raw)",
+                      f"{at['bytes_per_rank_step_always']:,} B (gzip {at['gzip']['bytes_per_rank_step_always']:,} B)",
+                      at["bytes_per_rank_step_always"] <= TARGET_ALWAYS_BYTES))
+        lines.append((f"[scale] always-on <= {TARGET_ALWAYS_ON:.2f}x at {at['world']:,} ranks",
+                      f"{at['overhead_always']:.3f}x (IQR {at['overhead_always_iqr'][0]:.3f}.."
+                      f"{at['overhead_always_iqr'][1]:.3f})", at["overhead_always"] <= TARGET_ALWAYS_ON))
+        small = rows.get(min(rows))
+        ours, base = at["overhead_traced"] - 1, small["overhead_traced"] - 1
+        lines.append((f"[scale] traced overhead at {at['world']:,} <= {TARGET_SCALE_TRACED:.2f}x that at "
+                      f"{small['world']}", f"{ours * 100:+.1f}% vs {base * 100:+.1f}% (limit "
+                      f"{base * TARGET_SCALE_TRACED * 100:+.1f}%)", ours <= base * TARGET_SCALE_TRACED))
     if "event_rate" in report:
         print(f"(info) span events delivered: {report['event_rate']['events_per_s']:,.0f} /s")
     for label, value, ok in lines:

@@ -130,6 +130,14 @@ class TraceScope(enum.Enum):
     RANK = "rank"  # one trace per rank per step
 
 
+class MetricRankLabel(enum.Enum):
+    """Whether metric points carry the rank (``OTEL_PYTHON_COMMDEBUG_METRIC_RANK_LABEL``)."""
+
+    AUTO = "auto"  # on up to METRIC_RANK_LABEL_AUTO_MAX_WORLD ranks, off past it
+    ON = "on"
+    OFF = "off"
+
+
 def _parse_detail(text: str) -> Detail:
     try:
         return Detail[text.strip().upper()]
@@ -181,12 +189,21 @@ MAX_STEP_PERIOD = 10**9  # TRACE_EVERY, COMPLETION_EVERY: steps
 MAX_EVENTS_PER_SPAN = 10**6  # a span's events are kept in memory until the step ends
 MAX_MODULE_DEPTH = 100
 MAX_SPANS_PER_STEP = 10**6  # about 1 GB of records (docs/troubleshooting.md)
+MAX_RANKS_PER_TRACE = 10**6  # past any job: one trace per step for the whole job
+# Ranks per trace block by default: one 8-GPU node, which keeps tensor-parallel groups of up to 8
+# ranks whole. A traced step costs about 16 KB of OTLP protobuf per transformer block per rank
+# (docs/performance.md, scale phase), so a block's trace stays under Tempo's 5 MB for models of
+# up to about 32 such blocks (docs/troubleshooting.md).
+DEFAULT_RANKS_PER_TRACE = 8
+# METRIC_RANK_LABEL=auto keeps the rank label up to this many ranks (docs/performance.md, metric series).
+METRIC_RANK_LABEL_AUTO_MAX_WORLD = 256
 MAX_SHUTDOWN_TIMEOUT_S = 600.0  # threading.TIMEOUT_MAX is ~9.2e9 s; ten minutes per rank at exit is plenty
 
 _parse_step_period = _Number(1, MAX_STEP_PERIOD)
 _parse_events_per_span = _Number(1, MAX_EVENTS_PER_SPAN)
 _parse_module_depth = _Number(0, MAX_MODULE_DEPTH)
 _parse_spans_per_step = _Number(1, MAX_SPANS_PER_STEP)
+_parse_ranks_per_trace = _Number(1, MAX_RANKS_PER_TRACE)
 _parse_timeout_s = _Number(0, MAX_SHUTDOWN_TIMEOUT_S, integer=False, low_open=True, unit="seconds")
 
 
@@ -219,6 +236,10 @@ def _parse_ranks(text: str) -> frozenset[int] | None:
 
 def _parse_scope(text: str) -> TraceScope:
     return TraceScope(text.strip().lower())
+
+
+def _parse_rank_label(text: str) -> MetricRankLabel:
+    return MetricRankLabel(text.strip().lower())
 
 
 EXCEPTION_MESSAGES = ("redacted", "full", "none")
@@ -299,7 +320,14 @@ OPTIONS: tuple[Option, ...] = (
            "Ranks that export spans; metrics come from every rank."),
     Option("trace_scope", "TRACE_SCOPE", _parse_scope, TraceScope.JOB, "job or rank",
            "job: step N of every rank shares one trace id, and so does each `outside_step` segment "
-           "(set-up, between steps); rank: one trace per rank per step."),
+           "(set-up, between steps), within a block of RANKS_PER_TRACE ranks; rank: one trace per rank "
+           "per step."),
+    Option("ranks_per_trace", "RANKS_PER_TRACE", _parse_ranks_per_trace, DEFAULT_RANKS_PER_TRACE,
+           _parse_ranks_per_trace.accepted,
+           "Trace scope job: a job of more ranks is cut into blocks of this many consecutive ranks, "
+           "one trace per step per block (`commdebug.trace.block` on `train_step`; find a step across "
+           "blocks by `torch.step`), so a trace does not grow with the job (docs/troubleshooting.md). "
+           "A job of at most this many ranks has one trace per step."),
     Option("output_dir", "OUTPUT_DIR", _parse_dir, "./commdebug-otel-out", "a directory path",
            "Where the embedded default writes OTLP-JSON lines when no exporter is configured."),
     Option("max_events_per_span", "MAX_EVENTS_PER_SPAN", _parse_events_per_span, 1024,
@@ -309,6 +337,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("metric_module_depth", "METRIC_MODULE_DEPTH", _parse_module_depth, 0,
            _parse_module_depth.accepted,
            "Add torch.module.fqn to metrics, cut to this many levels (0 = no module label)."),
+    Option("metric_rank_label", "METRIC_RANK_LABEL", _parse_rank_label, MetricRankLabel.AUTO, "auto, on or off",
+           "torch.distributed.rank on metric points (on), or not (off), so that label sets are the same "
+           "on every rank; off also drops torch.process_group.name where torch.device_mesh.dim_name names "
+           f"the group. auto: on up to {METRIC_RANK_LABEL_AUTO_MAX_WORLD} ranks, off past it. The rank "
+           "stays a resource attribute, and exemplars still point at the rank's spans (docs/performance.md)."),
     Option("shutdown_timeout_s", "SHUTDOWN_TIMEOUT", _parse_timeout_s, 5.0, _parse_timeout_s.accepted,
            "Time the flush at exit may take, traces and metrics together."),
     Option("max_spans_per_step", "MAX_SPANS_PER_STEP", _parse_spans_per_step, 50_000,
@@ -358,9 +391,11 @@ class Settings:
     completion_every: int = 10
     ranks: frozenset[int] | None = None
     trace_scope: TraceScope = TraceScope.JOB
+    ranks_per_trace: int = DEFAULT_RANKS_PER_TRACE
     output_dir: str = "./commdebug-otel-out"
     max_events_per_span: int = 1024
     metric_module_depth: int = 0
+    metric_rank_label: MetricRankLabel = MetricRankLabel.AUTO
     shutdown_timeout_s: float = 5.0
     max_spans_per_step: int = 50_000
     exception_messages: str = "redacted"
@@ -373,6 +408,9 @@ class Settings:
             object.__setattr__(self, "detail", _checked("detail", _parse_detail, self.detail))
         if isinstance(self.trace_scope, str):
             object.__setattr__(self, "trace_scope", _checked("trace_scope", _parse_scope, self.trace_scope))
+        if isinstance(self.metric_rank_label, str):
+            object.__setattr__(self, "metric_rank_label",
+                               _checked("metric_rank_label", _parse_rank_label, self.metric_rank_label))
         if isinstance(self.ranks, str):
             object.__setattr__(self, "ranks", _checked("ranks", _parse_ranks, self.ranks))
         if isinstance(self.stall_after_s, str) or self.stall_after_s is not None:
@@ -397,6 +435,12 @@ class Settings:
 
     def traces_rank(self, rank: int) -> bool:
         return self.ranks is None or rank in self.ranks
+
+    def metric_rank_label_on(self, world_size: int) -> bool:
+        """Whether metric points of a job of ``world_size`` ranks carry the rank (``metric_rank_label``)."""
+        if self.metric_rank_label is MetricRankLabel.AUTO:
+            return world_size <= METRIC_RANK_LABEL_AUTO_MAX_WORLD
+        return self.metric_rank_label is MetricRankLabel.ON
 
 
 def _checked_stall(value: Any) -> float | str:

@@ -130,7 +130,7 @@ class CommTracer:
         else:
             self.telemetry = Telemetry(self.settings, self._rank, tracer_provider, meter_provider)
         metrics = LazyCollectiveMetrics(self.telemetry.meter, self.settings.metric_module_depth, self._rank,
-                                        self._progress)
+                                        self.settings.metric_rank_label_on, self._progress)
         self._metrics = metrics
         observers = (_ModeSwitch(self),) if observer is None else (_ModeSwitch(self), observer)
         self.recorder = Recorder(self.settings, self.telemetry.spans, metrics, observers)
@@ -148,8 +148,8 @@ class CommTracer:
     def _rank(self) -> Any:
         return self.recorder.rank()
 
-    def _progress(self) -> tuple[int, float, list[tuple[str, int, int]]]:
-        """(rank, current step age in seconds, per process group (name, issued seq, completed seq)): the gauges."""
+    def _progress(self) -> tuple[int, float, list[tuple[str, int, int, str]]]:
+        """(rank, current step age in seconds, ``Progress.seqs()``): what the progress gauges read."""
         progress = self.recorder.progress
         return self.recorder.rank().rank, progress.age_s(), progress.seqs()
 

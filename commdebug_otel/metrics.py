@@ -24,7 +24,14 @@ Instruments (OTel name -> Prometheus name after the Collector's translation):
 
 Labels are low-cardinality only: op, pass, process group name and size, mesh
 dimension name, rank, and the module FQN cut to ``metric_module_depth``
-levels when that setting is above 0. Never shapes or step numbers.
+levels when that setting is above 0. Never shapes or step numbers. Without the
+rank label (``metric_rank_label``: off, or auto past
+``config.METRIC_RANK_LABEL_AUTO_MAX_WORLD`` ranks) a group that is a device-mesh
+dimension is named by its dimension name and size alone: its process group name
+differs from one group of that dimension to the next (a job of W ranks with
+tensor parallel of size T has W/T tensor-parallel groups), so the label sets are
+the same on every rank and a job's series do not grow with its size once summed
+across ranks. Exemplars still name the rank's span.
 
 The training thread only appends each point, as a tuple, to a deque; at each
 step end a :class:`MetricsWorker` thread labels them, sums the counters and
@@ -126,8 +133,9 @@ class CollectiveMetrics:
     """Records collective metrics on ``meter``; label dicts are cached per label tuple."""
 
     def __init__(self, meter: Meter, module_depth: int = 0, on_dropped: Any = None,
-                 progress: Any = None) -> None:
+                 rank_label: bool = True, progress: Any = None) -> None:
         self._module_depth = module_depth
+        self._rank_label = rank_label
         self._operations = meter.create_counter(
             semconv.METRIC_OPERATIONS, unit="{operation}",
             description="Collectives issued by this rank.")
@@ -178,12 +186,15 @@ class CollectiveMetrics:
 
         ``context``: the traced step's span context, for exemplars; None on untraced steps.
         """
-        self._steps.append((duration_s, wait_s, {semconv.RANK: rank}, context))
+        self._steps.append((duration_s, wait_s, self._rank_labels(rank), context))
 
     # The gauges' callbacks: run by the metric reader's thread at each collection.
+    def _rank_labels(self, rank: int) -> dict[str, Any]:
+        return {semconv.RANK: rank} if self._rank_label else {}
+
     def _observe_age(self, _options: CallbackOptions) -> list[Observation]:
         rank, age_s, _ = self._progress()
-        return [Observation(age_s, {semconv.RANK: rank})]
+        return [Observation(age_s, self._rank_labels(rank))]
 
     def _observe_issued(self, _options: CallbackOptions) -> list[Observation]:
         return self._observe_seq(1)
@@ -193,8 +204,14 @@ class CollectiveMetrics:
 
     def _observe_seq(self, which: int) -> list[Observation]:
         rank, _, seqs = self._progress()
-        return [Observation(entry[which], {semconv.PROCESS_GROUP_NAME: entry[0], semconv.RANK: rank})
+        return [Observation(entry[which], {**self._rank_labels(rank), **self._group_label(entry[0], entry[3])})
                 for entry in seqs if entry[which] >= 0]
+
+    def _group_label(self, name: str, dim_name: str) -> dict[str, Any]:
+        """Without the rank label, a mesh dimension's group is named by its dimension (as in ``_labels_of``)."""
+        if dim_name and not self._rank_label:
+            return {semconv.DEVICE_MESH_DIM_NAME: dim_name}
+        return {semconv.PROCESS_GROUP_NAME: name}
 
     def _module_label(self, fqn: str) -> str:
         return ".".join(fqn.split(".")[: self._module_depth + 1])
@@ -226,10 +243,13 @@ class CollectiveMetrics:
                 semconv.MODULE_PASS: pass_,
                 semconv.PROCESS_GROUP_NAME: group.name,
                 semconv.PROCESS_GROUP_SIZE: group.size,
-                semconv.RANK: rank,
             }
+            if self._rank_label:
+                labels[semconv.RANK] = rank
             if group.dim_name:
                 labels[semconv.DEVICE_MESH_DIM_NAME] = group.dim_name
+                if not self._rank_label:  # the dimension names it on every rank alike
+                    del labels[semconv.PROCESS_GROUP_NAME]
             if module:
                 labels[semconv.MODULE_FQN] = module
         return labels
@@ -291,17 +311,29 @@ class CollectiveMetrics:
         return self._worker.drain(timeout_s)
 
     def dropped(self, kind: str, count: int, rank: int) -> None:
-        """Count ``count`` items of telemetry dropped on ``rank``, by ``kind`` (span, event, hook_error, ...)."""
-        self._dropped.add(count, {semconv.DROPPED_KIND: kind, semconv.RANK: rank})
+        """Count ``count`` items of telemetry dropped on ``rank``, by ``kind`` (span, event, hook_error, ...).
+
+        The rank is a label only where collective metrics carry it too (``rank_label``).
+        """
+        labels: dict[str, Any] = {semconv.DROPPED_KIND: kind}
+        if self._rank_label:
+            labels[semconv.RANK] = rank
+        self._dropped.add(count, labels)
 
 
 class LazyCollectiveMetrics:
-    """Creates :class:`CollectiveMetrics` at the first record, when the rank is known."""
+    """Creates :class:`CollectiveMetrics` at the first record, when the rank is known.
 
-    def __init__(self, meter_factory: Any, module_depth: int, rank: Any = lambda: 0,
-                 progress: Any = None) -> None:
+    ``rank``: a callable returning this process's ``steps.RankInfo``. ``rank_label``: called
+    with the job's world size at that first record, whether points carry the rank
+    (``Settings.metric_rank_label_on``; default: always).
+    """
+
+    def __init__(self, meter_factory: Any, module_depth: int, rank: Any,
+                 rank_label: Any = lambda world_size: True, progress: Any = None) -> None:
         self._meter_factory = meter_factory
         self._rank = rank
+        self._rank_label = rank_label
         self._progress = progress
         self._module_depth = module_depth
         self._metrics: CollectiveMetrics | None = None
@@ -320,7 +352,8 @@ class LazyCollectiveMetrics:
 
                 _logger.warning("commdebug-otel: metrics are off: %s", describe(error))
                 meter = NoOpMeter("commdebug_otel")
-            self._metrics = CollectiveMetrics(meter, self._module_depth, self.dropped, self._progress)
+            self._metrics = CollectiveMetrics(meter, self._module_depth, self.dropped,
+                                              self._rank_label(self._rank().world_size), self._progress)
             # From now on the recorder calls the instruments' methods directly.
             self.collective = self._metrics.collective
             self.completion = self._metrics.completion

@@ -44,7 +44,7 @@ from .ops import CollectiveSpec, GroupResolver, compiler_traced
 from .records import Record, SpanKind, Step, descends_from, dtensor_facts, parameter_facts, snapshot_tree, span_tree
 from .redact import code_locations, describe
 from .stall import Progress
-from .steps import RankInfo, job_nonce, outside_step_label, rank_info, step_trace_id
+from .steps import RankInfo, job_nonce, job_trace_id, outside_step_label, rank_info
 
 __all__ = ["NO_OPTIMIZER_CYCLES", "PASS_NONE", "Recorder"]
 
@@ -404,7 +404,10 @@ class Recorder:
             label = outside_step_label(self._next_step)
         else:
             label = f"inference-{step.index}" if step.inference else step.index
-        return step_trace_id(self.rank().run_id, self._nonce, label)
+        trace_id, block = job_trace_id(self.rank(), self._nonce, label, self.settings.ranks_per_trace)
+        if block is not None:  # a job cut into trace blocks: the root names its block
+            step.root.attrs[semconv.TRACE_BLOCK] = block
+        return trace_id
 
     def finish(self) -> None:
         """Close whatever is open (at exit or uninstrument) so every started span ends."""
@@ -765,9 +768,9 @@ class Recorder:
         if stack:
             stalled.attrs[semconv.STALL_STACK] = stack
         if seqs:
-            stalled.attrs[semconv.STALL_GROUPS] = [group for group, _, _ in seqs]
-            stalled.attrs[semconv.STALL_ISSUED_SEQ] = [issued for _, issued, _ in seqs]
-            stalled.attrs[semconv.STALL_COMPLETED_SEQ] = [completed for _, _, completed in seqs]
+            stalled.attrs[semconv.STALL_GROUPS] = [entry[0] for entry in seqs]
+            stalled.attrs[semconv.STALL_ISSUED_SEQ] = [entry[1] for entry in seqs]
+            stalled.attrs[semconv.STALL_COMPLETED_SEQ] = [entry[2] for entry in seqs]
         if not progress.in_step:
             stalled.attrs[semconv.STALL_BETWEEN_STEPS] = True
         stalled.events = progress.ring_events(now)[-self.settings.max_events_per_span:]

@@ -49,6 +49,9 @@ STALL_COMPLETED_SEQ = "commdebug.stall.completed_seq"
 COLLECTIVE_STATE = "commdebug.collective.state"  # on a snapshot's ring events
 STATE_IN_FLIGHT = "in_flight"
 STATE_COMPLETED = "completed"
+# Trace scope job, a job of more than RANKS_PER_TRACE ranks: the trace block (rank // RANKS_PER_TRACE) whose
+# trace holds this train_step or outside_step.
+TRACE_BLOCK = "commdebug.trace.block"
 
 # Module pass values.
 PASS_FORWARD = "forward"

@@ -82,11 +82,14 @@ class Progress:
         self.wait_ns = 0
         self.durations: collections.deque = collections.deque(maxlen=RECENT_STEPS)
         self._pending: dict[int, tuple[str, int]] = {}  # id(functional output) -> (group, seq)
+        self._dims: dict[str, str] = {}  # process group name -> its device-mesh dimension name ("" if none)
 
     def remember(self, spec: CollectiveSpec, group: GroupFacts, seq: int, args: tuple, out: Any,
                  fqn: str, pass_: str) -> None:
         """A collective was issued on the training thread (every step: kept cheap)."""
         tensor = payload_tensor(spec, args, out)
+        if group.name not in self._dims:
+            self._dims[group.name] = group.dim_name or ""
         if tensor is None:
             self.ring.append((spec.op, group, seq, time.time_ns(), None, None, fqn, pass_))
         else:
@@ -145,9 +148,9 @@ class Progress:
     def age_s(self, now: int | None = None) -> float:
         return ((now or time.time_ns()) - self.since_ns) / 1e9
 
-    def seqs(self) -> list[tuple[str, int, int]]:
-        """``(group, last issued seq, last completed seq)`` per process group; -1 for none."""
-        return [(group, following - 1, self.completed.get(group, -1))
+    def seqs(self) -> list[tuple[str, int, int, str]]:
+        """``(group, last issued seq, last completed seq, mesh dimension name or "")`` per process group; -1: none."""
+        return [(group, following - 1, self.completed.get(group, -1), self._dims.get(group, ""))
                 for group, following in list(self.next_seq.items())]
 
     def ring_events(self, now: int) -> list[tuple[str, dict[str, Any], int]]:

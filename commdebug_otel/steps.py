@@ -13,6 +13,14 @@ between steps) get the same treatment: each is named by how many training
 steps closed before it (:func:`outside_step_label`), which every rank running
 the same program agrees on, so the segments between two steps are one trace on
 all ranks.
+
+A job of more than ``ranks_per_trace`` ranks (``OTEL_PYTHON_COMMDEBUG_RANKS_PER_TRACE``) is cut
+into trace blocks of that many consecutive ranks (:func:`trace_block`): step N of one block is one
+trace, whose id also mixes in the block, so no trace grows with the job (one rank's traced step
+times the block size stays under Tempo's 5 MB per trace). Every block's ``train_step`` keeps
+``torch.step`` (a step is found across its traces by that attribute) and names its block in
+``commdebug.trace.block``. A job of at most ``ranks_per_trace`` ranks has one trace per step, with
+exactly the ids it had before blocks existed.
 """
 
 from __future__ import annotations
@@ -117,13 +125,47 @@ def job_nonce() -> str:
     return mine
 
 
-def step_trace_id(run_id: str, nonce: str, step: int | str) -> int:
+def step_trace_id(run_id: str, nonce: str, step: int | str, block: int | None = None) -> int:
     """The 128-bit trace id of ``step`` (a step number, or a label such as ``inference-3``).
 
-    The first 16 bytes of SHA-256 over run id, nonce and step.
+    The first 16 bytes of SHA-256 over run id, nonce and step, and the trace block when the
+    job is cut into blocks (``block`` from :func:`trace_block`; None: one trace for the job).
     """
-    digest = hashlib.sha256(f"{run_id}/{nonce}/{step}".encode()).digest()
+    key = f"{run_id}/{nonce}/{step}" if block is None else f"{run_id}/{nonce}/{step}/block-{block}"
+    digest = hashlib.sha256(key.encode()).digest()
     return int.from_bytes(digest[:16], "big") or 1
+
+
+def trace_block(rank: int, world_size: int, ranks_per_trace: int) -> int | None:
+    """The trace block of ``rank``: ``rank // ranks_per_trace``, or None when the whole job fits in one trace.
+
+    >>> trace_block(5, 8, 16) is None  # a job of at most ranks_per_trace ranks: one trace per step
+    True
+    >>> [trace_block(rank, 64, 16) for rank in (0, 15, 16, 63)]
+    [0, 0, 1, 3]
+
+    Blocks are runs of consecutive ranks: torchrun numbers ranks node by node, and a device
+    mesh's last dimension (tensor parallel, usually) is its run of consecutive ranks, so a
+    block whose size is a multiple of the ranks per node and of that dimension keeps each
+    node and each such group inside one trace.
+
+    Raises:
+        ValueError: ``ranks_per_trace`` below 1.
+    """
+    if ranks_per_trace < 1:
+        raise ValueError(f"ranks_per_trace must be at least 1, got {ranks_per_trace!r}")
+    if world_size <= ranks_per_trace:
+        return None
+    return rank // ranks_per_trace
+
+
+def job_trace_id(info: RankInfo, nonce: str, step: int | str, ranks_per_trace: int) -> tuple[int, int | None]:
+    """``(trace id, trace block)`` of ``step`` on the rank ``info`` describes, for trace scope ``job``.
+
+    The block is None when the job is one trace per step (at most ``ranks_per_trace`` ranks).
+    """
+    block = trace_block(info.rank, info.world_size, ranks_per_trace)
+    return step_trace_id(info.run_id, nonce, step, block), block
 
 
 def outside_step_label(steps_done: int) -> str:

@@ -27,9 +27,10 @@ OUT_OF_RANGE = {
     "METRIC_MODULE_DEPTH": ["101"],
     "SHUTDOWN_TIMEOUT": ["1e10", "600.5", "inf", "nan", "1e400"],
     "MAX_SPANS_PER_STEP": ["1000001", "-1"],
+    "RANKS_PER_TRACE": ["1000001", "0"],
 }
 NUMBERS = {"trace_every", "completion_every", "max_events_per_span", "metric_module_depth",
-           "shutdown_timeout_s", "max_spans_per_step"}
+           "shutdown_timeout_s", "max_spans_per_step", "ranks_per_trace"}
 
 
 def option(suffix):
@@ -59,10 +60,11 @@ def test_out_of_range_environment_value_says_it_once_and_uses_the_default(suffix
 def test_the_bounds_themselves_are_accepted():
     environ = {option("TRACE_EVERY").env: "1000000000", option("MAX_EVENTS_PER_SPAN").env: "1000000",
                option("METRIC_MODULE_DEPTH").env: "100", option("SHUTDOWN_TIMEOUT").env: "600",
-               option("MAX_SPANS_PER_STEP").env: "1000000"}
+               option("MAX_SPANS_PER_STEP").env: "1000000", option("RANKS_PER_TRACE").env: "1000000"}
     settings = Settings.from_env(environ)
     assert (settings.trace_every, settings.max_events_per_span, settings.metric_module_depth,
-            settings.shutdown_timeout_s, settings.max_spans_per_step) == (10**9, 10**6, 100, 600.0, 10**6)
+            settings.shutdown_timeout_s, settings.max_spans_per_step,
+            settings.ranks_per_trace) == (10**9, 10**6, 100, 600.0, 10**6, 10**6)
     assert read_option("max_spans_per_step", {}) == 50_000
 
 
@@ -70,7 +72,7 @@ def test_the_bounds_themselves_are_accepted():
     ("shutdown_timeout_s", 1e10), ("shutdown_timeout_s", float("nan")), ("shutdown_timeout_s", float("inf")),
     ("shutdown_timeout_s", "5"), ("max_events_per_span", 2**64), ("trace_every", 2.5), ("trace_every", True),
     ("completion_every", 10**9 + 1), ("metric_module_depth", -1), ("metric_module_depth", 101),
-    ("max_spans_per_step", 0), ("max_spans_per_step", 10**6 + 1),
+    ("max_spans_per_step", 0), ("max_spans_per_step", 10**6 + 1), ("ranks_per_trace", 0), ("ranks_per_trace", 2.0),
 ])
 def test_out_of_range_explicit_argument_raises_at_once(field, value):
     accepted = next(option.accepted for option in OPTIONS if option.field == field)

@@ -29,6 +29,7 @@ GARBAGE = {
     "ENABLED": "maybe", "DETAIL": "verbose", "TRACE_EVERY": "0", "COMPLETION_EVERY": "0", "RANKS": "1,x",
     "TRACE_SCOPE": "cluster", "OUTPUT_DIR": "  ", "MAX_EVENTS_PER_SPAN": "-3",
     "METRIC_MODULE_DEPTH": "two", "SHUTDOWN_TIMEOUT": "-1", "MODULE_INCLUDE": None, "MODULE_EXCLUDE": None,
+    "RANKS_PER_TRACE": "0", "METRIC_RANK_LABEL": "sometimes",
 }
 
 

@@ -5,7 +5,7 @@ import torch
 from distributed import run_ranks
 
 
-def _segments(rank, world_size, scope):
+def _segments(rank, world_size, scope, ranks_per_trace=8):
     """Set-up, a step, a checkpoint-like all_reduce, an evaluation forward on rank 0 only, a barrier, a step."""
     import torch.distributed as dist
 
@@ -22,8 +22,8 @@ def _segments(rank, world_size, scope):
         model(torch.ones(1, 2)).sum().backward()
         optimizer.step()
 
-    with CommTracer(Settings(trace_scope=scope), tracer_provider=telemetry.tracer_provider,
-                    meter_provider=telemetry.meter_provider):
+    with CommTracer(Settings(trace_scope=scope, ranks_per_trace=ranks_per_trace),
+                    tracer_provider=telemetry.tracer_provider, meter_provider=telemetry.meter_provider):
         dist.broadcast(torch.zeros(2), src=0)  # set-up: outside-0
         step()
         dist.all_reduce(torch.ones(1))  # a checkpoint save between steps: outside-1
@@ -35,13 +35,16 @@ def _segments(rank, world_size, scope):
     nonce = dist.distributed_c10d._get_default_store().get(NONCE_KEY).decode() if scope == "job" else ""
     dist.barrier()  # rank 0 hosts the store: it stays until every rank has read it
     return {"nonce": nonce, "spans": [(span.name, span.context.trace_id, span.parent is None,
-                                       [event.name for event in span.events]) for span in telemetry.spans()]}
+                                       [event.name for event in span.events]) for span in telemetry.spans()],
+            "roots": [(span.name, span.attributes.get("torch.step"), span.attributes.get("commdebug.trace.block"))
+                      for span in telemetry.spans() if span.parent is None]}
 
 
 def test_outside_step_segments_share_a_trace_id_on_every_rank():
     from commdebug_otel.steps import step_trace_id
 
     results = run_ranks(_segments, 2, "job")
+    assert all(block is None for result in results for _, _, block in result["roots"])  # 2 ranks: one trace
     views = [[span for span in result["spans"] if span[0] in ("outside_step", "train_step")] for result in results]
     nonce = results[0]["nonce"]
 
@@ -67,3 +70,25 @@ def test_rank_scope_keeps_outside_step_traces_apart():
     results = run_ranks(_segments, 2, "rank")
     ids = [{trace_id for name, trace_id, _, _ in result["spans"] if name == "outside_step"} for result in results]
     assert len(ids[0]) == 3 and len(ids[1]) == 2 and not ids[0] & ids[1]
+
+
+def test_job_scope_cuts_a_larger_job_into_trace_blocks():
+    """4 ranks, 2 per trace: ranks 0-1 share a trace per step and segment, ranks 2-3 another; each root names its
+    block and keeps torch.step, so a step is found across blocks."""
+    from commdebug_otel.steps import step_trace_id
+
+    results = run_ranks(_segments, 4, "job", 2)
+    nonce = results[0]["nonce"]
+    labels = ["outside-0", 0, "outside-1", 1]
+    for rank, result in enumerate(results):
+        block = rank // 2
+        views = [(name, trace_id) for name, trace_id, _, _ in result["spans"] if name in ("outside_step", "train_step")]
+        if rank == 0:  # its evaluation forward ends one outside-1 segment and starts another
+            views.pop(3)
+        assert views == [(name, step_trace_id("none", nonce, label, block)) for name, label in
+                         zip(["outside_step", "train_step", "outside_step", "train_step"], labels)]
+        roots = [root for root in result["roots"] if root[0] in ("outside_step", "train_step")]
+        assert {root_block for _, _, root_block in roots} == {block}
+        assert [step for name, step, _ in roots if name == "train_step"] == [0, 1]
+    traces = [{trace_id for _, trace_id, _, _ in result["spans"]} for result in results]
+    assert traces[0] & traces[1] and traces[2] & traces[3] and not (traces[0] | traces[1]) & (traces[2] | traces[3])

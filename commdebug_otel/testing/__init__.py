@@ -35,14 +35,17 @@ class InMemoryTelemetry:
 
     Args:
         max_events: the SDK's span event limit (default 4096, above our own cap).
+        resource: both providers' ``Resource`` (default: the SDK's), e.g. to measure
+            request sizes with a job's real resource (``testing.wire``).
     """
 
-    def __init__(self, max_events: int = 4096) -> None:
+    def __init__(self, max_events: int = 4096, resource: Any = None) -> None:
+        extra = {} if resource is None else {"resource": resource}
         self.span_exporter = InMemorySpanExporter()
-        self.tracer_provider = TracerProvider(span_limits=SpanLimits(max_events=max_events))
+        self.tracer_provider = TracerProvider(span_limits=SpanLimits(max_events=max_events), **extra)
         self.tracer_provider.add_span_processor(SimpleSpanProcessor(self.span_exporter))
         self.metric_reader = InMemoryMetricReader()
-        self.meter_provider = MeterProvider(metric_readers=[self.metric_reader])
+        self.meter_provider = MeterProvider(metric_readers=[self.metric_reader], **extra)
 
     def spans(self) -> list[Any]:
         """Finished spans, sorted by start time then name."""
