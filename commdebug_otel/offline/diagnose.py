@@ -47,7 +47,7 @@ from typing import Any
 from .. import semconv
 from . import summary
 
-__all__ = ["BETWEEN_STEPS", "NOISE_FLOOR_S", "TRAIN_STEP", "add_arguments", "desyncs", "diagnose",
+__all__ = ["BETWEEN_STEPS", "NOISE_FLOOR_S", "TRAIN_STEP", "UNATTRIBUTED", "add_arguments", "desyncs", "diagnose",
            "format_text", "run", "stalls", "stragglers"]
 
 # The live side's contract names for stall snapshots and desync fingerprints (docs/semantic-conventions.md).
@@ -77,6 +77,8 @@ NOISE_FLOOR_S = 0.001
 #: (data loading, host work).
 TRAIN_STEP = f"({semconv.SPAN_TRAIN_STEP})"
 BETWEEN_STEPS = "(between steps)"
+#: A late rank that spent no more time anywhere than the others since their previous collectives.
+UNATTRIBUTED = "(unattributed)"
 _NO_OP = {"op": "none", "dtype": "", "shape": [], "module": "", "pass": ""}
 
 Label = tuple[str, str]  # (module FQN or a parenthesised place, pass)
@@ -191,6 +193,8 @@ def _blame(late: dict[Label, int], others: list[dict[Label, int]]) -> tuple[Labe
     excess = {label: late.get(label, 0) - statistics.median(other.get(label, 0) for other in others)
               for label in labels}
     label = max(sorted(excess), key=lambda label: excess[label])
+    if excess[label] <= 0:  # e.g. it was late only because the others left the previous collective early
+        return (UNATTRIBUTED, ""), 0
     return label, round(excess[label])
 
 
@@ -209,7 +213,8 @@ def stragglers(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S) -> list[
     group; or its ``train_step``'s start when that arrival lies before the previous step) up to
     its arrival is cut by innermost span (exclusive time), and the (module FQN, pass) where L
     spent the most time over the other ranks' median is named; time in ``train_step``
-    outside modules is :data:`TRAIN_STEP`, time under no span :data:`BETWEEN_STEPS`.
+    outside modules is :data:`TRAIN_STEP`, time under no span :data:`BETWEEN_STEPS`; when L spent
+    no more time anywhere, :data:`UNATTRIBUTED` (excess 0).
 
     Returns:
         one row per blamed (rank, module, pass), largest ``lost_s`` first:
