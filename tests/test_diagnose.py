@@ -138,7 +138,7 @@ def test_diagnose_command(between_steps_spans, capsys):
                            "warnings"]
     assert diagnose.run(parser.parse_args([out_dir])) == 0
     text = capsys.readouterr().out.splitlines()
-    assert text[:6] == ["2 rank(s), traced steps: 0, 1, 2, 3, 4, 5, 6, 7", "",
+    assert text[:6] == ["2 rank(s), finished traced steps: 0, 1, 2, 3, 4, 5, 6, 7", "",
                         "Stalls: 0 (no stall snapshots in the files)", "", "Desyncs: 1",
                         f"  group 0, step {_ODD_STEP}, seq {found['desyncs'][0]['seq']}: ranks disagree"]
     assert text[6:8] == ["    rank 0: all_reduce float32 [2, 3] in Transformer.layers.0.attention forward",
@@ -266,7 +266,7 @@ def test_a_stall_names_the_rank_behind_and_who_waits(tmp_path):
         "(snapshot 2; behind on group 0: issued seq 56, rank 0 57)",
         "    in flight on rank 1: nothing",
         f"    waiting for it: rank 0 in all_reduce (group 0, seq 57) from {wo} forward, 44.9 s",
-        "    ahead of it: rank 0 on group 0 (issued seq 57, it 56)",
+        "    ahead of it: rank 0 on group 0 (issued seq 57; rank 1: 56)",
         "    stack (innermost last):",
         "      train.py:41 in forward",
         "      torch/nn/modules/module.py:1750",

@@ -25,7 +25,7 @@ Usage::
     #  "lost_s": 0.48, "waited_s": 0.48, "collectives": 8, "steps": [0, ..., 7], "excess_s": 0.48}
     print(diagnose.format_text(found))
 
-or ``commdebug-otel diagnose PATH... [--format text|json] [--noise-floor-ms MS]``.
+or ``commdebug-otel diagnose PATH... [--format text|json] [--top N] [--noise-floor-ms MS]``.
 
 What it does not do: stragglers and desyncs come from traced steps only
 (``OTEL_PYTHON_COMMDEBUG_TRACE_EVERY``) and traced ranks; stalls need the
@@ -567,9 +567,12 @@ def _collective_text(c: dict) -> str:
     return f"{c['op']} {c['dtype']} {c['shape']} in {_where(c['module'], c['pass'])}"
 
 
-def format_text(found: dict[str, Any]) -> str:
-    """``commdebug-otel diagnose``'s text: stalls, desyncs, stragglers, pipeline waits, in that order."""
-    out = [f"{len(found['ranks'])} rank(s), traced steps: "
+def format_text(found: dict[str, Any], top: int = 10) -> str:
+    """``commdebug-otel diagnose``'s text: stalls, desyncs, stragglers, pipeline waits, in that order.
+
+    ``found``: :func:`diagnose`'s result. ``top``: straggler rows shown (the rest summed in one line).
+    """
+    out = [f"{len(found['ranks'])} rank(s), finished traced steps: "
            f"{', '.join(map(str, found['steps'])) or 'none'}", *found["warnings"], ""]
     out.append(f"Stalls: {len(found['stalls'])}" + ("" if found["stalls"] else " (no stall snapshots in the files)"))
     for stall in found["stalls"]:
@@ -580,7 +583,8 @@ def format_text(found: dict[str, Any]) -> str:
         out += [f"    waiting for it: rank {waiting['rank']} in {_in_flight(waiting['in_flight'])}"
                 for waiting in stall["waiting_ranks"]]
         out += [f"    ahead of it: rank {item['rank']} on group {item['group']} "
-                f"(issued seq {item['issued_seq']}, it {item['behind_seq']})" for item in stall["ahead"]]
+                f"(issued seq {item['issued_seq']}; rank {stall['rank']}: {item['behind_seq']})"
+                for item in stall["ahead"]]
         if stall["stack"]:
             out.append("    stack (innermost last):")
             out += [f"      {line}" for line in stall["stack"]]
@@ -595,8 +599,11 @@ def format_text(found: dict[str, Any]) -> str:
     if rows:
         table = [("rank", "module", "pass", "lost s", "waited s", "collectives", "steps")]
         table += [(row["rank"], row["module"], row["pass"] or "-", f"{row['lost_s']:.3f}", f"{row['waited_s']:.3f}",
-                   row["collectives"], len(row["steps"])) for row in rows]
+                   row["collectives"], len(row["steps"])) for row in rows[:top]]
         out += ["  " + line for line in summary._columns(table)]
+        if len(rows) > top:
+            out.append(f"  ... {len(rows) - top} more rows, {sum(row['lost_s'] for row in rows[top:]):.3f} s lost "
+                       "in all (--top, or --format json for every row)")
         top = rows[0]
         out.append(f"Most time lost: rank {top['rank']} in {_where(top['module'], top['pass'])}, "
                    f"{top['lost_s']:.3f} s over {top['collectives']} collective(s) in {len(top['steps'])} step(s).")
@@ -616,6 +623,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="OTLP-JSON trace files, or folders to search for *.jsonl / *.json")
     parser.add_argument("--format", choices=("text", "json"), default="text",
                         help="text report, or everything as one JSON object (default text)")
+    parser.add_argument("--top", type=int, default=10, metavar="N",
+                        help="straggler rows in the text report (default 10; JSON has them all)")
     parser.add_argument("--noise-floor-ms", type=float, default=NOISE_FLOOR_S * 1e3, metavar="MS",
                         help=f"lateness below this is not blamed on a straggler (default {NOISE_FLOOR_S * 1e3:g})")
 
@@ -626,6 +635,6 @@ def run(args: argparse.Namespace) -> int:
     if spans is None:
         return 1
     found = diagnose(spans, args.noise_floor_ms / 1e3)
-    print(json.dumps(found, indent=4) if args.format == "json" else format_text(found))
+    print(json.dumps(found, indent=4) if args.format == "json" else format_text(found, args.top))
     sys.stdout.flush()
     return 0
