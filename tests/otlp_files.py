@@ -1,8 +1,17 @@
-"""Hand-built span dicts, as ``summary.load_spans`` returns them, and written back as OTLP-JSON files."""
+"""Hand-built span dicts, as ``summary.load_spans`` returns them, written back as OTLP-JSON files; and the
+environment for a child process (``commdebug-otel summarize|diagnose``) that reads them with this checkout."""
 
 import json
+import os
 
+import commdebug_otel
 from commdebug_otel import semconv
+
+
+def checkout_env():
+    """This checkout first on the path of a child process."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(commdebug_otel.__file__)))
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
 
 
 def span(rank, name, span_id, parent="", start=0, end=10**9, events=(), trace="t", world_size=4, **attributes):

@@ -4,6 +4,8 @@ import argparse
 import json
 import math
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -13,7 +15,7 @@ from commdebug_otel import semconv
 from commdebug_otel.offline import diagnose, summary
 
 from distributed import run_ranks
-from otlp_files import span, write_otlp
+from otlp_files import checkout_env, span, write_otlp
 
 _DELAY_S = 0.060
 _STEPS = 8
@@ -358,3 +360,20 @@ def test_a_desync_that_hangs_is_found_in_the_stall_rings(tmp_path):
     # Every rank waits in a collective at the same seq: no one is behind; both are listed.
     assert [(stall["rank"], stall["reason"]) for stall in diagnose.stalls(spans)] == [
         (0, "undetermined"), (1, "undetermined")]
+
+
+def test_the_command_line_and_no_torch(tmp_path):
+    write_otlp(_hang(), tmp_path / "traces.jsonl")
+    code = ("import sys, json; from commdebug_otel.cli import main; status = main(sys.argv[1:]); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'), status)")
+    out = subprocess.run([sys.executable, "-c", code, "diagnose", str(tmp_path), "--format", "json"],
+                         capture_output=True, text=True, env=checkout_env(), timeout=120)
+    report, _, tail = out.stdout.rpartition("}\n")
+    assert tail == "[] 0\n", out.stderr  # nothing of torch imported
+    assert [stall["rank"] for stall in json.loads(report + "}")["stalls"]] == [1]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = subprocess.run([sys.executable, "-m", "commdebug_otel.cli", "diagnose", str(empty)], capture_output=True,
+                         text=True, env=checkout_env(), timeout=120)
+    assert out.returncode == 1
+    assert out.stderr == "commdebug-otel diagnose: no spans found (expected OTLP-JSON trace files)\n"

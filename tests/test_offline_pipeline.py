@@ -9,11 +9,11 @@ import time
 import pytest
 import torch
 
-import commdebug_otel
 from commdebug_otel import semconv
 from commdebug_otel.offline import summary
 
 from distributed import run_ranks
+from otlp_files import checkout_env as _env
 from otlp_files import span as _span
 from otlp_files import write_otlp as _write_otlp
 
@@ -169,12 +169,6 @@ def test_step_selects_one_train_step_and_its_descendants():
                  **{semconv.STEP: 1, semconv.STEP_PART: 1})
     assert [span["span_id"] for span in summary.step_spans([*spans, part], 1)] == ["r1", "r1m", "r1b"]
     assert summary.format_report(spans, step=1).startswith("2 spans in step 1 from 1 rank(s) in 1 file(s)\n")
-
-
-def _env():
-    """This checkout first on the path of a child process."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(commdebug_otel.__file__)))
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
 
 
 def test_step_on_the_command_line(tmp_path):
