@@ -1,18 +1,22 @@
 """``commdebug-otel diagnose``: straggler blame, stalls, desyncs, from OTLP-JSON files."""
 
 import argparse
+import base64
+import http.server
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import torch
 
 from commdebug_otel import semconv
-from commdebug_otel.offline import diagnose, summary
+from commdebug_otel.offline import backends, diagnose, summary
 
 from distributed import run_ranks
 from otlp_files import checkout_env, span, write_otlp
@@ -92,6 +96,14 @@ def between_steps_spans(tmp_path_factory):
     return out_dir, summary.load_spans([out_dir])
 
 
+def _diagnose_cli(argv, capsys):
+    parser = argparse.ArgumentParser()
+    diagnose.add_arguments(parser)
+    code = diagnose.run(parser.parse_args(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 def _within(value, expected, tolerance=0.2):
     return abs(value - expected) <= tolerance * expected
 
@@ -131,15 +143,14 @@ def test_a_real_desync_names_both_sides(between_steps_spans):
 
 def test_diagnose_command(between_steps_spans, capsys):
     out_dir, spans = between_steps_spans
-    parser = argparse.ArgumentParser()
-    diagnose.add_arguments(parser)
-    assert diagnose.run(parser.parse_args([out_dir, "--format", "json"])) == 0
-    found = json.loads(capsys.readouterr().out)
-    assert found == json.loads(json.dumps(diagnose.diagnose(spans)))
+    code, out, _ = _diagnose_cli([out_dir, "--format", "json"], capsys)
+    found = json.loads(out)
+    assert code == 0 and found == json.loads(json.dumps(diagnose.diagnose(spans)))
     assert list(found) == ["stalls", "desyncs", "stragglers", "pipeline_waits", "ranks", "steps", "noise_floor_s",
                            "warnings"]
-    assert diagnose.run(parser.parse_args([out_dir])) == 0
-    text = capsys.readouterr().out.splitlines()
+    code, out, _ = _diagnose_cli([out_dir], capsys)
+    assert code == 0
+    text = out.splitlines()
     assert text[:6] == ["2 rank(s), finished traced steps: 0, 1, 2, 3, 4, 5, 6, 7", "",
                         "Stalls: 0 (no stall snapshots in the files)", "", "Desyncs: 1",
                         f"  group 0, step {_ODD_STEP}, seq {found['desyncs'][0]['seq']}: ranks disagree"]
@@ -377,3 +388,79 @@ def test_the_command_line_and_no_torch(tmp_path):
                          text=True, env=checkout_env(), timeout=120)
     assert out.returncode == 1
     assert out.stderr == "commdebug-otel diagnose: no spans found (expected OTLP-JSON trace files)\n"
+
+
+# ------------------------------------------------------------ Jaeger and Tempo
+
+_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+def _base64_ids(obj):
+    """OTLP/JSON's hex ids as protobuf's JSON mapping writes them (base64), as Tempo answers."""
+    if isinstance(obj, list):
+        return [_base64_ids(item) for item in obj]
+    if not isinstance(obj, dict):
+        return obj
+    return {key: base64.b64encode(bytes.fromhex(value)).decode() if key in ("traceId", "spanId", "parentSpanId")
+            else _base64_ids(value) for key, value in obj.items()}
+
+
+@pytest.fixture
+def trace_server(tmp_path):
+    """A local HTTP server answering Jaeger's and Tempo's trace-by-id paths with the hung job's trace."""
+    write_otlp(_hang(), tmp_path / "traces.jsonl")
+    traces = {"resourceSpans": [resource for line in (tmp_path / "traces.jsonl").read_text().splitlines()
+                                for resource in json.loads(line)["resourceSpans"]]}
+    answers = {f"/api/v3/traces/{_TRACE_ID}": {"result": traces},  # as Jaeger's api_v3 HTTP gateway
+               f"/prefix/api/v2/traces/{_TRACE_ID}": {"trace": _base64_ids(traces), "status": "COMPLETE"}}
+    requests = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            requests.append((self.path, self.headers["Accept"]))
+            body = answers.get(self.path)
+            self.send_response(200 if body else 404)
+            self.end_headers()
+            self.wfile.write(json.dumps(body or {"error": {"httpCode": 404, "message": "trace not found"}}).encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", tmp_path, requests
+    server.shutdown()
+    thread.join()
+    server.server_close()
+
+
+def test_a_trace_from_jaeger_or_tempo_reads_as_the_files(trace_server, capsys):
+    url, files, requests = trace_server
+    expected = json.loads(json.dumps(diagnose.diagnose(summary.load_spans([files]))))
+    for argv in (["--jaeger", url], ["--tempo", url + "/prefix/"]):
+        code, out, err = _diagnose_cli([*argv, "--trace-id", _TRACE_ID.upper(), "--format", "json"], capsys)
+        assert (code, err) == (0, "")
+        assert json.loads(out) == expected
+    assert requests == [(f"/api/v3/traces/{_TRACE_ID}", "application/json"),
+                        (f"/prefix/api/v2/traces/{_TRACE_ID}", "application/json")]
+    spans = backends.fetch_trace("jaeger", url, _TRACE_ID)
+    assert {span["file"] for span in spans} == {f"{url}/api/v3/traces/{_TRACE_ID}"}
+
+
+def test_backend_errors_are_one_line(trace_server, capsys):
+    url, _, _ = trace_server
+    missing = "0" * 32
+    assert _diagnose_cli(["--tempo", url, "--trace-id", missing], capsys) == (
+        1, "", f"commdebug-otel diagnose: {url}/api/v2/traces/{missing}: HTTP 404 Not Found\n")
+    assert _diagnose_cli(["--jaeger", url, "--trace-id", "xyz"], capsys) == (
+        1, "", "commdebug-otel diagnose: a trace id is 32 hex digits, got 'xyz'\n")
+    assert _diagnose_cli(["--jaeger", url], capsys) == (
+        1, "", "commdebug-otel diagnose: --jaeger needs --trace-id ID\n")
+    assert _diagnose_cli([], capsys) == (
+        1, "", "commdebug-otel diagnose: give PATH..., or --jaeger URL / --tempo URL with --trace-id ID\n")
+    with socket.socket() as sock:  # a port where nothing listens
+        sock.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    code, _, err = _diagnose_cli(["--jaeger", closed, "--trace-id", _TRACE_ID], capsys)
+    assert code == 1 and err.startswith(f"commdebug-otel diagnose: {closed}/api/v3/traces/{_TRACE_ID}: ")

@@ -25,7 +25,9 @@ Usage::
     #  "lost_s": 0.48, "waited_s": 0.48, "collectives": 8, "steps": [0, ..., 7], "excess_s": 0.48}
     print(diagnose.format_text(found))
 
-or ``commdebug-otel diagnose PATH... [--format text|json] [--top N] [--noise-floor-ms MS]``.
+or ``commdebug-otel diagnose PATH... [--format text|json] [--top N] [--noise-floor-ms MS]``, or with
+``--jaeger URL`` / ``--tempo URL`` and ``--trace-id ID`` (repeatable) for traces from a backend
+(:mod:`.backends`).
 
 What it does not do: stragglers and desyncs come from traced steps only
 (``OTEL_PYTHON_COMMDEBUG_TRACE_EVERY``) and traced ranks; stalls need the
@@ -619,8 +621,15 @@ def format_text(found: dict[str, Any], top: int = 10) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``diagnose``'s arguments to ``parser``."""
-    parser.add_argument("paths", nargs="+", metavar="PATH",
+    parser.add_argument("paths", nargs="*", metavar="PATH",
                         help="OTLP-JSON trace files, or folders to search for *.jsonl / *.json")
+    backend = parser.add_mutually_exclusive_group()
+    backend.add_argument("--jaeger", metavar="URL",
+                         help="also read traces from Jaeger's HTTP API at URL (e.g. http://localhost:16686)")
+    backend.add_argument("--tempo", metavar="URL",
+                         help="also read traces from Tempo's HTTP API at URL (e.g. http://localhost:3200)")
+    parser.add_argument("--trace-id", action="append", default=[], metavar="ID",
+                        help="a trace (32 hex digits) to read from --jaeger or --tempo; repeat for more steps")
     parser.add_argument("--format", choices=("text", "json"), default="text",
                         help="text report, or everything as one JSON object (default text)")
     parser.add_argument("--top", type=int, default=10, metavar="N",
@@ -629,9 +638,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"lateness below this is not blamed on a straggler (default {NOISE_FLOOR_S * 1e3:g})")
 
 
+def _load(args: argparse.Namespace) -> list[dict] | None:
+    """The spans of ``args.paths`` and of each ``--trace-id`` from the backend; None after saying why not."""
+    from .backends import BackendError, fetch_trace
+
+    backend = "jaeger" if args.jaeger else "tempo" if args.tempo else None
+    if backend is None and (args.trace_id or not args.paths):
+        print("commdebug-otel diagnose: give PATH..., or --jaeger URL / --tempo URL with --trace-id ID",
+              file=sys.stderr)
+        return None
+    if backend is not None and not args.trace_id:
+        print(f"commdebug-otel diagnose: --{backend} needs --trace-id ID", file=sys.stderr)
+        return None
+    spans: list[dict] = []
+    for trace_id in args.trace_id:
+        try:
+            spans += fetch_trace(backend, args.jaeger or args.tempo, trace_id)
+        except (ValueError, BackendError) as error:
+            print(f"commdebug-otel diagnose: {error}", file=sys.stderr)
+            return None
+    if args.paths:
+        from_files = summary.load_for_command(args.paths, "diagnose")
+        if from_files is None:
+            return None
+        spans += from_files
+    if not spans:
+        print("commdebug-otel diagnose: no spans in the traces", file=sys.stderr)
+        return None
+    spans.sort(key=lambda span: (span["rank"], span["start_ns"]))
+    return spans
+
+
 def run(args: argparse.Namespace) -> int:
-    """Print the diagnosis of ``args.paths``. Returns 0, or 1 when there are no spans (said on stderr)."""
-    spans = summary.load_for_command(args.paths, "diagnose")
+    """Print the diagnosis of ``args.paths`` and of ``--trace-id`` from ``--jaeger``/``--tempo``.
+
+    Returns 0, or 1 when there are no spans or a trace cannot be read (said on stderr).
+    """
+    spans = _load(args)
     if spans is None:
         return 1
     found = diagnose(spans, args.noise_floor_ms / 1e3)

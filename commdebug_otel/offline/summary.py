@@ -59,6 +59,7 @@ __all__ = [
     "packet_name",
     "pipeline_waits",
     "rank_totals",
+    "ranked_spans",
     "report_dict",
     "run",
     "step_spans",
@@ -137,13 +138,21 @@ def load_spans(paths: Iterable[str | os.PathLike]) -> list[dict[str, Any]]:
     spans: list[dict[str, Any]] = []
     for path in trace_files(paths):
         for obj in _objects(path):
-            if "resourceSpans" not in obj:
-                continue
-            for span in spans_from_otlp_json(obj):
-                span["rank"] = int(span["resource"].get(semconv.RANK, 0))
-                span["file"] = path
-                spans.append(span)
+            if "resourceSpans" in obj:
+                spans += ranked_spans(obj, path)
     spans.sort(key=lambda span: (span["rank"], span["start_ns"]))
+    return spans
+
+
+def ranked_spans(request: dict, source: str, hex_ids: bool = True) -> list[dict[str, Any]]:
+    """The spans of one OTLP-JSON ``ExportTraceServiceRequest`` (or ``TracesData``) dict, as :func:`load_spans`
+    makes them: each with ``"rank"`` and ``"file"`` = ``source``. ``hex_ids``: as
+    :func:`commdebug_otel.offline.otlp_json.parse_otlp_json`.
+    """
+    spans = spans_from_otlp_json(request, hex_ids)
+    for span in spans:
+        span["rank"] = int(span["resource"].get(semconv.RANK, 0))
+        span["file"] = source
     return spans
 
 
