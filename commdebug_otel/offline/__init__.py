@@ -16,10 +16,11 @@ Modules:
   rendered by :mod:`commdebug_otel.report`), per-rank totals, stragglers, top collectives;
 * :mod:`.diagnose`: stuck ranks (stall snapshots), desyncs, stragglers blamed with the module
   that held them back;
+* :mod:`.backends`: one trace by id from Jaeger's or Tempo's HTTP API (``diagnose --jaeger/--tempo``);
 * :mod:`.perfetto`: Chrome trace-event JSON for https://ui.perfetto.dev.
 
 Nothing here imports torch, the OTel SDK or the live tracer; importing this
 package imports none of its modules.
 """
 
-__all__ = ["diagnose", "otlp_json", "perfetto", "summary"]
+__all__ = ["backends", "diagnose", "otlp_json", "perfetto", "summary"]
