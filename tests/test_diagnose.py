@@ -353,9 +353,14 @@ def test_desync_fingerprints_skip_equal_steps_and_a_skipped_collective_shows_the
     assert [(d["step"], d["ranks"][1]["op"]) for d in diagnose.desyncs(_load(bare, tmp_path))] == [(0, "broadcast")]
     # A rank that issued one collective fewer at the end of a step: "none" there.
     short = [*_fingerprinted(0, 1, S, ops, None), *_fingerprinted(1, 1, S, ops[:1], None)]
+    none = {"op": "none", "dtype": "", "shape": [], "module": "", "pass": "", "seq": -1}
     assert diagnose.desyncs(_load(short, tmp_path))[0]["ranks"] == {
-        0: side | {"op": "all_gather", "shape": [8], "seq": 11},
-        1: {"op": "none", "dtype": "", "shape": [], "module": "", "pass": "", "seq": -1}}
+        0: side | {"op": "all_gather", "shape": [8], "seq": 11}, 1: none}
+    # One that issued nothing on the group in a finished step (it did in others): "none" at the first seq.
+    nothing = [*_fingerprinted(0, 0, 0, ops, None), *_fingerprinted(1, 0, 0, ops, None),
+               *_fingerprinted(0, 1, S, [(12, "all_reduce", (4,))], None), *_fingerprinted(1, 1, S, [], None)]
+    assert diagnose.desyncs(_load(nothing, tmp_path)) == [{"group": "0", "seq": 12, "step": 1, "ranks": {
+        0: side | {"op": "all_reduce", "shape": [4], "seq": 12}, 1: none}}]
 
 
 def test_a_desync_that_hangs_is_found_in_the_stall_rings(tmp_path):

@@ -81,7 +81,7 @@ TRAIN_STEP = f"({semconv.SPAN_TRAIN_STEP})"
 BETWEEN_STEPS = "(between steps)"
 #: A late rank that spent no more time anywhere than the others since their previous collectives.
 UNATTRIBUTED = "(unattributed)"
-_NO_OP = {"op": "none", "dtype": "", "shape": [], "module": "", "pass": ""}
+_NO_OP = {"op": "none", "dtype": "", "shape": [], "module": "", "pass": "", "seq": -1}
 
 Label = tuple[str, str]  # (module FQN or a parenthesised place, pass)
 
@@ -220,7 +220,7 @@ def stragglers(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S) -> list[
 
     Returns:
         one row per blamed (rank, module, pass), largest ``lost_s`` first:
-        ``{"rank", "module", "pass" ("" for the two places above), "lost_s", "waited_s",
+        ``{"rank", "module", "pass" ("" for the parenthesised places), "lost_s", "waited_s",
         "collectives" (how many it held back), "steps" (sorted), "excess_s" (L's time there
         over the others' median, summed)}``; seconds as floats.
     """
@@ -403,40 +403,44 @@ def stalls(spans: list[dict]) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------- desyncs
 
 
-def _issued_collectives(spans: list[dict]) -> dict[tuple[int, int], dict[str, dict[int, dict]]]:
-    """``(rank, step) -> group -> seq -> collective``, from finished steps and, for steps a rank never
-    finished, its stall snapshots (copies of the step's spans and the ring of recent collectives).
+def _issued_collectives(spans: list[dict]) -> tuple[dict[tuple[int, int], dict[str, dict[int, dict]]],
+                                                    set[tuple[int, int]]]:
+    """What each rank issued in each step, and which of those records are whole.
 
-    Each (rank, group, seq) is taken once, a finished step's event first; seqs are counted
-    without point-to-point ops, as :func:`.summary.collective_matches` counts them. Each
-    collective: ``{"op", "dtype", "shape", "module", "pass", "seq" (the rank's own
-    torch.collective.seq), "complete" (False when from a snapshot or a span that dropped events)}``.
+    Returns:
+        ``({(rank, step): {group: {seq: collective}}}, {(rank, step) whose record is whole}})``.
+        Records come from finished steps and, for steps a rank never finished, its stall
+        snapshots (copies of the step's spans and the ring of recent collectives); a record is
+        whole when the step finished and none of its spans dropped events. Each (rank, group,
+        seq) is taken once, a finished step's event first; seqs are counted without
+        point-to-point ops, as :func:`.summary.collective_matches` counts them. Each collective:
+        ``{"op", "dtype", "shape", "module", "pass", "seq" (the rank's own torch.collective.seq)}``.
     """
     finished = _finished(spans)
+    snapshots = [span for span in spans if _snapshot_part(span)]
     steps = summary._span_steps(finished)
-    snapshot_steps = summary._span_steps([span for span in spans if _snapshot_part(span)])
+    snapshot_steps = summary._span_steps(snapshots)
     finished_steps = {(span["rank"], step) for span in finished if (step := steps[id(span)]) is not None}
+    cut = {(span["rank"], steps[id(span)]) for span in finished if span.get("dropped_events_count", 0)
+           or span["attributes"].get(semconv.SPAN_DROPPED_EVENTS, 0)}
     seen: set[tuple[int, str, int]] = set()
-    taken: list[tuple[dict, int, bool]] = []
-    for source, step_of, complete in ((finished, steps, True), ([s for s in spans if _snapshot_part(s)],
-                                                                 snapshot_steps, False)):
+    taken: list[tuple[dict, int]] = []
+    for source, step_of in ((finished, steps), (snapshots, snapshot_steps)):
         for event in summary.collective_events(source):
             attrs, span = event["attributes"], event["span"]
             step = step_of[id(span)] if span["name"] != SPAN_STALLED else span["attributes"].get(semconv.STEP)
             if semconv.COLLECTIVE_SEQ not in attrs or step is None:
                 continue
-            if not complete and (event["rank"], step) in finished_steps:
+            if source is snapshots and (event["rank"], step) in finished_steps:
                 continue
             key = (event["rank"], _group(attrs), int(attrs[semconv.COLLECTIVE_SEQ]))
-            if key in seen:
-                continue
-            seen.add(key)
-            dropped = span.get("dropped_events_count", 0) or span["attributes"].get(semconv.SPAN_DROPPED_EVENTS, 0)
-            taken.append((event, step, complete and not dropped))
+            if key not in seen:
+                seen.add(key)
+                taken.append((event, step))
     taken.sort(key=lambda item: item[0]["time_ns"])
     out: dict[tuple[int, int], dict[str, dict[int, dict]]] = defaultdict(lambda: defaultdict(dict))
     p2p_before: dict[tuple[int, str], int] = defaultdict(int)
-    for event, step, complete in taken:
+    for event, step in taken:
         attrs, span = event["attributes"], event["span"]
         group = _group(attrs)
         if event["name"] in summary._P2P:
@@ -449,8 +453,8 @@ def _issued_collectives(spans: list[dict]) -> dict[tuple[int, int], dict[str, di
             "op": str(attrs.get(semconv.COLLECTIVE_OP, event["name"])),
             "dtype": str(attrs.get(semconv.COLLECTIVE_DTYPE, "")),
             "shape": list(attrs.get(semconv.COLLECTIVE_SHAPE, [])),
-            "module": module, "pass": attrs.get(semconv.MODULE_PASS, pass_), "seq": seq, "complete": complete}
-    return out
+            "module": module, "pass": attrs.get(semconv.MODULE_PASS, pass_), "seq": seq}
+    return out, finished_steps - cut
 
 
 def _fingerprints(spans: list[dict]) -> dict[tuple[int, int], dict[str, tuple[str, int]]]:
@@ -489,7 +493,7 @@ def desyncs(spans: list[dict]) -> list[dict[str, Any]]:
         "ranks": {rank: {"op", "dtype", "shape", "module", "pass", "seq" (its own
         torch.collective.seq)}}}]``, by step then group.
     """
-    issued = _issued_collectives(spans)
+    issued, whole = _issued_collectives(spans)
     fingerprints = _fingerprints(spans)
     members: dict[str, set[int]] = defaultdict(set)
     steps: dict[int, set[int]] = defaultdict(set)
@@ -497,7 +501,7 @@ def desyncs(spans: list[dict]) -> list[dict[str, Any]]:
         steps[step].add(rank)
         for group in groups:
             members[group].add(rank)
-    for rank, step in fingerprints:
+    for rank, step in [*fingerprints, *whole]:
         steps[step].add(rank)
     out = []
     for group in sorted(members):
@@ -506,8 +510,8 @@ def desyncs(spans: list[dict]) -> list[dict[str, Any]]:
             prints = [fingerprints.get((rank, step), {}).get(group) for rank in ranks]
             if len(ranks) < 2 or (None not in prints and len(set(prints)) == 1):
                 continue
-            found = _first_difference(group, step, {rank: issued.get((rank, step), {}).get(group, {})
-                                                    for rank in ranks})
+            by_rank = {rank: issued.get((rank, step), {}).get(group, {}) for rank in ranks}
+            found = _first_difference(group, step, by_rank, {rank for rank in ranks if (rank, step) in whole})
             if found is not None:
                 out.append(found)
                 break
@@ -515,18 +519,19 @@ def desyncs(spans: list[dict]) -> list[dict[str, Any]]:
     return out
 
 
-def _first_difference(group: str, step: int, by_rank: dict[int, dict[int, dict]]) -> dict[str, Any] | None:
-    """The first seq of ``step`` where the ranks' collectives on ``group`` differ, or None."""
-    # A rank whose record of the step is not complete cannot say it issued nothing at a seq.
-    partial = {rank for rank, seqs in by_rank.items() if not seqs or not all(c["complete"] for c in seqs.values())}
+def _first_difference(group: str, step: int, by_rank: dict[int, dict[int, dict]],
+                      whole: set[int]) -> dict[str, Any] | None:
+    """The first seq of ``step`` where the ranks' collectives on ``group`` differ, or None.
+
+    ``whole``: the ranks whose record of the step is whole; only they can say that they
+    issued nothing at a seq.
+    """
     for seq in sorted(set().union(*by_rank.values())):
-        here = {rank: seqs.get(seq) for rank, seqs in by_rank.items()}
-        known = {rank: c for rank, c in here.items() if c is not None or rank not in partial}
+        known = {rank: seqs.get(seq) for rank, seqs in by_rank.items() if seq in seqs or rank in whole}
         if len(known) < 2 or _same(known.values()):
             continue
         return {"group": group, "seq": seq, "step": step,
-                "ranks": {rank: {key: value for key, value in (c or _NO_OP | {"seq": -1}).items() if key != "complete"}
-                          for rank, c in sorted(known.items())}}
+                "ranks": {rank: c or dict(_NO_OP) for rank, c in sorted(known.items())}}
     return None
 
 
