@@ -394,8 +394,8 @@ def stalls(spans: list[dict]) -> list[dict[str, Any]]:
                        for other in episode if other["rank"] not in ranks]
             entry = {key: value for key, value in snap.items() if key not in ("_end_ns", "world_size")}
             out.append(entry | {"reason": reasons[rank],
-                                "ahead": [item for item in ahead if item["behind_seq"] == snap["issued_seq"].get(
-                                    item["group"], item["behind_seq"])],
+                                "ahead": [item for item in ahead
+                                          if snap["issued_seq"].get(item["group"]) == item["behind_seq"]],
                                 "waiting_ranks": waiting})
     return out
 
