@@ -52,7 +52,8 @@ from . import summary
 __all__ = ["BETWEEN_STEPS", "NOISE_FLOOR_S", "TRAIN_STEP", "UNATTRIBUTED", "add_arguments", "desyncs", "diagnose",
            "format_text", "run", "stalls", "stragglers"]
 
-# The live side's contract names for stall snapshots and desync fingerprints (docs/semantic-conventions.md).
+# The contract names (issue 17) of the live side's stall snapshots and desync fingerprints, as this reader
+# expects them; they belong in semconv.py (and semantic-conventions.md) with the live side that emits them.
 SPAN_STALLED = "stalled"
 SPAN_INCOMPLETE = "commdebug.span.incomplete"
 STALL_BETWEEN_STEPS = "commdebug.stall.between_steps"
@@ -70,7 +71,6 @@ STATE_IN_FLIGHT = "in_flight"
 STEP_GROUPS = "torch.step.collective_groups"
 STEP_FINGERPRINTS = "torch.step.collective_fingerprints"
 STEP_COUNTS = "torch.step.collective_counts"
-STEP_FIRST_SEQ = "torch.step.collective_first_seq"
 
 #: Lateness below this (seconds) is noise, not a straggler: a collective held back less is not blamed.
 NOISE_FLOOR_S = 0.001
