@@ -18,6 +18,7 @@ import torch
 from commdebug_otel import semconv
 from commdebug_otel.offline import backends, diagnose, summary
 
+import test_offline_pipeline
 from distributed import run_ranks
 from otlp_files import checkout_env, span, write_otlp
 
@@ -480,3 +481,10 @@ def test_backend_errors_are_one_line(trace_server, capsys):
         closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
     code, _, err = _diagnose_cli(["--jaeger", closed, "--trace-id", _TRACE_ID], capsys)
     assert code == 1 and err.startswith(f"commdebug-otel diagnose: {closed}/api/v3/traces/{_TRACE_ID}: ")
+
+
+def test_send_and_recv_outside_the_step_do_not_shift_the_seqs():
+    # The pipeline of test_offline_pipeline: rank 1's first recv is on outside_step, before its step.
+    spans = test_offline_pipeline._hand_built_pipeline()
+    assert diagnose.desyncs(spans) == []
+    assert diagnose.diagnose(spans)["pipeline_waits"] == test_offline_pipeline._HAND_BUILT_WAITS

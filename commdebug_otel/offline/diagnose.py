@@ -424,14 +424,12 @@ def _issued_collectives(spans: list[dict]) -> tuple[dict[tuple[int, int], dict[s
     cut = {(span["rank"], steps[id(span)]) for span in finished if span.get("dropped_events_count", 0)
            or span["attributes"].get(semconv.SPAN_DROPPED_EVENTS, 0)}
     seen: set[tuple[int, str, int]] = set()
-    taken: list[tuple[dict, int]] = []
+    taken: list[tuple[dict, int | None]] = []
     for source, step_of in ((finished, steps), (snapshots, snapshot_steps)):
         for event in summary.collective_events(source):
             attrs, span = event["attributes"], event["span"]
             step = step_of[id(span)] if span["name"] != SPAN_STALLED else span["attributes"].get(semconv.STEP)
-            if semconv.COLLECTIVE_SEQ not in attrs or step is None:
-                continue
-            if source is snapshots and (event["rank"], step) in finished_steps:
+            if semconv.COLLECTIVE_SEQ not in attrs or (source is snapshots and (event["rank"], step) in finished_steps):
                 continue
             key = (event["rank"], _group(attrs), int(attrs[semconv.COLLECTIVE_SEQ]))
             if key not in seen:
@@ -443,8 +441,10 @@ def _issued_collectives(spans: list[dict]) -> tuple[dict[tuple[int, int], dict[s
     for event, step in taken:
         attrs, span = event["attributes"], event["span"]
         group = _group(attrs)
-        if event["name"] in summary._P2P:
+        if event["name"] in summary._P2P:  # counted wherever it is (a pipeline's first recv is outside the step)
             p2p_before[(event["rank"], group)] += 1
+            continue
+        if step is None:
             continue
         module, pass_ = (str(attrs[semconv.MODULE_FQN]), str(attrs.get(semconv.MODULE_PASS, ""))) \
             if semconv.MODULE_FQN in attrs else _label(span)
