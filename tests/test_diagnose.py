@@ -313,6 +313,11 @@ def test_a_rank_stuck_between_steps_and_a_rank_without_a_snapshot(tmp_path):
     (stall,) = diagnose.stalls(_load(alone, tmp_path))
     assert (stall["rank"], stall["step"], stall["reason"]) == (1, None, "sent no snapshot while the others are stalled")
     assert [w["rank"] for w in stall["waiting_ranks"]] == [0]
+    text = diagnose.format_text(diagnose.diagnose(_load(alone, tmp_path))).splitlines()
+    assert text[text.index("Stalls: 1") + 1:text.index("Stalls: 1") + 3] == [
+        "  rank 1 is stuck: it sent no snapshot while the others are stalled (hung in native code holding the GIL, "
+        "or gone: look at its process)",
+        "    waiting for it: rank 0 in all_reduce (group 0, seq 17) from M.a forward, 14.8 s"]
 
 
 def test_equal_seqs_blame_the_rank_in_no_collective(tmp_path):

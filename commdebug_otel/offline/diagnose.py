@@ -583,10 +583,14 @@ def format_text(found: dict[str, Any], top: int = 10) -> str:
            f"{', '.join(map(str, found['steps'])) or 'none'}", *found["warnings"], ""]
     out.append(f"Stalls: {len(found['stalls'])}" + ("" if found["stalls"] else " (no stall snapshots in the files)"))
     for stall in found["stalls"]:
-        out.append(f"  rank {stall['rank']} is stuck in step {stall['step']} at "
-                   f"{_where(stall['module'], stall['pass'])} for {stall['age_s']:.1f} s "
-                   f"(snapshot {stall['snapshot']}; {stall['reason']})")
-        out.append(f"    in flight on rank {stall['rank']}: {_in_flight(stall['in_flight'])}")
+        if stall["snapshot"]:
+            out.append(f"  rank {stall['rank']} is stuck in step {stall['step']} at "
+                       f"{_where(stall['module'], stall['pass'])} for {stall['age_s']:.1f} s "
+                       f"(snapshot {stall['snapshot']}; {stall['reason']})")
+            out.append(f"    in flight on rank {stall['rank']}: {_in_flight(stall['in_flight'])}")
+        else:
+            out.append(f"  rank {stall['rank']} is stuck: it {stall['reason']} "
+                       "(hung in native code holding the GIL, or gone: look at its process)")
         out += [f"    waiting for it: rank {waiting['rank']} in {_in_flight(waiting['in_flight'])}"
                 for waiting in stall["waiting_ranks"]]
         out += [f"    ahead of it: rank {item['rank']} on group {item['group']} "
