@@ -559,6 +559,17 @@ def diagnose(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S) -> dict[st
     }
 
 
+def _ranges(numbers: list[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"``; ``"none"`` when empty."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "none"
+
+
 def _where(module: str, pass_: str) -> str:
     return f"{module or '(unknown module)'} {pass_}".rstrip()
 
@@ -579,8 +590,7 @@ def format_text(found: dict[str, Any], top: int = 10) -> str:
 
     ``found``: :func:`diagnose`'s result. ``top``: straggler rows shown (the rest summed in one line).
     """
-    out = [f"{len(found['ranks'])} rank(s), finished traced steps: "
-           f"{', '.join(map(str, found['steps'])) or 'none'}", *found["warnings"], ""]
+    out = [f"{len(found['ranks'])} rank(s), finished traced steps: {_ranges(found['steps'])}", *found["warnings"], ""]
     out.append(f"Stalls: {len(found['stalls'])}" + ("" if found["stalls"] else " (no stall snapshots in the files)"))
     for stall in found["stalls"]:
         if stall["snapshot"]:
