@@ -1,4 +1,4 @@
-"""The ``commdebug-otel`` command: ``demo``, ``run``, ``summarize``, ``perfetto``."""
+"""The ``commdebug-otel`` command: ``demo``, ``run``, ``summarize``, ``diagnose``, ``perfetto``."""
 
 from __future__ import annotations
 
@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, module_name, help_text in (
             ("summarize", "offline.summary",
              "per-module collective tables, rank totals and stragglers from OTLP-JSON files"),
+            ("diagnose", "offline.diagnose",
+             "stuck ranks, desyncs, stragglers with the module that held them back, from OTLP-JSON files"),
             ("perfetto", "offline.perfetto", "convert OTLP-JSON files to a Chrome/Perfetto trace")):
         module = _optional_module(module_name)
         if module is not None:

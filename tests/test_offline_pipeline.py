@@ -9,21 +9,15 @@ import time
 import pytest
 import torch
 
-import commdebug_otel
 from commdebug_otel import semconv
 from commdebug_otel.offline import summary
 
 from distributed import run_ranks
+from otlp_files import checkout_env as _env
+from otlp_files import span as _span
+from otlp_files import write_otlp as _write_otlp
 
 _CLI = [sys.executable, "-m", "commdebug_otel.cli"]
-
-
-def _span(rank, name, span_id, parent="", start=0, end=10**9, events=(), trace="t", **attributes):
-    return {"rank": rank, "trace_id": f"{trace}{rank}", "span_id": span_id, "parent_span_id": parent,
-            "name": name, "start_ns": start, "end_ns": end, "attributes": attributes,
-            "events": [{"name": attrs[semconv.COLLECTIVE_OP], "time_ns": time_ns, "attributes": attrs}
-                       for time_ns, attrs in events],
-            "resource": {semconv.RANK: rank, semconv.WORLD_SIZE: 4}, "file": f"traces-rank{rank}.jsonl"}
 
 
 def _p2p(op, peer, seq, issue_s=0.0, group="0", size=2):
@@ -175,43 +169,6 @@ def test_step_selects_one_train_step_and_its_descendants():
                  **{semconv.STEP: 1, semconv.STEP_PART: 1})
     assert [span["span_id"] for span in summary.step_spans([*spans, part], 1)] == ["r1", "r1m", "r1b"]
     assert summary.format_report(spans, step=1).startswith("2 spans in step 1 from 1 rank(s) in 1 file(s)\n")
-
-
-def _write_otlp(spans, path):
-    """Hand-built span dicts as one OTLP-JSON line per rank."""
-    def value(v):
-        if isinstance(v, bool):
-            return {"boolValue": v}
-        if isinstance(v, int):
-            return {"intValue": str(v)}
-        if isinstance(v, float):
-            return {"doubleValue": v}
-        return {"stringValue": str(v)}
-
-    def attrs(d):
-        return [{"key": k, "value": value(v)} for k, v in d.items()]
-
-    def hex_id(text, width):
-        return text.encode().hex().rjust(width, "0")[-width:]
-
-    lines = []
-    for rank in sorted({span["rank"] for span in spans}):
-        otlp = [{"traceId": hex_id(span["trace_id"], 32), "spanId": hex_id(span["span_id"], 16),
-                 **({"parentSpanId": hex_id(span["parent_span_id"], 16)} if span["parent_span_id"] else {}),
-                 "name": span["name"], "startTimeUnixNano": str(span["start_ns"]),
-                 "endTimeUnixNano": str(span["end_ns"]), "attributes": attrs(span["attributes"]),
-                 "events": [{"name": e["name"], "timeUnixNano": str(e["time_ns"]), "attributes": attrs(e["attributes"])}
-                            for e in span["events"]]}
-                for span in spans if span["rank"] == rank]
-        lines.append(json.dumps({"resourceSpans": [{"resource": {"attributes": attrs(spans[0]["resource"] | {
-            semconv.RANK: rank})}, "scopeSpans": [{"spans": otlp}]}]}))
-    path.write_text("\n".join(lines) + "\n")
-
-
-def _env():
-    """This checkout first on the path of a child process."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(commdebug_otel.__file__)))
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
 
 
 def test_step_on_the_command_line(tmp_path):

@@ -2,10 +2,11 @@
 
 Usage::
 
-    from commdebug_otel.offline import perfetto, summary
+    from commdebug_otel.offline import diagnose, perfetto, summary
 
     spans = summary.load_spans(["commdebug-otel-out/run-20261130-111620-a81b07d2"])
     print(summary.format_report(spans, rank=0))      # ``commdebug-otel summarize``
+    print(diagnose.format_text(diagnose.diagnose(spans)))  # ``commdebug-otel diagnose``
     perfetto.write_chrome_trace(spans, "trace.json")  # ``commdebug-otel perfetto``
 
 Modules:
@@ -13,10 +14,13 @@ Modules:
 * :mod:`.otlp_json`: OTLP-JSON lines and OTLP protobuf requests as plain span and metric dicts;
 * :mod:`.summary`: per-module collective counts (torch ``CommDebugMode``'s table and JSON tree,
   rendered by :mod:`commdebug_otel.report`), per-rank totals, stragglers, top collectives;
+* :mod:`.diagnose`: stuck ranks (stall snapshots), desyncs, stragglers blamed with the module
+  that held them back;
+* :mod:`.backends`: one trace by id from Jaeger's or Tempo's HTTP API (``diagnose --jaeger/--tempo``);
 * :mod:`.perfetto`: Chrome trace-event JSON for https://ui.perfetto.dev.
 
 Nothing here imports torch, the OTel SDK or the live tracer; importing this
 package imports none of its modules.
 """
 
-__all__ = ["otlp_json", "perfetto", "summary"]
+__all__ = ["backends", "diagnose", "otlp_json", "perfetto", "summary"]

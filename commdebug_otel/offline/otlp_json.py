@@ -130,8 +130,11 @@ def _hex_ids_to_base64(obj: Any) -> Any:
     }
 
 
-def parse_otlp_json(obj: dict | str | bytes, signal: str) -> Any:
+def parse_otlp_json(obj: dict | str | bytes, signal: str, hex_ids: bool = True) -> Any:
     """One OTLP-JSON object (or its text) as the ``signal`` ("traces"/"metrics") export request.
+
+    ``hex_ids``: ids are hex, as OTLP/JSON writes them; False for protobuf's generic JSON
+    mapping (base64), as Tempo's HTTP API returns them.
 
     Raises:
         json.JSONDecodeError, google.protobuf.json_format.ParseError: not OTLP-JSON.
@@ -139,12 +142,15 @@ def parse_otlp_json(obj: dict | str | bytes, signal: str) -> Any:
     if isinstance(obj, (str, bytes)):
         obj = json.loads(obj)
     msg = _SIGNALS[signal][0]()
-    return json_format.ParseDict(_hex_ids_to_base64(obj), msg, ignore_unknown_fields=True)
+    return json_format.ParseDict(_hex_ids_to_base64(obj) if hex_ids else obj, msg, ignore_unknown_fields=True)
 
 
-def spans_from_otlp_json(obj: dict | str | bytes) -> list[dict[str, Any]]:
-    """Span dicts (as ``OtlpReceiver.spans()``, transport "file") from one OTLP-JSON object/line."""
-    return span_dicts(parse_otlp_json(obj, "traces"), "file")
+def spans_from_otlp_json(obj: dict | str | bytes, hex_ids: bool = True) -> list[dict[str, Any]]:
+    """Span dicts (as ``OtlpReceiver.spans()``, transport "file") from one OTLP-JSON object/line.
+
+    ``hex_ids``: as :func:`parse_otlp_json`.
+    """
+    return span_dicts(parse_otlp_json(obj, "traces", hex_ids), "file")
 
 
 def metrics_from_otlp_json(obj: dict | str | bytes) -> list[dict[str, Any]]:

@@ -37,7 +37,7 @@ import os
 import statistics
 import sys
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from .. import semconv
@@ -48,6 +48,7 @@ __all__ = [
     "GLOBAL",
     "add_arguments",
     "collective_events",
+    "collective_matches",
     "comm_debug_json",
     "comm_report",
     "format_report",
@@ -58,6 +59,7 @@ __all__ = [
     "packet_name",
     "pipeline_waits",
     "rank_totals",
+    "ranked_spans",
     "report_dict",
     "run",
     "step_spans",
@@ -136,13 +138,21 @@ def load_spans(paths: Iterable[str | os.PathLike]) -> list[dict[str, Any]]:
     spans: list[dict[str, Any]] = []
     for path in trace_files(paths):
         for obj in _objects(path):
-            if "resourceSpans" not in obj:
-                continue
-            for span in spans_from_otlp_json(obj):
-                span["rank"] = int(span["resource"].get(semconv.RANK, 0))
-                span["file"] = path
-                spans.append(span)
+            if "resourceSpans" in obj:
+                spans += ranked_spans(obj, path)
     spans.sort(key=lambda span: (span["rank"], span["start_ns"]))
+    return spans
+
+
+def ranked_spans(request: dict, source: str, hex_ids: bool = True) -> list[dict[str, Any]]:
+    """The spans of one OTLP-JSON ``ExportTraceServiceRequest`` (or ``TracesData``) dict, as :func:`load_spans`
+    makes them: each with ``"rank"`` and ``"file"`` = ``source``. ``hex_ids``: as
+    :func:`commdebug_otel.offline.otlp_json.parse_otlp_json`.
+    """
+    spans = spans_from_otlp_json(request, hex_ids)
+    for span in spans:
+        span["rank"] = int(span["resource"].get(semconv.RANK, 0))
+        span["file"] = source
     return spans
 
 
@@ -431,14 +441,47 @@ def rank_totals(spans: list[dict]) -> dict[int, dict[str, Any]]:
     return totals
 
 
+def _group_size(event: dict) -> int:
+    return int(event["attributes"].get(semconv.PROCESS_GROUP_SIZE, 1))
+
+
+def collective_matches(spans: list[dict], keep: Callable[[dict], bool] | None = None
+                       ) -> dict[tuple[str, int], dict[int, dict]]:
+    """The same collective on every rank: events matched by (process group name, seq).
+
+    Point-to-point ops (``send``, ``recv``, ``batch_p2p``) are left out, and a
+    collective's seq is taken less the point-to-point ops its rank issued before it
+    on that group (``torch.collective.seq`` counts both; pipeline stages issue
+    different numbers of them). Events without a seq are left out.
+    ``keep(event)``: only events it accepts (p2p ops are counted before it is asked).
+
+    Returns:
+        ``{(group, seq): {rank: event}}`` (events as :func:`collective_events`
+        makes them; a rank's first event wins if it has two), in the order of
+        each key's first event. A match is complete when it has as many ranks
+        as the events' ``torch.process_group.size``.
+    """
+    matches: dict[tuple[str, int], dict[int, dict]] = defaultdict(dict)
+    p2p_before: Counter = Counter()  # (rank, group) -> point-to-point ops issued so far
+    for event in collective_events(spans):
+        attrs = event["attributes"]
+        group = str(attrs.get(semconv.PROCESS_GROUP_NAME, ""))
+        if event["name"] in _P2P:
+            p2p_before[(event["rank"], group)] += 1
+            continue
+        if semconv.COLLECTIVE_SEQ not in attrs or (keep is not None and not keep(event)):
+            continue
+        key = (group, int(attrs[semconv.COLLECTIVE_SEQ]) - p2p_before[(event["rank"], group)])
+        matches[key].setdefault(event["rank"], event)
+    return dict(matches)
+
+
 def stragglers(spans: list[dict], step: int | None = None) -> dict[str, Any]:
     """Match each collective across ranks by (process group name, seq) and measure lateness.
 
-    Point-to-point ops (``send``, ``recv``, ``batch_p2p``) are no collectives:
-    they are left out (see :func:`pipeline_waits`), and a collective's seq is
-    taken less the point-to-point ops its rank issued before it on that group,
-    because ``torch.collective.seq`` counts both and stages of a pipeline issue
-    different numbers of them.
+    Matching is :func:`collective_matches`'s: point-to-point ops (``send``, ``recv``,
+    ``batch_p2p``) are no collectives (see :func:`pipeline_waits`), and a collective's
+    seq is counted without them.
 
     A rank's lateness in a match is its event time minus the earliest rank's
     (ns). A match is complete when as many ranks as the group's size took part.
@@ -455,27 +498,15 @@ def stragglers(spans: list[dict], step: int | None = None) -> dict[str, Any]:
     not when the device ran it; across hosts, clock skew adds to lateness.
     """
     steps = _span_steps(spans) if step is not None else {}
-    matches: dict[tuple[str, int], dict[int, int]] = defaultdict(dict)
-    sizes: dict[tuple[str, int], int] = {}
-    p2p_before: Counter = Counter()  # (rank, group) -> point-to-point ops issued so far
-    for event in collective_events(spans):
-        attrs = event["attributes"]
-        group = str(attrs.get(semconv.PROCESS_GROUP_NAME, ""))
-        if event["name"] in _P2P:
-            p2p_before[(event["rank"], group)] += 1
-            continue
-        if semconv.COLLECTIVE_SEQ not in attrs or (step is not None and steps[id(event["span"])] != step):
-            continue
-        key = (group, int(attrs[semconv.COLLECTIVE_SEQ]) - p2p_before[(event["rank"], group)])
-        matches[key].setdefault(event["rank"], event["time_ns"])
-        sizes[key] = int(attrs.get(semconv.PROCESS_GROUP_SIZE, 1))
+    matches = collective_matches(spans, lambda event: step is None or steps[id(event["span"])] == step)
     late: dict[int, list[int]] = {rank: [] for rank in _ranks(spans)}
     last: Counter = Counter()
     complete = 0
-    for key, arrivals in matches.items():
-        if len(arrivals) != sizes[key]:
+    for events in matches.values():
+        if len(events) != _group_size(next(iter(events.values()))):
             continue
         complete += 1
+        arrivals = {rank: event["time_ns"] for rank, event in events.items()}
         first, latest = min(arrivals.values()), max(arrivals.values())
         for rank, time_ns in arrivals.items():
             late[rank].append(time_ns - first)

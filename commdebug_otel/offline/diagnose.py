@@ -1,0 +1,687 @@
+"""``commdebug-otel diagnose``: which rank is stuck, which ranks disagree, which rank makes the others wait.
+
+Reads the same OTLP-JSON trace files as ``summarize`` (ours, or a Collector's
+``file`` exporter) and answers, in order of importance:
+
+* **stalls**: from the ``stalled`` snapshots a stalled rank exports while it is
+  stuck, the rank the others wait for (the one behind on a process group's seq),
+  its module and pass, how long, its stack, and what each waiting rank has in flight;
+* **desyncs**: the first (process group, seq) where ranks issued different
+  collectives (op, dtype, shape), with each rank's side and module;
+* **stragglers**: for each collective of a traced step matched across ranks by
+  (process group, seq), the rank that arrived last is blamed for the wall time it held
+  the collective back (``lost_s``), and the module (or the gap between steps) where it
+  spent more time than the others before it arrived;
+* **pipeline waits**: send/recv pairs, as :func:`.summary.pipeline_waits`.
+
+Usage::
+
+    from commdebug_otel.offline import diagnose, summary
+
+    spans = summary.load_spans(["commdebug-otel-out/run-20261201-062712-66fd1e02"])
+    found = diagnose.diagnose(spans)
+    found["stragglers"][0]
+    # {"rank": 1, "module": "Transformer.layers.1.feed_forward", "pass": "forward",
+    #  "lost_s": 0.48, "waited_s": 0.48, "collectives": 8, "steps": [0, ..., 7], "excess_s": 0.48}
+    print(diagnose.format_text(found))
+
+or ``commdebug-otel diagnose PATH... [--format text|json] [--top N] [--noise-floor-ms MS]``, or with
+``--jaeger URL`` / ``--tempo URL`` and ``--trace-id ID`` (repeatable) for traces from a backend
+(:mod:`.backends`).
+
+What it does not do: stragglers and desyncs come from traced steps only
+(``OTEL_PYTHON_COMMDEBUG_TRACE_EVERY``) and traced ranks; stalls need the
+snapshots of a live job with stall detection on. Times are each host's wall
+clock: across hosts, clock skew adds to or hides lateness.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import statistics
+import sys
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+from .. import semconv
+from . import summary
+
+__all__ = ["BETWEEN_STEPS", "NOISE_FLOOR_S", "TRAIN_STEP", "UNATTRIBUTED", "add_arguments", "desyncs", "diagnose",
+           "format_text", "run", "stalls", "stragglers"]
+
+#: Lateness below this (seconds) is noise, not a straggler: a collective held back less is not blamed.
+NOISE_FLOOR_S = 0.001
+#: Where a straggler's extra time lay outside every module span: in ``train_step`` itself
+#: (loss, optimizer, backward outside modules) or between one step's end and the next's first module
+#: (data loading, host work).
+TRAIN_STEP = f"({semconv.SPAN_TRAIN_STEP})"
+BETWEEN_STEPS = "(between steps)"
+#: A late rank that spent no more time anywhere than the others since their previous collectives.
+UNATTRIBUTED = "(unattributed)"
+_NO_OP = {"op": "none", "dtype": "", "shape": [], "module": "", "pass": "", "seq": -1}
+
+Label = tuple[str, str]  # (module FQN or a parenthesised place, pass)
+
+
+def _snapshot_part(span: dict) -> bool:
+    """A stall snapshot's span: the ``stalled`` span or a copy of a step's span so far."""
+    attributes = span["attributes"]
+    return (span["name"] == semconv.SPAN_STALLED or semconv.STALL_SNAPSHOT in attributes
+            or attributes.get(semconv.SPAN_INCOMPLETE) is True)
+
+
+def _finished(spans: list[dict]) -> list[dict]:
+    return [span for span in spans if not _snapshot_part(span)]
+
+
+def _label(span: dict) -> Label:
+    attrs = span["attributes"]
+    if semconv.MODULE_FQN in attrs:
+        return str(attrs[semconv.MODULE_FQN]), str(attrs.get(semconv.MODULE_PASS, ""))
+    return f"({span['name']})", ""
+
+
+def _group(attrs: dict) -> str:
+    return str(attrs.get(semconv.PROCESS_GROUP_NAME, ""))
+
+
+# ---------------------------------------------------------------- stragglers
+
+
+class _Timeline:
+    """One rank's time cut into disjoint pieces, each owned by its innermost span.
+
+    ``spans``: one rank's finished spans. Children are clipped to their parent; of
+    overlapping siblings, the later one starts where the earlier ended.
+    """
+
+    def __init__(self, spans: list[dict]) -> None:
+        index = {(span["trace_id"], span["span_id"]): span for span in spans}
+        children: dict[int, list[dict]] = defaultdict(list)
+        roots = []
+        for span in spans:
+            parent = index.get((span["trace_id"], span["parent_span_id"])) if span["parent_span_id"] else None
+            if parent is None or parent is span:
+                roots.append(span)
+            else:
+                children[id(parent)].append(span)
+        pieces: list[tuple[int, int, Label]] = []
+
+        def walk(span: dict, start: int, end: int) -> None:
+            cursor = start
+            for child in sorted(children[id(span)], key=lambda child: child["start_ns"]):
+                child_start, child_end = max(child["start_ns"], cursor), min(child["end_ns"], end)
+                if child_end <= child_start:
+                    continue
+                if child_start > cursor:
+                    pieces.append((cursor, child_start, _label(span)))
+                walk(child, child_start, child_end)
+                cursor = child_end
+            if end > cursor:
+                pieces.append((cursor, end, _label(span)))
+
+        for root in roots:
+            walk(root, root["start_ns"], root["end_ns"])
+        pieces.sort()
+        self._pieces = pieces
+        self._starts = [piece[0] for piece in pieces]
+
+    def self_times(self, start: int, end: int) -> dict[Label, int]:
+        """ns of ``[start, end)`` owned by each span label; time under no span is :data:`BETWEEN_STEPS`."""
+        out: dict[Label, int] = defaultdict(int)
+        covered = 0
+        i = max(bisect.bisect_right(self._starts, start) - 1, 0)
+        while i < len(self._pieces) and self._pieces[i][0] < end:
+            piece_start, piece_end, label = self._pieces[i]
+            overlap = min(piece_end, end) - max(piece_start, start)
+            if overlap > 0:
+                out[label] += overlap
+                covered += overlap
+            i += 1
+        if end - start > covered:
+            out[(BETWEEN_STEPS, "")] += end - start - covered
+        return out
+
+
+class _Arrivals:
+    """Each rank's collective arrivals (issue times), to find the window before one."""
+
+    def __init__(self, spans: list[dict], steps: dict[int, int | None]) -> None:
+        by_rank: dict[int, list[tuple[int, int | None]]] = defaultdict(list)
+        for event in summary.collective_events(spans):
+            by_rank[event["rank"]].append((summary._issued_ns(event), steps[id(event["span"])]))
+        self._times = {rank: [time for time, _ in sorted(items)] for rank, items in by_rank.items()}
+        self._steps = {rank: [step for _, step in sorted(items)] for rank, items in by_rank.items()}
+        self._step_start: dict[tuple[int, int], int] = {}
+        for span in spans:
+            step = steps[id(span)]
+            if span["name"] == semconv.SPAN_TRAIN_STEP and step is not None:
+                key = (span["rank"], step)
+                self._step_start[key] = min(self._step_start.get(key, span["start_ns"]), span["start_ns"])
+
+    def window_start(self, rank: int, arrival: int, step: int) -> int:
+        """The rank's previous arrival when it lies in this step or the one before, else the step's start."""
+        times = self._times[rank]
+        i = bisect.bisect_left(times, arrival)
+        if i > 0 and self._steps[rank][i - 1] in (step, step - 1):
+            return times[i - 1]
+        return min(self._step_start.get((rank, step), arrival), arrival)
+
+
+def _blame(late: dict[Label, int], others: list[dict[Label, int]]) -> tuple[Label, int]:
+    """The label where ``late`` spent most more time than the others' median, and that excess (ns)."""
+    labels = set(late).union(*others)
+    excess = {label: late.get(label, 0) - statistics.median(other.get(label, 0) for other in others)
+              for label in labels}
+    label = max(sorted(excess), key=lambda label: excess[label])
+    if excess[label] <= 0:  # e.g. it was late only because the others left the previous collective early
+        return (UNATTRIBUTED, ""), 0
+    return label, round(excess[label])
+
+
+def stragglers(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S) -> list[dict[str, Any]]:
+    """Blame the rank that arrived last at each collective, weighted by the time it held the others.
+
+    Each collective event of a traced step (stall snapshots aside) is matched across ranks
+    by (process group name, seq) as :func:`.summary.collective_matches` does (send/recv
+    left out: see :func:`.summary.pipeline_waits`); only complete matches count. A rank's
+    arrival ``a_r`` is when its CPU began issuing the op. The last rank L is blamed
+    for ``lost = a_L - max(a_r, r != L)`` (wall time the collective was held back) when that
+    is at least ``noise_floor_s`` (default :data:`NOISE_FLOOR_S`, 1 ms); ``waited = sum(a_L - a_r,
+    r != L)`` (rank-seconds the others waited).
+
+    What L was doing: the window on each rank from its previous collective arrival (any
+    group; or its ``train_step``'s start when that arrival lies before the previous step) up to
+    its arrival is cut by innermost span (exclusive time), and the (module FQN, pass) where L
+    spent the most time over the other ranks' median is named; time in ``train_step``
+    outside modules is :data:`TRAIN_STEP`, time under no span :data:`BETWEEN_STEPS`; when L spent
+    no more time anywhere, :data:`UNATTRIBUTED` (excess 0).
+
+    Returns:
+        one row per blamed (rank, module, pass), largest ``lost_s`` first:
+        ``{"rank", "module", "pass" ("" for the parenthesised places), "lost_s", "waited_s",
+        "collectives" (how many it held back), "steps" (sorted), "excess_s" (L's time there
+        over the others' median, summed)}``; seconds as floats.
+    """
+    finished = _finished(spans)
+    steps = summary._span_steps(finished)
+    matches = summary.collective_matches(finished, lambda event: steps[id(event["span"])] is not None)
+    arrivals = _Arrivals(finished, steps)
+    by_rank: dict[int, list[dict]] = defaultdict(list)
+    for span in finished:
+        by_rank[span["rank"]].append(span)
+    timelines: dict[int, _Timeline] = {}
+
+    def self_times(rank: int, event: dict, step: int) -> dict[Label, int]:
+        if rank not in timelines:
+            timelines[rank] = _Timeline(by_rank[rank])
+        arrival = summary._issued_ns(event)
+        return timelines[rank].self_times(arrivals.window_start(rank, arrival, step), arrival)
+
+    rows: dict[tuple[int, str, str], dict[str, Any]] = {}
+    floor_ns = noise_floor_s * 1e9
+    for events in matches.values():
+        if len(events) < 2 or len(events) != summary._group_size(next(iter(events.values()))):
+            continue
+        issued = {rank: summary._issued_ns(event) for rank, event in events.items()}
+        last = max(sorted(issued), key=lambda rank: issued[rank])
+        others = [time for rank, time in issued.items() if rank != last]
+        lost = issued[last] - max(others)
+        if lost < floor_ns:
+            continue
+        step = steps[id(events[last]["span"])]
+        (module, pass_), excess = _blame(self_times(last, events[last], step),
+                                         [self_times(rank, events[rank], step) for rank in events if rank != last])
+        row = rows.setdefault((last, module, pass_), {
+            "rank": last, "module": module, "pass": pass_, "lost_s": 0, "waited_s": 0, "collectives": 0,
+            "steps": set(), "excess_s": 0})
+        row["lost_s"] += lost
+        row["waited_s"] += sum(issued[last] - time for time in others)
+        row["excess_s"] += excess
+        row["collectives"] += 1
+        row["steps"].add(step)
+    out = []
+    for row in rows.values():
+        out.append(row | {"lost_s": row["lost_s"] / 1e9, "waited_s": row["waited_s"] / 1e9,
+                          "excess_s": row["excess_s"] / 1e9, "steps": sorted(row["steps"])})
+    out.sort(key=lambda row: (-row["lost_s"], row["rank"], row["module"], row["pass"]))
+    return out
+
+
+# -------------------------------------------------------------------- stalls
+
+
+def _collective(event: dict) -> dict[str, Any]:
+    """A ring or in-flight event of a ``stalled`` span as plain data."""
+    attrs = event["attributes"]
+    return {"op": str(attrs.get(semconv.COLLECTIVE_OP, event["name"])), "group": _group(attrs),
+            "seq": int(attrs.get(semconv.COLLECTIVE_SEQ, -1)), "dtype": str(attrs.get(semconv.COLLECTIVE_DTYPE, "")),
+            "shape": list(attrs.get(semconv.COLLECTIVE_SHAPE, [])),
+            "bytes": int(attrs.get(semconv.COLLECTIVE_BYTES, 0)),
+            "module": str(attrs.get(semconv.MODULE_FQN, "")), "pass": str(attrs.get(semconv.MODULE_PASS, "")),
+            "age_s": float(attrs.get(semconv.STALL_AGE, 0.0))}
+
+
+def _snapshot(span: dict) -> dict[str, Any]:
+    attrs = span["attributes"]
+    between = attrs.get(semconv.STALL_BETWEEN_STEPS) is True
+    groups = [str(group) for group in attrs.get(semconv.STALL_GROUPS, [])]
+    return {
+        "rank": span["rank"], "step": attrs.get(semconv.STEP),
+        "module": BETWEEN_STEPS if between else str(attrs.get(semconv.STALL_MODULE, "")),
+        "pass": "" if between else str(attrs.get(semconv.STALL_PASS, "")),
+        "age_s": float(attrs.get(semconv.STALL_AGE, 0.0)),
+        "threshold_s": float(attrs.get(semconv.STALL_THRESHOLD, 0.0)),
+        "snapshot": int(attrs.get(semconv.STALL_SNAPSHOT, 1)), "between_steps": between,
+        "stack": [str(line) for line in attrs.get(semconv.STALL_STACK, [])],
+        "issued_seq": dict(zip(groups, map(int, attrs.get(semconv.STALL_ISSUED_SEQ, [])))),
+        "completed_seq": dict(zip(groups, map(int, attrs.get(semconv.STALL_COMPLETED_SEQ, [])))),
+        "in_flight": [_collective(event) for event in span["events"]
+                      if event["attributes"].get(semconv.COLLECTIVE_STATE) == semconv.STATE_IN_FLIGHT],
+        "trace_id": span["trace_id"], "world_size": int(span["resource"].get(semconv.WORLD_SIZE, 0)),
+        "_end_ns": span["end_ns"],
+    }
+
+
+def _episodes(snapshots: list[dict]) -> list[list[dict]]:
+    """Snapshots whose stalls overlap in time (``[end - age, end]``), each episode with one (the latest) per rank."""
+    intervals = sorted(((snap["_end_ns"] - round(snap["age_s"] * 1e9), snap["_end_ns"], snap) for snap in snapshots),
+                       key=lambda item: (item[0], item[1]))
+    episodes: list[list[dict]] = []
+    reach = None
+    for start, end, snap in intervals:
+        if reach is None or start > reach:
+            episodes.append([])
+            reach = end
+        episodes[-1].append(snap)
+        reach = max(reach, end)
+    out = []
+    for episode in episodes:
+        latest: dict[int, dict] = {}
+        for snap in episode:
+            seen = latest.get(snap["rank"])
+            if seen is None or (snap["_end_ns"], snap["snapshot"]) > (seen["_end_ns"], seen["snapshot"]):
+                latest[snap["rank"]] = snap
+        out.append([latest[rank] for rank in sorted(latest)])
+    return out
+
+
+def _culprits(episode: list[dict]) -> tuple[list[int], dict[int, str], list[dict]]:
+    """Who the others wait for: (ranks, a reason per rank, who is ahead of whom on which group)."""
+    ahead: list[dict] = []
+    behind: dict[int, list[str]] = defaultdict(list)
+    is_ahead: set[int] = set()
+    for group in sorted({group for snap in episode for group in snap["issued_seq"]}):
+        issued = {snap["rank"]: snap["issued_seq"][group] for snap in episode if group in snap["issued_seq"]}
+        low = min(issued.values())
+        if len(issued) < 2 or max(issued.values()) == low:
+            continue
+        for rank, seq in sorted(issued.items()):
+            if seq == low:
+                higher = ", ".join(f"rank {other} {n}" for other, n in sorted(issued.items()) if n > low)
+                behind[rank].append(f"behind on group {group}: issued seq {low}, {higher}")
+            else:
+                is_ahead.add(rank)
+                ahead.append({"rank": rank, "group": group, "issued_seq": seq, "behind_seq": low})
+    ranks = [rank for rank in behind if rank not in is_ahead] or list(behind)
+    if ranks:
+        return sorted(ranks), {rank: "; ".join(behind[rank]) for rank in ranks}, ahead
+    idle = [snap["rank"] for snap in episode if not snap["in_flight"]]
+    if idle and len(idle) < len(episode):
+        return idle, {rank: "in no collective while the others wait in one" for rank in idle}, ahead
+    world = max(snap["world_size"] for snap in episode)
+    missing = sorted(set(range(world)) - {snap["rank"] for snap in episode})
+    if missing:
+        return missing, {rank: "sent no snapshot while the others are stalled" for rank in missing}, ahead
+    return [], {}, ahead
+
+
+def stalls(spans: list[dict]) -> list[dict[str, Any]]:
+    """The stuck rank of each stall episode, what it was doing, and who waits for it.
+
+    Reads the ``stalled`` spans (the live side's stall snapshots). Snapshots whose stalls
+    overlap in time form one episode; each rank's latest snapshot in it is used. The rank
+    the others wait for is the one behind: on a process group where other ranks issued a
+    higher seq, the rank with the lowest (a rank behind on one group but ahead on another
+    only waits further down the chain). With equal seqs everywhere, it is the rank with no
+    collective in flight while the others wait in one; failing that, a rank of the world that
+    sent no snapshot.
+
+    Returns:
+        one entry per stuck rank, the latest episode first: ``{"rank", "step", "module", "pass"
+        (:data:`BETWEEN_STEPS` and "" when it stalled between steps; "" when unknown), "age_s",
+        "threshold_s", "snapshot", "between_steps", "stack" (innermost last), "issued_seq" /
+        "completed_seq" ({group: seq}, -1 none), "in_flight" ([{"op", "group", "seq", "dtype",
+        "shape", "bytes", "module", "pass", "age_s"}]), "trace_id", "reason", "ahead"
+        ([{"rank", "group", "issued_seq", "behind_seq"}]), "waiting_ranks" ([{"rank", "step",
+        "module", "pass", "age_s", "in_flight"}])}``. A rank with no snapshot has "step" None
+        and empty fields. When no rank can be told apart, every rank of the episode is listed
+        with the reason "undetermined".
+    """
+    snapshots = [_snapshot(span) for span in spans if span["name"] == semconv.SPAN_STALLED]
+    out = []
+    for episode in sorted(_episodes(snapshots), key=lambda ep: -max(snap["_end_ns"] for snap in ep)):
+        ranks, reasons, ahead = _culprits(episode)
+        by_rank = {snap["rank"]: snap for snap in episode}
+        if not ranks:
+            ranks, reasons = sorted(by_rank), dict.fromkeys(by_rank, "undetermined")
+        for rank in ranks:
+            snap = by_rank.get(rank) or {
+                "rank": rank, "step": None, "module": "", "pass": "", "age_s": 0.0, "threshold_s": 0.0,
+                "snapshot": 0, "between_steps": False, "stack": [], "issued_seq": {}, "completed_seq": {},
+                "in_flight": [], "trace_id": ""}
+            waiting = [{key: other[key] for key in ("rank", "step", "module", "pass", "age_s", "in_flight")}
+                       for other in episode if other["rank"] not in ranks]
+            entry = {key: value for key, value in snap.items() if key not in ("_end_ns", "world_size")}
+            out.append(entry | {"reason": reasons[rank],
+                                "ahead": [item for item in ahead
+                                          if snap["issued_seq"].get(item["group"]) == item["behind_seq"]],
+                                "waiting_ranks": waiting})
+    return out
+
+
+# ------------------------------------------------------------------- desyncs
+
+
+def _issued_collectives(spans: list[dict]) -> tuple[dict[tuple[int, int], dict[str, dict[int, dict]]],
+                                                    set[tuple[int, int]]]:
+    """What each rank issued in each step, and which of those records are whole.
+
+    Returns:
+        ``({(rank, step): {group: {seq: collective}}}, {(rank, step) whose record is whole}})``.
+        Records come from finished steps and, for steps a rank never finished, its stall
+        snapshots (copies of the step's spans and the ring of recent collectives); a record is
+        whole when the step finished and none of its spans dropped events. Each (rank, group,
+        seq) is taken once, a finished step's event first; seqs are counted without
+        point-to-point ops, as :func:`.summary.collective_matches` counts them. Each collective:
+        ``{"op", "dtype", "shape", "module", "pass", "seq" (the rank's own torch.collective.seq)}``.
+    """
+    finished = _finished(spans)
+    snapshots = [span for span in spans if _snapshot_part(span)]
+    steps = summary._span_steps(finished)
+    snapshot_steps = summary._span_steps(snapshots)
+    finished_steps = {(span["rank"], step) for span in finished if (step := steps[id(span)]) is not None}
+    cut = {(span["rank"], steps[id(span)]) for span in finished if span.get("dropped_events_count", 0)
+           or span["attributes"].get(semconv.SPAN_DROPPED_EVENTS, 0)}
+    seen: set[tuple[int, str, int]] = set()
+    taken: list[tuple[dict, int | None]] = []
+    for source, step_of in ((finished, steps), (snapshots, snapshot_steps)):
+        for event in summary.collective_events(source):
+            attrs, span = event["attributes"], event["span"]
+            step = step_of[id(span)] if span["name"] != semconv.SPAN_STALLED else span["attributes"].get(semconv.STEP)
+            if semconv.COLLECTIVE_SEQ not in attrs or (source is snapshots and (event["rank"], step) in finished_steps):
+                continue
+            key = (event["rank"], _group(attrs), int(attrs[semconv.COLLECTIVE_SEQ]))
+            if key not in seen:
+                seen.add(key)
+                taken.append((event, step))
+    taken.sort(key=lambda item: item[0]["time_ns"])
+    out: dict[tuple[int, int], dict[str, dict[int, dict]]] = defaultdict(lambda: defaultdict(dict))
+    p2p_before: dict[tuple[int, str], int] = defaultdict(int)
+    for event, step in taken:
+        attrs, span = event["attributes"], event["span"]
+        group = _group(attrs)
+        if event["name"] in summary._P2P:  # counted wherever it is (a pipeline's first recv is outside the step)
+            p2p_before[(event["rank"], group)] += 1
+            continue
+        if step is None:
+            continue
+        module, pass_ = (str(attrs[semconv.MODULE_FQN]), str(attrs.get(semconv.MODULE_PASS, ""))) \
+            if semconv.MODULE_FQN in attrs else _label(span)
+        seq = int(attrs[semconv.COLLECTIVE_SEQ])
+        out[(event["rank"], step)][group][seq - p2p_before[(event["rank"], group)]] = {
+            "op": str(attrs.get(semconv.COLLECTIVE_OP, event["name"])),
+            "dtype": str(attrs.get(semconv.COLLECTIVE_DTYPE, "")),
+            "shape": list(attrs.get(semconv.COLLECTIVE_SHAPE, [])),
+            "module": module, "pass": attrs.get(semconv.MODULE_PASS, pass_), "seq": seq}
+    return out, finished_steps - cut
+
+
+def _fingerprints(spans: list[dict]) -> dict[tuple[int, int], dict[str, tuple[str, int]]]:
+    """``(rank, step) -> group -> (fingerprint, count)`` from finished ``train_step`` spans that carry them."""
+    out: dict[tuple[int, int], dict[str, tuple[str, int]]] = {}
+    for span in _finished(spans):
+        attrs = span["attributes"]
+        fingerprints = attrs.get(semconv.STEP_COLLECTIVE_FINGERPRINTS)
+        if span["name"] != semconv.SPAN_TRAIN_STEP or fingerprints is None or semconv.STEP not in attrs:
+            continue
+        groups, counts = attrs.get(semconv.STEP_COLLECTIVE_GROUPS, []), attrs.get(semconv.STEP_COLLECTIVE_COUNTS, [])
+        out[(span["rank"], attrs[semconv.STEP])] = {
+            str(group): (str(fingerprint), int(count))
+            for group, fingerprint, count in zip(groups, fingerprints, counts)}
+    return out
+
+
+def _same(collectives: Iterable[dict | None]) -> bool:
+    kinds = {None if c is None else (c["op"], c["dtype"], tuple(c["shape"])) for c in collectives}
+    return len(kinds) == 1
+
+
+def desyncs(spans: list[dict]) -> list[dict[str, Any]]:
+    """The first collective, per process group, where ranks disagree on (op, dtype, shape).
+
+    Per training step (ascending) and process group, each rank's collectives in seq order
+    are compared; a step whose ``train_step`` fingerprints
+    (``torch.step.collective_fingerprints``, when the live side records them) are equal on
+    every rank is skipped without reading its events. Ranks are those with collectives on
+    the group in the files; a rank that skipped a collective shows, at that seq, the next one
+    it issued, or op ``"none"`` when it issued none in the step. Steps a rank never finished
+    are read from its stall snapshots; there, and where a span dropped events, a seq the rank
+    has no record of is not compared. Only the first difference per group is reported:
+    everything after it on that group is shifted by it.
+
+    Returns:
+        ``[{"group", "seq" (counted without send/recv, as stragglers match), "step",
+        "ranks": {rank: {"op", "dtype", "shape", "module", "pass", "seq" (its own
+        torch.collective.seq)}}}]``, by step then group.
+    """
+    issued, whole = _issued_collectives(spans)
+    fingerprints = _fingerprints(spans)
+    members: dict[str, set[int]] = defaultdict(set)
+    steps: dict[int, set[int]] = defaultdict(set)
+    for (rank, step), groups in issued.items():
+        steps[step].add(rank)
+        for group in groups:
+            members[group].add(rank)
+    for rank, step in [*fingerprints, *whole]:
+        steps[step].add(rank)
+    out = []
+    for group in sorted(members):
+        for step in sorted(steps):
+            ranks = sorted(members[group] & steps[step])
+            prints = [fingerprints.get((rank, step), {}).get(group) for rank in ranks]
+            if len(ranks) < 2 or (None not in prints and len(set(prints)) == 1):
+                continue
+            by_rank = {rank: issued.get((rank, step), {}).get(group, {}) for rank in ranks}
+            found = _first_difference(group, step, by_rank, {rank for rank in ranks if (rank, step) in whole})
+            if found is not None:
+                out.append(found)
+                break
+    out.sort(key=lambda found: (found["step"], found["group"]))
+    return out
+
+
+def _first_difference(group: str, step: int, by_rank: dict[int, dict[int, dict]],
+                      whole: set[int]) -> dict[str, Any] | None:
+    """The first seq of ``step`` where the ranks' collectives on ``group`` differ, or None.
+
+    ``whole``: the ranks whose record of the step is whole; only they can say that they
+    issued nothing at a seq.
+    """
+    for seq in sorted(set().union(*by_rank.values())):
+        known = {rank: seqs.get(seq) for rank, seqs in by_rank.items() if seq in seqs or rank in whole}
+        if len(known) < 2 or _same(known.values()):
+            continue
+        return {"group": group, "seq": seq, "step": step,
+                "ranks": {rank: c or dict(_NO_OP) for rank, c in sorted(known.items())}}
+    return None
+
+
+# ------------------------------------------------------------------ together
+
+
+def diagnose(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S) -> dict[str, Any]:
+    """Everything ``diagnose`` reports, as plain data (``--format json``).
+
+    Returns:
+        ``{"stalls": stalls(spans), "desyncs": desyncs(spans), "stragglers": stragglers(spans,
+        noise_floor_s), "pipeline_waits": summary.pipeline_waits(finished spans), "ranks": [rank...],
+        "steps": [traced step...], "noise_floor_s": noise_floor_s, "warnings": [str]}``.
+    """
+    finished = _finished(spans)
+    return {
+        "stalls": stalls(spans),
+        "desyncs": desyncs(spans),
+        "stragglers": stragglers(spans, noise_floor_s),
+        "pipeline_waits": summary.pipeline_waits(finished),
+        "ranks": sorted({span["rank"] for span in spans}),
+        "steps": summary.steps_present(finished),
+        "noise_floor_s": noise_floor_s,
+        "warnings": summary._warnings(finished),
+    }
+
+
+def _ranges(numbers: list[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"``; ``"none"`` when empty."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "none"
+
+
+def _where(module: str, pass_: str) -> str:
+    return f"{module or '(unknown module)'} {pass_}".rstrip()
+
+
+def _in_flight(collectives: list[dict]) -> str:
+    return "; ".join(f"{c['op']} (group {c['group']}, seq {c['seq']}) from {_where(c['module'], c['pass'])}, "
+                     f"{c['age_s']:.1f} s" for c in collectives) or "nothing"
+
+
+def _collective_text(c: dict) -> str:
+    if c["op"] == "none":
+        return "none (no collective at this seq in the step)"
+    return f"{c['op']} {c['dtype']} {c['shape']} in {_where(c['module'], c['pass'])}"
+
+
+def format_text(found: dict[str, Any], top: int = 10) -> str:
+    """``commdebug-otel diagnose``'s text: stalls, desyncs, stragglers, pipeline waits, in that order.
+
+    ``found``: :func:`diagnose`'s result. ``top``: straggler rows shown (the rest summed in one line).
+    """
+    out = [f"{len(found['ranks'])} rank(s), finished traced steps: {_ranges(found['steps'])}", *found["warnings"], ""]
+    out.append(f"Stalls: {len(found['stalls'])}" + ("" if found["stalls"] else " (no stall snapshots in the files)"))
+    for stall in found["stalls"]:
+        if stall["snapshot"]:
+            out.append(f"  rank {stall['rank']} is stuck in step {stall['step']} at "
+                       f"{_where(stall['module'], stall['pass'])} for {stall['age_s']:.1f} s "
+                       f"(snapshot {stall['snapshot']}; {stall['reason']})")
+            out.append(f"    in flight on rank {stall['rank']}: {_in_flight(stall['in_flight'])}")
+        else:
+            out.append(f"  rank {stall['rank']} is stuck: it {stall['reason']} "
+                       "(hung in native code holding the GIL, or gone: look at its process)")
+        out += [f"    waiting for it: rank {waiting['rank']} in {_in_flight(waiting['in_flight'])}"
+                for waiting in stall["waiting_ranks"]]
+        out += [f"    ahead of it: rank {item['rank']} on group {item['group']} "
+                f"(issued seq {item['issued_seq']}; rank {stall['rank']}: {item['behind_seq']})"
+                for item in stall["ahead"]]
+        if stall["stack"]:
+            out.append("    stack (innermost last):")
+            out += [f"      {line}" for line in stall["stack"]]
+    out += ["", f"Desyncs: {len(found['desyncs'])}"]
+    for desync in found["desyncs"]:
+        out.append(f"  group {desync['group']}, step {desync['step']}, seq {desync['seq']}: ranks disagree")
+        out += [f"    rank {rank}: {_collective_text(c)}" for rank, c in desync["ranks"].items()]
+    rows = found["stragglers"]
+    out += ["", f"Stragglers: {len(rows)} (rank, module) blamed; lost = wall time a collective was held back by "
+                f"the last rank to arrive (lateness under {found['noise_floor_s'] * 1e3:g} ms ignored), "
+                "waited = rank-seconds the others waited."]
+    if rows:
+        table = [("rank", "module", "pass", "lost s", "waited s", "collectives", "steps")]
+        table += [(row["rank"], row["module"], row["pass"] or "-", f"{row['lost_s']:.3f}", f"{row['waited_s']:.3f}",
+                   row["collectives"], len(row["steps"])) for row in rows[:top]]
+        out += ["  " + line for line in summary._columns(table)]
+        if len(rows) > top:
+            out.append(f"  ... {len(rows) - top} more rows, {sum(row['lost_s'] for row in rows[top:]):.3f} s lost "
+                       "in all (--top, or --format json for every row)")
+        top = rows[0]
+        out.append(f"Most time lost: rank {top['rank']} in {_where(top['module'], top['pass'])}, "
+                   f"{top['lost_s']:.3f} s over {top['collectives']} collective(s) in {len(top['steps'])} step(s).")
+    waits = found["pipeline_waits"]
+    out += ["", f"Pipeline waits: {waits['pairs']} send/recv pairs, total wait {waits['wait_ms']:.3f} ms"]
+    out += [f"  rank {row['rank']} (group {row['group']}): {row['recvs']} recvs, waited {row['wait_ms']:.3f} ms, "
+            f"max {row['max_wait_ms']:.3f} ms" for row in waits["per_stage"]]
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------- CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``diagnose``'s arguments to ``parser``."""
+    parser.add_argument("paths", nargs="*", metavar="PATH",
+                        help="OTLP-JSON trace files, or folders to search for *.jsonl / *.json")
+    backend = parser.add_mutually_exclusive_group()
+    backend.add_argument("--jaeger", metavar="URL",
+                         help="also read traces from Jaeger's HTTP API at URL (e.g. http://localhost:16686)")
+    backend.add_argument("--tempo", metavar="URL",
+                         help="also read traces from Tempo's HTTP API at URL (e.g. http://localhost:3200)")
+    parser.add_argument("--trace-id", action="append", default=[], metavar="ID",
+                        help="a trace (32 hex digits) to read from --jaeger or --tempo; repeat for more steps")
+    parser.add_argument("--format", choices=("text", "json"), default="text",
+                        help="text report, or everything as one JSON object (default text)")
+    parser.add_argument("--top", type=int, default=10, metavar="N",
+                        help="straggler rows in the text report (default 10; JSON has them all)")
+    parser.add_argument("--noise-floor-ms", type=float, default=NOISE_FLOOR_S * 1e3, metavar="MS",
+                        help=f"lateness below this is not blamed on a straggler (default {NOISE_FLOOR_S * 1e3:g})")
+
+
+def _load(args: argparse.Namespace) -> list[dict] | None:
+    """The spans of ``args.paths`` and of each ``--trace-id`` from the backend; None after saying why not."""
+    from .backends import BackendError, fetch_trace
+
+    backend = "jaeger" if args.jaeger else "tempo" if args.tempo else None
+    if backend is None and (args.trace_id or not args.paths):
+        print("commdebug-otel diagnose: give PATH..., or --jaeger URL / --tempo URL with --trace-id ID",
+              file=sys.stderr)
+        return None
+    if backend is not None and not args.trace_id:
+        print(f"commdebug-otel diagnose: --{backend} needs --trace-id ID", file=sys.stderr)
+        return None
+    spans: list[dict] = []
+    for trace_id in args.trace_id:
+        try:
+            spans += fetch_trace(backend, args.jaeger or args.tempo, trace_id)
+        except (ValueError, BackendError) as error:
+            print(f"commdebug-otel diagnose: {error}", file=sys.stderr)
+            return None
+    if args.paths:
+        from_files = summary.load_for_command(args.paths, "diagnose")
+        if from_files is None:
+            return None
+        spans += from_files
+    if not spans:
+        print("commdebug-otel diagnose: no spans in the traces", file=sys.stderr)
+        return None
+    spans.sort(key=lambda span: (span["rank"], span["start_ns"]))
+    return spans
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the diagnosis of ``args.paths`` and of ``--trace-id`` from ``--jaeger``/``--tempo``.
+
+    Returns 0, or 1 when there are no spans or a trace cannot be read (said on stderr).
+    """
+    spans = _load(args)
+    if spans is None:
+        return 1
+    found = diagnose(spans, args.noise_floor_ms / 1e3)
+    print(json.dumps(found, indent=4) if args.format == "json" else format_text(found, args.top))
+    sys.stdout.flush()
+    return 0

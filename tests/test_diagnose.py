@@ -1,0 +1,495 @@
+"""``commdebug-otel diagnose``: straggler blame, stalls, desyncs, from OTLP-JSON files."""
+
+import argparse
+import base64
+import http.server
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from commdebug_otel import semconv
+from commdebug_otel.offline import backends, diagnose, summary
+
+import test_offline_pipeline
+from distributed import run_ranks
+from otlp_files import checkout_env, span, write_otlp
+
+_DELAY_S = 0.060
+_STEPS = 8
+_SLOW_RANK = 1
+_SLOW_MODULE = "Transformer.layers.1.feed_forward"
+_ODD_STEP = 2
+_NOISE_S = 0.010  # a floor above the scheduling noise of ranks that share 2 CPU cores, well below the delay
+
+
+def _tp_job(rank, world_size, out_dir, delay_in, odd_step=None):
+    """The demo transformer, tensor parallel on 2 gloo ranks, ``_STEPS`` traced steps.
+
+    ``delay_in``: ``"module"``: rank 1 sleeps ``_DELAY_S`` in ``layers.1.feed_forward``'s forward on every
+    step; ``"between_steps"``: rank 1 sleeps after ``optimizer.step()``, before the next step's forward;
+    None: no delay. ``odd_step``: on that step both ranks all-reduce 6 floats in ``layers.0.attention``'s
+    forward, rank 0 as shape [2, 3] and rank 1 as shape [6] (same bytes, so gloo runs on: a desync that
+    does not hang).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from commdebug_otel import CommTracer, Settings
+    from commdebug_otel import _demo_model as demo
+
+    for name in [name for name in os.environ if name.startswith("OTEL_")]:
+        del os.environ[name]  # the file exporter is the default only without OTEL_* settings
+    torch.set_num_threads(1)
+    args = demo.ModelArgs()
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    model = demo.parallelize(demo.Transformer(args, seed=0), mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    step_now = [0]
+
+    def wrap(module, before):
+        original = module.forward
+
+        def forward(*inputs):
+            before()
+            return original(*inputs)
+
+        module.forward = forward
+
+    if delay_in == "module" and rank == _SLOW_RANK:
+        wrap(model.layers[1].feed_forward, lambda: time.sleep(_DELAY_S))
+    if odd_step is not None:
+        shape = (2, 3) if rank == 0 else (6,)
+
+        def odd():
+            if step_now[0] == odd_step:
+                torch.distributed.all_reduce(torch.ones(shape))
+
+        wrap(model.layers[0].attention, odd)
+    demo.train_step(model, optimizer, *demo.make_batch(args, 2, 0))  # warm-up, untraced
+    tracer = CommTracer(Settings(output_dir=out_dir))
+    with tracer:
+        for step in range(_STEPS):
+            step_now[0] = step
+            if step and delay_in == "between_steps" and rank == _SLOW_RANK:
+                time.sleep(_DELAY_S)  # "data loading": after optimizer.step(), before the forward
+            demo.train_step(model, optimizer, *demo.make_batch(args, 2, step))
+    tracer.telemetry.shutdown()
+
+
+@pytest.fixture(scope="module")
+def module_delay_spans(tmp_path_factory):
+    out_dir = str(tmp_path_factory.mktemp("module-delay"))
+    run_ranks(_tp_job, 2, out_dir, "module")
+    return summary.load_spans([out_dir])
+
+
+@pytest.fixture(scope="module")
+def between_steps_spans(tmp_path_factory):
+    """Rank 1 sleeps between steps; and at step 2 the ranks all-reduce different shapes (a desync)."""
+    out_dir = str(tmp_path_factory.mktemp("between-steps"))
+    run_ranks(_tp_job, 2, out_dir, "between_steps", _ODD_STEP)
+    return out_dir, summary.load_spans([out_dir])
+
+
+def _diagnose_cli(argv, capsys):
+    parser = argparse.ArgumentParser()
+    diagnose.add_arguments(parser)
+    code = diagnose.run(parser.parse_args(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _within(value, expected, tolerance=0.2):
+    return abs(value - expected) <= tolerance * expected
+
+
+def _assert_each_delay_counted_once(spans, module, steps):
+    """Above a 10 ms floor, the slow rank's row for where the delay was holds one collective per delayed step.
+
+    Other rows may appear above that floor too when the machine is busy (a rank descheduled on
+    shared cores, the first traced step's exporter start): they are not asserted on.
+    """
+    rows = diagnose.stragglers(spans, noise_floor_s=_NOISE_S)
+    row = next(row for row in rows if (row["rank"], row["module"]) == (_SLOW_RANK, module))
+    assert (row["collectives"], row["steps"]) == (len(steps), steps), rows
+
+
+def test_a_rank_slow_in_one_module_is_blamed_with_that_module(module_delay_spans):
+    rows = diagnose.stragglers(module_delay_spans)
+    top = rows[0]
+    assert (top["rank"], top["module"], top["pass"]) == (_SLOW_RANK, _SLOW_MODULE, "forward"), rows[:3]
+    assert _within(top["lost_s"], _DELAY_S * _STEPS), top
+    # Once a step, feed_forward.w2's all_reduce waits for rank 1's sleep.
+    _assert_each_delay_counted_once(module_delay_spans, _SLOW_MODULE, list(range(_STEPS)))
+    assert _within(top["excess_s"], _DELAY_S * _STEPS), top
+    assert top["waited_s"] == top["lost_s"]  # one other rank: it waited as long as the collective was held
+    assert [row["lost_s"] for row in rows] == sorted((row["lost_s"] for row in rows), reverse=True)
+
+
+def test_a_rank_slow_between_steps_is_blamed_for_the_gap(between_steps_spans):
+    _, spans = between_steps_spans
+    rows = diagnose.stragglers(spans)
+    top = rows[0]
+    assert (top["rank"], top["module"], top["pass"]) == (_SLOW_RANK, diagnose.BETWEEN_STEPS, ""), rows[:3]
+    assert _within(top["lost_s"], _DELAY_S * (_STEPS - 1)), top
+    # The sleep comes before steps 1..7: each step's first collective waits for it.
+    _assert_each_delay_counted_once(spans, diagnose.BETWEEN_STEPS, list(range(1, _STEPS)))
+
+
+def test_a_real_desync_names_both_sides(between_steps_spans):
+    _, spans = between_steps_spans
+    per_step = len([event for event in summary.collective_events(summary.step_spans(spans, 0), rank=0)])
+    assert per_step == 17  # the demo transformer's tensor parallel collectives in one step
+    side = {"op": "all_reduce", "dtype": "float32", "module": "Transformer.layers.0.attention", "pass": "forward",
+            "seq": _ODD_STEP * per_step + 1}  # after tok_embeddings' all_reduce
+    assert diagnose.desyncs(spans) == [{"group": "0", "seq": _ODD_STEP * per_step + 1, "step": _ODD_STEP, "ranks": {
+        0: side | {"shape": [2, 3]}, 1: side | {"shape": [6]}}}]
+
+
+def test_diagnose_command(between_steps_spans, capsys):
+    out_dir, spans = between_steps_spans
+    code, out, _ = _diagnose_cli([out_dir, "--format", "json"], capsys)
+    found = json.loads(out)
+    assert code == 0 and found == json.loads(json.dumps(diagnose.diagnose(spans)))
+    assert list(found) == ["stalls", "desyncs", "stragglers", "pipeline_waits", "ranks", "steps", "noise_floor_s",
+                           "warnings"]
+    code, out, _ = _diagnose_cli([out_dir], capsys)
+    assert code == 0
+    text = out.splitlines()
+    assert text[:6] == ["2 rank(s), finished traced steps: 0-7", "",
+                        "Stalls: 0 (no stall snapshots in the files)", "", "Desyncs: 1",
+                        f"  group 0, step {_ODD_STEP}, seq {found['desyncs'][0]['seq']}: ranks disagree"]
+    assert text[6:8] == ["    rank 0: all_reduce float32 [2, 3] in Transformer.layers.0.attention forward",
+                         "    rank 1: all_reduce float32 [6] in Transformer.layers.0.attention forward"]
+    top = found["stragglers"][0]
+    assert f"Most time lost: rank 1 in (between steps), {top['lost_s']:.3f} s over 7 collective(s) in 7 step(s)." \
+        in text
+    stragglers = next(i for i, line in enumerate(text) if line.startswith("Stragglers: "))
+    assert 7 < stragglers < text.index("Pipeline waits: 0 send/recv pairs, total wait 0.000 ms")
+
+
+# ------------------------------------------------------------ hand-built files
+
+MS = 1_000_000
+S = 1000 * MS
+
+
+def _collective(seq, op="all_reduce", shape=(8,), group="0", size=2, **extra):
+    return {semconv.COLLECTIVE_OP: op, semconv.COLLECTIVE_SEQ: seq, semconv.PROCESS_GROUP_NAME: group,
+            semconv.PROCESS_GROUP_SIZE: size, semconv.COLLECTIVE_DTYPE: "float32",
+            semconv.COLLECTIVE_SHAPE: list(shape), semconv.COLLECTIVE_BYTES: 4 * math.prod(shape), **extra}
+
+
+def _module(rank, fqn, span_id, parent, start, end, events=(), pass_="forward", trace="t"):
+    return span(rank, f"{fqn} {pass_}", span_id, parent, start, end, events, trace, world_size=2,
+                **{semconv.MODULE_FQN: fqn, semconv.MODULE_PASS: pass_})
+
+
+def _step(rank, step, span_id, start, end, events=(), trace="t", **attributes):
+    return span(rank, "train_step", span_id, "", start, end, events, trace, world_size=2,
+                **{semconv.STEP: step, **attributes})
+
+
+def _load(spans, tmp_path):
+    write_otlp(spans, tmp_path / "traces.jsonl")
+    return summary.load_spans([tmp_path])
+
+
+def test_straggler_blame_exact(tmp_path):
+    # Step 0 on two ranks: rank 1's M.a takes 10 ms longer before seq 0; 0.5 ms late at seq 1 (noise);
+    # then 12 ms late at seq 2, with 11.5 ms more in train_step itself since its previous arrival.
+    spans = []
+    for rank, (a_end, seq1, seq2) in enumerate(((20, 40, 50), (30, 40.5, 62))):
+        spans += [_step(rank, 0, "s", 0, 100 * MS, [(round(seq1 * MS), _collective(1)),
+                                                   (seq2 * MS, _collective(2))]),
+                  _module(rank, "M.a", "a", "s", 1 * MS, a_end * MS, [(a_end * MS, _collective(0))])]
+    rows = diagnose.stragglers(_load(spans, tmp_path))
+    assert rows == [
+        {"rank": 1, "module": diagnose.TRAIN_STEP, "pass": "", "lost_s": 0.012, "waited_s": 0.012, "collectives": 1,
+         "steps": [0], "excess_s": 0.0115},
+        {"rank": 1, "module": "M.a", "pass": "forward", "lost_s": 0.01, "waited_s": 0.01, "collectives": 1,
+         "steps": [0], "excess_s": 0.01},
+    ]
+    # Below 1 ms, seq 1 is noise; with a lower floor it counts, but rank 1 spent no more time anywhere since
+    # its arrival at seq 0 (it only left that collective later): unattributed.
+    assert diagnose.stragglers(_load(spans, tmp_path), noise_floor_s=0.0003)[2] == {
+        "rank": 1, "module": diagnose.UNATTRIBUTED, "pass": "", "lost_s": 0.0005, "waited_s": 0.0005,
+        "collectives": 1, "steps": [0], "excess_s": 0.0}
+
+
+def _ring(seq, state, age_s, module="", op="all_reduce", shape=(8,)):
+    extra = {"commdebug.collective.state": state, "commdebug.stall.age_s": age_s}
+    if module:
+        extra |= {semconv.MODULE_FQN: module, semconv.MODULE_PASS: "forward"}
+    return _collective(seq, op, shape, **extra)
+
+
+def _snapshot(rank, step, at_s, age_s, number, module, issued, completed, ring, between=False):
+    """A stall snapshot as the live side exports it: its step's spans so far, marked incomplete, and ``stalled``."""
+    at, trace = at_s * S, f"step{step}-"
+    stall = {semconv.STEP: step, "commdebug.stall.age_s": age_s, "commdebug.stall.threshold_s": 10.0,
+             "commdebug.stall.snapshot": number, "commdebug.stall.module": module,
+             "commdebug.stall.pass": "forward" if module else "",
+             "commdebug.stall.stack": [f"train.py:{40 + rank} in forward", "torch/nn/modules/module.py:1750"],
+             "commdebug.stall.groups": ["0"], "commdebug.stall.issued_seq": [issued],
+             "commdebug.stall.completed_seq": [completed]}
+    events = [(at - round(ring_age * S), attrs) for ring_age, attrs in
+              ((attrs["commdebug.stall.age_s"], attrs) for attrs in ring)]
+    if between:
+        return [span(rank, "stalled", f"x{number}", "", at - round(age_s * S), at, events, trace, world_size=2,
+                     **stall, **{"commdebug.stall.between_steps": True})]
+    step_start = at - round(age_s * S)
+    incomplete = {"commdebug.span.incomplete": True}
+    return [
+        _step(rank, step, f"s{number}", step_start, at, trace=trace, **incomplete),
+        span(rank, f"{module} forward", f"m{number}", f"s{number}", step_start + MS, at, trace=trace, world_size=2,
+             **{semconv.MODULE_FQN: module, semconv.MODULE_PASS: "forward"}, **incomplete),
+        span(rank, "stalled", f"x{number}", f"s{number}", step_start, at, events, trace, world_size=2, **stall),
+    ]
+
+
+def _hang():
+    """Rank 1 stuck 45 s in layers.0.attention at step 3 (issued seq 56); rank 0 waits in seq 57 of wo."""
+    wo = "Model.layers.0.attention.wo"
+    return [
+        *_snapshot(1, 3, 1030, 30.0, 1, "Model.layers.0.attention", 56, 56, [_ring(56, "completed", 30.5)]),
+        *_snapshot(1, 3, 1045, 45.0, 2, "Model.layers.0.attention", 56, 56, [_ring(56, "completed", 45.5)]),
+        *_snapshot(0, 3, 1045, 44.95, 2, wo, 57, 56, [_ring(56, "completed", 45.5), _ring(57, "in_flight", 44.9, wo)]),
+    ]
+
+
+def test_a_stall_names_the_rank_behind_and_who_waits(tmp_path):
+    wo = "Model.layers.0.attention.wo"
+    in_flight = {"op": "all_reduce", "group": "0", "seq": 57, "dtype": "float32", "shape": [8], "bytes": 32,
+                 "module": wo, "pass": "forward", "age_s": 44.9}
+    spans = _load(_hang(), tmp_path)
+    found = diagnose.stalls(spans)
+    # In the stuck step's trace, as its train_step copy.
+    step_copy = next(s for s in spans if s["rank"] == 1 and s["name"] == "train_step")
+    assert found[0].pop("trace_id") == step_copy["trace_id"]
+    assert found == [{
+        "rank": 1, "step": 3, "module": "Model.layers.0.attention", "pass": "forward", "age_s": 45.0,
+        "threshold_s": 10.0, "snapshot": 2, "between_steps": False,
+        "stack": ["train.py:41 in forward", "torch/nn/modules/module.py:1750"],
+        "issued_seq": {"0": 56}, "completed_seq": {"0": 56}, "in_flight": [],
+        "reason": "behind on group 0: issued seq 56, rank 0 57",
+        "ahead": [{"rank": 0, "group": "0", "issued_seq": 57, "behind_seq": 56}],
+        "waiting_ranks": [{"rank": 0, "step": 3, "module": wo, "pass": "forward", "age_s": 44.95,
+                           "in_flight": [in_flight]}],
+    }]
+    text = diagnose.format_text(diagnose.diagnose(spans)).splitlines()
+    start = text.index("Stalls: 1")
+    assert text[start + 1:start + 8] == [
+        "  rank 1 is stuck in step 3 at Model.layers.0.attention forward for 45.0 s "
+        "(snapshot 2; behind on group 0: issued seq 56, rank 0 57)",
+        "    in flight on rank 1: nothing",
+        f"    waiting for it: rank 0 in all_reduce (group 0, seq 57) from {wo} forward, 44.9 s",
+        "    ahead of it: rank 0 on group 0 (issued seq 57; rank 1: 56)",
+        "    stack (innermost last):",
+        "      train.py:41 in forward",
+        "      torch/nn/modules/module.py:1750",
+    ]
+    # The incomplete copies are no finished step: no stragglers, no desync from them.
+    assert diagnose.stragglers(spans) == [] and diagnose.desyncs(spans) == []
+
+
+def test_a_rank_stuck_between_steps_and_a_rank_without_a_snapshot(tmp_path):
+    # Rank 1 stalls in "data loading" (issued seq 16, the last of step 0); rank 0 waits in step 1's first.
+    data_loading = [*_snapshot(1, 1, 1020, 15.0, 1, "", 16, 16, [_ring(16, "completed", 15.5)], between=True),
+                    *_snapshot(0, 1, 1020, 14.9, 1, "M.a", 17, 16, [_ring(17, "in_flight", 14.8, "M.a")])]
+    (stall,) = diagnose.stalls(_load(data_loading, tmp_path))
+    assert (stall["rank"], stall["step"], stall["module"], stall["pass"], stall["between_steps"]) == (
+        1, 1, diagnose.BETWEEN_STEPS, "", True)
+    assert [(w["rank"], w["in_flight"][0]["seq"]) for w in stall["waiting_ranks"]] == [(0, 17)]
+    # Rank 1 sent nothing (hung with the GIL held, say): rank 0, in flight, waits for it.
+    alone = _snapshot(0, 1, 1020, 14.9, 1, "M.a", 17, 16, [_ring(17, "in_flight", 14.8, "M.a")])
+    (stall,) = diagnose.stalls(_load(alone, tmp_path))
+    assert (stall["rank"], stall["step"], stall["reason"]) == (1, None, "sent no snapshot while the others are stalled")
+    assert [w["rank"] for w in stall["waiting_ranks"]] == [0]
+    text = diagnose.format_text(diagnose.diagnose(_load(alone, tmp_path))).splitlines()
+    assert text[text.index("Stalls: 1") + 1:text.index("Stalls: 1") + 3] == [
+        "  rank 1 is stuck: it sent no snapshot while the others are stalled (hung in native code holding the GIL, "
+        "or gone: look at its process)",
+        "    waiting for it: rank 0 in all_reduce (group 0, seq 17) from M.a forward, 14.8 s"]
+
+
+def test_equal_seqs_blame_the_rank_in_no_collective(tmp_path):
+    # Three ranks at seq 9 on group "0": ranks 0 and 2 wait in it, rank 1 has issued it but is not waiting.
+    def ring(rank):
+        return [_ring(9, "completed" if rank == 1 else "in_flight", 5.0, "M.b")]
+
+    spans = [item for rank in range(3) for item in _snapshot(rank, 4, 1010, 6.0, 1, "M.b", 9, 8, ring(rank))]
+    for item in spans:
+        item["resource"][semconv.WORLD_SIZE] = 3
+    (stall,) = diagnose.stalls(_load(spans, tmp_path))
+    assert (stall["rank"], stall["reason"]) == (1, "in no collective while the others wait in one")
+    assert [w["rank"] for w in stall["waiting_ranks"]] == [0, 2]
+
+
+def test_stalls_of_different_times_are_apart_latest_first(tmp_path):
+    early = _snapshot(1, 2, 1020, 15.0, 1, "M.a", 5, 5, []) + _snapshot(0, 2, 1020, 15.0, 1, "M.b", 6, 5, [])
+    late = _snapshot(1, 9, 2000, 30.0, 1, "M.c", 40, 40, []) + _snapshot(0, 9, 2000, 30.0, 1, "M.d", 41, 40, [])
+    found = diagnose.stalls(_load(early + late, tmp_path))
+    assert [(stall["rank"], stall["step"], stall["module"]) for stall in found] == [(1, 9, "M.c"), (1, 2, "M.a")]
+
+
+def _fingerprinted(rank, step, start, collectives, fingerprint):
+    """A finished step of ``rank`` whose collectives on group "0" are ``(seq, op, shape)``, in M.a."""
+    trace = f"f{step}-"
+    events = [(start + (i + 1) * MS, _collective(seq, op, shape)) for i, (seq, op, shape) in enumerate(collectives)]
+    attrs = {} if fingerprint is None else {
+        "torch.step.collective_groups": ["0"], "torch.step.collective_fingerprints": [fingerprint],
+        "torch.step.collective_counts": [len(collectives)], "torch.step.collective_first_seq": [collectives[0][0]]}
+    return [_step(rank, step, "s", start, start + 50 * MS, trace=trace, **attrs),
+            _module(rank, "M.a", "a", "s", start, start + 40 * MS, events, trace=trace)]
+
+
+def test_desync_fingerprints_skip_equal_steps_and_a_skipped_collective_shows_the_next(tmp_path):
+    ops = [(10, "all_reduce", (4,)), (11, "all_gather", (8,))]
+    spans = [
+        # Step 0: the events differ but the fingerprints agree (as if events were cut): skipped on trust.
+        *_fingerprinted(0, 0, 0, [(0, "all_reduce", (4,))], "aa"),
+        *_fingerprinted(1, 0, 0, [(0, "broadcast", (4,))], "aa"),
+        # Step 1: rank 1 skipped the all_reduce: at seq 10 it shows its all_gather, at seq 11 nothing.
+        *_fingerprinted(0, 1, S, ops, "bb"), *_fingerprinted(1, 1, S, [(10, "all_gather", (8,))], "cc"),
+    ]
+    side = {"dtype": "float32", "module": "M.a", "pass": "forward"}
+    assert diagnose.desyncs(_load(spans, tmp_path)) == [{"group": "0", "seq": 10, "step": 1, "ranks": {
+        0: side | {"op": "all_reduce", "shape": [4], "seq": 10},
+        1: side | {"op": "all_gather", "shape": [8], "seq": 10}}}]
+    # Without fingerprints, step 0's events are compared and differ first.
+    bare = [*_fingerprinted(0, 0, 0, [(0, "all_reduce", (4,))], None),
+            *_fingerprinted(1, 0, 0, [(0, "broadcast", (4,))], None)]
+    assert [(d["step"], d["ranks"][1]["op"]) for d in diagnose.desyncs(_load(bare, tmp_path))] == [(0, "broadcast")]
+    # A rank that issued one collective fewer at the end of a step: "none" there.
+    short = [*_fingerprinted(0, 1, S, ops, None), *_fingerprinted(1, 1, S, ops[:1], None)]
+    none = {"op": "none", "dtype": "", "shape": [], "module": "", "pass": "", "seq": -1}
+    assert diagnose.desyncs(_load(short, tmp_path))[0]["ranks"] == {
+        0: side | {"op": "all_gather", "shape": [8], "seq": 11}, 1: none}
+    # One that issued nothing on the group in a finished step (it did in others): "none" at the first seq.
+    nothing = [*_fingerprinted(0, 0, 0, ops, None), *_fingerprinted(1, 0, 0, ops, None),
+               *_fingerprinted(0, 1, S, [(12, "all_reduce", (4,))], None), *_fingerprinted(1, 1, S, [], None)]
+    assert diagnose.desyncs(_load(nothing, tmp_path)) == [{"group": "0", "seq": 12, "step": 1, "ranks": {
+        0: side | {"op": "all_reduce", "shape": [4], "seq": 12}, 1: none}}]
+
+
+def test_a_desync_that_hangs_is_found_in_the_stall_rings(tmp_path):
+    # Both ranks wait at seq 20 of step 5, one in an all_reduce and one in a broadcast: no finished step 5.
+    spans = [*_snapshot(0, 5, 1100, 60.0, 3, "M.a", 20, 19, [_ring(19, "completed", 61.0, "M.a"),
+                                                             _ring(20, "in_flight", 59.0, "M.a")]),
+             *_snapshot(1, 5, 1100, 60.0, 3, "M.a", 20, 19, [_ring(19, "completed", 61.0, "M.a"),
+                                                             _ring(20, "in_flight", 59.0, "M.a", op="broadcast")])]
+    spans = _load(spans, tmp_path)
+    side = {"dtype": "float32", "shape": [8], "module": "M.a", "pass": "forward", "seq": 20}
+    assert diagnose.desyncs(spans) == [{"group": "0", "seq": 20, "step": 5, "ranks": {
+        0: side | {"op": "all_reduce"}, 1: side | {"op": "broadcast"}}}]
+    # Every rank waits in a collective at the same seq: no one is behind; both are listed.
+    assert [(stall["rank"], stall["reason"]) for stall in diagnose.stalls(spans)] == [
+        (0, "undetermined"), (1, "undetermined")]
+
+
+def test_the_command_line_and_no_torch(tmp_path):
+    write_otlp(_hang(), tmp_path / "traces.jsonl")
+    code = ("import sys, json; from commdebug_otel.cli import main; status = main(sys.argv[1:]); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'), status)")
+    out = subprocess.run([sys.executable, "-c", code, "diagnose", str(tmp_path), "--format", "json"],
+                         capture_output=True, text=True, env=checkout_env(), timeout=120)
+    report, _, tail = out.stdout.rpartition("}\n")
+    assert tail == "[] 0\n", out.stderr  # nothing of torch imported
+    assert [stall["rank"] for stall in json.loads(report + "}")["stalls"]] == [1]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = subprocess.run([sys.executable, "-m", "commdebug_otel.cli", "diagnose", str(empty)], capture_output=True,
+                         text=True, env=checkout_env(), timeout=120)
+    assert out.returncode == 1
+    assert out.stderr == "commdebug-otel diagnose: no spans found (expected OTLP-JSON trace files)\n"
+
+
+# ------------------------------------------------------------ Jaeger and Tempo
+
+_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+def _base64_ids(obj):
+    """OTLP/JSON's hex ids as protobuf's JSON mapping writes them (base64), as Tempo answers."""
+    if isinstance(obj, list):
+        return [_base64_ids(item) for item in obj]
+    if not isinstance(obj, dict):
+        return obj
+    return {key: base64.b64encode(bytes.fromhex(value)).decode() if key in ("traceId", "spanId", "parentSpanId")
+            else _base64_ids(value) for key, value in obj.items()}
+
+
+@pytest.fixture
+def trace_server(tmp_path):
+    """A local HTTP server answering Jaeger's and Tempo's trace-by-id paths with the hung job's trace."""
+    write_otlp(_hang(), tmp_path / "traces.jsonl")
+    traces = {"resourceSpans": [resource for line in (tmp_path / "traces.jsonl").read_text().splitlines()
+                                for resource in json.loads(line)["resourceSpans"]]}
+    answers = {f"/api/v3/traces/{_TRACE_ID}": {"result": traces},  # as Jaeger's api_v3 HTTP gateway
+               f"/prefix/api/v2/traces/{_TRACE_ID}": {"trace": _base64_ids(traces), "status": "COMPLETE"}}
+    requests = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            requests.append((self.path, self.headers["Accept"]))
+            body = answers.get(self.path)
+            self.send_response(200 if body else 404)
+            self.end_headers()
+            self.wfile.write(json.dumps(body or {"error": {"httpCode": 404, "message": "trace not found"}}).encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", tmp_path, requests
+    server.shutdown()
+    thread.join()
+    server.server_close()
+
+
+def test_a_trace_from_jaeger_or_tempo_reads_as_the_files(trace_server, capsys):
+    url, files, requests = trace_server
+    expected = json.loads(json.dumps(diagnose.diagnose(summary.load_spans([files]))))
+    for argv in (["--jaeger", url], ["--tempo", url + "/prefix/"]):
+        code, out, err = _diagnose_cli([*argv, "--trace-id", _TRACE_ID.upper(), "--format", "json"], capsys)
+        assert (code, err) == (0, "")
+        assert json.loads(out) == expected
+    assert requests == [(f"/api/v3/traces/{_TRACE_ID}", "application/json"),
+                        (f"/prefix/api/v2/traces/{_TRACE_ID}", "application/json")]
+    spans = backends.fetch_trace("jaeger", url, _TRACE_ID)
+    assert {span["file"] for span in spans} == {f"{url}/api/v3/traces/{_TRACE_ID}"}
+
+
+def test_backend_errors_are_one_line(trace_server, capsys):
+    url, _, _ = trace_server
+    missing = "0" * 32
+    assert _diagnose_cli(["--tempo", url, "--trace-id", missing], capsys) == (
+        1, "", f"commdebug-otel diagnose: {url}/api/v2/traces/{missing}: HTTP 404 Not Found\n")
+    assert _diagnose_cli(["--jaeger", url, "--trace-id", "xyz"], capsys) == (
+        1, "", "commdebug-otel diagnose: a trace id is 32 hex digits, got 'xyz'\n")
+    assert _diagnose_cli(["--jaeger", url], capsys) == (
+        1, "", "commdebug-otel diagnose: --jaeger needs --trace-id ID\n")
+    assert _diagnose_cli([], capsys) == (
+        1, "", "commdebug-otel diagnose: give PATH..., or --jaeger URL / --tempo URL with --trace-id ID\n")
+    with socket.socket() as sock:  # a port where nothing listens
+        sock.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    code, _, err = _diagnose_cli(["--jaeger", closed, "--trace-id", _TRACE_ID], capsys)
+    assert code == 1 and err.startswith(f"commdebug-otel diagnose: {closed}/api/v3/traces/{_TRACE_ID}: ")
+
+
+def test_send_and_recv_outside_the_step_do_not_shift_the_seqs():
+    # The pipeline of test_offline_pipeline: rank 1's first recv is on outside_step, before its step.
+    spans = test_offline_pipeline._hand_built_pipeline()
+    assert diagnose.desyncs(spans) == []
+    assert diagnose.diagnose(spans)["pipeline_waits"] == test_offline_pipeline._HAND_BUILT_WAITS
