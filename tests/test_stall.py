@@ -293,3 +293,31 @@ def test_bad_stall_after_costs_one_message_and_keeps_the_default(caplog):
     assert settings.stall_after_s == "auto"
     messages = [record.getMessage() for record in caplog.records]
     assert len(messages) == 1 and "OTEL_PYTHON_COMMDEBUG_STALL_AFTER" in messages[0] and "auto, off" in messages[0]
+
+
+def test_diagnose_names_the_stuck_rank_its_module_and_the_collective_the_other_waits_in(tmp_path):
+    """As a user: the job's files, then `commdebug-otel diagnose --format json`."""
+    import json
+    import subprocess
+    import sys
+
+    env = {"OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR": str(tmp_path), "OTEL_PYTHON_COMMDEBUG_STALL_AFTER": str(STALL_AFTER_S)}
+    run_ranks(_train_with_one_rank_stuck, 2, env=env)
+    [run] = tmp_path.glob("run-*")
+    out = subprocess.run([sys.executable, "-m", "commdebug_otel.cli", "diagnose", str(run), "--format", "json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    found = json.loads(out.stdout)
+    [stall] = found["stalls"]
+    assert (stall["rank"], stall["step"], stall["module"], stall["pass"]) == (1, STUCK_STEP, "Net.layers.1", "forward")
+    [waiting] = stall["waiting_ranks"]
+    assert waiting["rank"] == 0
+    assert [(c["op"], c["seq"], c["module"]) for c in waiting["in_flight"]] == [
+        ("all_reduce", 2 * STUCK_STEP + 1, "Net.layers.1.proj")]
+    assert found["desyncs"] == []
+    # The stuck step's final export is one train_step per rank, counted once by summarize too.
+    text = subprocess.run([sys.executable, "-m", "commdebug_otel.cli", "summarize", str(run), "--step",
+                           str(STUCK_STEP), "--format", "report-json"], capture_output=True, text=True, timeout=120)
+    assert text.returncode == 0, text.stderr
+    assert json.loads(text.stdout)["module_counts"]["Net.layers.1.proj"]["forward"] == {"all_reduce": 1}
+    assert "spans of stall snapshots left out" in text.stderr

@@ -66,15 +66,8 @@ _NO_OP = {"op": "none", "dtype": "", "shape": [], "module": "", "pass": "", "seq
 Label = tuple[str, str]  # (module FQN or a parenthesised place, pass)
 
 
-def _snapshot_part(span: dict) -> bool:
-    """A stall snapshot's span: the ``stalled`` span or a copy of a step's span so far."""
-    attributes = span["attributes"]
-    return (span["name"] == semconv.SPAN_STALLED or semconv.STALL_SNAPSHOT in attributes
-            or attributes.get(semconv.SPAN_INCOMPLETE) is True)
-
-
 def _finished(spans: list[dict]) -> list[dict]:
-    return [span for span in spans if not _snapshot_part(span)]
+    return [span for span in spans if not summary.is_snapshot(span)]
 
 
 def _label(span: dict) -> Label:
@@ -400,7 +393,7 @@ def _issued_collectives(spans: list[dict]) -> tuple[dict[tuple[int, int], dict[s
         ``{"op", "dtype", "shape", "module", "pass", "seq" (the rank's own torch.collective.seq)}``.
     """
     finished = _finished(spans)
-    snapshots = [span for span in spans if _snapshot_part(span)]
+    snapshots = [span for span in spans if summary.is_snapshot(span)]
     steps = summary._span_steps(finished)
     snapshot_steps = summary._span_steps(snapshots)
     finished_steps = {(span["rank"], step) for span in finished if (step := steps[id(span)]) is not None}
@@ -662,7 +655,7 @@ def _load(args: argparse.Namespace) -> list[dict] | None:
             print(f"commdebug-otel diagnose: {error}", file=sys.stderr)
             return None
     if args.paths:
-        from_files = summary.load_for_command(args.paths, "diagnose")
+        from_files = summary.load_for_command(args.paths, "diagnose", snapshots=True)
         if from_files is None:
             return None
         spans += from_files

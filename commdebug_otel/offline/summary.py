@@ -771,8 +771,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "report's content as JSON (report-json) (default text)")
 
 
-def load_for_command(paths: Iterable[str], command: str) -> list[dict[str, Any]] | None:
-    """``load_spans(paths)``, or None after telling the user (on stderr) why there is nothing to read."""
+def is_snapshot(span: dict) -> bool:
+    """A span of a stall snapshot: the ``stalled`` span, or a copy of a step's spans so far
+    (the step's own export, if it ever ended, has them all again)."""
+    attributes = span["attributes"]
+    return (span["name"] == semconv.SPAN_STALLED or semconv.STALL_SNAPSHOT in attributes
+            or attributes.get(semconv.SPAN_INCOMPLETE) is True)
+
+
+def load_for_command(paths: Iterable[str], command: str, snapshots: bool = False) -> list[dict[str, Any]] | None:
+    """``load_spans(paths)``, or None after telling the user (on stderr) why there is nothing to read.
+
+    ``snapshots``: keep the spans of stall snapshots (``diagnose``); otherwise they are left out, so a
+    step that stalled is counted once, and the user is told how many were left out.
+    """
     try:
         spans = load_spans(paths)
     except FileNotFoundError as error:
@@ -781,6 +793,12 @@ def load_for_command(paths: Iterable[str], command: str) -> list[dict[str, Any]]
     if not spans:
         print(f"commdebug-otel {command}: no spans found (expected OTLP-JSON trace files)", file=sys.stderr)
         return None
+    if not snapshots:
+        kept = [span for span in spans if not is_snapshot(span)]
+        if len(kept) < len(spans):
+            print(f"commdebug-otel {command}: {len(spans) - len(kept)} spans of stall snapshots left out "
+                  "(`commdebug-otel diagnose` reads them)", file=sys.stderr)
+        spans = kept
     return spans
 
 
