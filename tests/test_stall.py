@@ -319,5 +319,5 @@ def test_diagnose_names_the_stuck_rank_its_module_and_the_collective_the_other_w
     text = subprocess.run([sys.executable, "-m", "commdebug_otel.cli", "summarize", str(run), "--step",
                            str(STUCK_STEP), "--format", "report-json"], capture_output=True, text=True, timeout=120)
     assert text.returncode == 0, text.stderr
-    assert json.loads(text.stdout)["module_counts"]["Net.layers.1.proj"]["forward"] == {"all_reduce": 1}
+    assert json.loads(text.stdout)["module_counts"]["Net.layers.1.proj"]["forward"] == {"c10d.allreduce_": 1}
     assert "spans of stall snapshots left out" in text.stderr
