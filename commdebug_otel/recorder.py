@@ -346,8 +346,7 @@ class Recorder:
                 self.hook_failed("building spans", error)
         for record in step.records:  # nothing outlives the step through these links
             record.parent = record.fwd = record.open_bw = record.handling = None
-            record.bw_records = []
-            record.events = []
+            record.bw_records = record.events = ()
         step.records.clear()
 
     def _step_full(self, step: Step, now: int, in_backward: bool) -> Step | None:
@@ -559,7 +558,10 @@ class Recorder:
         record.depth = forward.depth
         record.call_index = self._next_call_index(forward.fqn, semconv.PASS_BACKWARD)
         forward.open_bw = record
-        forward.bw_records.append(record)
+        if forward.bw_records:
+            forward.bw_records.append(record)
+        else:
+            forward.bw_records = [record]
         self._begin_backward(record)
         if step is not None:
             step.records.append(record)
@@ -811,8 +813,12 @@ class Recorder:
         self._add_event(owner, name, attrs, time.time_ns())
 
     def _add_event(self, owner: Record, name: str, attrs: dict, now: int) -> None:
-        if len(owner.events) < self.settings.max_events_per_span:
-            owner.events.append((name, attrs, now))
+        events = owner.events
+        if len(events) < self.settings.max_events_per_span:
+            if events:
+                events.append((name, attrs, now))
+            else:
+                owner.events = [(name, attrs, now)]
             return
         owner.dropped_events += 1
         self._count_dropped(semconv.DROPPED_KIND_EVENT)

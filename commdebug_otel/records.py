@@ -29,6 +29,9 @@ class SpanKind(enum.Enum):
     INFERENCE = "inference"  # a step without ``train_step``: each top-level forward is a root
 
 
+_NONE: frozenset = frozenset()
+
+
 class Record:
     """A span-to-be. Times are ``time.time_ns()`` nanoseconds (``end_ns`` 0: still open)."""
 
@@ -74,7 +77,9 @@ class Record:
         self.end_ns = 0
         self.parent: Record | None = None
         self.fwd: Record | None = None  # backward record -> its forward record
-        self.events: list[tuple[str, dict, int]] = []
+        # Lists and sets are made on first use: a step's records live through several garbage
+        # collections, whose cost grows with every container object alive (docs/performance.md).
+        self.events: list[tuple[str, dict, int]] | tuple = ()
         self.dropped_events = 0
         self.error: BaseException | None = None
         # (exception, its traceback) being handled when a forward began; None once it ended
@@ -82,13 +87,13 @@ class Record:
         self.unmatched = False
         self.params: list[str] | None = None
         self.open_bw: Record | None = None  # forward record -> its open backward record
-        self.bw_records: list[Record] = []
+        self.bw_records: list[Record] | tuple = ()
         self.graph_task = -1
         self.input_hooked = False
         self.hidden = False
         self.compiled = False  # the module's own code ran compiled (torch.compile): no records inside
         self.attrs: dict[str, Any] = {}
-        self.hooked_outputs: set[int] | frozenset = set()  # ids of outputs with a backward hook
+        self.hooked_outputs: set[int] | frozenset = _NONE  # ids of outputs with a backward hook
         self.input_edges: set | frozenset = frozenset()  # the call's inputs' autograd edges (tracker._edge)
         self.span_id = 0  # assigned up front when a metric exemplar points at this span
 

@@ -312,7 +312,10 @@ class ModuleTracker:
         outputs = [t for t in _grad_tensors(output, [])
                    if id(t) not in record.hooked_outputs and _edge(t) not in inputs]
         if outputs:
-            record.hooked_outputs.update(id(t) for t in outputs)
+            if record.hooked_outputs:
+                record.hooked_outputs.update(id(t) for t in outputs)
+            else:
+                record.hooked_outputs = {id(t) for t in outputs}
             # A plain hook per output tensor: the first to fire begins the backward and the
             # recorder ignores the rest of the same graph task (register_multi_grad_hook's
             # "any" mode, without its per-call wrapper and lock).
