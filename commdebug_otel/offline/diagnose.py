@@ -52,6 +52,8 @@ from . import summary
 __all__ = ["BETWEEN_STEPS", "NOISE_FLOOR_S", "TRAIN_STEP", "UNATTRIBUTED", "add_arguments", "desyncs", "diagnose",
            "format_text", "run", "stalls", "stragglers"]
 
+#: Frames of a stuck rank's stack in the text report (the innermost; JSON has them all).
+STACK_LINES = 8
 #: Lateness below this (seconds) is noise, not a straggler: a collective held back less is not blamed.
 NOISE_FLOOR_S = 0.001
 #: Where a straggler's extra time lay outside every module span: in ``train_step`` itself
@@ -584,9 +586,11 @@ def format_text(found: dict[str, Any], top: int = 10) -> str:
         out += [f"    ahead of it: rank {item['rank']} on group {item['group']} "
                 f"(issued seq {item['issued_seq']}; rank {stall['rank']}: {item['behind_seq']})"
                 for item in stall["ahead"]]
-        if stall["stack"]:
-            out.append("    stack (innermost last):")
-            out += [f"      {line}" for line in stall["stack"]]
+        stack = stall["stack"]
+        if stack:
+            outer = max(0, len(stack) - STACK_LINES)
+            out.append("    stack (innermost last" + (f"; {outer} outer frames in --format json):" if outer else "):"))
+            out += [f"      {line}" for line in stack[outer:]]
     out += ["", f"Desyncs: {len(found['desyncs'])}"]
     for desync in found["desyncs"]:
         out.append(f"  group {desync['group']}, step {desync['step']}, seq {desync['seq']}: ranks disagree")
