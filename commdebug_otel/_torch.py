@@ -193,6 +193,69 @@ def dtensor_redistribute_sites() -> list[tuple[Any, str, Any, str | None]]:
     return sites
 
 
+# Modules that hold DTensor's ``distribute_tensor`` by name (``from ... import``): the parallel styles
+# (ColwiseParallel, RowwiseParallel, ...) call it when parallelize_module shards parameters.
+_DISTRIBUTE_HOLDERS = ("torch.distributed.tensor._api", "torch.distributed.tensor",
+                       "torch.distributed.tensor.parallel.style", "torch.distributed._tensor",
+                       "torch.distributed.tensor.placement_types", "torch.distributed._state_dict_utils")
+
+
+def dtensor_distribute_sites() -> list[tuple[Any, str, Any]]:
+    """``(module, "distribute_tensor", function)`` for each module that holds DTensor's ``distribute_tensor``.
+
+    Raises whatever the imports raise on a torch without them; a holder that is missing or holds
+    another function is left out.
+    """
+    import importlib
+
+    from torch.distributed.tensor import _api
+
+    original = _api.__dict__["distribute_tensor"]
+    sites = []
+    for name in _DISTRIBUTE_HOLDERS:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if module.__dict__.get("distribute_tensor") is original:
+            sites.append((module, "distribute_tensor", original))
+    return sites
+
+
+def dtensor_placement_makers() -> list[tuple[type, str, Any, Any]]:
+    """``(class, attribute, classmethod, facts(cls, args) -> (placement, mesh))`` for the placements' own
+    makers that ``distribute_tensor`` calls per mesh dimension (``Shard._make_shard_tensor(dim, tensor,
+    mesh, ...)``, ``_StridedShard``'s, ``Replicate._make_replicate_tensor(tensor, mesh, ...)``): a
+    ``distribute_tensor`` held by name since before the tracer started still runs them. Raises on a
+    torch without them."""
+    from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+
+    return [
+        (Shard, "_make_shard_tensor", Shard.__dict__["_make_shard_tensor"],
+         lambda cls, args: (cls(args[0]), args[2])),
+        (_StridedShard, "_make_shard_tensor", _StridedShard.__dict__["_make_shard_tensor"],
+         lambda cls, args: (cls(dim=args[0], split_factor=args[5] if len(args) > 5 else 1), args[2])),
+        (Replicate, "_make_replicate_tensor", Replicate.__dict__["_make_replicate_tensor"],
+         lambda cls, args: (cls(), args[1])),
+    ]
+
+
+def dtensor_from_local() -> tuple[type, Any]:
+    """``DTensor`` and its ``from_local`` as stored on the class (a staticmethod; ``run_check`` broadcasts)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor, DTensor.__dict__["from_local"]
+
+
+def placements_of(device_mesh: Any, placements: Any) -> tuple:
+    """``distribute_tensor``'s target placements as DTensor fills them in (Replicate on every mesh dim if None)."""
+    if placements is not None:
+        return tuple(placements)
+    from torch.distributed.tensor import Replicate
+
+    return (Replicate(),) * (device_mesh.ndim if device_mesh is not None else 1)
+
+
 def dtensor_full_tensor() -> tuple[type, Any]:
     """``DTensor`` and its ``full_tensor`` method as stored on the class (a public API that redistributes)."""
     from torch.distributed.tensor import DTensor

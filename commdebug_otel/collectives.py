@@ -208,7 +208,7 @@ class Why:
       its ``redistribute_local_args``);
     * ``with why.redistributing(cause, source, target, mesh): ...`` sets one
       redistribution's placements and mesh, and its cause when it is not an op
-      (``redistribute``, ``full_tensor``, ``from_local``);
+      (``redistribute``, ``full_tensor``, ``from_local``, ``distribute_tensor``);
     * :meth:`until_local_op` sets the op until DTensor runs the op's local
       version (:meth:`local_op_ran`), a module pass begins or ends, or the step
       ends (:meth:`clear`).
@@ -291,6 +291,11 @@ class Why:
 # Causes of redistributions that are not an op's (torch.dtensor.cause).
 REDISTRIBUTE = "redistribute"
 FULL_TENSOR = "full_tensor"
+FROM_LOCAL = "from_local"
+DISTRIBUTE_TENSOR = "distribute_tensor"
+# Causes whose collectives are c10d ops (distribute_tensor's scatter or broadcast from the source rank,
+# from_local's run_check broadcast), not functional ones: the recorder gives those a "why" too.
+C10D_CAUSES = frozenset({DISTRIBUTE_TENSOR, FROM_LOCAL})
 
 
 class _Scope:

@@ -38,7 +38,11 @@ The "why" of a collective comes from DTensor's own redistribution steps:
   subscribers hold the source and target placements, the mesh, and the
   cause (``redistribute`` for ``DTensor.redistribute()`` and its backward,
   ``from_local`` for ``from_local``'s backward, the op inside a dispatch);
-* ``DTensor.full_tensor``, which names itself the cause of the redistribution it makes.
+* ``DTensor.full_tensor``, which names itself the cause of the redistribution it makes;
+* ``distribute_tensor`` (wrapped in each module that holds it: the parallel styles call it
+  when ``parallelize_module`` shards parameters) and ``DTensor.from_local`` (``run_check``):
+  their c10d scatter or broadcast from the source rank names them, with the target
+  placements and the mesh (the source is a plain tensor: placements ``()``).
 
 DTensor redistributes about 30 times per step of the demo transformer under
 tensor parallel, so the wrappers are in place only while some subscriber may
@@ -60,7 +64,7 @@ from typing import Any
 import torch
 
 from . import _torch
-from .collectives import FULL_TENSOR
+from .collectives import DISTRIBUTE_TENSOR, FROM_LOCAL, FULL_TENSOR
 from .ops import CollectiveSpec
 from .redact import describe
 
@@ -232,6 +236,23 @@ class CollectiveInterceptor:
         for module, name, function, cause in sites:
             self._patches.append(_Patch(module, name, function, self._redistribution_wrapper(function, cause)))
         self._patches.append(_Patch(dtensor, "full_tensor", full_tensor, self._full_tensor_wrapper(full_tensor)))
+        try:
+            distribute_sites = _torch.dtensor_distribute_sites()
+            _, from_local = _torch.dtensor_from_local()
+        except Exception as error:  # another torch: set-up scatters have no "why"
+            _logger.debug("commdebug-otel: distribute_tensor not watched: %s", describe(error))
+            return
+        for module, name, function in distribute_sites:
+            self._patches.append(_Patch(module, name, function, self._placing_wrapper(function, DISTRIBUTE_TENSOR)))
+        self._patches.append(_Patch(dtensor, "from_local", from_local,
+                                    staticmethod(self._placing_wrapper(from_local.__func__, FROM_LOCAL))))
+        try:
+            makers = _torch.dtensor_placement_makers()
+        except Exception as error:
+            _logger.debug("commdebug-otel: placement makers not watched: %s", describe(error))
+            return
+        for owner, name, method, facts in makers:
+            self._patches.append(_Patch(owner, name, method, classmethod(self._maker_wrapper(method.__func__, facts))))
 
     def _whys(self) -> list[Any]:
         """The "why" of each subscriber whose collectives this thread issues now.
@@ -258,6 +279,42 @@ class CollectiveInterceptor:
                 return function(local_tensor, current_spec, target_spec, *args, **kwargs)
 
         return redistribute_local_tensor
+
+    def _placing_wrapper(self, function: Any, cause: str) -> Any:
+        """``distribute_tensor`` / ``DTensor.from_local``: a plain tensor placed on a mesh, by ``cause``."""
+        whys = self._whys
+
+        @functools.wraps(function)
+        def place(tensor: Any, device_mesh: Any = None, placements: Any = None, *args: Any, **kwargs: Any) -> Any:
+            with contextlib.ExitStack() as stack:
+                try:
+                    target = _torch.placements_of(device_mesh, placements)
+                    for why in whys():
+                        stack.enter_context(why.redistributing(cause, (), target, device_mesh))
+                except Exception:
+                    pass
+                return function(tensor, device_mesh, placements, *args, **kwargs)
+
+        return place
+
+    def _maker_wrapper(self, function: Any, facts: Any) -> Any:
+        """A placement's maker (one mesh dimension of ``distribute_tensor``): the "why" when none is set,
+        with that dimension's placement as the target (a ``distribute_tensor`` we did not wrap)."""
+        whys = self._whys
+
+        @functools.wraps(function)
+        def make(cls: Any, *args: Any, **kwargs: Any) -> Any:
+            with contextlib.ExitStack() as stack:
+                try:
+                    target, mesh = facts(cls, args)
+                    for why in whys():
+                        if why.cause is None and why.op is None:
+                            stack.enter_context(why.redistributing(DISTRIBUTE_TENSOR, (), (target,), mesh))
+                except Exception:  # keyword arguments, another torch: no "why"
+                    pass
+                return function(cls, *args, **kwargs)
+
+        return make
 
     def _full_tensor_wrapper(self, function: Any) -> Any:
         """``DTensor.full_tensor`` that names itself the cause of the redistribution it makes."""

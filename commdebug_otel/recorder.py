@@ -37,7 +37,7 @@ from torch.compiler import is_compiling
 
 from . import semconv
 from ._torch import graph_task_id, queue_engine_callback
-from .collectives import PASS_NONE, Collective, CollectiveCounter, Why, event_attributes
+from .collectives import C10D_CAUSES, PASS_NONE, Collective, CollectiveCounter, Why, event_attributes
 from .config import Settings, TraceScope, variable
 from .observer import RecorderObserver, SpanSink
 from .ops import CollectiveSpec, GroupResolver, compiler_traced
@@ -723,7 +723,12 @@ class Recorder:
             owner = step.root
         if not step.traced or owner is None:
             return
-        why = self.why.attributes() if spec.functional else None
+        why = None
+        if spec.functional or self.why.cause in C10D_CAUSES:
+            try:
+                why = self.why.attributes()
+            except Exception as error:  # the event goes without its "why"
+                self.hook_failed("DTensor redistribution facts", error)
         self._add_event(owner, spec.op, event_attributes(collective, why), now)
         if step.kind is SpanKind.STEP:
             message = collective.message
