@@ -240,13 +240,6 @@ def dtensor_placement_makers() -> list[tuple[type, str, Any, Any]]:
     ]
 
 
-def dtensor_from_local() -> tuple[type, Any]:
-    """``DTensor`` and its ``from_local`` as stored on the class (a staticmethod; ``run_check`` broadcasts)."""
-    from torch.distributed.tensor import DTensor
-
-    return DTensor, DTensor.__dict__["from_local"]
-
-
 def placements_of(device_mesh: Any, placements: Any) -> tuple:
     """``distribute_tensor``'s target placements as DTensor fills them in (Replicate on every mesh dim if None)."""
     if placements is not None:

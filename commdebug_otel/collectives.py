@@ -291,11 +291,10 @@ class Why:
 # Causes of redistributions that are not an op's (torch.dtensor.cause).
 REDISTRIBUTE = "redistribute"
 FULL_TENSOR = "full_tensor"
-FROM_LOCAL = "from_local"
 DISTRIBUTE_TENSOR = "distribute_tensor"
-# Causes whose collectives are c10d ops (distribute_tensor's scatter or broadcast from the source rank,
-# from_local's run_check broadcast), not functional ones: the recorder gives those a "why" too.
-C10D_CAUSES = frozenset({DISTRIBUTE_TENSOR, FROM_LOCAL})
+# Causes whose collectives are c10d ops (distribute_tensor's scatter or broadcast from the source rank),
+# not functional ones: the recorder gives those a "why" too.
+C10D_CAUSES = frozenset({DISTRIBUTE_TENSOR})
 
 
 class _Scope:

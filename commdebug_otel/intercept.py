@@ -40,9 +40,10 @@ The "why" of a collective comes from DTensor's own redistribution steps:
   ``from_local`` for ``from_local``'s backward, the op inside a dispatch);
 * ``DTensor.full_tensor``, which names itself the cause of the redistribution it makes;
 * ``distribute_tensor`` (wrapped in each module that holds it: the parallel styles call it
-  when ``parallelize_module`` shards parameters) and ``DTensor.from_local`` (``run_check``):
-  their c10d scatter or broadcast from the source rank names them, with the target
-  placements and the mesh (the source is a plain tensor: placements ``()``).
+  when ``parallelize_module`` shards parameters, and, for a ``distribute_tensor`` held
+  since before the tracer started, the placements' own makers it calls per mesh
+  dimension): its c10d scatter or broadcast from the source rank names it, with the
+  target placements and the mesh (the source is a plain tensor: placements ``()``).
 
 DTensor redistributes about 30 times per step of the demo transformer under
 tensor parallel, so the wrappers are in place only while some subscriber may
@@ -64,7 +65,7 @@ from typing import Any
 import torch
 
 from . import _torch
-from .collectives import DISTRIBUTE_TENSOR, FROM_LOCAL, FULL_TENSOR
+from .collectives import DISTRIBUTE_TENSOR, FULL_TENSOR
 from .ops import CollectiveSpec
 from .redact import describe
 
@@ -236,16 +237,15 @@ class CollectiveInterceptor:
         for module, name, function, cause in sites:
             self._patches.append(_Patch(module, name, function, self._redistribution_wrapper(function, cause)))
         self._patches.append(_Patch(dtensor, "full_tensor", full_tensor, self._full_tensor_wrapper(full_tensor)))
+        # DTensor.from_local is left as it is: dynamo traces it specially in compiled code (a wrapper
+        # changes the compiled graph); its run_check is off by default.
         try:
             distribute_sites = _torch.dtensor_distribute_sites()
-            _, from_local = _torch.dtensor_from_local()
         except Exception as error:  # another torch: set-up scatters have no "why"
             _logger.debug("commdebug-otel: distribute_tensor not watched: %s", describe(error))
             return
         for module, name, function in distribute_sites:
             self._patches.append(_Patch(module, name, function, self._placing_wrapper(function, DISTRIBUTE_TENSOR)))
-        self._patches.append(_Patch(dtensor, "from_local", from_local,
-                                    staticmethod(self._placing_wrapper(from_local.__func__, FROM_LOCAL))))
         try:
             makers = _torch.dtensor_placement_makers()
         except Exception as error:
@@ -281,7 +281,7 @@ class CollectiveInterceptor:
         return redistribute_local_tensor
 
     def _placing_wrapper(self, function: Any, cause: str) -> Any:
-        """``distribute_tensor`` / ``DTensor.from_local``: a plain tensor placed on a mesh, by ``cause``."""
+        """``distribute_tensor``: a plain tensor placed on a mesh, by ``cause``."""
         whys = self._whys
 
         @functools.wraps(function)

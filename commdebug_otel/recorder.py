@@ -22,6 +22,7 @@ Ownership rules (DESIGN.md):
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import sys
@@ -117,7 +118,7 @@ class Recorder:
         self._fwd_stack: list[Record] = []
         self._open_bw: list[Record] = []  # open backward records, most recently begun last
         self._bw_hint: tuple[Record | None, int] = (None, 0)  # the last record _begin_backward inserted, and where
-        self._bw_callback_task = -1
+        self._bw_callback_tasks: set[int] = set()  # graph tasks whose end is hooked (nested: reentrant checkpoints)
         self._depth = 0  # module nesting when records are skipped (untraced steps)
         self._call_counts: dict[tuple[str, str], int] = {}
         self._rank: RankInfo | None = None
@@ -565,9 +566,9 @@ class Recorder:
         self._begin_backward(record)
         if step is not None:
             step.records.append(record)
-        if self._bw_callback_task != task:
-            self._bw_callback_task = task
-            queue_engine_callback(self.backward_done)
+        if task not in self._bw_callback_tasks:
+            self._bw_callback_tasks.add(task)
+            queue_engine_callback(functools.partial(self.backward_done, task))
 
     def _begin_backward(self, record: Record) -> None:
         """Open ``record``; if a descendant's hook fired first, the descendant stays most recent.
@@ -604,32 +605,34 @@ class Recorder:
                     del open_bw[index]
                     break
 
-    def backward_done(self) -> None:
-        """The autograd engine finished computing this backward (an engine final callback).
+    def backward_done(self, task: int) -> None:
+        """The autograd engine finished computing backward pass ``task`` (an engine final callback).
 
-        Gradient computation is over, so every module's backward but the
+        Gradient computation is over, so every module's backward of that pass but the
         outermost ones ends here. The outermost stay open for one more round
         of final callbacks: callbacks queued later (FSDP2's root post-backward
-        reduce-scatter) are booked to the root module's backward.
+        reduce-scatter) are booked to the root module's backward. Another pass's
+        records stay open: a reentrant checkpoint's backward runs inside the pass
+        that called it.
         """
         try:
             now = time.time_ns()
-            outermost = [r for r in self._open_bw if not any(
-                descends_from(r, other.fwd) for other in self._open_bw if other is not r)]
-            _end_backward_records([r for r in self._open_bw if r not in outermost], now)
-            self._open_bw[:] = outermost
+            mine = [r for r in self._open_bw if r.graph_task == task]
+            inner = {id(r) for r in mine if any(descends_from(r, other.fwd) for other in mine if other is not r)}
+            _end_backward_records([r for r in mine if id(r) in inner], now)
+            self._open_bw[:] = [r for r in self._open_bw if id(r) not in inner]
             self._bw_hint = (None, 0)
-            queue_engine_callback(self._backward_finally)
+            queue_engine_callback(functools.partial(self._backward_finally, task))
         except Exception as error:
             self.hook_failed("backward end", error)
 
-    def _backward_finally(self) -> None:
+    def _backward_finally(self, task: int) -> None:
         try:
-            _end_backward_records(self._open_bw, time.time_ns())
-            self._open_bw.clear()
+            _end_backward_records([r for r in self._open_bw if r.graph_task == task], time.time_ns())
+            self._open_bw[:] = [r for r in self._open_bw if r.graph_task != task]
             self._bw_hint = (None, 0)
-            self._bw_callback_task = -1
-            if self._step is not None:
+            self._bw_callback_tasks.discard(task)
+            if self._step is not None and not self._bw_callback_tasks:  # not a pass nested in another
                 self._step.backward_done += 1
         except Exception as error:
             self.hook_failed("backward end", error)

@@ -221,6 +221,8 @@ def _parent_of(record: Record, root: Record) -> Record:
     if record.pass_ == semconv.PASS_BACKWARD:
         ancestor = record.fwd.parent if record.fwd is not None else None
         while ancestor is not None and ancestor.kind is SpanKind.MODULE:
+            if ancestor.pass_ == semconv.PASS_BACKWARD:  # a recompute inside a backward (reentrant checkpoint)
+                return ancestor if not ancestor.hidden else _parent_of(ancestor, root)
             for candidate in reversed(ancestor.bw_records):
                 if candidate.graph_task == record.graph_task and not candidate.hidden:
                     return candidate

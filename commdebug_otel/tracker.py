@@ -45,6 +45,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.compiler import is_compiling
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
+from . import semconv
 from ._torch import (
     compiled_call,
     compiled_original,
@@ -81,6 +82,10 @@ def _edge(tensor: torch.Tensor) -> Any:
 
 
 _EMPTY: frozenset = frozenset()
+# Passes whose outputs get backward hooks: a recompute's too, for reentrant checkpointing, whose
+# backward runs through the recomputed graph (non-reentrant checkpointing never backpropagates
+# through it: those hooks never fire and go with the step).
+_HOOKED_PASSES = frozenset({semconv.PASS_FORWARD, semconv.PASS_RECOMPUTE})
 
 
 class ModuleTracker:
@@ -195,7 +200,7 @@ class ModuleTracker:
         if record is None:
             if len(self._calls) == 1:
                 self._suspend_inside(module)
-        elif torch.is_grad_enabled() and record.pass_ == "forward":
+        elif torch.is_grad_enabled() and record.pass_ in _HOOKED_PASSES:
             grads = _grad_tensors(args, [])
             if grads:
                 record.input_edges = {_edge(t) for t in grads}
@@ -295,7 +300,7 @@ class ModuleTracker:
                 return
             entry_module, record, ends, _ = self._calls[-1]
             if entry_module is module and record is not None:
-                if kwargs and record.pass_ == "forward":
+                if kwargs and record.pass_ in _HOOKED_PASSES:
                     self._add_keyword_inputs(module, record, ends, kwargs)
                 self._hook_backward_begin(record, output)
         except Exception as error:
@@ -303,7 +308,7 @@ class ModuleTracker:
 
     def _hook_backward_begin(self, record: Record, output: Any, first: bool = False) -> None:
         """Our backward-begin hook on each output; ``first``: before the output's hooks registered so far."""
-        if record.pass_ != "forward" or not torch.is_grad_enabled():
+        if record.pass_ not in _HOOKED_PASSES or not torch.is_grad_enabled():
             return
         # An output that is an input passed through (the same tensor, or the same autograd
         # edge: Identity, Dropout(p=0) or in eval, a gate returning x) gets its gradient

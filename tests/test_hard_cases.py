@@ -238,3 +238,72 @@ def test_collectives_on_fake_tensors_are_neither_events_nor_numbered(telemetry, 
     assert event.attributes[semconv.COLLECTIVE_SEQ] == 0 and semconv.COLLECTIVE_FAKE not in event.attributes
     [(_, count)] = telemetry.metric_points(semconv.METRIC_OPERATIONS)
     assert count == 1
+
+
+class _ColwiseLike(nn.Linear):
+    """A linear layer that all-reduces its input gradient, as ColwiseParallel does."""
+
+    def forward(self, x):
+        from models import AllReduceInBackward
+
+        return super().forward(AllReduceInBackward.apply(x))
+
+
+class _AllReducingBlock(nn.Module):
+    """A checkpointed block whose second layer all-reduces its input gradient in backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = _ColwiseLike(4, 4)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+class _ReentrantNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = _AllReducingBlock()
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.head(checkpoint(self.block, x, use_reentrant=True))
+
+
+def _reentrant_counts(rank, world_size):
+    from test_distributed import _normalize, _torch_nonzero
+    from torch.distributed.tensor.debug import CommDebugMode as TorchCommDebugMode
+
+    from commdebug_otel import CommDebugMode
+    from commdebug_otel.testing import InMemoryTelemetry
+
+    torch.manual_seed(0)
+    model = _ReentrantNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step():
+        model(torch.ones(2, 4, requires_grad=True)).sum().backward()
+        optimizer.step()
+
+    telemetry = InMemoryTelemetry()
+    ours = CommDebugMode(tracer_provider=telemetry.tracer_provider, meter_provider=telemetry.meter_provider)
+    with ours:
+        step()
+    theirs = TorchCommDebugMode()
+    with theirs:
+        step()
+    return {"ours": _torch_nonzero(_normalize(ours.comm_module_counts)),
+            "torch": _torch_nonzero(_normalize(theirs.comm_module_counts)), "tree": telemetry.tree()}
+
+
+def test_reentrant_checkpoint_books_inner_backward_collectives_as_commdebugmode_does():
+    from distributed import run_ranks
+
+    for result in run_ranks(_reentrant_counts, 2):
+        assert result["ours"] == result["torch"]
+        assert result["ours"]["_ReentrantNet.block.b"] == {"backward": {"c10d.allreduce_": 1}}
+        backward = [(depth, name) for depth, name in result["tree"] if name.endswith("backward")]
+        assert backward == [(1, "_ReentrantNet backward"), (2, "_ReentrantNet.head backward"),
+                            (2, "_ReentrantNet.block backward"), (3, "_ReentrantNet.block.b backward"),
+                            (3, "_ReentrantNet.block.a backward")]
