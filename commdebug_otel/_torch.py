@@ -267,11 +267,16 @@ def redistribution_op(op_info: Any, suggested_input_schema: Any) -> tuple[Any, t
 
 
 # ------------------------------------------------------------------ c10d objects
-def work_future(work: Any) -> Any:
-    """The future of a boxed c10d ``Work`` (as c10d ops return it); raises where the backend has none."""
+def unbox_work(work: Any) -> Any:
+    """The c10d ``Work`` of a boxed one (as c10d ops return it)."""
     from torch.distributed import Work
 
-    return Work.unbox(work).get_future()
+    return Work.unbox(work)
+
+
+def work_future(work: Any) -> Any:
+    """The future of a boxed c10d ``Work`` (as c10d ops return it); raises where the backend has none."""
+    return unbox_work(work).get_future()
 
 
 def work_class() -> type:

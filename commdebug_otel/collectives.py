@@ -14,6 +14,7 @@ step, or one that keeps records) and hands it here:
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -195,6 +196,38 @@ def event_attributes(collective: Collective, why: dict[str, Any] | None) -> dict
     if why:
         attrs.update(why)
     return attrs
+
+
+def peer_when_received(collective: Collective, attrs: dict[str, Any],
+                       hook_failed: Callable[[str, BaseException], None], awaiting: dict[int, tuple]) -> None:
+    """A ``recv`` from any source (``dist.recv(buf)`` without ``src``): its peer is added to ``attrs``
+    once received (``Work.source_rank()``, a rank in the group), if before the step ends: when its
+    ``Work`` future completes or, where the backend's work has no future (gloo), when ``Work.wait()``
+    returns (``awaiting``: ``id(work) -> (work, attrs)``, which ``Recorder.waited`` reads)."""
+    if collective.spec.op != semconv.RECV or semconv.COLLECTIVE_PEER in attrs or collective.out is None:
+        return
+    work = collective.out[-1] if isinstance(collective.out, tuple) else collective.out
+    if not isinstance(work, torch.ScriptObject):
+        return
+    try:
+        unboxed = _torch.unbox_work(work)
+    except Exception as error:
+        hook_failed("recv source rank", error)
+        return
+    try:
+        future = unboxed.get_future()
+    except Exception:  # gloo: "Work::getFuture not implemented"
+        awaiting[id(unboxed)] = (unboxed, attrs)  # held, so wait() gets this same object
+        return
+    future.add_done_callback(functools.partial(_set_peer, unboxed, attrs, hook_failed))
+
+
+def _set_peer(work: Any, attrs: dict[str, Any], hook_failed: Callable[[str, BaseException], None],
+              _future: Any = None) -> None:
+    try:
+        attrs[semconv.COLLECTIVE_PEER] = int(work.source_rank())
+    except Exception as error:  # on the backend's thread: never raise there
+        hook_failed("recv source rank", error)
 
 
 class Why:

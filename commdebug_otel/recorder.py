@@ -38,7 +38,16 @@ from torch.compiler import is_compiling
 
 from . import semconv
 from ._torch import graph_task_id, queue_engine_callback
-from .collectives import C10D_CAUSES, PASS_NONE, Collective, CollectiveCounter, Why, event_attributes
+from .collectives import (
+    C10D_CAUSES,
+    PASS_NONE,
+    Collective,
+    CollectiveCounter,
+    Why,
+    _set_peer,
+    event_attributes,
+    peer_when_received,
+)
 from .config import Settings, TraceScope, variable
 from .observer import RecorderObserver, SpanSink
 from .ops import CollectiveSpec, GroupResolver, compiler_traced
@@ -118,6 +127,7 @@ class Recorder:
         self._fwd_stack: list[Record] = []
         self._open_bw: list[Record] = []  # open backward records, most recently begun last
         self._bw_hint: tuple[Record | None, int] = (None, 0)  # the last record _begin_backward inserted, and where
+        self._awaiting_source: dict[int, tuple] = {}  # recv from any source, not yet waited (gloo)
         self._bw_callback_tasks: set[int] = set()  # graph tasks whose end is hooked (nested: reentrant checkpoints)
         self._depth = 0  # module nesting when records are skipped (untraced steps)
         self._call_counts: dict[tuple[str, str], int] = {}
@@ -172,6 +182,8 @@ class Recorder:
             "sequenced groups": len(self._seq),
             "modules seen": len(self._params_seen),
             "resolved groups": len(self._groups),
+            "recvs awaiting their source": len(self._awaiting_source),
+            "recent collectives": len(self.progress.ring),
         }
 
     def _traces_this_rank(self) -> bool:
@@ -327,6 +339,7 @@ class Recorder:
         _end_backward_records(self._open_bw, now)
         self._open_bw.clear()
         self._bw_hint = (None, 0)
+        self._awaiting_source.clear()
         step.root.end_ns = now
         if self._metrics is not None:
             try:
@@ -732,7 +745,9 @@ class Recorder:
                 why = self.why.attributes()
             except Exception as error:  # the event goes without its "why"
                 self.hook_failed("DTensor redistribution facts", error)
-        self._add_event(owner, spec.op, event_attributes(collective, why), now)
+        attrs = event_attributes(collective, why)
+        peer_when_received(collective, attrs, self.hook_failed, self._awaiting_source)
+        self._add_event(owner, spec.op, attrs, now)
         if step.kind is SpanKind.STEP:
             message = collective.message
             step.fingerprint(collective.group.name, collective.seq, spec.op, message.dtype, message.shape)
@@ -746,6 +761,10 @@ class Recorder:
         """A thread waited ``duration_ns`` on a collective (``Work.wait()``, or ``wait_tensor`` on its output)."""
         if threading.get_ident() == self.thread_id or graph_task_id() != -1:
             self.progress.waited(handle, duration_ns)
+        if self._awaiting_source:
+            found = self._awaiting_source.pop(id(handle), None)
+            if found is not None:
+                _set_peer(*found, self.hook_failed)
 
     # ------------------------------------------------------------------ stalls
     def stall_snapshot(self, now: int, age_s: float, threshold_s: float, snapshot: int,

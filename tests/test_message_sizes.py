@@ -96,3 +96,22 @@ def test_message_sizes_per_op_on_every_rank():
         for name, _, facts, _ in events:
             by_op[name] = by_op.get(name, 0) + facts[0]
         assert io == {op: n for op, n in by_op.items() if n or op != "barrier"} | {"barrier": 0}
+
+
+def _recv_from_any_source(rank, world_size):
+    from commdebug_otel import CommTracer, Settings
+    from commdebug_otel.testing import InMemoryTelemetry
+
+    telemetry = InMemoryTelemetry()
+    with CommTracer(Settings(), tracer_provider=telemetry.tracer_provider, meter_provider=telemetry.meter_provider):
+        if rank == 1:
+            dist.send(torch.ones(3), dst=0)
+        else:
+            dist.recv(torch.empty(3))  # no src: c10d.recv_any_source_
+        dist.barrier()
+    return [(e.name, e.attributes.get(semconv.COLLECTIVE_PEER)) for s in telemetry.spans() for e in s.events
+            if e.name in ("send", "recv")]
+
+
+def test_a_recv_from_any_source_names_its_peer_once_received():
+    assert run_ranks(_recv_from_any_source, 2) == [[("recv", 1)], [("send", 0)]]
