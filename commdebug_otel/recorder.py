@@ -183,7 +183,6 @@ class Recorder:
             "modules seen": len(self._params_seen),
             "resolved groups": len(self._groups),
             "recvs awaiting their source": len(self._awaiting_source),
-            "recent collectives": len(self.progress.ring),
         }
 
     def _traces_this_rank(self) -> bool:

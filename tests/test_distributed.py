@@ -89,6 +89,26 @@ def _torch_nonzero(counts):
             if any(by_pass.values())}
 
 
+def counted_by_both(step):
+    """Run ``step()`` under our CommDebugMode, then again under torch's.
+
+    Returns ``(our counts, torch's counts without empty entries, our InMemoryTelemetry)``.
+    """
+    from torch.distributed.tensor.debug import CommDebugMode as TorchCommDebugMode
+
+    from commdebug_otel import CommDebugMode
+    from commdebug_otel.testing import InMemoryTelemetry
+
+    telemetry = InMemoryTelemetry()
+    ours = CommDebugMode(tracer_provider=telemetry.tracer_provider, meter_provider=telemetry.meter_provider)
+    with ours:
+        step()
+    theirs = TorchCommDebugMode()
+    with theirs:
+        step()
+    return _normalize(ours.comm_module_counts), _torch_nonzero(_normalize(theirs.comm_module_counts)), telemetry
+
+
 def test_tensor_parallel_two_ranks():
     results = run_ranks(_train_and_compare, 2, False)
     for result in results:

@@ -272,11 +272,7 @@ class _ReentrantNet(nn.Module):
 
 
 def _reentrant_counts(rank, world_size):
-    from test_distributed import _normalize, _torch_nonzero
-    from torch.distributed.tensor.debug import CommDebugMode as TorchCommDebugMode
-
-    from commdebug_otel import CommDebugMode
-    from commdebug_otel.testing import InMemoryTelemetry
+    from test_distributed import _torch_nonzero, counted_by_both
 
     torch.manual_seed(0)
     model = _ReentrantNet()
@@ -286,15 +282,8 @@ def _reentrant_counts(rank, world_size):
         model(torch.ones(2, 4, requires_grad=True)).sum().backward()
         optimizer.step()
 
-    telemetry = InMemoryTelemetry()
-    ours = CommDebugMode(tracer_provider=telemetry.tracer_provider, meter_provider=telemetry.meter_provider)
-    with ours:
-        step()
-    theirs = TorchCommDebugMode()
-    with theirs:
-        step()
-    return {"ours": _torch_nonzero(_normalize(ours.comm_module_counts)),
-            "torch": _torch_nonzero(_normalize(theirs.comm_module_counts)), "tree": telemetry.tree()}
+    ours, theirs, telemetry = counted_by_both(step)
+    return {"ours": _torch_nonzero(ours), "torch": theirs, "tree": telemetry.tree()}
 
 
 def test_reentrant_checkpoint_books_inner_backward_collectives_as_commdebugmode_does():

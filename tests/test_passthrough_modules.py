@@ -154,13 +154,9 @@ class DropoutTransformer(nn.Module):
 
 
 def _fsdp_dropout(rank, world_size):
-    from test_distributed import _normalize, _span_view, _torch_nonzero
+    from test_distributed import _span_view, counted_by_both
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.debug import CommDebugMode as TorchCommDebugMode
-
-    from commdebug_otel import CommDebugMode
-    from commdebug_otel.testing import InMemoryTelemetry
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -177,15 +173,8 @@ def _fsdp_dropout(rank, world_size):
         optimizer.zero_grad()
 
     step()  # FSDP2's lazy init before counting
-    telemetry = InMemoryTelemetry()
-    ours = CommDebugMode(tracer_provider=telemetry.tracer_provider, meter_provider=telemetry.meter_provider)
-    with ours:
-        step()
-    theirs = TorchCommDebugMode()
-    with theirs:
-        step()
-    return {"ours": _normalize(ours.comm_module_counts), "torch": _torch_nonzero(_normalize(theirs.comm_module_counts)),
-            "spans": _span_view(telemetry), "tree": telemetry.tree()}
+    ours, theirs, telemetry = counted_by_both(step)
+    return {"ours": ours, "torch": theirs, "spans": _span_view(telemetry), "tree": telemetry.tree()}
 
 
 def _without_empty(counts):
