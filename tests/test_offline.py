@@ -170,7 +170,7 @@ def test_summarize_cli_prints_the_report(demo_run, demo_spans, capsys):
     assert "Global\n  FORWARD PASS\n    *c10d.scatter_: 16\n" in out.out
     assert "        Transformer.output\n          FORWARD PASS\n" \
            "            *c10d_functional.all_gather_into_tensor: 2\n" in out.out
-    for section in ("Collectives per rank:", "Stragglers:", "Most often last: rank",
+    for section in ("Collectives per rank:", "Stragglers:", "Most time lost: rank",
                     "clock skew", "Top collectives by bytes on rank 0:"):
         assert section in out.out
     code, out = _cli(summary, [demo_run[0], "--rank", "7"], capsys)

@@ -490,9 +490,12 @@ def stragglers(spans: list[dict], step: int | None = None) -> dict[str, Any]:
     Returns:
         ``{"matched": complete matches, "incomplete": other matches,
         "per_rank": {rank: {"matched": complete matches it took part in,
-        "mean_late_ms", "max_late_ms", "last": matches where it was the latest (ties count for all)}},
-        "most_often_last": rank or None}``. Matches of one-rank groups are
-        complete but have no latest rank.
+        "mean_late_ms", "max_late_ms", "last": matches where it was the latest (ties count for all),
+        "lost_ms": the time those matches were held back by it (its arrival minus the next latest)}},
+        "most_often_last": rank or None, "most_time_lost": the rank with the largest ``lost_ms``, or
+        None}``. Matches of one-rank groups are complete but have no latest rank. Arriving last most
+        often is noise on a quiet job; the time lost weighs it (``commdebug-otel diagnose`` also names
+        the module).
 
     The times are each host's wall clock when the CPU issued the collective,
     not when the device ran it; across hosts, clock skew adds to lateness.
@@ -501,6 +504,7 @@ def stragglers(spans: list[dict], step: int | None = None) -> dict[str, Any]:
     matches = collective_matches(spans, lambda event: step is None or steps[id(event["span"])] == step)
     late: dict[int, list[int]] = {rank: [] for rank in _ranks(spans)}
     last: Counter = Counter()
+    lost: Counter = Counter()
     complete = 0
     for events in matches.values():
         if len(events) != _group_size(next(iter(events.values()))):
@@ -508,18 +512,22 @@ def stragglers(spans: list[dict], step: int | None = None) -> dict[str, Any]:
         complete += 1
         arrivals = {rank: event["time_ns"] for rank, event in events.items()}
         first, latest = min(arrivals.values()), max(arrivals.values())
+        ordered = sorted(arrivals.values())
         for rank, time_ns in arrivals.items():
             late[rank].append(time_ns - first)
             if len(arrivals) > 1 and time_ns == latest:
                 last[rank] += 1
+                lost[rank] += latest - ordered[-2]
     per_rank = {rank: {
         "matched": len(values),
         "mean_late_ms": statistics.fmean(values) / 1e6 if values else 0.0,
         "max_late_ms": max(values) / 1e6 if values else 0.0,
         "last": last[rank],
+        "lost_ms": lost[rank] / 1e6,
     } for rank, values in late.items()}
     return {"matched": complete, "incomplete": len(matches) - complete, "per_rank": per_rank,
-            "most_often_last": last.most_common(1)[0][0] if last else None}
+            "most_often_last": last.most_common(1)[0][0] if last else None,
+            "most_time_lost": lost.most_common(1)[0][0] if lost and lost.most_common(1)[0][1] > 0 else None}
 
 
 def _group_members(events: list[dict]) -> dict[str, list[int] | None]:
@@ -721,15 +729,16 @@ def format_report(spans: list[dict], rank: int = 0, top: int = 10, step: int | N
     out += ["", (f"Stragglers: {lag['matched']} collectives matched across ranks by "
                  f"(process group, seq); {lag['incomplete']} seen on fewer ranks than the group size. "
                  "Send/recv are not collectives: see pipeline waits.")]
-    rows = [("rank", "matched", "mean late ms", "max late ms", "last")]
+    rows = [("rank", "matched", "mean late ms", "max late ms", "last", "lost ms")]
     for r, stats in lag["per_rank"].items():
         rows.append((r, stats["matched"], f"{stats['mean_late_ms']:.3f}", f"{stats['max_late_ms']:.3f}",
-                     stats["last"]))
+                     stats["last"], f"{stats['lost_ms']:.3f}"))
     out += _columns(rows)
-    slowest = lag["most_often_last"]
+    slowest = lag["most_time_lost"]
     if slowest is not None:
-        out.append(f"Most often last: rank {slowest} "
-                   f"({lag['per_rank'][slowest]['last']} of {lag['per_rank'][slowest]['matched']}).")
+        stats = lag["per_rank"][slowest]
+        out.append(f"Most time lost: rank {slowest} held back the others {stats['lost_ms']:.3f} ms "
+                   f"(last in {stats['last']} of {stats['matched']}); `commdebug-otel diagnose` names the module.")
     out.append("Lateness = when a rank's CPU issued the collective minus the earliest rank, by each "
                "host's wall clock: across hosts, clock skew adds to it.")
 
