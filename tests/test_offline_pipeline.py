@@ -87,7 +87,8 @@ def test_send_and_recv_pair_by_peer_and_order_not_as_collectives():
     # Only the all_reduce (seq 2 on ranks 0 and 1, less the two sends or two recvs before it on group "0");
     # send and recv are not matched as collectives. Rank 1 was 1 ms late.
     assert lag["matched"] == 1 and lag["incomplete"] == 0
-    assert lag["per_rank"][1] == {"matched": 1, "mean_late_ms": 1.0, "max_late_ms": 1.0, "last": 1}
+    assert lag["per_rank"][1] == {"matched": 1, "mean_late_ms": 1.0, "max_late_ms": 1.0, "last": 1,
+                                     "lost_ms": 1.0}
     assert lag["per_rank"][3]["matched"] == 0
     text = summary.format_report(spans, rank=0).splitlines()
     start = text.index("Pipeline waits: 3 send/recv pairs matched by (process group, sender, receiver) in order; "
