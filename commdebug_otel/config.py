@@ -209,7 +209,7 @@ _parse_timeout_s = _Number(0, MAX_SHUTDOWN_TIMEOUT_S, integer=False, low_open=Tr
 
 MAX_STALL_AFTER_S = 86_400.0  # a day: past any step, below what a timer can hold
 STALL_AUTO = "auto"  # Settings.stall_after_s: a threshold from the rank's recent step times
-STALL_ACCEPTED = f"auto, off, or a number of seconds > 0 and <= {MAX_STALL_AFTER_S:g}"
+STALL_ACCEPTED = f"auto, off (or 0), or a number of seconds > 0 and <= {MAX_STALL_AFTER_S:g}"
 
 
 def _parse_stall_after(text: str) -> float | str | None:
@@ -361,7 +361,8 @@ OPTIONS: tuple[Option, ...] = (
            "a watchdog thread exports a stall snapshot at once: the step's spans so far, a `stalled` span "
            "with the collectives in flight and the recent ones, and the metrics; again with back-off "
            "while it lasts. auto: 10 x the median of the rank's recent step times, at least 30 s "
-           "(300 s until 3 steps have ended); off: no watchdog (docs/diagnosis.md)."),
+           "(300 s until 3 steps have ended); off: no watchdog. Keep it below the process group's timeout, "
+           "or a hang may end in that timeout before a snapshot (docs/diagnosis.md)."),
     Option("module_include", "MODULE_INCLUDE", _parse_patterns, (), "comma list of fnmatch patterns",
            "Only modules whose FQN matches get spans (empty = all)."),
     Option("module_exclude", "MODULE_EXCLUDE", _parse_patterns, (), "comma list of fnmatch patterns",

@@ -749,7 +749,8 @@ class Recorder:
         self._add_event(owner, spec.op, attrs, now)
         if step.kind is SpanKind.STEP:
             message = collective.message
-            step.fingerprint(collective.group.name, collective.seq, spec.op, message.dtype, message.shape)
+            step.fingerprint(collective.group.name, collective.seq, spec.op, message.dtype, message.shape,
+                             attrs.get(semconv.COLLECTIVE_REDUCE_OP, ""))
 
     def _completed(self, group: str, seq: int) -> None:
         """A c10d ``Work`` future completed (on the backend's thread)."""

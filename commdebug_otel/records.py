@@ -138,12 +138,12 @@ class Step:
         # Traced steps: per process group, [hash of the ordered (op, dtype, shape), count, first seq].
         self.fingerprints: dict[str, list] = {}
 
-    def fingerprint(self, group: str, seq: int, op: str, dtype: str, shape: list[int]) -> None:
+    def fingerprint(self, group: str, seq: int, op: str, dtype: str, shape: list[int], reduce_op: str = "") -> None:
         """Add a collective to its process group's desync fingerprint (traced steps)."""
         entry = self.fingerprints.get(group)
         if entry is None:
             entry = self.fingerprints[group] = [hashlib.blake2b(digest_size=8), 0, seq]
-        entry[0].update(f"{op}|{dtype}|{shape};".encode())
+        entry[0].update(f"{op}|{dtype}|{shape}|{reduce_op};".encode())
         entry[1] += 1
 
     def fingerprint_attributes(self) -> dict[str, Any]:

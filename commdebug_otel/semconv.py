@@ -29,7 +29,7 @@ STEP_SLOW = "commdebug.step.slow"  # longer than SLOW_STEP_FACTOR x the rank's r
 STEP_STALLED = "commdebug.step.stalled"  # a stall snapshot was taken during this step: how many
 # The desync fingerprint: parallel arrays, one entry per process group the step used.
 STEP_COLLECTIVE_GROUPS = "torch.step.collective_groups"
-STEP_COLLECTIVE_FINGERPRINTS = "torch.step.collective_fingerprints"  # hex hash of the ordered (op, dtype, shape)
+STEP_COLLECTIVE_FINGERPRINTS = "torch.step.collective_fingerprints"  # hash of the ordered (op, dtype, shape, reduce op)
 STEP_COLLECTIVE_COUNTS = "torch.step.collective_counts"
 STEP_COLLECTIVE_FIRST_SEQ = "torch.step.collective_first_seq"
 

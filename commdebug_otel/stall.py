@@ -271,9 +271,11 @@ class StallWatch:
         if not self._recorder.stall_snapshot(now, age_s, threshold_s, self._snapshots, where):
             return False
         if self._snapshots == 1:
-            _logger.warning("commdebug-otel: no progress on this rank for %.1f s (%s %s%s); a stall snapshot "
-                            "was exported, again at twice the age while it lasts", age_s,
-                            "step" if progress.in_step else "after step", progress.step_index,
-                            f", in {where[0]} {where[1]}" if where[0] else "")
+            # Every rank of a hung job says this (the ones waiting too): diagnose tells which one is behind.
+            _logger.warning("commdebug-otel: rank %d made no progress for %.1f s (%s %s, %s); a stall snapshot "
+                            "(span `stalled`) was exported with the metrics, again at twice the age while it "
+                            "lasts; `commdebug-otel diagnose` on the traces names the rank the others wait for",
+                            self._recorder.rank().rank, age_s, "step" if progress.in_step else "after step",
+                            progress.step_index, f"in {where[0]} {where[1]}" if where[0] else "outside any module")
         self._flush()
         return True

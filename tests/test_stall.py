@@ -273,6 +273,12 @@ def test_snapshots_back_off_while_one_stall_lasts():
             calls.append((round(age_s), snapshot))
             return True
 
+        def rank(self):
+            from commdebug_otel.steps import RankInfo
+
+            return RankInfo(rank=0, world_size=1, local_rank=0, node_rank=0, run_id="none", backend="gloo",
+                            distributed=False)
+
     watch = StallWatch(FakeRecorder(), 2.0, lambda: None, lambda module: None)
     start = FakeRecorder.progress.since_ns
     for second in range(0, 20):
