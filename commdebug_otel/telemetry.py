@@ -156,6 +156,7 @@ class Telemetry:
         self.spans = SpanBuilder(self.tracer_setup, self._settings.exception_messages)
         self._atexit = False
         self._said_where = False  # where the files go was said (once per process)
+        self._signal_rescue: _SignalRescue | None = None
         self.disabled = ExportEnv.from_env(environ).sdk_disabled
         # The variables as our own providers last read them when they started (None before).
         self.export_env: ExportEnv | None = None
@@ -289,18 +290,25 @@ class Telemetry:
         """
         if threading.current_thread() is not threading.main_thread():
             return
+        deadly = []
         for signum in _FLUSH_SIGNALS:
             try:
                 previous = signal.getsignal(signum)
                 if previous is None or previous == signal.SIG_IGN:  # set outside Python, or ignored: leave it
                     continue
                 signal.signal(signum, functools.partial(self._on_signal, previous))
+                if previous == signal.SIG_DFL and signum != signal.SIGINT:
+                    deadly.append(signum)
             except (ValueError, OSError) as error:  # an embedded interpreter, a restricted platform
                 _logger.debug("commdebug-otel: no flush on signal %s: %s", signum, describe(error))
+        if deadly and self._signal_rescue is None:
+            self._signal_rescue = _SignalRescue(self, frozenset(deadly)).install()
 
     def _on_signal(self, previous: Any, signum: int, frame: Any) -> None:
         """Export what is finished within the budget, then do what ``previous`` would have done."""
         dying = previous == signal.SIG_DFL and signum != signal.SIGINT
+        if dying and self._signal_rescue is not None and not self._signal_rescue.claim():
+            return  # the rescue thread is flushing and will end the process by the signal
         try:
             if dying:
                 self._exit()  # tracers end their open spans; one bounded flush and shutdown
@@ -521,6 +529,94 @@ def _exporter_arguments(export: ExportEnv, signal: str, transport: str) -> dict[
             from opentelemetry.exporter.otlp.proto.http import Compression
         arguments["compression"] = Compression.NoCompression
     return arguments
+
+
+class _SignalRescue:
+    """Ends the process by a deadly signal when the main thread cannot run its Python handler.
+
+    Python runs signal handlers on the main thread, between bytecodes: a rank blocked in
+    a native wait (a collective waiting for a stuck peer, gloo or NCCL) would run our
+    flush-then-die handler only when the wait returns, at the process group's timeout,
+    where without us the default action kills it at once. Python's C-level handler also
+    writes the signal's number to the wakeup fd: this thread reads it and, if the main
+    thread has not begun the handler within ``GRACE_S``, flushes (within the shutdown
+    budget) and ends the process by the signal itself. Not installed when the wakeup fd
+    is someone else's (asyncio); a forked child drops it (its signals are its own).
+    """
+
+    GRACE_S = 0.5
+
+    def __init__(self, telemetry: Telemetry, deadly: frozenset[int]) -> None:
+        self._telemetry = telemetry
+        self._deadly = deadly
+        self._claimed = threading.Lock()
+        self._reader: socket.socket | None = None
+        self._writer: socket.socket | None = None
+
+    def install(self) -> _SignalRescue | None:
+        """Take the wakeup fd and start the thread; None where the fd is taken or cannot be set."""
+        try:
+            reader, writer = socket.socketpair()
+            writer.setblocking(False)
+            previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+            if previous != -1:  # someone else's (an event loop): give it back, keep the old behaviour
+                signal.set_wakeup_fd(previous)
+                reader.close()
+                writer.close()
+                return None
+        except (ValueError, OSError) as error:
+            _logger.debug("commdebug-otel: no signal rescue thread: %s", describe(error))
+            return None
+        self._reader, self._writer = reader, writer
+        os.register_at_fork(after_in_child=self._forget)
+        threading.Thread(target=self._run, name="commdebug-otel-signals", daemon=True).start()
+        return self
+
+    def claim(self) -> bool:
+        """Whoever claims first flushes and ends the process: the main thread's handler or this thread."""
+        return self._claimed.acquire(blocking=False)
+
+    def _forget(self) -> None:
+        try:
+            current = signal.set_wakeup_fd(-1)
+            if self._writer is None or current != self._writer.fileno():
+                signal.set_wakeup_fd(current)  # someone else's by now: theirs again
+        except (ValueError, OSError):
+            pass
+
+    def _run(self) -> None:
+        while True:
+            try:
+                data = self._reader.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            for signum in data:
+                if signum in self._deadly:
+                    self._rescue(signum)
+
+    def _rescue(self, signum: int) -> None:
+        time.sleep(self.GRACE_S)  # a main thread that is running Python takes it itself
+        if not self.claim():
+            return
+        try:
+            self._telemetry._exit()
+        except Exception as error:
+            _logger.debug("commdebug-otel: flush on signal %s failed: %s", signum, describe(error))
+        _die_by(signum)
+
+
+def _die_by(signum: int) -> None:
+    """End the process by ``signum``'s default action, from any thread (Python's signal.signal is main-only)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+    libc.signal(signum, None)  # SIG_DFL
+    os.kill(os.getpid(), signum)
+    time.sleep(1.0)  # delivery is asynchronous
+    os._exit(128 + signum)
 
 
 # SIGHUP and SIGQUIT do not exist on Windows.

@@ -423,6 +423,31 @@ def test_a_signal_keeps_the_finished_steps_and_ends_the_process_as_before(tmp_pa
     assert max(point["value"] for point in points) == 3
 
 
+def test_a_rank_waiting_in_native_code_still_ends_at_sigterm(tmp_path):
+    """A rank blocked in a collective (here a TCPStore wait) cannot run Python's signal handlers: without us
+    SIGTERM kills it at once, and with us it must too (flushing first), not at the wait's timeout."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env["OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR"] = str(tmp_path)
+    process = subprocess.Popen([sys.executable, str(SCRIPTS / "until_signal.py"), "3", "native"], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().strip() == "READY"
+        time.sleep(0.5)  # inside the wait
+        sent = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        process.kill()
+    assert process.returncode == -signal.SIGTERM, stderr
+    assert took < 10, took  # the grace (0.5 s) and the flush, not the wait's 120 s
+    from commdebug_otel.offline.summary import load_spans
+
+    [run] = tmp_path.glob("run-*")
+    steps = sorted(span["attributes"][semconv.STEP] for span in load_spans([str(run)]) if span["name"] == "train_step")
+    assert steps == [0, 1, 2, 3]
+
+
 def test_spans_dropped_at_exit_are_counted_in_the_last_metrics(tmp_path):
     script = ("import torch\nfrom commdebug_otel import CommTracer\nCommTracer().start()\n"
               "torch.nn.Linear(2, 2)(torch.ones(1, 2))\n")  # no collective: no metric before exit
@@ -537,3 +562,27 @@ def test_unwritable_output_folder_costs_a_warning_not_the_training(tmp_path):
     said = [line for line in result.stderr.splitlines() if "commdebug-otel" in line]
     assert len(said) == 1 and "OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR" in said[0], result.stderr  # one line, naming it
     assert "Traceback" not in result.stderr
+
+
+def test_a_forked_child_killed_by_sigterm_leaves_its_parent_alone(tmp_path):
+    """DataLoader workers are forked and ended by SIGTERM: the parent's signal rescue must not take it as its own."""
+    code = """
+import os, signal, sys, time, torch
+from commdebug_otel import CommTracer
+tracer = CommTracer().start()
+torch.nn.Linear(2, 2)(torch.ones(1, 2))
+child = os.fork()
+if child == 0:
+    time.sleep(30)
+    os._exit(0)
+time.sleep(0.3)
+os.kill(child, signal.SIGTERM)
+_, status = os.waitpid(child, 0)
+time.sleep(1.5)  # longer than the rescue's grace
+print("ALIVE", os.WIFSIGNALED(status) and os.WTERMSIG(status), flush=True)
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env["OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR"] = str(tmp_path)
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["ALIVE", str(int(signal.SIGTERM))]

@@ -1,11 +1,15 @@
 """Trains STEPS steps under CommTracer (from the environment), prints READY, then waits for a signal.
 
-usage: until_signal.py STEPS
+usage: until_signal.py STEPS [native]
+
+``native``: wait in native code instead (a TCPStore wait for a key nobody sets, as a collective
+waits for a stuck peer), where Python cannot run signal handlers.
 """
 
 import socket
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -17,8 +21,8 @@ def main():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", port, 1, is_master=True), rank=0,
-                            world_size=1)
+    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     CommTracer().start()
@@ -28,6 +32,8 @@ def main():
         optimizer.step()
     model(torch.ones(2, 4))  # a step that has begun and will not finish
     print("READY", flush=True)
+    if sys.argv[2:] == ["native"]:
+        store.wait(["commdebug-test/never-set"], timedelta(seconds=120))
     time.sleep(120)
 
 
