@@ -202,14 +202,19 @@ def _load(spans, tmp_path):
     return summary.load_spans([tmp_path])
 
 
+def _blocking(issued_ms, returned_ms, seq):
+    """A blocking collective's event: stamped when the call returned, with the time it took."""
+    return round(returned_ms * MS), _collective(seq, **{semconv.COLLECTIVE_DURATION: (returned_ms - issued_ms) / 1e3})
+
+
 def test_straggler_blame_exact(tmp_path):
-    # Step 0 on two ranks: rank 1's M.a takes 10 ms longer before seq 0; 0.5 ms late at seq 1 (noise);
-    # then 12 ms late at seq 2, with 11.5 ms more in train_step itself since its previous arrival.
+    # Step 0 on two ranks, blocking collectives (each returns when the last rank arrives): rank 1's M.a takes
+    # 10 ms longer before seq 0; 0.5 ms late at seq 1 (noise); then 12 ms late at seq 2, with 11.5 ms more in
+    # train_step itself since its previous arrival.
     spans = []
     for rank, (a_end, seq1, seq2) in enumerate(((20, 40, 50), (30, 40.5, 62))):
-        spans += [_step(rank, 0, "s", 0, 100 * MS, [(round(seq1 * MS), _collective(1)),
-                                                   (seq2 * MS, _collective(2))]),
-                  _module(rank, "M.a", "a", "s", 1 * MS, a_end * MS, [(a_end * MS, _collective(0))])]
+        spans += [_step(rank, 0, "s", 0, 100 * MS, [_blocking(seq1, 40.5, 1), _blocking(seq2, 62, 2)]),
+                  _module(rank, "M.a", "a", "s", 1 * MS, 30 * MS, [_blocking(a_end, 30, 0)])]
     rows = diagnose.stragglers(_load(spans, tmp_path))
     assert rows == [
         {"rank": 1, "module": diagnose.TRAIN_STEP, "pass": "", "lost_s": 0.012, "waited_s": 0.012, "collectives": 1,
@@ -217,11 +222,48 @@ def test_straggler_blame_exact(tmp_path):
         {"rank": 1, "module": "M.a", "pass": "forward", "lost_s": 0.01, "waited_s": 0.01, "collectives": 1,
          "steps": [0], "excess_s": 0.01},
     ]
-    # Below 1 ms, seq 1 is noise; with a lower floor it counts, but rank 1 spent no more time anywhere since
-    # its arrival at seq 0 (it only left that collective later): unattributed.
-    assert diagnose.stragglers(_load(spans, tmp_path), noise_floor_s=0.0003)[2] == {
-        "rank": 1, "module": diagnose.UNATTRIBUTED, "pass": "", "lost_s": 0.0005, "waited_s": 0.0005,
-        "collectives": 1, "steps": [0], "excess_s": 0.0}
+    # Below 1 ms, seq 1 is noise; with a lower floor it counts: rank 1 took 10.5 ms from seq 0 (left by both
+    # ranks at 30 ms) to seq 1, rank 0 10 ms, both in train_step.
+    assert diagnose.stragglers(_load(spans, tmp_path), noise_floor_s=0.0003)[0] == {
+        "rank": 1, "module": diagnose.TRAIN_STEP, "pass": "", "lost_s": 0.0125, "waited_s": 0.0125,
+        "collectives": 2, "steps": [0], "excess_s": 0.012}
+
+
+def test_asynchronous_collectives_count_a_delay_once(tmp_path):
+    # DDP's buckets: four all_reduces issued asynchronously in M.b's backward (each returns at once). Rank 1
+    # spends 50 ms longer there before the first; the other three are as late, but only by that delay. Rank 0
+    # then waits for the buckets (train_step, 50 ms), and rank 1 spends 5 ms more in M.c before seq 4: lost
+    # there though rank 1 left seq 3 50 ms late.
+    spans = []
+    for rank, late_ms in enumerate((0, 50)):
+        buckets = [((11 + i + late_ms) * MS, _collective(i)) for i in range(4)]
+        c_end = (94 if rank == 0 else 99) * MS
+        spans += [_step(rank, 0, "s", 0, 200 * MS),
+                  _module(rank, "M.b", "b", "s", 1 * MS, (14 + late_ms) * MS, buckets, pass_="backward"),
+                  _module(rank, "M.c", "c", "s", 64 * MS, c_end),
+                  _module(rank, "M.d", "d", "s", c_end, c_end + 7 * MS, [(c_end + 6 * MS, _collective(4))])]
+    rows = diagnose.stragglers(_load(spans, tmp_path))
+    assert rows == [
+        {"rank": 1, "module": "M.b", "pass": "backward", "lost_s": 0.05, "waited_s": 0.05, "collectives": 1,
+         "steps": [0], "excess_s": 0.05},
+        {"rank": 1, "module": "M.c", "pass": "forward", "lost_s": 0.005, "waited_s": 0.005, "collectives": 1,
+         "steps": [0], "excess_s": 0.005},
+    ], rows
+
+
+def test_lateness_spread_thin_is_unattributed(tmp_path):
+    # Rank 1 is 2 ms late at a blocking seq 1, with 0.6 ms more in M.a, 0.7 ms in M.b and 0.7 ms in train_step:
+    # no place holds a delay above the 1 ms floor.
+    spans = []
+    for rank, extra_us in enumerate((0, 1)):
+        a_end, b_end = 10 * MS + 600_000 * extra_us, 20 * MS + 1_300_000 * extra_us
+        arrival = 30 * MS + 2 * MS * extra_us
+        spans += [_step(rank, 0, "s", 0, 100 * MS, [(1 * MS, _collective(0)),
+                                                   (round(arrival), _collective(1))]),
+                  _module(rank, "M.a", "a", "s", 1 * MS, a_end), _module(rank, "M.b", "b", "s", a_end, b_end)]
+    assert diagnose.stragglers(_load(spans, tmp_path)) == [
+        {"rank": 1, "module": diagnose.UNATTRIBUTED, "pass": "", "lost_s": 0.002, "waited_s": 0.002,
+         "collectives": 1, "steps": [0], "excess_s": 0.0}]
 
 
 def _ring(seq, state, age_s, module="", op="all_reduce", shape=(8,)):

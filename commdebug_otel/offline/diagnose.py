@@ -166,15 +166,48 @@ class _Arrivals:
         return min(self._step_start.get((rank, step), arrival), arrival)
 
 
-def _blame(late: dict[Label, int], others: list[dict[Label, int]]) -> tuple[Label, int]:
-    """The label where ``late`` spent most more time than the others' median, and that excess (ns)."""
+class _Carried:
+    """How late each rank still was when it left each collective, to count a delay once.
+
+    ``complete``: the complete matches, ``{rank: event}`` each. A rank's lateness at a collective
+    is ``a_r - max(a_o, o != r)``; what it carries away is that lateness, but no more than how much
+    later than the others it returned from the call (the event's time): a blocking collective
+    returns on every rank when the last arrives (nothing carried), an asynchronous one (DDP's
+    buckets, FSDP's prefetch, functional collectives) returns at once (all of it carried).
+    """
+
+    def __init__(self, complete: list[dict[int, dict]], steps: dict[int, int | None]) -> None:
+        items: dict[int, list[tuple[int, int, int | None]]] = defaultdict(list)
+        for events in complete:
+            issued = {rank: summary._issued_ns(event) for rank, event in events.items()}
+            returned = {rank: event["time_ns"] for rank, event in events.items()}
+            for rank, event in events.items():
+                late = issued[rank] - max(time for other, time in issued.items() if other != rank)
+                later = returned[rank] - max(time for other, time in returned.items() if other != rank)
+                items[rank].append((issued[rank], max(0, min(late, later)), steps[id(event["span"])]))
+        self._items = {rank: sorted(found, key=lambda item: item[0]) for rank, found in items.items()}
+        self._times = {rank: [item[0] for item in found] for rank, found in self._items.items()}
+
+    def before(self, rank: int, arrival: int, step: int | None) -> int:
+        """ns of lateness ``rank`` carried from its previous collective (in this step or the one before)."""
+        i = bisect.bisect_left(self._times[rank], arrival)
+        if i == 0:
+            return 0
+        _, carried, previous_step = self._items[rank][i - 1]
+        return carried if step is not None and previous_step in (step, step - 1) else 0
+
+
+def _blame(late: dict[Label, int], others: list[dict[Label, int]]) -> tuple[Label, int, int]:
+    """The label where ``late`` spent most more time than the others' median, that excess, and the
+    excesses summed over every label where it spent more (ns)."""
     labels = set(late).union(*others)
     excess = {label: late.get(label, 0) - statistics.median(other.get(label, 0) for other in others)
               for label in labels}
     label = max(sorted(excess), key=lambda label: excess[label])
+    extra = round(sum(value for value in excess.values() if value > 0))
     if excess[label] <= 0:  # e.g. it was late only because the others left the previous collective early
-        return (UNATTRIBUTED, ""), 0
-    return label, round(excess[label])
+        return (UNATTRIBUTED, ""), 0, extra
+    return label, round(excess[label]), extra
 
 
 def stragglers(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S) -> list[dict[str, Any]]:
@@ -183,17 +216,23 @@ def stragglers(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S) -> list[
     Each collective event of a traced step (stall snapshots aside) is matched across ranks
     by (process group name, seq) as :func:`.summary.collective_matches` does (send/recv
     left out: see :func:`.summary.pipeline_waits`); only complete matches count. A rank's
-    arrival ``a_r`` is when its CPU began issuing the op. The last rank L is blamed
-    for ``lost = a_L - max(a_r, r != L)`` (wall time the collective was held back) when that
-    is at least ``noise_floor_s`` (default :data:`NOISE_FLOOR_S`, 1 ms); ``waited = sum(a_L - a_r,
-    r != L)`` (rank-seconds the others waited).
+    arrival ``a_r`` is when its CPU began issuing the op. The last rank L is late by
+    ``late = a_L - max(a_r, r != L)``. It is blamed for the delay it added since its previous
+    collective (in this step or the one before): ``lost = min(late, max(late - carried, extra))``,
+    where ``carried`` is the lateness it left that previous collective with (its lateness there,
+    at most how much later than the others the call returned: 0 after a blocking collective, all
+    of it after an asynchronous one, so DDP's buckets or FSDP's prefetches of one backward do not
+    each count the same delay) and ``extra`` the time it spent over the others since then (below).
+    ``lost`` under ``noise_floor_s`` (default :data:`NOISE_FLOOR_S`, 1 ms) is not blamed;
+    ``waited = sum(min(a_L - a_r, lost), r != L)`` (rank-seconds the others waited for it).
 
     What L was doing: the window on each rank from its previous collective arrival (any
     group; or its ``train_step``'s start when that arrival lies before the previous step) up to
     its arrival is cut by innermost span (exclusive time), and the (module FQN, pass) where L
-    spent the most time over the other ranks' median is named; time in ``train_step``
-    outside modules is :data:`TRAIN_STEP`, time under no span :data:`BETWEEN_STEPS`; when L spent
-    no more time anywhere, :data:`UNATTRIBUTED` (excess 0).
+    spent the most time over the other ranks' median is named (``extra``: those excesses summed
+    over every place where L spent more); time in ``train_step`` outside modules is
+    :data:`TRAIN_STEP`, time under no span :data:`BETWEEN_STEPS`; when L spent no more time
+    anywhere, or less than ``noise_floor_s`` more in the place named, :data:`UNATTRIBUTED` (excess 0).
 
     Returns:
         one row per blamed (rank, module, pass), largest ``lost_s`` first:
@@ -216,25 +255,37 @@ def stragglers(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S) -> list[
         arrival = summary._issued_ns(event)
         return timelines[rank].self_times(arrivals.window_start(rank, arrival, step), arrival)
 
+    complete = [events for events in matches.values()
+                if len(events) >= 2 and len(events) == summary._group_size(next(iter(events.values())))]
+    carried = _Carried(complete, steps)
     rows: dict[tuple[int, str, str], dict[str, Any]] = {}
     floor_ns = noise_floor_s * 1e9
-    for events in matches.values():
-        if len(events) < 2 or len(events) != summary._group_size(next(iter(events.values()))):
-            continue
+    for events in complete:
         issued = {rank: summary._issued_ns(event) for rank, event in events.items()}
         last = max(sorted(issued), key=lambda rank: issued[rank])
         others = [time for rank, time in issued.items() if rank != last]
-        lost = issued[last] - max(others)
+        step = steps[id(events[last]["span"])]
+        # Only the delay L added since its previous collective: lateness it still carried from there
+        # (an asynchronous collective that it left as late as it came) was counted there.
+        late = issued[last] - max(others)
+        if late < floor_ns:
+            continue
+        (module, pass_), excess, extra = _blame(
+            self_times(last, events[last], step),
+            [self_times(rank, events[rank], step) for rank in events if rank != last])
+        # Only the delay L added since its previous collective: the lateness it carried from there (an
+        # asynchronous collective it left as late as it came) was counted there; unless L spent more time
+        # than the others since then (the others waited out its lateness in between, e.g. in wait_tensor).
+        lost = min(late, max(late - carried.before(last, issued[last], step), extra))
         if lost < floor_ns:
             continue
-        step = steps[id(events[last]["span"])]
-        (module, pass_), excess = _blame(self_times(last, events[last], step),
-                                         [self_times(rank, events[rank], step) for rank in events if rank != last])
+        if excess < floor_ns:
+            (module, pass_), excess = (UNATTRIBUTED, ""), 0
         row = rows.setdefault((last, module, pass_), {
             "rank": last, "module": module, "pass": pass_, "lost_s": 0, "waited_s": 0, "collectives": 0,
             "steps": set(), "excess_s": 0})
         row["lost_s"] += lost
-        row["waited_s"] += sum(issued[last] - time for time in others)
+        row["waited_s"] += sum(min(issued[last] - time, lost) for time in others)
         row["excess_s"] += excess
         row["collectives"] += 1
         row["steps"].add(step)
@@ -597,12 +648,13 @@ def format_text(found: dict[str, Any], top: int = 10) -> str:
         out += [f"    rank {rank}: {_collective_text(c)}" for rank, c in desync["ranks"].items()]
     rows = found["stragglers"]
     out += ["", f"Stragglers: {len(rows)} (rank, module) blamed; lost = wall time a collective was held back by "
-                f"the last rank to arrive (lateness under {found['noise_floor_s'] * 1e3:g} ms ignored), "
-                "waited = rank-seconds the others waited."]
+                f"the last rank to arrive, counting only the delay it added since its previous collective "
+                f"(under {found['noise_floor_s'] * 1e3:g} ms ignored), waited = rank-seconds the others waited, "
+                "excess = the time it spent in that module over the other ranks."]
     if rows:
-        table = [("rank", "module", "pass", "lost s", "waited s", "collectives", "steps")]
+        table = [("rank", "module", "pass", "lost s", "waited s", "excess s", "collectives", "steps")]
         table += [(row["rank"], row["module"], row["pass"] or "-", f"{row['lost_s']:.3f}", f"{row['waited_s']:.3f}",
-                   row["collectives"], len(row["steps"])) for row in rows[:top]]
+                   f"{row['excess_s']:.3f}", row["collectives"], len(row["steps"])) for row in rows[:top]]
         out += ["  " + line for line in summary._columns(table)]
         if len(rows) > top:
             out.append(f"  ... {len(rows) - top} more rows, {sum(row['lost_s'] for row in rows[top:]):.3f} s lost "
