@@ -147,8 +147,8 @@ def test_a_real_desync_names_both_sides(between_steps_spans):
     _, spans = between_steps_spans
     per_step = len([event for event in summary.collective_events(summary.step_spans(spans, 0), rank=0)])
     assert per_step == 17  # the demo transformer's tensor parallel collectives in one step
-    side = {"op": "all_reduce", "dtype": "float32", "module": "Transformer.layers.0.attention", "pass": "forward",
-            "seq": _ODD_STEP * per_step + 1}  # after tok_embeddings' all_reduce
+    side = {"op": "all_reduce", "dtype": "float32", "reduce_op": "sum", "module": "Transformer.layers.0.attention",
+            "pass": "forward", "seq": _ODD_STEP * per_step + 1}  # after tok_embeddings' all_reduce
     assert diagnose.desyncs(spans) == [{"group": "0", "seq": _ODD_STEP * per_step + 1, "step": _ODD_STEP, "ranks": {
         0: side | {"shape": [2, 3]}, 1: side | {"shape": [6]}}}]
 
@@ -402,7 +402,7 @@ def test_desync_fingerprints_skip_equal_steps_and_a_skipped_collective_shows_the
         # Step 1: rank 1 skipped the all_reduce: at seq 10 it shows its all_gather, at seq 11 nothing.
         *_fingerprinted(0, 1, S, ops, "bb"), *_fingerprinted(1, 1, S, [(10, "all_gather", (8,))], "cc"),
     ]
-    side = {"dtype": "float32", "module": "M.a", "pass": "forward"}
+    side = {"dtype": "float32", "reduce_op": "", "module": "M.a", "pass": "forward"}
     assert diagnose.desyncs(_load(spans, tmp_path)) == [{"group": "0", "seq": 10, "step": 1, "ranks": {
         0: side | {"op": "all_reduce", "shape": [4], "seq": 10},
         1: side | {"op": "all_gather", "shape": [8], "seq": 10}}}]
@@ -412,7 +412,7 @@ def test_desync_fingerprints_skip_equal_steps_and_a_skipped_collective_shows_the
     assert [(d["step"], d["ranks"][1]["op"]) for d in diagnose.desyncs(_load(bare, tmp_path))] == [(0, "broadcast")]
     # A rank that issued one collective fewer at the end of a step: "none" there.
     short = [*_fingerprinted(0, 1, S, ops, None), *_fingerprinted(1, 1, S, ops[:1], None)]
-    none = {"op": "none", "dtype": "", "shape": [], "module": "", "pass": "", "seq": -1}
+    none = {"op": "none", "dtype": "", "shape": [], "reduce_op": "", "module": "", "pass": "", "seq": -1}
     assert diagnose.desyncs(_load(short, tmp_path))[0]["ranks"] == {
         0: side | {"op": "all_gather", "shape": [8], "seq": 11}, 1: none}
     # One that issued nothing on the group in a finished step (it did in others): "none" at the first seq.
@@ -422,6 +422,39 @@ def test_desync_fingerprints_skip_equal_steps_and_a_skipped_collective_shows_the
         0: side | {"op": "all_reduce", "shape": [4], "seq": 12}, 1: none}}]
 
 
+def test_a_reduce_op_mismatch_is_a_desync(tmp_path):
+    # Rank 1 all-reduces with MAX where rank 0 sums: same op, dtype and shape. The fingerprints (op|dtype|shape,
+    # as before the reduce op joined them) agree: the events' reduce ops are still compared.
+    def ops(reduce_op):
+        return [_collective(seq, **{semconv.COLLECTIVE_REDUCE_OP: op}) for seq, op in ((0, "sum"), (1, reduce_op))]
+
+    spans = []
+    for rank, reduce_op in enumerate(("sum", "max")):
+        events = [(S + (i + 1) * MS, attrs) for i, attrs in enumerate(ops(reduce_op))]
+        spans += [_step(rank, 1, "s", S, S + 50 * MS, trace="r-", **{
+                      "torch.step.collective_groups": ["0"], "torch.step.collective_fingerprints": ["aa"],
+                      "torch.step.collective_counts": [2], "torch.step.collective_first_seq": [0]}),
+                  _module(rank, "M.a", "a", "s", S, S + 40 * MS, events, trace="r-")]
+    spans = _load(spans, tmp_path)
+    side = {"op": "all_reduce", "dtype": "float32", "shape": [8], "module": "M.a", "pass": "forward", "seq": 1}
+    assert diagnose.desyncs(spans) == [{"group": "0", "seq": 1, "step": 1, "ranks": {
+        0: side | {"reduce_op": "sum"}, 1: side | {"reduce_op": "max"}}}]
+    text = diagnose.format_text(diagnose.diagnose(spans)).splitlines()
+    assert text[text.index("Desyncs: 1") + 2:text.index("Desyncs: 1") + 4] == [
+        "    rank 0: all_reduce float32 [8] sum in M.a forward",
+        "    rank 1: all_reduce float32 [8] max in M.a forward"]
+    # Without fingerprints too; and a side without a recorded reduce op (a stall ring's) is not compared on it.
+    for item in spans:
+        for key in [key for key in item["attributes"] if key.startswith("torch.step.collective_")]:
+            del item["attributes"][key]
+    assert [d["seq"] for d in diagnose.desyncs(spans)] == [1]
+    for item in spans:
+        for event in item["events"]:
+            if item["rank"] == 1:
+                del event["attributes"][semconv.COLLECTIVE_REDUCE_OP]
+    assert diagnose.desyncs(spans) == []
+
+
 def test_a_desync_that_hangs_is_found_in_the_stall_rings(tmp_path):
     # Both ranks wait at seq 20 of step 5, one in an all_reduce and one in a broadcast: no finished step 5.
     spans = [*_snapshot(0, 5, 1100, 60.0, 3, "M.a", 20, 19, [_ring(19, "completed", 61.0, "M.a"),
@@ -429,7 +462,7 @@ def test_a_desync_that_hangs_is_found_in_the_stall_rings(tmp_path):
              *_snapshot(1, 5, 1100, 60.0, 3, "M.a", 20, 19, [_ring(19, "completed", 61.0, "M.a"),
                                                              _ring(20, "in_flight", 59.0, "M.a", op="broadcast")])]
     spans = _load(spans, tmp_path)
-    side = {"dtype": "float32", "shape": [8], "module": "M.a", "pass": "forward", "seq": 20}
+    side = {"dtype": "float32", "shape": [8], "reduce_op": "", "module": "M.a", "pass": "forward", "seq": 20}
     assert diagnose.desyncs(spans) == [{"group": "0", "seq": 20, "step": 5, "ranks": {
         0: side | {"op": "all_reduce"}, 1: side | {"op": "broadcast"}}}]
     # Every rank waits in a collective at the same seq: no one is behind; both are listed.

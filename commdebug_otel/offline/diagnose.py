@@ -7,7 +7,7 @@ Reads the same OTLP-JSON trace files as ``summarize`` (ours, or a Collector's
   stuck, the rank the others wait for (the one behind on a process group's seq),
   its module and pass, how long, its stack, and what each waiting rank has in flight;
 * **desyncs**: the first (process group, seq) where ranks issued different
-  collectives (op, dtype, shape), with each rank's side and module;
+  collectives (op, dtype, shape, reduce op), with each rank's side and module;
 * **stragglers**: for each collective of a traced step matched across ranks by
   (process group, seq), the rank that arrived last is blamed for the wall time it held
   the collective back (``lost_s``), and the module (or the gap between steps) where it
@@ -63,7 +63,7 @@ TRAIN_STEP = f"({semconv.SPAN_TRAIN_STEP})"
 BETWEEN_STEPS = "(between steps)"
 #: A late rank that spent no more time anywhere than the others since their previous collectives.
 UNATTRIBUTED = "(unattributed)"
-_NO_OP = {"op": "none", "dtype": "", "shape": [], "module": "", "pass": "", "seq": -1}
+_NO_OP = {"op": "none", "dtype": "", "shape": [], "reduce_op": "", "module": "", "pass": "", "seq": -1}
 
 Label = tuple[str, str]  # (module FQN or a parenthesised place, pass)
 
@@ -482,6 +482,7 @@ def _issued_collectives(spans: list[dict]) -> tuple[dict[tuple[int, int], dict[s
             "op": str(attrs.get(semconv.COLLECTIVE_OP, event["name"])),
             "dtype": str(attrs.get(semconv.COLLECTIVE_DTYPE, "")),
             "shape": list(attrs.get(semconv.COLLECTIVE_SHAPE, [])),
+            "reduce_op": str(attrs.get(semconv.COLLECTIVE_REDUCE_OP, "")),
             "module": module, "pass": attrs.get(semconv.MODULE_PASS, pass_), "seq": seq}
     return out, finished_steps - cut
 
@@ -501,18 +502,24 @@ def _fingerprints(spans: list[dict]) -> dict[tuple[int, int], dict[str, tuple[st
     return out
 
 
-def _same(collectives: Iterable[dict | None]) -> bool:
+def _same(collectives: Iterable[dict | None], reduce_op_only: bool = False) -> bool:
+    """Whether the collectives agree: (op, dtype, shape), and the reduce op where each records one
+    (a stall ring's events do not); ``reduce_op_only``: the reduce op alone."""
+    collectives = list(collectives)
     kinds = {None if c is None else (c["op"], c["dtype"], tuple(c["shape"])) for c in collectives}
-    return len(kinds) == 1
+    reduce_ops = {c["reduce_op"] for c in collectives if c is not None and c["reduce_op"]}
+    return len(reduce_ops) <= 1 and (reduce_op_only or len(kinds) == 1)
 
 
 def desyncs(spans: list[dict]) -> list[dict[str, Any]]:
-    """The first collective, per process group, where ranks disagree on (op, dtype, shape).
+    """The first collective, per process group, where ranks disagree on (op, dtype, shape, reduce op).
 
     Per training step (ascending) and process group, each rank's collectives in seq order
-    are compared; a step whose ``train_step`` fingerprints
+    are compared; the reduce op (``torch.collective.reduce_op``) only where both sides
+    record one (a stall ring's events do not). A step whose ``train_step`` fingerprints
     (``torch.step.collective_fingerprints``, when the live side records them) are equal on
-    every rank is skipped without reading its events. Ranks are those with collectives on
+    every rank is compared on its events' reduce ops only (a fingerprint may not cover them).
+    Ranks are those with collectives on
     the group in the files; a rank that skipped a collective shows, at that seq, the next one
     it issued, or op ``"none"`` when it issued none in the step. Steps a rank never finished
     are read from its stall snapshots; there, and where a span dropped events, a seq the rank
@@ -521,8 +528,8 @@ def desyncs(spans: list[dict]) -> list[dict[str, Any]]:
 
     Returns:
         ``[{"group", "seq" (counted without send/recv, as stragglers match), "step",
-        "ranks": {rank: {"op", "dtype", "shape", "module", "pass", "seq" (its own
-        torch.collective.seq)}}}]``, by step then group.
+        "ranks": {rank: {"op", "dtype", "shape", "reduce_op" ("" when not recorded), "module",
+        "pass", "seq" (its own torch.collective.seq)}}}]``, by step then group.
     """
     issued, whole = _issued_collectives(spans)
     fingerprints = _fingerprints(spans)
@@ -538,11 +545,12 @@ def desyncs(spans: list[dict]) -> list[dict[str, Any]]:
     for group in sorted(members):
         for step in sorted(steps):
             ranks = sorted(members[group] & steps[step])
-            prints = [fingerprints.get((rank, step), {}).get(group) for rank in ranks]
-            if len(ranks) < 2 or (None not in prints and len(set(prints)) == 1):
+            if len(ranks) < 2:
                 continue
+            prints = [fingerprints.get((rank, step), {}).get(group) for rank in ranks]
             by_rank = {rank: issued.get((rank, step), {}).get(group, {}) for rank in ranks}
-            found = _first_difference(group, step, by_rank, {rank for rank in ranks if (rank, step) in whole})
+            found = _first_difference(group, step, by_rank, {rank for rank in ranks if (rank, step) in whole},
+                                      reduce_op_only=None not in prints and len(set(prints)) == 1)
             if found is not None:
                 out.append(found)
                 break
@@ -551,15 +559,17 @@ def desyncs(spans: list[dict]) -> list[dict[str, Any]]:
 
 
 def _first_difference(group: str, step: int, by_rank: dict[int, dict[int, dict]],
-                      whole: set[int]) -> dict[str, Any] | None:
+                      whole: set[int], reduce_op_only: bool = False) -> dict[str, Any] | None:
     """The first seq of ``step`` where the ranks' collectives on ``group`` differ, or None.
 
     ``whole``: the ranks whose record of the step is whole; only they can say that they
-    issued nothing at a seq.
+    issued nothing at a seq. ``reduce_op_only``: compare reduce ops only (the fingerprints agree).
     """
     for seq in sorted(set().union(*by_rank.values())):
         known = {rank: seqs.get(seq) for rank, seqs in by_rank.items() if seq in seqs or rank in whole}
-        if len(known) < 2 or _same(known.values()):
+        if reduce_op_only:
+            known = {rank: c for rank, c in known.items() if c is not None}
+        if len(known) < 2 or _same(known.values(), reduce_op_only):
             continue
         return {"group": group, "seq": seq, "step": step,
                 "ranks": {rank: c or dict(_NO_OP) for rank, c in sorted(known.items())}}
@@ -610,10 +620,12 @@ def _in_flight(collectives: list[dict]) -> str:
                      f"{c['age_s']:.1f} s" for c in collectives) or "nothing"
 
 
-def _collective_text(c: dict) -> str:
+def _collective_text(c: dict, reduce_op: bool = False) -> str:
+    """One rank's side of a desync; ``reduce_op``: with its reduce op (when the ranks' differ)."""
     if c["op"] == "none":
         return "none (no collective at this seq in the step)"
-    return f"{c['op']} {c['dtype']} {c['shape']} in {_where(c['module'], c['pass'])}"
+    op = f" {c['reduce_op'] or '(reduce op not recorded)'}" if reduce_op else ""
+    return f"{c['op']} {c['dtype']} {c['shape']}{op} in {_where(c['module'], c['pass'])}"
 
 
 def format_text(found: dict[str, Any], top: int = 10) -> str:
@@ -645,7 +657,8 @@ def format_text(found: dict[str, Any], top: int = 10) -> str:
     out += ["", f"Desyncs: {len(found['desyncs'])}"]
     for desync in found["desyncs"]:
         out.append(f"  group {desync['group']}, step {desync['step']}, seq {desync['seq']}: ranks disagree")
-        out += [f"    rank {rank}: {_collective_text(c)}" for rank, c in desync["ranks"].items()]
+        reduce_ops = len({c["reduce_op"] for c in desync["ranks"].values() if c["op"] != "none"}) > 1
+        out += [f"    rank {rank}: {_collective_text(c, reduce_ops)}" for rank, c in desync["ranks"].items()]
     rows = found["stragglers"]
     out += ["", f"Stragglers: {len(rows)} (rank, module) blamed; lost = wall time a collective was held back by "
                 f"the last rank to arrive, counting only the delay it added since its previous collective "
