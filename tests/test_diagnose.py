@@ -320,11 +320,12 @@ def test_a_stall_names_the_rank_behind_and_who_waits(tmp_path):
         "rank": 1, "step": 3, "module": "Model.layers.0.attention", "pass": "forward", "age_s": 45.0,
         "threshold_s": 10.0, "snapshot": 2, "between_steps": False,
         "stack": ["train.py:41 in forward", "torch/nn/modules/module.py:1750"],
-        "issued_seq": {"0": 56}, "completed_seq": {"0": 56}, "in_flight": [],
+        "issued_seq": {"0": 56}, "completed_seq": {"0": 56}, "in_flight": [], "issued_by_all": [],
+        "ended": False, "ended_after_s": None, "duration_s": None,
         "reason": "behind on group 0: issued seq 56, rank 0 57",
         "ahead": [{"rank": 0, "group": "0", "issued_seq": 57, "behind_seq": 56}],
         "waiting_ranks": [{"rank": 0, "step": 3, "module": wo, "pass": "forward", "age_s": 44.95,
-                           "in_flight": [in_flight]}],
+                           "in_flight": [in_flight], "issued_by_all": []}],
     }]
     text = diagnose.format_text(diagnose.diagnose(spans)).splitlines()
     start = text.index("Stalls: 1")
@@ -360,6 +361,49 @@ def test_a_rank_stuck_between_steps_and_a_rank_without_a_snapshot(tmp_path):
         "  rank 1 is stuck: it sent no snapshot while the others are stalled (hung in native code holding the GIL, "
         "or gone: look at its process)",
         "    waiting for it: rank 0 in all_reduce (group 0, seq 17) from M.a forward, 14.8 s"]
+
+
+def test_a_stall_that_ended_says_so(tmp_path):
+    # The hang of _hang (stall began at 1000 s, last snapshot at 1045 s), then rank 1 went on: its step 3 was
+    # exported whole at 1050 s, marked stalled.
+    final = _step(1, 3, "f", 1000 * S, 1050 * S, trace="step3-", **{semconv.STEP_STALLED: 2})
+    spans = _load([*_hang(), final], tmp_path)
+    (stall,) = diagnose.stalls(spans)
+    assert (stall["rank"], stall["ended"], stall["ended_after_s"], stall["duration_s"]) == (1, True, 5.0, 50.0)
+    text = diagnose.format_text(diagnose.diagnose(spans)).splitlines()
+    assert text[text.index("Stalls: 1") + 1] == (
+        "  rank 1 was stuck in step 3 at Model.layers.0.attention forward for 45.0 s "
+        "(snapshot 2; behind on group 0: issued seq 56, rank 0 57) (the step ended 5.0 s later, 50.0 s in all)")
+    # Between steps (data loading before step 1, from 1005 s): over when step 1 began, at 1022 s.
+    data_loading = [*_snapshot(1, 1, 1020, 15.0, 1, "", 16, 16, [_ring(16, "completed", 15.5)], between=True),
+                    *_snapshot(0, 1, 1020, 14.9, 1, "M.a", 17, 16, [_ring(17, "in_flight", 14.8, "M.a")])]
+    for ended in (False, True):
+        later = [_step(1, 1, "f", 1022 * S, 1030 * S, trace="step1-")] if ended else []
+        spans = _load(data_loading + later, tmp_path)
+        (stall,) = diagnose.stalls(spans)
+        assert (stall["ended"], stall["ended_after_s"], stall["duration_s"]) == (
+            (True, 2.0, 17.0) if ended else (False, None, None))
+        text = diagnose.format_text(diagnose.diagnose(spans)).splitlines()
+        assert text[text.index("Stalls: 1") + 1] == (
+            f"  rank 1 {'was' if ended else 'is'} stuck between step 0 and step 1 for 15.0 s "
+            "(snapshot 1; behind on group 0: issued seq 16, rank 0 17)"
+            + (" (the gap ended 2.0 s later, 17.0 s in all)" if ended else ""))
+
+
+def test_in_flight_leaves_out_what_every_rank_issued(tmp_path):
+    # FSDP on untraced steps: c10d collectives not timed to completion still say in_flight. Rank 1 is stuck
+    # having issued seq 50; rank 0 issued 51 and waits in it. Seqs 40..50 every rank issued: not what blocks.
+    old = [_ring(seq, "in_flight", 20.0 - seq / 10, op="all_gather") for seq in range(40, 51)]
+    spans = [*_snapshot(0, 7, 1030, 20.0, 1, "M.a", 51, 39, [*old, _ring(51, "in_flight", 14.0, op="reduce_scatter")]),
+             *_snapshot(1, 7, 1030, 20.0, 1, "M.a", 50, 39, old)]
+    (stall,) = diagnose.stalls(_load(spans, tmp_path))
+    assert stall["rank"] == 1 and stall["in_flight"] == []
+    assert [c["seq"] for c in stall["issued_by_all"]] == list(range(40, 51))
+    (waiting,) = stall["waiting_ranks"]
+    assert [(c["op"], c["seq"]) for c in waiting["in_flight"]] == [("reduce_scatter", 51)]
+    assert [c["seq"] for c in waiting["issued_by_all"]] == list(range(40, 51))
+    text = diagnose.format_text(diagnose.diagnose(_load(spans, tmp_path))).splitlines()
+    assert "    waiting for it: rank 0 in reduce_scatter (group 0, seq 51), 14.0 s" in text
 
 
 def test_equal_seqs_blame_the_rank_in_no_collective(tmp_path):

@@ -317,7 +317,7 @@ def _snapshot(span: dict) -> dict[str, Any]:
     groups = [str(group) for group in attrs.get(semconv.STALL_GROUPS, [])]
     return {
         "rank": span["rank"], "step": attrs.get(semconv.STEP),
-        "module": BETWEEN_STEPS if between else str(attrs.get(semconv.STALL_MODULE, "")),
+        "module": BETWEEN_STEPS if between else str(attrs.get(semconv.STALL_MODULE, "")) or TRAIN_STEP,
         "pass": "" if between else str(attrs.get(semconv.STALL_PASS, "")),
         "age_s": float(attrs.get(semconv.STALL_AGE, 0.0)),
         "threshold_s": float(attrs.get(semconv.STALL_THRESHOLD, 0.0)),
@@ -327,6 +327,8 @@ def _snapshot(span: dict) -> dict[str, Any]:
         "completed_seq": dict(zip(groups, map(int, attrs.get(semconv.STALL_COMPLETED_SEQ, [])))),
         "in_flight": [_collective(event) for event in span["events"]
                       if event["attributes"].get(semconv.COLLECTIVE_STATE) == semconv.STATE_IN_FLIGHT],
+        "_sizes": {_group(event["attributes"]): int(event["attributes"][semconv.PROCESS_GROUP_SIZE])
+                   for event in span["events"] if semconv.PROCESS_GROUP_SIZE in event["attributes"]},
         "trace_id": span["trace_id"], "world_size": int(span["resource"].get(semconv.WORLD_SIZE, 0)),
         "_end_ns": span["end_ns"],
     }
@@ -385,6 +387,66 @@ def _culprits(episode: list[dict]) -> tuple[list[int], dict[int, str], list[dict
     return [], {}, ahead
 
 
+def _issued_by_all(episode: list[dict]) -> None:
+    """Move each snapshot's in-flight collectives that every rank of their group has issued to
+    ``"issued_by_all"``: they are not what blocks (on an untimed step a c10d collective that did
+    complete may still say in flight).
+
+    A group counts when as many ranks as its size sent a snapshot with it. Left out: seqs at or
+    below the lowest seq issued on the group, but when every rank issued the same seq, the
+    collective at that seq stays (they all wait in it).
+    """
+    issued: dict[str, dict[int, int]] = defaultdict(dict)
+    sizes: dict[str, int] = {}
+    for snap in episode:
+        for group, seq in snap["issued_seq"].items():
+            issued[group][snap["rank"]] = seq
+        sizes |= snap["_sizes"]
+    below: dict[str, int] = {}
+    for group, seqs in issued.items():
+        if group in sizes and len(seqs) >= sizes[group]:
+            low = min(seqs.values())
+            below[group] = low + 1 if max(seqs.values()) > low else low
+    for snap in episode:
+        pending = [c for c in snap["in_flight"] if c["seq"] >= below.get(c["group"], c["seq"])]
+        snap["issued_by_all"] = [c for c in snap["in_flight"] if c not in pending]
+        snap["in_flight"] = pending
+
+
+def _ends(spans: list[dict]) -> tuple[dict[tuple[int, int], int], dict[int, list[tuple[int, int]]]]:
+    """The finished exports of steps: ``{(rank, step): end_ns}`` of those that stalled
+    (``commdebug.step.stalled``), and ``{rank: [(step, start_ns)]}`` of every ``train_step``."""
+    stalled: dict[tuple[int, int], int] = {}
+    starts: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for span in _finished(spans):
+        attrs = span["attributes"]
+        if span["name"] != semconv.SPAN_TRAIN_STEP or not isinstance(attrs.get(semconv.STEP), int):
+            continue
+        key = (span["rank"], attrs[semconv.STEP])
+        starts[span["rank"]].append((attrs[semconv.STEP], span["start_ns"]))
+        if semconv.STEP_STALLED in attrs:
+            stalled[key] = max(stalled.get(key, span["end_ns"]), span["end_ns"])
+    return stalled, starts
+
+
+def _ended(snap: dict, stalled: dict[tuple[int, int], int], starts: dict[int, list[tuple[int, int]]]
+           ) -> dict[str, Any]:
+    """Whether the stall of ``snap`` ended: ``{"ended", "ended_after_s" (after the snapshot),
+    "duration_s" (from when the stall began)}``, times None when not known."""
+    rank, step, end = snap["rank"], snap["step"], snap["_end_ns"]
+    began = end - round(snap["age_s"] * 1e9)
+    done: int | None = None
+    if step is not None and not snap["between_steps"] and (rank, step) in stalled:
+        done = stalled[(rank, step)]
+    elif step is not None and snap["between_steps"]:
+        done = min((start for number, start in starts.get(rank, []) if number == step and start >= began),
+                   default=None)
+    later = step is not None and any(number > step for number, _ in starts.get(rank, []))
+    if done is None:
+        return {"ended": later, "ended_after_s": None, "duration_s": None}
+    return {"ended": True, "ended_after_s": max(done - end, 0) / 1e9, "duration_s": (done - began) / 1e9}
+
+
 def stalls(spans: list[dict]) -> list[dict[str, Any]]:
     """The stuck rank of each stall episode, what it was doing, and who waits for it.
 
@@ -394,22 +456,32 @@ def stalls(spans: list[dict]) -> list[dict[str, Any]]:
     higher seq, the rank with the lowest (a rank behind on one group but ahead on another
     only waits further down the chain). With equal seqs everywhere, it is the rank with no
     collective in flight while the others wait in one; failing that, a rank of the world that
-    sent no snapshot.
+    sent no snapshot. In-flight collectives that every rank of their group has issued are
+    not what blocks: they are listed apart (``issued_by_all``).
+
+    A stall has ended when the files hold the step's final export on that rank (its
+    ``train_step`` with ``commdebug.step.stalled``; for a stall between steps, the next
+    step's ``train_step``), or a later step of that rank.
 
     Returns:
-        one entry per stuck rank, the latest episode first: ``{"rank", "step", "module", "pass"
-        (:data:`BETWEEN_STEPS` and "" when it stalled between steps; "" when unknown), "age_s",
+        one entry per stuck rank, the latest episode first: ``{"rank", "step" (between steps:
+        the next step), "module", "pass" (:data:`BETWEEN_STEPS` and "" when it stalled between
+        steps; :data:`TRAIN_STEP` and "" when in a step outside every module), "age_s",
         "threshold_s", "snapshot", "between_steps", "stack" (innermost last), "issued_seq" /
         "completed_seq" ({group: seq}, -1 none), "in_flight" ([{"op", "group", "seq", "dtype",
-        "shape", "bytes", "module", "pass", "age_s"}]), "trace_id", "reason", "ahead"
-        ([{"rank", "group", "issued_seq", "behind_seq"}]), "waiting_ranks" ([{"rank", "step",
-        "module", "pass", "age_s", "in_flight"}])}``. A rank with no snapshot has "step" None
-        and empty fields. When no rank can be told apart, every rank of the episode is listed
-        with the reason "undetermined".
+        "shape", "bytes", "module", "pass", "age_s"}]), "issued_by_all" (as "in_flight"),
+        "trace_id", "ended" (bool), "ended_after_s" (seconds after the snapshot the step or gap
+        ended, or None), "duration_s" (the whole stall, or None), "reason", "ahead" ([{"rank",
+        "group", "issued_seq", "behind_seq"}]), "waiting_ranks" ([{"rank", "step", "module",
+        "pass", "age_s", "in_flight", "issued_by_all"}])}``. A rank with no snapshot has "step"
+        None and empty fields. When no rank can be told apart, every rank of the episode is
+        listed with the reason "undetermined".
     """
     snapshots = [_snapshot(span) for span in spans if span["name"] == semconv.SPAN_STALLED]
+    stalled, starts = _ends(spans)
     out = []
     for episode in sorted(_episodes(snapshots), key=lambda ep: -max(snap["_end_ns"] for snap in ep)):
+        _issued_by_all(episode)
         ranks, reasons, ahead = _culprits(episode)
         by_rank = {snap["rank"]: snap for snap in episode}
         if not ranks:
@@ -418,14 +490,15 @@ def stalls(spans: list[dict]) -> list[dict[str, Any]]:
             snap = by_rank.get(rank) or {
                 "rank": rank, "step": None, "module": "", "pass": "", "age_s": 0.0, "threshold_s": 0.0,
                 "snapshot": 0, "between_steps": False, "stack": [], "issued_seq": {}, "completed_seq": {},
-                "in_flight": [], "trace_id": ""}
-            waiting = [{key: other[key] for key in ("rank", "step", "module", "pass", "age_s", "in_flight")}
+                "in_flight": [], "issued_by_all": [], "trace_id": "", "_end_ns": 0}
+            waiting = [{key: other[key] for key in ("rank", "step", "module", "pass", "age_s", "in_flight",
+                                                    "issued_by_all")}
                        for other in episode if other["rank"] not in ranks]
-            entry = {key: value for key, value in snap.items() if key not in ("_end_ns", "world_size")}
-            out.append(entry | {"reason": reasons[rank],
-                                "ahead": [item for item in ahead
-                                          if snap["issued_seq"].get(item["group"]) == item["behind_seq"]],
-                                "waiting_ranks": waiting})
+            entry = {key: value for key, value in snap.items() if key not in ("_end_ns", "world_size", "_sizes")}
+            out.append(entry | _ended(snap, stalled, starts) | {
+                "reason": reasons[rank],
+                "ahead": [item for item in ahead if snap["issued_seq"].get(item["group"]) == item["behind_seq"]],
+                "waiting_ranks": waiting})
     return out
 
 
@@ -612,12 +685,31 @@ def _ranges(numbers: list[int]) -> str:
 
 
 def _where(module: str, pass_: str) -> str:
-    return f"{module or '(unknown module)'} {pass_}".rstrip()
+    return f"{module or TRAIN_STEP} {pass_}".rstrip()
 
 
 def _in_flight(collectives: list[dict]) -> str:
-    return "; ".join(f"{c['op']} (group {c['group']}, seq {c['seq']}) from {_where(c['module'], c['pass'])}, "
-                     f"{c['age_s']:.1f} s" for c in collectives) or "nothing"
+    """In-flight collectives, each from its module where the ring recorded it (traced steps)."""
+    return "; ".join(f"{c['op']} (group {c['group']}, seq {c['seq']})"
+                     + (f" from {_where(c['module'], c['pass'])}" if c["module"] else "")
+                     + f", {c['age_s']:.1f} s" for c in collectives) or "nothing"
+
+
+def _stall_where(stall: dict) -> str:
+    """``in step 3 at M forward``, or ``between step 6 and step 7`` (``before step 0``)."""
+    if stall["between_steps"]:
+        step = stall["step"]
+        return "before step 0" if step == 0 else f"between step {step - 1} and step {step}" if step else "between steps"
+    return f"in step {stall['step']} at {_where(stall['module'], stall['pass'])}"
+
+
+def _stall_end(stall: dict) -> str:
+    if not stall["ended"]:
+        return ""
+    what = "the gap" if stall["between_steps"] else "the step"
+    if stall["ended_after_s"] is None:
+        return f" ({what} ended: a later step finished)"
+    return f" ({what} ended {stall['ended_after_s']:.1f} s later, {stall['duration_s']:.1f} s in all)"
 
 
 def _collective_text(c: dict, reduce_op: bool = False) -> str:
@@ -637,9 +729,9 @@ def format_text(found: dict[str, Any], top: int = 10) -> str:
     out.append(f"Stalls: {len(found['stalls'])}" + ("" if found["stalls"] else " (no stall snapshots in the files)"))
     for stall in found["stalls"]:
         if stall["snapshot"]:
-            out.append(f"  rank {stall['rank']} is stuck in step {stall['step']} at "
-                       f"{_where(stall['module'], stall['pass'])} for {stall['age_s']:.1f} s "
-                       f"(snapshot {stall['snapshot']}; {stall['reason']})")
+            out.append(f"  rank {stall['rank']} {'was' if stall['ended'] else 'is'} stuck {_stall_where(stall)} "
+                       f"for {stall['age_s']:.1f} s (snapshot {stall['snapshot']}; {stall['reason']})"
+                       + _stall_end(stall))
             out.append(f"    in flight on rank {stall['rank']}: {_in_flight(stall['in_flight'])}")
         else:
             out.append(f"  rank {stall['rank']} is stuck: it {stall['reason']} "
