@@ -158,21 +158,21 @@ def test_diagnose_command(between_steps_spans, capsys):
     code, out, _ = _diagnose_cli([out_dir, "--format", "json"], capsys)
     found = json.loads(out)
     assert code == 0 and found == json.loads(json.dumps(diagnose.diagnose(spans)))
-    assert list(found) == ["stalls", "desyncs", "stragglers", "pipeline_waits", "ranks", "steps", "noise_floor_s",
-                           "warnings"]
+    assert list(found) == ["errors", "stalls", "desyncs", "stragglers", "pipeline_waits", "ranks", "missing_ranks",
+                           "steps", "noise_floor_s", "warnings"]
     code, out, _ = _diagnose_cli([out_dir], capsys)
     assert code == 0
     text = out.splitlines()
-    assert text[:6] == ["2 rank(s), finished traced steps: 0-7", "",
+    assert text[:8] == ["2 rank(s), finished traced steps: 0-7", "", "Errors: 0", "",
                         "Stalls: 0 (no stall snapshots in the files)", "", "Desyncs: 1",
                         f"  group 0, step {_ODD_STEP}, seq {found['desyncs'][0]['seq']}: ranks disagree"]
-    assert text[6:8] == ["    rank 0: all_reduce float32 [2, 3] in Transformer.layers.0.attention forward",
+    assert text[8:10] == ["    rank 0: all_reduce float32 [2, 3] in Transformer.layers.0.attention forward",
                          "    rank 1: all_reduce float32 [6] in Transformer.layers.0.attention forward"]
     top = found["stragglers"][0]
     assert f"Most time lost: rank 1 in (between steps), {top['lost_s']:.3f} s over 7 collective(s) in 7 step(s)." \
         in text
     stragglers = next(i for i, line in enumerate(text) if line.startswith("Stragglers: "))
-    assert 7 < stragglers < text.index("Pipeline waits: 0 send/recv pairs, total wait 0.000 ms")
+    assert 9 < stragglers < text.index("Pipeline waits: 0 send/recv pairs, total wait 0.000 ms")
 
 
 # ------------------------------------------------------------ hand-built files
@@ -497,6 +497,45 @@ def test_a_reduce_op_mismatch_is_a_desync(tmp_path):
             if item["rank"] == 1:
                 del event["attributes"][semconv.COLLECTIVE_REDUCE_OP]
     assert diagnose.desyncs(spans) == []
+
+
+def test_a_crashed_rank_is_an_error_not_a_desync(tmp_path):
+    # World of 3, rank 2 sent nothing. Step 4: rank 1's M.a forward raised after seq 10 (its step was exported,
+    # cut short); rank 0 went on to seq 11 and stalled there, waiting for rank 1.
+    spans = [*_fingerprinted(0, 3, 0, [(8, "all_reduce", (4,)), (9, "all_reduce", (4,))], None),
+             *_fingerprinted(1, 3, 0, [(8, "all_reduce", (4,)), (9, "all_reduce", (4,))], None),
+             *_fingerprinted(0, 4, S, [(10, "all_reduce", (4,)), (11, "all_gather", (8,))], None),
+             *_fingerprinted(1, 4, S, [(10, "all_reduce", (4,))], None)]
+    crashed = next(item for item in spans if item["rank"] == 1 and item["name"] == "M.a forward"
+                   and item["attributes"] and item["trace_id"].startswith("f4"))
+    crashed["status_code"] = 2
+    crashed["events"].append({"name": "exception", "time_ns": crashed["end_ns"], "attributes": {
+        "exception.type": "RuntimeError", "exception.message": "CUDA out of memory. Tried to allocate <n> GiB",
+        "exception.stacktrace": "train.py:12 in forward", "exception.escaped": "False"}})
+    for item in spans:
+        item["resource"][semconv.WORLD_SIZE] = 3
+    spans = _load(spans, tmp_path)
+    found = diagnose.diagnose(spans)
+    assert found["errors"] == [{"rank": 1, "step": 4, "module": "M.a", "pass": "forward", "type": "RuntimeError",
+                                "message": "CUDA out of memory. Tried to allocate <n> GiB",
+                                "stacktrace": "train.py:12 in forward"}]
+    assert found["desyncs"] == []  # rank 1 issued no seq 11: it crashed, it is not out of step
+    assert (found["missing_ranks"], found["steps"]) == ([2], [3])  # step 4 crashed: not a finished step
+    text = diagnose.format_text(found).splitlines()
+    assert text[:5] == [
+        "2 rank(s), finished traced steps: 3",
+        "warning: world size 3, but no spans from rank(s) 2: not traced (OTEL_PYTHON_COMMDEBUG_RANKS), their files "
+        "not given, or they exported nothing", "",
+        "Errors: 1",
+        "  rank 1 raised in step 4 at M.a forward: RuntimeError: CUDA out of memory. Tried to allocate <n> GiB"]
+
+
+def test_an_untraced_step_exported_because_it_stalled_is_not_a_finished_traced_step(tmp_path):
+    spans = [*_fingerprinted(0, 0, 0, [(0, "all_reduce", (4,))], None),
+             _step(0, 100, "u", S, 2 * S, trace="u-", **{semconv.STEP_STALLED: 1})]
+    found = diagnose.diagnose(_load(spans, tmp_path))
+    assert found["steps"] == [0]
+    assert diagnose.format_text(found).splitlines()[0] == "1 rank(s), finished traced steps: 0"
 
 
 def test_a_desync_that_hangs_is_found_in_the_stall_rings(tmp_path):

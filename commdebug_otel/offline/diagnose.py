@@ -3,6 +3,8 @@
 Reads the same OTLP-JSON trace files as ``summarize`` (ours, or a Collector's
 ``file`` exporter) and answers, in order of importance:
 
+* **errors**: the exceptions ranks raised (``ERROR`` spans and their ``exception`` event):
+  rank, step, module, type and message; a crashed rank comes first, and is not a desync;
 * **stalls**: from the ``stalled`` snapshots a stalled rank exports while it is
   stuck, the rank the others wait for (the one behind on a process group's seq),
   its module and pass, how long, its stack, and what each waiting rank has in flight;
@@ -50,7 +52,7 @@ from .. import semconv
 from . import summary
 
 __all__ = ["BETWEEN_STEPS", "NOISE_FLOOR_S", "TRAIN_STEP", "UNATTRIBUTED", "add_arguments", "desyncs", "diagnose",
-           "format_text", "run", "stalls", "stragglers"]
+           "errors", "format_text", "missing_ranks", "run", "stalls", "stragglers"]
 
 #: Frames of a stuck rank's stack in the text report (the innermost; JSON has them all).
 STACK_LINES = 8
@@ -502,12 +504,83 @@ def stalls(spans: list[dict]) -> list[dict[str, Any]]:
     return out
 
 
+# -------------------------------------------------------------------- errors
+
+_STATUS_ERROR = 2  # OTLP's STATUS_CODE_ERROR
+
+
+def _raised(spans: list[dict]) -> list[dict[str, Any]]:
+    """Each (rank, step)'s first exception, from its innermost span that raised, with ``_time_ns``."""
+    finished = _finished(spans)
+    steps = summary._span_steps(finished)
+    first: dict[tuple[int, int | None], tuple[tuple[int, int], dict]] = {}
+    for span in finished:
+        event = next((event for event in span["events"] if event["name"] == "exception"), None)
+        if span.get("status_code") != _STATUS_ERROR and event is None:
+            continue
+        attrs = event["attributes"] if event is not None else {}
+        time_ns = event["time_ns"] if event is not None else span["end_ns"]
+        module, pass_ = _label(span)
+        key = (span["rank"], steps[id(span)])
+        order = (time_ns, -span["start_ns"])  # the first to raise; of those, the innermost
+        if key not in first or order < first[key][0]:
+            first[key] = (order, {
+                "rank": span["rank"], "step": steps[id(span)], "module": module, "pass": pass_,
+                "type": str(attrs.get("exception.type", span.get("status_message", ""))),
+                "message": str(attrs.get("exception.message", "")),
+                "stacktrace": str(attrs.get("exception.stacktrace", "")), "_time_ns": time_ns})
+    return [item for _, item in sorted(first.values(), key=lambda found: found[0])]
+
+
+def errors(spans: list[dict]) -> list[dict[str, Any]]:
+    """The exceptions the ranks raised: per rank and step, the first, from the innermost span that raised.
+
+    Reads the finished spans with status ``ERROR`` and their ``exception`` event (the live side
+    records it on module spans whose forward raised). The message is as exported: redacted
+    unless ``OTEL_PYTHON_COMMDEBUG_EXCEPTION_MESSAGES`` said otherwise.
+
+    Returns:
+        ``[{"rank", "step" (None outside a step), "module", "pass" (:data:`TRAIN_STEP` and "" for
+        ``train_step`` itself), "type", "message" ("" when not exported), "stacktrace"}]``, earliest first.
+    """
+    return [{key: value for key, value in item.items() if key != "_time_ns"} for item in _raised(spans)]
+
+
+def missing_ranks(spans: list[dict]) -> list[int]:
+    """Ranks below the world size (``torch.distributed.world_size``) that sent no span."""
+    world = max((int(span["resource"].get(semconv.WORLD_SIZE, 0)) for span in spans), default=0)
+    return sorted(set(range(world)) - {span["rank"] for span in spans})
+
+
+def _traced_steps(spans: list[dict]) -> list[int]:
+    """Steps some rank finished and traced, without those where a rank raised.
+
+    An untraced step that stalled is exported as its ``train_step`` alone (no child, no event): not traced.
+    """
+    finished = _finished(spans)
+    parents = {(span["trace_id"], span["parent_span_id"]) for span in finished if span["parent_span_id"]}
+    crashed = {item["step"] for item in _raised(spans)}
+    traced = set()
+    for span in finished:
+        step = summary._own_step(span)
+        if step is None or step in crashed:
+            continue
+        if semconv.STEP_STALLED in span["attributes"] and not span["events"] \
+                and (span["trace_id"], span["span_id"]) not in parents:
+            continue
+        traced.add(step)
+    return sorted(traced)
+
+
 # ------------------------------------------------------------------- desyncs
 
 
-def _issued_collectives(spans: list[dict]) -> tuple[dict[tuple[int, int], dict[str, dict[int, dict]]],
-                                                    set[tuple[int, int]]]:
+def _issued_collectives(spans: list[dict], raised: dict[tuple[int, int | None], int] | None = None
+                        ) -> tuple[dict[tuple[int, int], dict[str, dict[int, dict]]], set[tuple[int, int]]]:
     """What each rank issued in each step, and which of those records are whole.
+
+    ``raised``: ``{(rank, step): ns}`` when the rank's step raised; its record of that step stops
+    there and is not whole.
 
     Returns:
         ``({(rank, step): {group: {seq: collective}}}, {(rank, step) whose record is whole}})``.
@@ -523,8 +596,9 @@ def _issued_collectives(spans: list[dict]) -> tuple[dict[tuple[int, int], dict[s
     steps = summary._span_steps(finished)
     snapshot_steps = summary._span_steps(snapshots)
     finished_steps = {(span["rank"], step) for span in finished if (step := steps[id(span)]) is not None}
+    raised = raised or {}
     cut = {(span["rank"], steps[id(span)]) for span in finished if span.get("dropped_events_count", 0)
-           or span["attributes"].get(semconv.SPAN_DROPPED_EVENTS, 0)}
+           or span["attributes"].get(semconv.SPAN_DROPPED_EVENTS, 0)} | set(raised)
     seen: set[tuple[int, str, int]] = set()
     taken: list[tuple[dict, int | None]] = []
     for source, step_of in ((finished, steps), (snapshots, snapshot_steps)):
@@ -532,6 +606,8 @@ def _issued_collectives(spans: list[dict]) -> tuple[dict[tuple[int, int], dict[s
             attrs, span = event["attributes"], event["span"]
             step = step_of[id(span)] if span["name"] != semconv.SPAN_STALLED else span["attributes"].get(semconv.STEP)
             if semconv.COLLECTIVE_SEQ not in attrs or (source is snapshots and (event["rank"], step) in finished_steps):
+                continue
+            if event["time_ns"] > raised.get((event["rank"], step), event["time_ns"]):
                 continue
             key = (event["rank"], _group(attrs), int(attrs[semconv.COLLECTIVE_SEQ]))
             if key not in seen:
@@ -596,7 +672,8 @@ def desyncs(spans: list[dict]) -> list[dict[str, Any]]:
     the group in the files; a rank that skipped a collective shows, at that seq, the next one
     it issued, or op ``"none"`` when it issued none in the step. Steps a rank never finished
     are read from its stall snapshots; there, and where a span dropped events, a seq the rank
-    has no record of is not compared. Only the first difference per group is reported:
+    has no record of is not compared; so too after a rank's step raised (:func:`errors`: a crashed
+    rank is not out of step). Only the first difference per group is reported:
     everything after it on that group is shifted by it.
 
     Returns:
@@ -604,7 +681,8 @@ def desyncs(spans: list[dict]) -> list[dict[str, Any]]:
         "ranks": {rank: {"op", "dtype", "shape", "reduce_op" ("" when not recorded), "module",
         "pass", "seq" (its own torch.collective.seq)}}}]``, by step then group.
     """
-    issued, whole = _issued_collectives(spans)
+    issued, whole = _issued_collectives(spans, {(item["rank"], item["step"]): item["_time_ns"]
+                                                for item in _raised(spans)})
     fingerprints = _fingerprints(spans)
     members: dict[str, set[int]] = defaultdict(set)
     steps: dict[int, set[int]] = defaultdict(set)
@@ -656,20 +734,30 @@ def diagnose(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S) -> dict[st
     """Everything ``diagnose`` reports, as plain data (``--format json``).
 
     Returns:
-        ``{"stalls": stalls(spans), "desyncs": desyncs(spans), "stragglers": stragglers(spans,
-        noise_floor_s), "pipeline_waits": summary.pipeline_waits(finished spans), "ranks": [rank...],
-        "steps": [traced step...], "noise_floor_s": noise_floor_s, "warnings": [str]}``.
+        ``{"errors": errors(spans), "stalls": stalls(spans), "desyncs": desyncs(spans), "stragglers":
+        stragglers(spans, noise_floor_s), "pipeline_waits": summary.pipeline_waits(finished spans),
+        "ranks": [rank...], "missing_ranks": missing_ranks(spans), "steps": [finished traced step...]
+        (untraced steps exported because they stalled, and steps where a rank raised, left out),
+        "noise_floor_s": noise_floor_s, "warnings": [str]}``.
     """
     finished = _finished(spans)
+    missing = missing_ranks(spans)
+    warnings = summary._warnings(finished)
+    if missing:
+        world = max(int(span["resource"].get(semconv.WORLD_SIZE, 0)) for span in spans)
+        warnings.append(f"warning: world size {world}, but no spans from rank(s) {_ranges(missing)}: not traced "
+                        "(OTEL_PYTHON_COMMDEBUG_RANKS), their files not given, or they exported nothing")
     return {
+        "errors": errors(spans),
         "stalls": stalls(spans),
         "desyncs": desyncs(spans),
         "stragglers": stragglers(spans, noise_floor_s),
         "pipeline_waits": summary.pipeline_waits(finished),
         "ranks": sorted({span["rank"] for span in spans}),
-        "steps": summary.steps_present(finished),
+        "missing_ranks": missing,
+        "steps": _traced_steps(spans),
         "noise_floor_s": noise_floor_s,
-        "warnings": summary._warnings(finished),
+        "warnings": warnings,
     }
 
 
@@ -721,11 +809,18 @@ def _collective_text(c: dict, reduce_op: bool = False) -> str:
 
 
 def format_text(found: dict[str, Any], top: int = 10) -> str:
-    """``commdebug-otel diagnose``'s text: stalls, desyncs, stragglers, pipeline waits, in that order.
+    """``commdebug-otel diagnose``'s text: errors, stalls, desyncs, stragglers, pipeline waits, in that order.
 
     ``found``: :func:`diagnose`'s result. ``top``: straggler rows shown (the rest summed in one line).
     """
     out = [f"{len(found['ranks'])} rank(s), finished traced steps: {_ranges(found['steps'])}", *found["warnings"], ""]
+    out.append(f"Errors: {len(found['errors'])}")
+    for error in found["errors"]:
+        where = "outside a step" if error["step"] is None else f"step {error['step']}"
+        message = f": {error['message']}" if error["message"] else ""
+        out.append(f"  rank {error['rank']} raised in {where} at {_where(error['module'], error['pass'])}: "
+                   f"{error['type']}{message}")
+    out.append("")
     out.append(f"Stalls: {len(found['stalls'])}" + ("" if found["stalls"] else " (no stall snapshots in the files)"))
     for stall in found["stalls"]:
         if stall["snapshot"]:
