@@ -32,7 +32,7 @@ or ``commdebug-otel diagnose PATH... [--format text|json] [--top N] [--noise-flo
 (:mod:`.backends`).
 
 What it does not do: stragglers and desyncs come from traced steps only
-(``OTEL_PYTHON_COMMDEBUG_TRACE_EVERY``) and traced ranks; stalls need the
+(``OTEL_PYTHON_COMMDEBUG_TRACE_EVERY``; desyncs also from the stall snapshots' rings) and traced ranks; stalls need the
 snapshots of a live job with stall detection on. Times are each host's wall
 clock: across hosts, clock skew adds to or hides lateness.
 """
