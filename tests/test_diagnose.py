@@ -175,6 +175,57 @@ def test_diagnose_command(between_steps_spans, capsys):
     assert 9 < stragglers < text.index("Pipeline waits: 0 send/recv pairs, total wait 0.000 ms")
 
 
+_DDP_DELAY_S = 0.1
+_DDP_STEPS = 5
+
+
+def _ddp_job(rank, world_size, out_dir):
+    """DDP over 4 linear layers, one gradient bucket each (asynchronous all_reduces in backward); rank 1 sleeps
+    ``_DDP_DELAY_S`` after the forward, before ``backward()``, on each of ``_DDP_STEPS`` traced steps."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from commdebug_otel import CommTracer, Settings
+
+    for name in [name for name in os.environ if name.startswith("OTEL_")]:
+        del os.environ[name]
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(64, 64) for _ in range(4)]
+    model = DistributedDataParallel(torch.nn.Sequential(*layers), bucket_cap_mb=0.01)  # 16.6 KB a layer
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step():
+        loss = model(torch.randn(8, 64)).sum()
+        if rank == _SLOW_RANK and tracer is not None:
+            time.sleep(_DDP_DELAY_S)  # in train_step, outside every module
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    tracer = None
+    step()  # warm-up, untraced: DDP builds its buckets
+    tracer = CommTracer(Settings(output_dir=out_dir))
+    with tracer:
+        for _ in range(_DDP_STEPS):
+            step()
+    tracer.telemetry.shutdown()
+
+
+def test_ddp_buckets_late_after_one_delay_count_it_once(tmp_path):
+    run_ranks(_ddp_job, 2, str(tmp_path))
+    spans = summary.load_spans([tmp_path])
+    buckets = [event for event in summary.collective_events(summary.step_spans(spans, 0), rank=0)]
+    assert [event["name"] for event in buckets].count("all_reduce") == 4, [event["name"] for event in buckets]
+    rows = diagnose.stragglers(spans, noise_floor_s=_NOISE_S)
+    top = rows[0]
+    assert (top["rank"], top["module"]) == (_SLOW_RANK, diagnose.TRAIN_STEP), rows[:3]
+    # Each delay once, on the first bucket after it: not once per bucket (4 x as much).
+    assert (top["collectives"], top["steps"]) == (_DDP_STEPS, list(range(_DDP_STEPS))), rows[:3]
+    injected = _DDP_DELAY_S * _DDP_STEPS
+    assert _within(top["lost_s"], injected) and _within(top["excess_s"], injected), top
+    assert sum(row["lost_s"] for row in rows if row["rank"] == _SLOW_RANK) < 1.2 * injected, rows
+
+
 # ------------------------------------------------------------ hand-built files
 
 MS = 1_000_000
