@@ -12,8 +12,9 @@ Reads the same OTLP-JSON trace files as ``summarize`` (ours, or a Collector's
   collectives (op, dtype, shape, reduce op), with each rank's side and module;
 * **stragglers**: for each collective of a traced step matched across ranks by
   (process group, seq), the rank that arrived last is blamed for the wall time it held
-  the collective back (``lost_s``), and the module (or the gap between steps) where it
-  spent more time than the others before it arrived;
+  the collective back by a delay added since its previous collective (``lost_s``: a delay
+  that leaves several asynchronous collectives late counts once), and the module (or the
+  gap between steps) where it spent more time than the others before it arrived;
 * **pipeline waits**: send/recv pairs, as :func:`.summary.pipeline_waits`.
 
 Usage::
@@ -888,7 +889,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top", type=int, default=10, metavar="N",
                         help="straggler rows in the text report (default 10; JSON has them all)")
     parser.add_argument("--noise-floor-ms", type=float, default=NOISE_FLOOR_S * 1e3, metavar="MS",
-                        help=f"lateness below this is not blamed on a straggler (default {NOISE_FLOOR_S * 1e3:g})")
+                        help="a delay below this is not blamed on a straggler, nor on a place where it spent "
+                             f"less extra time than this (default {NOISE_FLOOR_S * 1e3:g})")
 
 
 def _load(args: argparse.Namespace) -> list[dict] | None:
