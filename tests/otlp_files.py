@@ -47,13 +47,15 @@ def _hex_id(text, width):
 
 
 def write_otlp(spans, path):
-    """Span dicts as one OTLP-JSON line (an ``ExportTraceServiceRequest``) per rank."""
+    """Span dicts as one OTLP-JSON line (an ``ExportTraceServiceRequest``) per rank; a span's ``status_code``
+    (2: ERROR), when it has one, as its status."""
     lines = []
     for rank in sorted({span["rank"] for span in spans}):
         otlp = [{"traceId": _hex_id(span["trace_id"], 32), "spanId": _hex_id(span["span_id"], 16),
                  **({"parentSpanId": _hex_id(span["parent_span_id"], 16)} if span["parent_span_id"] else {}),
                  "name": span["name"], "startTimeUnixNano": str(span["start_ns"]),
                  "endTimeUnixNano": str(span["end_ns"]), "attributes": _attrs(span["attributes"]),
+                 **({"status": {"code": span["status_code"]}} if span.get("status_code") else {}),
                  "events": [{"name": e["name"], "timeUnixNano": str(e["time_ns"]),
                              "attributes": _attrs(e["attributes"])} for e in span["events"]]}
                 for span in spans if span["rank"] == rank]

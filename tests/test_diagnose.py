@@ -147,8 +147,8 @@ def test_a_real_desync_names_both_sides(between_steps_spans):
     _, spans = between_steps_spans
     per_step = len([event for event in summary.collective_events(summary.step_spans(spans, 0), rank=0)])
     assert per_step == 17  # the demo transformer's tensor parallel collectives in one step
-    side = {"op": "all_reduce", "dtype": "float32", "module": "Transformer.layers.0.attention", "pass": "forward",
-            "seq": _ODD_STEP * per_step + 1}  # after tok_embeddings' all_reduce
+    side = {"op": "all_reduce", "dtype": "float32", "reduce_op": "sum", "module": "Transformer.layers.0.attention",
+            "pass": "forward", "seq": _ODD_STEP * per_step + 1}  # after tok_embeddings' all_reduce
     assert diagnose.desyncs(spans) == [{"group": "0", "seq": _ODD_STEP * per_step + 1, "step": _ODD_STEP, "ranks": {
         0: side | {"shape": [2, 3]}, 1: side | {"shape": [6]}}}]
 
@@ -158,21 +158,72 @@ def test_diagnose_command(between_steps_spans, capsys):
     code, out, _ = _diagnose_cli([out_dir, "--format", "json"], capsys)
     found = json.loads(out)
     assert code == 0 and found == json.loads(json.dumps(diagnose.diagnose(spans)))
-    assert list(found) == ["stalls", "desyncs", "stragglers", "pipeline_waits", "ranks", "steps", "noise_floor_s",
-                           "warnings"]
+    assert list(found) == ["errors", "stalls", "desyncs", "stragglers", "pipeline_waits", "ranks", "missing_ranks",
+                           "steps", "noise_floor_s", "warnings"]
     code, out, _ = _diagnose_cli([out_dir], capsys)
     assert code == 0
     text = out.splitlines()
-    assert text[:6] == ["2 rank(s), finished traced steps: 0-7", "",
+    assert text[:8] == ["2 rank(s), finished traced steps: 0-7", "", "Errors: 0", "",
                         "Stalls: 0 (no stall snapshots in the files)", "", "Desyncs: 1",
                         f"  group 0, step {_ODD_STEP}, seq {found['desyncs'][0]['seq']}: ranks disagree"]
-    assert text[6:8] == ["    rank 0: all_reduce float32 [2, 3] in Transformer.layers.0.attention forward",
+    assert text[8:10] == ["    rank 0: all_reduce float32 [2, 3] in Transformer.layers.0.attention forward",
                          "    rank 1: all_reduce float32 [6] in Transformer.layers.0.attention forward"]
     top = found["stragglers"][0]
     assert f"Most time lost: rank 1 in (between steps), {top['lost_s']:.3f} s over 7 collective(s) in 7 step(s)." \
         in text
     stragglers = next(i for i, line in enumerate(text) if line.startswith("Stragglers: "))
-    assert 7 < stragglers < text.index("Pipeline waits: 0 send/recv pairs, total wait 0.000 ms")
+    assert 9 < stragglers < text.index("Pipeline waits: 0 send/recv pairs, total wait 0.000 ms")
+
+
+_DDP_DELAY_S = 0.1
+_DDP_STEPS = 5
+
+
+def _ddp_job(rank, world_size, out_dir):
+    """DDP over 4 linear layers, one gradient bucket each (asynchronous all_reduces in backward); rank 1 sleeps
+    ``_DDP_DELAY_S`` after the forward, before ``backward()``, on each of ``_DDP_STEPS`` traced steps."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from commdebug_otel import CommTracer, Settings
+
+    for name in [name for name in os.environ if name.startswith("OTEL_")]:
+        del os.environ[name]
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(64, 64) for _ in range(4)]
+    model = DistributedDataParallel(torch.nn.Sequential(*layers), bucket_cap_mb=0.01)  # 16.6 KB a layer
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step():
+        loss = model(torch.randn(8, 64)).sum()
+        if rank == _SLOW_RANK and tracer is not None:
+            time.sleep(_DDP_DELAY_S)  # in train_step, outside every module
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    tracer = None
+    step()  # warm-up, untraced: DDP builds its buckets
+    tracer = CommTracer(Settings(output_dir=out_dir))
+    with tracer:
+        for _ in range(_DDP_STEPS):
+            step()
+    tracer.telemetry.shutdown()
+
+
+def test_ddp_buckets_late_after_one_delay_count_it_once(tmp_path):
+    run_ranks(_ddp_job, 2, str(tmp_path))
+    spans = summary.load_spans([tmp_path])
+    buckets = [event for event in summary.collective_events(summary.step_spans(spans, 0), rank=0)]
+    assert [event["name"] for event in buckets].count("all_reduce") == 4, [event["name"] for event in buckets]
+    rows = diagnose.stragglers(spans, noise_floor_s=_NOISE_S)
+    top = rows[0]
+    assert (top["rank"], top["module"]) == (_SLOW_RANK, diagnose.TRAIN_STEP), rows[:3]
+    # Each delay once, on the first bucket after it: not once per bucket (4 x as much).
+    assert (top["collectives"], top["steps"]) == (_DDP_STEPS, list(range(_DDP_STEPS))), rows[:3]
+    injected = _DDP_DELAY_S * _DDP_STEPS
+    assert _within(top["lost_s"], injected) and _within(top["excess_s"], injected), top
+    assert sum(row["lost_s"] for row in rows if row["rank"] == _SLOW_RANK) < 1.2 * injected, rows
 
 
 # ------------------------------------------------------------ hand-built files
@@ -202,14 +253,19 @@ def _load(spans, tmp_path):
     return summary.load_spans([tmp_path])
 
 
+def _blocking(issued_ms, returned_ms, seq):
+    """A blocking collective's event: stamped when the call returned, with the time it took."""
+    return round(returned_ms * MS), _collective(seq, **{semconv.COLLECTIVE_DURATION: (returned_ms - issued_ms) / 1e3})
+
+
 def test_straggler_blame_exact(tmp_path):
-    # Step 0 on two ranks: rank 1's M.a takes 10 ms longer before seq 0; 0.5 ms late at seq 1 (noise);
-    # then 12 ms late at seq 2, with 11.5 ms more in train_step itself since its previous arrival.
+    # Step 0 on two ranks, blocking collectives (each returns when the last rank arrives): rank 1's M.a takes
+    # 10 ms longer before seq 0; 0.5 ms late at seq 1 (noise); then 12 ms late at seq 2, with 11.5 ms more in
+    # train_step itself since its previous arrival.
     spans = []
     for rank, (a_end, seq1, seq2) in enumerate(((20, 40, 50), (30, 40.5, 62))):
-        spans += [_step(rank, 0, "s", 0, 100 * MS, [(round(seq1 * MS), _collective(1)),
-                                                   (seq2 * MS, _collective(2))]),
-                  _module(rank, "M.a", "a", "s", 1 * MS, a_end * MS, [(a_end * MS, _collective(0))])]
+        spans += [_step(rank, 0, "s", 0, 100 * MS, [_blocking(seq1, 40.5, 1), _blocking(seq2, 62, 2)]),
+                  _module(rank, "M.a", "a", "s", 1 * MS, 30 * MS, [_blocking(a_end, 30, 0)])]
     rows = diagnose.stragglers(_load(spans, tmp_path))
     assert rows == [
         {"rank": 1, "module": diagnose.TRAIN_STEP, "pass": "", "lost_s": 0.012, "waited_s": 0.012, "collectives": 1,
@@ -217,11 +273,48 @@ def test_straggler_blame_exact(tmp_path):
         {"rank": 1, "module": "M.a", "pass": "forward", "lost_s": 0.01, "waited_s": 0.01, "collectives": 1,
          "steps": [0], "excess_s": 0.01},
     ]
-    # Below 1 ms, seq 1 is noise; with a lower floor it counts, but rank 1 spent no more time anywhere since
-    # its arrival at seq 0 (it only left that collective later): unattributed.
-    assert diagnose.stragglers(_load(spans, tmp_path), noise_floor_s=0.0003)[2] == {
-        "rank": 1, "module": diagnose.UNATTRIBUTED, "pass": "", "lost_s": 0.0005, "waited_s": 0.0005,
-        "collectives": 1, "steps": [0], "excess_s": 0.0}
+    # Below 1 ms, seq 1 is noise; with a lower floor it counts: rank 1 took 10.5 ms from seq 0 (left by both
+    # ranks at 30 ms) to seq 1, rank 0 10 ms, both in train_step.
+    assert diagnose.stragglers(_load(spans, tmp_path), noise_floor_s=0.0003)[0] == {
+        "rank": 1, "module": diagnose.TRAIN_STEP, "pass": "", "lost_s": 0.0125, "waited_s": 0.0125,
+        "collectives": 2, "steps": [0], "excess_s": 0.012}
+
+
+def test_asynchronous_collectives_count_a_delay_once(tmp_path):
+    # DDP's buckets: four all_reduces issued asynchronously in M.b's backward (each returns at once). Rank 1
+    # spends 50 ms longer there before the first; the other three are as late, but only by that delay. Rank 0
+    # then waits for the buckets (train_step, 50 ms), and rank 1 spends 5 ms more in M.c before seq 4: lost
+    # there though rank 1 left seq 3 50 ms late.
+    spans = []
+    for rank, late_ms in enumerate((0, 50)):
+        buckets = [((11 + i + late_ms) * MS, _collective(i)) for i in range(4)]
+        c_end = (94 if rank == 0 else 99) * MS
+        spans += [_step(rank, 0, "s", 0, 200 * MS),
+                  _module(rank, "M.b", "b", "s", 1 * MS, (14 + late_ms) * MS, buckets, pass_="backward"),
+                  _module(rank, "M.c", "c", "s", 64 * MS, c_end),
+                  _module(rank, "M.d", "d", "s", c_end, c_end + 7 * MS, [(c_end + 6 * MS, _collective(4))])]
+    rows = diagnose.stragglers(_load(spans, tmp_path))
+    assert rows == [
+        {"rank": 1, "module": "M.b", "pass": "backward", "lost_s": 0.05, "waited_s": 0.05, "collectives": 1,
+         "steps": [0], "excess_s": 0.05},
+        {"rank": 1, "module": "M.c", "pass": "forward", "lost_s": 0.005, "waited_s": 0.005, "collectives": 1,
+         "steps": [0], "excess_s": 0.005},
+    ], rows
+
+
+def test_lateness_spread_thin_is_unattributed(tmp_path):
+    # Rank 1 is 2 ms late at a blocking seq 1, with 0.6 ms more in M.a, 0.7 ms in M.b and 0.7 ms in train_step:
+    # no place holds a delay above the 1 ms floor.
+    spans = []
+    for rank, extra_us in enumerate((0, 1)):
+        a_end, b_end = 10 * MS + 600_000 * extra_us, 20 * MS + 1_300_000 * extra_us
+        arrival = 30 * MS + 2 * MS * extra_us
+        spans += [_step(rank, 0, "s", 0, 100 * MS, [(1 * MS, _collective(0)),
+                                                   (round(arrival), _collective(1))]),
+                  _module(rank, "M.a", "a", "s", 1 * MS, a_end), _module(rank, "M.b", "b", "s", a_end, b_end)]
+    assert diagnose.stragglers(_load(spans, tmp_path)) == [
+        {"rank": 1, "module": diagnose.UNATTRIBUTED, "pass": "", "lost_s": 0.002, "waited_s": 0.002,
+         "collectives": 1, "steps": [0], "excess_s": 0.0}]
 
 
 def _ring(seq, state, age_s, module="", op="all_reduce", shape=(8,)):
@@ -278,11 +371,12 @@ def test_a_stall_names_the_rank_behind_and_who_waits(tmp_path):
         "rank": 1, "step": 3, "module": "Model.layers.0.attention", "pass": "forward", "age_s": 45.0,
         "threshold_s": 10.0, "snapshot": 2, "between_steps": False,
         "stack": ["train.py:41 in forward", "torch/nn/modules/module.py:1750"],
-        "issued_seq": {"0": 56}, "completed_seq": {"0": 56}, "in_flight": [],
+        "issued_seq": {"0": 56}, "completed_seq": {"0": 56}, "in_flight": [], "issued_by_all": [],
+        "ended": False, "ended_after_s": None, "duration_s": None,
         "reason": "behind on group 0: issued seq 56, rank 0 57",
         "ahead": [{"rank": 0, "group": "0", "issued_seq": 57, "behind_seq": 56}],
         "waiting_ranks": [{"rank": 0, "step": 3, "module": wo, "pass": "forward", "age_s": 44.95,
-                           "in_flight": [in_flight]}],
+                           "in_flight": [in_flight], "issued_by_all": []}],
     }]
     text = diagnose.format_text(diagnose.diagnose(spans)).splitlines()
     start = text.index("Stalls: 1")
@@ -318,6 +412,49 @@ def test_a_rank_stuck_between_steps_and_a_rank_without_a_snapshot(tmp_path):
         "  rank 1 is stuck: it sent no snapshot while the others are stalled (hung in native code holding the GIL, "
         "or gone: look at its process)",
         "    waiting for it: rank 0 in all_reduce (group 0, seq 17) from M.a forward, 14.8 s"]
+
+
+def test_a_stall_that_ended_says_so(tmp_path):
+    # The hang of _hang (stall began at 1000 s, last snapshot at 1045 s), then rank 1 went on: its step 3 was
+    # exported whole at 1050 s, marked stalled.
+    final = _step(1, 3, "f", 1000 * S, 1050 * S, trace="step3-", **{semconv.STEP_STALLED: 2})
+    spans = _load([*_hang(), final], tmp_path)
+    (stall,) = diagnose.stalls(spans)
+    assert (stall["rank"], stall["ended"], stall["ended_after_s"], stall["duration_s"]) == (1, True, 5.0, 50.0)
+    text = diagnose.format_text(diagnose.diagnose(spans)).splitlines()
+    assert text[text.index("Stalls: 1") + 1] == (
+        "  rank 1 was stuck in step 3 at Model.layers.0.attention forward for 45.0 s "
+        "(snapshot 2; behind on group 0: issued seq 56, rank 0 57) (the step ended 5.0 s later, 50.0 s in all)")
+    # Between steps (data loading before step 1, from 1005 s): over when step 1 began, at 1022 s.
+    data_loading = [*_snapshot(1, 1, 1020, 15.0, 1, "", 16, 16, [_ring(16, "completed", 15.5)], between=True),
+                    *_snapshot(0, 1, 1020, 14.9, 1, "M.a", 17, 16, [_ring(17, "in_flight", 14.8, "M.a")])]
+    for ended in (False, True):
+        later = [_step(1, 1, "f", 1022 * S, 1030 * S, trace="step1-")] if ended else []
+        spans = _load(data_loading + later, tmp_path)
+        (stall,) = diagnose.stalls(spans)
+        assert (stall["ended"], stall["ended_after_s"], stall["duration_s"]) == (
+            (True, 2.0, 17.0) if ended else (False, None, None))
+        text = diagnose.format_text(diagnose.diagnose(spans)).splitlines()
+        assert text[text.index("Stalls: 1") + 1] == (
+            f"  rank 1 {'was' if ended else 'is'} stuck between step 0 and step 1 for 15.0 s "
+            "(snapshot 1; behind on group 0: issued seq 16, rank 0 17)"
+            + (" (the gap ended 2.0 s later, 17.0 s in all)" if ended else ""))
+
+
+def test_in_flight_leaves_out_what_every_rank_issued(tmp_path):
+    # FSDP on untraced steps: c10d collectives not timed to completion still say in_flight. Rank 1 is stuck
+    # having issued seq 50; rank 0 issued 51 and waits in it. Seqs 40..50 every rank issued: not what blocks.
+    old = [_ring(seq, "in_flight", 20.0 - seq / 10, op="all_gather") for seq in range(40, 51)]
+    spans = [*_snapshot(0, 7, 1030, 20.0, 1, "M.a", 51, 39, [*old, _ring(51, "in_flight", 14.0, op="reduce_scatter")]),
+             *_snapshot(1, 7, 1030, 20.0, 1, "M.a", 50, 39, old)]
+    (stall,) = diagnose.stalls(_load(spans, tmp_path))
+    assert stall["rank"] == 1 and stall["in_flight"] == []
+    assert [c["seq"] for c in stall["issued_by_all"]] == list(range(40, 51))
+    (waiting,) = stall["waiting_ranks"]
+    assert [(c["op"], c["seq"]) for c in waiting["in_flight"]] == [("reduce_scatter", 51)]
+    assert [c["seq"] for c in waiting["issued_by_all"]] == list(range(40, 51))
+    text = diagnose.format_text(diagnose.diagnose(_load(spans, tmp_path))).splitlines()
+    assert "    waiting for it: rank 0 in reduce_scatter (group 0, seq 51), 14.0 s" in text
 
 
 def test_equal_seqs_blame_the_rank_in_no_collective(tmp_path):
@@ -360,7 +497,7 @@ def test_desync_fingerprints_skip_equal_steps_and_a_skipped_collective_shows_the
         # Step 1: rank 1 skipped the all_reduce: at seq 10 it shows its all_gather, at seq 11 nothing.
         *_fingerprinted(0, 1, S, ops, "bb"), *_fingerprinted(1, 1, S, [(10, "all_gather", (8,))], "cc"),
     ]
-    side = {"dtype": "float32", "module": "M.a", "pass": "forward"}
+    side = {"dtype": "float32", "reduce_op": "", "module": "M.a", "pass": "forward"}
     assert diagnose.desyncs(_load(spans, tmp_path)) == [{"group": "0", "seq": 10, "step": 1, "ranks": {
         0: side | {"op": "all_reduce", "shape": [4], "seq": 10},
         1: side | {"op": "all_gather", "shape": [8], "seq": 10}}}]
@@ -370,7 +507,7 @@ def test_desync_fingerprints_skip_equal_steps_and_a_skipped_collective_shows_the
     assert [(d["step"], d["ranks"][1]["op"]) for d in diagnose.desyncs(_load(bare, tmp_path))] == [(0, "broadcast")]
     # A rank that issued one collective fewer at the end of a step: "none" there.
     short = [*_fingerprinted(0, 1, S, ops, None), *_fingerprinted(1, 1, S, ops[:1], None)]
-    none = {"op": "none", "dtype": "", "shape": [], "module": "", "pass": "", "seq": -1}
+    none = {"op": "none", "dtype": "", "shape": [], "reduce_op": "", "module": "", "pass": "", "seq": -1}
     assert diagnose.desyncs(_load(short, tmp_path))[0]["ranks"] == {
         0: side | {"op": "all_gather", "shape": [8], "seq": 11}, 1: none}
     # One that issued nothing on the group in a finished step (it did in others): "none" at the first seq.
@@ -380,6 +517,78 @@ def test_desync_fingerprints_skip_equal_steps_and_a_skipped_collective_shows_the
         0: side | {"op": "all_reduce", "shape": [4], "seq": 12}, 1: none}}]
 
 
+def test_a_reduce_op_mismatch_is_a_desync(tmp_path):
+    # Rank 1 all-reduces with MAX where rank 0 sums: same op, dtype and shape. The fingerprints (op|dtype|shape,
+    # as before the reduce op joined them) agree: the events' reduce ops are still compared.
+    def ops(reduce_op):
+        return [_collective(seq, **{semconv.COLLECTIVE_REDUCE_OP: op}) for seq, op in ((0, "sum"), (1, reduce_op))]
+
+    spans = []
+    for rank, reduce_op in enumerate(("sum", "max")):
+        events = [(S + (i + 1) * MS, attrs) for i, attrs in enumerate(ops(reduce_op))]
+        spans += [_step(rank, 1, "s", S, S + 50 * MS, trace="r-", **{
+                      "torch.step.collective_groups": ["0"], "torch.step.collective_fingerprints": ["aa"],
+                      "torch.step.collective_counts": [2], "torch.step.collective_first_seq": [0]}),
+                  _module(rank, "M.a", "a", "s", S, S + 40 * MS, events, trace="r-")]
+    spans = _load(spans, tmp_path)
+    side = {"op": "all_reduce", "dtype": "float32", "shape": [8], "module": "M.a", "pass": "forward", "seq": 1}
+    assert diagnose.desyncs(spans) == [{"group": "0", "seq": 1, "step": 1, "ranks": {
+        0: side | {"reduce_op": "sum"}, 1: side | {"reduce_op": "max"}}}]
+    text = diagnose.format_text(diagnose.diagnose(spans)).splitlines()
+    assert text[text.index("Desyncs: 1") + 2:text.index("Desyncs: 1") + 4] == [
+        "    rank 0: all_reduce float32 [8] sum in M.a forward",
+        "    rank 1: all_reduce float32 [8] max in M.a forward"]
+    # Without fingerprints too; and a side without a recorded reduce op (a stall ring's) is not compared on it.
+    for item in spans:
+        for key in [key for key in item["attributes"] if key.startswith("torch.step.collective_")]:
+            del item["attributes"][key]
+    assert [d["seq"] for d in diagnose.desyncs(spans)] == [1]
+    for item in spans:
+        for event in item["events"]:
+            if item["rank"] == 1:
+                del event["attributes"][semconv.COLLECTIVE_REDUCE_OP]
+    assert diagnose.desyncs(spans) == []
+
+
+def test_a_crashed_rank_is_an_error_not_a_desync(tmp_path):
+    # World of 3, rank 2 sent nothing. Step 4: rank 1's M.a forward raised after seq 10 (its step was exported,
+    # cut short); rank 0 went on to seq 11 and stalled there, waiting for rank 1.
+    spans = [*_fingerprinted(0, 3, 0, [(8, "all_reduce", (4,)), (9, "all_reduce", (4,))], None),
+             *_fingerprinted(1, 3, 0, [(8, "all_reduce", (4,)), (9, "all_reduce", (4,))], None),
+             *_fingerprinted(0, 4, S, [(10, "all_reduce", (4,)), (11, "all_gather", (8,))], None),
+             *_fingerprinted(1, 4, S, [(10, "all_reduce", (4,))], None)]
+    crashed = next(item for item in spans if item["rank"] == 1 and item["name"] == "M.a forward"
+                   and item["attributes"] and item["trace_id"].startswith("f4"))
+    crashed["status_code"] = 2
+    crashed["events"].append({"name": "exception", "time_ns": crashed["end_ns"], "attributes": {
+        "exception.type": "RuntimeError", "exception.message": "CUDA out of memory. Tried to allocate <n> GiB",
+        "exception.stacktrace": "train.py:12 in forward", "exception.escaped": "False"}})
+    for item in spans:
+        item["resource"][semconv.WORLD_SIZE] = 3
+    spans = _load(spans, tmp_path)
+    found = diagnose.diagnose(spans)
+    assert found["errors"] == [{"rank": 1, "step": 4, "module": "M.a", "pass": "forward", "type": "RuntimeError",
+                                "message": "CUDA out of memory. Tried to allocate <n> GiB",
+                                "stacktrace": "train.py:12 in forward"}]
+    assert found["desyncs"] == []  # rank 1 issued no seq 11: it crashed, it is not out of step
+    assert (found["missing_ranks"], found["steps"]) == ([2], [3])  # step 4 crashed: not a finished step
+    text = diagnose.format_text(found).splitlines()
+    assert text[:5] == [
+        "2 rank(s), finished traced steps: 3",
+        "warning: world size 3, but no spans from rank(s) 2: not traced (OTEL_PYTHON_COMMDEBUG_RANKS), their files "
+        "not given, or they exported nothing", "",
+        "Errors: 1",
+        "  rank 1 raised in step 4 at M.a forward: RuntimeError: CUDA out of memory. Tried to allocate <n> GiB"]
+
+
+def test_an_untraced_step_exported_because_it_stalled_is_not_a_finished_traced_step(tmp_path):
+    spans = [*_fingerprinted(0, 0, 0, [(0, "all_reduce", (4,))], None),
+             _step(0, 100, "u", S, 2 * S, trace="u-", **{semconv.STEP_STALLED: 1})]
+    found = diagnose.diagnose(_load(spans, tmp_path))
+    assert found["steps"] == [0]
+    assert diagnose.format_text(found).splitlines()[0] == "1 rank(s), finished traced steps: 0"
+
+
 def test_a_desync_that_hangs_is_found_in_the_stall_rings(tmp_path):
     # Both ranks wait at seq 20 of step 5, one in an all_reduce and one in a broadcast: no finished step 5.
     spans = [*_snapshot(0, 5, 1100, 60.0, 3, "M.a", 20, 19, [_ring(19, "completed", 61.0, "M.a"),
@@ -387,7 +596,7 @@ def test_a_desync_that_hangs_is_found_in_the_stall_rings(tmp_path):
              *_snapshot(1, 5, 1100, 60.0, 3, "M.a", 20, 19, [_ring(19, "completed", 61.0, "M.a"),
                                                              _ring(20, "in_flight", 59.0, "M.a", op="broadcast")])]
     spans = _load(spans, tmp_path)
-    side = {"dtype": "float32", "shape": [8], "module": "M.a", "pass": "forward", "seq": 20}
+    side = {"dtype": "float32", "shape": [8], "reduce_op": "", "module": "M.a", "pass": "forward", "seq": 20}
     assert diagnose.desyncs(spans) == [{"group": "0", "seq": 20, "step": 5, "ranks": {
         0: side | {"op": "all_reduce"}, 1: side | {"op": "broadcast"}}}]
     # Every rank waits in a collective at the same seq: no one is behind; both are listed.

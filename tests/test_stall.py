@@ -316,6 +316,9 @@ def test_diagnose_names_the_stuck_rank_its_module_and_the_collective_the_other_w
     found = json.loads(out.stdout)
     [stall] = found["stalls"]
     assert (stall["rank"], stall["step"], stall["module"], stall["pass"]) == (1, STUCK_STEP, "Net.layers.1", "forward")
+    # The rank went on and its step was exported whole: the stall is over, and lasted about STUCK_S.
+    assert stall["ended"] is True and STUCK_S <= stall["duration_s"] < STUCK_S + 3, stall
+    assert abs(stall["duration_s"] - stall["age_s"] - stall["ended_after_s"]) < 0.01
     [waiting] = stall["waiting_ranks"]
     assert waiting["rank"] == 0
     assert [(c["op"], c["seq"], c["module"]) for c in waiting["in_flight"]] == [

@@ -3,15 +3,18 @@
 Reads the same OTLP-JSON trace files as ``summarize`` (ours, or a Collector's
 ``file`` exporter) and answers, in order of importance:
 
+* **errors**: the exceptions ranks raised (``ERROR`` spans and their ``exception`` event):
+  rank, step, module, type and message; a crashed rank comes first, and is not a desync;
 * **stalls**: from the ``stalled`` snapshots a stalled rank exports while it is
   stuck, the rank the others wait for (the one behind on a process group's seq),
   its module and pass, how long, its stack, and what each waiting rank has in flight;
 * **desyncs**: the first (process group, seq) where ranks issued different
-  collectives (op, dtype, shape), with each rank's side and module;
+  collectives (op, dtype, shape, reduce op), with each rank's side and module;
 * **stragglers**: for each collective of a traced step matched across ranks by
   (process group, seq), the rank that arrived last is blamed for the wall time it held
-  the collective back (``lost_s``), and the module (or the gap between steps) where it
-  spent more time than the others before it arrived;
+  the collective back by a delay added since its previous collective (``lost_s``: a delay
+  that leaves several asynchronous collectives late counts once), and the module (or the
+  gap between steps) where it spent more time than the others before it arrived;
 * **pipeline waits**: send/recv pairs, as :func:`.summary.pipeline_waits`.
 
 Usage::
@@ -30,7 +33,7 @@ or ``commdebug-otel diagnose PATH... [--format text|json] [--top N] [--noise-flo
 (:mod:`.backends`).
 
 What it does not do: stragglers and desyncs come from traced steps only
-(``OTEL_PYTHON_COMMDEBUG_TRACE_EVERY``) and traced ranks; stalls need the
+(``OTEL_PYTHON_COMMDEBUG_TRACE_EVERY``; desyncs also from the stall snapshots' rings) and traced ranks; stalls need the
 snapshots of a live job with stall detection on. Times are each host's wall
 clock: across hosts, clock skew adds to or hides lateness.
 """
@@ -50,7 +53,7 @@ from .. import semconv
 from . import summary
 
 __all__ = ["BETWEEN_STEPS", "NOISE_FLOOR_S", "TRAIN_STEP", "UNATTRIBUTED", "add_arguments", "desyncs", "diagnose",
-           "format_text", "run", "stalls", "stragglers"]
+           "errors", "format_text", "missing_ranks", "run", "stalls", "stragglers"]
 
 #: Frames of a stuck rank's stack in the text report (the innermost; JSON has them all).
 STACK_LINES = 8
@@ -63,7 +66,7 @@ TRAIN_STEP = f"({semconv.SPAN_TRAIN_STEP})"
 BETWEEN_STEPS = "(between steps)"
 #: A late rank that spent no more time anywhere than the others since their previous collectives.
 UNATTRIBUTED = "(unattributed)"
-_NO_OP = {"op": "none", "dtype": "", "shape": [], "module": "", "pass": "", "seq": -1}
+_NO_OP = {"op": "none", "dtype": "", "shape": [], "reduce_op": "", "module": "", "pass": "", "seq": -1}
 
 Label = tuple[str, str]  # (module FQN or a parenthesised place, pass)
 
@@ -166,15 +169,48 @@ class _Arrivals:
         return min(self._step_start.get((rank, step), arrival), arrival)
 
 
-def _blame(late: dict[Label, int], others: list[dict[Label, int]]) -> tuple[Label, int]:
-    """The label where ``late`` spent most more time than the others' median, and that excess (ns)."""
+class _Carried:
+    """How late each rank still was when it left each collective, to count a delay once.
+
+    ``complete``: the complete matches, ``{rank: event}`` each. A rank's lateness at a collective
+    is ``a_r - max(a_o, o != r)``; what it carries away is that lateness, but no more than how much
+    later than the others it returned from the call (the event's time): a blocking collective
+    returns on every rank when the last arrives (nothing carried), an asynchronous one (DDP's
+    buckets, FSDP's prefetch, functional collectives) returns at once (all of it carried).
+    """
+
+    def __init__(self, complete: list[dict[int, dict]], steps: dict[int, int | None]) -> None:
+        items: dict[int, list[tuple[int, int, int | None]]] = defaultdict(list)
+        for events in complete:
+            issued = {rank: summary._issued_ns(event) for rank, event in events.items()}
+            returned = {rank: event["time_ns"] for rank, event in events.items()}
+            for rank, event in events.items():
+                late = issued[rank] - max(time for other, time in issued.items() if other != rank)
+                later = returned[rank] - max(time for other, time in returned.items() if other != rank)
+                items[rank].append((issued[rank], max(0, min(late, later)), steps[id(event["span"])]))
+        self._items = {rank: sorted(found, key=lambda item: item[0]) for rank, found in items.items()}
+        self._times = {rank: [item[0] for item in found] for rank, found in self._items.items()}
+
+    def before(self, rank: int, arrival: int, step: int | None) -> int:
+        """ns of lateness ``rank`` carried from its previous collective (in this step or the one before)."""
+        i = bisect.bisect_left(self._times[rank], arrival)
+        if i == 0:
+            return 0
+        _, carried, previous_step = self._items[rank][i - 1]
+        return carried if step is not None and previous_step in (step, step - 1) else 0
+
+
+def _blame(late: dict[Label, int], others: list[dict[Label, int]]) -> tuple[Label, int, int]:
+    """The label where ``late`` spent most more time than the others' median, that excess, and the
+    excesses summed over every label where it spent more (ns)."""
     labels = set(late).union(*others)
     excess = {label: late.get(label, 0) - statistics.median(other.get(label, 0) for other in others)
               for label in labels}
     label = max(sorted(excess), key=lambda label: excess[label])
+    extra = round(sum(value for value in excess.values() if value > 0))
     if excess[label] <= 0:  # e.g. it was late only because the others left the previous collective early
-        return (UNATTRIBUTED, ""), 0
-    return label, round(excess[label])
+        return (UNATTRIBUTED, ""), 0, extra
+    return label, round(excess[label]), extra
 
 
 def stragglers(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S) -> list[dict[str, Any]]:
@@ -183,17 +219,23 @@ def stragglers(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S) -> list[
     Each collective event of a traced step (stall snapshots aside) is matched across ranks
     by (process group name, seq) as :func:`.summary.collective_matches` does (send/recv
     left out: see :func:`.summary.pipeline_waits`); only complete matches count. A rank's
-    arrival ``a_r`` is when its CPU began issuing the op. The last rank L is blamed
-    for ``lost = a_L - max(a_r, r != L)`` (wall time the collective was held back) when that
-    is at least ``noise_floor_s`` (default :data:`NOISE_FLOOR_S`, 1 ms); ``waited = sum(a_L - a_r,
-    r != L)`` (rank-seconds the others waited).
+    arrival ``a_r`` is when its CPU began issuing the op. The last rank L is late by
+    ``late = a_L - max(a_r, r != L)``. It is blamed for the delay it added since its previous
+    collective (in this step or the one before): ``lost = min(late, max(late - carried, extra))``,
+    where ``carried`` is the lateness it left that previous collective with (its lateness there,
+    at most how much later than the others the call returned: 0 after a blocking collective, all
+    of it after an asynchronous one, so DDP's buckets or FSDP's prefetches of one backward do not
+    each count the same delay) and ``extra`` the time it spent over the others since then (below).
+    ``lost`` under ``noise_floor_s`` (default :data:`NOISE_FLOOR_S`, 1 ms) is not blamed;
+    ``waited = sum(min(a_L - a_r, lost), r != L)`` (rank-seconds the others waited for it).
 
     What L was doing: the window on each rank from its previous collective arrival (any
     group; or its ``train_step``'s start when that arrival lies before the previous step) up to
     its arrival is cut by innermost span (exclusive time), and the (module FQN, pass) where L
-    spent the most time over the other ranks' median is named; time in ``train_step``
-    outside modules is :data:`TRAIN_STEP`, time under no span :data:`BETWEEN_STEPS`; when L spent
-    no more time anywhere, :data:`UNATTRIBUTED` (excess 0).
+    spent the most time over the other ranks' median is named (``extra``: those excesses summed
+    over every place where L spent more); time in ``train_step`` outside modules is
+    :data:`TRAIN_STEP`, time under no span :data:`BETWEEN_STEPS`; when L spent no more time
+    anywhere, or less than ``noise_floor_s`` more in the place named, :data:`UNATTRIBUTED` (excess 0).
 
     Returns:
         one row per blamed (rank, module, pass), largest ``lost_s`` first:
@@ -216,25 +258,37 @@ def stragglers(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S) -> list[
         arrival = summary._issued_ns(event)
         return timelines[rank].self_times(arrivals.window_start(rank, arrival, step), arrival)
 
+    complete = [events for events in matches.values()
+                if len(events) >= 2 and len(events) == summary._group_size(next(iter(events.values())))]
+    carried = _Carried(complete, steps)
     rows: dict[tuple[int, str, str], dict[str, Any]] = {}
     floor_ns = noise_floor_s * 1e9
-    for events in matches.values():
-        if len(events) < 2 or len(events) != summary._group_size(next(iter(events.values()))):
-            continue
+    for events in complete:
         issued = {rank: summary._issued_ns(event) for rank, event in events.items()}
         last = max(sorted(issued), key=lambda rank: issued[rank])
         others = [time for rank, time in issued.items() if rank != last]
-        lost = issued[last] - max(others)
+        step = steps[id(events[last]["span"])]
+        # Only the delay L added since its previous collective: lateness it still carried from there
+        # (an asynchronous collective that it left as late as it came) was counted there.
+        late = issued[last] - max(others)
+        if late < floor_ns:
+            continue
+        (module, pass_), excess, extra = _blame(
+            self_times(last, events[last], step),
+            [self_times(rank, events[rank], step) for rank in events if rank != last])
+        # Only the delay L added since its previous collective: the lateness it carried from there (an
+        # asynchronous collective it left as late as it came) was counted there; unless L spent more time
+        # than the others since then (the others waited out its lateness in between, e.g. in wait_tensor).
+        lost = min(late, max(late - carried.before(last, issued[last], step), extra))
         if lost < floor_ns:
             continue
-        step = steps[id(events[last]["span"])]
-        (module, pass_), excess = _blame(self_times(last, events[last], step),
-                                         [self_times(rank, events[rank], step) for rank in events if rank != last])
+        if excess < floor_ns:
+            (module, pass_), excess = (UNATTRIBUTED, ""), 0
         row = rows.setdefault((last, module, pass_), {
             "rank": last, "module": module, "pass": pass_, "lost_s": 0, "waited_s": 0, "collectives": 0,
             "steps": set(), "excess_s": 0})
         row["lost_s"] += lost
-        row["waited_s"] += sum(issued[last] - time for time in others)
+        row["waited_s"] += sum(min(issued[last] - time, lost) for time in others)
         row["excess_s"] += excess
         row["collectives"] += 1
         row["steps"].add(step)
@@ -266,7 +320,7 @@ def _snapshot(span: dict) -> dict[str, Any]:
     groups = [str(group) for group in attrs.get(semconv.STALL_GROUPS, [])]
     return {
         "rank": span["rank"], "step": attrs.get(semconv.STEP),
-        "module": BETWEEN_STEPS if between else str(attrs.get(semconv.STALL_MODULE, "")),
+        "module": BETWEEN_STEPS if between else str(attrs.get(semconv.STALL_MODULE, "")) or TRAIN_STEP,
         "pass": "" if between else str(attrs.get(semconv.STALL_PASS, "")),
         "age_s": float(attrs.get(semconv.STALL_AGE, 0.0)),
         "threshold_s": float(attrs.get(semconv.STALL_THRESHOLD, 0.0)),
@@ -276,6 +330,8 @@ def _snapshot(span: dict) -> dict[str, Any]:
         "completed_seq": dict(zip(groups, map(int, attrs.get(semconv.STALL_COMPLETED_SEQ, [])))),
         "in_flight": [_collective(event) for event in span["events"]
                       if event["attributes"].get(semconv.COLLECTIVE_STATE) == semconv.STATE_IN_FLIGHT],
+        "_sizes": {_group(event["attributes"]): int(event["attributes"][semconv.PROCESS_GROUP_SIZE])
+                   for event in span["events"] if semconv.PROCESS_GROUP_SIZE in event["attributes"]},
         "trace_id": span["trace_id"], "world_size": int(span["resource"].get(semconv.WORLD_SIZE, 0)),
         "_end_ns": span["end_ns"],
     }
@@ -334,6 +390,66 @@ def _culprits(episode: list[dict]) -> tuple[list[int], dict[int, str], list[dict
     return [], {}, ahead
 
 
+def _issued_by_all(episode: list[dict]) -> None:
+    """Move each snapshot's in-flight collectives that every rank of their group has issued to
+    ``"issued_by_all"``: they are not what blocks (on an untimed step a c10d collective that did
+    complete may still say in flight).
+
+    A group counts when as many ranks as its size sent a snapshot with it. Left out: seqs at or
+    below the lowest seq issued on the group, but when every rank issued the same seq, the
+    collective at that seq stays (they all wait in it).
+    """
+    issued: dict[str, dict[int, int]] = defaultdict(dict)
+    sizes: dict[str, int] = {}
+    for snap in episode:
+        for group, seq in snap["issued_seq"].items():
+            issued[group][snap["rank"]] = seq
+        sizes |= snap["_sizes"]
+    below: dict[str, int] = {}
+    for group, seqs in issued.items():
+        if group in sizes and len(seqs) >= sizes[group]:
+            low = min(seqs.values())
+            below[group] = low + 1 if max(seqs.values()) > low else low
+    for snap in episode:
+        pending = [c for c in snap["in_flight"] if c["seq"] >= below.get(c["group"], c["seq"])]
+        snap["issued_by_all"] = [c for c in snap["in_flight"] if c not in pending]
+        snap["in_flight"] = pending
+
+
+def _ends(spans: list[dict]) -> tuple[dict[tuple[int, int], int], dict[int, list[tuple[int, int]]]]:
+    """The finished exports of steps: ``{(rank, step): end_ns}`` of those that stalled
+    (``commdebug.step.stalled``), and ``{rank: [(step, start_ns)]}`` of every ``train_step``."""
+    stalled: dict[tuple[int, int], int] = {}
+    starts: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for span in _finished(spans):
+        attrs = span["attributes"]
+        if span["name"] != semconv.SPAN_TRAIN_STEP or not isinstance(attrs.get(semconv.STEP), int):
+            continue
+        key = (span["rank"], attrs[semconv.STEP])
+        starts[span["rank"]].append((attrs[semconv.STEP], span["start_ns"]))
+        if semconv.STEP_STALLED in attrs:
+            stalled[key] = max(stalled.get(key, span["end_ns"]), span["end_ns"])
+    return stalled, starts
+
+
+def _ended(snap: dict, stalled: dict[tuple[int, int], int], starts: dict[int, list[tuple[int, int]]]
+           ) -> dict[str, Any]:
+    """Whether the stall of ``snap`` ended: ``{"ended", "ended_after_s" (after the snapshot),
+    "duration_s" (from when the stall began)}``, times None when not known."""
+    rank, step, end = snap["rank"], snap["step"], snap["_end_ns"]
+    began = end - round(snap["age_s"] * 1e9)
+    done: int | None = None
+    if step is not None and not snap["between_steps"] and (rank, step) in stalled:
+        done = stalled[(rank, step)]
+    elif step is not None and snap["between_steps"]:
+        done = min((start for number, start in starts.get(rank, []) if number == step and start >= began),
+                   default=None)
+    later = step is not None and any(number > step for number, _ in starts.get(rank, []))
+    if done is None:
+        return {"ended": later, "ended_after_s": None, "duration_s": None}
+    return {"ended": True, "ended_after_s": max(done - end, 0) / 1e9, "duration_s": (done - began) / 1e9}
+
+
 def stalls(spans: list[dict]) -> list[dict[str, Any]]:
     """The stuck rank of each stall episode, what it was doing, and who waits for it.
 
@@ -343,22 +459,32 @@ def stalls(spans: list[dict]) -> list[dict[str, Any]]:
     higher seq, the rank with the lowest (a rank behind on one group but ahead on another
     only waits further down the chain). With equal seqs everywhere, it is the rank with no
     collective in flight while the others wait in one; failing that, a rank of the world that
-    sent no snapshot.
+    sent no snapshot. In-flight collectives that every rank of their group has issued are
+    not what blocks: they are listed apart (``issued_by_all``).
+
+    A stall has ended when the files hold the step's final export on that rank (its
+    ``train_step`` with ``commdebug.step.stalled``; for a stall between steps, the next
+    step's ``train_step``), or a later step of that rank.
 
     Returns:
-        one entry per stuck rank, the latest episode first: ``{"rank", "step", "module", "pass"
-        (:data:`BETWEEN_STEPS` and "" when it stalled between steps; "" when unknown), "age_s",
+        one entry per stuck rank, the latest episode first: ``{"rank", "step" (between steps:
+        the next step), "module", "pass" (:data:`BETWEEN_STEPS` and "" when it stalled between
+        steps; :data:`TRAIN_STEP` and "" when in a step outside every module), "age_s",
         "threshold_s", "snapshot", "between_steps", "stack" (innermost last), "issued_seq" /
         "completed_seq" ({group: seq}, -1 none), "in_flight" ([{"op", "group", "seq", "dtype",
-        "shape", "bytes", "module", "pass", "age_s"}]), "trace_id", "reason", "ahead"
-        ([{"rank", "group", "issued_seq", "behind_seq"}]), "waiting_ranks" ([{"rank", "step",
-        "module", "pass", "age_s", "in_flight"}])}``. A rank with no snapshot has "step" None
-        and empty fields. When no rank can be told apart, every rank of the episode is listed
-        with the reason "undetermined".
+        "shape", "bytes", "module", "pass", "age_s"}]), "issued_by_all" (as "in_flight"),
+        "trace_id", "ended" (bool), "ended_after_s" (seconds after the snapshot the step or gap
+        ended, or None), "duration_s" (the whole stall, or None), "reason", "ahead" ([{"rank",
+        "group", "issued_seq", "behind_seq"}]), "waiting_ranks" ([{"rank", "step", "module",
+        "pass", "age_s", "in_flight", "issued_by_all"}])}``. A rank with no snapshot has "step"
+        None and empty fields. When no rank can be told apart, every rank of the episode is
+        listed with the reason "undetermined".
     """
     snapshots = [_snapshot(span) for span in spans if span["name"] == semconv.SPAN_STALLED]
+    stalled, starts = _ends(spans)
     out = []
     for episode in sorted(_episodes(snapshots), key=lambda ep: -max(snap["_end_ns"] for snap in ep)):
+        _issued_by_all(episode)
         ranks, reasons, ahead = _culprits(episode)
         by_rank = {snap["rank"]: snap for snap in episode}
         if not ranks:
@@ -367,23 +493,95 @@ def stalls(spans: list[dict]) -> list[dict[str, Any]]:
             snap = by_rank.get(rank) or {
                 "rank": rank, "step": None, "module": "", "pass": "", "age_s": 0.0, "threshold_s": 0.0,
                 "snapshot": 0, "between_steps": False, "stack": [], "issued_seq": {}, "completed_seq": {},
-                "in_flight": [], "trace_id": ""}
-            waiting = [{key: other[key] for key in ("rank", "step", "module", "pass", "age_s", "in_flight")}
+                "in_flight": [], "issued_by_all": [], "trace_id": "", "_end_ns": 0}
+            waiting = [{key: other[key] for key in ("rank", "step", "module", "pass", "age_s", "in_flight",
+                                                    "issued_by_all")}
                        for other in episode if other["rank"] not in ranks]
-            entry = {key: value for key, value in snap.items() if key not in ("_end_ns", "world_size")}
-            out.append(entry | {"reason": reasons[rank],
-                                "ahead": [item for item in ahead
-                                          if snap["issued_seq"].get(item["group"]) == item["behind_seq"]],
-                                "waiting_ranks": waiting})
+            entry = {key: value for key, value in snap.items() if key not in ("_end_ns", "world_size", "_sizes")}
+            out.append(entry | _ended(snap, stalled, starts) | {
+                "reason": reasons[rank],
+                "ahead": [item for item in ahead if snap["issued_seq"].get(item["group"]) == item["behind_seq"]],
+                "waiting_ranks": waiting})
     return out
+
+
+# -------------------------------------------------------------------- errors
+
+_STATUS_ERROR = 2  # OTLP's STATUS_CODE_ERROR
+
+
+def _raised(spans: list[dict]) -> list[dict[str, Any]]:
+    """Each (rank, step)'s first exception, from its innermost span that raised, with ``_time_ns``."""
+    finished = _finished(spans)
+    steps = summary._span_steps(finished)
+    first: dict[tuple[int, int | None], tuple[tuple[int, int], dict]] = {}
+    for span in finished:
+        event = next((event for event in span["events"] if event["name"] == "exception"), None)
+        if span.get("status_code") != _STATUS_ERROR and event is None:
+            continue
+        attrs = event["attributes"] if event is not None else {}
+        time_ns = event["time_ns"] if event is not None else span["end_ns"]
+        module, pass_ = _label(span)
+        key = (span["rank"], steps[id(span)])
+        order = (time_ns, -span["start_ns"])  # the first to raise; of those, the innermost
+        if key not in first or order < first[key][0]:
+            first[key] = (order, {
+                "rank": span["rank"], "step": steps[id(span)], "module": module, "pass": pass_,
+                "type": str(attrs.get("exception.type", span.get("status_message", ""))),
+                "message": str(attrs.get("exception.message", "")),
+                "stacktrace": str(attrs.get("exception.stacktrace", "")), "_time_ns": time_ns})
+    return [item for _, item in sorted(first.values(), key=lambda found: found[0])]
+
+
+def errors(spans: list[dict]) -> list[dict[str, Any]]:
+    """The exceptions the ranks raised: per rank and step, the first, from the innermost span that raised.
+
+    Reads the finished spans with status ``ERROR`` and their ``exception`` event (the live side
+    records it on module spans whose forward raised). The message is as exported: redacted
+    unless ``OTEL_PYTHON_COMMDEBUG_EXCEPTION_MESSAGES`` said otherwise.
+
+    Returns:
+        ``[{"rank", "step" (None outside a step), "module", "pass" (:data:`TRAIN_STEP` and "" for
+        ``train_step`` itself), "type", "message" ("" when not exported), "stacktrace"}]``, earliest first.
+    """
+    return [{key: value for key, value in item.items() if key != "_time_ns"} for item in _raised(spans)]
+
+
+def missing_ranks(spans: list[dict]) -> list[int]:
+    """Ranks below the world size (``torch.distributed.world_size``) that sent no span."""
+    world = max((int(span["resource"].get(semconv.WORLD_SIZE, 0)) for span in spans), default=0)
+    return sorted(set(range(world)) - {span["rank"] for span in spans})
+
+
+def _traced_steps(spans: list[dict]) -> list[int]:
+    """Steps some rank finished and traced, without those where a rank raised.
+
+    An untraced step that stalled is exported as its ``train_step`` alone (no child, no event): not traced.
+    """
+    finished = _finished(spans)
+    parents = {(span["trace_id"], span["parent_span_id"]) for span in finished if span["parent_span_id"]}
+    crashed = {item["step"] for item in _raised(spans)}
+    traced = set()
+    for span in finished:
+        step = summary._own_step(span)
+        if step is None or step in crashed:
+            continue
+        if semconv.STEP_STALLED in span["attributes"] and not span["events"] \
+                and (span["trace_id"], span["span_id"]) not in parents:
+            continue
+        traced.add(step)
+    return sorted(traced)
 
 
 # ------------------------------------------------------------------- desyncs
 
 
-def _issued_collectives(spans: list[dict]) -> tuple[dict[tuple[int, int], dict[str, dict[int, dict]]],
-                                                    set[tuple[int, int]]]:
+def _issued_collectives(spans: list[dict], raised: dict[tuple[int, int | None], int] | None = None
+                        ) -> tuple[dict[tuple[int, int], dict[str, dict[int, dict]]], set[tuple[int, int]]]:
     """What each rank issued in each step, and which of those records are whole.
+
+    ``raised``: ``{(rank, step): ns}`` when the rank's step raised; its record of that step stops
+    there and is not whole.
 
     Returns:
         ``({(rank, step): {group: {seq: collective}}}, {(rank, step) whose record is whole}})``.
@@ -399,8 +597,9 @@ def _issued_collectives(spans: list[dict]) -> tuple[dict[tuple[int, int], dict[s
     steps = summary._span_steps(finished)
     snapshot_steps = summary._span_steps(snapshots)
     finished_steps = {(span["rank"], step) for span in finished if (step := steps[id(span)]) is not None}
+    raised = raised or {}
     cut = {(span["rank"], steps[id(span)]) for span in finished if span.get("dropped_events_count", 0)
-           or span["attributes"].get(semconv.SPAN_DROPPED_EVENTS, 0)}
+           or span["attributes"].get(semconv.SPAN_DROPPED_EVENTS, 0)} | set(raised)
     seen: set[tuple[int, str, int]] = set()
     taken: list[tuple[dict, int | None]] = []
     for source, step_of in ((finished, steps), (snapshots, snapshot_steps)):
@@ -408,6 +607,8 @@ def _issued_collectives(spans: list[dict]) -> tuple[dict[tuple[int, int], dict[s
             attrs, span = event["attributes"], event["span"]
             step = step_of[id(span)] if span["name"] != semconv.SPAN_STALLED else span["attributes"].get(semconv.STEP)
             if semconv.COLLECTIVE_SEQ not in attrs or (source is snapshots and (event["rank"], step) in finished_steps):
+                continue
+            if event["time_ns"] > raised.get((event["rank"], step), event["time_ns"]):
                 continue
             key = (event["rank"], _group(attrs), int(attrs[semconv.COLLECTIVE_SEQ]))
             if key not in seen:
@@ -431,6 +632,7 @@ def _issued_collectives(spans: list[dict]) -> tuple[dict[tuple[int, int], dict[s
             "op": str(attrs.get(semconv.COLLECTIVE_OP, event["name"])),
             "dtype": str(attrs.get(semconv.COLLECTIVE_DTYPE, "")),
             "shape": list(attrs.get(semconv.COLLECTIVE_SHAPE, [])),
+            "reduce_op": str(attrs.get(semconv.COLLECTIVE_REDUCE_OP, "")),
             "module": module, "pass": attrs.get(semconv.MODULE_PASS, pass_), "seq": seq}
     return out, finished_steps - cut
 
@@ -450,30 +652,38 @@ def _fingerprints(spans: list[dict]) -> dict[tuple[int, int], dict[str, tuple[st
     return out
 
 
-def _same(collectives: Iterable[dict | None]) -> bool:
+def _same(collectives: Iterable[dict | None], reduce_op_only: bool = False) -> bool:
+    """Whether the collectives agree: (op, dtype, shape), and the reduce op where each records one
+    (a stall ring's events do not); ``reduce_op_only``: the reduce op alone."""
+    collectives = list(collectives)
     kinds = {None if c is None else (c["op"], c["dtype"], tuple(c["shape"])) for c in collectives}
-    return len(kinds) == 1
+    reduce_ops = {c["reduce_op"] for c in collectives if c is not None and c["reduce_op"]}
+    return len(reduce_ops) <= 1 and (reduce_op_only or len(kinds) == 1)
 
 
 def desyncs(spans: list[dict]) -> list[dict[str, Any]]:
-    """The first collective, per process group, where ranks disagree on (op, dtype, shape).
+    """The first collective, per process group, where ranks disagree on (op, dtype, shape, reduce op).
 
     Per training step (ascending) and process group, each rank's collectives in seq order
-    are compared; a step whose ``train_step`` fingerprints
+    are compared; the reduce op (``torch.collective.reduce_op``) only where both sides
+    record one (a stall ring's events do not). A step whose ``train_step`` fingerprints
     (``torch.step.collective_fingerprints``, when the live side records them) are equal on
-    every rank is skipped without reading its events. Ranks are those with collectives on
+    every rank is compared on its events' reduce ops only (a fingerprint may not cover them).
+    Ranks are those with collectives on
     the group in the files; a rank that skipped a collective shows, at that seq, the next one
     it issued, or op ``"none"`` when it issued none in the step. Steps a rank never finished
     are read from its stall snapshots; there, and where a span dropped events, a seq the rank
-    has no record of is not compared. Only the first difference per group is reported:
+    has no record of is not compared; so too after a rank's step raised (:func:`errors`: a crashed
+    rank is not out of step). Only the first difference per group is reported:
     everything after it on that group is shifted by it.
 
     Returns:
         ``[{"group", "seq" (counted without send/recv, as stragglers match), "step",
-        "ranks": {rank: {"op", "dtype", "shape", "module", "pass", "seq" (its own
-        torch.collective.seq)}}}]``, by step then group.
+        "ranks": {rank: {"op", "dtype", "shape", "reduce_op" ("" when not recorded), "module",
+        "pass", "seq" (its own torch.collective.seq)}}}]``, by step then group.
     """
-    issued, whole = _issued_collectives(spans)
+    issued, whole = _issued_collectives(spans, {(item["rank"], item["step"]): item["_time_ns"]
+                                                for item in _raised(spans)})
     fingerprints = _fingerprints(spans)
     members: dict[str, set[int]] = defaultdict(set)
     steps: dict[int, set[int]] = defaultdict(set)
@@ -487,11 +697,12 @@ def desyncs(spans: list[dict]) -> list[dict[str, Any]]:
     for group in sorted(members):
         for step in sorted(steps):
             ranks = sorted(members[group] & steps[step])
-            prints = [fingerprints.get((rank, step), {}).get(group) for rank in ranks]
-            if len(ranks) < 2 or (None not in prints and len(set(prints)) == 1):
+            if len(ranks) < 2:
                 continue
+            prints = [fingerprints.get((rank, step), {}).get(group) for rank in ranks]
             by_rank = {rank: issued.get((rank, step), {}).get(group, {}) for rank in ranks}
-            found = _first_difference(group, step, by_rank, {rank for rank in ranks if (rank, step) in whole})
+            found = _first_difference(group, step, by_rank, {rank for rank in ranks if (rank, step) in whole},
+                                      reduce_op_only=None not in prints and len(set(prints)) == 1)
             if found is not None:
                 out.append(found)
                 break
@@ -500,15 +711,17 @@ def desyncs(spans: list[dict]) -> list[dict[str, Any]]:
 
 
 def _first_difference(group: str, step: int, by_rank: dict[int, dict[int, dict]],
-                      whole: set[int]) -> dict[str, Any] | None:
+                      whole: set[int], reduce_op_only: bool = False) -> dict[str, Any] | None:
     """The first seq of ``step`` where the ranks' collectives on ``group`` differ, or None.
 
     ``whole``: the ranks whose record of the step is whole; only they can say that they
-    issued nothing at a seq.
+    issued nothing at a seq. ``reduce_op_only``: compare reduce ops only (the fingerprints agree).
     """
     for seq in sorted(set().union(*by_rank.values())):
         known = {rank: seqs.get(seq) for rank, seqs in by_rank.items() if seq in seqs or rank in whole}
-        if len(known) < 2 or _same(known.values()):
+        if reduce_op_only:
+            known = {rank: c for rank, c in known.items() if c is not None}
+        if len(known) < 2 or _same(known.values(), reduce_op_only):
             continue
         return {"group": group, "seq": seq, "step": step,
                 "ranks": {rank: c or dict(_NO_OP) for rank, c in sorted(known.items())}}
@@ -522,20 +735,30 @@ def diagnose(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S) -> dict[st
     """Everything ``diagnose`` reports, as plain data (``--format json``).
 
     Returns:
-        ``{"stalls": stalls(spans), "desyncs": desyncs(spans), "stragglers": stragglers(spans,
-        noise_floor_s), "pipeline_waits": summary.pipeline_waits(finished spans), "ranks": [rank...],
-        "steps": [traced step...], "noise_floor_s": noise_floor_s, "warnings": [str]}``.
+        ``{"errors": errors(spans), "stalls": stalls(spans), "desyncs": desyncs(spans), "stragglers":
+        stragglers(spans, noise_floor_s), "pipeline_waits": summary.pipeline_waits(finished spans),
+        "ranks": [rank...], "missing_ranks": missing_ranks(spans), "steps": [finished traced step...]
+        (untraced steps exported because they stalled, and steps where a rank raised, left out),
+        "noise_floor_s": noise_floor_s, "warnings": [str]}``.
     """
     finished = _finished(spans)
+    missing = missing_ranks(spans)
+    warnings = summary._warnings(finished)
+    if missing:
+        world = max(int(span["resource"].get(semconv.WORLD_SIZE, 0)) for span in spans)
+        warnings.append(f"warning: world size {world}, but no spans from rank(s) {_ranges(missing)}: not traced "
+                        "(OTEL_PYTHON_COMMDEBUG_RANKS), their files not given, or they exported nothing")
     return {
+        "errors": errors(spans),
         "stalls": stalls(spans),
         "desyncs": desyncs(spans),
         "stragglers": stragglers(spans, noise_floor_s),
         "pipeline_waits": summary.pipeline_waits(finished),
         "ranks": sorted({span["rank"] for span in spans}),
-        "steps": summary.steps_present(finished),
+        "missing_ranks": missing,
+        "steps": _traced_steps(spans),
         "noise_floor_s": noise_floor_s,
-        "warnings": summary._warnings(finished),
+        "warnings": warnings,
     }
 
 
@@ -551,32 +774,60 @@ def _ranges(numbers: list[int]) -> str:
 
 
 def _where(module: str, pass_: str) -> str:
-    return f"{module or '(unknown module)'} {pass_}".rstrip()
+    return f"{module or TRAIN_STEP} {pass_}".rstrip()
 
 
 def _in_flight(collectives: list[dict]) -> str:
-    return "; ".join(f"{c['op']} (group {c['group']}, seq {c['seq']}) from {_where(c['module'], c['pass'])}, "
-                     f"{c['age_s']:.1f} s" for c in collectives) or "nothing"
+    """In-flight collectives, each from its module where the ring recorded it (traced steps)."""
+    return "; ".join(f"{c['op']} (group {c['group']}, seq {c['seq']})"
+                     + (f" from {_where(c['module'], c['pass'])}" if c["module"] else "")
+                     + f", {c['age_s']:.1f} s" for c in collectives) or "nothing"
 
 
-def _collective_text(c: dict) -> str:
+def _stall_where(stall: dict) -> str:
+    """``in step 3 at M forward``, or ``between step 6 and step 7`` (``before step 0``)."""
+    if stall["between_steps"]:
+        step = stall["step"]
+        return "before step 0" if step == 0 else f"between step {step - 1} and step {step}" if step else "between steps"
+    return f"in step {stall['step']} at {_where(stall['module'], stall['pass'])}"
+
+
+def _stall_end(stall: dict) -> str:
+    if not stall["ended"]:
+        return ""
+    what = "the gap" if stall["between_steps"] else "the step"
+    if stall["ended_after_s"] is None:
+        return f" ({what} ended: a later step finished)"
+    return f" ({what} ended {stall['ended_after_s']:.1f} s later, {stall['duration_s']:.1f} s in all)"
+
+
+def _collective_text(c: dict, reduce_op: bool = False) -> str:
+    """One rank's side of a desync; ``reduce_op``: with its reduce op (when the ranks' differ)."""
     if c["op"] == "none":
         return "none (no collective at this seq in the step)"
-    return f"{c['op']} {c['dtype']} {c['shape']} in {_where(c['module'], c['pass'])}"
+    op = f" {c['reduce_op'] or '(reduce op not recorded)'}" if reduce_op else ""
+    return f"{c['op']} {c['dtype']} {c['shape']}{op} in {_where(c['module'], c['pass'])}"
 
 
 def format_text(found: dict[str, Any], top: int = 10) -> str:
-    """``commdebug-otel diagnose``'s text: stalls, desyncs, stragglers, pipeline waits, in that order.
+    """``commdebug-otel diagnose``'s text: errors, stalls, desyncs, stragglers, pipeline waits, in that order.
 
     ``found``: :func:`diagnose`'s result. ``top``: straggler rows shown (the rest summed in one line).
     """
     out = [f"{len(found['ranks'])} rank(s), finished traced steps: {_ranges(found['steps'])}", *found["warnings"], ""]
+    out.append(f"Errors: {len(found['errors'])}")
+    for error in found["errors"]:
+        where = "outside a step" if error["step"] is None else f"step {error['step']}"
+        message = f": {error['message']}" if error["message"] else ""
+        out.append(f"  rank {error['rank']} raised in {where} at {_where(error['module'], error['pass'])}: "
+                   f"{error['type']}{message}")
+    out.append("")
     out.append(f"Stalls: {len(found['stalls'])}" + ("" if found["stalls"] else " (no stall snapshots in the files)"))
     for stall in found["stalls"]:
         if stall["snapshot"]:
-            out.append(f"  rank {stall['rank']} is stuck in step {stall['step']} at "
-                       f"{_where(stall['module'], stall['pass'])} for {stall['age_s']:.1f} s "
-                       f"(snapshot {stall['snapshot']}; {stall['reason']})")
+            out.append(f"  rank {stall['rank']} {'was' if stall['ended'] else 'is'} stuck {_stall_where(stall)} "
+                       f"for {stall['age_s']:.1f} s (snapshot {stall['snapshot']}; {stall['reason']})"
+                       + _stall_end(stall))
             out.append(f"    in flight on rank {stall['rank']}: {_in_flight(stall['in_flight'])}")
         else:
             out.append(f"  rank {stall['rank']} is stuck: it {stall['reason']} "
@@ -594,15 +845,17 @@ def format_text(found: dict[str, Any], top: int = 10) -> str:
     out += ["", f"Desyncs: {len(found['desyncs'])}"]
     for desync in found["desyncs"]:
         out.append(f"  group {desync['group']}, step {desync['step']}, seq {desync['seq']}: ranks disagree")
-        out += [f"    rank {rank}: {_collective_text(c)}" for rank, c in desync["ranks"].items()]
+        reduce_ops = len({c["reduce_op"] for c in desync["ranks"].values() if c["op"] != "none"}) > 1
+        out += [f"    rank {rank}: {_collective_text(c, reduce_ops)}" for rank, c in desync["ranks"].items()]
     rows = found["stragglers"]
     out += ["", f"Stragglers: {len(rows)} (rank, module) blamed; lost = wall time a collective was held back by "
-                f"the last rank to arrive (lateness under {found['noise_floor_s'] * 1e3:g} ms ignored), "
-                "waited = rank-seconds the others waited."]
+                f"the last rank to arrive, counting only the delay it added since its previous collective "
+                f"(under {found['noise_floor_s'] * 1e3:g} ms ignored), waited = rank-seconds the others waited, "
+                "excess = the time it spent in that module over the other ranks."]
     if rows:
-        table = [("rank", "module", "pass", "lost s", "waited s", "collectives", "steps")]
+        table = [("rank", "module", "pass", "lost s", "waited s", "excess s", "collectives", "steps")]
         table += [(row["rank"], row["module"], row["pass"] or "-", f"{row['lost_s']:.3f}", f"{row['waited_s']:.3f}",
-                   row["collectives"], len(row["steps"])) for row in rows[:top]]
+                   f"{row['excess_s']:.3f}", row["collectives"], len(row["steps"])) for row in rows[:top]]
         out += ["  " + line for line in summary._columns(table)]
         if len(rows) > top:
             out.append(f"  ... {len(rows) - top} more rows, {sum(row['lost_s'] for row in rows[top:]):.3f} s lost "
@@ -636,7 +889,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top", type=int, default=10, metavar="N",
                         help="straggler rows in the text report (default 10; JSON has them all)")
     parser.add_argument("--noise-floor-ms", type=float, default=NOISE_FLOOR_S * 1e3, metavar="MS",
-                        help=f"lateness below this is not blamed on a straggler (default {NOISE_FLOOR_S * 1e3:g})")
+                        help="a delay below this is not blamed on a straggler, nor on a place where it spent "
+                             f"less extra time than this (default {NOISE_FLOOR_S * 1e3:g})")
 
 
 def _load(args: argparse.Namespace) -> list[dict] | None:
