@@ -321,6 +321,42 @@ class Why:
         return attrs
 
 
+class CompiledWhys:
+    """The "why" of collectives in compiled code, as seen when torch.compile traced them.
+
+    DTensor's dispatch and redistributions run while dynamo and AOTAutograd trace a graph, on
+    fake tensors, and not when the compiled code runs: the "why" is known only then. It is kept
+    per (pass, op, process group, dtype, shape) and given to a collective of a compiled call
+    with the same key at run time (AOTAutograd traces the backward inside autograd, as it later
+    runs). A key traced with two different whys, or bucketed by Inductor into another shape,
+    gets none: never a guess.
+    """
+
+    MAX_KEYS = 4096  # traced collectives remembered (a bound, not a cache of every step)
+
+    def __init__(self) -> None:
+        self._by_key: dict[tuple, dict[str, Any] | None] = {}
+
+    def trace(self, spec: CollectiveSpec, group: GroupFacts, args: tuple, out: Any, why: Why) -> None:
+        """A collective seen while a graph is traced, with the current why."""
+        attrs = why.attributes()
+        if attrs is None or len(self._by_key) >= self.MAX_KEYS:
+            return
+        key = self._key(spec, group, message(spec, args, out, group.size), _torch.in_backward())
+        known = self._by_key.get(key, attrs)
+        self._by_key[key] = dict(attrs) if known == attrs else None  # ambiguous: none
+
+    def lookup(self, collective: Collective) -> dict[str, Any] | None:
+        if not self._by_key:
+            return None
+        return self._by_key.get(self._key(collective.spec, collective.group, collective.message,
+                                          _torch.in_backward()))
+
+    @staticmethod
+    def _key(spec: CollectiveSpec, group: GroupFacts, msg: Message, in_backward: bool) -> tuple:
+        return in_backward, spec.op, group.name, msg.dtype, tuple(msg.shape)
+
+
 # Causes of redistributions that are not an op's (torch.dtensor.cause).
 REDISTRIBUTE = "redistribute"
 FULL_TENSOR = "full_tensor"

@@ -43,6 +43,7 @@ from .collectives import (
     PASS_NONE,
     Collective,
     CollectiveCounter,
+    CompiledWhys,
     Why,
     _set_peer,
     event_attributes,
@@ -110,6 +111,7 @@ class Recorder:
         self._nonce: str | None = None
         self._failed: set[str] = set()
         self.why = Why()
+        self._compiled_whys = CompiledWhys()
         self._why_on = True  # what the observers were last told (why_wanted)
         self.active = True
         self._start_process_state()
@@ -680,10 +682,11 @@ class Recorder:
         another thread's and a quiet step's collectives are metric points
         only; the rest keep records (:meth:`_record_collective`).
         """
-        if is_compiling():
-            return  # run on fake tensors while torch.compile builds a graph: the compiled code issues the real one
-        if compiler_traced(args):
-            return  # the same, where dynamo is not the tracer (AOTAutograd's backward): no event, no seq
+        if is_compiling() or compiler_traced(args):
+            # Run on fake tensors while torch.compile builds a graph (dynamo, or AOTAutograd's backward):
+            # the compiled code issues the real one. Its "why" is known only now: kept for it.
+            self._compiled_whys.trace(spec, self._groups.resolve(spec, args), args, out, self.why)
+            return
         group = self._groups.resolve(spec, args)
         in_backward = graph_task_id() != -1
         if not in_backward and threading.get_ident() != self.thread_id:
@@ -742,6 +745,8 @@ class Recorder:
         if spec.functional or self.why.cause in C10D_CAUSES:
             try:
                 why = self.why.attributes()
+                if why is None and owner.compiled:  # compiled code: DTensor ran when it was traced
+                    why = self._compiled_whys.lookup(collective)
             except Exception as error:  # the event goes without its "why"
                 self.hook_failed("DTensor redistribution facts", error)
         attrs = event_attributes(collective, why)

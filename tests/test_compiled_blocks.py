@@ -378,3 +378,40 @@ def test_compiled_blocks_under_fsdp2(backend, in_place):
         f"{root}.stem backward": (f"{root} backward", [], False),
     }
     _check_counts(results)
+
+
+def _why_in_compiled_blocks(rank, world_size, backend):
+    """Tensor-parallel blocks compiled while the tracer runs (as with the environment start): the "why" of
+    each collective the compiled code issues, over two steps (the first compiles)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from commdebug_otel import CommTracer, Settings
+    from commdebug_otel.testing import InMemoryTelemetry
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    model = MlpNet()
+    for index, block in enumerate(model.layers):
+        parallelize_module(block, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        model.layers[index] = torch.compile(block, backend=backend)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    telemetry = InMemoryTelemetry()
+    with CommTracer(Settings(), tracer_provider=telemetry.tracer_provider, meter_provider=telemetry.meter_provider):
+        for _ in range(2):
+            model(torch.randn(4, 8)).sum().backward()
+            optimizer.step()
+    keys = (semconv.DTENSOR_CAUSE, semconv.DTENSOR_SOURCE_PLACEMENTS, semconv.DTENSOR_TARGET_PLACEMENTS,
+            semconv.DEVICE_MESH_SHAPE, semconv.DEVICE_MESH_DIM_NAMES)
+    return [(span.name, event.name, tuple(event.attributes.get(key) for key in keys))
+            for span in telemetry.spans() for event in span.events]
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_collectives_of_compiled_dtensor_code_keep_the_why_seen_when_it_was_traced(backend):
+    row = ("redistribute", "(Partial(sum),)", "(Replicate(),)", (2,), ("tp",))  # RowwiseParallel's output
+    col = ("from_local", "(Partial(sum),)", "(Replicate(),)", (2,), ("tp",))  # ColwiseParallel's input gradient
+    step = [("MlpNet.layers.0 forward", "all_reduce", row), ("MlpNet.layers.1 forward", "all_reduce", row),
+            ("MlpNet.layers.1 backward", "all_reduce", col), ("MlpNet.layers.0 backward", "all_reduce", col)]
+    assert run_ranks(_why_in_compiled_blocks, 2, backend) == [step * 2, step * 2]
