@@ -174,7 +174,16 @@ class Recorder:
         }
 
     def _traces_this_rank(self) -> bool:
-        return self._spans is not None and self.settings.traces_rank(self.rank().rank)
+        """Whether a sampled step (or set-up) is traced here: this rank is traced and its spans go
+        somewhere (``OTEL_TRACES_EXPORTER=none``: they do not), or an observer wants every event."""
+        if self._spans is None or not self.settings.traces_rank(self.rank().rank):
+            return False
+        self._exemplars_on()  # starts the tracer provider: where spans go is known from then on
+        try:
+            return self._every_event or self._spans.exporting
+        except Exception as error:
+            self.hook_failed("telemetry start", error)
+            return False
 
     # ---------------------------------------------------------------- failures
     def hook_failed(self, where: str, error: BaseException) -> None:

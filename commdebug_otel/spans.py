@@ -69,6 +69,8 @@ class TracerSetup(NamedTuple):
     must run before the provider makes ``tracer``: an SDK tracer keeps the
     generator it was made with), None where the provider has none.
     ``sdk_metrics``: the SDK's own span metrics are on.
+    ``discards``: spans go nowhere (our own provider without a span processor,
+    ``OTEL_TRACES_EXPORTER=none``, or a no-op provider), so none are built.
     """
 
     tracer: Any
@@ -76,6 +78,7 @@ class TracerSetup(NamedTuple):
     ids: StepIdGenerator | None = None
     processors: Sequence[Any] = ()
     sdk_metrics: bool = False
+    discards: bool = False
 
 
 class SpanBuilder:
@@ -119,6 +122,12 @@ class SpanBuilder:
         return self._ids is not None
 
     @property
+    def exporting(self) -> bool:
+        """Whether spans built now would go anywhere (known after :meth:`start`); :meth:`emit` builds
+        nothing when they would not."""
+        return not self._current().discards
+
+    @property
     def direct(self) -> bool:
         """Whether spans skip the SDK's live ``Span`` (known after :meth:`start`)."""
         return self._direct is not None
@@ -128,7 +137,10 @@ class SpanBuilder:
 
         ``trace_id``: the roots' trace id (128-bit int), or None for a random one.
         """
-        tracer = self._current().tracer
+        setup = self._current()
+        if setup.discards:
+            return
+        tracer = setup.tracer
         for root in roots:
             self._start(tracer, root, None, None, trace_id, children)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import tempfile
 import threading
 import time
 import types
@@ -182,7 +183,9 @@ def scraped():
         "OTEL_SDK_DISABLED": "false",
         "OTEL_SERVICE_NAME": "commdebug-prometheus-test",
         "OTEL_METRICS_EXPORTER": "prometheus",
-        "OTEL_TRACES_EXPORTER": "none",
+        # Spans must go somewhere for their events to be capped (with "none" no span is built).
+        "OTEL_TRACES_EXPORTER": "file",
+        "OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR": tempfile.mkdtemp(prefix="commdebug-prometheus-test-"),
         "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
         "OTEL_EXPORTER_PROMETHEUS_PORT": str(base),
         "OTEL_PYTHON_COMMDEBUG_MAX_EVENTS_PER_SPAN": "1",
