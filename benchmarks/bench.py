@@ -1309,11 +1309,17 @@ def print_targets(report: dict[str, Any]) -> None:
                       f"{base * TARGET_SCALE_TRACED * 100:+.1f}%)", ours <= base * TARGET_SCALE_TRACED))
     if "depth" in report:
         depth = report["depth"]
-        for exporter, ratio in depth["ratio"].items():
-            costs = " vs ".join(f"{depth['depths'][str(d)][exporter]['us_per_span']:.1f}" for d in DEPTHS)
-            rate = depth["depths"][str(DEPTHS[-1])][exporter]["spans_per_s_per_core"]
-            lines.append((f"[depth, {exporter}] per span at {DEPTHS[-1]} <= {TARGET_DEPTH}x at {DEPTHS[0]}",
-                          f"{ratio:.2f}x ({costs} us/span; {rate:,.0f} spans/s/core)", ratio <= TARGET_DEPTH))
+        exporter = DEPTH_EXPORTERS[0]  # the default; with "none" no span is built (per-span cost ~0: noise)
+        ratio = depth["ratio"][exporter]
+        costs = " vs ".join(f"{depth['depths'][str(d)][exporter]['us_per_span']:.1f}" for d in DEPTHS)
+        rate = depth["depths"][str(DEPTHS[-1])][exporter]["spans_per_s_per_core"]
+        lines.append((f"[depth, {exporter}] per span at {DEPTHS[-1]} <= {TARGET_DEPTH}x at {DEPTHS[0]}",
+                      f"{ratio:.2f}x ({costs} us/span; {rate:,.0f} spans/s/core)", ratio <= TARGET_DEPTH))
+        deep = depth["depths"][str(DEPTHS[-1])]
+        ratios = {name: deep[name]["traced_ms"] / deep["untraced_ms"] for name in DEPTH_EXPORTERS}
+        lines.append((f"[depth {DEPTHS[-1]}] exporter none the cheapest traced step",
+                      ", ".join(f"{name} {value:.3f}x" for name, value in ratios.items()) + " untraced",
+                      min(ratios, key=ratios.get) == "none"))
     if "event_rate" in report:
         print(f"(info) span events delivered: {report['event_rate']['events_per_s']:,.0f} /s")
     for label, value, ok in lines:

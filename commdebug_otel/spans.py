@@ -141,20 +141,28 @@ class SpanBuilder:
         if setup.discards:
             return
         tracer = setup.tracer
-        for root in roots:
-            self._start(tracer, root, None, None, trace_id, children)
+        # The direct path's spans reach the processors together, after the whole step is built: the
+        # export thread, woken by the first full batch, would otherwise contend for the GIL meanwhile.
+        finished: list[ReadableSpan] = []
+        try:
+            for root in roots:
+                self._start(tracer, root, None, None, trace_id, children, finished)
+        finally:
+            if finished:
+                self._direct.hand_over(finished)
 
     def _start(self, tracer: Any, record: Any, parent: SpanContext | None, parent_span: Any,
-               trace_id: int | None, children: dict[int, list]) -> None:
-        """``parent``: the parent's context; ``parent_span``: the parent itself when the SDK built it."""
+               trace_id: int | None, children: dict[int, list], finished: list[ReadableSpan]) -> None:
+        """``parent``: the parent's context; ``parent_span``: the parent itself when the SDK built it;
+        ``finished``: where the direct path puts its spans (:meth:`_DirectSpans.hand_over`)."""
         attributes = span_attributes(record)
         direct = self._direct
         prepared = direct.prepare(record, attributes) if direct is not None else None
         if prepared is not None:
             context = direct.context(record, parent, trace_id)
             for child in children.get(id(record), ()):
-                self._start(tracer, child, context, None, None, children)
-            direct.end(record, prepared, context, parent)
+                self._start(tracer, child, context, None, None, children, finished)
+            finished.append(direct.end(record, prepared, context, parent))
             return
         ids = self._ids
         chosen = ids.ids(trace_id, record.span_id) if ids is not None and (trace_id or record.span_id) \
@@ -177,7 +185,7 @@ class SpanBuilder:
                            record.end_ns)
         context = span.get_span_context()
         for child in children.get(id(record), ()):
-            self._start(tracer, child, context, span, None, children)
+            self._start(tracer, child, context, span, None, children, finished)
         span.end(end_time=record.end_ns)
 
 
@@ -279,14 +287,19 @@ class _DirectSpans:
                            trace_flags=flags)
 
     def end(self, record: Any, prepared: tuple[dict[str, Any], tuple], context: SpanContext,
-            parent: SpanContext | None) -> None:
+            parent: SpanContext | None) -> ReadableSpan:
+        """The finished span (for :meth:`hand_over`)."""
         attributes, events = prepared
-        span = ReadableSpan(name=record.name, context=context, parent=parent,
+        return ReadableSpan(name=record.name, context=context, parent=parent,
                             resource=self._provider.resource, attributes=attributes, events=events,
                             start_time=record.start_ns, end_time=record.end_ns,
                             instrumentation_info=self._info, instrumentation_scope=self._scope)
+
+    def hand_over(self, spans: list[ReadableSpan]) -> None:
+        """Give finished spans to the processors, in order."""
         for processor in self._processors:
-            processor.on_end(span)
+            for span in spans:
+                processor.on_end(span)
 
 
 def _fits(count: int, limit: int | None) -> bool:
