@@ -10,7 +10,8 @@ training the demo transformer of ``commdebug_otel._demo_model`` at the size in `
 
 1. step-time ratio to an uninstrumented step for torch's ``CommDebugMode`` and three
    ``CommTracer`` configurations, interleaved in round-robin blocks so machine drift
-   cancels (tensor parallel on 2 ranks; FSDP2 + TP on 4 ranks unless ``--quick``), then
+   cancels (tensor parallel on 2 ranks; FSDP2 + TP on 4 ranks unless ``--quick``; the
+   ``commdebug-otel demo`` model at its own size, tensor parallel on 2 ranks), then
    always-on against uninstrumented alone, over many rounds, for a tight estimate;
 2. RSS growth of rank 0 over 1000 traced steps exporting OTLP/gRPC to a local receiver;
 3. span events per second delivered to that receiver by an export-heavy run (detail ``all``);
@@ -88,6 +89,9 @@ SCALE_REPORTED_WORLD = 1024  # the world size the byte and overhead targets are 
 ASSUMED_STEP_S = 1.0
 METRIC_EXPORT_INTERVAL_S = 60.0
 ALWAYS_ON_TRACE_EVERY = 100  # the documented production setting (docs/performance.md)
+# The overhead phase's workloads: the benchmark model with tensor parallel (2 ranks), with FSDP2 + TP
+# (4 ranks), and `commdebug-otel demo`'s own model size (ModelArgs defaults, batch 4) with tensor parallel.
+OVERHEAD_WORKLOADS = ("tp", "fsdp_tp", "demo")
 CONFIGS = ("uninstrumented", "torch CommDebugMode", "ours traced (every step)",
            "ours always-on (1 in 100)", "ours detail=all", "ref: empty TorchDispatchMode")
 BASELINE = CONFIGS[0]
@@ -294,6 +298,11 @@ class Job:
 
         self.dm = dm
         sizes = {k: v for k, v in MODEL.items() if k != "batch"}
+        batch = BATCH
+        if workload == "demo":  # `commdebug-otel demo`'s model and batch, tensor parallel on 2 ranks
+            from commdebug_otel.demo import _DEMO_BATCH
+
+            sizes, batch = {}, _DEMO_BATCH
         if workload == "fsdp_tp":
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
             tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
@@ -309,7 +318,7 @@ class Job:
         args = dm.ModelArgs(**sizes)
         self.model = dm.parallelize(dm.Transformer(args, seed=0), tp_mesh, dp_mesh)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3, foreach=False)
-        self.batches = [dm.make_batch(args, BATCH, i) for i in range(8)]
+        self.batches = [dm.make_batch(args, batch, i) for i in range(8)]
         self.count = 0
 
     def step(self) -> None:
@@ -737,12 +746,12 @@ def black_hole_worker(rank: int, world_size: int, rounds: int, steps_per_block: 
     return {"times": times, "flush_s": flush_s, "queue_full_warnings": dropped}
 
 
-def profile_worker(rank: int, world_size: int, steps: int, log_path: str) -> dict[str, Any]:
+def profile_worker(rank: int, world_size: int, steps: int, log_path: str, workload: str = "tp") -> dict[str, Any]:
     import cProfile
     import io
     import pstats
 
-    job = Job("tp")
+    job = Job(workload)
     tracer = _tracer({"trace_every": 1}, "profile")
     os.environ["OTEL_SERVICE_NAME"] = "profile"
     tracer.start()
@@ -1193,6 +1202,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write every number to PATH")
     parser.add_argument("--profile", action="store_true",
                         help="only cProfile rank 0 of a traced TP job and print our hot spots")
+    parser.add_argument("--profile-workload", default="tp", choices=("tp", "demo"),
+                        help="the workload --profile runs (default tp)")
     parser.add_argument("--only", default="overhead,always,memory,blackhole,depth,import,scale",
                         help="comma list of phases to run (default: all)")
     args = parser.parse_args(argv)
@@ -1211,7 +1222,7 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
 
     if args.profile:
-        return run_profile()
+        return run_profile(args.profile_workload)
 
     phases = set(args.only.split(","))
     q = args.quick
@@ -1230,6 +1241,7 @@ def main(argv: list[str] | None = None) -> int:
                                report=report)
                 if not q:
                     phase_overhead(rx, "fsdp_tp", 4, rounds=8, steps_per_block=4, report=report)
+                phase_overhead(rx, "demo", 2, rounds=4 if q else 12, steps_per_block=5, report=report)
             if "always" in phases:
                 phase_always_on(rx, "tp", 2, rounds=80 if q else 100, steps_per_block=6, report=report)
                 if not q:
@@ -1261,7 +1273,7 @@ def print_targets(report: dict[str, Any]) -> None:
     print(f"\n== targets (wall {report['wall_s']:.0f} s, load average "
           f"{report['load_average_start']:.2f} -> {report['load_average_end']:.2f})")
     lines = []
-    for workload in ("tp", "fsdp_tp"):
+    for workload in OVERHEAD_WORKLOADS:
         if f"overhead_{workload}" in report:
             configs = report[f"overhead_{workload}"]["configs"]
             ours = configs[CONFIGS[2]]["median"] - 1
@@ -1326,10 +1338,10 @@ def print_targets(report: dict[str, Any]) -> None:
         print(f"{'PASS' if ok else 'FAIL'}  {label:48} {value}")
 
 
-def run_profile(steps: int = 40) -> int:
-    print(f"\n== cProfile, rank 0 of tp on 2 ranks, traced every step, {steps} steps", flush=True)
+def run_profile(workload: str = "tp", steps: int = 40) -> int:
+    print(f"\n== cProfile, rank 0 of {workload} on 2 ranks, traced every step, {steps} steps", flush=True)
     with counting_receiver() as rx:
-        result = run_ranks(profile_worker, 2, child_env(rx.grpc_endpoint), steps=steps)[0]
+        result = run_ranks(profile_worker, 2, child_env(rx.grpc_endpoint), steps=steps, workload=workload)[0]
     ours = [row for row in result["rows"] if "commdebug_otel" in row["path"]
             and not row["path"].endswith("_demo_model.py")]
     own = sum(row["tottime_s"] for row in ours)
