@@ -40,6 +40,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -354,7 +355,7 @@ def _tracer(settings_kwargs: dict[str, Any], service: str):
     """
     from commdebug_otel import CommTracer, Settings
 
-    tracer = CommTracer(Settings(output_dir=f"bench-{service}", **settings_kwargs))
+    tracer = CommTracer(Settings(**{"output_dir": f"bench-{service}", **settings_kwargs}))
     tracer.bench_service = service
     return tracer
 
@@ -564,11 +565,13 @@ def depth_worker(rank: int, world_size: int, rounds: int, steps_per_block: int, 
 
     jobs = {depth: DepthJob(depth) for depth in DEPTHS}
     spans = {depth: job.spans_per_step() for depth, job in jobs.items()}
+    # The file exporter writes hundreds of MB here (FQNs grow with the depth): a folder removed at the end.
+    out_dir = tempfile.mkdtemp(prefix="commdebug-bench-depth-")
     blocks: dict[int, dict[str, Block]] = {}
     for depth in DEPTHS:
         blocks[depth] = {BASELINE: Block(lambda: None, lambda _: None)}
         for exporter in DEPTH_EXPORTERS:
-            tracer = _tracer({"trace_every": 1}, f"depth{depth}-{exporter}")
+            tracer = _tracer({"trace_every": 1, "output_dir": out_dir}, f"depth{depth}-{exporter}")
             blocks[depth][exporter] = _tracer_block(tracer, {"OTEL_TRACES_EXPORTER": exporter})
     times: dict[int, dict[str, list[list[float]]]] = {depth: {name: [] for name in blocks[depth]} for depth in DEPTHS}
     for round_index in range(1 + rounds):  # round 0: warm-up (and each tracer's providers start)
@@ -592,6 +595,7 @@ def depth_worker(rank: int, world_size: int, rounds: int, steps_per_block: int, 
         finally:
             block.exit(handle)
         collections[depth] = [(b - a) / steps_per_block for a, b in zip(before, after)]
+    shutil.rmtree(out_dir, ignore_errors=True)
     return {"times": times, "spans": spans, "gc_per_step": collections}
 
 
