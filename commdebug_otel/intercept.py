@@ -50,7 +50,6 @@ redistributions have a "why".
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import threading
@@ -211,14 +210,12 @@ class CollectiveInterceptor:
         whys = self._whys
 
         def redistribute_local_args(op_info: Any, suggested_input_schema: Any, *args: Any, **kwargs: Any) -> Any:
-            with contextlib.ExitStack() as stack:
-                try:
-                    op, specs = _torch.redistribution_op(op_info, suggested_input_schema)
-                    for why in whys():
-                        stack.enter_context(why(op, specs))
-                except Exception:  # a changed OpInfo: the collectives still count, without a "why"
-                    pass
-                return redistribute(op_info, suggested_input_schema, *args, **kwargs)
+            try:
+                op, specs = _torch.redistribution_op(op_info, suggested_input_schema)
+                scopes = [why(op, specs) for why in whys()]
+            except Exception:  # a changed OpInfo: the collectives still count, without a "why"
+                scopes = []
+            return _call_within(scopes, redistribute, op_info, suggested_input_schema, *args, **kwargs)
 
         self._patches.append(_Patch(dispatcher, "redistribute_local_args", original,
                                     staticmethod(redistribute_local_args)))
@@ -248,14 +245,12 @@ class CollectiveInterceptor:
 
         def redistribute_local_tensor(local_tensor: Any, current_spec: Any, target_spec: Any,
                                       *args: Any, **kwargs: Any) -> Any:
-            with contextlib.ExitStack() as stack:
-                try:
-                    source, target, mesh = _torch.redistribution_specs(current_spec, target_spec)
-                    for why in whys():
-                        stack.enter_context(why.redistributing(cause, source, target, mesh))
-                except Exception:  # a changed DTensorSpec: the collectives still count, without a "why"
-                    pass
-                return function(local_tensor, current_spec, target_spec, *args, **kwargs)
+            try:
+                source, target, mesh = _torch.redistribution_specs(current_spec, target_spec)
+                scopes = [why.redistributing(cause, source, target, mesh) for why in whys()]
+            except Exception:  # a changed DTensorSpec: the collectives still count, without a "why"
+                scopes = []
+            return _call_within(scopes, function, local_tensor, current_spec, target_spec, *args, **kwargs)
 
         return redistribute_local_tensor
 
@@ -265,13 +260,11 @@ class CollectiveInterceptor:
 
         @functools.wraps(function)
         def full_tensor(tensor: Any, *args: Any, **kwargs: Any) -> Any:
-            with contextlib.ExitStack() as stack:
-                try:
-                    for why in whys():
-                        stack.enter_context(why.redistributing(FULL_TENSOR, None, None, None))
-                except Exception:
-                    pass
-                return function(tensor, *args, **kwargs)
+            try:
+                scopes = [why.redistributing(FULL_TENSOR, None, None, None) for why in whys()]
+            except Exception:
+                scopes = []
+            return _call_within(scopes, function, tensor, *args, **kwargs)
 
         return full_tensor
 
@@ -338,3 +331,23 @@ def interceptor(registry: dict[Any, CollectiveSpec]) -> CollectiveInterceptor:
         if _interceptor is None:
             _interceptor = CollectiveInterceptor(registry)
         return _interceptor
+
+
+def _call_within(scopes: list, function: Any, *args: Any, **kwargs: Any) -> Any:
+    """``function(*args, **kwargs)`` inside ``scopes`` (context managers: entered in order, left in
+    reverse), as a ``contextlib.ExitStack`` would, without one per call (tens per traced step).
+
+    A scope that fails to enter is left out with those after it: the call runs all the same.
+    """
+    entered = 0
+    try:
+        for scope in scopes:
+            scope.__enter__()
+            entered += 1
+    except Exception:
+        pass
+    try:
+        return function(*args, **kwargs)
+    finally:
+        for index in range(entered - 1, -1, -1):
+            scopes[index].__exit__(None, None, None)

@@ -228,11 +228,15 @@ class _DirectSpans:
         "_scope",
         "_span_attributes",
         "_span_chars",
+        "_span_id",
     )
 
     def __init__(self, provider: Any, tracer: Any, processors: Sequence[Any], limits: SpanLimits) -> None:
         self._provider = provider  # its resource is read per span: the SDK replaces it after a fork
         self._ids = provider.id_generator
+        # Span ids of spans built here: the generator's own (no ids are pending on this path).
+        inner = self._ids._inner if isinstance(self._ids, StepIdGenerator) else self._ids
+        self._span_id = inner.generate_span_id
         self._scope = instrumentation_scope(tracer)
         self._info = getattr(tracer, "instrumentation_info", None)
         self._processors = tuple(processors)
@@ -283,8 +287,7 @@ class _DirectSpans:
             trace_id, flags = trace_id or ids.generate_trace_id(), self._root_flags
         else:
             trace_id, flags = parent.trace_id, parent.trace_flags
-        return SpanContext(trace_id, record.span_id or ids.generate_span_id(), is_remote=False,
-                           trace_flags=flags)
+        return SpanContext(trace_id, record.span_id or self._span_id(), is_remote=False, trace_flags=flags)
 
     def end(self, record: Any, prepared: tuple[dict[str, Any], tuple], context: SpanContext,
             parent: SpanContext | None) -> ReadableSpan:
