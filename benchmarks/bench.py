@@ -571,7 +571,9 @@ def depth_worker(rank: int, world_size: int, rounds: int, steps_per_block: int, 
     for depth in DEPTHS:
         blocks[depth] = {BASELINE: Block(lambda: None, lambda _: None)}
         for exporter in DEPTH_EXPORTERS:
-            tracer = _tracer({"trace_every": 1, "output_dir": out_dir}, f"depth{depth}-{exporter}")
+            # A folder per tracer: tracers with equal settings share one telemetry (and its exporters).
+            service = f"depth{depth}-{exporter}"
+            tracer = _tracer({"trace_every": 1, "output_dir": os.path.join(out_dir, service)}, service)
             blocks[depth][exporter] = _tracer_block(tracer, {"OTEL_TRACES_EXPORTER": exporter})
     times: dict[int, dict[str, list[list[float]]]] = {depth: {name: [] for name in blocks[depth]} for depth in DEPTHS}
     for round_index in range(1 + rounds):  # round 0: warm-up (and each tracer's providers start)
