@@ -96,6 +96,7 @@ OVERHEAD_WORKLOADS = ("tp", "fsdp_tp", "demo")
 CONFIGS = ("uninstrumented", "torch CommDebugMode", "ours traced (every step)",
            "ours always-on (1 in 100)", "ours detail=all", "ref: empty TorchDispatchMode")
 BASELINE = CONFIGS[0]
+TRACED_SERVICE = "traced"  # the overhead phase's every-step tracer, as its spans name their service
 
 
 # ============================================================== parent-side helpers
@@ -493,7 +494,7 @@ def overhead_worker(rank: int, world_size: int, workload: str, rounds: int, step
     for _ in range(3):  # first steps ever: allocator, DTensor caches, gloo pairs
         job.timed_step()
     tracers = {
-        CONFIGS[2]: _tracer({"trace_every": 1}, "traced"),
+        CONFIGS[2]: _tracer({"trace_every": 1}, TRACED_SERVICE),
         CONFIGS[3]: _tracer({"trace_every": 100}, "always-on"),
         CONFIGS[4]: _tracer({"detail": Detail.ALL}, "detail-all"),
     }
@@ -849,6 +850,7 @@ def phase_overhead(rx, workload: str, world_size: int, rounds: int, steps_per_bl
     print(f"\n== step-time overhead: {workload}, {world_size} ranks, {rounds} rounds x "
           f"{steps_per_block} steps per config (first step of each block discarded)", flush=True)
     began = time.perf_counter()
+    spans_before = rx.get(TRACED_SERVICE)["spans"]  # the receiver counts every workload's alike
     results = run_ranks(overhead_worker, world_size, child_env(rx.grpc_endpoint), workload=workload,
                         rounds=rounds, steps_per_block=steps_per_block)
     per_rank = [result["times"] for result in results]
@@ -868,6 +870,15 @@ def phase_overhead(rx, workload: str, world_size: int, rounds: int, steps_per_bl
     always = traced[CONFIGS[3]]
     print(f"always-on tracer: {always['steps_counted']} steps counted across its blocks, traced "
           f"steps {always['traced_steps']} (trace_every=100; start/stop/start keeps the counter)")
+    # Spans per rank and traced step, as received; per-span cost = added step time / those spans.
+    every = traced[CONFIGS[2]]
+    spans = (rx.get(TRACED_SERVICE)["spans"] - spans_before) / max(1, world_size * every["steps_counted"])
+    added_s = (rows[CONFIGS[2]]["step_ms"] - rows[BASELINE]["step_ms"]) / 1000
+    per_span = added_s / spans if spans else float("nan")
+    every.update(spans_per_rank_step=spans, us_per_span=per_span * 1e6,
+                 spans_per_s_per_core=1 / per_span if per_span > 0 else float("inf"))
+    print(f"traced every step: {spans:.0f} spans per rank and step, {per_span * 1e6:.0f} us of added step time per "
+          f"span ({every['spans_per_s_per_core']:,.0f} spans/s per core: each rank runs on its own core)")
     print(f"({time.perf_counter() - began:.0f} s)", flush=True)
     report[f"overhead_{workload}"] = {"ranks": world_size, "rounds": rounds,
                                       "steps_per_block": steps_per_block, "configs": rows,
@@ -1284,8 +1295,10 @@ def print_targets(report: dict[str, Any]) -> None:
             configs = report[f"overhead_{workload}"]["configs"]
             ours = configs[CONFIGS[2]]["median"] - 1
             theirs = configs[CONFIGS[1]]["median"] - 1
+            rate = report[f"overhead_{workload}"]["traced"][CONFIGS[2]].get("spans_per_s_per_core", float("nan"))
             lines.append((f"[{workload}] traced overhead <= 1/3 of CommDebugMode's",
-                          f"{ours * 100:+.1f}% vs {theirs * 100:+.1f}% (limit {theirs / 3 * 100:+.1f}%)",
+                          f"{ours * 100:+.1f}% vs {theirs * 100:+.1f}% (limit {theirs / 3 * 100:+.1f}%; "
+                          f"{rate:,.0f} spans/s/core)",
                           theirs > 0 and ours <= theirs * TARGET_TRACED_VS_TORCH))
         always = report.get(f"always_on_{workload}")
         if always is not None:
