@@ -10,7 +10,8 @@ training the demo transformer of ``commdebug_otel._demo_model`` at the size in `
 
 1. step-time ratio to an uninstrumented step for torch's ``CommDebugMode`` and three
    ``CommTracer`` configurations, interleaved in round-robin blocks so machine drift
-   cancels (tensor parallel on 2 ranks; FSDP2 + TP on 4 ranks unless ``--quick``), then
+   cancels (tensor parallel on 2 ranks; FSDP2 + TP on 4 ranks unless ``--quick``; the
+   ``commdebug-otel demo`` model at its own size, tensor parallel on 2 ranks), then
    always-on against uninstrumented alone, over many rounds, for a tight estimate;
 2. RSS growth of rank 0 over 1000 traced steps exporting OTLP/gRPC to a local receiver;
 3. span events per second delivered to that receiver by an export-heavy run (detail ``all``);
@@ -19,7 +20,10 @@ training the demo transformer of ``commdebug_otel._demo_model`` at the size in `
 6. scale (``--only scale``): one rank of simulated FSDP2 + TP jobs of 8 to 8,192 ranks on
    torch's fake process group (real DTensor/FSDP2/TP code, no traffic), each in a fresh
    process: spans, events and OTLP bytes per rank and step, the largest trace, metric
-   series, and the traced and always-on step-time ratios, interleaved.
+   series, and the traced and always-on step-time ratios, interleaved;
+7. depth (``--only depth``): per-span cost of tracing every step of a chain of 50 and of 300
+   nested modules (one process), with the default file exporter and with
+   ``OTEL_TRACES_EXPORTER=none``: the ratio between the depths, and spans per second per core.
 
 It prints a results table and a PASS/FAIL line per target (docs/performance.md explains
 every number). ``--profile`` instead runs cProfile on rank 0 of a traced TP job and prints
@@ -36,6 +40,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -59,6 +64,11 @@ TARGET_IMPORT_MS = 20.0  # `import commdebug_otel`, disabled
 TARGET_TRACE_BYTES = 5_000_000  # largest trace at 1,024 ranks (Tempo's default max_bytes_per_trace)
 TARGET_ALWAYS_BYTES = 2048  # always-on, per rank per step on the wire, amortized
 TARGET_SCALE_TRACED = 1.15  # traced overhead (ratio - 1) at 1,024 ranks <= 1.15 x that at 8
+TARGET_DEPTH = 1.3  # per-span traced cost at the deepest chain <= 1.3 x that at the shallowest
+# The depth phase: a chain of nested modules (each a Linear, then its child; one output tensor shared by
+# the whole chain in backward), traced every step against untraced, with these exporters.
+DEPTHS = (50, 300)
+DEPTH_EXPORTERS = ("file", "none")
 
 # The benchmark transformer: the demo's architecture, sized so that a pass-through dispatch
 # mode costs about what the issue measured on its workloads (6-13%), not the demo's tiny
@@ -80,9 +90,13 @@ SCALE_REPORTED_WORLD = 1024  # the world size the byte and overhead targets are 
 ASSUMED_STEP_S = 1.0
 METRIC_EXPORT_INTERVAL_S = 60.0
 ALWAYS_ON_TRACE_EVERY = 100  # the documented production setting (docs/performance.md)
+# The overhead phase's workloads: the benchmark model with tensor parallel (2 ranks), with FSDP2 + TP
+# (4 ranks), and `commdebug-otel demo`'s own model size (ModelArgs defaults, batch 4) with tensor parallel.
+OVERHEAD_WORKLOADS = ("tp", "fsdp_tp", "demo")
 CONFIGS = ("uninstrumented", "torch CommDebugMode", "ours traced (every step)",
            "ours always-on (1 in 100)", "ours detail=all", "ref: empty TorchDispatchMode")
 BASELINE = CONFIGS[0]
+TRACED_SERVICE = "traced"  # the overhead phase's every-step tracer, as its spans name their service
 
 
 # ============================================================== parent-side helpers
@@ -286,6 +300,11 @@ class Job:
 
         self.dm = dm
         sizes = {k: v for k, v in MODEL.items() if k != "batch"}
+        batch = BATCH
+        if workload == "demo":  # `commdebug-otel demo`'s model and batch, tensor parallel on 2 ranks
+            from commdebug_otel.demo import _DEMO_BATCH
+
+            sizes, batch = {}, _DEMO_BATCH
         if workload == "fsdp_tp":
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
             tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
@@ -301,7 +320,7 @@ class Job:
         args = dm.ModelArgs(**sizes)
         self.model = dm.parallelize(dm.Transformer(args, seed=0), tp_mesh, dp_mesh)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3, foreach=False)
-        self.batches = [dm.make_batch(args, BATCH, i) for i in range(8)]
+        self.batches = [dm.make_batch(args, batch, i) for i in range(8)]
         self.count = 0
 
     def step(self) -> None:
@@ -337,7 +356,7 @@ def _tracer(settings_kwargs: dict[str, Any], service: str):
     """
     from commdebug_otel import CommTracer, Settings
 
-    tracer = CommTracer(Settings(output_dir=f"bench-{service}", **settings_kwargs))
+    tracer = CommTracer(Settings(**{"output_dir": f"bench-{service}", **settings_kwargs}))
     tracer.bench_service = service
     return tracer
 
@@ -423,16 +442,17 @@ def _empty_mode_block() -> Block:
 
 
 def _run_interleaved(job: Job, blocks: dict[str, Block], rounds: int, steps_per_block: int,
-                     warmup_blocks: int) -> dict[str, list[list[float]]]:
+                     warmup_blocks: int, rotation: int = 0) -> dict[str, list[list[float]]]:
     """Round-robin: each round runs a block of every config (order rotated per round).
 
     The first step of every block is discarded (hooks re-registered after start()); so are
-    the ``warmup_blocks`` first rounds. Returns ``{config: [[step s, ...] per round]}``.
+    the ``warmup_blocks`` first rounds. ``rotation``: where the rotation starts (a caller
+    running one round at a time). Returns ``{config: [[step s, ...] per round]}``.
     """
     names = list(blocks)
     times: dict[str, list[list[float]]] = {name: [] for name in names}
     for round_index in range(warmup_blocks + rounds):
-        shift = round_index % len(names)
+        shift = (round_index + rotation) % len(names)
         for name in names[shift:] + names[:shift]:
             block = blocks[name]
             first_env = getattr(block, "first_env", None)
@@ -474,7 +494,7 @@ def overhead_worker(rank: int, world_size: int, workload: str, rounds: int, step
     for _ in range(3):  # first steps ever: allocator, DTensor caches, gloo pairs
         job.timed_step()
     tracers = {
-        CONFIGS[2]: _tracer({"trace_every": 1}, "traced"),
+        CONFIGS[2]: _tracer({"trace_every": 1}, TRACED_SERVICE),
         CONFIGS[3]: _tracer({"trace_every": 100}, "always-on"),
         CONFIGS[4]: _tracer({"detail": Detail.ALL}, "detail-all"),
     }
@@ -488,6 +508,98 @@ def overhead_worker(rank: int, world_size: int, workload: str, rounds: int, step
         "steps_taken": {name: tracer.recorder.steps_taken for name, tracer in tracers.items()},
         "services": {name: tracer.bench_service for name, tracer in tracers.items()},
     }
+
+
+class DepthJob:
+    """A chain of ``depth`` nested modules, each a Linear then its child, trained with SGD.
+
+    The innermost module's output is every module's output: in backward one tensor carries a
+    backward-begin hook of every module of the chain (the worst case for backward nesting).
+    """
+
+    def __init__(self, depth: int) -> None:
+        import torch
+
+        class Nest(torch.nn.Module):
+            def __init__(self, depth: int) -> None:
+                super().__init__()
+                self.lin = torch.nn.Linear(4, 4)
+                self.inner = Nest(depth - 1) if depth > 1 else None
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                x = self.lin(x)
+                return self.inner(x) if self.inner is not None else x
+
+        sys.setrecursionlimit(max(sys.getrecursionlimit(), 20 * depth + 1000))
+        torch.manual_seed(0)
+        self.model = Nest(depth)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-4)
+        self.input = torch.ones(2, 4)
+
+    def step(self) -> None:
+        self.model(self.input).sum().backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def timed_step(self) -> float:
+        start = time.perf_counter()
+        self.step()
+        return time.perf_counter() - start
+
+    def spans_per_step(self) -> int:
+        """Spans of one traced step (``train_step`` included), counted in in-memory telemetry."""
+        from commdebug_otel import CommTracer, Settings
+        from commdebug_otel.testing import InMemoryTelemetry
+
+        telemetry = InMemoryTelemetry()
+        with CommTracer(Settings(), tracer_provider=telemetry.tracer_provider,
+                        meter_provider=telemetry.meter_provider):
+            self.step()
+            telemetry.clear()
+            self.step()
+        return len(telemetry.spans())
+
+
+def depth_worker(rank: int, world_size: int, rounds: int, steps_per_block: int, log_path: str) -> dict[str, Any]:
+    """Per depth, untraced and traced-every-step blocks (one per exporter), interleaved; the depths too."""
+    import gc
+
+    jobs = {depth: DepthJob(depth) for depth in DEPTHS}
+    spans = {depth: job.spans_per_step() for depth, job in jobs.items()}
+    # The file exporter writes hundreds of MB here (FQNs grow with the depth): a folder removed at the end.
+    out_dir = tempfile.mkdtemp(prefix="commdebug-bench-depth-")
+    blocks: dict[int, dict[str, Block]] = {}
+    for depth in DEPTHS:
+        blocks[depth] = {BASELINE: Block(lambda: None, lambda _: None)}
+        for exporter in DEPTH_EXPORTERS:
+            # A folder per tracer: tracers with equal settings share one telemetry (and its exporters).
+            service = f"depth{depth}-{exporter}"
+            tracer = _tracer({"trace_every": 1, "output_dir": os.path.join(out_dir, service)}, service)
+            blocks[depth][exporter] = _tracer_block(tracer, {"OTEL_TRACES_EXPORTER": exporter})
+    times: dict[int, dict[str, list[list[float]]]] = {depth: {name: [] for name in blocks[depth]} for depth in DEPTHS}
+    for round_index in range(1 + rounds):  # round 0: warm-up (and each tracer's providers start)
+        for depth in DEPTHS[round_index % len(DEPTHS):] + DEPTHS[:round_index % len(DEPTHS)]:
+            result = _run_interleaved(jobs[depth], blocks[depth], 1, steps_per_block, warmup_blocks=0,
+                                      rotation=round_index)
+            if round_index:
+                for name, samples in result.items():
+                    times[depth][name].extend(samples)
+    # Garbage collections per traced step (file exporter), the part of the cost that grows with live objects.
+    collections = {}
+    for depth, job in jobs.items():
+        block = blocks[depth][DEPTH_EXPORTERS[0]]
+        handle = block.enter()
+        try:
+            job.step()
+            before = [entry["collections"] for entry in gc.get_stats()]
+            for _ in range(steps_per_block):
+                job.step()
+            after = [entry["collections"] for entry in gc.get_stats()]
+        finally:
+            block.exit(handle)
+        collections[depth] = [(b - a) / steps_per_block for a, b in zip(before, after)]
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return {"times": times, "spans": spans, "gc_per_step": collections}
 
 
 def always_on_worker(rank: int, world_size: int, workload: str, rounds: int, steps_per_block: int,
@@ -641,12 +753,12 @@ def black_hole_worker(rank: int, world_size: int, rounds: int, steps_per_block: 
     return {"times": times, "flush_s": flush_s, "queue_full_warnings": dropped}
 
 
-def profile_worker(rank: int, world_size: int, steps: int, log_path: str) -> dict[str, Any]:
+def profile_worker(rank: int, world_size: int, steps: int, log_path: str, workload: str = "tp") -> dict[str, Any]:
     import cProfile
     import io
     import pstats
 
-    job = Job("tp")
+    job = Job(workload)
     tracer = _tracer({"trace_every": 1}, "profile")
     os.environ["OTEL_SERVICE_NAME"] = "profile"
     tracer.start()
@@ -738,6 +850,7 @@ def phase_overhead(rx, workload: str, world_size: int, rounds: int, steps_per_bl
     print(f"\n== step-time overhead: {workload}, {world_size} ranks, {rounds} rounds x "
           f"{steps_per_block} steps per config (first step of each block discarded)", flush=True)
     began = time.perf_counter()
+    spans_before = rx.get(TRACED_SERVICE)["spans"]  # the receiver counts every workload's alike
     results = run_ranks(overhead_worker, world_size, child_env(rx.grpc_endpoint), workload=workload,
                         rounds=rounds, steps_per_block=steps_per_block)
     per_rank = [result["times"] for result in results]
@@ -757,6 +870,15 @@ def phase_overhead(rx, workload: str, world_size: int, rounds: int, steps_per_bl
     always = traced[CONFIGS[3]]
     print(f"always-on tracer: {always['steps_counted']} steps counted across its blocks, traced "
           f"steps {always['traced_steps']} (trace_every=100; start/stop/start keeps the counter)")
+    # Spans per rank and traced step, as received; per-span cost = added step time / those spans.
+    every = traced[CONFIGS[2]]
+    spans = (rx.get(TRACED_SERVICE)["spans"] - spans_before) / max(1, world_size * every["steps_counted"])
+    added_s = (rows[CONFIGS[2]]["step_ms"] - rows[BASELINE]["step_ms"]) / 1000
+    per_span = added_s / spans if spans else float("nan")
+    every.update(spans_per_rank_step=spans, us_per_span=per_span * 1e6,
+                 spans_per_s_per_core=1 / per_span if per_span > 0 else float("inf"))
+    print(f"traced every step: {spans:.0f} spans per rank and step, {per_span * 1e6:.0f} us of added step time per "
+          f"span ({every['spans_per_s_per_core']:,.0f} spans/s per core: each rank runs on its own core)")
     print(f"({time.perf_counter() - began:.0f} s)", flush=True)
     report[f"overhead_{workload}"] = {"ranks": world_size, "rounds": rounds,
                                       "steps_per_block": steps_per_block, "configs": rows,
@@ -965,6 +1087,45 @@ def phase_scale(rx, worlds: tuple[int, ...], rounds: int, steps_per_block: int, 
     report["scale"] = rows
 
 
+def phase_depth(rounds: int, steps_per_block: int, report: dict[str, Any]) -> None:
+    print(f"\n== nesting depth: chains of {' and '.join(map(str, DEPTHS))} nested modules (a Linear, then the "
+          f"child; one output shared by the chain), 1 process, traced every step vs untraced, exporters "
+          f"{', '.join(DEPTH_EXPORTERS)}; {rounds} rounds x {steps_per_block} steps per config, depths and "
+          f"configs interleaved (first step of each block discarded)", flush=True)
+    began = time.perf_counter()
+    env = {name: value for name, value in child_env("").items() if not name.startswith("OTEL_EXPORTER")}
+    result = run_ranks(depth_worker, 1, env, rounds=rounds, steps_per_block=steps_per_block)[0]
+    rows: dict[str, dict[str, Any]] = {}
+    print(f"{'depth':>5} {'spans':>5} {'untraced ms':>11} " + " ".join(
+        f"{exporter + ' ms':>9} {'us/span':>8} {'spans/s':>8}" for exporter in DEPTH_EXPORTERS) + "  gc per step")
+    for depth in DEPTHS:
+        times, spans = result["times"][str(depth)], result["spans"][str(depth)]
+        # Per block the mean step (a garbage collection of the old generation comes every few steps: a
+        # median would leave it out), per round traced minus untraced, then the median over rounds.
+        base = [statistics.fmean(block) for block in times[BASELINE]]
+        row = {"spans_per_step": spans, "untraced_ms": 1000 * statistics.median(base),
+               "gc_collections_per_step": result["gc_per_step"][str(depth)]}
+        cells = []
+        for exporter in DEPTH_EXPORTERS:
+            traced = [statistics.fmean(block) for block in times[exporter]]
+            per_span = statistics.median((t - b) / spans for t, b in zip(traced, base))  # per round, paired
+            row[exporter] = {"traced_ms": 1000 * statistics.median(traced), "us_per_span": per_span * 1e6,
+                             "spans_per_s_per_core": 1 / per_span if per_span > 0 else float("inf")}
+            cells.append(f"{row[exporter]['traced_ms']:9.2f} {per_span * 1e6:8.1f} "
+                         f"{row[exporter]['spans_per_s_per_core']:8,.0f}")
+        gc_text = "/".join(f"{count:.1f}" for count in row["gc_collections_per_step"])
+        print(f"{depth:5d} {spans:5d} {row['untraced_ms']:11.2f} " + " ".join(cells) + f"  {gc_text}")
+        rows[str(depth)] = row
+    shallow, deep = rows[str(DEPTHS[0])], rows[str(DEPTHS[-1])]
+    ratios = {exporter: deep[exporter]["us_per_span"] / shallow[exporter]["us_per_span"]
+              for exporter in DEPTH_EXPORTERS}
+    print(f"per-span cost, depth {DEPTHS[-1]} / depth {DEPTHS[0]}: " + ", ".join(
+        f"{exporter} {ratio:.2f}x" for exporter, ratio in ratios.items()) + " (spans/s: per core of the "
+        "training thread, 1 / per-span cost; gc: collections per traced step, generations 0/1/2)")
+    print(f"({time.perf_counter() - began:.0f} s)", flush=True)
+    report["depth"] = {"rounds": rounds, "steps_per_block": steps_per_block, "depths": rows, "ratio": ratios}
+
+
 def phase_import(use_tree: bool, report: dict[str, Any]) -> None:
     print("\n== import cost with tracing disabled", flush=True)
     env = {k: v for k, v in os.environ.items() if k != "OTEL_PYTHON_COMMDEBUG_ENABLED"}
@@ -1058,7 +1219,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write every number to PATH")
     parser.add_argument("--profile", action="store_true",
                         help="only cProfile rank 0 of a traced TP job and print our hot spots")
-    parser.add_argument("--only", default="overhead,always,memory,blackhole,import,scale",
+    parser.add_argument("--profile-workload", default="tp", choices=("tp", "demo"),
+                        help="the workload --profile runs (default tp)")
+    parser.add_argument("--only", default="overhead,always,memory,blackhole,depth,import,scale",
                         help="comma list of phases to run (default: all)")
     args = parser.parse_args(argv)
     if not args.installed:
@@ -1076,7 +1239,7 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
 
     if args.profile:
-        return run_profile()
+        return run_profile(args.profile_workload)
 
     phases = set(args.only.split(","))
     q = args.quick
@@ -1095,6 +1258,7 @@ def main(argv: list[str] | None = None) -> int:
                                report=report)
                 if not q:
                     phase_overhead(rx, "fsdp_tp", 4, rounds=8, steps_per_block=4, report=report)
+                phase_overhead(rx, "demo", 2, rounds=4 if q else 12, steps_per_block=5, report=report)
             if "always" in phases:
                 phase_always_on(rx, "tp", 2, rounds=80 if q else 100, steps_per_block=6, report=report)
                 if not q:
@@ -1104,6 +1268,8 @@ def main(argv: list[str] | None = None) -> int:
                                       rate_steps=10 if q else 30, report=report)
             if "blackhole" in phases:
                 phase_black_hole(rx, rounds=3 if q else 6, steps_per_block=5, report=report)
+            if "depth" in phases:
+                phase_depth(rounds=4 if q else 10, steps_per_block=11, report=report)
             if "scale" in phases:
                 phase_scale(rx, (8, 1024) if q else SCALE_WORLDS, rounds=4 if q else 8, steps_per_block=5,
                             report=report, passes=1 if q else 2)
@@ -1124,13 +1290,15 @@ def print_targets(report: dict[str, Any]) -> None:
     print(f"\n== targets (wall {report['wall_s']:.0f} s, load average "
           f"{report['load_average_start']:.2f} -> {report['load_average_end']:.2f})")
     lines = []
-    for workload in ("tp", "fsdp_tp"):
+    for workload in OVERHEAD_WORKLOADS:
         if f"overhead_{workload}" in report:
             configs = report[f"overhead_{workload}"]["configs"]
             ours = configs[CONFIGS[2]]["median"] - 1
             theirs = configs[CONFIGS[1]]["median"] - 1
+            rate = report[f"overhead_{workload}"]["traced"][CONFIGS[2]].get("spans_per_s_per_core", float("nan"))
             lines.append((f"[{workload}] traced overhead <= 1/3 of CommDebugMode's",
-                          f"{ours * 100:+.1f}% vs {theirs * 100:+.1f}% (limit {theirs / 3 * 100:+.1f}%)",
+                          f"{ours * 100:+.1f}% vs {theirs * 100:+.1f}% (limit {theirs / 3 * 100:+.1f}%; "
+                          f"{rate:,.0f} spans/s/core)",
                           theirs > 0 and ours <= theirs * TARGET_TRACED_VS_TORCH))
         always = report.get(f"always_on_{workload}")
         if always is not None:
@@ -1170,16 +1338,29 @@ def print_targets(report: dict[str, Any]) -> None:
         lines.append((f"[scale] traced overhead at {at['world']:,} <= {TARGET_SCALE_TRACED:.2f}x that at "
                       f"{small['world']}", f"{ours * 100:+.1f}% vs {base * 100:+.1f}% (limit "
                       f"{base * TARGET_SCALE_TRACED * 100:+.1f}%)", ours <= base * TARGET_SCALE_TRACED))
+    if "depth" in report:
+        depth = report["depth"]
+        exporter = DEPTH_EXPORTERS[0]  # the default; with "none" no span is built (per-span cost ~0: noise)
+        ratio = depth["ratio"][exporter]
+        costs = " vs ".join(f"{depth['depths'][str(d)][exporter]['us_per_span']:.1f}" for d in DEPTHS)
+        rate = depth["depths"][str(DEPTHS[-1])][exporter]["spans_per_s_per_core"]
+        lines.append((f"[depth, {exporter}] per span at {DEPTHS[-1]} <= {TARGET_DEPTH}x at {DEPTHS[0]}",
+                      f"{ratio:.2f}x ({costs} us/span; {rate:,.0f} spans/s/core)", ratio <= TARGET_DEPTH))
+        deep = depth["depths"][str(DEPTHS[-1])]
+        ratios = {name: deep[name]["traced_ms"] / deep["untraced_ms"] for name in DEPTH_EXPORTERS}
+        lines.append((f"[depth {DEPTHS[-1]}] exporter none the cheapest traced step",
+                      ", ".join(f"{name} {value:.3f}x" for name, value in ratios.items()) + " untraced",
+                      min(ratios, key=ratios.get) == "none"))
     if "event_rate" in report:
         print(f"(info) span events delivered: {report['event_rate']['events_per_s']:,.0f} /s")
     for label, value, ok in lines:
         print(f"{'PASS' if ok else 'FAIL'}  {label:48} {value}")
 
 
-def run_profile(steps: int = 40) -> int:
-    print(f"\n== cProfile, rank 0 of tp on 2 ranks, traced every step, {steps} steps", flush=True)
+def run_profile(workload: str = "tp", steps: int = 40) -> int:
+    print(f"\n== cProfile, rank 0 of {workload} on 2 ranks, traced every step, {steps} steps", flush=True)
     with counting_receiver() as rx:
-        result = run_ranks(profile_worker, 2, child_env(rx.grpc_endpoint), steps=steps)[0]
+        result = run_ranks(profile_worker, 2, child_env(rx.grpc_endpoint), steps=steps, workload=workload)[0]
     ours = [row for row in result["rows"] if "commdebug_otel" in row["path"]
             and not row["path"].endswith("_demo_model.py")]
     own = sum(row["tottime_s"] for row in ours)

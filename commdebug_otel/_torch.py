@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import (  # noqa: F401  (TorchDispatchMode re-
     _pop_mode,
     _push_mode,
 )
+from torch.utils.hooks import RemovableHandle
 
 # The autograd graph task running on this thread, -1 outside backward
 # (torch/csrc/autograd/python_engine.cpp). A builtin: as cheap as a call gets on the hot path.
@@ -72,6 +73,15 @@ def run_tensor_hook_first(tensor: torch.Tensor, handle: Any) -> None:
     hooks.clear()
     hooks[handle.id] = ours
     hooks.update(rest)
+
+
+def tensor_hook_key(handle: Any) -> tuple[Any, int] | None:
+    """``(hooks dict, key)`` of a ``Tensor.register_hook`` handle: popping the key is what its
+    ``remove()`` does, so the handle need not be kept. None for another kind of handle."""
+    if type(handle) is not RemovableHandle or handle.extra_dict_ref:
+        return None
+    hooks = handle.hooks_dict_ref()
+    return None if hooks is None else (hooks, handle.id)
 
 
 def keep_forward_hook_last(module: torch.nn.Module, handle: Any) -> None:

@@ -55,7 +55,6 @@ redistributions have a "why".
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import threading
@@ -216,14 +215,12 @@ class CollectiveInterceptor:
         whys = self._whys
 
         def redistribute_local_args(op_info: Any, suggested_input_schema: Any, *args: Any, **kwargs: Any) -> Any:
-            with contextlib.ExitStack() as stack:
-                try:
-                    op, specs = _torch.redistribution_op(op_info, suggested_input_schema)
-                    for why in whys():
-                        stack.enter_context(why(op, specs))
-                except Exception:  # a changed OpInfo: the collectives still count, without a "why"
-                    pass
-                return redistribute(op_info, suggested_input_schema, *args, **kwargs)
+            try:
+                op, specs = _torch.redistribution_op(op_info, suggested_input_schema)
+                scopes = [why(op, specs) for why in whys()]
+            except Exception:  # a changed OpInfo: the collectives still count, without a "why"
+                scopes = []
+            return _call_within(scopes, redistribute, op_info, suggested_input_schema, *args, **kwargs)
 
         self._patches.append(_Patch(dispatcher, "redistribute_local_args", original,
                                     staticmethod(redistribute_local_args)))
@@ -269,14 +266,12 @@ class CollectiveInterceptor:
 
         def redistribute_local_tensor(local_tensor: Any, current_spec: Any, target_spec: Any,
                                       *args: Any, **kwargs: Any) -> Any:
-            with contextlib.ExitStack() as stack:
-                try:
-                    source, target, mesh = _torch.redistribution_specs(current_spec, target_spec)
-                    for why in whys():
-                        stack.enter_context(why.redistributing(cause, source, target, mesh))
-                except Exception:  # a changed DTensorSpec: the collectives still count, without a "why"
-                    pass
-                return function(local_tensor, current_spec, target_spec, *args, **kwargs)
+            try:
+                source, target, mesh = _torch.redistribution_specs(current_spec, target_spec)
+                scopes = [why.redistributing(cause, source, target, mesh) for why in whys()]
+            except Exception:  # a changed DTensorSpec: the collectives still count, without a "why"
+                scopes = []
+            return _call_within(scopes, function, local_tensor, current_spec, target_spec, *args, **kwargs)
 
         return redistribute_local_tensor
 
@@ -286,14 +281,12 @@ class CollectiveInterceptor:
 
         @functools.wraps(function)
         def place(tensor: Any, device_mesh: Any = None, placements: Any = None, *args: Any, **kwargs: Any) -> Any:
-            with contextlib.ExitStack() as stack:
-                try:
-                    target = _torch.placements_of(device_mesh, placements)
-                    for why in whys():
-                        stack.enter_context(why.redistributing(cause, (), target, device_mesh))
-                except Exception:
-                    pass
-                return function(tensor, device_mesh, placements, *args, **kwargs)
+            try:
+                target = _torch.placements_of(device_mesh, placements)
+                scopes = [why.redistributing(cause, (), target, device_mesh) for why in whys()]
+            except Exception:
+                scopes = []
+            return _call_within(scopes, function, tensor, device_mesh, placements, *args, **kwargs)
 
         return place
 
@@ -304,15 +297,13 @@ class CollectiveInterceptor:
 
         @functools.wraps(function)
         def make(cls: Any, *args: Any, **kwargs: Any) -> Any:
-            with contextlib.ExitStack() as stack:
-                try:
-                    target, mesh = facts(cls, args)
-                    for why in whys():
-                        if why.cause is None and why.op is None:
-                            stack.enter_context(why.redistributing(DISTRIBUTE_TENSOR, (), (target,), mesh))
-                except Exception:  # keyword arguments, another torch: no "why"
-                    pass
-                return function(cls, *args, **kwargs)
+            try:
+                target, mesh = facts(cls, args)
+                scopes = [why.redistributing(DISTRIBUTE_TENSOR, (), (target,), mesh) for why in whys()
+                          if why.cause is None and why.op is None]
+            except Exception:  # keyword arguments, another torch: no "why"
+                scopes = []
+            return _call_within(scopes, function, cls, *args, **kwargs)
 
         return make
 
@@ -322,13 +313,11 @@ class CollectiveInterceptor:
 
         @functools.wraps(function)
         def full_tensor(tensor: Any, *args: Any, **kwargs: Any) -> Any:
-            with contextlib.ExitStack() as stack:
-                try:
-                    for why in whys():
-                        stack.enter_context(why.redistributing(FULL_TENSOR, None, None, None))
-                except Exception:
-                    pass
-                return function(tensor, *args, **kwargs)
+            try:
+                scopes = [why.redistributing(FULL_TENSOR, None, None, None) for why in whys()]
+            except Exception:
+                scopes = []
+            return _call_within(scopes, function, tensor, *args, **kwargs)
 
         return full_tensor
 
@@ -395,3 +384,23 @@ def interceptor(registry: dict[Any, CollectiveSpec]) -> CollectiveInterceptor:
         if _interceptor is None:
             _interceptor = CollectiveInterceptor(registry)
         return _interceptor
+
+
+def _call_within(scopes: list, function: Any, *args: Any, **kwargs: Any) -> Any:
+    """``function(*args, **kwargs)`` inside ``scopes`` (context managers: entered in order, left in
+    reverse), as a ``contextlib.ExitStack`` would, without one per call (tens per traced step).
+
+    A scope that fails to enter is left out with those after it: the call runs all the same.
+    """
+    entered = 0
+    try:
+        for scope in scopes:
+            scope.__enter__()
+            entered += 1
+    except Exception:
+        pass
+    try:
+        return function(*args, **kwargs)
+    finally:
+        for index in range(entered - 1, -1, -1):
+            scopes[index].__exit__(None, None, None)

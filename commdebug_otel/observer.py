@@ -45,6 +45,14 @@ class SpanSink(Protocol):
             so metric exemplars can point at spans that are built later.
         """
 
+    @property
+    def exporting(self) -> bool:
+        """Whether spans go anywhere (asked after :meth:`start`, as each sampled step opens).
+
+        False (e.g. ``OTEL_TRACES_EXPORTER=none``): the recorder keeps no records for
+        spans (steps are untraced unless an observer wants every event; metrics go on).
+        """
+
     def emit(self, roots: list[Record], children: dict[int, list[Record]], trace_id: int | None) -> None:
         """Turn one finished step into spans, each with its record's own timestamps.
 

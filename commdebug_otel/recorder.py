@@ -37,7 +37,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_s
 from torch.compiler import is_compiling
 
 from . import semconv
-from ._torch import graph_task_id, queue_engine_callback
+from ._torch import graph_task_id, queue_engine_callback, tensor_hook_key
 from .collectives import (
     C10D_CAUSES,
     PASS_NONE,
@@ -177,7 +177,7 @@ class Recorder:
         step = self._step
         return {
             "step records": len(step.records) if step is not None else 0,
-            "step hooks": len(step.hooks) if step is not None else 0,
+            "step hooks": len(step.hooks) + len(step.tensor_hooks) // 2 if step is not None else 0,
             "open forward records": len(self._fwd_stack),
             "open backward records": len(self._open_bw),
             "call counts": len(self._call_counts),
@@ -188,7 +188,16 @@ class Recorder:
         }
 
     def _traces_this_rank(self) -> bool:
-        return self._spans is not None and self.settings.traces_rank(self.rank().rank)
+        """Whether a sampled step (or set-up) is traced here: this rank is traced and its spans go
+        somewhere (``OTEL_TRACES_EXPORTER=none``: they do not), or an observer wants every event."""
+        if self._spans is None or not self.settings.traces_rank(self.rank().rank):
+            return False
+        self._exemplars_on()  # starts the tracer provider: where spans go is known from then on
+        try:
+            return self._every_event or self._spans.exporting
+        except Exception as error:
+            self.hook_failed("telemetry start", error)
+            return False
 
     # ---------------------------------------------------------------- failures
     def hook_failed(self, where: str, error: BaseException) -> None:
@@ -329,7 +338,11 @@ class Recorder:
         """
         step = self._step
         if step is not None:
-            step.hooks.append(handle)
+            key = tensor_hook_key(handle)
+            if key is None:
+                step.hooks.append(handle)
+            else:  # the handle (and its weak reference) goes now: fewer objects alive through the step
+                step.tensor_hooks += key
 
     def _close(self, step: Step, now: int, mode_stays: bool = False) -> None:
         for record in reversed(self._fwd_stack):
@@ -347,6 +360,10 @@ class Recorder:
                 self._metrics.flush()
             except Exception as error:
                 self.hook_failed("metrics", error)
+        hooks = step.tensor_hooks
+        for index in range(0, len(hooks), 2):
+            hooks[index].pop(hooks[index + 1], None)  # what RemovableHandle.remove() does
+        hooks.clear()
         for handle in step.hooks:
             handle.remove()
         step.hooks.clear()
@@ -360,8 +377,8 @@ class Recorder:
             except Exception as error:
                 self.hook_failed("building spans", error)
         for record in step.records:  # nothing outlives the step through these links
-            record.parent = record.fwd = record.open_bw = record.handling = None
-            record.bw_records = record.events = ()
+            record.parent = record.fwd = record.open_bw = record.handling = record.last_bw = record.prev_bw = None
+            record.events = ()
         step.records.clear()
 
     def _step_full(self, step: Step, now: int, in_backward: bool) -> Step | None:
@@ -554,7 +571,7 @@ class Recorder:
         """Gradients w.r.t. a module call's outputs are ready: its backward begins."""
         now = time.time_ns()
         task = graph_task_id()
-        if forward.bw_records and forward.bw_records[-1].graph_task == task:
+        if forward.last_bw is not None and forward.last_bw.graph_task == task:
             return  # another output of the call, or one hooked twice (before and after its own hooks)
         if forward.graph_task == task:
             # A forward record's own graph_task marks "no backward recorded for this call in
@@ -573,10 +590,7 @@ class Recorder:
         record.depth = forward.depth
         record.call_index = self._next_call_index(forward.fqn, semconv.PASS_BACKWARD)
         forward.open_bw = record
-        if forward.bw_records:
-            forward.bw_records.append(record)
-        else:
-            forward.bw_records = [record]
+        record.prev_bw, forward.last_bw = forward.last_bw, record
         self._begin_backward(record)
         if step is not None:
             step.records.append(record)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -37,7 +39,6 @@ class Record:
 
     __slots__ = (
         "attrs",
-        "bw_records",
         "call_index",
         "compiled",
         "depth",
@@ -54,12 +55,14 @@ class Record:
         "input_edges",
         "input_hooked",
         "kind",
+        "last_bw",
         "module_type",
         "name",
         "open_bw",
         "params",
         "parent",
         "pass_",
+        "prev_bw",
         "span_id",
         "start_ns",
         "unmatched",
@@ -87,14 +90,17 @@ class Record:
         self.unmatched = False
         self.params: list[str] | None = None
         self.open_bw: Record | None = None  # forward record -> its open backward record
-        self.bw_records: list[Record] | tuple = ()
+        # A forward record's backward records, newest first: last_bw, then each one's prev_bw
+        # (a chain, not a list: one container object fewer per call; backward_records()).
+        self.last_bw: Record | None = None
+        self.prev_bw: Record | None = None
         self.graph_task = -1
         self.input_hooked = False
         self.hidden = False
         self.compiled = False  # the module's own code ran compiled (torch.compile): no records inside
         self.attrs: dict[str, Any] = {}
         self.hooked_outputs: set[int] | frozenset = _NONE  # ids of outputs with a backward hook
-        self.input_edges: set | frozenset = frozenset()  # the call's inputs' autograd edges (tracker._edge)
+        self.input_edges: set | frozenset = _NONE  # the call's inputs' autograd edges (tracker._edge)
         self.span_id = 0  # assigned up front when a metric exemplar points at this span
 
 
@@ -114,6 +120,7 @@ class Step:
         "records",
         "root",
         "stalled",
+        "tensor_hooks",
         "trace_id",
         "traced",
     )
@@ -127,7 +134,10 @@ class Step:
         self.backward_done = 0  # backward passes completed in this step
         self.had_module = False
         self.trace_id = 0  # known up front for traced steps when span ids can be pre-assigned
-        self.hooks: list[Any] = []  # multi-grad hook handles, removed when the step closes
+        # Hooks removed when the step closes: tensor hooks as flat (hooks dict, key) pairs (no handle
+        # object kept per hook, see Recorder.keep_hook), other handles (multi-grad hooks) as they are.
+        self.tensor_hooks: list[Any] = []
+        self.hooks: list[Any] = []
         self.inference = False  # a top-level forward without grad: its own root, not a train_step
         # Keeps nothing but metric points (untraced, no module label, no observer of every
         # collective): its collectives take the short path in Recorder.collective().
@@ -210,11 +220,26 @@ def snapshot_tree(step: Step, now: int, snapshot: int) -> tuple[list[Record], di
         if copy is not root:
             copy.parent = copies.get(id(copy.parent), root)
         copy.fwd = copies.get(id(copy.fwd))
-        copy.bw_records = [copies[id(other)] for other in copy.bw_records if id(other) in copies]
+        copy.last_bw, copy.prev_bw = _first_copied(copy.last_bw, copies), _first_copied(copy.prev_bw, copies)
     part = Step(step.index, True, root, step.kind)
     part.records = [copies[id(record)] for record in originals[1:]]
     roots, children = span_tree(part)
     return roots, children, root
+
+
+def _first_copied(record: Record | None, copies: dict[int, Record]) -> Record | None:
+    """The copy of ``record``, or of the first record in its ``prev_bw`` chain that has one."""
+    while record is not None and id(record) not in copies:
+        record = record.prev_bw
+    return None if record is None else copies[id(record)]
+
+
+def backward_records(forward: Record) -> Iterator[Record]:
+    """A forward record's backward records, the most recent first."""
+    record = forward.last_bw
+    while record is not None:
+        yield record
+        record = record.prev_bw
 
 
 def _parent_of(record: Record, root: Record) -> Record:
@@ -223,7 +248,7 @@ def _parent_of(record: Record, root: Record) -> Record:
         while ancestor is not None and ancestor.kind is SpanKind.MODULE:
             if ancestor.pass_ == semconv.PASS_BACKWARD:  # a recompute inside a backward (reentrant checkpoint)
                 return ancestor if not ancestor.hidden else _parent_of(ancestor, root)
-            for candidate in reversed(ancestor.bw_records):
+            for candidate in backward_records(ancestor):
                 if candidate.graph_task == record.graph_task and not candidate.hidden:
                     return candidate
             ancestor = ancestor.parent
@@ -307,7 +332,24 @@ def dtensor_facts(args: tuple) -> dict[str, Any]:
 
 
 def mesh_facts(mesh: Any) -> dict[str, Any]:
-    """``torch.device_mesh``, its shape, and its dimension names when it has any."""
+    """``torch.device_mesh``, its shape, and its dimension names when it has any.
+
+    The same dict for the same mesh (a mesh does not change; its text costs tens of
+    microseconds per collective): copy from it, never change it.
+    """
+    try:
+        facts = _MESH_FACTS.get(mesh)
+    except TypeError:  # not weakly referenceable or not hashable: not cached
+        return _mesh_facts(mesh)
+    if facts is None:
+        facts = _MESH_FACTS[mesh] = _mesh_facts(mesh)
+    return facts
+
+
+_MESH_FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _mesh_facts(mesh: Any) -> dict[str, Any]:
     facts: dict[str, Any] = {
         semconv.DEVICE_MESH: str(mesh)[:ATTR_MAX_CHARS],
         semconv.DEVICE_MESH_SHAPE: [int(size) for size in mesh.shape],

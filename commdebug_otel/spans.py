@@ -69,6 +69,8 @@ class TracerSetup(NamedTuple):
     must run before the provider makes ``tracer``: an SDK tracer keeps the
     generator it was made with), None where the provider has none.
     ``sdk_metrics``: the SDK's own span metrics are on.
+    ``discards``: spans go nowhere (our own provider without a span processor,
+    ``OTEL_TRACES_EXPORTER=none``, or a no-op provider), so none are built.
     """
 
     tracer: Any
@@ -76,6 +78,7 @@ class TracerSetup(NamedTuple):
     ids: StepIdGenerator | None = None
     processors: Sequence[Any] = ()
     sdk_metrics: bool = False
+    discards: bool = False
 
 
 class SpanBuilder:
@@ -119,6 +122,12 @@ class SpanBuilder:
         return self._ids is not None
 
     @property
+    def exporting(self) -> bool:
+        """Whether spans built now would go anywhere (known after :meth:`start`); :meth:`emit` builds
+        nothing when they would not."""
+        return not self._current().discards
+
+    @property
     def direct(self) -> bool:
         """Whether spans skip the SDK's live ``Span`` (known after :meth:`start`)."""
         return self._direct is not None
@@ -128,21 +137,32 @@ class SpanBuilder:
 
         ``trace_id``: the roots' trace id (128-bit int), or None for a random one.
         """
-        tracer = self._current().tracer
-        for root in roots:
-            self._start(tracer, root, None, None, trace_id, children)
+        setup = self._current()
+        if setup.discards:
+            return
+        tracer = setup.tracer
+        # The direct path's spans reach the processors together, after the whole step is built: the
+        # export thread, woken by the first full batch, would otherwise contend for the GIL meanwhile.
+        finished: list[ReadableSpan] = []
+        try:
+            for root in roots:
+                self._start(tracer, root, None, None, trace_id, children, finished)
+        finally:
+            if finished:
+                self._direct.hand_over(finished)
 
     def _start(self, tracer: Any, record: Any, parent: SpanContext | None, parent_span: Any,
-               trace_id: int | None, children: dict[int, list]) -> None:
-        """``parent``: the parent's context; ``parent_span``: the parent itself when the SDK built it."""
+               trace_id: int | None, children: dict[int, list], finished: list[ReadableSpan]) -> None:
+        """``parent``: the parent's context; ``parent_span``: the parent itself when the SDK built it;
+        ``finished``: where the direct path puts its spans (:meth:`_DirectSpans.hand_over`)."""
         attributes = span_attributes(record)
         direct = self._direct
         prepared = direct.prepare(record, attributes) if direct is not None else None
         if prepared is not None:
             context = direct.context(record, parent, trace_id)
             for child in children.get(id(record), ()):
-                self._start(tracer, child, context, None, None, children)
-            direct.end(record, prepared, context, parent)
+                self._start(tracer, child, context, None, None, children, finished)
+            finished.append(direct.end(record, prepared, context, parent))
             return
         ids = self._ids
         chosen = ids.ids(trace_id, record.span_id) if ids is not None and (trace_id or record.span_id) \
@@ -165,7 +185,7 @@ class SpanBuilder:
                            record.end_ns)
         context = span.get_span_context()
         for child in children.get(id(record), ()):
-            self._start(tracer, child, context, span, None, children)
+            self._start(tracer, child, context, span, None, children, finished)
         span.end(end_time=record.end_ns)
 
 
@@ -208,11 +228,15 @@ class _DirectSpans:
         "_scope",
         "_span_attributes",
         "_span_chars",
+        "_span_id",
     )
 
     def __init__(self, provider: Any, tracer: Any, processors: Sequence[Any], limits: SpanLimits) -> None:
         self._provider = provider  # its resource is read per span: the SDK replaces it after a fork
         self._ids = provider.id_generator
+        # Span ids of spans built here: the generator's own (no ids are pending on this path).
+        inner = self._ids._inner if isinstance(self._ids, StepIdGenerator) else self._ids
+        self._span_id = inner.generate_span_id
         self._scope = instrumentation_scope(tracer)
         self._info = getattr(tracer, "instrumentation_info", None)
         self._processors = tuple(processors)
@@ -263,18 +287,22 @@ class _DirectSpans:
             trace_id, flags = trace_id or ids.generate_trace_id(), self._root_flags
         else:
             trace_id, flags = parent.trace_id, parent.trace_flags
-        return SpanContext(trace_id, record.span_id or ids.generate_span_id(), is_remote=False,
-                           trace_flags=flags)
+        return SpanContext(trace_id, record.span_id or self._span_id(), is_remote=False, trace_flags=flags)
 
     def end(self, record: Any, prepared: tuple[dict[str, Any], tuple], context: SpanContext,
-            parent: SpanContext | None) -> None:
+            parent: SpanContext | None) -> ReadableSpan:
+        """The finished span (for :meth:`hand_over`)."""
         attributes, events = prepared
-        span = ReadableSpan(name=record.name, context=context, parent=parent,
+        return ReadableSpan(name=record.name, context=context, parent=parent,
                             resource=self._provider.resource, attributes=attributes, events=events,
                             start_time=record.start_ns, end_time=record.end_ns,
                             instrumentation_info=self._info, instrumentation_scope=self._scope)
+
+    def hand_over(self, spans: list[ReadableSpan]) -> None:
+        """Give finished spans to the processors, in order."""
         for processor in self._processors:
-            processor.on_end(span)
+            for span in spans:
+                processor.on_end(span)
 
 
 def _fits(count: int, limit: int | None) -> bool:

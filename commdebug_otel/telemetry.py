@@ -194,7 +194,10 @@ class Telemetry:
                     own = provider is self._own_tracer_provider
                     self._tracer_setup = TracerSetup(
                         tracer, provider, ids, tuple(self._own_span_processors) if own else (),
-                        own and self.export_env is not None and self.export_env.sdk_internal_metrics)
+                        own and self.export_env is not None and self.export_env.sdk_internal_metrics,
+                        # OTEL_TRACES_EXPORTER=none (or nothing that could start): nothing to build spans for
+                        (own and not self._own_span_processors)
+                        or isinstance(provider, otel_trace.NoOpTracerProvider))
                     self._tracer = tracer
             if self._own_tracer_provider is not None:
                 # Our own meter too, now: spans dropped at exit are counted there, and a meter

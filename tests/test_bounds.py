@@ -270,3 +270,28 @@ def test_untraced_steps_keep_bounded_state_and_count_nothing(telemetry, tracer_f
     assert max(dict(size)["step hooks"] for size in sizes) == (160 if depth else 0)
     assert [s.attributes[semconv.STEP] for s in telemetry.by_name("train_step")] == [0]
     assert semconv.DROPPED_KIND_STEP_SPLIT not in _dropped(telemetry, tracer)
+
+
+def test_a_step_of_ten_thousand_module_calls_is_delivered_whole(monkeypatch, tmp_path):
+    """Default settings, our own provider and its file exporter: every span of the step arrives."""
+    from commdebug_otel.testing import InMemoryTelemetry
+    from commdebug_otel.testing.otlp_receiver import spans_from_otlp_json
+
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "file")
+    calls = 10_000  # the root and 9,999 layers
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(calls - 1)])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    tracer = CommTracer(Settings(output_dir=str(tmp_path)), meter_provider=InMemoryTelemetry().meter_provider)
+    with tracer:
+        model(torch.ones(1, 2)).sum().backward()
+        optimizer.step()
+    tracer.telemetry.shutdown()
+    spans = []
+    for path in tmp_path.glob("run-*/traces-rank*.jsonl"):
+        for line in path.read_text().splitlines():
+            spans.extend(spans_from_otlp_json(line))
+    passes = [span["attributes"][semconv.MODULE_PASS] for span in spans if span["name"] != "train_step"]
+    assert len(spans) == 2 * calls + 1  # train_step, then a forward and a backward span per call
+    assert passes.count("forward") == passes.count("backward") == calls
+    [step] = [span["attributes"] for span in spans if span["name"] == "train_step"]
+    assert step[semconv.STEP] == 0 and semconv.STEP_TRUNCATED not in step and semconv.STEP_PART not in step

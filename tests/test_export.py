@@ -193,3 +193,51 @@ def test_direct_spans_match_the_sdk_span_path_on_the_wire(monkeypatch, single_ra
     assert all(len(e["attributes"][semconv.OP_NAME]) == 12 for e in collective_events)  # event values cut
     assert any(len(value) == 12 for s in direct_spans for key, value in s["attributes"].items()
                if key == semconv.MODULE_TYPE)
+
+
+def test_exporter_none_builds_no_records_and_keeps_metrics(monkeypatch, tmp_path):
+    """OTEL_TRACES_EXPORTER=none: no record, tensor hook or span is made for spans; metrics go on."""
+    import torch
+
+    from commdebug_otel import CommTracer, Settings
+    from commdebug_otel import spans as spans_module
+    from commdebug_otel.testing import InMemoryTelemetry
+
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    built = []
+    monkeypatch.setattr(spans_module.SpanBuilder, "_start", lambda *args: built.append(args))
+    memory = InMemoryTelemetry()  # its meter provider only: the tracer provider is our own, exporting nothing
+    tracer = CommTracer(Settings(output_dir=str(tmp_path)), meter_provider=memory.meter_provider)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sizes = []
+    with tracer:
+        for _ in range(3):
+            loss = model(torch.ones(2, 4)).sum()
+            sizes.append(tracer.recorder.state_sizes())
+            loss.backward()
+            optimizer.step()
+        tracer.flush_metrics()
+    assert tracer.telemetry.tracer_setup().discards
+    assert built == []
+    assert [(size["step records"], size["step hooks"]) for size in sizes] == [(0, 0)] * 3
+    durations = memory.metric_points(semconv.METRIC_STEP_DURATION)
+    assert sum(point.count for _, point in durations) == 3
+
+
+def test_an_injected_provider_gets_spans_whatever_the_exporter_variable(monkeypatch):
+    import torch
+
+    from commdebug_otel import CommTracer, Settings
+    from commdebug_otel.testing import InMemoryTelemetry
+
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    memory = InMemoryTelemetry()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with CommTracer(Settings(), tracer_provider=memory.tracer_provider, meter_provider=memory.meter_provider):
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+    assert sorted(span.name for span in memory.spans()) == sorted([
+        "train_step", "Sequential forward", "Sequential.0 forward", "Sequential.1 forward",
+        "Sequential backward", "Sequential.0 backward", "Sequential.1 backward"])

@@ -170,7 +170,7 @@ def _train_then_wait_for_scrape(rank: int, world_size: int, prometheus_url: str)
 
 # ------------------------------------------------------------------ fixture
 @pytest.fixture(scope="module")
-def scraped():
+def scraped(tmp_path_factory):
     """Prometheus that scraped a finished 2-rank job; ``at`` is when it held every final value."""
     try:
         prometheus_binary()
@@ -182,7 +182,9 @@ def scraped():
         "OTEL_SDK_DISABLED": "false",
         "OTEL_SERVICE_NAME": "commdebug-prometheus-test",
         "OTEL_METRICS_EXPORTER": "prometheus",
-        "OTEL_TRACES_EXPORTER": "none",
+        # Spans must go somewhere for their events to be capped (with "none" no span is built).
+        "OTEL_TRACES_EXPORTER": "file",
+        "OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR": str(tmp_path_factory.mktemp("spans")),
         "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
         "OTEL_EXPORTER_PROMETHEUS_PORT": str(base),
         "OTEL_PYTHON_COMMDEBUG_MAX_EVENTS_PER_SPAN": "1",
