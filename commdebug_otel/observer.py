@@ -50,7 +50,8 @@ class SpanSink(Protocol):
         """Whether spans go anywhere (asked after :meth:`start`, as each sampled step opens).
 
         False (e.g. ``OTEL_TRACES_EXPORTER=none``): the recorder keeps no records for
-        spans (steps are untraced unless an observer wants every event; metrics go on).
+        spans (steps are untraced unless an observer overrides ``on_collective``,
+        ``on_op`` or ``on_first_call``; metrics go on).
         """
 
     def emit(self, roots: list[Record], children: dict[int, list[Record]], trace_id: int | None) -> None:

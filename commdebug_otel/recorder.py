@@ -99,6 +99,9 @@ class Recorder:
         self._metrics = metrics
         self._observers = tuple(observers)
         self._every_event = any(observer.wants_every_event for observer in self._observers)
+        # An observer told of collectives, ops or first calls: sampled steps keep records for it even
+        # where spans go nowhere (a tracer that only counts).
+        self._listening = any(_listens(observer) for observer in self._observers)
         self._exemplars: bool | None = None  # decided at the first traced step (spans.start())
         self._counter = CollectiveCounter(metrics, self.rank, self.hook_failed, self._completed)
         self._max_records = settings.max_spans_per_step  # per step part (_step_full)
@@ -188,13 +191,13 @@ class Recorder:
         }
 
     def _traces_this_rank(self) -> bool:
-        """Whether a sampled step (or set-up) is traced here: this rank is traced and its spans go
-        somewhere (``OTEL_TRACES_EXPORTER=none``: they do not), or an observer wants every event."""
+        """Whether a sampled step (or set-up) is traced here: this rank is traced, and its spans go
+        somewhere (``OTEL_TRACES_EXPORTER=none``: they do not) or an observer listens to what records carry."""
         if self._spans is None or not self.settings.traces_rank(self.rank().rank):
             return False
         self._exemplars_on()  # starts the tracer provider: where spans go is known from then on
         try:
-            return self._every_event or self._spans.exporting
+            return self._every_event or self._listening or self._spans.exporting
         except Exception as error:
             self.hook_failed("telemetry start", error)
             return False
@@ -874,6 +877,13 @@ class Recorder:
                             "span (%s) and in %s (kind %s)", owner.name, variable("max_events_per_span"),
                             self.settings.max_events_per_span, semconv.SPAN_DROPPED_EVENTS, semconv.METRIC_DROPPED,
                             semconv.DROPPED_KIND_EVENT)
+
+
+def _listens(observer: RecorderObserver) -> bool:
+    """Whether ``observer`` overrides a callback that reports what records carry."""
+    kind = type(observer)
+    return any(getattr(kind, name) is not getattr(RecorderObserver, name)
+               for name in ("on_collective", "on_op", "on_first_call"))
 
 
 def _end_backward_records(records: list[Record], now: int) -> None:
