@@ -53,6 +53,7 @@ SLOW_AFTER_STEPS = 8  # ...once this many steps have ended
 MAX_SNAPSHOTS = 12  # per stall: at T, 2T, 4T, ... (12 reach 2048 T)
 MAX_PENDING_WAITS = 4096  # issued collectives whose wait has not been seen (cleared at each step end)
 STACK_FRAMES = 32  # code locations of the training thread kept in a snapshot
+MAX_FAILURES = 3  # the watchdog stops after this many failed checks in a row
 
 _CALL_IMPL = torch.nn.Module._call_impl.__code__
 _OUR_FILES = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -245,12 +246,16 @@ class StallWatch:
         return min(1.0, max(0.05, self._recorder.progress.threshold_s(self._setting) / 4))
 
     def _run(self) -> None:
+        failures = 0
         while not self._stop.wait(self._poll_s()):
             try:
                 self.check()
-            except Exception as error:  # log once and give up: training goes on unwatched
+                failures = 0
+            except Exception as error:  # said once; a snapshot racing the step's end may fail now and then
                 self._recorder.hook_failed("stall watchdog", error)
-                return
+                failures += 1
+                if failures >= MAX_FAILURES:
+                    return  # gives up: training goes on unwatched
 
     def check(self, now: int | None = None) -> bool:
         """Export a snapshot if one is due now. True if one was exported."""
