@@ -270,11 +270,11 @@ class StallWatch:
             self._stall_since, self._snapshots, self._due_s = since, 0, threshold_s
         if age_s < self._due_s or self._snapshots >= MAX_SNAPSHOTS:
             return False
-        self._snapshots += 1
-        self._due_s = max(age_s, threshold_s) * 2
         where = training_thread_location(self._recorder.thread_id, self._fqn_of)
-        if not self._recorder.stall_snapshot(now, age_s, threshold_s, self._snapshots, where):
+        if not self._recorder.stall_snapshot(now, age_s, threshold_s, self._snapshots + 1, where):
             return False
+        self._snapshots += 1  # only once exported: a failed snapshot is tried again at the next poll
+        self._due_s = max(age_s, threshold_s) * 2
         if self._snapshots == 1:
             # Every rank of a hung job says this (the ones waiting too): diagnose tells which one is behind.
             _logger.warning("commdebug-otel: rank %d made no progress for %.1f s (%s %s, %s); a stall snapshot "

@@ -330,3 +330,26 @@ def test_diagnose_names_the_stuck_rank_its_module_and_the_collective_the_other_w
     assert text.returncode == 0, text.stderr
     assert json.loads(text.stdout)["module_counts"]["Net.layers.1.proj"]["forward"] == {"c10d.allreduce_": 1}
     assert "spans of stall snapshots left out" in text.stderr
+
+
+def test_the_watchdog_retries_a_failed_check_and_gives_up_after_three():
+    import threading
+
+    failures = []
+
+    class Broken:
+        thread_id = threading.get_ident()
+        progress = Progress()
+
+        def stall_snapshot(self, *args):
+            raise RuntimeError("racing the step's end")
+
+        def hook_failed(self, where, error):
+            failures.append(where)
+
+    Broken.progress.since_ns -= 10 * 10**9  # stalled for 10 s already
+    watch = StallWatch(Broken(), 0.2, lambda: None, lambda module: None)
+    watch._due_s = 0.0
+    watch.start()
+    watch._thread.join(timeout=10)
+    assert not watch._thread.is_alive() and failures == ["stall watchdog"] * 3
