@@ -129,8 +129,8 @@ class CollectiveCounter:
         """
         if spec.overload_name in self._untimed:
             return
-        work = out[-1] if isinstance(out, tuple) else out
-        if not isinstance(work, torch.ScriptObject):
+        work = boxed_work(out)
+        if work is None:
             return
         try:
             future = _torch.work_future(work)
@@ -198,16 +198,22 @@ def event_attributes(collective: Collective, why: dict[str, Any] | None) -> dict
     return attrs
 
 
+def boxed_work(out: Any) -> Any:
+    """The boxed c10d ``Work`` a c10d op returned (alone, or last in a tuple); None for other results."""
+    work = out[-1] if isinstance(out, tuple) and out else out
+    return work if isinstance(work, torch.ScriptObject) else None
+
+
 def peer_when_received(collective: Collective, attrs: dict[str, Any],
                        hook_failed: Callable[[str, BaseException], None], awaiting: dict[int, tuple]) -> None:
     """A ``recv`` from any source (``dist.recv(buf)`` without ``src``): its peer is added to ``attrs``
     once received (``Work.source_rank()``, a rank in the group), if before the step ends: when its
     ``Work`` future completes or, where the backend's work has no future (gloo), when ``Work.wait()``
     returns (``awaiting``: ``id(work) -> (work, attrs)``, which ``Recorder.waited`` reads)."""
-    if collective.spec.op != semconv.RECV or semconv.COLLECTIVE_PEER in attrs or collective.out is None:
+    if collective.spec.op != semconv.RECV or semconv.COLLECTIVE_PEER in attrs:
         return
-    work = collective.out[-1] if isinstance(collective.out, tuple) else collective.out
-    if not isinstance(work, torch.ScriptObject):
+    work = boxed_work(collective.out)
+    if work is None:
         return
     try:
         unboxed = _torch.unbox_work(work)

@@ -212,6 +212,9 @@ STALL_AUTO = "auto"  # Settings.stall_after_s: a threshold from the rank's recen
 STALL_ACCEPTED = f"auto, off (or 0), or a number of seconds > 0 and <= {MAX_STALL_AFTER_S:g}"
 
 
+_parse_timeout_stall = _Number(0, MAX_STALL_AFTER_S, integer=False, low_open=True, unit="seconds")
+
+
 def _parse_stall_after(text: str) -> float | str | None:
     value = text.strip().lower()
     if value == STALL_AUTO:
@@ -219,9 +222,6 @@ def _parse_stall_after(text: str) -> float | str | None:
     if value in ("off", "none", "0"):
         return None
     return _parse_timeout_stall(value)
-
-
-_parse_timeout_stall = _Number(0, MAX_STALL_AFTER_S, integer=False, low_open=True, unit="seconds")
 
 
 def _parse_ranks(text: str) -> frozenset[int] | None:
@@ -414,7 +414,7 @@ class Settings:
                                _checked("metric_rank_label", _parse_rank_label, self.metric_rank_label))
         if isinstance(self.ranks, str):
             object.__setattr__(self, "ranks", _checked("ranks", _parse_ranks, self.ranks))
-        if isinstance(self.stall_after_s, str) or self.stall_after_s is not None:
+        if self.stall_after_s is not None:
             object.__setattr__(self, "stall_after_s", _checked_stall(self.stall_after_s))
         object.__setattr__(self, "exception_messages",
                            _checked("exception_messages", _parse_exception_messages, self.exception_messages))

@@ -144,11 +144,7 @@ class CollectiveInterceptor:
         libraries: dict[str, torch.library.Library] = {}
         try:
             for overload, spec in self._registry.items():
-                library = libraries.get(spec.namespace)
-                if library is None:
-                    library = libraries[spec.namespace] = torch.library.Library(spec.namespace, "IMPL")
-                    self._libraries.append(library)
-                library.impl(_torch.impl_name(overload), self._kernel(overload, spec), _KEY, with_keyset=True)
+                self._register(libraries, overload, self._kernel(overload, spec))
             self._watch_redistributions()
             self._time_waits(libraries)
         except Exception as error:
@@ -159,16 +155,19 @@ class CollectiveInterceptor:
             return False
         return True
 
+    def _register(self, libraries: dict[str, torch.library.Library], overload: Any, kernel: Any) -> None:
+        """Register ``kernel`` for ``overload`` at ``BackendSelect``, in its namespace's one library."""
+        library = libraries.get(overload.namespace)
+        if library is None:
+            library = libraries[overload.namespace] = torch.library.Library(overload.namespace, "IMPL")
+            self._libraries.append(library)
+        library.impl(_torch.impl_name(overload), kernel, _KEY, with_keyset=True)
+
     def _time_waits(self, libraries: dict[str, torch.library.Library]) -> None:
         """Time ``wait_tensor`` (a kernel) and ``Work.wait`` (a wrapper): where the training thread blocks."""
         try:
             overload = _torch.wait_tensor_overload()
-            namespace = overload.namespace
-            library = libraries.get(namespace)
-            if library is None:
-                library = libraries[namespace] = torch.library.Library(namespace, "IMPL")
-                self._libraries.append(library)
-            library.impl(_torch.impl_name(overload), self._wait_kernel(overload), _KEY, with_keyset=True)
+            self._register(libraries, overload, self._wait_kernel(overload))
             work = _torch.work_class()
             self._wait_patch = _Patch(work, "wait", work.wait, self._wait_wrapper(work.wait))
         except Exception as error:  # another torch: steps report no collective wait

@@ -188,10 +188,11 @@ class CollectiveMetrics:
         """
         self._steps.append((duration_s, wait_s, self._rank_labels(rank), context))
 
-    # The gauges' callbacks: run by the metric reader's thread at each collection.
     def _rank_labels(self, rank: int) -> dict[str, Any]:
+        """The rank label of every instrument, or none (``rank_label`` off)."""
         return {semconv.RANK: rank} if self._rank_label else {}
 
+    # The gauges' callbacks: run by the metric reader's thread at each collection.
     def _observe_age(self, _options: CallbackOptions) -> list[Observation]:
         rank, age_s, _ = self._progress()
         return [Observation(age_s, self._rank_labels(rank))]
@@ -243,9 +244,8 @@ class CollectiveMetrics:
                 semconv.MODULE_PASS: pass_,
                 semconv.PROCESS_GROUP_NAME: group.name,
                 semconv.PROCESS_GROUP_SIZE: group.size,
+                **self._rank_labels(rank),
             }
-            if self._rank_label:
-                labels[semconv.RANK] = rank
             if group.dim_name:
                 labels[semconv.DEVICE_MESH_DIM_NAME] = group.dim_name
                 if not self._rank_label:  # the dimension names it on every rank alike
@@ -315,10 +315,7 @@ class CollectiveMetrics:
 
         The rank is a label only where collective metrics carry it too (``rank_label``).
         """
-        labels: dict[str, Any] = {semconv.DROPPED_KIND: kind}
-        if self._rank_label:
-            labels[semconv.RANK] = rank
-        self._dropped.add(count, labels)
+        self._dropped.add(count, {semconv.DROPPED_KIND: kind, **self._rank_labels(rank)})
 
 
 class LazyCollectiveMetrics:

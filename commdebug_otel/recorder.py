@@ -835,7 +835,6 @@ class Recorder:
             step.trace_id = self._trace_id(step) or random.getrandbits(128) or 1
         roots, children, root = snapshot_tree(step, now, snapshot)
         root.attrs[semconv.STEP_STALLED] = snapshot
-        stalled.attrs[semconv.STALL_SNAPSHOT] = snapshot
         children.setdefault(id(root), []).append(stalled)
         self._spans.emit(roots, children, step.trace_id)
         return True
