@@ -272,17 +272,18 @@ class Why:
         self._facts_of: tuple = ()
         self._attrs: dict[str, Any] = {}
 
-    def __call__(self, op: Any, args: tuple) -> _Scope:
+    def __call__(self, op: Any, args: tuple) -> _OpScope:
         """A context manager: ``op`` is the why inside the block."""
-        return _Scope(self, ("op", "args"), (op, args))
+        return _OpScope(self, op, args)
 
-    def redistributing(self, cause: str | None, source: tuple | None, target: tuple | None, mesh: Any) -> _Scope:
+    def redistributing(self, cause: str | None, source: tuple | None, target: tuple | None,
+                       mesh: Any) -> _RedistributionScope:
         """A context manager: one redistribution from ``source`` to ``target`` placements on ``mesh``.
 
         ``cause`` None keeps the cause already set (an op's, or an outer API's, e.g. ``full_tensor``).
         """
         cause = self.cause if cause is None or self.cause == FULL_TENSOR else cause
-        return _Scope(self, ("cause", "source", "target", "mesh"), (cause, source, target, mesh))
+        return _RedistributionScope(self, cause, source, target, mesh)
 
     def until_local_op(self, op: Any, args: tuple) -> None:
         """``op`` is the why until DTensor runs its local op (or a module boundary, or the step end)."""
@@ -372,21 +373,38 @@ DISTRIBUTE_TENSOR = "distribute_tensor"
 C10D_CAUSES = frozenset({DISTRIBUTE_TENSOR})
 
 
-class _Scope:
-    """Sets some of a :class:`Why`'s fields for a block and restores them after."""
+class _OpScope:
+    """Sets a :class:`Why`'s op for a block and restores the one before (tens per traced step: plain slots)."""
 
-    __slots__ = ("_names", "_saved", "_values", "_why")
+    __slots__ = ("_args", "_op", "_saved", "_why")
 
-    def __init__(self, why: Why, names: tuple[str, ...], values: tuple) -> None:
-        self._why, self._names, self._values = why, names, values
-        self._saved: tuple = ()
+    def __init__(self, why: Why, op: Any, args: tuple) -> None:
+        self._why, self._op, self._args = why, op, args
+        self._saved: tuple = (None, ())
 
     def __enter__(self) -> None:
         why = self._why
-        self._saved = tuple(getattr(why, name) for name in self._names)
-        for name, value in zip(self._names, self._values):
-            setattr(why, name, value)
+        self._saved = (why.op, why.args)
+        why.op, why.args = self._op, self._args
 
     def __exit__(self, *exc: Any) -> None:
-        for name, value in zip(self._names, self._saved):
-            setattr(self._why, name, value)
+        self._why.op, self._why.args = self._saved
+
+
+class _RedistributionScope:
+    """Sets a :class:`Why`'s redistribution (cause, placements, mesh) for a block and restores it after."""
+
+    __slots__ = ("_saved", "_values", "_why")
+
+    def __init__(self, why: Why, cause: str | None, source: tuple | None, target: tuple | None, mesh: Any) -> None:
+        self._why, self._values = why, (cause, source, target, mesh)
+        self._saved: tuple = (None, None, None, None)
+
+    def __enter__(self) -> None:
+        why = self._why
+        self._saved = (why.cause, why.source, why.target, why.mesh)
+        why.cause, why.source, why.target, why.mesh = self._values
+
+    def __exit__(self, *exc: Any) -> None:
+        why = self._why
+        why.cause, why.source, why.target, why.mesh = self._saved
