@@ -1257,8 +1257,8 @@ def main(argv: list[str] | None = None) -> int:
                 phase_overhead(rx, "tp", 2, rounds=4 if q else 12, steps_per_block=5,
                                report=report)
                 if not q:
-                    phase_overhead(rx, "fsdp_tp", 4, rounds=8, steps_per_block=4, report=report)
-                phase_overhead(rx, "demo", 2, rounds=4 if q else 12, steps_per_block=5, report=report)
+                    phase_overhead(rx, "fsdp_tp", 4, rounds=12, steps_per_block=4, report=report)
+                phase_overhead(rx, "demo", 2, rounds=10 if q else 40, steps_per_block=5, report=report)
             if "always" in phases:
                 phase_always_on(rx, "tp", 2, rounds=80 if q else 100, steps_per_block=6, report=report)
                 if not q:
