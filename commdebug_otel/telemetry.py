@@ -98,7 +98,45 @@ def _exporter_class(signal: str, kind: str) -> Any:
     import importlib
 
     module, name = _EXPORTER_CLASSES[(signal, kind)]
-    return getattr(importlib.import_module(module), name)
+    exporter = getattr(importlib.import_module(module), name)
+    if (signal, kind) == ("traces", "grpc"):
+        return _memoized_encoding(exporter)
+    return exporter
+
+
+@functools.cache
+def _memoized_encoding(exporter: type) -> type:
+    """``exporter`` (the SDK's OTLP/gRPC span exporter) encoding with :func:`commdebug_otel.encoding.encode_spans`.
+
+    The SDK's gRPC exporter builds each request with ``self._translate_data(spans)``, its
+    seam for this. The HTTP exporter calls its module's ``encode_spans`` inside ``export()``
+    and has no such seam, so it keeps the SDK's encoding.
+    """
+    from .encoding import encode_spans
+
+    class MemoizedSpanExporter(exporter):
+        def _translate_data(self, data: Any) -> Any:
+            return encode_spans(data)
+
+    MemoizedSpanExporter.__qualname__ = MemoizedSpanExporter.__name__ = f"Memoized{exporter.__name__}"
+    return MemoizedSpanExporter
+
+
+class _HashedResource(Resource):
+    """A ``Resource`` whose hash is computed once: the SDK's span encoders hash a span's
+    resource per span, and ``Resource.__hash__`` dumps all its attributes to JSON.
+
+    A Resource is immutable, so the hash cannot go stale; it equals the plain
+    ``Resource``'s hash, and equality and ``merge`` (which returns a plain ``Resource``)
+    are the SDK's.
+    """
+
+    def __init__(self, attributes: Any, schema_url: str | None = None) -> None:
+        super().__init__(attributes, schema_url)
+        self._hash = super().__hash__()
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 def build_resource(rank: RankInfo, export: ExportEnv | None = None) -> Resource:
@@ -121,7 +159,8 @@ def build_resource(rank: RankInfo, export: ExportEnv | None = None) -> Resource:
         attributes[semconv.BACKEND] = rank.backend
     if not (export if export is not None else ExportEnv.from_env()).service_name_set:
         attributes["service.name"] = "torch-training"
-    return Resource.create(attributes)
+    resource = Resource.create(attributes)
+    return _HashedResource(resource.attributes, resource.schema_url)
 
 
 class Telemetry:

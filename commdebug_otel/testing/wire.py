@@ -10,8 +10,9 @@ Usage::
     per_trace = trace_wire(telemetry.spans())      # {trace id: WireBytes}
     metrics = metric_wire(telemetry.metric_reader.get_metrics_data())
 
-The encoders are the ones the OTLP/gRPC and OTLP/HTTP exporters call
-(``opentelemetry.exporter.otlp.proto.common``), so ``raw`` is the protobuf body of one
+The encoders are the ones the OTLP exporters call (``opentelemetry.exporter.otlp.proto.common``'s
+for metrics; for spans :func:`commdebug_otel.encoding.encode_spans`, the OTLP/gRPC exporter's,
+which gives the same bytes as the SDK's that OTLP/HTTP calls), so ``raw`` is the protobuf body of one
 request holding exactly those spans (or that metric export), and ``gzip`` the same body
 compressed as with ``OTEL_EXPORTER_OTLP_COMPRESSION=gzip``. The Python OTLP exporters
 send uncompressed unless that variable (or ``compression=``) says otherwise.
@@ -27,7 +28,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from opentelemetry.exporter.otlp.proto.common._internal.metrics_encoder import encode_metrics
-from opentelemetry.exporter.otlp.proto.common._internal.trace_encoder import encode_spans
+
+from ..encoding import encode_spans
 
 __all__ = ["WireBytes", "metric_series", "metric_wire", "trace_wire"]
 

@@ -1,0 +1,234 @@
+"""commdebug_otel.encoding.encode_spans gives the SDK's OTLP request byte for byte, with a bounded memo."""
+
+import importlib.util
+import multiprocessing
+import sys
+import traceback
+
+import pytest
+from opentelemetry.attributes import BoundedAttributes
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans as sdk_encode_spans
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.sdk.util import BoundedList
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
+
+from commdebug_otel import encoding
+from commdebug_otel.encoding import MEMO_ENTRIES, encode_spans
+
+# Every attribute value type, and values Python finds equal (True == 1 == 1.0, 0.0 == -0.0,
+# (1,) == (True,)) under one key across spans: each must keep its own encoding.
+VALUES = ["fqn", "", "x" * 5000, True, False, 1, 0, -3, 2**63 - 1, 1.0, 0.0, -0.0, 2.5, float("nan"),
+          b"\x00\x01", b"", None, ("a", "b"), (1, 2), (True, False), (1.0, 2.0), (-0.0,), (1,), (True,), (1.0,),
+          ("a", None), (), ["list", "of", "str"], [1, 2]]
+
+
+def _context(trace_id, span_id, remote=False, state=None):
+    return SpanContext(trace_id, span_id, is_remote=remote, trace_flags=TraceFlags(1), trace_state=state)
+
+
+def _hand_made_spans():
+    """Spans covering every field the encoder writes, over two resources (one of them as two
+    equal objects) and three scopes (one None)."""
+    resource = Resource({"service.name": "a", "rank": 0}, "https://schema/a")
+    same_resource = Resource({"service.name": "a", "rank": 0}, "https://schema/a")  # equal, not identical
+    other_resource = Resource({"service.name": "b", "bytes": b"\x01", "list": ("x", "y")})
+    scope = InstrumentationScope("commdebug_otel", "1.0", "https://schema/s", {"scope.attr": "v"})
+    other_scope = InstrumentationScope("other")
+    dropped_attributes = BoundedAttributes(maxlen=2, attributes={"a": 1, "b": "two", "c": 3.0}, immutable=False)
+    dropped_events = BoundedList(1)
+    dropped_events.extend([Event("e1", {"k": "v"}, timestamp=5), Event("e2", timestamp=6)])
+    dropped_links = BoundedList(1)
+    dropped_links.extend([Link(_context(9, 9)), Link(_context(10, 10))])
+    event_attributes = BoundedAttributes(maxlen=1, attributes={"a": 1, "b": 2})
+    spans = [
+        ReadableSpan("root", _context(1, 1), None, resource, {f"v{i}": value for i, value in enumerate(VALUES)},
+                     start_time=10, end_time=20, instrumentation_scope=scope),
+        ReadableSpan("child", _context(1, 2, state=TraceState([("vendor", "x"), ("other", "y")])),
+                     _context(1, 1), same_resource, dropped_attributes,
+                     events=[Event("collective", {"op": "all_reduce", "bytes": 1024, "shape": (4, 32)}, 11),
+                             Event("bare", None, 12), Event("dropped", event_attributes, 13)],
+                     links=[Link(_context(2, 7, remote=True), {"why": "stall", "n": 2}), Link(_context(3, 8))],
+                     kind=SpanKind.CLIENT, status=Status(StatusCode.ERROR, "boom"), start_time=11, end_time=19,
+                     instrumentation_scope=scope),
+        ReadableSpan("remote child", _context(1, 3), _context(1, 9, remote=True), other_resource,
+                     {"v0": 1, "v1": True, "v2": 1.0, "v3": -0.0}, events=dropped_events, links=dropped_links,
+                     kind=SpanKind.SERVER, status=Status(StatusCode.OK), start_time=12, end_time=13,
+                     instrumentation_scope=other_scope),
+        ReadableSpan("no scope", _context(4, 4), None, resource, {"v0": True, "v1": 1, "v2": (True,), "v3": 0.0},
+                     kind=SpanKind.PRODUCER, status=None, start_time=1, end_time=2),
+        ReadableSpan("consumer", _context(5, 5), _context(4, 4), other_resource, None, kind=SpanKind.CONSUMER,
+                     status=Status(StatusCode.UNSET, None), start_time=3, end_time=4, instrumentation_scope=scope),
+        ReadableSpan("same values again", _context(1, 6), _context(1, 1), same_resource,
+                     {f"v{i}": value for i, value in enumerate(reversed(VALUES))}, start_time=14, end_time=15,
+                     instrumentation_scope=scope),
+    ]
+    return spans
+
+
+def test_hand_made_spans_encode_as_the_sdk():
+    spans = _hand_made_spans()
+    expected = sdk_encode_spans(spans).SerializeToString()
+    assert encode_spans(spans).SerializeToString() == expected
+    request = encode_spans(spans)  # now from the memo
+    assert request.SerializeToString() == expected
+    assert [len(resource.scope_spans) for resource in request.resource_spans] == [2, 2]  # equal resources: one
+    for i in range(len(spans)):  # and one span at a time, each value type on its own
+        assert encode_spans(spans[i:i + 1]).SerializeToString() == sdk_encode_spans(spans[i:i + 1]).SerializeToString()
+    assert encode_spans([]).SerializeToString() == sdk_encode_spans([]).SerializeToString()
+
+
+@pytest.mark.parametrize("value", VALUES, ids=repr)
+def test_each_value_after_each_other_value(value):
+    """A value encoded right after another that Python finds equal is not given that one's message."""
+    for earlier in VALUES:
+        spans = [ReadableSpan("s", _context(1, 1), None, Resource({}), {"k": earlier}, start_time=1, end_time=2),
+                 ReadableSpan("s", _context(1, 2), None, Resource({}), {"k": value}, start_time=1, end_time=2)]
+        encode_spans(spans[:1])
+        assert encode_spans(spans).SerializeToString() == sdk_encode_spans(spans).SerializeToString()
+
+
+def test_unencodable_attributes_are_left_out_and_logged_as_by_the_sdk(caplog):
+    attributes = {"ok": "yes", "object": object(), "huge": 2**70, "mapping": {"a": 1}, "mixed": (1, "a")}
+    spans = [ReadableSpan("s", _context(1, 1), None, Resource({}), attributes, start_time=1, end_time=2)]
+    caplog.clear()
+    ours = encode_spans(spans).SerializeToString()
+    logged = [record.getMessage() for record in caplog.records]
+    caplog.clear()
+    assert ours == sdk_encode_spans(spans).SerializeToString()
+    assert logged == [record.getMessage() for record in caplog.records]
+    assert len(logged) == 2  # object and huge; the mapping is a kvlist, the mixed tuple an array
+
+
+def test_memoized_messages_are_copied_not_shared():
+    """Changing an encoded request does not change the memo: the next request is the SDK's again."""
+    spans = _hand_made_spans()
+    expected = sdk_encode_spans(spans).SerializeToString()
+    first = encode_spans(spans)
+    memo = {key: message.SerializeToString() for key, message in encoding._memo.items()}
+    for resource in first.resource_spans:
+        for scope in resource.scope_spans:
+            for span in scope.spans:
+                for attribute in span.attributes:
+                    attribute.key = "changed"
+                    attribute.value.string_value = "changed"
+                for event in span.events:
+                    del event.attributes[:]
+    assert encode_spans(spans).SerializeToString() == expected
+    assert {key: message.SerializeToString() for key, message in encoding._memo.items()} == memo
+
+
+def test_memo_stays_within_its_cap():
+    """Many distinct values: the memo is emptied when full, never over MEMO_ENTRIES; values that
+    rarely repeat (floats, long strings, long tuples) are not kept at all."""
+    resource = Resource({})
+    encoding._memo.clear()
+    sizes = []
+    for batch in range(5):
+        spans = [ReadableSpan("s", _context(1, i + 1), None, resource,
+                              {"seq": batch * 1000 + i, "name": f"n{batch}-{i}", "duration_s": i / 7,
+                               "long": "x" * 300 + str(i), "tuple": tuple(range(i % 40))},
+                              start_time=1, end_time=2) for i in range(1000)]
+        assert encode_spans(spans).SerializeToString() == sdk_encode_spans(spans).SerializeToString()
+        sizes.append(len(encoding._memo))
+    assert max(sizes) <= MEMO_ENTRIES
+    assert sizes[0] == 1000 + 1000 + 17  # seq, name, and tuples of up to 16 items
+    assert not {key for key in encoding._memo if key[0] in ("duration_s", "long")}
+
+
+def test_grpc_exporter_translates_with_our_encoder():
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    from commdebug_otel.telemetry import _exporter_class
+
+    exporter_class = _exporter_class("traces", "grpc")
+    assert issubclass(exporter_class, OTLPSpanExporter) and exporter_class is _exporter_class("traces", "grpc")
+    exporter = exporter_class(endpoint="127.0.0.1:1", insecure=True)
+    try:
+        spans = _hand_made_spans()
+        assert exporter._translate_data(spans).SerializeToString() == sdk_encode_spans(spans).SerializeToString()
+    finally:
+        exporter.shutdown(timeout_millis=100)
+    assert _exporter_class("traces", "http").__module__.startswith("opentelemetry.")
+
+
+def test_built_resource_hashes_once_and_compares_as_the_sdks():
+    from commdebug_otel.steps import RankInfo
+    from commdebug_otel.telemetry import build_resource
+
+    resource = build_resource(RankInfo(0, 2, 0, 0, "run", "gloo", True))
+    plain = Resource(dict(resource.attributes), resource.schema_url)
+    assert resource == plain and plain == resource and hash(resource) == hash(plain)
+    assert {plain: 1}[resource] == 1
+    merged = resource.merge(Resource({"extra": 1}))
+    assert type(merged) is Resource and merged.attributes == {**resource.attributes, "extra": 1}
+    assert resource.merge(Resource({})) == resource
+    assert resource != Resource({**resource.attributes, "rank": 1})
+
+
+def test_falls_back_to_the_sdks_encoder_without_its_private_helpers(monkeypatch):
+    """Another exporter version without ``_internal``'s helpers: encode_spans is the SDK's public one."""
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.common._internal", None)
+    spec = importlib.util.spec_from_file_location("_encoding_fallback", encoding.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.encode_spans is sdk_encode_spans
+    assert not hasattr(module, "_memo")
+
+
+def _traced_demo_steps(result):
+    """Rank 0 of 2 on torch's fake process group: three traced demo steps; puts, per trace, whether
+    our request (twice) equals the SDK's, and the span and event counts; or the traceback."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from commdebug_otel import CommTracer, Settings, _demo_model
+    from commdebug_otel.steps import rank_info
+    from commdebug_otel.telemetry import build_resource
+    from commdebug_otel.testing import InMemoryTelemetry
+
+    torch.set_num_threads(1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        telemetry = InMemoryTelemetry(resource=build_resource(rank_info()))
+        with CommTracer(Settings(), tracer_provider=telemetry.tracer_provider,
+                        meter_provider=telemetry.meter_provider):
+            mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+            args = _demo_model.ModelArgs(n_layers=2)
+            model = _demo_model.parallelize(_demo_model.Transformer(args, seed=0), mesh)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+            for step in range(3):
+                _demo_model.train_step(model, optimizer, *_demo_model.make_batch(args, 2, step))
+        by_trace = {}
+        for span in telemetry.spans():
+            by_trace.setdefault(span.context.trace_id, []).append(span)
+        found = []
+        for spans in [*by_trace.values(), telemetry.spans()]:
+            expected = sdk_encode_spans(spans).SerializeToString()
+            found.append((encode_spans(spans).SerializeToString() == expected,
+                          encode_spans(spans).SerializeToString() == expected,
+                          len(spans), sum(len(span.events) for span in spans)))
+        result.put(found)
+    except BaseException:
+        result.put(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_traced_demo_steps_encode_as_the_sdk():
+    """Real spans (set-up and three tensor-parallel steps of the demo model): the same bytes, per trace
+    and all together, encoded once and again from the memo. In a child: the fake process group
+    cannot join a test session's own."""
+    context = multiprocessing.get_context("spawn")
+    result = context.Queue()
+    process = context.Process(target=_traced_demo_steps, args=(result,))
+    process.start()
+    found = result.get(timeout=240)
+    process.join(60)
+    assert isinstance(found, list), found
+    assert all(first and again for first, again, _, _ in found), found
+    assert len(found) >= 4 and sum(events for _, _, _, events in found[:-1]) > 0
