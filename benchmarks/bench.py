@@ -1254,7 +1254,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"local receiver: {deprioritize_other_threads()} threads at nice 19 (a stand-in for "
                   f"a collector elsewhere)")
             if "overhead" in phases:
-                phase_overhead(rx, "tp", 2, rounds=4 if q else 12, steps_per_block=5,
+                phase_overhead(rx, "tp", 2, rounds=4 if q else 24, steps_per_block=5,
                                report=report)
                 if not q:
                     phase_overhead(rx, "fsdp_tp", 4, rounds=12, steps_per_block=4, report=report)

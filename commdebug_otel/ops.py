@@ -181,6 +181,28 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    """``next(_tensors(value), None)`` without a generator per level (on every collective)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+def _plain_payload(value: Any) -> torch.Tensor | None:
+    """The payload of most collectives, on every step: a plain tensor, or c10d's list of one; else None."""
+    kind = type(value)
+    if kind is torch.Tensor:
+        return value
+    if (kind is list or kind is tuple) and len(value) == 1 and type(value[0]) is torch.Tensor:
+        return value[0]
+    return None
+
+
 def _is_fake_tensor(tensor: torch.Tensor) -> bool:
     return type(tensor).__name__ == "FakeTensor"  # no import of torch._subclasses on the hot path
 
@@ -193,7 +215,7 @@ def _is_fake(tensor: torch.Tensor) -> bool:
 def compiler_traced(args: tuple) -> bool:
     """Whether a collective's first tensor is a ``FakeTensor``: torch.compile tracing it (AOTAutograd
     compiles a backward at its first run), not traffic; the compiled code issues the real one."""
-    first = next(_tensors(args), None)
+    first = _first_tensor(args)
     return first is not None and _is_fake_tensor(first)
 
 
@@ -259,8 +281,8 @@ def payload_bytes(spec: CollectiveSpec, args: tuple, out: Any) -> tuple[int, boo
     """``(nbytes, fake)`` of :func:`message`, without the rest (metrics, on every step)."""
     index = spec.payload_index
     if 0 <= index < len(args):
-        payload = args[index]
-        if type(payload) is torch.Tensor and not payload.is_meta:  # the common case, on every step
+        payload = _plain_payload(args[index])
+        if payload is not None and not payload.is_meta:  # the common case, on every step
             return (0 if spec.barrier else payload.nbytes), False
     if spec.barrier:
         return 0, False
@@ -273,8 +295,9 @@ def payload_bytes(spec: CollectiveSpec, args: tuple, out: Any) -> tuple[int, boo
 def payload_tensor(spec: CollectiveSpec, args: tuple, out: Any) -> torch.Tensor | None:
     """The first tensor this rank sends, else the first it receives; None (barrier, no tensor)."""
     index = spec.payload_index
-    if 0 <= index < len(args) and type(args[index]) is torch.Tensor:  # the common case, on every step
-        return None if spec.barrier else args[index]
+    payload = _plain_payload(args[index]) if 0 <= index < len(args) else None
+    if payload is not None:  # the common case, on every step
+        return None if spec.barrier else payload
     if spec.barrier:
         return None
     _, _, first = _sizes(_arg(args, index))
