@@ -96,11 +96,14 @@ class CollectiveCounter:
         self.time_completions = True
 
     def count(self, spec: CollectiveSpec, args: tuple, group: GroupFacts, pass_: str, duration_ns: int,
-              out: Any, start_ns: int, seq: int) -> None:
-        """The points of a collective that keeps no records: the quiet path, kept short on purpose."""
+              out: Any, start_ns: int, seq: int, plain: Any = None) -> None:
+        """The points of a collective that keeps no records: the quiet path, kept short on purpose.
+
+        ``plain``: ``ops.plain_payload``'s answer when the caller has it.
+        """
         if self._metrics is None:
             return
-        nbytes, fake = payload_bytes(spec, args, out)
+        nbytes, fake = payload_bytes(spec, args, out, plain)
         if fake:
             return
         rank = self._rank().rank

@@ -277,15 +277,31 @@ def message(spec: CollectiveSpec, args: tuple, out: Any, group_size: int) -> Mes
     )
 
 
-def payload_bytes(spec: CollectiveSpec, args: tuple, out: Any) -> tuple[int, bool]:
-    """``(nbytes, fake)`` of :func:`message`, without the rest (metrics, on every step)."""
+def plain_payload(spec: CollectiveSpec, args: tuple) -> torch.Tensor | None:
+    """The tensor this rank sends in the common case of every step: one eager, non-meta tensor (or
+    c10d's list of one); None otherwise (a barrier, several tensors, fake or meta ones: then
+    :func:`payload_bytes` and :func:`payload_tensor` look further). Not a ``FakeTensor`` (a subclass):
+    a collective with a plain payload is traffic, not torch.compile tracing."""
     index = spec.payload_index
-    if 0 <= index < len(args):
-        payload = _plain_payload(args[index])
-        if payload is not None and not payload.is_meta:  # the common case, on every step
-            return (0 if spec.barrier else payload.nbytes), False
+    if spec.barrier or not 0 <= index < len(args):
+        return None
+    payload = _plain_payload(args[index])
+    return payload if payload is not None and not payload.is_meta else None
+
+
+def payload_bytes(spec: CollectiveSpec, args: tuple, out: Any,
+                  plain: torch.Tensor | None = None) -> tuple[int, bool]:
+    """``(nbytes, fake)`` of :func:`message`, without the rest (metrics, on every step).
+
+    ``plain``: :func:`plain_payload`'s answer when the caller has it.
+    """
+    if plain is None:
+        plain = plain_payload(spec, args)
+    if plain is not None:
+        return plain.nbytes, False
     if spec.barrier:
         return 0, False
+    index = spec.payload_index
     nbytes, _, first = _sizes(_arg(args, index))
     if first is None:  # this rank sends nothing: what it receives
         nbytes, _, first = _sizes(_output(spec, args, out))
@@ -294,12 +310,12 @@ def payload_bytes(spec: CollectiveSpec, args: tuple, out: Any) -> tuple[int, boo
 
 def payload_tensor(spec: CollectiveSpec, args: tuple, out: Any) -> torch.Tensor | None:
     """The first tensor this rank sends, else the first it receives; None (barrier, no tensor)."""
+    if spec.barrier:
+        return None
     index = spec.payload_index
     payload = _plain_payload(args[index]) if 0 <= index < len(args) else None
     if payload is not None:  # the common case, on every step
-        return None if spec.barrier else payload
-    if spec.barrier:
-        return None
+        return payload
     _, _, first = _sizes(_arg(args, index))
     if first is None:
         _, _, first = _sizes(_output(spec, args, out))

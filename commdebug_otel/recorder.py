@@ -51,7 +51,7 @@ from .collectives import (
 )
 from .config import Settings, TraceScope, variable
 from .observer import RecorderObserver, SpanSink
-from .ops import CollectiveSpec, GroupResolver, compiler_traced
+from .ops import CollectiveSpec, GroupResolver, compiler_traced, plain_payload
 from .records import Record, SpanKind, Step, descends_from, dtensor_facts, parameter_facts, snapshot_tree, span_tree
 from .redact import code_locations, describe
 from .stall import Progress
@@ -699,7 +699,8 @@ class Recorder:
         another thread's and a quiet step's collectives are metric points
         only; the rest keep records (:meth:`_record_collective`).
         """
-        if is_compiling() or compiler_traced(args):
+        plain = plain_payload(spec, args)  # one eager tensor, the usual case: never traced by torch.compile
+        if is_compiling() or (plain is None and compiler_traced(args)):
             # Run on fake tensors while torch.compile builds a graph (dynamo, or AOTAutograd's backward):
             # the compiled code issues the real one. Its "why" is known only now: kept for it.
             self._compiled_whys.trace(spec, self._groups.resolve(spec, args), args, out, self.why)
@@ -709,7 +710,7 @@ class Recorder:
         if not in_backward and threading.get_ident() != self.thread_id:
             # Another thread (not autograd's): the training thread's open spans are not its
             # owners, and its sequence numbers (which match collectives across ranks) stay its own.
-            self._count(spec, args, group, PASS_NONE, duration_ns, out, start_ns, -1)
+            self._count(spec, args, group, PASS_NONE, duration_ns, out, start_ns, -1, plain)
             return
         seq = self._seq.get(group.name, 0)
         self._seq[group.name] = seq + 1
@@ -718,8 +719,8 @@ class Recorder:
             # An untraced step (the hot path of always-on tracing), between untraced steps,
             # or a backward outside any step: metric points only.
             pass_ = self._pass_by_depth(in_backward)
-            self.progress.remember(spec, group, seq, args, out, "", pass_)
-            self._count(spec, args, group, pass_, duration_ns, out, start_ns, seq)
+            self.progress.remember(spec, group, seq, args, out, "", pass_, plain)
+            self._count(spec, args, group, pass_, duration_ns, out, start_ns, seq, plain)
             return
         self._record_collective(Collective(spec, args, group, seq, duration_ns, out, start_ns), in_backward)
 

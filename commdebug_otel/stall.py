@@ -86,9 +86,12 @@ class Progress:
         self._dims: dict[str, str] = {}  # process group name -> its device-mesh dimension name ("" if none)
 
     def remember(self, spec: CollectiveSpec, group: GroupFacts, seq: int, args: tuple, out: Any,
-                 fqn: str, pass_: str) -> None:
-        """A collective was issued on the training thread (every step: kept cheap)."""
-        tensor = payload_tensor(spec, args, out)
+                 fqn: str, pass_: str, plain: torch.Tensor | None = None) -> None:
+        """A collective was issued on the training thread (every step: kept cheap).
+
+        ``plain``: ``ops.plain_payload``'s answer when the caller has it.
+        """
+        tensor = plain if plain is not None else payload_tensor(spec, args, out)
         if group.name not in self._dims:
             self._dims[group.name] = group.dim_name or ""
         if tensor is None:
