@@ -618,7 +618,7 @@ def _wire_run(world_size: int) -> tuple[Job, dict[str, Any]]:
     """Set-up and 3 steps traced with the default settings into in-memory telemetry, with this
     rank's real resource; what one rank sends, as the OTLP exporters encode it."""
     from commdebug_otel import CommTracer, Settings, semconv
-    from commdebug_otel.metrics import DURATION_BUCKETS_S
+    from commdebug_otel.metrics import DURATION_BUCKETS_S, STEP_BUCKETS_S
     from commdebug_otel.steps import rank_info, trace_block
     from commdebug_otel.telemetry import build_resource
     from commdebug_otel.testing import InMemoryTelemetry
@@ -641,7 +641,9 @@ def _wire_run(world_size: int) -> tuple[Job, dict[str, Any]]:
     sharing = world_size if trace_block(0, world_size, settings.ranks_per_trace) is None else settings.ranks_per_trace
     data = telemetry.metric_reader.get_metrics_data()
     series = metric_series(data)
-    histograms = (semconv.METRIC_DURATION, semconv.METRIC_COMPLETION)
+    # Prometheus series per data point: a histogram's buckets, +Inf, _sum and _count; else one.
+    per_point = {semconv.METRIC_DURATION: len(DURATION_BUCKETS_S) + 3, semconv.METRIC_COMPLETION: len(DURATION_BUCKETS_S) + 3,
+                 semconv.METRIC_STEP_DURATION: len(STEP_BUCKETS_S) + 3, semconv.METRIC_STEP_WAIT: len(STEP_BUCKETS_S) + 3}
     return job, {
         "spans_per_rank_step": len(step_spans),
         "events_per_rank_step": sum(len(span.events) for span in step_spans),
@@ -652,7 +654,7 @@ def _wire_run(world_size: int) -> tuple[Job, dict[str, Any]]:
         "metric_bytes_per_export": dataclasses.asdict(metric_wire(data)),
         "metric_series_per_rank": sum(series.values()),
         "metric_series_by_instrument": series,
-        "prometheus_series_per_rank": sum(count * (len(DURATION_BUCKETS_S) + 3 if name in histograms else 1)
+        "prometheus_series_per_rank": sum(count * per_point.get(name, 1)
                                           for name, count in series.items()),
         "metric_rank_label": settings.metric_rank_label_on(world_size),
     }
