@@ -642,8 +642,9 @@ def _wire_run(world_size: int) -> tuple[Job, dict[str, Any]]:
     data = telemetry.metric_reader.get_metrics_data()
     series = metric_series(data)
     # Prometheus series per data point: a histogram's buckets, +Inf, _sum and _count; else one.
-    per_point = {semconv.METRIC_DURATION: len(DURATION_BUCKETS_S) + 3, semconv.METRIC_COMPLETION: len(DURATION_BUCKETS_S) + 3,
-                 semconv.METRIC_STEP_DURATION: len(STEP_BUCKETS_S) + 3, semconv.METRIC_STEP_WAIT: len(STEP_BUCKETS_S) + 3}
+    collective, step = len(DURATION_BUCKETS_S) + 3, len(STEP_BUCKETS_S) + 3
+    per_point = {semconv.METRIC_DURATION: collective, semconv.METRIC_COMPLETION: collective,
+                 semconv.METRIC_STEP_DURATION: step, semconv.METRIC_STEP_WAIT: step}
     return job, {
         "spans_per_rank_step": len(step_spans),
         "events_per_rank_step": sum(len(span.events) for span in step_spans),
