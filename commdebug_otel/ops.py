@@ -278,15 +278,18 @@ def message(spec: CollectiveSpec, args: tuple, out: Any, group_size: int) -> Mes
 
 
 def plain_payload(spec: CollectiveSpec, args: tuple) -> torch.Tensor | None:
-    """The tensor this rank sends in the common case of every step: one eager, non-meta tensor (or
-    c10d's list of one); None otherwise (a barrier, several tensors, fake or meta ones: then
+    """The tensor this rank sends in the common case of every step: one eager, strided, non-meta tensor
+    (or c10d's list of one); None otherwise (a barrier, several tensors, fake, meta or sparse ones: then
     :func:`payload_bytes` and :func:`payload_tensor` look further). Not a ``FakeTensor`` (a subclass):
     a collective with a plain payload is traffic, not torch.compile tracing."""
     index = spec.payload_index
     if spec.barrier or not 0 <= index < len(args):
         return None
     payload = _plain_payload(args[index])
-    return payload if payload is not None and not payload.is_meta else None
+    # Strided only: a sparse COO tensor has no ``nbytes`` (gloo all-reduces DDP's sparse embedding gradients).
+    if payload is None or payload.is_meta or payload.layout is not torch.strided:
+        return None
+    return payload
 
 
 def payload_bytes(spec: CollectiveSpec, args: tuple, out: Any,

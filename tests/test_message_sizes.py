@@ -115,3 +115,24 @@ def _recv_from_any_source(rank, world_size):
 
 def test_a_recv_from_any_source_names_its_peer_once_received():
     assert run_ranks(_recv_from_any_source, 2) == [[("recv", 1)], [("send", 0)]]
+
+
+def test_a_sparse_all_reduce_on_an_untraced_step_counts_its_bytes(telemetry, tracer_factory, single_rank_group):
+    """gloo all-reduces sparse COO tensors (DDP with sparse embedding gradients); ``nbytes`` is not defined
+    for them, so their bytes are elements times element size, on the quiet path of untraced steps too."""
+    tracer = tracer_factory(trace_every=100)
+    tracer.start()
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):  # step 0 is traced, step 1 is not
+        model(torch.ones(1, 2)).sum().backward()
+        dist.all_reduce(torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,)))
+        dist.all_reduce(torch.ones(4))
+        optimizer.step()
+    tracer.flush_metrics()
+    io = sum(value for attributes, value in telemetry.metric_points(semconv.METRIC_IO)
+             if attributes[semconv.COLLECTIVE_OP] == semconv.ALL_REDUCE)
+    operations = sum(value for attributes, value in telemetry.metric_points(semconv.METRIC_OPERATIONS)
+                     if attributes[semconv.COLLECTIVE_OP] == semconv.ALL_REDUCE)
+    assert (io, operations) == (4 * 16, 4)
+    assert not telemetry.metric_points(semconv.METRIC_DROPPED)
