@@ -96,10 +96,10 @@ class CollectiveCounter:
         self.time_completions = True
 
     def count(self, spec: CollectiveSpec, args: tuple, group: GroupFacts, pass_: str, duration_ns: int,
-              out: Any, start_ns: int, seq: int, plain: Any = None) -> None:
+              out: Any, start_ns: int, seq: int, plain: Any) -> None:
         """The points of a collective that keeps no records: the quiet path, kept short on purpose.
 
-        ``plain``: ``ops.plain_payload``'s answer when the caller has it.
+        ``plain``: ``ops.plain_payload(spec, args)``, which the recorder has already asked.
         """
         if self._metrics is None:
             return

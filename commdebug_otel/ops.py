@@ -292,14 +292,11 @@ def plain_payload(spec: CollectiveSpec, args: tuple) -> torch.Tensor | None:
     return payload
 
 
-def payload_bytes(spec: CollectiveSpec, args: tuple, out: Any,
-                  plain: torch.Tensor | None = None) -> tuple[int, bool]:
+def payload_bytes(spec: CollectiveSpec, args: tuple, out: Any, plain: torch.Tensor | None) -> tuple[int, bool]:
     """``(nbytes, fake)`` of :func:`message`, without the rest (metrics, on every step).
 
-    ``plain``: :func:`plain_payload`'s answer when the caller has it.
+    ``plain``: ``plain_payload(spec, args)``, which the caller has already asked.
     """
-    if plain is None:
-        plain = plain_payload(spec, args)
     if plain is not None:
         return plain.nbytes, False
     if spec.barrier:
