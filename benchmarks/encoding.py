@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Span encoding cost: the SDK's ``encode_spans`` against ``commdebug_otel.encoding.encode_spans``.
+"""Span encoding cost: the SDK's encoders against ``commdebug_otel.encoding``'s (protobuf and OTLP-JSON).
 
 Run from the repository root (about 30 seconds)::
 
@@ -12,13 +12,17 @@ spans are encoded once (our memo warms up as in a running job); then each later 
 spans are encoded into one request and serialized, each step once, best of five runs, in
 microseconds per span (span events included). Before each run our memo is put back as the
 warm-up left it, so values unique to a step (sequence numbers, durations) are misses, as
-in a job. It first checks that every step's requests serialize to the same bytes and exits
-with status 1 if not.
+in a job. The same for the OTLP-JSON file exporter's line (the request as a dict, then
+``json.dumps``), with the young garbage collections the encoding set off per 1,000 spans
+(each is 700 more objects that the collector tracks, alive at once). It first checks that
+every step's requests serialize to the same bytes and lines and exits with status 1 if not.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import os
 import pathlib
 import sys
@@ -65,14 +69,32 @@ def traced_steps(steps: int, plain_resource: bool = False) -> list[list]:
     return list(by_trace.values())
 
 
-def per_span_us(encode, steps: list[list], before_run=lambda: None) -> float:
+def serialized(request) -> bytes:
+    return request.SerializeToString()
+
+
+def json_line(request) -> str:
+    """What the file exporter writes for a request: our dict, or the SDK's message as its dict."""
+    return json.dumps(request if isinstance(request, dict) else request.to_dict(), separators=(",", ":"))
+
+
+def per_span_us(encode, steps: list[list], before_run=lambda: None, serialize=serialized) -> float:
     """Best of five runs: microseconds per span to encode each step in one request and serialize it."""
     def run() -> None:
         for spans in steps:
-            encode(spans).SerializeToString()
+            serialize(encode(spans))
 
     best = min(timeit.repeat(run, setup=before_run, number=1, repeat=5))
     return best / sum(map(len, steps)) * 1e6
+
+
+def young_collections(encode, steps: list[list], serialize) -> float:
+    """Generation-0 collections per 1,000 spans while encoding and serializing every step once."""
+    gc.collect()
+    before = gc.get_stats()[0]["collections"]
+    for spans in steps:
+        serialize(encode(spans))
+    return (gc.get_stats()[0]["collections"] - before) / sum(map(len, steps)) * 1000
 
 
 def main() -> int:
@@ -80,24 +102,30 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20, help="timed steps, after three warm-up steps")
     args = parser.parse_args()
 
+    from opentelemetry.exporter.otlp.json.common.trace_encoder import encode_spans as sdk_json
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans as sdk_encode
 
     from commdebug_otel import encoding
     from commdebug_otel.encoding import encode_spans as our_encode
+    from commdebug_otel.encoding import encode_spans_json as our_json
 
     steps = traced_steps(3 + args.steps)
     for spans in steps[:3]:
         our_encode(spans)
-    warm = dict(getattr(encoding, "_memo", {}))  # absent where the SDK's encoder is used
+        our_json(spans)
+    memos = ("_memo", "_json_memo")  # absent where the SDK's encoders are used
+    warm = {name: dict(getattr(encoding, name, {})) for name in memos}
 
     def rewarm() -> None:
-        if hasattr(encoding, "_memo"):
-            encoding._memo.clear()
-            encoding._memo.update(warm)
+        for name in memos:
+            if hasattr(encoding, name):
+                getattr(encoding, name).clear()
+                getattr(encoding, name).update(warm[name])
 
     timed = steps[3:]
     for spans in timed:
-        if our_encode(spans).SerializeToString() != sdk_encode(spans).SerializeToString():
+        if (our_encode(spans).SerializeToString() != sdk_encode(spans).SerializeToString()
+                or json_line(our_json(spans)) != json_line(sdk_json(spans))):
             print("FAIL: the requests differ")
             return 1
     spans = sum(map(len, timed))
@@ -111,6 +139,14 @@ def main() -> int:
     print(f"  SDK's, plain Resource (its hash per span):           {plain:5.1f}")
     print(f"  SDK's, build_resource's Resource (OTLP/HTTP's now):  {sdk:5.1f} ({sdk / plain:.0%})")
     print(f"  commdebug_otel.encoding's (OTLP/gRPC's now):         {ours:5.1f} ({ours / plain:.0%})")
+    sdk = per_span_us(sdk_json, timed, serialize=json_line)
+    ours = per_span_us(our_json, timed, rewarm, serialize=json_line)
+    rewarm()
+    sdk_gc, ours_gc = young_collections(sdk_json, timed, json_line), young_collections(our_json, timed, json_line)
+    print("OTLP-JSON file exporter's line (encode, json.dumps), us per span; young collections per 1,000 spans:")
+    print(f"  SDK's (opentelemetry-exporter-otlp-json-common):     {sdk:5.1f}  {sdk_gc:5.1f}")
+    print(f"  commdebug_otel.encoding's (the file exporter's now): {ours:5.1f}  {ours_gc:5.1f} "
+          f"({ours / sdk:.0%} of the time)")
     return 0
 
 

@@ -1,11 +1,12 @@
-"""OTLP protobuf span encoding that reuses the attribute messages spans repeat.
+"""OTLP span encoding (protobuf, and the OTLP-JSON file exporter's) that reuses the attributes spans repeat.
 
 Usage::
 
-    from commdebug_otel.encoding import encode_spans
+    from commdebug_otel.encoding import encode_spans, encode_spans_json
 
     request = encode_spans(spans)        # an ExportTraceServiceRequest
     body = request.SerializeToString()   # the same bytes as the SDK's encode_spans gives
+    line = json.dumps(encode_spans_json(spans), separators=(",", ":"))  # the SDK file exporter's line
 
 Our spans repeat the same attributes step after step (module names and types, pass,
 depth, op names, dtypes, group names, placements), yet the SDK's ``encode_spans``
@@ -14,12 +15,18 @@ span's ``Resource`` (a ``json.dumps`` of all its attributes) once per span. Here
 ``KeyValue`` messages of repeating values are kept in a bounded per-process memo and
 resources are grouped by identity, which about halves the encoding time.
 
-The OTLP/gRPC span exporter built by :mod:`commdebug_otel.telemetry` uses it. Not
-done here: the OTLP/HTTP and OTLP-JSON file exporters still encode with the SDK's code.
+The OTLP-JSON file exporter's encoder (``opentelemetry.exporter.otlp.json.common``) builds a
+dataclass per message and then a dict per dataclass: :func:`encode_spans_json` builds the
+dicts directly, sharing the ``KeyValue`` dicts of repeating attributes, in a fifth of the time
+and with a tenth of the garbage-collected objects (``benchmarks/encoding.py``).
 
-This module is the one door to the exporter package's private encoding helpers
-(``opentelemetry.exporter.otlp.proto.common._internal``): if they cannot be imported
-(another SDK version), :func:`encode_spans` is the SDK's public one.
+The OTLP/gRPC and file span exporters built by :mod:`commdebug_otel.telemetry` use them. Not
+done here: the OTLP/HTTP exporter still encodes with the SDK's code (no seam).
+
+This module is the one door to the exporter packages' private encoding helpers
+(``opentelemetry.exporter.otlp.proto.common._internal``, ``...otlp.json.common._internal``):
+if they cannot be imported (another SDK version), :func:`encode_spans` is the SDK's public one
+and :func:`encode_spans_json` the SDK's dict.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["MEMO_ENTRIES", "encode_spans"]
+__all__ = ["MEMO_ENTRIES", "encode_spans", "encode_spans_json"]
 
 # Most encoded attribute messages kept. A training job repeats a few hundred (key, value)
 # pairs; when the memo is full it is emptied and refilled with what still repeats.
@@ -37,6 +44,37 @@ MEMO_ENTRIES = 4096
 # memory to a few MB.
 _MEMO_MAX_CHARS = 256
 _MEMO_MAX_ITEMS = 16
+
+# Values whose exact type keys the memo. Ints are kept: depth, call index, byte and
+# element counts, group sizes repeat every step (on the demo step 18.5 us per span with
+# them, 21.8 without; sequence numbers do not repeat: about 19 new entries a step).
+# Floats are left out: durations never repeat (memoizing them gained nothing and added
+# 18 entries a step), and 0.0 == -0.0 (two encodings) would share an entry.
+_SCALARS = frozenset({str, bool, int, bytes, type(None)})
+# Tuple elements, all of one type: the OTel attribute sequences.
+_ITEMS = frozenset({str, bool, int, bytes})
+
+
+def _memo_key(key: str, value: Any) -> tuple | None:
+    """The memo key of one attribute, or None when its value is not worth keeping.
+
+    The value's exact type is part of the key: ``True == 1 == 1.0`` with one hash in
+    Python, but each encodes differently.
+    """
+    kind = type(value)
+    if kind in _SCALARS:
+        if (kind is str or kind is bytes) and len(value) > _MEMO_MAX_CHARS:
+            return None
+        return key, kind, value
+    if kind is tuple and len(value) <= _MEMO_MAX_ITEMS:
+        item = type(value[0]) if value else None
+        if value and (item not in _ITEMS or not all(type(v) is item for v in value)):
+            return None
+        if item in (str, bytes) and sum(map(len, value)) > _MEMO_MAX_CHARS:
+            return None
+        return key, tuple, item, value
+    return None
+
 
 try:
     from opentelemetry.exporter.otlp.proto.common._internal import (
@@ -60,35 +98,7 @@ try:
 except ImportError:  # another exporter version: its public encoder, unmemoized
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 else:
-    # Values whose exact type keys the memo. Ints are kept: depth, call index, byte and
-    # element counts, group sizes repeat every step (on the demo step 18.5 us per span with
-    # them, 21.8 without; sequence numbers do not repeat: about 19 new entries a step).
-    # Floats are left out: durations never repeat (memoizing them gained nothing and added
-    # 18 entries a step), and 0.0 == -0.0 (two encodings) would share an entry.
-    _SCALARS = frozenset({str, bool, int, bytes, type(None)})
-    # Tuple elements, all of one type: the OTel attribute sequences.
-    _ITEMS = frozenset({str, bool, int, bytes})
     _memo: dict[tuple, Any] = {}
-
-    def _memo_key(key: str, value: Any) -> tuple | None:
-        """The memo key of one attribute, or None when its value is not worth keeping.
-
-        The value's exact type is part of the key: ``True == 1 == 1.0`` with one hash in
-        Python, but each encodes differently.
-        """
-        kind = type(value)
-        if kind in _SCALARS:
-            if (kind is str or kind is bytes) and len(value) > _MEMO_MAX_CHARS:
-                return None
-            return key, kind, value
-        if kind is tuple and len(value) <= _MEMO_MAX_ITEMS:
-            item = type(value[0]) if value else None
-            if value and (item not in _ITEMS or not all(type(v) is item for v in value)):
-                return None
-            if item in (str, bytes) and sum(map(len, value)) > _MEMO_MAX_CHARS:
-                return None
-            return key, tuple, item, value
-        return None
 
     def _attributes(attributes: Mapping[str, Any] | None) -> list:
         """``KeyValue`` messages for ``attributes``, shared with earlier calls where memoized.
@@ -195,3 +205,158 @@ else:
             )
             for resource, scopes in by_resource.items()
         ])
+
+
+try:
+    from opentelemetry.exporter.otlp.json.common import _internal as _json_common
+    from opentelemetry.exporter.otlp.json.common._internal import trace_encoder as _json_trace
+    from opentelemetry.proto_json._json_codec import encode_float as _json_float
+
+    _json_key_value, _json_attributes = _json_common._encode_key_value, _json_common._encode_attributes
+    _json_scope, _json_resource = _json_common._encode_instrumentation_scope, _json_common._encode_resource
+    _JSON_KINDS, _json_span = _json_trace._SPAN_KIND_MAP, _json_trace._encode_span
+    _json_status, _json_flags = _json_trace._encode_status, _json_trace._span_flags
+except (ImportError, AttributeError):  # another exporter version: the SDK's own dict
+    def encode_spans_json(spans: Sequence[Any]) -> dict | None:
+        """The SDK's OTLP-JSON export request for ``spans`` as a dict (None when there are none)."""
+        from opentelemetry.exporter.otlp.json.common.trace_encoder import encode_spans as sdk
+
+        data = sdk(spans)
+        return data.to_dict() if data.resource_spans else None
+else:
+    _json_memo: dict[tuple, dict] = {}
+
+    def _json_attribute_list(attributes: Mapping[str, Any] | None) -> list:
+        """The OTLP-JSON ``KeyValue`` dicts of ``attributes``, shared with earlier calls where memoized.
+
+        Shared dicts are safe: the file exporter only dumps them.
+        """
+        memo = _json_memo
+        encoded = []
+        for key, value in attributes.items():
+            memo_key = _memo_key(key, value)
+            if memo_key is not None:
+                entry = memo.get(memo_key)
+                if entry is not None:
+                    encoded.append(entry)
+                    continue
+            elif type(value) is str or type(value) is float:
+                # Long strings (an FQN deep in a model) and durations: built as AnyValue.to_dict() does.
+                inner = {"stringValue": value} if type(value) is str else {"doubleValue": _json_float(value)}
+                encoded.append({"key": key, "value": inner} if key else {"value": inner})
+                continue
+            try:
+                entry = _json_key_value(key, value).to_dict()
+            except Exception:
+                # The SDK's own path: it logs the failure and leaves the attribute out.
+                encoded.extend(kv.to_dict() for kv in _json_attributes({key: value}))
+                continue
+            if memo_key is not None:
+                if len(memo) >= MEMO_ENTRIES:
+                    memo.clear()
+                memo[memo_key] = entry
+            encoded.append(entry)
+        return encoded
+
+    _status_memo: dict[tuple, dict] = {}
+
+    def _json_span_dict(span: Any) -> dict:
+        """``span`` as the SDK's ``Span.to_dict()`` gives it (its own code where a field is rare)."""
+        if span.links or span.dropped_attributes or span.dropped_events or span.dropped_links:
+            return _json_span(span).to_dict()
+        context, status = span.get_span_context(), span.status
+        if context is None or context.trace_state or status is None:
+            return _json_span(span).to_dict()
+        # Ids are fixed-size bytes in the SDK's message: always present, zero too.
+        encoded: dict[str, Any] = {"traceId": context.trace_id.to_bytes(16, "big").hex(),
+                                   "spanId": context.span_id.to_bytes(8, "big").hex()}
+        parent = span.parent
+        if parent is not None:
+            encoded["parentSpanId"] = parent.span_id.to_bytes(8, "big").hex()
+        flags = _json_flags(parent)
+        if flags:
+            encoded["flags"] = flags
+        if span.name:
+            encoded["name"] = span.name
+        kind = int(_JSON_KINDS[span.kind])
+        if kind:
+            encoded["kind"] = kind
+        if span.start_time:
+            encoded["startTimeUnixNano"] = str(span.start_time)
+        if span.end_time:
+            encoded["endTimeUnixNano"] = str(span.end_time)
+        attributes = span.attributes
+        if attributes:
+            listed = _json_attribute_list(attributes)
+            if listed:
+                encoded["attributes"] = listed
+        if span.events:
+            events = []
+            for event in span.events:
+                entry: dict[str, Any] = {}
+                if event.timestamp:
+                    entry["timeUnixNano"] = str(event.timestamp)
+                if event.name:
+                    entry["name"] = event.name
+                if event.attributes:
+                    listed = _json_attribute_list(event.attributes)
+                    if listed:
+                        entry["attributes"] = listed
+                if event.dropped_attributes:
+                    entry["droppedAttributesCount"] = event.dropped_attributes
+                events.append(entry)
+            encoded["events"] = events
+        status_key = (status.status_code, status.description)
+        status_dict = _status_memo.get(status_key)
+        if status_dict is None:
+            status_dict = _json_status(status).to_dict()
+            if len(_status_memo) < 16:
+                _status_memo[status_key] = status_dict
+        encoded["status"] = status_dict
+        return encoded
+
+    def encode_spans_json(spans: Sequence[Any]) -> dict | None:
+        """One OTLP-JSON export request for ``spans``, as the SDK's file exporter writes it.
+
+        ``spans``: SDK ``ReadableSpan`` objects. Returns the dict whose ``json.dumps`` is
+        the SDK's line (``encode_spans(spans).to_dict()`` of
+        ``opentelemetry.exporter.otlp.json.common``), with the ``KeyValue`` dicts of
+        repeating attributes shared from a bounded memo; None when ``spans`` is empty.
+
+        Raises:
+            KeyError: a span kind the SDK does not know (as the SDK's encoder).
+        """
+        if not spans:
+            return None
+        by_id: dict[int, dict] = {}
+        by_resource: dict[Any, dict] = {}
+        for span in spans:
+            resource = span.resource
+            scopes = by_id.get(id(resource))
+            if scopes is None:
+                scopes = by_resource.get(resource)
+                if scopes is None:
+                    scopes = by_resource[resource] = {}
+                by_id[id(resource)] = scopes
+            scope = span.instrumentation_scope or None
+            encoded = _json_span_dict(span)
+            group = scopes.get(scope)
+            if group is None:
+                scopes[scope] = [encoded]
+            else:
+                group.append(encoded)
+        resource_spans = []
+        for resource, scopes in by_resource.items():
+            # The SDK's resource and scope messages are always set (empty ones too): always written.
+            entry: dict[str, Any] = {"resource": _json_resource(resource).to_dict()}
+            scope_spans = []
+            for scope, group in scopes.items():
+                scope_entry: dict[str, Any] = {"scope": _json_scope(scope).to_dict(), "spans": group}
+                if scope is not None and scope.schema_url:
+                    scope_entry["schemaUrl"] = scope.schema_url
+                scope_spans.append(scope_entry)
+            entry["scopeSpans"] = scope_spans
+            if resource.schema_url:
+                entry["schemaUrl"] = resource.schema_url
+            resource_spans.append(entry)
+        return {"resourceSpans": resource_spans}

@@ -1,12 +1,16 @@
-"""commdebug_otel.encoding.encode_spans gives the SDK's OTLP request byte for byte, with a bounded memo."""
+"""commdebug_otel.encoding gives the SDK's OTLP requests byte for byte (protobuf, and the OTLP-JSON file
+exporter's lines), with a bounded memo."""
 
 import importlib.util
+import io
+import json
 import multiprocessing
 import sys
 import traceback
 
 import pytest
 from opentelemetry.attributes import BoundedAttributes
+from opentelemetry.exporter.otlp.json.common.trace_encoder import encode_spans as sdk_encode_spans_json
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans as sdk_encode_spans
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan
@@ -15,13 +19,36 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
 from commdebug_otel import encoding
-from commdebug_otel.encoding import MEMO_ENTRIES, encode_spans
+from commdebug_otel.encoding import MEMO_ENTRIES, encode_spans, encode_spans_json
 
 # Every attribute value type, and values Python finds equal (True == 1 == 1.0, 0.0 == -0.0,
 # (1,) == (True,)) under one key across spans: each must keep its own encoding.
 VALUES = ["fqn", "", "x" * 5000, True, False, 1, 0, -3, 2**63 - 1, 1.0, 0.0, -0.0, 2.5, float("nan"),
           b"\x00\x01", b"", None, ("a", "b"), (1, 2), (True, False), (1.0, 2.0), (-0.0,), (1,), (True,), (1.0,),
           ("a", None), (), ["list", "of", "str"], [1, 2]]
+
+
+def _json_line(request):
+    """The line the OTLP-JSON file exporter writes for an encoded request (a dict, or None: no line)."""
+    return None if request is None else json.dumps(request, separators=(",", ":"))
+
+
+def _sdk_json(spans):
+    request = sdk_encode_spans_json(spans)
+    return _json_line(request.to_dict() if request.resource_spans else None)
+
+
+# (ours, the SDK's): each spans -> bytes or str, for both encodings.
+CODECS = {
+    "protobuf": (lambda spans: encode_spans(spans).SerializeToString(),
+                 lambda spans: sdk_encode_spans(spans).SerializeToString()),
+    "json": (lambda spans: _json_line(encode_spans_json(spans)), _sdk_json),
+}
+
+
+@pytest.fixture(params=sorted(CODECS))
+def codec(request):
+    return CODECS[request.param]
 
 
 def _context(trace_id, span_id, remote=False, state=None):
@@ -60,6 +87,10 @@ def _hand_made_spans():
                      kind=SpanKind.PRODUCER, status=None, start_time=1, end_time=2),
         ReadableSpan("consumer", _context(5, 5), _context(4, 4), other_resource, None, kind=SpanKind.CONSUMER,
                      status=Status(StatusCode.UNSET, None), start_time=3, end_time=4, instrumentation_scope=scope),
+        ReadableSpan("", _context(0, 0), _context(0, 0), resource, {"": "empty key", "long": "y" * 3000, "d": 0.5},
+                     events=[Event("", {"": 2.5, "nan": float("nan"), "inf": float("-inf")}, 0),
+                             Event("long", {"": "z" * 3000}, 1)],
+                     start_time=0, end_time=None, instrumentation_scope=scope),
         ReadableSpan("same values again", _context(1, 6), _context(1, 1), same_resource,
                      {f"v{i}": value for i, value in enumerate(reversed(VALUES))}, start_time=14, end_time=15,
                      instrumentation_scope=scope),
@@ -67,38 +98,46 @@ def _hand_made_spans():
     return spans
 
 
-def test_hand_made_spans_encode_as_the_sdk():
+def test_hand_made_spans_encode_as_the_sdk(codec):
+    ours, sdk = codec
     spans = _hand_made_spans()
-    expected = sdk_encode_spans(spans).SerializeToString()
-    assert encode_spans(spans).SerializeToString() == expected
-    request = encode_spans(spans)  # now from the memo
-    assert request.SerializeToString() == expected
-    assert [len(resource.scope_spans) for resource in request.resource_spans] == [2, 2]  # equal resources: one
+    expected = sdk(spans)
+    assert ours(spans) == expected
+    assert ours(spans) == expected  # now from the memo
     for i in range(len(spans)):  # and one span at a time, each value type on its own
-        assert encode_spans(spans[i:i + 1]).SerializeToString() == sdk_encode_spans(spans[i:i + 1]).SerializeToString()
-    assert encode_spans([]).SerializeToString() == sdk_encode_spans([]).SerializeToString()
+        assert ours(spans[i:i + 1]) == sdk(spans[i:i + 1])
+    assert ours([]) == sdk([])
+
+
+def test_equal_resources_share_one_group():
+    spans = _hand_made_spans()
+    assert [len(resource.scope_spans) for resource in encode_spans(spans).resource_spans] == [2, 2]
+    assert [len(resource["scopeSpans"]) for resource in encode_spans_json(spans)["resourceSpans"]] == [2, 2]
 
 
 @pytest.mark.parametrize("value", VALUES, ids=repr)
-def test_each_value_after_each_other_value(value):
+def test_each_value_after_each_other_value(value, codec):
     """A value encoded right after another that Python finds equal is not given that one's message."""
+    ours, sdk = codec
     for earlier in VALUES:
         spans = [ReadableSpan("s", _context(1, 1), None, Resource({}), {"k": earlier}, start_time=1, end_time=2),
                  ReadableSpan("s", _context(1, 2), None, Resource({}), {"k": value}, start_time=1, end_time=2)]
-        encode_spans(spans[:1])
-        assert encode_spans(spans).SerializeToString() == sdk_encode_spans(spans).SerializeToString()
+        ours(spans[:1])
+        assert ours(spans) == sdk(spans)
 
 
-def test_unencodable_attributes_are_left_out_and_logged_as_by_the_sdk(caplog):
+def test_unencodable_attributes_are_left_out_and_logged_as_by_the_sdk(caplog, codec):
+    ours_encode, sdk = codec
     attributes = {"ok": "yes", "object": object(), "huge": 2**70, "mapping": {"a": 1}, "mixed": (1, "a")}
     spans = [ReadableSpan("s", _context(1, 1), None, Resource({}), attributes, start_time=1, end_time=2)]
     caplog.clear()
-    ours = encode_spans(spans).SerializeToString()
+    ours = ours_encode(spans)
     logged = [record.getMessage() for record in caplog.records]
     caplog.clear()
-    assert ours == sdk_encode_spans(spans).SerializeToString()
+    assert ours == sdk(spans)
     assert logged == [record.getMessage() for record in caplog.records]
-    assert len(logged) == 2  # object and huge; the mapping is a kvlist, the mixed tuple an array
+    # object (and, in protobuf, the int beyond 64 bits); the mapping is a kvlist, the mixed tuple an array
+    assert len(logged) == (2 if ours_encode is CODECS["protobuf"][0] else 1)
 
 
 def test_memoized_messages_are_copied_not_shared():
@@ -119,22 +158,41 @@ def test_memoized_messages_are_copied_not_shared():
     assert {key: message.SerializeToString() for key, message in encoding._memo.items()} == memo
 
 
-def test_memo_stays_within_its_cap():
+@pytest.mark.parametrize("memo", ["_memo", "_json_memo"])
+def test_memo_stays_within_its_cap(memo):
     """Many distinct values: the memo is emptied when full, never over MEMO_ENTRIES; values that
     rarely repeat (floats, long strings, long tuples) are not kept at all."""
+    ours, sdk = CODECS["protobuf" if memo == "_memo" else "json"]
+    memo = getattr(encoding, memo)
     resource = Resource({})
-    encoding._memo.clear()
+    memo.clear()
     sizes = []
     for batch in range(5):
         spans = [ReadableSpan("s", _context(1, i + 1), None, resource,
                               {"seq": batch * 1000 + i, "name": f"n{batch}-{i}", "duration_s": i / 7,
                                "long": "x" * 300 + str(i), "tuple": tuple(range(i % 40))},
                               start_time=1, end_time=2) for i in range(1000)]
-        assert encode_spans(spans).SerializeToString() == sdk_encode_spans(spans).SerializeToString()
-        sizes.append(len(encoding._memo))
+        assert ours(spans) == sdk(spans)
+        sizes.append(len(memo))
     assert max(sizes) <= MEMO_ENTRIES
     assert sizes[0] == 1000 + 1000 + 17  # seq, name, and tuples of up to 16 items
-    assert not {key for key in encoding._memo if key[0] in ("duration_s", "long")}
+    assert not {key for key in memo if key[0] in ("duration_s", "long")}
+
+
+def test_file_exporter_writes_the_sdks_lines_with_our_encoder():
+    from opentelemetry.exporter.otlp.json.file import FileSpanExporter
+
+    from commdebug_otel.telemetry import _exporter_class
+
+    exporter_class = _exporter_class("traces", "file")
+    assert issubclass(exporter_class, FileSpanExporter) and exporter_class is _exporter_class("traces", "file")
+    ours, theirs = io.StringIO(), io.StringIO()
+    exporter, sdk_exporter = exporter_class(stream=ours), FileSpanExporter(stream=theirs)
+    assert exporter._exporter._encode is encode_spans_json
+    spans = _hand_made_spans()
+    for batch in (spans, spans[:2], [], spans):
+        assert exporter.export(batch) == sdk_exporter.export(batch)
+    assert ours.getvalue() == theirs.getvalue() and ours.getvalue().count("\n") == 3
 
 
 def test_grpc_exporter_translates_with_our_encoder():
@@ -177,6 +235,18 @@ def test_falls_back_to_the_sdks_encoder_without_its_private_helpers(monkeypatch)
     assert not hasattr(module, "_memo")
 
 
+def test_json_falls_back_to_the_sdks_encoder_without_its_private_helpers(monkeypatch):
+    """Another JSON exporter version without ``_internal``'s helpers: the SDK's own dict, unmemoized."""
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.json.common._internal", None)
+    spec = importlib.util.spec_from_file_location("_encoding_json_fallback", encoding.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert not hasattr(module, "_json_memo")
+    spans = _hand_made_spans()
+    assert _json_line(module.encode_spans_json(spans)) == _sdk_json(spans)
+    assert module.encode_spans_json([]) is None
+
+
 def _traced_demo_steps(result):
     """Rank 0 of 2 on torch's fake process group: three traced demo steps; puts, per trace, whether
     our request (twice) equals the SDK's, and the span and event counts; or the traceback."""
@@ -207,10 +277,10 @@ def _traced_demo_steps(result):
             by_trace.setdefault(span.context.trace_id, []).append(span)
         found = []
         for spans in [*by_trace.values(), telemetry.spans()]:
-            expected = sdk_encode_spans(spans).SerializeToString()
-            found.append((encode_spans(spans).SerializeToString() == expected,
-                          encode_spans(spans).SerializeToString() == expected,
-                          len(spans), sum(len(span.events) for span in spans)))
+            for ours, sdk in CODECS.values():
+                expected = sdk(spans)
+                found.append((ours(spans) == expected, ours(spans) == expected,
+                              len(spans), sum(len(span.events) for span in spans)))
         result.put(found)
     except BaseException:
         result.put(traceback.format_exc())
@@ -220,8 +290,8 @@ def _traced_demo_steps(result):
 
 
 def test_traced_demo_steps_encode_as_the_sdk():
-    """Real spans (set-up and three tensor-parallel steps of the demo model): the same bytes, per trace
-    and all together, encoded once and again from the memo. In a child: the fake process group
+    """Real spans (set-up and three tensor-parallel steps of the demo model): the same bytes and JSON
+    lines, per trace and all together, encoded once and again from the memo. In a child: the fake process group
     cannot join a test session's own."""
     context = multiprocessing.get_context("spawn")
     result = context.Queue()
@@ -231,4 +301,4 @@ def test_traced_demo_steps_encode_as_the_sdk():
     process.join(60)
     assert isinstance(found, list), found
     assert all(first and again for first, again, _, _ in found), found
-    assert len(found) >= 4 and sum(events for _, _, _, events in found[:-1]) > 0
+    assert len(found) >= 8 and sum(events for _, _, _, events in found[:-2]) > 0
