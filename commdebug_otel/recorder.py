@@ -135,7 +135,7 @@ class Recorder:
         self._awaiting_source: dict[int, tuple] = {}  # recv from any source, not yet waited (gloo)
         self._bw_callback_tasks: set[int] = set()  # graph tasks whose end is hooked (nested: reentrant checkpoints)
         self._depth = 0  # module nesting when records are skipped (untraced steps)
-        self._call_counts: dict[tuple[str, str], int] = {}
+        self._call_counts: dict[str, int] = {}  # by span name (FQN and pass): a string key is not GC-tracked
         self._rank: RankInfo | None = None
         # Progress on every step (stall.py); its seq counters match collectives across ranks.
         self.progress = Progress()
@@ -504,7 +504,7 @@ class Recorder:
         record.fqn = fqn
         record.pass_ = pass_
         record.module_type = f"{type(module).__module__}.{type(module).__qualname__}"
-        record.call_index = self._next_call_index(fqn, pass_)
+        record.call_index = self._next_call_index(record.name)
         record.hidden = self._hidden(fqn)
         handled = sys.exc_info()[1]
         if handled is not None:  # called inside an ``except`` block (a fallback, a retry)
@@ -527,10 +527,10 @@ class Recorder:
         step.records.append(record)
         return record
 
-    def _next_call_index(self, fqn: str, pass_: str) -> int:
-        key = (fqn, pass_)
-        index = self._call_counts.get(key, 0)
-        self._call_counts[key] = index + 1
+    def _next_call_index(self, name: str) -> int:
+        """The calls of the span name ``name`` (``"{fqn} {pass}"``) so far this step (then one more)."""
+        index = self._call_counts.get(name, 0)
+        self._call_counts[name] = index + 1
         return index
 
     def _hidden(self, fqn: str) -> bool:
@@ -591,7 +591,7 @@ class Recorder:
         record.pass_ = semconv.PASS_BACKWARD
         record.fwd, record.graph_task, record.hidden = forward, task, forward.hidden
         record.depth = forward.depth
-        record.call_index = self._next_call_index(forward.fqn, semconv.PASS_BACKWARD)
+        record.call_index = self._next_call_index(record.name)
         forward.open_bw = record
         record.prev_bw, forward.last_bw = forward.last_bw, record
         self._begin_backward(record)

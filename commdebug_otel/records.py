@@ -39,6 +39,7 @@ class Record:
 
     __slots__ = (
         "attrs",
+        "backward_hook",
         "call_index",
         "compiled",
         "depth",
@@ -102,6 +103,16 @@ class Record:
         self.hooked_outputs: set[int] | frozenset = _NONE  # ids of outputs with a backward hook
         self.input_edges: set | frozenset = _NONE  # the call's inputs' autograd edges (tracker._edge)
         self.span_id = 0  # assigned up front when a metric exemplar points at this span
+        self.backward_hook: Any = None  # called with the record when it is called (below)
+
+    def __call__(self, _grad: Any) -> None:
+        """A tensor hook on the call's outputs (``tracker.py``): its backward begins.
+
+        The record is the hook itself, one object fewer per call alive through the step.
+        """
+        hook = self.backward_hook
+        if hook is not None:
+            hook(self)
 
 
 class Step:

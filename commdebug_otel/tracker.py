@@ -93,6 +93,7 @@ class ModuleTracker:
 
     def __init__(self, recorder: Recorder) -> None:
         self._recorder = recorder
+        self._began = _BackwardBegan(recorder)  # every record's backward-begin hook calls it
         self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._post_handles: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # Calls in flight: (module, record, (positional inputs hooked for the end, their hook) or None,
@@ -323,10 +324,11 @@ class ModuleTracker:
                 record.hooked_outputs = {id(t) for t in outputs}
             # A plain hook per output tensor: the first to fire begins the backward and the
             # recorder ignores the rest of the same graph task (register_multi_grad_hook's
-            # "any" mode, without its per-call wrapper and lock).
-            begin = _BackwardBegin(self._recorder, record)
+            # "any" mode, without its per-call wrapper and lock). The record itself is the
+            # hook: no object more per call, alive through the step (docs/performance.md).
+            record.backward_hook = self._began
             for tensor in outputs:
-                handle = tensor.register_hook(begin)
+                handle = tensor.register_hook(record)
                 self._recorder.keep_hook(handle)
                 if first:
                     run_tensor_hook_first(tensor, handle)
@@ -413,23 +415,31 @@ class _CompiledCall:
         return tracker._run_compiled(module, self.call, args, kwargs)
 
 
-class _BackwardBegin:
-    __slots__ = ("record", "recorder")
+class _BackwardBegan:
+    """What a record does when a gradient reaches one of its call's outputs (``Record.__call__``):
+    its backward begins. One per tracker."""
 
-    def __init__(self, recorder: Recorder, record: Record) -> None:
-        self.recorder, self.record = recorder, record
+    __slots__ = ("recorder",)
 
-    def __call__(self, _grad: Any) -> None:
+    def __init__(self, recorder: Recorder) -> None:
+        self.recorder = recorder
+
+    def __call__(self, record: Record) -> None:
         if not self.recorder.active:
             return
         try:
-            self.recorder.backward_began(self.record)
+            self.recorder.backward_began(record)
         except Exception as error:
             self.recorder.hook_failed("module backward pre-hook", error)
 
 
-class _BackwardEnd(_BackwardBegin):
-    __slots__ = ()
+class _BackwardEnd:
+    """A tensor (or multi-grad) hook on a call's inputs: the gradients w.r.t. them are computed."""
+
+    __slots__ = ("record", "recorder")
+
+    def __init__(self, recorder: Recorder, record: Record) -> None:
+        self.recorder, self.record = recorder, record
 
     def __call__(self, _grads: Any) -> None:
         if not self.recorder.active:
