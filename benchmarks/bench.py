@@ -560,46 +560,41 @@ class DepthJob:
         return len(telemetry.spans())
 
 
-def depth_worker(rank: int, world_size: int, rounds: int, steps_per_block: int, log_path: str) -> dict[str, Any]:
-    """Per depth, untraced and traced-every-step blocks (one per exporter), interleaved; the depths too."""
+def depth_worker(rank: int, world_size: int, depth: int, rounds: int, steps_per_block: int,
+                 log_path: str) -> dict[str, Any]:
+    """One depth, in a process of its own: untraced and traced-every-step blocks (one per exporter), interleaved.
+
+    A process per depth: Python's collections of its oldest generation are paid by the process whose
+    step-lived objects brought them about (in one process, one depth's would fall in the other's blocks).
+    """
     import gc
 
-    jobs = {depth: DepthJob(depth) for depth in DEPTHS}
-    spans = {depth: job.spans_per_step() for depth, job in jobs.items()}
+    job = DepthJob(depth)
+    spans = job.spans_per_step()
     # The file exporter writes hundreds of MB here (FQNs grow with the depth): a folder removed at the end.
     out_dir = tempfile.mkdtemp(prefix="commdebug-bench-depth-")
-    blocks: dict[int, dict[str, Block]] = {}
-    for depth in DEPTHS:
-        blocks[depth] = {BASELINE: Block(lambda: None, lambda _: None)}
-        for exporter in DEPTH_EXPORTERS:
-            # A folder per tracer: tracers with equal settings share one telemetry (and its exporters).
-            service = f"depth{depth}-{exporter}"
-            tracer = _tracer({"trace_every": 1, "output_dir": os.path.join(out_dir, service)}, service)
-            blocks[depth][exporter] = _tracer_block(tracer, {"OTEL_TRACES_EXPORTER": exporter})
-    times: dict[int, dict[str, list[list[float]]]] = {depth: {name: [] for name in blocks[depth]} for depth in DEPTHS}
-    for round_index in range(1 + rounds):  # round 0: warm-up (and each tracer's providers start)
-        for depth in DEPTHS[round_index % len(DEPTHS):] + DEPTHS[:round_index % len(DEPTHS)]:
-            result = _run_interleaved(jobs[depth], blocks[depth], 1, steps_per_block, warmup_blocks=0,
-                                      rotation=round_index)
-            if round_index:
-                for name, samples in result.items():
-                    times[depth][name].extend(samples)
+    # The untraced blocks run with the collector paused: a collection of the old generation that the traced
+    # blocks' objects bring about then falls in a traced block, never in the baseline (which, alone, makes few).
+    blocks: dict[str, Block] = {BASELINE: Block(gc.disable, lambda _: gc.enable())}
+    for exporter in DEPTH_EXPORTERS:
+        # A folder per tracer: tracers with equal settings share one telemetry (and its exporters).
+        service = f"depth{depth}-{exporter}"
+        tracer = _tracer({"trace_every": 1, "output_dir": os.path.join(out_dir, service)}, service)
+        blocks[exporter] = _tracer_block(tracer, {"OTEL_TRACES_EXPORTER": exporter})
+    times = _run_interleaved(job, blocks, rounds, steps_per_block, warmup_blocks=1)
     # Garbage collections per traced step (file exporter), the part of the cost that grows with live objects.
-    collections = {}
-    for depth, job in jobs.items():
-        block = blocks[depth][DEPTH_EXPORTERS[0]]
-        handle = block.enter()
-        try:
+    block = blocks[DEPTH_EXPORTERS[0]]
+    handle = block.enter()
+    try:
+        job.step()
+        before = [entry["collections"] for entry in gc.get_stats()]
+        for _ in range(steps_per_block):
             job.step()
-            before = [entry["collections"] for entry in gc.get_stats()]
-            for _ in range(steps_per_block):
-                job.step()
-            after = [entry["collections"] for entry in gc.get_stats()]
-        finally:
-            block.exit(handle)
-        collections[depth] = [(b - a) / steps_per_block for a, b in zip(before, after)]
+        after = [entry["collections"] for entry in gc.get_stats()]
+    finally:
+        block.exit(handle)
     shutil.rmtree(out_dir, ignore_errors=True)
-    return {"times": times, "spans": spans, "gc_per_step": collections}
+    return {"times": times, "spans": spans, "gc_per_step": [(b - a) / steps_per_block for a, b in zip(before, after)]}
 
 
 def always_on_worker(rank: int, world_size: int, workload: str, rounds: int, steps_per_block: int,
@@ -1091,35 +1086,43 @@ def phase_scale(rx, worlds: tuple[int, ...], rounds: int, steps_per_block: int, 
 
 
 def phase_depth(rounds: int, steps_per_block: int, report: dict[str, Any]) -> None:
+    deepest = 4 * DEPTHS[-1] + 1  # spans of a traced step of the deepest chain (checked below)
     print(f"\n== nesting depth: chains of {' and '.join(map(str, DEPTHS))} nested modules (a Linear, then the "
-          f"child; one output shared by the chain), 1 process, traced every step vs untraced, exporters "
-          f"{', '.join(DEPTH_EXPORTERS)}; {rounds} rounds x {steps_per_block} steps per config, depths and "
-          f"configs interleaved (first step of each block discarded)", flush=True)
+          f"child; one output shared by the chain), a process per depth, traced every step vs untraced, exporters "
+          f"{', '.join(DEPTH_EXPORTERS)}; {rounds} rounds per config of blocks of about {steps_per_block * deepest:,} "
+          f"spans ({steps_per_block} steps at depth {DEPTHS[-1]}), configs interleaved (first step of each block "
+          f"discarded)", flush=True)
     began = time.perf_counter()
     env = {name: value for name, value in child_env("").items() if not name.startswith("OTEL_EXPORTER")}
-    result = run_ranks(depth_worker, 1, env, rounds=rounds, steps_per_block=steps_per_block)[0]
     rows: dict[str, dict[str, Any]] = {}
-    print(f"{'depth':>5} {'spans':>5} {'untraced ms':>11} " + " ".join(
+    print(f"{'depth':>5} {'spans':>5} {'steps':>5} {'untraced ms':>11} " + " ".join(
         f"{exporter + ' ms':>9} {'us/span':>8} {'spans/s':>8}" for exporter in DEPTH_EXPORTERS) + "  gc per step")
     for depth in DEPTHS:
-        times, spans = result["times"][str(depth)], result["spans"][str(depth)]
-        # Per block the mean step (a garbage collection of the old generation comes every few steps: a
-        # median would leave it out), per round traced minus untraced, then the median over rounds.
+        # Blocks of equal spans at every depth: each then sees its share of the old generation's collections.
+        steps = 1 + round((steps_per_block - 1) * deepest / (4 * depth + 1))
+        result = run_ranks(depth_worker, 1, env, depth=depth, rounds=rounds, steps_per_block=steps)[0]
+        times, spans = result["times"], result["spans"]
+        # Per block the mean step; traced minus untraced per round (paired), then the mean over rounds:
+        # a collection of the old generation comes every few blocks, and an amortized cost must count it
+        # (a median over rounds would leave it out where it is rare and keep it where it is frequent).
         base = [statistics.fmean(block) for block in times[BASELINE]]
-        row = {"spans_per_step": spans, "untraced_ms": 1000 * statistics.median(base),
-               "gc_collections_per_step": result["gc_per_step"][str(depth)]}
+        row = {"spans_per_step": spans, "steps_per_block": steps, "untraced_ms": 1000 * statistics.fmean(base),
+               "gc_collections_per_step": result["gc_per_step"]}
         cells = []
         for exporter in DEPTH_EXPORTERS:
             traced = [statistics.fmean(block) for block in times[exporter]]
-            per_span = statistics.median((t - b) / spans for t, b in zip(traced, base))  # per round, paired
-            row[exporter] = {"traced_ms": 1000 * statistics.median(traced), "us_per_span": per_span * 1e6,
+            per_span = statistics.fmean((t - b) / spans for t, b in zip(traced, base))
+            row[exporter] = {"traced_ms": 1000 * statistics.fmean(traced), "us_per_span": per_span * 1e6,
                              "spans_per_s_per_core": 1 / per_span if per_span > 0 else float("inf")}
             cells.append(f"{row[exporter]['traced_ms']:9.2f} {per_span * 1e6:8.1f} "
                          f"{row[exporter]['spans_per_s_per_core']:8,.0f}")
-        gc_text = "/".join(f"{count:.1f}" for count in row["gc_collections_per_step"])
-        print(f"{depth:5d} {spans:5d} {row['untraced_ms']:11.2f} " + " ".join(cells) + f"  {gc_text}")
+        gc_text = "/".join(f"{count:.2f}" for count in row["gc_collections_per_step"])
+        print(f"{depth:5d} {spans:5d} {steps:5d} {row['untraced_ms']:11.2f} " + " ".join(cells) + f"  {gc_text}",
+              flush=True)
         rows[str(depth)] = row
     shallow, deep = rows[str(DEPTHS[0])], rows[str(DEPTHS[-1])]
+    if deep["spans_per_step"] != deepest:
+        print(f"(note: {deep['spans_per_step']} spans per step at depth {DEPTHS[-1]}, not {deepest}: blocks unequal)")
     ratios = {exporter: deep[exporter]["us_per_span"] / shallow[exporter]["us_per_span"]
               for exporter in DEPTH_EXPORTERS}
     print(f"per-span cost, depth {DEPTHS[-1]} / depth {DEPTHS[0]}: " + ", ".join(
@@ -1272,7 +1275,7 @@ def main(argv: list[str] | None = None) -> int:
             if "blackhole" in phases:
                 phase_black_hole(rx, rounds=3 if q else 6, steps_per_block=5, report=report)
             if "depth" in phases:
-                phase_depth(rounds=4 if q else 10, steps_per_block=11, report=report)
+                phase_depth(rounds=12 if q else 40, steps_per_block=11, report=report)
             if "scale" in phases:
                 phase_scale(rx, (8, 1024) if q else SCALE_WORLDS, rounds=4 if q else 8, steps_per_block=5,
                             report=report, passes=1 if q else 2)
