@@ -318,10 +318,11 @@ else:
     def encode_spans_json(spans: Sequence[Any]) -> dict | None:
         """One OTLP-JSON export request for ``spans``, as the SDK's file exporter writes it.
 
-        ``spans``: SDK ``ReadableSpan`` objects. Returns the dict whose ``json.dumps`` is
-        the SDK's line (``encode_spans(spans).to_dict()`` of
-        ``opentelemetry.exporter.otlp.json.common``), with the ``KeyValue`` dicts of
-        repeating attributes shared from a bounded memo; None when ``spans`` is empty.
+        ``spans``: SDK ``ReadableSpan`` objects. Returns the dict whose ``json.dumps`` with
+        ``separators=(",", ":")`` is the SDK's line (``encode_spans(spans).to_dict()`` of
+        ``opentelemetry.exporter.otlp.json.common``), None when ``spans`` is empty. The
+        ``KeyValue`` dicts of repeating attributes are shared from a bounded memo with other
+        results: serialize the result, do not change it.
 
         Raises:
             KeyError: a span kind the SDK does not know (as the SDK's encoder).
