@@ -76,6 +76,65 @@ def _memo_key(key: str, value: Any) -> tuple | None:
     return None
 
 
+def _memoized(attributes: Mapping[str, Any], memo: dict, encode: Any, encode_all: Any, inline: Any = None) -> list:
+    """The encoded ``attributes``: from ``memo`` where kept, else ``encode(key, value)`` (then kept).
+
+    ``inline(key, value)``: the encoding of a value not worth keeping, or None for ``encode``'s.
+    A value ``encode`` fails on goes through ``encode_all({key: value})``: the SDK's own path,
+    which logs the failure and leaves the attribute out.
+    """
+    encoded = []
+    for key, value in attributes.items():
+        memo_key = _memo_key(key, value)
+        if memo_key is not None:
+            entry = memo.get(memo_key)
+            if entry is not None:
+                encoded.append(entry)
+                continue
+        elif inline is not None:
+            entry = inline(key, value)
+            if entry is not None:
+                encoded.append(entry)
+                continue
+        try:
+            entry = encode(key, value)
+        except Exception:
+            encoded.extend(encode_all({key: value}))
+            continue
+        if memo_key is not None:
+            if len(memo) >= MEMO_ENTRIES:
+                memo.clear()
+            memo[memo_key] = entry
+        encoded.append(entry)
+    return encoded
+
+
+def _grouped(spans: Sequence[Any], encode: Any) -> dict[Any, dict[Any, list]]:
+    """``{resource: {scope: [encode(span), ...]}}``, both in order of first appearance, as the SDK groups.
+
+    Resources are looked up by identity first: the SDK's per-span hash of a Resource dumps all
+    its attributes to JSON. Equal resources still share one group (the first one's object).
+    """
+    by_id: dict[int, dict] = {}
+    by_resource: dict[Any, dict] = {}
+    for span in spans:
+        resource = span.resource
+        scopes = by_id.get(id(resource))
+        if scopes is None:
+            scopes = by_resource.get(resource)
+            if scopes is None:
+                scopes = by_resource[resource] = {}
+            by_id[id(resource)] = scopes
+        scope = span.instrumentation_scope or None
+        encoded = encode(span)
+        group = scopes.get(scope)
+        if group is None:
+            scopes[scope] = [encoded]
+        else:
+            group.append(encoded)
+    return by_resource
+
+
 try:
     from opentelemetry.exporter.otlp.proto.common._internal import (
         _encode_attributes,
@@ -105,29 +164,7 @@ else:
 
         Shared messages are safe: a repeated message field copies what it is given.
         """
-        if not attributes:
-            return []
-        memo = _memo
-        encoded = []
-        for key, value in attributes.items():
-            memo_key = _memo_key(key, value)
-            if memo_key is not None:
-                message = memo.get(memo_key)
-                if message is not None:
-                    encoded.append(message)
-                    continue
-            try:
-                message = _encode_key_value(key, value)
-            except Exception:
-                # The SDK's own path: it logs the failure and leaves the attribute out.
-                encoded.extend(_encode_attributes({key: value}))
-                continue
-            if memo_key is not None:
-                if len(memo) >= MEMO_ENTRIES:
-                    memo.clear()
-                memo[memo_key] = message
-            encoded.append(message)
-        return encoded
+        return _memoized(attributes, _memo, _encode_key_value, _encode_attributes) if attributes else []
 
     def _span(span: Any) -> PBSpan:
         context = span.get_span_context()
@@ -176,25 +213,7 @@ else:
             KeyError: a span kind the SDK does not know (as the SDK's encoder).
             ValueError, TypeError: a span field protobuf rejects (as the SDK's encoder).
         """
-        # Resources are looked up by identity first: the SDK's per-span hash of a Resource
-        # dumps all its attributes to JSON. Equal resources still share one group.
-        by_id: dict[int, dict] = {}
-        by_resource: dict[Any, dict] = {}
-        for span in spans:
-            resource = span.resource
-            scopes = by_id.get(id(resource))
-            if scopes is None:
-                scopes = by_resource.get(resource)
-                if scopes is None:
-                    scopes = by_resource[resource] = {}
-                by_id[id(resource)] = scopes
-            scope = span.instrumentation_scope or None
-            encoded = _span(span)
-            group = scopes.get(scope)
-            if group is None:
-                scopes[scope] = [encoded]
-            else:
-                group.append(encoded)
+        by_resource = _grouped(spans, _span)
         return ExportTraceServiceRequest(resource_spans=[
             ResourceSpans(
                 resource=_encode_resource(resource),
@@ -226,37 +245,30 @@ except (ImportError, AttributeError):  # another exporter version: the SDK's own
 else:
     _json_memo: dict[tuple, dict] = {}
 
-    def _json_attribute_list(attributes: Mapping[str, Any] | None) -> list:
+    def _json_key_value_dict(key: str, value: Any) -> dict:
+        return _json_key_value(key, value).to_dict()
+
+    def _json_attribute_dicts(attributes: Mapping[str, Any]) -> list:
+        return [key_value.to_dict() for key_value in _json_attributes(attributes)]
+
+    def _json_inline(key: str, value: Any) -> dict | None:
+        """Long strings (an FQN deep in a model) and floats (durations), built as ``AnyValue.to_dict()``
+        does; None for other values."""
+        kind = type(value)
+        if kind is str:
+            inner = {"stringValue": value}
+        elif kind is float:
+            inner = {"doubleValue": _json_float(value)}
+        else:
+            return None
+        return {"key": key, "value": inner} if key else {"value": inner}
+
+    def _json_attribute_list(attributes: Mapping[str, Any]) -> list:
         """The OTLP-JSON ``KeyValue`` dicts of ``attributes``, shared with earlier calls where memoized.
 
         Shared dicts are safe: the file exporter only dumps them.
         """
-        memo = _json_memo
-        encoded = []
-        for key, value in attributes.items():
-            memo_key = _memo_key(key, value)
-            if memo_key is not None:
-                entry = memo.get(memo_key)
-                if entry is not None:
-                    encoded.append(entry)
-                    continue
-            elif type(value) is str or type(value) is float:
-                # Long strings (an FQN deep in a model) and durations: built as AnyValue.to_dict() does.
-                inner = {"stringValue": value} if type(value) is str else {"doubleValue": _json_float(value)}
-                encoded.append({"key": key, "value": inner} if key else {"value": inner})
-                continue
-            try:
-                entry = _json_key_value(key, value).to_dict()
-            except Exception:
-                # The SDK's own path: it logs the failure and leaves the attribute out.
-                encoded.extend(kv.to_dict() for kv in _json_attributes({key: value}))
-                continue
-            if memo_key is not None:
-                if len(memo) >= MEMO_ENTRIES:
-                    memo.clear()
-                memo[memo_key] = entry
-            encoded.append(entry)
-        return encoded
+        return _memoized(attributes, _json_memo, _json_key_value_dict, _json_attribute_dicts, _json_inline)
 
     _status_memo: dict[tuple, dict] = {}
 
@@ -329,23 +341,7 @@ else:
         """
         if not spans:
             return None
-        by_id: dict[int, dict] = {}
-        by_resource: dict[Any, dict] = {}
-        for span in spans:
-            resource = span.resource
-            scopes = by_id.get(id(resource))
-            if scopes is None:
-                scopes = by_resource.get(resource)
-                if scopes is None:
-                    scopes = by_resource[resource] = {}
-                by_id[id(resource)] = scopes
-            scope = span.instrumentation_scope or None
-            encoded = _json_span_dict(span)
-            group = scopes.get(scope)
-            if group is None:
-                scopes[scope] = [encoded]
-            else:
-                group.append(encoded)
+        by_resource = _grouped(spans, _json_span_dict)
         resource_spans = []
         for resource, scopes in by_resource.items():
             # The SDK's resource and scope messages are always set (empty ones too): always written.
