@@ -61,6 +61,8 @@ def _memo_key(key: str, value: Any) -> tuple | None:
     The value's exact type is part of the key: ``True == 1 == 1.0`` with one hash in
     Python, but each encodes differently.
     """
+    if type(key) is not str:  # 1, True and 1.0 are one dict key, but each encodes differently
+        return None
     kind = type(value)
     if kind in _SCALARS:
         if (kind is str or kind is bytes) and len(value) > _MEMO_MAX_CHARS:
@@ -318,7 +320,11 @@ else:
                     entry["droppedAttributesCount"] = event.dropped_attributes
                 events.append(entry)
             encoded["events"] = events
-        status_key = (status.status_code, status.description)
+        description = status.description
+        if description is not None and type(description) is not str:  # the SDK keeps a falsy one as given
+            encoded["status"] = _json_status(status).to_dict()
+            return encoded
+        status_key = (status.status_code, description)
         status_dict = _status_memo.get(status_key)
         if status_dict is None:
             status_dict = _json_status(status).to_dict()
@@ -333,8 +339,8 @@ else:
         ``spans``: SDK ``ReadableSpan`` objects. Returns the dict whose ``json.dumps`` with
         ``separators=(",", ":")`` is the SDK's line (``encode_spans(spans).to_dict()`` of
         ``opentelemetry.exporter.otlp.json.common``), None when ``spans`` is empty. The
-        ``KeyValue`` dicts of repeating attributes are shared from a bounded memo with other
-        results: serialize the result, do not change it.
+        ``KeyValue`` dicts of repeating attributes and the ``status`` dicts are shared from
+        bounded memos with other results: serialize the result, do not change it.
 
         Raises:
             KeyError: a span kind the SDK does not know (as the SDK's encoder).
