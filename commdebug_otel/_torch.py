@@ -30,6 +30,16 @@ def in_backward() -> bool:
     return graph_task_id() != -1
 
 
+def in_compiled_autograd() -> bool:
+    """Whether compiled autograd's backward graph is running now (``torch._dynamo.compiled_autograd``).
+
+    Its module calls and tensor-hook calls are the compiled backward's own (a ``GraphModule``,
+    the hooks it captured), not the model's; it is never imported here.
+    """
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    return module is not None and getattr(module, "in_compiled_autograd_region", False) is True
+
+
 def queue_engine_callback(callback: Any) -> None:
     """Run ``callback()`` when the running backward pass ends (the engine's final callbacks)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)

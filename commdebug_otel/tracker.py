@@ -23,7 +23,9 @@
   first named, because its hooks run inside the compiled code. Hooks traced
   into compiled code return at once (``torch.compiler.is_compiling()``), so
   they add nothing to the graph; modules inside a compiled call get no spans,
-  even where a graph break runs them eagerly.
+  even where a graph break runs them eagerly. Under compiled autograd the
+  backward is one compiled graph: its module and tensor hooks return at once
+  (the forward keeps its spans; the backward passes get none).
 * On a step that records no module passes (untraced, no module label in the
   metrics), only the outermost call matters (the pass label of its
   collectives): the global hooks are removed for its duration, so the modules
@@ -49,6 +51,7 @@ from . import semconv
 from ._torch import (
     compiled_call,
     compiled_original,
+    in_compiled_autograd,
     keep_forward_hook_last,
     remove_global_forward_hook,
     rewrites_keyword_inputs,
@@ -168,8 +171,8 @@ class ModuleTracker:
 
     # The hooks. Each one swallows its own failure: training must never see it.
     def _pre_hook(self, module: torch.nn.Module, args: tuple) -> None:
-        if is_compiling():
-            return  # traced into compiled code: nothing of ours goes into the graph
+        if _compiled():
+            return
         recorder = self._recorder
         if not recorder.active:
             return
@@ -291,7 +294,7 @@ class ModuleTracker:
         (which the global pre-hook does not see) are known here: an output that
         passes one through is not hooked either.
         """
-        if is_compiling():
+        if _compiled():
             return
         recorder = self._recorder
         if not recorder.active or not self._calls:
@@ -334,7 +337,7 @@ class ModuleTracker:
                     run_tensor_hook_first(tensor, handle)
 
     def _post_hook(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        if not is_compiling():
+        if not _compiled():
             self._end(module, output)
 
     def _end(self, module: torch.nn.Module, output: Any, in_place_compiled: bool = False) -> None:
@@ -364,6 +367,12 @@ class ModuleTracker:
                 record.hooked_outputs = record.input_edges = _EMPTY
         except Exception as error:
             recorder.hook_failed("module forward hook", error)
+
+
+def _compiled() -> bool:
+    """Whether a hook runs inside compiled code: traced by dynamo (nothing of ours may go into a graph)
+    or compiled autograd's backward graph running (its modules and hooks are its own, not the model's)."""
+    return is_compiling() or in_compiled_autograd()
 
 
 def _inert_hook(*_args: Any) -> None:
@@ -410,7 +419,7 @@ class _CompiledCall:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         tracker, module = self.tracker, self.module()
-        if is_compiling() or tracker._suspended or not tracker._recorder.active or module is None:
+        if _compiled() or tracker._suspended or not tracker._recorder.active or module is None:
             return self.call(*args, **kwargs)
         return tracker._run_compiled(module, self.call, args, kwargs)
 
@@ -425,7 +434,7 @@ class _BackwardBegan:
         self.recorder = recorder
 
     def __call__(self, record: Record) -> None:
-        if not self.recorder.active:
+        if _compiled() or not self.recorder.active:
             return
         try:
             self.recorder.backward_began(record)
@@ -442,7 +451,7 @@ class _BackwardEnd:
         self.recorder, self.record = recorder, record
 
     def __call__(self, _grads: Any) -> None:
-        if not self.recorder.active:
+        if _compiled() or not self.recorder.active:
             return
         try:
             self.recorder.backward_ended(self.record)

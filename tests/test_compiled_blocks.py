@@ -415,3 +415,42 @@ def test_collectives_of_compiled_dtensor_code_keep_the_why_seen_when_it_was_trac
     step = [("MlpNet.layers.0 forward", "all_reduce", row), ("MlpNet.layers.1 forward", "all_reduce", row),
             ("MlpNet.layers.1 backward", "all_reduce", col), ("MlpNet.layers.0 backward", "all_reduce", col)]
     assert run_ranks(_why_in_compiled_blocks, 2, backend) == [step * 2, step * 2]
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_compiled_autograd_trains_as_untraced_with_forward_spans_only(telemetry, tracer_factory, fullgraph, caplog):
+    """Compiled autograd (torchtitan's ``enable_compiled_autograd``) runs the backward as one compiled graph,
+    which dynamo traces with the tensor hooks it captured: ours return at once there, as the module hooks of
+    its graph module do. With fullgraph our hooks used to raise dynamo's ``Unsupported`` into backward()."""
+    def run(traced):
+        torch.manual_seed(0)
+        model = Net()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        compiler = torch.compile(backend="eager", fullgraph=fullgraph)
+        tracer = tracer_factory() if traced else None
+        if tracer is not None:
+            tracer.start()
+        try:
+            for _ in range(2):
+                loss = model(torch.ones(1, 4, requires_grad=True)).sum()
+                with torch._dynamo.compiled_autograd._enable(compiler):
+                    loss.backward()
+                optimizer.step()
+        finally:
+            if tracer is not None:
+                tracer.stop()
+        return [parameter.detach().clone() for parameter in model.parameters()]
+
+    expected = run(traced=False)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    caplog.clear()
+    got = run(traced=True)
+    assert not [record.getMessage() for record in caplog.records if record.name.startswith("commdebug_otel")]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    forward = [(0, "train_step"), (1, "Net forward"), (2, "Net.layers.0 forward"), (3, "Net.layers.0.a forward"),
+               (3, "Net.layers.0.act forward"), (3, "Net.layers.0.b forward"), (3, "Net.layers.0.act forward"),
+               *EAGER_LAYER_1]
+    assert telemetry.tree() == forward * 2
+    assert "graph_break" not in torch._dynamo.utils.counters
+    assert torch._dynamo.utils.counters["compiled_autograd"]["captures"] == 2
