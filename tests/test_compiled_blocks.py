@@ -419,9 +419,10 @@ def test_collectives_of_compiled_dtensor_code_keep_the_why_seen_when_it_was_trac
 
 @pytest.mark.parametrize("fullgraph", [False, True])
 def test_compiled_autograd_trains_as_untraced_with_forward_spans_only(telemetry, tracer_factory, fullgraph, caplog):
-    """Compiled autograd (torchtitan's ``experimental.enable_compiled_autograd``) runs the backward as one compiled graph,
-    which dynamo traces with the tensor hooks it captured: ours return at once there, as the module hooks of
-    its graph module do. With fullgraph our hooks used to raise dynamo's ``Unsupported`` into backward()."""
+    """Compiled autograd (torchtitan's ``experimental.enable_compiled_autograd``) runs the backward as one
+    compiled graph, which dynamo traces with the tensor hooks it captured: ours return at once there, as the
+    module hooks of its graph module do. With fullgraph our hooks used to raise dynamo's ``Unsupported`` into
+    backward()."""
     def run(traced):
         torch.manual_seed(0)
         model = Net()
