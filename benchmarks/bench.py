@@ -442,17 +442,16 @@ def _empty_mode_block() -> Block:
 
 
 def _run_interleaved(job: Job, blocks: dict[str, Block], rounds: int, steps_per_block: int,
-                     warmup_blocks: int, rotation: int = 0) -> dict[str, list[list[float]]]:
+                     warmup_blocks: int) -> dict[str, list[list[float]]]:
     """Round-robin: each round runs a block of every config (order rotated per round).
 
     The first step of every block is discarded (hooks re-registered after start()); so are
-    the ``warmup_blocks`` first rounds. ``rotation``: where the rotation starts (a caller
-    running one round at a time). Returns ``{config: [[step s, ...] per round]}``.
+    the ``warmup_blocks`` first rounds. Returns ``{config: [[step s, ...] per round]}``.
     """
     names = list(blocks)
     times: dict[str, list[list[float]]] = {name: [] for name in names}
     for round_index in range(warmup_blocks + rounds):
-        shift = (round_index + rotation) % len(names)
+        shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
             block = blocks[name]
             first_env = getattr(block, "first_env", None)
