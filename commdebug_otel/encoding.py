@@ -273,7 +273,7 @@ else:
         """
         return _memoized(attributes, _json_memo, _json_key_value_dict, _json_attribute_dicts, _json_inline)
 
-    _status_memo: dict[tuple, dict] = {}
+    _status_memo: dict[Any, dict] = {}
 
     def _json_span_dict(span: Any) -> dict:
         """``span`` as the SDK's ``Span.to_dict()`` gives it (its own code where a field is rare)."""
@@ -321,16 +321,12 @@ else:
                     entry["droppedAttributesCount"] = event.dropped_attributes
                 events.append(entry)
             encoded["events"] = events
-        description = status.description
-        if description is not None and type(description) is not str:  # the SDK keeps a falsy one as given
-            encoded["status"] = _json_status(status).to_dict()
-            return encoded
-        status_key = (status.status_code, description)
-        status_dict = _status_memo.get(status_key)
-        if status_dict is None:
+        if status.description is None:  # the usual: one shared dict per status code
+            status_dict = _status_memo.get(status.status_code)
+            if status_dict is None:
+                status_dict = _status_memo[status.status_code] = _json_status(status).to_dict()
+        else:
             status_dict = _json_status(status).to_dict()
-            if len(_status_memo) < 16:
-                _status_memo[status_key] = status_dict
         encoded["status"] = status_dict
         return encoded
 
