@@ -417,24 +417,25 @@ def test_collectives_of_compiled_dtensor_code_keep_the_why_seen_when_it_was_trac
     assert run_ranks(_why_in_compiled_blocks, 2, backend) == [step * 2, step * 2]
 
 
-@pytest.mark.parametrize("fullgraph", [False, True])
-def test_compiled_autograd_trains_as_untraced_with_forward_spans_only(telemetry, tracer_factory, fullgraph, caplog):
+@pytest.mark.parametrize("compiler", ["dynamo", "dynamo fullgraph", "graph run as is"])
+def test_compiled_autograd_trains_as_untraced_with_forward_spans_only(telemetry, tracer_factory, compiler, caplog):
     """Compiled autograd (torchtitan's ``experimental.enable_compiled_autograd``) runs the backward as one
-    compiled graph, which dynamo traces with the tensor hooks it captured: ours return at once there, as the
-    module hooks of its graph module do. With fullgraph our hooks used to raise dynamo's ``Unsupported`` into
-    backward()."""
+    compiled graph, which dynamo traces with the tensor hooks it captured (or which runs them eagerly, given a
+    compiler that returns the graph as is): ours return at once there, as the module hooks of its graph module
+    do. With fullgraph our hooks used to raise dynamo's ``Unsupported`` into backward()."""
     def run(traced):
         torch.manual_seed(0)
         model = Net()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        compiler = torch.compile(backend="eager", fullgraph=fullgraph)
+        compile_graph = (torch.compile(backend="eager", fullgraph=compiler == "dynamo fullgraph")
+                         if compiler.startswith("dynamo") else (lambda graph: graph))
         tracer = tracer_factory() if traced else None
         if tracer is not None:
             tracer.start()
         try:
             for _ in range(2):
                 loss = model(torch.ones(1, 4, requires_grad=True)).sum()
-                with torch._dynamo.compiled_autograd._enable(compiler):
+                with torch._dynamo.compiled_autograd._enable(compile_graph):
                     loss.backward()
                 optimizer.step()
         finally:
