@@ -229,9 +229,20 @@ class SizedSpanExporter(SpanExporter):
             cached = self._framing = (resource, scope, size)
         return cached[2]
 
-    def _chunks(self, spans: Sequence[ReadableSpan]) -> list[list[ReadableSpan]]:
+    def _chunks(self, spans: Sequence[ReadableSpan]) -> list[Sequence[ReadableSpan]]:
+        if not spans:
+            return []
         if self._max_request_bytes is None:
-            return [list(spans)] if spans else []
+            return [spans]
+        # Our gRPC encoder encodes the whole batch once and the export sends that encoding: its exact
+        # size settles the common case (one request) for less than bounding every span's attributes.
+        request_bytes = getattr(self._inner, "request_bytes", None)
+        if request_bytes is not None:
+            try:
+                if request_bytes(spans) <= self._max_request_bytes:
+                    return [spans]
+            except Exception:  # a value the encoder cannot take: per span, as for any exporter
+                pass
         chunks: list[list[ReadableSpan]] = [[]]
         size = 0
         for span in spans:

@@ -112,13 +112,30 @@ def _memoized_encoding(exporter: type) -> type:
 
     The SDK's gRPC exporter builds each request with ``self._translate_data(spans)``, its
     seam for this. The HTTP exporter calls its module's ``encode_spans`` inside ``export()``
-    and has no such seam, so it keeps the SDK's encoding.
+    and has no such seam, so it keeps the SDK's encoding. ``request_bytes`` lets
+    ``SizedSpanExporter`` size a batch by encoding it, once: the export sends that encoding.
     """
-    from .encoding import encode_spans
+    from . import encoding
 
     class MemoizedSpanExporter(exporter):
+        _encoded: tuple[Any, Any] | None = None  # (spans, request) of the batch request_bytes sized
+
+        def request_bytes(self, spans: Any) -> int:
+            """The exact size of ``spans``' request, in bytes; an :meth:`export` of that same sequence
+            next sends this encoding instead of making another (``SizedSpanExporter`` sizes every batch)."""
+            request = encoding.encode_spans(spans)
+            self._encoded = (spans, request)
+            return request.ByteSize()
+
         def _translate_data(self, data: Any) -> Any:
-            return encode_spans(data)
+            encoded = self._encoded
+            return encoded[1] if encoded is not None and encoded[0] is data else encoding.encode_spans(data)
+
+        def export(self, spans: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return super().export(spans, *args, **kwargs)
+            finally:
+                self._encoded = None  # retries are over: the request is not kept past its export
 
     MemoizedSpanExporter.__qualname__ = MemoizedSpanExporter.__name__ = f"Memoized{exporter.__name__}"
     return MemoizedSpanExporter

@@ -241,3 +241,21 @@ def test_an_injected_provider_gets_spans_whatever_the_exporter_variable(monkeypa
     assert sorted(span.name for span in memory.spans()) == sorted([
         "train_step", "Sequential forward", "Sequential.0 forward", "Sequential.1 forward",
         "Sequential backward", "Sequential.0 backward", "Sequential.1 backward"])
+
+
+def test_direct_path_keeps_attributes_as_bounded_attributes_does():
+    """``_plain`` against the SDK's own ``BoundedAttributes`` on every kind of value it accepts."""
+    from opentelemetry.attributes import BoundedAttributes
+
+    from commdebug_otel.spans import _plain
+
+    values = {"short": "abc", "long": "x" * 20, "int": 3, "float": 0.5, "bool": True, "empty": [],
+              "strings": ["ab", "y" * 15, "c"], "one long": ("z" * 30,), "kept": ("a", "b"), "ints": [1, 2, 3],
+              "floats": (0.1, 0.2), "bools": [True, False]}
+    ours = _plain(dict(values), 12, 128)
+    assert ours == dict(BoundedAttributes(128, values, max_value_len=12))
+    assert all(type(value) in (str, int, float, bool, tuple) for value in ours.values())
+    assert _plain(dict(values), None, None) == dict(BoundedAttributes(None, values))
+    for unplain in ([1, "a"], [1, True], [None], {"a": 1}, None, b"bytes", [[1]]):
+        assert _plain({"key": unplain}, 12, 128) is None, unplain  # the SDK's path converts or drops it
+    assert _plain({"a": 1, "b": 2}, 12, 1) is None  # over the count limit: the SDK's path drops and counts

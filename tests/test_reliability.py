@@ -224,6 +224,47 @@ def test_cardinality_overflow_is_counted_and_said_once(caplog):
     assert len([r for r in caplog.records if "cardinality limit" in r.getMessage()]) == 1
 
 
+def test_grpc_batches_are_encoded_once_sized_exactly_and_split_when_over(monkeypatch):
+    """The gRPC exporter's batch is encoded once to be sized, and that encoding is sent; a batch over
+    the request limit is split by the per-span bounds, every span delivered."""
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from commdebug_otel import encoding
+    from commdebug_otel.export_guard import SizedSpanExporter
+    from commdebug_otel.telemetry import _memoized_encoding
+
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracer = provider.get_tracer("encode-once")
+    for index in range(40):
+        with tracer.start_as_current_span(f"span {index}", attributes={"payload": "x" * 1000, "index": index}):
+            pass
+    spans = list(memory.get_finished_spans())
+    encoded, real = [], encoding.encode_spans
+    monkeypatch.setattr(encoding, "encode_spans", lambda batch: encoded.append(len(batch)) or real(batch))
+    whole = real(spans).ByteSize()
+    for limit in (whole, whole // 3):
+        encoded.clear()
+        with OtlpReceiver() as receiver:
+            inner = _memoized_encoding(OTLPSpanExporter)(endpoint=receiver.grpc_endpoint, insecure=True)
+            guard = SizedSpanExporter(inner, receiver.grpc_endpoint, lambda kind, n: None, max_request_bytes=limit)
+            assert guard.export(spans) is SpanExportResult.SUCCESS
+            sizes = [request.size_bytes for request in receiver.requests("traces")]
+            names = [span["name"] for span in receiver.spans()]
+            inner.shutdown()
+        assert names == [f"span {index}" for index in range(40)]
+        assert max(sizes) <= limit
+        if limit == whole:
+            assert encoded == [40] and sizes == [whole]  # sized and sent from one encoding
+        else:  # the whole batch, then each request once (bounds are generous: a few more requests than 3)
+            assert len(sizes) > 3 and encoded[0] == 40 and sum(encoded[1:]) == 40 and len(encoded) == 1 + len(sizes)
+    assert inner._encoded is None  # no request kept after its export
+
+
 def test_span_size_bound_is_never_below_the_encoded_size():
     """The guard sizes requests without encoding; its bound must hold for every value type."""
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
