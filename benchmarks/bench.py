@@ -673,6 +673,22 @@ def _rss_bytes() -> int:
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _trim_heap() -> bool:
+    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``); False where there is none.
+
+    Memory freed but kept by the allocator is no leak, and it moves RSS by several MiB either way
+    from one sample to the next (docs/performance.md, History 11 and 18).
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        return False
+    return True
+
+
 def memory_and_rate_worker(rank: int, world_size: int, steps: int, warmup: int, rate_steps: int,
                            log_path: str) -> dict[str, Any]:
     """Part 1: RSS over ``steps`` traced steps. Part 2: an export-heavy run at detail all."""
@@ -685,7 +701,7 @@ def memory_and_rate_worker(rank: int, world_size: int, steps: int, warmup: int, 
     job = Job("tp")
     out: dict[str, Any] = {}
     tracer = _tracer({"trace_every": 1}, "rss")
-    samples = []
+    samples, untrimmed = [], []
     os.environ["OTEL_SERVICE_NAME"] = "rss"
     started = time.time()
     with tracer:
@@ -693,8 +709,10 @@ def memory_and_rate_worker(rank: int, world_size: int, steps: int, warmup: int, 
             job.step()
             if index % 100 == 0 or index == warmup:
                 gc.collect()
+                untrimmed.append((index, _rss_bytes()))
+                out["heap_trimmed"] = _trim_heap()
                 samples.append((index, _rss_bytes()))
-    out["rss"] = samples
+    out["rss"], out["rss_untrimmed"] = samples, untrimmed
     out["rss_wall_s"] = time.time() - started
     out["rss_steps_traced"] = tracer.recorder.steps_taken
 
@@ -909,15 +927,23 @@ def phase_memory_and_rate(rx, steps: int, warmup: int, rate_steps: int, report: 
     began = time.perf_counter()
     results = run_ranks(memory_and_rate_worker, 2, child_env(rx.grpc_endpoint), steps=steps,
                         warmup=warmup, rate_steps=rate_steps)
-    samples = dict(results[0]["rss"])
-    endpoints_mb = (samples[steps] - samples[warmup]) / 2**20
-    # The allocator moves RSS by several MiB either way from one sample to the next; a leak
-    # is a trend: the least-squares slope over every sample from the warm-up on.
-    fitted = sorted((index, value) for index, value in samples.items() if index >= warmup)
-    slope = statistics.linear_regression([i for i, _ in fitted], [v for _, v in fitted]).slope
-    growth_mb = slope * (steps - warmup) / 2**20
-    trend = ", ".join(f"{index}: {value / 2**20:.1f}" for index, value in sorted(samples.items()))
-    print(f"RSS MiB by step: {trend}")
+    def growth(series: list) -> tuple[float, float, str]:
+        """MiB from the warm-up on: the fitted trend and last minus first; and the samples as text."""
+        samples = dict(series)
+        # The allocator moves RSS by several MiB either way from one sample to the next; a leak
+        # is a trend: the least-squares slope over every sample from the warm-up on.
+        fitted = sorted((index, value) for index, value in samples.items() if index >= warmup)
+        slope = statistics.linear_regression([i for i, _ in fitted], [v for _, v in fitted]).slope
+        text = ", ".join(f"{index}: {value / 2**20:.1f}" for index, value in sorted(samples.items()))
+        return slope * (steps - warmup) / 2**20, (samples[steps] - samples[warmup]) / 2**20, text
+
+    trimmed = results[0].get("heap_trimmed", False)
+    growth_mb, endpoints_mb, trend = growth(results[0]["rss"])
+    raw_growth_mb, raw_endpoints_mb, raw_trend = growth(results[0]["rss_untrimmed"])
+    print(f"RSS MiB by step{' (after malloc_trim)' if trimmed else ''}: {trend}")
+    if trimmed:
+        print(f"before malloc_trim: {raw_trend} (trend {raw_growth_mb:+.2f} MiB, last minus first "
+              f"{raw_endpoints_mb:+.2f} MiB)")
     print(f"RSS growth step {warmup} -> {steps}: {growth_mb:+.2f} MiB by the fitted trend "
           f"(last sample minus first: {endpoints_mb:+.2f} MiB) "
           f"({results[0]['rss_wall_s']:.1f} s, {steps / results[0]['rss_wall_s']:.1f} steps/s)")
@@ -938,8 +964,10 @@ def phase_memory_and_rate(rx, steps: int, warmup: int, rate_steps: int, report: 
           f"{rss_rate:,.0f} events/s)")
     print(f"({time.perf_counter() - began:.0f} s)", flush=True)
     report["rss"] = {"steps": steps, "warmup": warmup, "growth_mib": growth_mb,
-                     "endpoints_mib": endpoints_mb,
-                     "samples_mib": {k: v / 2**20 for k, v in sorted(samples.items())},
+                     "endpoints_mib": endpoints_mb, "heap_trimmed": trimmed,
+                     "samples_mib": {k: v / 2**20 for k, v in results[0]["rss"]},
+                     "untrimmed": {"growth_mib": raw_growth_mb, "endpoints_mib": raw_endpoints_mb,
+                                   "samples_mib": {k: v / 2**20 for k, v in results[0]["rss_untrimmed"]}},
                      "steps_per_s": steps / results[0]["rss_wall_s"],
                      "events": rss["events"], "spans": rss["spans"]}
     report["event_rate"] = {"events": events["events"], "spans": events["spans"],
@@ -1312,8 +1340,9 @@ def print_targets(report: dict[str, Any]) -> None:
                           f"mean {always['mean_ratio']:.3f}x)", always["median"] <= TARGET_ALWAYS_ON))
     if "rss" in report:
         rss = report["rss"]
+        trimmed = ", heap trimmed" if rss.get("heap_trimmed") else ""
         lines.append((f"RSS growth step {rss['warmup']} -> {rss['steps']} <= {TARGET_RSS_MB:.0f} MB",
-                      f"{rss['growth_mib'] * 2**20 / 1e6:+.2f} MB (fitted trend; endpoints "
+                      f"{rss['growth_mib'] * 2**20 / 1e6:+.2f} MB (fitted trend{trimmed}; endpoints "
                       f"{rss['endpoints_mib'] * 2**20 / 1e6:+.2f} MB)", rss["growth_mib"] * 2**20 / 1e6
                       <= TARGET_RSS_MB))
     if "black_hole" in report:
