@@ -33,11 +33,16 @@ and :func:`encode_spans_json` the SDK's dict.
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Mapping, Sequence
+from json.encoder import encode_basestring_ascii as _json_string  # what json.dumps writes for a str
 from typing import Any
 
 __all__ = ["MEMO_ENTRIES", "encode_spans", "encode_spans_json"]
 
+# The file exporters' separators: json.dumps(request, separators=(",", ":")) is the SDK's line.
+_dumps = functools.partial(json.dumps, separators=(",", ":"))
 # Most encoded attribute messages kept. A training job repeats a few hundred (key, value)
 # pairs; when the memo is full it is emptied and refilled with what still repeats.
 MEMO_ENTRIES = 4096
@@ -61,7 +66,8 @@ def _memo_key(key: str, value: Any) -> tuple | None:
     """The memo key of one attribute, or None when its value is not worth keeping.
 
     The value's exact type is part of the key: ``True == 1 == 1.0`` with one hash in
-    Python, but each encodes differently.
+    Python, but each encodes differently. A string value (most are) is keyed ``(key, value)``
+    in :func:`_memoized` itself: no other value equals a ``str``, and no other key has two items.
     """
     if type(key) is not str:  # 1, True and 1.0 are one dict key, but each encodes differently
         return None
@@ -89,7 +95,10 @@ def _memoized(attributes: Mapping[str, Any], memo: dict, encode: Any, encode_all
     """
     encoded = []
     for key, value in attributes.items():
-        memo_key = _memo_key(key, value)
+        if type(value) is str and type(key) is str and len(value) <= _MEMO_MAX_CHARS:
+            memo_key: tuple | None = (key, value)
+        else:
+            memo_key = _memo_key(key, value)
         if memo_key is not None:
             entry = memo.get(memo_key)
             if entry is not None:
@@ -312,124 +321,135 @@ try:
     _JSON_KINDS, _json_span = _json_trace._SPAN_KIND_MAP, _json_trace._encode_span
     _json_status, _json_flags = _json_trace._encode_status, _json_trace._span_flags
 except (ImportError, AttributeError):  # another exporter version: the SDK's own dict
-    def encode_spans_json(spans: Sequence[Any]) -> dict | None:
-        """The SDK's OTLP-JSON export request for ``spans`` as a dict (None when there are none)."""
+    def encode_spans_json(spans: Sequence[Any]) -> str | None:
+        """The SDK file exporter's OTLP-JSON line for ``spans``, without its newline (None when there are none)."""
         from opentelemetry.exporter.otlp.json.common.trace_encoder import encode_spans as sdk
 
         data = sdk(spans)
-        return data.to_dict() if data.resource_spans else None
+        return _dumps(data.to_dict()) if data.resource_spans else None
 else:
-    _json_memo: dict[tuple, dict] = {}
+    _json_memo: dict[tuple, str] = {}  # KeyValue texts
+    # Long strings (an FQN deep in a model, 1,800 characters at 300 levels) repeat step after step too:
+    # their escaped text is kept apart, up to this many characters in all (then emptied).
+    _LONG_TEXT_CHARS = 4 * 2**20
+    _long_texts: dict[str, str] = {}
+    _long_chars = 0
+    _status_texts: dict[Any, str] = {}
 
-    def _json_key_value_dict(key: str, value: Any) -> dict:
-        return _json_key_value(key, value).to_dict()
+    def _escaped(text: str) -> str:
+        """``json.dumps(text)``; long strings from their memo."""
+        global _long_chars
+        if len(text) <= _MEMO_MAX_CHARS or type(text) is not str:
+            return _json_string(text)
+        escaped = _long_texts.get(text)
+        if escaped is None:
+            escaped = _json_string(text)
+            if _long_chars + len(escaped) > _LONG_TEXT_CHARS:
+                _long_texts.clear()
+                _long_chars = 0
+            _long_texts[text] = escaped
+            _long_chars += len(escaped)
+        return escaped
 
-    def _json_attribute_dicts(attributes: Mapping[str, Any]) -> list:
-        return [key_value.to_dict() for key_value in _json_attributes(attributes)]
+    def _json_key_value_text(key: str, value: Any) -> str:
+        return _dumps(_json_key_value(key, value).to_dict())
 
-    def _json_inline(key: str, value: Any) -> dict | None:
-        """Long strings (an FQN deep in a model) and floats (durations), built as ``AnyValue.to_dict()``
-        does; None for other values."""
+    def _json_attribute_texts(attributes: Mapping[str, Any]) -> list:
+        return [_dumps(key_value.to_dict()) for key_value in _json_attributes(attributes)]
+
+    def _json_inline(key: str, value: Any) -> str | None:
+        """Long strings and floats (durations), as ``KeyValue.to_dict()`` gives them; None for other values."""
         kind = type(value)
-        if kind is str:
-            inner = {"stringValue": value}
-        elif kind is float:
-            inner = {"doubleValue": _json_float(value)}
-        else:
+        if type(key) is not str or (kind is not str and kind is not float):
             return None
-        return {"key": key, "value": inner} if key else {"value": inner}
+        inner = '{"stringValue":' + _escaped(value) + "}" if kind is str else \
+            '{"doubleValue":' + _dumps(_json_float(value)) + "}"
+        return '{"key":' + _escaped(key) + ',"value":' + inner + "}" if key else '{"value":' + inner + "}"
 
-    def _json_attribute_list(attributes: Mapping[str, Any]) -> list:
-        """The OTLP-JSON ``KeyValue`` dicts of ``attributes``, shared with earlier calls where memoized.
+    def _json_attribute_list(attributes: Mapping[str, Any]) -> str:
+        """``attributes`` as the text of a ``KeyValue`` list, from the memo where kept ("" when empty)."""
+        texts = _memoized(attributes, _json_memo, _json_key_value_text, _json_attribute_texts, _json_inline)
+        return "[" + ",".join(texts) + "]" if texts else ""
 
-        Shared dicts are safe: the file exporter only dumps them.
-        """
-        return _memoized(attributes, _json_memo, _json_key_value_dict, _json_attribute_dicts, _json_inline)
+    def _json_span_text(span: Any) -> str:
+        """``span`` as the text of the SDK's ``Span.to_dict()`` (its own code where a field is rare or odd)."""
+        try:
+            return _fast_json_span(span)
+        except Exception:  # raises what the SDK's encoder raises, if anything
+            return _dumps(_json_span(span).to_dict())
 
-    _status_memo: dict[Any, dict] = {}
-
-    def _json_span_dict(span: Any) -> dict:
-        """``span`` as the SDK's ``Span.to_dict()`` gives it (its own code where a field is rare)."""
-        if span.links or span.dropped_attributes or span.dropped_events or span.dropped_links:
-            return _json_span(span).to_dict()
+    def _fast_json_span(span: Any) -> str:
         context, status = span.get_span_context(), span.status
-        if context is None or context.trace_state or status is None:
-            return _json_span(span).to_dict()
-        # Ids are fixed-size bytes in the SDK's message: always present, zero too.
-        encoded: dict[str, Any] = {"traceId": context.trace_id.to_bytes(16, "big").hex(),
-                                   "spanId": context.span_id.to_bytes(8, "big").hex()}
+        if (span.links or span.dropped_attributes or span.dropped_events or span.dropped_links or context is None
+                or context.trace_state or status is None):
+            raise LookupError("a rare field: the SDK's dict")
+        # The keys in the SDK's order. Ids are fixed-size bytes in its message: always present, zero too.
+        parts = ['{"traceId":"', context.trace_id.to_bytes(16, "big").hex(),
+                 '","spanId":"', context.span_id.to_bytes(8, "big").hex(), '"']
         parent = span.parent
         if parent is not None:
-            encoded["parentSpanId"] = parent.span_id.to_bytes(8, "big").hex()
+            parts += (',"parentSpanId":"', parent.span_id.to_bytes(8, "big").hex(), '"')
         flags = _json_flags(parent)
         if flags:
-            encoded["flags"] = flags
+            parts += (',"flags":', str(int(flags)))
         if span.name:
-            encoded["name"] = span.name
+            parts += (',"name":', _escaped(span.name))
         kind = int(_JSON_KINDS[span.kind])
         if kind:
-            encoded["kind"] = kind
+            parts += (',"kind":', str(kind))
         if span.start_time:
-            encoded["startTimeUnixNano"] = str(span.start_time)
+            parts += (',"startTimeUnixNano":"', str(int(span.start_time)), '"')
         if span.end_time:
-            encoded["endTimeUnixNano"] = str(span.end_time)
-        attributes = span.attributes
-        if attributes:
-            listed = _json_attribute_list(attributes)
-            if listed:
-                encoded["attributes"] = listed
+            parts += (',"endTimeUnixNano":"', str(int(span.end_time)), '"')
+        listed = _json_attribute_list(span.attributes) if span.attributes else ""
+        if listed:
+            parts += (',"attributes":', listed)
         if span.events:
             events = []
             for event in span.events:
-                entry: dict[str, Any] = {}
+                entry = []
                 if event.timestamp:
-                    entry["timeUnixNano"] = str(event.timestamp)
+                    entry.append('"timeUnixNano":"' + str(int(event.timestamp)) + '"')
                 if event.name:
-                    entry["name"] = event.name
-                if event.attributes:
-                    listed = _json_attribute_list(event.attributes)
-                    if listed:
-                        entry["attributes"] = listed
+                    entry.append('"name":' + _escaped(event.name))
+                listed = _json_attribute_list(event.attributes) if event.attributes else ""
+                if listed:
+                    entry.append('"attributes":' + listed)
                 if event.dropped_attributes:
-                    entry["droppedAttributesCount"] = event.dropped_attributes
-                events.append(entry)
-            encoded["events"] = events
-        if status.description is None:  # the usual: one shared dict per status code
-            status_dict = _status_memo.get(status.status_code)
-            if status_dict is None:
-                status_dict = _status_memo[status.status_code] = _json_status(status).to_dict()
+                    entry.append('"droppedAttributesCount":' + str(int(event.dropped_attributes)))
+                events.append("{" + ",".join(entry) + "}")
+            parts += (',"events":[', ",".join(events), "]")
+        if status.description is None:  # the usual: one text per status code
+            status_text = _status_texts.get(status.status_code)
+            if status_text is None:
+                status_text = _status_texts[status.status_code] = _dumps(_json_status(status).to_dict())
         else:
-            status_dict = _json_status(status).to_dict()
-        encoded["status"] = status_dict
-        return encoded
+            status_text = _dumps(_json_status(status).to_dict())
+        parts += (',"status":', status_text, "}")
+        return "".join(parts)
 
-    def encode_spans_json(spans: Sequence[Any]) -> dict | None:
-        """One OTLP-JSON export request for ``spans``, as the SDK's file exporter writes it.
+    def encode_spans_json(spans: Sequence[Any]) -> str | None:
+        """One OTLP-JSON export request for ``spans``: the SDK file exporter's line, without its newline.
 
-        ``spans``: SDK ``ReadableSpan`` objects. Returns the dict whose ``json.dumps`` with
-        ``separators=(",", ":")`` is the SDK's line (``encode_spans(spans).to_dict()`` of
-        ``opentelemetry.exporter.otlp.json.common``), None when ``spans`` is empty. The
-        ``KeyValue`` dicts of repeating attributes and the ``status`` dicts are shared from
-        bounded memos with other results: serialize the result, do not change it.
+        ``spans``: SDK ``ReadableSpan`` objects. Returns ``json.dumps(..., separators=(",", ":"))``
+        of the SDK's ``encode_spans(spans).to_dict()`` (``opentelemetry.exporter.otlp.json.common``),
+        the same characters, written directly: the texts of repeating attributes (and of long
+        strings) come from bounded memos; None when ``spans`` is empty.
 
         Raises:
             KeyError: a span kind the SDK does not know (as the SDK's encoder).
         """
         if not spans:
             return None
-        by_resource = _grouped(spans, _json_span_dict)
-        resource_spans = []
-        for resource, scopes in by_resource.items():
+        resource_texts = []
+        for resource, scopes in _grouped(spans, _json_span_text).items():
             # The SDK's resource and scope messages are always set (empty ones too): always written.
-            entry: dict[str, Any] = {"resource": _json_resource(resource).to_dict()}
-            scope_spans = []
+            scope_texts = []
             for scope, group in scopes.items():
-                scope_entry: dict[str, Any] = {"scope": _json_scope(scope).to_dict(), "spans": group}
-                if scope is not None and scope.schema_url:
-                    scope_entry["schemaUrl"] = scope.schema_url
-                scope_spans.append(scope_entry)
-            entry["scopeSpans"] = scope_spans
-            if resource.schema_url:
-                entry["schemaUrl"] = resource.schema_url
-            resource_spans.append(entry)
-        return {"resourceSpans": resource_spans}
+                schema = f',"schemaUrl":{_escaped(scope.schema_url)}' if scope is not None and scope.schema_url else ""
+                scope_texts.append(f'{{"scope":{_dumps(_json_scope(scope).to_dict())},"spans":[{",".join(group)}]'
+                                   f"{schema}}}")
+            schema = f',"schemaUrl":{_escaped(resource.schema_url)}' if resource.schema_url else ""
+            resource_texts.append(f'{{"resource":{_dumps(_json_resource(resource).to_dict())},'
+                                  f'"scopeSpans":[{",".join(scope_texts)}]{schema}}}')
+        return '{"resourceSpans":[' + ",".join(resource_texts) + "]}"
