@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -679,14 +680,19 @@ def _trim_heap() -> bool:
     Memory freed but kept by the allocator is no leak, and it moves RSS by several MiB either way
     from one sample to the next (docs/performance.md, History 11 and 18).
     """
-    import ctypes
-    import ctypes.util
-
     try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+        _libc().malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         return False
     return True
+
+
+@functools.cache
+def _libc() -> Any:
+    import ctypes
+    import ctypes.util
+
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")  # find_library runs ldconfig: once
 
 
 def memory_and_rate_worker(rank: int, world_size: int, steps: int, warmup: int, rate_steps: int,

@@ -164,6 +164,7 @@ try:
         _encode_trace_state,
         _span_flags,
     )
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans as _sdk_encode_spans
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
     from opentelemetry.proto.trace.v1.trace_pb2 import Span as PBSpan
     from opentelemetry.trace import SpanContext
@@ -193,6 +194,18 @@ else:
 
     def _prefixed(payload: bytes) -> bytes:
         return _varint(len(payload)) + payload
+
+    def _count(value: Any) -> bytes:
+        """A uint32 field's varint; raises for what protobuf would reject or convert (the SDK's path then)."""
+        if type(value) is not int or not 0 <= value < 1 << 32:
+            raise ValueError("not a uint32")
+        return _varint(value)
+
+    def _time(value: Any) -> bytes:
+        """A fixed64 time field; raises for what protobuf would reject or convert (the SDK's path then)."""
+        if type(value) is not int:
+            raise TypeError("not an int")
+        return _FIXED64(value)  # struct.error past 64 bits or below 0
 
     def _wire_key_value(key: str, value: Any) -> bytes:
         """One attribute as the SDK converts it (raises where it cannot), serialized and length-prefixed."""
@@ -259,18 +272,18 @@ else:
         if parent:
             parts += (b"\x22\x08", parent.span_id.to_bytes(8, "big"))
         parts += (b"\x2a", _prefixed(span.name.encode("utf-8")), b"\x30", _KINDS[span.kind],
-                  b"\x39", _FIXED64(span.start_time), b"\x41", _FIXED64(span.end_time),
+                  b"\x39", _time(span.start_time), b"\x41", _time(span.end_time),
                   _fields(b"\x4a", span.attributes))
         for event in span.events:
-            body = b"\x09" + _FIXED64(event.timestamp) + b"\x12" + _prefixed(event.name.encode("utf-8")) + \
+            body = b"\x09" + _time(event.timestamp) + b"\x12" + _prefixed(event.name.encode("utf-8")) + \
                 _fields(b"\x1a", event.attributes)
             if event.dropped_attributes:
-                body += b"\x20" + _varint(event.dropped_attributes)
+                body += b"\x20" + _count(event.dropped_attributes)
             parts += (b"\x5a", _prefixed(body))
         for tag, count in ((b"\x50", span.dropped_attributes), (b"\x60", span.dropped_events),
                            (b"\x70", span.dropped_links)):
             if count:
-                parts += (tag, _varint(count))
+                parts += (tag, _count(count))
         # Status (field 15) is always there, as the SDK sets it: its code, and its description if any.
         description = status.description
         body = b"\x18" + _varint(status.status_code.value) if status.status_code.value else b""
@@ -308,7 +321,10 @@ else:
             if resource.schema_url:
                 body.append(_field(b"\x1a", resource.schema_url.encode("utf-8")))
             request.append(_field(b"\x0a", b"".join(body)))
-        return ExportTraceServiceRequest.FromString(b"".join(request))
+        try:
+            return ExportTraceServiceRequest.FromString(b"".join(request))
+        except Exception:  # protobuf's nesting limit counts from the request: an attribute deep enough
+            return _sdk_encode_spans(spans)  # for it alone is the SDK's to encode, or to refuse
 
 
 try:
@@ -344,6 +360,8 @@ else:
         escaped = _long_texts.get(text)
         if escaped is None:
             escaped = _json_string(text)
+            if len(escaped) > _LONG_TEXT_CHARS // 16:  # a huge name or key: not kept
+                return escaped
             if _long_chars + len(escaped) > _LONG_TEXT_CHARS:
                 _long_texts.clear()
                 _long_chars = 0
@@ -370,6 +388,12 @@ else:
         """``attributes`` as the text of a ``KeyValue`` list, from the memo where kept ("" when empty)."""
         texts = _memoized(attributes, _json_memo, _json_key_value_text, _json_attribute_texts, _json_inline)
         return "[" + ",".join(texts) + "]" if texts else ""
+
+    def _int_text(value: Any) -> str:
+        """An int field's text; raises for another type (the SDK's dict writes it as it is)."""
+        if type(value) is not int:
+            raise TypeError("not an int")
+        return str(value)
 
     def _json_span_text(span: Any) -> str:
         """``span`` as the text of the SDK's ``Span.to_dict()`` (its own code where a field is rare or odd)."""
@@ -398,9 +422,9 @@ else:
         if kind:
             parts += (',"kind":', str(kind))
         if span.start_time:
-            parts += (',"startTimeUnixNano":"', str(int(span.start_time)), '"')
+            parts += (',"startTimeUnixNano":"', _int_text(span.start_time), '"')
         if span.end_time:
-            parts += (',"endTimeUnixNano":"', str(int(span.end_time)), '"')
+            parts += (',"endTimeUnixNano":"', _int_text(span.end_time), '"')
         listed = _json_attribute_list(span.attributes) if span.attributes else ""
         if listed:
             parts += (',"attributes":', listed)
@@ -409,14 +433,14 @@ else:
             for event in span.events:
                 entry = []
                 if event.timestamp:
-                    entry.append('"timeUnixNano":"' + str(int(event.timestamp)) + '"')
+                    entry.append('"timeUnixNano":"' + _int_text(event.timestamp) + '"')
                 if event.name:
                     entry.append('"name":' + _escaped(event.name))
                 listed = _json_attribute_list(event.attributes) if event.attributes else ""
                 if listed:
                     entry.append('"attributes":' + listed)
                 if event.dropped_attributes:
-                    entry.append('"droppedAttributesCount":' + str(int(event.dropped_attributes)))
+                    entry.append('"droppedAttributesCount":' + _int_text(event.dropped_attributes))
                 events.append("{" + ",".join(entry) + "}")
             parts += (',"events":[', ",".join(events), "]")
         if status.description is None:  # the usual: one text per status code

@@ -239,7 +239,7 @@ class SizedSpanExporter(SpanExporter):
         request_bytes = getattr(self._inner, "request_bytes", None)
         if request_bytes is not None:
             try:
-                if request_bytes(spans) <= self._max_request_bytes:
+                if request_bytes(spans, self._max_request_bytes) <= self._max_request_bytes:
                     return [spans]
             except Exception:  # a value the encoder cannot take: per span, as for any exporter
                 pass

@@ -120,12 +120,14 @@ def _memoized_encoding(exporter: type) -> type:
     class MemoizedSpanExporter(exporter):
         _encoded: tuple[Any, Any] | None = None  # (spans, request) of the batch request_bytes sized
 
-        def request_bytes(self, spans: Any) -> int:
-            """The exact size of ``spans``' request, in bytes; an :meth:`export` of that same sequence
-            next sends this encoding instead of making another (``SizedSpanExporter`` sizes every batch)."""
+        def request_bytes(self, spans: Any, limit: int) -> int:
+            """The exact size of ``spans``' request, in bytes. If it is at most ``limit``, an :meth:`export`
+            of that same sequence next sends this encoding instead of making another (``SizedSpanExporter``
+            sizes every batch); a larger one is not kept (the batch is split and encoded anew)."""
             request = encoding.encode_spans(spans)
-            self._encoded = (spans, request)
-            return request.ByteSize()
+            size = request.ByteSize()
+            self._encoded = (spans, request) if size <= limit else None
+            return size
 
         def _translate_data(self, data: Any) -> Any:
             encoded = self._encoded
@@ -160,7 +162,7 @@ def _memoized_json_encoding(exporter: type) -> type:
             if callable(getattr(inner, "_encode", None)) and callable(getattr(stream, "write", None)):
                 def write_line(spans: Any) -> None:
                     line = encode_spans_json(spans)
-                    if line is not None:
+                    if line is not None and not getattr(stream, "closed", False):  # closed: the exporter says so
                         stream.write(line + "\n")  # the exporter then flushes the stream
 
                 inner._encode = write_line

@@ -321,3 +321,93 @@ def test_traced_demo_steps_encode_as_the_sdk():
     assert isinstance(found, list), found
     assert all(first and again for first, again, _, _ in found), found
     assert len(found) >= 8 and sum(events for _, _, _, events in found[:-2]) > 0
+
+
+def test_nesting_at_protobufs_depth_limit_encodes_as_the_sdk(codec):
+    """Protobuf counts its nesting limit from the request: an attribute nested deep enough for it alone
+    still encodes (or fails) as the SDK's encoder does, not only as a part of our whole request."""
+    ours, sdk = codec
+    for depth in (30, 32, 40, 48, 200):
+        for make in (lambda inner: {"k": inner}, lambda inner: [inner]):
+            value = 1
+            for _ in range(depth):
+                value = make(value)
+            spans = [ReadableSpan("s", _context(1, 1), None, Resource({}), {"deep": value, "ok": "x"},
+                                  start_time=1, end_time=2)]
+            try:
+                expected = sdk(spans)
+            except Exception as error:  # past the limit for the SDK too: the same failure
+                with pytest.raises(type(error)):
+                    ours(spans)
+                continue
+            assert ours(spans) == expected, depth
+
+
+class _Counted(ReadableSpan):
+    """A span whose dropped counts are whatever it is given (an SDK span's are never below 0 or past 2**32)."""
+
+    def __init__(self, *args, dropped=(0, 0, 0), **kwargs):
+        super().__init__(*args, **kwargs)
+        self._dropped = dropped
+
+    dropped_attributes = property(lambda self: self._dropped[0])
+    dropped_events = property(lambda self: self._dropped[1])
+    dropped_links = property(lambda self: self._dropped[2])
+
+
+class _CountedEvent(Event):
+    def __init__(self, *args, dropped=0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._dropped = dropped
+
+    dropped_attributes = property(lambda self: self._dropped)
+
+
+@pytest.mark.parametrize("odd", [-1, 2**32, 2**64, True, 1.5, 2.0])
+def test_odd_times_and_counts_encode_or_fail_as_the_sdk(odd, codec):
+    """Times and dropped counts that protobuf would reject or convert, and JSON would write as given:
+    the SDK's output or its exception."""
+    ours, sdk = codec
+    batches = [
+        [_Counted("s", _context(1, 1), None, Resource({}), {"a": 1}, start_time=odd, end_time=2)],
+        [_Counted("s", _context(1, 1), None, Resource({}), {"a": 1}, start_time=1, end_time=odd)],
+        [_Counted("s", _context(1, 1), None, Resource({}), {"a": 1}, start_time=1, end_time=2, dropped=(odd, 0, 0))],
+        [_Counted("s", _context(1, 1), None, Resource({}), {}, start_time=1, end_time=2, dropped=(0, odd, odd))],
+        [ReadableSpan("s", _context(1, 1), None, Resource({}), {}, events=[_CountedEvent("e", {"k": 1}, odd)],
+                      start_time=1, end_time=2)],
+        [ReadableSpan("s", _context(1, 1), None, Resource({}), {}, events=[
+            _CountedEvent("e", {"k": 1}, 5, dropped=odd)], start_time=1, end_time=2)],
+    ]
+    for spans in batches:
+        try:
+            expected = sdk(spans)
+        except Exception as error:
+            with pytest.raises(type(error)):
+                ours(spans)
+            continue
+        assert ours(spans) == expected
+
+
+def test_a_huge_string_is_not_kept_in_the_long_text_memo():
+    name = "n" * (encoding._LONG_TEXT_CHARS // 8)
+    spans = [ReadableSpan(name, _context(1, 1), None, Resource({}), {"fqn": "f" * 1000}, start_time=1, end_time=2)]
+    encoding._long_texts.clear()
+    assert encode_spans_json(spans) == _sdk_json(spans)
+    assert list(encoding._long_texts) == ["f" * 1000]  # the attribute kept, the huge name not
+
+
+def test_the_file_exporter_writes_nothing_to_a_closed_stream():
+    import tempfile
+
+    from commdebug_otel.export_guard import WholeLineFile
+    from commdebug_otel.telemetry import _exporter_class
+
+    with tempfile.TemporaryDirectory() as directory:
+        stream = WholeLineFile(f"{directory}/traces.jsonl")
+        exporter = _exporter_class("traces", "file")(stream=stream)
+        spans = _hand_made_spans()
+        assert exporter.export(spans).name == "SUCCESS"
+        stream.close()
+        for _ in range(3):
+            assert exporter.export(spans).name == "FAILURE"  # as the SDK's: the stream is closed
+        assert not stream._pending  # and nothing waits to be written

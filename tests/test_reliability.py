@@ -263,6 +263,13 @@ def test_grpc_batches_are_encoded_once_sized_exactly_and_split_when_over(monkeyp
         else:  # the whole batch, then each request once (bounds are generous: a few more requests than 3)
             assert len(sizes) > 3 and encoded[0] == 40 and sum(encoded[1:]) == 40 and len(encoded) == 1 + len(sizes)
     assert inner._encoded is None  # no request kept after its export
+    with OtlpReceiver() as receiver:  # every span over the limit: dropped, and no request kept either
+        inner = _memoized_encoding(OTLPSpanExporter)(endpoint=receiver.grpc_endpoint, insecure=True)
+        drops = []
+        guard = SizedSpanExporter(inner, receiver.grpc_endpoint, lambda kind, n: drops.append(n), max_request_bytes=500)
+        assert guard.export(spans) is SpanExportResult.SUCCESS
+        inner.shutdown()
+    assert sum(drops) == 40 and inner._encoded is None
 
 
 def test_span_size_bound_is_never_below_the_encoded_size():
