@@ -35,7 +35,11 @@ if TYPE_CHECKING:
 
 
 class SpanSink(Protocol):
-    """Where finished records go. ``Telemetry`` implements it."""
+    """Where finished records go. ``Telemetry`` implements it.
+
+    A sink whose class sets ``keeps_records = False`` holds no record past :meth:`emit`:
+    the recorder then reuses the records of closed steps. Without it, they are never reused.
+    """
 
     def start(self) -> bool:
         """Start the tracer provider if needed (once, at the first traced step).

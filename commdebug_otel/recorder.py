@@ -105,6 +105,12 @@ class Recorder:
         self._exemplars: bool | None = None  # decided at the first traced step (spans.start())
         self._counter = CollectiveCounter(metrics, self.rank, self.hook_failed, self._completed)
         self._max_records = settings.max_spans_per_step  # per step part (_step_full)
+        # Module records of closed steps, reused by the next: a record made anew each call lives
+        # through the step's collections and is promoted to the oldest generation, whose full
+        # collections then come sooner (docs/performance.md). Only where nothing outside keeps them:
+        # a span sink that says so, no observer handed records.
+        self._spare: list[Record] | None = (
+            [] if spans is not None and not getattr(spans, "keeps_records", True) and not self._listening else None)
         self._count = self._counter.count  # the quiet path's one call
         self._groups = GroupResolver()
         self._next_step = 0
@@ -188,6 +194,7 @@ class Recorder:
             "modules seen": len(self._params_seen),
             "resolved groups": len(self._groups),
             "recvs awaiting their source": len(self._awaiting_source),
+            "spare records": len(self._spare or ()),
         }
 
     def _traces_this_rank(self) -> bool:
@@ -348,6 +355,8 @@ class Recorder:
                 step.tensor_hooks += key
 
     def _close(self, step: Step, now: int, mode_stays: bool = False) -> None:
+        # A forward still running (the step cut inside a call): its record stays the tracker's.
+        reuse = self._spare is not None and not self._fwd_stack
         for record in reversed(self._fwd_stack):
             if record.end_ns == 0:
                 record.end_ns, record.unmatched = now, True
@@ -381,7 +390,18 @@ class Recorder:
                 self.hook_failed("building spans", error)
         for record in step.records:  # nothing outlives the step through these links
             record.parent = record.fwd = record.open_bw = record.handling = record.last_bw = record.prev_bw = None
+            record.call_args = None  # a call whose forward hook never came
             record.events = ()
+            if reuse:
+                if record.kids:
+                    record.kids.clear()
+            else:  # the sink may keep the children lists it was given; the hook refers to the record
+                record.kids = record.end_hook = None
+        step.root.kids = None
+        if reuse:  # at most as many spare as this step used
+            spare = self._spare
+            spare.extend(step.records)
+            del spare[len(step.records):]
         step.records.clear()
 
     def _step_full(self, step: Step, now: int, in_backward: bool) -> Step | None:
@@ -500,7 +520,7 @@ class Recorder:
                 self._depth += 1
                 return None
         pass_ = semconv.PASS_RECOMPUTE if in_backward else semconv.PASS_FORWARD
-        record = Record(SpanKind.MODULE, f"{fqn} {pass_}", now)
+        record = self._module_record(f"{fqn} {pass_}", now)
         record.fqn = fqn
         record.pass_ = pass_
         record.module_type = f"{type(module).__module__}.{type(module).__qualname__}"
@@ -525,6 +545,15 @@ class Recorder:
                 observer.on_first_call(module, fqn, callers)
         self._fwd_stack.append(record)
         step.records.append(record)
+        return record
+
+    def _module_record(self, name: str, now: int) -> Record:
+        """A fresh module record: a closed step's, reset, when one is spare."""
+        spare = self._spare
+        if not spare:
+            return Record(SpanKind.MODULE, name, now)
+        record = spare.pop()
+        record.reset(SpanKind.MODULE, name, now)
         return record
 
     def _next_call_index(self, name: str) -> int:
@@ -586,7 +615,7 @@ class Recorder:
             if self._step_full(step, now, in_backward=True) is None:
                 forward.graph_task = task  # the call's other outputs are not counted again
                 return
-        record = Record(SpanKind.MODULE, f"{forward.fqn} {semconv.PASS_BACKWARD}", now)
+        record = self._module_record(f"{forward.fqn} {semconv.PASS_BACKWARD}", now)
         record.fqn, record.module_type, record.compiled = forward.fqn, forward.module_type, forward.compiled
         record.pass_ = semconv.PASS_BACKWARD
         record.fwd, record.graph_task, record.hidden = forward, task, forward.hidden

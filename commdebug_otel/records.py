@@ -40,10 +40,12 @@ class Record:
     __slots__ = (
         "attrs",
         "backward_hook",
+        "call_args",
         "call_index",
         "compiled",
         "depth",
         "dropped_events",
+        "end_hook",
         "end_ns",
         "error",
         "events",
@@ -55,6 +57,7 @@ class Record:
         "hooked_outputs",
         "input_edges",
         "input_hooked",
+        "kids",
         "kind",
         "last_bw",
         "module_type",
@@ -70,6 +73,18 @@ class Record:
     )
 
     def __init__(self, kind: SpanKind, name: str, start_ns: int) -> None:
+        # What a record keeps when it is reused for another call (Recorder._module_record): its
+        # attribute dict, its children's list (span_tree) and its backward-end hook (tracker.py).
+        self.attrs: dict[str, Any] = {}
+        self.kids: list[Record] | None = None
+        self.end_hook: Any = None
+        self.reset(kind, name, start_ns)
+
+    def reset(self, kind: SpanKind, name: str, start_ns: int) -> None:
+        """Start afresh, as a new record would (what :meth:`__init__` made is emptied, not made anew)."""
+        self.attrs.clear()
+        if self.kids:
+            self.kids.clear()
         self.kind = kind
         self.name = name
         self.fqn = ""
@@ -99,9 +114,9 @@ class Record:
         self.input_hooked = False
         self.hidden = False
         self.compiled = False  # the module's own code ran compiled (torch.compile): no records inside
-        self.attrs: dict[str, Any] = {}
         self.hooked_outputs: set[int] | frozenset = _NONE  # ids of outputs with a backward hook
-        self.input_edges: set | frozenset = _NONE  # the call's inputs' autograd edges (tracker._edge)
+        self.input_edges: tuple | set | frozenset = _NONE  # the call's inputs' autograd edges (tracker._edge)
+        self.call_args: tuple | None = None  # while the call runs, if its inputs carry the backward-end hook
         self.span_id = 0  # assigned up front when a metric exemplar points at this span
         self.backward_hook: Any = None  # called with the record when it is called (below)
 
@@ -198,7 +213,13 @@ def span_tree(step: Step) -> tuple[list[Record], dict[int, list[Record]]]:
         parent = _parent_of(record, root)
         if record.hidden:
             continue
-        children.setdefault(id(parent), []).append(record)
+        # The parent's own list (kept when records are reused): no list made per parent and step.
+        kids = parent.kids
+        if kids is None:
+            kids = parent.kids = []
+        if not kids:
+            children[id(parent)] = kids
+        kids.append(record)
     _widen(root, children)
     if step.kind is SpanKind.INFERENCE:  # top-level forwards are the roots
         return children.get(id(root), []), children
@@ -219,7 +240,7 @@ def snapshot_tree(step: Step, now: int, snapshot: int) -> tuple[list[Record], di
         copy = Record.__new__(Record)
         for name in Record.__slots__:
             setattr(copy, name, getattr(record, name))
-        copy.attrs = dict(record.attrs)
+        copy.attrs, copy.kids = dict(record.attrs), None
         copy.attrs[semconv.STALL_SNAPSHOT] = snapshot
         copy.events, copy.span_id = list(record.events), 0
         if copy.end_ns == 0:

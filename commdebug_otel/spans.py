@@ -93,6 +93,9 @@ class SpanBuilder:
             message (``redact.exception_attributes``).
     """
 
+    # emit() turns records into spans before it returns and keeps none: the recorder may reuse them.
+    keeps_records = False
+
     def __init__(self, setup: Callable[[], TracerSetup], exception_messages: str = "redacted") -> None:
         self._setup = setup
         self._exception_messages = exception_messages
@@ -159,10 +162,15 @@ class SpanBuilder:
         direct = self._direct
         prepared = direct.prepare(record, attributes) if direct is not None else None
         if prepared is not None:
+            # Nothing more than needed stays alive down the recursion (a chain of modules nests as
+            # deep): the prepared pair is unpacked, the children are walked by index, not an iterator.
+            attributes, events = prepared
+            prepared = None
             context = direct.context(record, parent, trace_id)
-            for child in children.get(id(record), ()):
-                self._start(tracer, child, context, None, None, children, finished)
-            finished.append(direct.end(record, prepared, context, parent))
+            kids = children.get(id(record), ())
+            for index in range(len(kids)):
+                self._start(tracer, kids[index], context, None, None, children, finished)
+            finished.append(direct.end(record, attributes, events, context, parent))
             return
         ids = self._ids
         chosen = ids.ids(trace_id, record.span_id) if ids is not None and (trace_id or record.span_id) \
@@ -272,6 +280,8 @@ class _DirectSpans:
         attributes = _plain(attributes, self._span_chars, self._span_attributes)
         if attributes is None:
             return None
+        if not record.events:
+            return attributes, ()
         events = []
         for name, event_attributes, timestamp in record.events:
             event_attributes = _plain(event_attributes, self._event_chars, self._event_attributes)
@@ -289,10 +299,9 @@ class _DirectSpans:
             trace_id, flags = parent.trace_id, parent.trace_flags
         return SpanContext(trace_id, record.span_id or self._span_id(), is_remote=False, trace_flags=flags)
 
-    def end(self, record: Any, prepared: tuple[dict[str, Any], tuple], context: SpanContext,
+    def end(self, record: Any, attributes: dict[str, Any], events: tuple, context: SpanContext,
             parent: SpanContext | None) -> ReadableSpan:
-        """The finished span (for :meth:`hand_over`)."""
-        attributes, events = prepared
+        """The finished span (for :meth:`hand_over`), with what :meth:`prepare` returned."""
         return ReadableSpan(name=record.name, context=context, parent=parent,
                             resource=self._provider.resource, attributes=attributes, events=events,
                             start_time=record.start_ns, end_time=record.end_ns,

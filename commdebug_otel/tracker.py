@@ -75,16 +75,35 @@ def _grad_tensors(value: Any, found: list) -> list:
     return found
 
 
-def _edge(tensor: torch.Tensor) -> Any:
+def _edge(tensor: torch.Tensor) -> int:
     """What identifies the gradient a tensor receives: its autograd node and output slot, or the leaf itself.
 
-    Compared only while the call runs, when its inputs keep their nodes alive.
+    Compared only while the call runs, when its inputs keep their nodes alive. An int, not a tuple:
+    no object the garbage collector tracks, alive through the call (docs/performance.md).
     """
     node = tensor.grad_fn
-    return (id(node), tensor.output_nr) if node is not None else id(tensor)
+    # Node addresses are 16-byte aligned: shifted, distinct nodes never meet below 2**24 output slots.
+    return (id(node) << 20) + tensor.output_nr if node is not None else -id(tensor)
+
+
+def _edges(tensors: list) -> tuple | set:
+    """The edges of ``tensors``: a tuple for a few (untracked by the collector once it sees it), else a set."""
+    edges = tuple([_edge(t) for t in tensors])
+    return edges if len(edges) <= 8 else set(edges)
 
 
 _EMPTY: frozenset = frozenset()
+
+
+def _hooked_inputs(grads: list) -> list:
+    """The inputs whose gradients end a call's backward: leaves are left out.
+
+    Torch's "all" multi-grad hook asks the engine about each tensor's node, which raises for a
+    leaf inside torch.autograd.grad() (pipeline parallel does that). Without a hook, backward
+    ends with the pass.
+    """
+    return [t for t in grads if t.grad_fn is not None]
+
 # Passes whose outputs get backward hooks: a recompute's too, for reentrant checkpointing, whose
 # backward runs through the recomputed graph (non-reentrant checkpointing never backpropagates
 # through it: those hooks never fire and go with the step).
@@ -99,9 +118,11 @@ class ModuleTracker:
         self._began = _BackwardBegan(recorder)  # every record's backward-begin hook calls it
         self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._post_handles: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        # Calls in flight: (module, record, (positional inputs hooked for the end, their hook) or None,
-        # whether its inside is compiled).
-        self._calls: list[tuple[torch.nn.Module, Record | None, tuple | None, bool]] = []
+        # Calls in flight, one entry in each list: the module, its record (None: not recorded), whether its
+        # inside is compiled. Parallel lists, not a tuple per call: no object more alive through the call.
+        self._calls: list[torch.nn.Module] = []
+        self._call_records: list[Record | None] = []
+        self._call_compiled: list[bool] = []
         self._wrapped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module.compile()'d
         self._pre_handle = None
         self._early_post_handle = None
@@ -129,6 +150,8 @@ class ModuleTracker:
             handle.remove()
         self._post_handles.clear()
         self._calls.clear()
+        self._call_records.clear()
+        self._call_compiled.clear()
         for module, wrapper in list(self._wrapped.items()):
             if compiled_call(module) is wrapper:
                 set_compiled_call(module, wrapper.call)
@@ -179,7 +202,7 @@ class ModuleTracker:
         try:
             if not recorder.tracks_thread():
                 return  # another thread's call (inference, EMA): never part of the training step
-            if self._calls and self._calls[-1][3]:
+            if self._call_compiled and self._call_compiled[-1]:
                 return  # inside a compiled call (a graph break runs this module eagerly): no span
             original = compiled_original(module)
             handle = self._post_handles.get(module)
@@ -200,26 +223,26 @@ class ModuleTracker:
             name = self.fqn(module)
         compiled = original is not None
         record = recorder.module_pre(original or module, name, args, compiled)
-        self._calls.append((module, record, None, compiled))
+        self._calls.append(module)
+        self._call_records.append(record)
+        self._call_compiled.append(compiled)
         if record is None:
             if len(self._calls) == 1:
                 self._suspend_inside(module)
         elif torch.is_grad_enabled() and record.pass_ in _HOOKED_PASSES:
             grads = _grad_tensors(args, [])
             if grads:
-                record.input_edges = {_edge(t) for t in grads}
-            # Leaves are left out: torch's "all" multi-grad hook asks the engine about
-            # each tensor's node, which raises for a leaf inside torch.autograd.grad()
-            # (pipeline parallel does that). Without a hook, backward ends with the pass.
-            inputs = [t for t in grads if t.grad_fn is not None]
+                record.input_edges = _edges(grads)
+            inputs = _hooked_inputs(grads)
             if inputs:
-                self._calls[-1] = (module, record, (inputs, self._hook_backward_end(record, inputs)), compiled)
+                record.call_args = args  # alive through the call anyway: keyword inputs may join them
+                self._hook_backward_end(record, inputs)
 
     def _run_compiled(self, module: torch.nn.Module, call: Any, args: tuple, kwargs: dict) -> Any:
         """``module.compile()``'s call, as one span: the hooks inside it are compiled code."""
         began = False
         try:
-            if self._recorder.tracks_thread() and not (self._calls and self._calls[-1][3]):
+            if self._recorder.tracks_thread() and not (self._call_compiled and self._call_compiled[-1]):
                 self._begin(module, args, module)  # not another thread's, not inside another compiled call
                 began = True
         except Exception as error:
@@ -237,14 +260,14 @@ class ModuleTracker:
     def _hook_backward_end(self, record: Record, inputs: list) -> Any:
         """Hook the end of ``record``'s backward: all gradients w.r.t. ``inputs`` (non-leaf tensors) computed."""
         record.input_hooked = True
-        end = _BackwardEnd(self._recorder, record)
+        end = record.end_hook  # a reused record's, its hooks removed when its step closed
+        if end is None or end.record is not record:
+            end = record.end_hook = _BackwardEnd(self._recorder, record)
         # One input (the common case): its own hook is "all" grads, at a third of the cost.
         handle = inputs[0].register_hook(end) if len(inputs) == 1 else register_multi_grad_hook(inputs, end)
         self._recorder.keep_hook(handle)
-        return handle
 
-    def _add_keyword_inputs(self, module: torch.nn.Module, record: Record, ends: tuple | None,
-                            kwargs: dict) -> None:
+    def _add_keyword_inputs(self, module: torch.nn.Module, record: Record, kwargs: dict) -> None:
         """Keyword inputs, which the global pre-hook does not see, join the call's inputs.
 
         An output that passes one through opens no backward, and the backward ends
@@ -260,14 +283,15 @@ class ModuleTracker:
             return
         before = record.input_edges
         record.input_edges = {*before, *(_edge(t) for t in grads)}
-        keywords = [t for t in grads if t.grad_fn is not None]
+        keywords = _hooked_inputs(grads)
         if not keywords or not torch.is_grad_enabled() or rewrites_keyword_inputs(module):
             return
-        inputs, handle = ends or ((), None)
+        hooked = record.input_hooked
+        inputs = _hooked_inputs(_grad_tensors(record.call_args, [])) if hooked else []
         if any(_edge(t) not in before for t in inputs):
             return
-        if handle is not None:
-            handle.remove()
+        if hooked:
+            record.end_hook.record = None  # the hook stays on the tensor, inert; a new one covers all inputs
         self._hook_backward_end(record, [*inputs, *keywords])
 
     def _suspend_inside(self, outermost: torch.nn.Module) -> None:
@@ -302,10 +326,10 @@ class ModuleTracker:
         try:
             if not recorder.tracks_thread(claim=False):
                 return
-            entry_module, record, ends, _ = self._calls[-1]
-            if entry_module is module and record is not None:
+            record = self._call_records[-1]
+            if self._calls[-1] is module and record is not None:
                 if kwargs and record.pass_ in _HOOKED_PASSES:
-                    self._add_keyword_inputs(module, record, ends, kwargs)
+                    self._add_keyword_inputs(module, record, kwargs)
                 self._hook_backward_begin(record, output)
         except Exception as error:
             recorder.hook_failed("module forward hook", error)
@@ -348,12 +372,16 @@ class ModuleTracker:
         try:
             if not recorder.tracks_thread(claim=False):
                 return
-            calls = self._calls
-            if calls[-1][3] and calls[-1][0] is not module:
+            calls, records, compiled = self._calls, self._call_records, self._call_compiled
+            if compiled[-1] and calls[-1] is not module:
                 return  # a module inside a compiled call
-            entry_module, record, _, _ = calls.pop()
-            while entry_module is not module and calls:
-                entry_module, record, _, _ = calls.pop()  # a call whose hook never came back
+            while True:
+                entry_module, record = calls.pop(), records.pop()
+                compiled.pop()
+                if record is not None:
+                    record.call_args = None  # the inputs are not kept past the call
+                if entry_module is module or not calls:
+                    break  # else: a call whose hook never came back
             if entry_module is not module:
                 return
             if self._suspended and not calls:
@@ -451,9 +479,10 @@ class _BackwardEnd:
         self.recorder, self.record = recorder, record
 
     def __call__(self, _grads: Any) -> None:
-        if _compiled() or not self.recorder.active:
+        record = self.record  # None: replaced by a hook over more inputs (keyword inputs)
+        if record is None or _compiled() or not self.recorder.active:
             return
         try:
-            self.recorder.backward_ended(self.record)
+            self.recorder.backward_ended(record)
         except Exception as error:
             self.recorder.hook_failed("module backward hook", error)

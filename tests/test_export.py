@@ -141,6 +141,7 @@ def test_direct_spans_match_the_sdk_span_path_on_the_wire(monkeypatch, single_ra
             sink.emit(roots, children, trace_id)
 
     memory = InMemoryTelemetry()
+    monkeypatch.setattr(spans_module.SpanBuilder, "keeps_records", True)  # capture() keeps them: none reused
     tracer = CommTracer(Settings(), tracer_provider=memory.tracer_provider, meter_provider=memory.meter_provider)
     monkeypatch.setattr(tracer.telemetry.spans, "emit", capture)  # the recorder's span sink
     net = Net()
