@@ -138,6 +138,7 @@ class Recorder:
         self._fwd_stack: list[Record] = []
         self._open_bw: list[Record] = []  # open backward records, most recently begun last
         self._bw_hint: tuple[Record | None, int] = (None, 0)  # the last record _begin_backward inserted, and where
+        self._last_exemplar: tuple = (None, 0, 0, None)  # (owner, its span id, trace id, context)
         self._awaiting_source: dict[int, tuple] = {}  # recv from any source, not yet waited (gloo)
         self._bw_callback_tasks: set[int] = set()  # graph tasks whose end is hooked (nested: reentrant checkpoints)
         self._depth = 0  # module nesting when records are skipped (untraced steps)
@@ -274,11 +275,20 @@ class Recorder:
         return self._exemplars
 
     def _exemplar_context(self, owner: Record, step: Step) -> Any:
-        """An OTel context naming ``owner``'s future span, so metric points get exemplars."""
+        """An OTel context naming ``owner``'s future span, so metric points get exemplars.
+
+        The last one is kept: a module's collectives come one after another (a reused record
+        gets a new span id, so the id is compared too).
+        """
+        last = self._last_exemplar
+        if owner.span_id and last[0] is owner and last[1] == owner.span_id and last[2] == step.trace_id:
+            return last[3]
         if not owner.span_id:
             owner.span_id = random.getrandbits(64) or 1
-        return set_span_in_context(NonRecordingSpan(SpanContext(
+        context = set_span_in_context(NonRecordingSpan(SpanContext(
             step.trace_id, owner.span_id, is_remote=False, trace_flags=_SAMPLED)))
+        self._last_exemplar = (owner, owner.span_id, step.trace_id, context)
+        return context
 
     def _outside_step(self, now: int) -> Step:
         if self._outside is None:
@@ -365,6 +375,7 @@ class Recorder:
         _end_backward_records(self._open_bw, now)
         self._open_bw.clear()
         self._bw_hint = (None, 0)
+        self._last_exemplar = (None, 0, 0, None)
         self._awaiting_source.clear()
         step.root.end_ns = now
         if self._metrics is not None:

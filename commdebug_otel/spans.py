@@ -335,6 +335,8 @@ def _plain(attributes: dict[str, Any], chars: int | None, limit: int | None) -> 
         if kind is str:
             if chars is not None and len(value) > chars:
                 attributes[key] = value[:chars]
+        elif kind is int or kind is bool or kind is float:
+            continue
         elif kind is tuple or kind is list:
             if value:
                 first = type(value[0])
@@ -345,6 +347,6 @@ def _plain(attributes: dict[str, Any], chars: int | None, limit: int | None) -> 
             if kind is list:
                 value = tuple(value)
             attributes[key] = value
-        elif kind not in _PLAIN:
+        else:
             return None
     return attributes

@@ -331,6 +331,7 @@ class ModuleTracker:
                 if kwargs and record.pass_ in _HOOKED_PASSES:
                     self._add_keyword_inputs(module, record, kwargs)
                 self._hook_backward_begin(record, output)
+                record.early_output = output
         except Exception as error:
             recorder.hook_failed("module forward hook", error)
 
@@ -390,9 +391,12 @@ class ModuleTracker:
             if record is not None:
                 # The module's own hooks may have replaced the outputs (tensor parallel). In place
                 # compiled, they ran inside the compiled call: ours go before theirs (FSDP2's
-                # pre-backward all-gather belongs to this backward).
-                self._hook_backward_begin(record, output, first=in_place_compiled)
+                # pre-backward all-gather belongs to this backward). The tensor hooked before them,
+                # returned as it was: nothing more to hook.
+                if in_place_compiled or output is not record.early_output or not isinstance(output, torch.Tensor):
+                    self._hook_backward_begin(record, output, first=in_place_compiled)
                 record.hooked_outputs = record.input_edges = _EMPTY
+                record.early_output = None
         except Exception as error:
             recorder.hook_failed("module forward hook", error)
 
