@@ -140,6 +140,7 @@ class Recorder:
         self._bw_hint: tuple[Record | None, int] = (None, 0)  # the last record _begin_backward inserted, and where
         self._last_exemplar: tuple = (None, 0, 0, None)  # (owner, its span id, trace id, context)
         self._awaiting_source: dict[int, tuple] = {}  # recv from any source, not yet waited (gloo)
+        self._copying = threading.RLock()  # a stall snapshot copying the step's records (a fork may copy it held)
         self._bw_callback_tasks: set[int] = set()  # graph tasks whose end is hooked (nested: reentrant checkpoints)
         self._depth = 0  # module nesting when records are skipped (untraced steps)
         self._call_counts: dict[str, int] = {}  # by span name (FQN and pass): a string key is not GC-tracked
@@ -403,17 +404,19 @@ class Recorder:
             record.parent = record.fwd = record.open_bw = record.handling = record.last_bw = record.prev_bw = None
             record.call_args = None  # a call whose forward hook never came
             record.events = ()
-            if reuse:
+            if reuse:  # nothing of the step is kept alive by a spare record (an error's traceback, its frames)
+                record.error = None
                 if record.kids:
                     record.kids.clear()
             else:  # the sink may keep the children lists it was given; the hook refers to the record
                 record.kids = record.end_hook = None
         step.root.kids = None
-        if reuse:  # at most as many spare as this step used
-            spare = self._spare
-            spare.extend(step.records)
-            del spare[len(step.records):]
-        step.records.clear()
+        with self._copying:  # not while a stall snapshot copies them (another thread)
+            if reuse:  # at most as many spare as this step used
+                spare = self._spare
+                spare.extend(step.records)
+                del spare[len(step.records):]
+            step.records.clear()
 
     def _step_full(self, step: Step, now: int, in_backward: bool) -> Step | None:
         """``step`` holds ``max_spans_per_step`` records: cut it, go on, or record no more of this pass.
@@ -874,7 +877,8 @@ class Recorder:
         step.stalled = snapshot
         if not step.trace_id:  # the step's export at its end joins the snapshot's trace
             step.trace_id = self._trace_id(step) or random.getrandbits(128) or 1
-        roots, children, root = snapshot_tree(step, now, snapshot)
+        with self._copying:  # the training thread may close the step meanwhile: no record reused mid-copy
+            roots, children, root = snapshot_tree(step, now, snapshot)
         root.attrs[semconv.STEP_STALLED] = snapshot
         children.setdefault(id(root), []).append(stalled)
         self._spans.emit(roots, children, step.trace_id)

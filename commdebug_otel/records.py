@@ -45,7 +45,6 @@ class Record:
         "compiled",
         "depth",
         "dropped_events",
-        "early_output",
         "end_hook",
         "end_ns",
         "error",
@@ -118,7 +117,6 @@ class Record:
         self.hooked_outputs: set[int] | frozenset = _NONE  # ids of outputs with a backward hook
         self.input_edges: tuple | set | frozenset = _NONE  # the call's inputs' autograd edges (tracker._edge)
         self.call_args: tuple | None = None  # while the call runs, if its inputs carry the backward-end hook
-        self.early_output: Any = None  # while the call runs: the output its early forward hook saw
         self.span_id = 0  # assigned up front when a metric exemplar points at this span
         self.backward_hook: Any = None  # called with the record when it is called (below)
 

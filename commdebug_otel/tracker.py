@@ -331,14 +331,13 @@ class ModuleTracker:
                 if kwargs and record.pass_ in _HOOKED_PASSES:
                     self._add_keyword_inputs(module, record, kwargs)
                 self._hook_backward_begin(record, output)
-                record.early_output = output
         except Exception as error:
             recorder.hook_failed("module forward hook", error)
 
     def _hook_backward_begin(self, record: Record, output: Any, first: bool = False) -> None:
         """Our backward-begin hook on each output; ``first``: before the output's hooks registered so far."""
-        if record.pass_ not in _HOOKED_PASSES or not torch.is_grad_enabled():
-            return
+        if record.pass_ not in _HOOKED_PASSES or not torch.is_grad_enabled() or not self._recorder.step_open:
+            return  # no step open (its inference step closed with the call): no step would remove the hook
         # An output that is an input passed through (the same tensor, or the same autograd
         # edge: Identity, Dropout(p=0) or in eval, a gate returning x) gets its gradient
         # only when the inputs' gradients are ready: the module has no backward of its own.
@@ -391,12 +390,11 @@ class ModuleTracker:
             if record is not None:
                 # The module's own hooks may have replaced the outputs (tensor parallel). In place
                 # compiled, they ran inside the compiled call: ours go before theirs (FSDP2's
-                # pre-backward all-gather belongs to this backward). The tensor hooked before them,
-                # returned as it was: nothing more to hook.
-                if in_place_compiled or output is not record.early_output or not isinstance(output, torch.Tensor):
+                # pre-backward all-gather belongs to this backward). A tensor hooked before them and
+                # returned as such: nothing more to hook (one they changed in place may need its hook).
+                if in_place_compiled or not (type(output) is torch.Tensor and id(output) in record.hooked_outputs):
                     self._hook_backward_begin(record, output, first=in_place_compiled)
                 record.hooked_outputs = record.input_edges = _EMPTY
-                record.early_output = None
         except Exception as error:
             recorder.hook_failed("module forward hook", error)
 

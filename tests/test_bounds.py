@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import tracemalloc
+import weakref
 
 import pytest
 import torch
@@ -335,3 +336,38 @@ def test_a_traced_step_keeps_few_objects_alive_per_module_call(telemetry, tracer
     assert sorted(ours) == ["Record", "Step"]
     # Torch's own (its hook dicts) and a few lists: 28 measured; 6.5 per call, then 4, before.
     assert len(alive) <= calls
+
+
+def test_a_reused_record_keeps_nothing_of_its_step_alive(telemetry, tracer_factory):
+    """A forward that raised (an out-of-memory retry) keeps its exception, its traceback and the frames'
+    tensors on its record until the span is built; a record reused for later steps must not keep them."""
+    activations = []
+
+    class Retried(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            if x.shape[0] > 2:
+                big = torch.ones(1024)  # what the failed attempt had made when it raised
+                activations.append(weakref.ref(big))
+                raise torch.OutOfMemoryError("simulated")
+            return self.lin(x)
+
+    model = Retried()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    alive = []
+    with tracer_factory():
+        for step in range(3):
+            x = torch.ones(8 if step == 0 else 2, 4)
+            try:
+                out = model(x)
+            except torch.OutOfMemoryError:
+                out = model(x[:2])
+            out.sum().backward()
+            optimizer.step()
+            gc.collect()
+            alive.append(activations[0]() is not None)
+    assert alive == [False, False, False]
+    assert [span.status.is_ok for span in telemetry.by_name("Retried forward")] == [False, True, True, True]

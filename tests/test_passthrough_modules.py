@@ -285,3 +285,33 @@ def test_keyword_inputs_replaced_by_a_pre_hook_keep_the_hooks_backward_in_the_sp
         optimizer.step()
     owners = [(s.name, e.name) for s in telemetry.spans() for e in s.events]
     assert owners == [("Sequential.inner backward", "all_reduce")] * 2
+
+
+class FrozenWithAdapter(nn.Module):
+    """A frozen layer whose own forward hook adds a trainable adapter to its output in place (LoRA-like)."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Linear(4, 4).requires_grad_(False)
+        self.lora = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 4)
+        self.base.register_forward_hook(lambda module, args, out: out.add_(self.lora(args[0])))
+
+    def forward(self, x):
+        return self.head(self.base(x))
+
+
+def test_an_output_its_module_changes_in_place_after_our_early_hook_gets_its_backward(telemetry, tracer_factory):
+    """The frozen layer's output needs no gradient when our early hook sees it; its own hook makes it
+    one that does, in place (the same tensor object): the late hook must still hook it."""
+    model = FrozenWithAdapter()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    with tracer_factory():
+        for _ in range(2):
+            model(torch.ones(2, 4)).sum().backward()
+            optimizer.step()
+    one_step = [(0, "train_step"), (1, "FrozenWithAdapter forward"), (2, "FrozenWithAdapter.base forward"),
+                (3, "FrozenWithAdapter.lora forward"), (2, "FrozenWithAdapter.head forward"),
+                (1, "FrozenWithAdapter backward"), (2, "FrozenWithAdapter.head backward"),
+                (2, "FrozenWithAdapter.base backward"), (3, "FrozenWithAdapter.lora backward")]
+    assert telemetry.tree() == one_step + one_step

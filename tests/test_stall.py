@@ -353,3 +353,49 @@ def test_the_watchdog_retries_a_failed_check_and_gives_up_after_three():
     watch.start()
     watch._thread.join(timeout=10)
     assert not watch._thread.is_alive() and failures == ["stall watchdog"] * 3
+
+
+def test_a_snapshot_copies_the_stuck_steps_records_even_if_the_step_ends_meanwhile(monkeypatch, telemetry,
+                                                                                    tracer_factory):
+    """The watchdog copies the open step's records on its own thread; if the training thread closes that step
+    and starts the next during the copy, the next step's calls must not reuse the records being copied."""
+    import threading
+
+    from commdebug_otel import recorder as recorder_module
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.second(self.first(x))
+
+    stuck, other = Net(), nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    optimizer = torch.optim.SGD([*stuck.parameters(), *other.parameters()], lr=0.1)
+    copying, real_copy = threading.Event(), recorder_module.snapshot_tree
+
+    def slow_copy(*args):
+        copying.set()
+        time.sleep(0.5)  # the training thread goes on meanwhile
+        return real_copy(*args)
+
+    monkeypatch.setattr(recorder_module, "snapshot_tree", slow_copy)
+    with tracer_factory() as tracer:
+        stuck(torch.ones(2, 4)).sum().backward()
+        optimizer.step()  # step 0: its records are spare for the next steps
+        loss = stuck(torch.ones(2, 4)).sum()  # step 1, open
+        watchdog = threading.Thread(target=tracer.recorder.stall_snapshot,
+                                    args=(time.time_ns(), 60.0, 30.0, 1, ("", "", [])))
+        watchdog.start()
+        assert copying.wait(5)
+        loss.backward()
+        optimizer.step()  # step 1 closes while the copy runs
+        other(torch.ones(2, 4)).sum().backward()  # step 2: other modules
+        optimizer.step()
+        watchdog.join(5)
+        assert not watchdog.is_alive()
+    # Step 1 as it was when the copy ran (its backward had run by then), nothing of step 2's.
+    snapshot = sorted(span.name for span in telemetry.spans() if span.attributes.get(semconv.STALL_SNAPSHOT) == 1)
+    assert snapshot == sorted(["train_step", "stalled", *(f"Net{name} {pass_}" for name in ("", ".first", ".second")
+                                                          for pass_ in ("forward", "backward"))])
