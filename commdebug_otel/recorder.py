@@ -400,6 +400,9 @@ class Recorder:
                 self._spans.emit(roots, children, step.trace_id or self._trace_id(step))
             except Exception as error:
                 self.hook_failed("building spans", error)
+        # Not while a stall snapshot copies them (the watchdog's thread): then they are not reused.
+        # Never waited for: the training thread goes on.
+        reuse = reuse and self._copying.acquire(blocking=False)
         for record in step.records:  # nothing outlives the step through these links
             record.parent = record.fwd = record.open_bw = record.handling = record.last_bw = record.prev_bw = None
             record.call_args = None  # a call whose forward hook never came
@@ -411,12 +414,12 @@ class Recorder:
             else:  # the sink may keep the children lists it was given; the hook refers to the record
                 record.kids = record.end_hook = None
         step.root.kids = None
-        with self._copying:  # not while a stall snapshot copies them (another thread)
-            if reuse:  # at most as many spare as this step used
-                spare = self._spare
-                spare.extend(step.records)
-                del spare[len(step.records):]
-            step.records.clear()
+        if reuse:  # at most as many spare as this step used
+            spare = self._spare
+            spare.extend(step.records)
+            del spare[len(step.records):]
+            self._copying.release()
+        step.records.clear()
 
     def _step_full(self, step: Step, now: int, in_backward: bool) -> Step | None:
         """``step`` holds ``max_spans_per_step`` records: cut it, go on, or record no more of this pass.
@@ -877,8 +880,8 @@ class Recorder:
         step.stalled = snapshot
         if not step.trace_id:  # the step's export at its end joins the snapshot's trace
             step.trace_id = self._trace_id(step) or random.getrandbits(128) or 1
-        with self._copying:  # the training thread may close the step meanwhile: no record reused mid-copy
-            roots, children, root = snapshot_tree(step, now, snapshot)
+        with self._copying:  # the training thread may close the step meanwhile: no record is reused mid-copy
+            roots, children, root = snapshot_tree(step, list(step.records), now, snapshot)
         root.attrs[semconv.STEP_STALLED] = snapshot
         children.setdefault(id(root), []).append(stalled)
         self._spans.emit(roots, children, step.trace_id)

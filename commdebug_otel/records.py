@@ -226,15 +226,17 @@ def span_tree(step: Step) -> tuple[list[Record], dict[int, list[Record]]]:
     return [root], children
 
 
-def snapshot_tree(step: Step, now: int, snapshot: int) -> tuple[list[Record], dict[int, list[Record]], Record]:
+def snapshot_tree(step: Step, records: list[Record], now: int,
+                  snapshot: int) -> tuple[list[Record], dict[int, list[Record]], Record]:
     """An open step's records so far as a finished tree, for stall snapshot ``snapshot``.
 
     Works on copies (the training thread may still be running the step): records
     still open end at ``now``, marked ``commdebug.span.incomplete``; every copy
-    carries ``commdebug.stall.snapshot`` and gets its own span id. Returns
-    ``(roots, children, the root's copy)`` as :func:`span_tree` does.
+    carries ``commdebug.stall.snapshot`` and gets its own span id. ``records``: the step's
+    records, listed as the copy begins. Returns ``(roots, children, the root's copy)`` as
+    :func:`span_tree` does.
     """
-    originals = [step.root, *list(step.records)]
+    originals = [step.root, *records]
     copies: dict[int, Record] = {}
     for record in originals:
         copy = Record.__new__(Record)
