@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -42,10 +43,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out to sockets bound to port 0 or connecting out."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+            return int(handle.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port_run(count: int) -> int:
-    """A base port such that ``base .. base+count-1`` are all free on 127.0.0.1 right now."""
+    """A base port such that ``base .. base+count-1`` are all free on 127.0.0.1 right now.
+
+    Taken below the ephemeral range: gloo's and the store's connections take ports from it
+    while the ranks start, and one of them could take a port of the run before a rank binds it.
+    """
+    rng = random.Random()
+    low = _ephemeral_low()
     for _ in range(50):
-        base = free_port()
+        base = rng.randrange(10000, max(10001, low - count))
         if base + count > 65535:
             continue
         sockets = []
