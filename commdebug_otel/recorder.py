@@ -403,22 +403,23 @@ class Recorder:
         # Not while a stall snapshot copies them (the watchdog's thread): then they are not reused.
         # Never waited for: the training thread goes on.
         reuse = reuse and self._copying.acquire(blocking=False)
-        for record in step.records:  # nothing outlives the step through these links
-            record.parent = record.fwd = record.open_bw = record.handling = record.last_bw = record.prev_bw = None
-            record.call_args = None  # a call whose forward hook never came
-            record.events = ()
-            if reuse:  # nothing of the step is kept alive by a spare record (an error's traceback, its frames)
-                record.error = None
-                if record.kids:
-                    record.kids.clear()
-            else:  # the sink may keep the children lists it was given; the hook refers to the record
-                record.kids = record.end_hook = None
-        step.root.kids = None
-        if reuse:  # at most as many spare as this step used
-            spare = self._spare
-            spare.extend(step.records)
-            del spare[len(step.records):]
-            self._copying.release()
+        try:
+            for record in step.records:  # nothing outlives the step through these links
+                record.parent = record.fwd = record.open_bw = record.handling = record.last_bw = None
+                record.prev_bw = record.call_args = None  # call_args: a call whose forward hook never came
+                record.events = ()
+                if reuse:  # nothing of the step kept alive by a spare record (an error's traceback, its frames)
+                    record.error = None  # (its children list is emptied when it is reused: Record.reset)
+                else:  # the sink may keep the children lists it was given; the hook refers to the record
+                    record.kids = record.end_hook = None
+            step.root.kids = None
+            if reuse:  # at most as many spare as this step used
+                spare = self._spare
+                spare.extend(step.records)
+                del spare[len(step.records):]
+        finally:
+            if reuse:
+                self._copying.release()
         step.records.clear()
 
     def _step_full(self, step: Step, now: int, in_backward: bool) -> Step | None:

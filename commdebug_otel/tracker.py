@@ -257,7 +257,7 @@ class ModuleTracker:
         self._end(module, output, True)
         return output
 
-    def _hook_backward_end(self, record: Record, inputs: list) -> Any:
+    def _hook_backward_end(self, record: Record, inputs: list) -> None:
         """Hook the end of ``record``'s backward: all gradients w.r.t. ``inputs`` (non-leaf tensors) computed."""
         record.input_hooked = True
         end = record.end_hook  # a reused record's, its hooks removed when its step closed
