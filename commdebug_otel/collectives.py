@@ -80,8 +80,10 @@ class CollectiveCounter:
             collective completes (a seq of -1: not counted by the training thread).
 
     Attributes:
-        time_completions: whether c10d collectives are timed to completion now
-            (the recorder sets it per step: ``trace_every``'s and one step in ``completion_every``).
+        timed: whether this step's collectives are timed: their issue time
+            (``torch.collective.duration``) and, for c10d ones, their completion. The recorder sets it
+            per step: ``trace_every``'s and one step in ``completion_every``. Counts and bytes are
+            recorded on every step.
     """
 
     def __init__(
@@ -93,7 +95,7 @@ class CollectiveCounter:
         self._hook_failed = hook_failed
         self._completed = completed
         self._untimed: set[str] = set()  # overloads whose Work has no future on this backend
-        self.time_completions = True
+        self.timed = True
 
     def count(self, spec: CollectiveSpec, args: tuple, group: GroupFacts, pass_: str, duration_ns: int,
               out: Any, start_ns: int, seq: int, plain: Any) -> None:
@@ -107,8 +109,11 @@ class CollectiveCounter:
         if fake:
             return
         rank = self._rank().rank
+        if not self.timed:
+            self._metrics.collective(spec.op, pass_, group, rank, nbytes, None, "", context=None)
+            return
         self._metrics.collective(spec.op, pass_, group, rank, nbytes, duration_ns / 1e9, "", context=None)
-        if not spec.functional and out is not None and self.time_completions:
+        if not spec.functional and out is not None:
             self._time_completion(out, spec, pass_, group, rank, "", start_ns, seq)
 
     def count_recorded(self, collective: Collective, fqn: str, context: Any) -> None:
@@ -117,9 +122,10 @@ class CollectiveCounter:
             return
         spec, pass_, group = collective.spec, collective.pass_, collective.group
         rank = self._rank().rank
+        timed = self.timed
         self._metrics.collective(spec.op, pass_, group, rank, collective.message.nbytes,
-                                 collective.duration_ns / 1e9, fqn, context=context)
-        if not spec.functional and collective.out is not None and self.time_completions:
+                                 collective.duration_ns / 1e9 if timed else None, fqn, context=context)
+        if timed and not spec.functional and collective.out is not None:
             self._time_completion(collective.out, spec, pass_, group, rank, fqn, collective.start_ns,
                                   collective.seq)
 

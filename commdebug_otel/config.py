@@ -313,9 +313,10 @@ OPTIONS: tuple[Option, ...] = (
            "next step (`outside_step`); metrics cover every step. Untraced steps run without a "
            "dispatch mode (docs/performance.md)."),
     Option("completion_every", "COMPLETION_EVERY", _parse_step_period, 10, _parse_step_period.accepted,
-           "Time c10d collectives to completion (torch.collective.completion_duration) on one step "
-           "in N and on the steps TRACE_EVERY picks, on every rank; 1 = every step. Each timing is "
-           "a Python callback on the backend's thread (docs/performance.md)."),
+           "Time collectives on one step in N and on the steps TRACE_EVERY picks, on every rank: "
+           "their issue time (torch.collective.duration) and, for c10d ones, their completion "
+           "(torch.collective.completion_duration, a Python callback each on the backend's thread); "
+           "1 = every step. Counts and bytes cover every step (docs/performance.md)."),
     Option("ranks", "RANKS", _parse_ranks, None, "all, or a comma list of ranks like 0,3",
            "Ranks that export spans; metrics come from every rank."),
     Option("trace_scope", "TRACE_SCOPE", _parse_scope, TraceScope.JOB, "job or rank",

@@ -6,7 +6,10 @@ Instruments (OTel name -> Prometheus name after the Collector's translation):
 * ``torch.collective.io`` Counter ``By`` -> ``torch_collective_io_bytes_total``
 * ``torch.collective.duration`` Histogram ``s`` -> ``torch_collective_duration_seconds_*``:
   the time the CPU spent issuing the collective (for gloo and blocking
-  c10d calls this includes the transfer; for async work it does not).
+  c10d calls this includes the transfer; for async work it does not), on
+  timed steps: those ``trace_every`` picks and one in ``completion_every``
+  (an SDK record per collective cost about 1 % of an untraced step; its
+  count is a sample of the operations, whose counters cover every step).
 * ``torch.collective.completion_duration`` Histogram ``s`` -> ``torch_collective_completion_duration_seconds_*``:
   from issue to completion, for c10d collectives (their ``Work`` future completes
   without anyone waiting) on the steps ``trace_every`` picks and one in ``completion_every``;
@@ -218,8 +221,9 @@ class CollectiveMetrics:
         return ".".join(fqn.split(".")[: self._module_depth + 1])
 
     def collective(self, op: str, pass_: str, group: GroupFacts, rank: int, nbytes: int,
-                   duration_s: float, fqn: str = "", context: Any = None) -> None:
-        """Count one collective of ``nbytes`` payload bytes that took ``duration_s`` seconds to issue.
+                   duration_s: float | None, fqn: str = "", context: Any = None) -> None:
+        """Count one collective of ``nbytes`` payload bytes that took ``duration_s`` seconds to issue
+        (None on a step that is not timed: counted, without a ``torch.collective.duration`` point).
 
         ``context`` (an OTel context holding the owning span) makes the SDK attach
         exemplars that link these points to the traced step's span. Beyond
@@ -291,7 +295,8 @@ class CollectiveMetrics:
             entry[2] += nbytes
             if context is not None:
                 entry[3] = context
-            record(duration_s, labels, context=context)
+            if duration_s is not None:  # a timed step's
+                record(duration_s, labels, context=context)
         for labels, count, nbytes, context in sums.values():
             self._operations.add(count, labels, context=context)
             self._io.add(nbytes, labels, context=context)

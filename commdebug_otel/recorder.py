@@ -132,9 +132,10 @@ class Recorder:
         # Whether the step that closed last was traced: collectives between steps (a logging
         # all_reduce after optimizer.step()) follow it; set-up before the first step is traced.
         self._after_traced = True
-        # c10d collectives are timed to completion on the steps trace_every picks and one in
-        # completion_every (a backend-thread callback each); between steps, as the step before.
-        self._counter.time_completions = True
+        # Collectives are timed (issue time; c10d ones to completion, a backend-thread callback
+        # each) on the steps trace_every picks and one in completion_every; between steps, as the
+        # step before.
+        self._counter.timed = True
         self._fwd_stack: list[Record] = []
         self._open_bw: list[Record] = []  # open backward records, most recently begun last
         self._bw_hint: tuple[Record | None, int] = (None, 0)  # the last record _begin_backward inserted, and where
@@ -256,7 +257,7 @@ class Recorder:
         step = self._step = Step(index, traced, root, SpanKind.STEP)
         self.progress.step_began(now, index)
         # The same steps on every rank (sampled, not traced): their histograms compare.
-        self._counter.time_completions = sampled or index % self.settings.completion_every == 0
+        self._counter.timed = sampled or index % self.settings.completion_every == 0
         step.inference = inference
         self._call_counts.clear()
         if traced and self._exemplars_on():

@@ -1,5 +1,7 @@
 """Collective events and metrics on a real one-rank gloo group in the test process."""
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -114,10 +116,13 @@ def test_metrics_cover_untraced_steps(telemetry, tracer_factory, single_rank_gro
     assert sum(len(s.events) for s in telemetry.spans()) == 2
     [(_, count)] = telemetry.metric_points(semconv.METRIC_OPERATIONS)
     assert count == 4
+    [(_, timed)] = telemetry.metric_points(semconv.METRIC_DURATION)
+    assert timed.count == 2  # issue times on the timed steps only: 0 and 3 (traced)
 
 
-def test_completion_is_timed_on_the_steps_trace_every_and_completion_every_pick(
+def test_collectives_are_timed_on_the_steps_trace_every_and_completion_every_pick(
         telemetry, tracer_factory, single_rank_group):
+    """Issue times (functional collectives too) and c10d completions; counts and bytes on every step."""
     model = AllReduceLinear()  # one c10d all_reduce per forward
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with tracer_factory(trace_every=3, completion_every=2):
@@ -126,13 +131,18 @@ def test_completion_is_timed_on_the_steps_trace_every_and_completion_every_pick(
             model(torch.randn(3, 4)).sum().backward()
             optimizer.step()
             dist.all_reduce(torch.ones(2))  # logging between steps: as the step before
+            funcol.wait_tensor(funcol.all_gather_tensor(torch.ones(2), 0, single_rank_group))
     dist.barrier()  # completion callbacks run on gloo's thread; barrier orders them before the read
-    operations = {labels[semconv.MODULE_PASS]: count
-                  for labels, count in telemetry.metric_points(semconv.METRIC_OPERATIONS)}
-    completions = {(labels[semconv.COLLECTIVE_OP], labels[semconv.MODULE_PASS]): point.count
-                   for labels, point in telemetry.metric_points(semconv.METRIC_COMPLETION)}
-    assert operations == {"forward": 5, "none": 6}
-    assert completions == {("all_reduce", "forward"): 4, ("all_reduce", "none"): 5}
+    def by_op_and_pass(name: str, value: Any) -> dict:
+        return {(labels[semconv.COLLECTIVE_OP], labels[semconv.MODULE_PASS]): value(point)
+                for labels, point in telemetry.metric_points(name)}
+
+    assert by_op_and_pass(semconv.METRIC_OPERATIONS, int) == {
+        ("all_reduce", "forward"): 5, ("all_reduce", "none"): 6, ("all_gather", "none"): 5}
+    assert by_op_and_pass(semconv.METRIC_DURATION, lambda point: point.count) == {
+        ("all_reduce", "forward"): 4, ("all_reduce", "none"): 5, ("all_gather", "none"): 4}
+    assert by_op_and_pass(semconv.METRIC_COMPLETION, lambda point: point.count) == {
+        ("all_reduce", "forward"): 4, ("all_reduce", "none"): 5}
 
 
 def test_metrics_of_a_step_that_never_ends_are_recorded(telemetry, tracer_factory, single_rank_group):
