@@ -109,11 +109,10 @@ class CollectiveCounter:
         if fake:
             return
         rank = self._rank().rank
-        if not self.timed:
-            self._metrics.collective(spec.op, pass_, group, rank, nbytes, None, "", context=None)
-            return
-        self._metrics.collective(spec.op, pass_, group, rank, nbytes, duration_ns / 1e9, "", context=None)
-        if not spec.functional and out is not None:
+        timed = self.timed
+        self._metrics.collective(spec.op, pass_, group, rank, nbytes, duration_ns / 1e9 if timed else None, "",
+                                 context=None)
+        if timed and not spec.functional and out is not None:
             self._time_completion(out, spec, pass_, group, rank, "", start_ns, seq)
 
     def count_recorded(self, collective: Collective, fqn: str, context: Any) -> None:
