@@ -313,7 +313,7 @@ OPTIONS: tuple[Option, ...] = (
            "next step (`outside_step`); metrics cover every step. Untraced steps run without a "
            "dispatch mode (docs/performance.md)."),
     Option("completion_every", "COMPLETION_EVERY", _parse_step_period, 10, _parse_step_period.accepted,
-           "Time collectives on one step in N and on the steps TRACE_EVERY picks, on every rank: "
+           "Time collectives on one step in N, on the steps TRACE_EVERY picks and between steps, on every rank: "
            "their issue time (torch.collective.duration) and, for c10d ones, their completion "
            "(torch.collective.completion_duration, a Python callback each on the backend's thread); "
            "1 = every step. Counts and bytes cover every step (docs/performance.md)."),

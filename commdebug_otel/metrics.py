@@ -7,8 +7,8 @@ Instruments (OTel name -> Prometheus name after the Collector's translation):
 * ``torch.collective.duration`` Histogram ``s`` -> ``torch_collective_duration_seconds_*``:
   the time the CPU spent issuing the collective (for gloo and blocking
   c10d calls this includes the transfer; for async work it does not), on
-  timed steps: those ``trace_every`` picks and one in ``completion_every``
-  (an SDK record per collective cost about 1 % of an untraced step; its
+  timed steps: those ``trace_every`` picks, one in ``completion_every``, and
+  between steps (an SDK record per collective cost about 1 % of an untraced step; its
   count is a sample of the operations, whose counters cover every step).
 * ``torch.collective.completion_duration`` Histogram ``s`` -> ``torch_collective_completion_duration_seconds_*``:
   from issue to completion, for c10d collectives (their ``Work`` future completes

@@ -133,8 +133,7 @@ class Recorder:
         # all_reduce after optimizer.step()) follow it; set-up before the first step is traced.
         self._after_traced = True
         # Collectives are timed (issue time; c10d ones to completion, a backend-thread callback
-        # each) on the steps trace_every picks and one in completion_every; between steps, as the
-        # step before.
+        # each) on the steps trace_every picks and one in completion_every, and between steps.
         self._counter.timed = True
         self._fwd_stack: list[Record] = []
         self._open_bw: list[Record] = []  # open backward records, most recently begun last
@@ -328,6 +327,9 @@ class Recorder:
         self._step_signals(step, now)
         self._close(step, now)
         self._want_why(step.traced)  # between steps as the step before (_outside_step)
+        # Between steps, always: their few collectives (logging every k steps, checkpoints) would
+        # otherwise never be timed where k is a multiple of completion_every.
+        self._counter.timed = True
 
     def _step_signals(self, step: Step, now: int) -> None:
         """Every step: its duration and collective wait (metrics); traced steps: the same on train_step."""
