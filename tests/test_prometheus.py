@@ -30,6 +30,8 @@ from prometheus_server import INSTALL_HINT, PrometheusServer, by_labels, free_po
 
 WORLD_SIZE = 2
 STEPS = 8
+TRACE_EVERY = 2  # steps 0, 2, 4 and 6 are traced, and so timed: the timing histograms sample the steps
+COMPLETION_EVERY = 10  # the default
 STEP_PAUSE_S = 0.35  # training spans several 1 s scrapes, so rates have at least two samples
 BATCH, DIM = 8, 16
 FLOAT32_BYTES = 4
@@ -84,9 +86,20 @@ def expected_collectives() -> dict[tuple[str, str], tuple[int, int]]:
     }
 
 
+def timed_steps() -> int:
+    """Steps whose collectives have a ``torch.collective.duration`` point (traced, or one in COMPLETION_EVERY)."""
+    return sum(1 for step in range(STEPS) if step % TRACE_EVERY == 0 or step % COMPLETION_EVERY == 0)
+
+
+def expected_durations() -> dict[tuple[str, str], int]:
+    """``{(op, pass): points}`` of the issue-time histogram on each rank: set-up (timed) and the timed steps."""
+    return {key: n if key == ("broadcast", "none") else n // STEPS * timed_steps()
+            for key, (n, _) in expected_collectives().items()}
+
+
 def expected_dropped_events() -> int:
-    """With a cap of 1 event per span: the 2nd collective of each forward span, 3 of 4 set-up broadcasts."""
-    return STEPS + 3
+    """With a cap of 1 event per span: the 2nd collective of each traced forward span, 3 of 4 set-up broadcasts."""
+    return STEPS // TRACE_EVERY + 3
 
 
 def _final_values_reached(url: str, at: float) -> bool:
@@ -104,7 +117,7 @@ def _final_values_reached(url: str, at: float) -> bool:
     dropped = by_labels(query(url, "sum by (instance) (commdebug_telemetry_dropped_total)", at), "instance")
     return (counts == {(rank, *key): n for rank in ranks for key, (n, _) in want.items()}
             and nbytes == {(rank, *key): b for rank in ranks for key, (_, b) in want.items()}
-            and observed == counts
+            and observed == {(rank, *key): n for rank in ranks for key, n in expected_durations().items()}
             and sorted(dropped.values()) == [expected_dropped_events()] * WORLD_SIZE)
 
 
@@ -188,6 +201,8 @@ def scraped(tmp_path_factory):
         "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1",
         "OTEL_EXPORTER_PROMETHEUS_PORT": str(base),
         "OTEL_PYTHON_COMMDEBUG_MAX_EVENTS_PER_SPAN": "1",
+        "OTEL_PYTHON_COMMDEBUG_TRACE_EVERY": str(TRACE_EVERY),
+        "OTEL_PYTHON_COMMDEBUG_COMPLETION_EVERY": str(COMPLETION_EVERY),
     }
     with PrometheusServer(targets, scrape_interval_s=1.0) as server:
         results = run_ranks(_train_then_wait_for_scrape, WORLD_SIZE, server.url, env=env)
@@ -235,12 +250,12 @@ def test_counters_are_exact_per_rank(scraped):
                                             '(torch_collective_operations_total{torch_collective_op="all_reduce"})'),
                             "torch_distributed_rank")
     assert all_reduces == {(str(rank),): 2.0 * STEPS for rank in range(WORLD_SIZE)}
-    # Every collective is observed once by the histogram; every bucket series ends at +Inf = count.
+    # Every collective of a timed step is observed once by the histogram; every bucket series ends at +Inf = count.
     inf = by_labels(_query(scraped, 'sum by (torch_distributed_rank) '
                                     '(torch_collective_duration_seconds_bucket{le="+Inf"})'),
                     "torch_distributed_rank")
-    total = sum(n for n, _ in want.values())
-    assert inf == {(str(rank),): float(total) for rank in range(WORLD_SIZE)}
+    assert 0 < timed_steps() < STEPS
+    assert inf == {(str(rank),): float(sum(expected_durations().values())) for rank in range(WORLD_SIZE)}
     group = by_labels(_query(scraped, "count by (torch_process_group_name, torch_process_group_size) "
                                       "(torch_collective_operations_total)"),
                       "torch_process_group_name", "torch_process_group_size")
@@ -332,3 +347,14 @@ def test_seq_panels_are_exact_per_rank_and_group(scraped):
     for ref in ("A", "B"):
         seqs = by_labels(_ref_result(scraped, title, ref), "torch_distributed_rank", "torch_process_group_name")
         assert seqs == {(str(rank), "0"): float(last) for rank in range(WORLD_SIZE)}, ref
+
+
+def test_time_in_collectives_scales_the_timed_steps_to_every_collective(scraped):
+    """Issue times are taken on timed steps only: the panel multiplies their mean by every collective issued,
+    where summing them would count half of rank 0's waits for the late rank (4 timed steps of 8)."""
+    panel = by_labels(_panel_result(scraped, "Time in collectives per rank"), "torch_distributed_rank")
+    summed = by_labels(_query(scraped, "sum by (torch_distributed_rank) "
+                                       "(rate(torch_collective_duration_seconds_sum[30s]))"), "torch_distributed_rank")
+    assert set(panel) == set(summed) == {(str(rank),) for rank in range(WORLD_SIZE)}
+    assert 1.6 < panel[("0",)] / summed[("0",)] < 2.4  # rank 0's time is its forward all_reduce's wait
+    assert panel[("1",)] > summed[("1",)]
