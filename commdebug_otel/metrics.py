@@ -12,7 +12,7 @@ Instruments (OTel name -> Prometheus name after the Collector's translation):
   count is a sample of the operations, whose counters cover every step).
 * ``torch.collective.completion_duration`` Histogram ``s`` -> ``torch_collective_completion_duration_seconds_*``:
   from issue to completion, for c10d collectives (their ``Work`` future completes
-  without anyone waiting) on the steps ``trace_every`` picks and one in ``completion_every``;
+  without anyone waiting) on the steps ``trace_every`` picks, one in ``completion_every`` and between steps;
   functional collectives complete at ``wait_tensor`` and are not timed here.
 * ``commdebug.telemetry.dropped`` Counter ``{item}`` -> ``commdebug_telemetry_dropped_total``
 * ``torch.step.duration`` Histogram ``s`` -> ``torch_step_duration_seconds_*``: each optimizer
