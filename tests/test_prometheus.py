@@ -350,11 +350,14 @@ def test_seq_panels_are_exact_per_rank_and_group(scraped):
 
 
 def test_time_in_collectives_scales_the_timed_steps_to_every_collective(scraped):
-    """Issue times are taken on timed steps only: the panel multiplies their mean by every collective issued,
-    where summing them would count half of rank 0's waits for the late rank (4 timed steps of 8)."""
+    """Issue times are taken on timed steps only (4 of 8, and the 4 set-up broadcasts): the panel multiplies
+    their mean by every collective issued, where summing them would leave out the untimed steps' collectives.
+
+    Per label set the factor is operations over timed points: 2 for the step collectives, 1 for the
+    broadcasts; each ``rate`` extrapolates its own series to the window's edges, so it is not exact."""
     panel = by_labels(_panel_result(scraped, "Time in collectives per rank"), "torch_distributed_rank")
     summed = by_labels(_query(scraped, "sum by (torch_distributed_rank) "
                                        "(rate(torch_collective_duration_seconds_sum[30s]))"), "torch_distributed_rank")
     assert set(panel) == set(summed) == {(str(rank),) for rank in range(WORLD_SIZE)}
-    assert 1.6 < panel[("0",)] / summed[("0",)] < 2.4  # rank 0's time is its forward all_reduce's wait
-    assert panel[("1",)] > summed[("1",)]
+    for rank in panel:
+        assert 1.2 < panel[rank] / summed[rank] < 4, rank
