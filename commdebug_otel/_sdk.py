@@ -44,3 +44,47 @@ def exporter_preferences(exporter: Any) -> dict[str, Any]:
     """A ``MetricExporter``'s temporality and aggregation preferences, as constructor keywords."""
     return {"preferred_temporality": getattr(exporter, "_preferred_temporality", None),
             "preferred_aggregation": getattr(exporter, "_preferred_aggregation", None)}
+
+
+def own_random_views(rng: Any) -> list[Any]:
+    """A ``MeterProvider``'s ``views``: every instrument as by default, its exemplar sampling drawing from
+    ``rng`` (:func:`exemplar_reservoir_factory`); empty where the SDK's shape differs."""
+    from opentelemetry.sdk.metrics.view import View
+
+    reservoirs = exemplar_reservoir_factory(rng)
+    return [View(instrument_name="*", exemplar_reservoir_factory=reservoirs)] if reservoirs else []
+
+
+def exemplar_reservoir_factory(rng: Any) -> Any:
+    """A ``View``'s ``exemplar_reservoir_factory``: the SDK's default reservoirs, but the random draws of
+    ``SimpleFixedSizeExemplarReservoir`` (sums, exponential histograms) come from ``rng``, not the global
+    ``random`` (the SDK's module draws from it). None where the SDK's shape differs: the SDK's default then.
+    """
+    try:
+        from opentelemetry.sdk.metrics import SimpleFixedSizeExemplarReservoir
+        from opentelemetry.sdk.metrics._internal.exemplar.exemplar_reservoir import BucketIndexError
+        from opentelemetry.sdk.metrics._internal.view import _default_reservoir_factory
+
+        probe = SimpleFixedSizeExemplarReservoir()
+        if not isinstance(probe._measurements_seen, int) or not isinstance(probe._size, int):
+            return None
+    except (ImportError, AttributeError):
+        return None
+
+    class OwnRandomReservoir(SimpleFixedSizeExemplarReservoir):
+        """The SDK's uniformly-weighted reservoir (the same algorithm), drawing from ``rng``."""
+
+        def _find_bucket_index(self, value: Any, time_unix_nano: int, attributes: Any, context: Any) -> int:
+            self._measurements_seen += 1
+            if self._measurements_seen <= self._size:
+                return self._measurements_seen - 1
+            index = rng.randrange(0, self._measurements_seen)
+            if index < self._size:
+                return index
+            raise BucketIndexError("Unable to find the bucket index.")
+
+    def factory(aggregation_type: type) -> Any:
+        default = _default_reservoir_factory(aggregation_type)
+        return OwnRandomReservoir if default is SimpleFixedSizeExemplarReservoir else default
+
+    return factory

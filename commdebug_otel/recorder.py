@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import random
 import sys
 import threading
 import time
@@ -36,7 +35,7 @@ import torch
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
 from torch.compiler import is_compiling
 
-from . import semconv
+from . import ids, semconv
 from ._torch import graph_task_id, queue_engine_callback, tensor_hook_key
 from .collectives import (
     C10D_CAUSES,
@@ -260,7 +259,7 @@ class Recorder:
         step.inference = inference
         self._call_counts.clear()
         if traced and self._exemplars_on():
-            step.trace_id = self._trace_id(step) or random.getrandbits(128) or 1
+            step.trace_id = self._trace_id(step) or ids.trace_id()
         step.quiet = not (traced or self._every_event or self.settings.metric_module_depth)
         self._tell_traced(traced)  # every opening: a mode left on by a close inside backward goes now
         self._want_why(traced)
@@ -285,7 +284,7 @@ class Recorder:
         if owner.span_id and last[0] is owner and last[1] == owner.span_id and last[2] == step.trace_id:
             return last[3]
         if not owner.span_id:
-            owner.span_id = random.getrandbits(64) or 1
+            owner.span_id = ids.span_id()
         context = set_span_in_context(NonRecordingSpan(SpanContext(
             step.trace_id, owner.span_id, is_remote=False, trace_flags=_SAMPLED)))
         self._last_exemplar = (owner, owner.span_id, step.trace_id, context)
@@ -883,7 +882,7 @@ class Recorder:
             return True
         step.stalled = snapshot
         if not step.trace_id:  # the step's export at its end joins the snapshot's trace
-            step.trace_id = self._trace_id(step) or random.getrandbits(128) or 1
+            step.trace_id = self._trace_id(step) or ids.trace_id()
         with self._copying:  # the training thread may close the step meanwhile: no record is reused mid-copy
             roots, children, root = snapshot_tree(step, list(step.records), now, snapshot)
         root.attrs[semconv.STEP_STALLED] = snapshot

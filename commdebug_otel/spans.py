@@ -15,6 +15,8 @@ Two paths build the same spans:
 
 Trace ids of ``train_step`` roots and span ids that metric exemplars point at
 are chosen by the recorder; :class:`StepIdGenerator` makes the SDK use them.
+Every other id of a span built here comes from our own random source
+(:mod:`.ids`), never from the script's global ``random``.
 """
 
 from __future__ import annotations
@@ -31,15 +33,43 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
 
 from ._sdk import instrumentation_scope, span_limits
+from .ids import span_id as _new_span_id
+from .ids import trace_id as _new_trace_id
 from .records import span_attributes
 from .redact import exception_attributes
 
 
+class OwnIdGenerator(IdGenerator):
+    """The SDK's ``RandomIdGenerator`` drawing from our own random source (:mod:`.ids`), not the global
+    ``random``: the script's random numbers stay its own, and ranks seeded alike get distinct ids."""
+
+    def generate_span_id(self) -> int:
+        return _new_span_id()
+
+    def generate_trace_id(self) -> int:
+        return _new_trace_id()
+
+    def is_trace_id_random(self) -> bool:
+        return True
+
+
 class StepIdGenerator(IdGenerator):
-    """Random ids, except that a ``train_step`` root span can be given its trace id."""
+    """Random ids, except that a ``train_step`` root span can be given its trace id.
+
+    Args:
+        inner: the provider's generator, which keeps making the ids of the spans
+            we do not build (None: :class:`OwnIdGenerator`, our own provider).
+
+    ``own``: where the random ids of the spans we build come from:
+    :class:`OwnIdGenerator` when ``inner`` is ours or the SDK's stock
+    ``RandomIdGenerator`` (it draws from the script's global ``random``);
+    ``inner`` itself when the user chose another kind (e.g. X-Ray's, whose ids
+    have a form of their own).
+    """
 
     def __init__(self, inner: IdGenerator | None = None) -> None:
-        self._inner = inner or RandomIdGenerator()
+        self._inner = inner or OwnIdGenerator()
+        self.own = OwnIdGenerator() if type(self._inner) in (RandomIdGenerator, OwnIdGenerator) else self._inner
         self._pending = threading.local()
 
     @contextlib.contextmanager
@@ -173,8 +203,12 @@ class SpanBuilder:
             finished.append(direct.end(record, attributes, events, context, parent))
             return
         ids = self._ids
-        chosen = ids.ids(trace_id, record.span_id) if ids is not None and (trace_id or record.span_id) \
-            else contextlib.nullcontext()
+        if ids is not None:  # every id ours, also where the provider's generator draws from the global random
+            own = ids.own
+            chosen = ids.ids(trace_id or (own.generate_trace_id() if parent is None else None),
+                             record.span_id or own.generate_span_id())
+        else:
+            chosen = contextlib.nullcontext()
         if parent_span is not None:  # processors and samplers see the live parent, as before
             parent_context = otel_trace.set_span_in_context(parent_span)
         elif parent is not None:
@@ -237,14 +271,16 @@ class _DirectSpans:
         "_span_attributes",
         "_span_chars",
         "_span_id",
+        "_trace_id",
     )
 
     def __init__(self, provider: Any, tracer: Any, processors: Sequence[Any], limits: SpanLimits) -> None:
         self._provider = provider  # its resource is read per span: the SDK replaces it after a fork
         self._ids = provider.id_generator
-        # Span ids of spans built here: the generator's own (no ids are pending on this path).
-        inner = self._ids._inner if isinstance(self._ids, StepIdGenerator) else self._ids
-        self._span_id = inner.generate_span_id
+        # Random ids of spans built here: never the global random (no ids are pending on this path).
+        own = self._ids.own if isinstance(self._ids, StepIdGenerator) else self._ids
+        self._span_id = own.generate_span_id
+        self._trace_id = own.generate_trace_id
         self._scope = instrumentation_scope(tracer)
         self._info = getattr(tracer, "instrumentation_info", None)
         self._processors = tuple(processors)
@@ -292,9 +328,8 @@ class _DirectSpans:
 
     def context(self, record: Any, parent: SpanContext | None, trace_id: int | None) -> SpanContext:
         """The span's context (ids as the SDK would choose them), known before its children."""
-        ids = self._ids
         if parent is None:
-            trace_id, flags = trace_id or ids.generate_trace_id(), self._root_flags
+            trace_id, flags = trace_id or self._trace_id(), self._root_flags
         else:
             trace_id, flags = parent.trace_id, parent.trace_flags
         return SpanContext(trace_id, record.span_id or self._span_id(), is_remote=False, trace_flags=flags)

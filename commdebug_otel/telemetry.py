@@ -49,7 +49,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 
 from . import semconv
-from ._sdk import batch_queue
+from ._sdk import batch_queue, own_random_views
 from .config import ExportEnv, Settings
 from .export_guard import (
     CountingBatchSpanProcessor,
@@ -59,6 +59,7 @@ from .export_guard import (
     claim_warning,
     fold_exporter_logs,
 )
+from .ids import RNG as OWN_RNG
 from .metrics import dropped_counter
 from .redact import describe, hide_credentials
 from .spans import SpanBuilder, StepIdGenerator, TracerSetup, attach_id_generator
@@ -357,8 +358,9 @@ class Telemetry:
             reader = _prometheus_reader(rank, export)
             if reader is not None:
                 readers.append(reader)
+        # Exemplar sampling draws from our own random source: the script's random numbers stay its own.
         provider = MeterProvider(resource=build_resource(rank, export), metric_readers=readers,
-                                 shutdown_on_exit=False)
+                                 shutdown_on_exit=False, views=own_random_views(OWN_RNG))
         self._own_meter_provider = provider
         self._register_atexit()
         return provider

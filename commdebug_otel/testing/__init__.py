@@ -27,6 +27,10 @@ from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from .._sdk import own_random_views
+from ..ids import RNG as OWN_RNG
+from ..spans import OwnIdGenerator
+
 __all__ = ["InMemoryTelemetry"]
 
 
@@ -42,10 +46,14 @@ class InMemoryTelemetry:
     def __init__(self, max_events: int = 4096, resource: Any = None) -> None:
         extra = {} if resource is None else {"resource": resource}
         self.span_exporter = InMemorySpanExporter()
-        self.tracer_provider = TracerProvider(span_limits=SpanLimits(max_events=max_events), **extra)
+        self.tracer_provider = TracerProvider(span_limits=SpanLimits(max_events=max_events),
+                                              id_generator=OwnIdGenerator(), **extra)
         self.tracer_provider.add_span_processor(SimpleSpanProcessor(self.span_exporter))
         self.metric_reader = InMemoryMetricReader()
-        self.meter_provider = MeterProvider(metric_readers=[self.metric_reader], **extra)
+        # Ids and exemplar sampling from our own random source, as in our own providers: a seeded test's
+        # random numbers are the same with and without tracing.
+        self.meter_provider = MeterProvider(metric_readers=[self.metric_reader],
+                                            views=own_random_views(OWN_RNG), **extra)
 
     def spans(self) -> list[Any]:
         """Finished spans, sorted by start time then name."""
