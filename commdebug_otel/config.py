@@ -362,7 +362,10 @@ OPTIONS: tuple[Option, ...] = (
            "a watchdog thread exports a stall snapshot at once: the step's spans so far, a `stalled` span "
            "with the collectives in flight and the recent ones, and the metrics; again with back-off "
            "while it lasts. auto: 10 x the median of the rank's recent step times, at least 30 s "
-           "(300 s until 3 steps have ended); off: no watchdog. Keep it below the process group's timeout, "
+           "(300 s until 3 steps have ended); between steps (data loading, checkpoints, evaluation) with no "
+           "collective in flight, at least 600 s: a planned pause is not a stall, and a rank that waits for "
+           "it in a collective still reports at the step threshold. A number applies everywhere; off: no "
+           "watchdog. Keep it below the process group's timeout, "
            "or a hang may end in that timeout before a snapshot (docs/diagnosis.md)."),
     Option("module_include", "MODULE_INCLUDE", _parse_patterns, (), "comma list of fnmatch patterns",
            "Only modules whose FQN matches get spans (empty = all)."),

@@ -11,6 +11,11 @@ about Flight Recorder's cost (one tuple per collective in a bounded ring):
 * when the current step began (or, between steps, when the last one ended),
   the time the training thread spent waiting in collectives, the recent step times.
 
+Under ``auto``, time between steps with no collective in flight (data loading,
+checkpoints, evaluation) is held to a much larger floor than a step
+(:data:`AUTO_BETWEEN_STEPS_S`): a hang shows as a collective in flight on the
+ranks that wait, and those report it at the step threshold.
+
 :class:`StallWatch` is a daemon thread per rank that reads it. When the step (or
 the gap between steps) has lasted ``OTEL_PYTHON_COMMDEBUG_STALL_AFTER`` seconds,
 it has the recorder export a snapshot at once (:meth:`Recorder.stall_snapshot`):
@@ -48,6 +53,10 @@ AUTO_FACTOR = 10.0  # auto threshold: this many times the median recent step tim
 AUTO_FLOOR_S = 30.0  # ...but at least this
 AUTO_FIRST_S = 300.0  # until AUTO_MIN_STEPS steps have ended (compilation, warm-up)
 AUTO_MIN_STEPS = 3
+# auto, between steps with no collective in flight (data loading, a checkpoint save, an evaluation: no peer is
+# waiting for this rank in a collective yet): at least this long. A hang there still shows on the other ranks,
+# which wait in a collective and report it at the usual threshold.
+AUTO_BETWEEN_STEPS_S = 600.0
 SLOW_STEP_FACTOR = 2.0  # commdebug.step.slow: longer than this times the recent median...
 SLOW_AFTER_STEPS = 8  # ...once this many steps have ended
 MAX_SNAPSHOTS = 12  # per stall: at T, 2T, 4T, ... (12 reach 2048 T)
@@ -141,13 +150,26 @@ class Progress:
         return len(recent) > SLOW_AFTER_STEPS and duration_s > SLOW_STEP_FACTOR * statistics.median(recent)
 
     def threshold_s(self, setting: float | str) -> float:
-        """The stall threshold in seconds: ``setting``, or the auto rule (see the config option)."""
+        """The stall threshold in seconds: ``setting``, or the auto rule (see the config option).
+
+        Under auto, time between steps (or before the first) with no collective in flight counts
+        against at least :data:`AUTO_BETWEEN_STEPS_S`: a planned pause is not a stall.
+        """
         if setting != STALL_AUTO:
             return float(setting)
         recent = list(self.durations)
         if len(recent) < AUTO_MIN_STEPS:
-            return AUTO_FIRST_S
-        return max(AUTO_FLOOR_S, AUTO_FACTOR * statistics.median(recent))
+            threshold = AUTO_FIRST_S
+        else:
+            threshold = max(AUTO_FLOOR_S, AUTO_FACTOR * statistics.median(recent))
+        if not self.in_step and not self.in_flight():
+            return max(threshold, AUTO_BETWEEN_STEPS_S)
+        return threshold
+
+    def in_flight(self) -> bool:
+        """Whether a collective this rank issued is not known complete (a peer may be what it waits for)."""
+        completed = self.completed
+        return any(following - 1 > completed.get(group, -1) for group, following in list(self.next_seq.items()))
 
     def age_s(self, now: int | None = None) -> float:
         return ((now or time.time_ns()) - self.since_ns) / 1e9

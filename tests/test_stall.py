@@ -10,7 +10,7 @@ from torch import nn
 
 from commdebug_otel import semconv
 from commdebug_otel.config import Settings
-from commdebug_otel.stall import AUTO_FIRST_S, AUTO_FLOOR_S, Progress, StallWatch
+from commdebug_otel.stall import AUTO_BETWEEN_STEPS_S, AUTO_FIRST_S, AUTO_FLOOR_S, Progress, StallWatch
 from commdebug_otel.testing.otlp_receiver import OtlpReceiver
 from tests.distributed import run_ranks
 from tests.models import AllReduceLinear
@@ -252,6 +252,7 @@ def test_untraced_steps_and_functional_collectives_get_snapshots_too(where):
 # ----------------------------------------------------------------- the watchdog's rules, without ranks
 def test_auto_threshold_follows_recent_steps_with_a_floor():
     progress = Progress()
+    progress.step_began(time.time_ns(), 0)
     assert progress.threshold_s("auto") == AUTO_FIRST_S
     for _ in range(5):
         progress.durations.append(0.2)
@@ -260,6 +261,23 @@ def test_auto_threshold_follows_recent_steps_with_a_floor():
         progress.durations.append(10.0)
     assert progress.threshold_s("auto") == 100.0
     assert progress.threshold_s(2.5) == 2.5
+
+
+def test_auto_holds_the_time_between_steps_to_its_own_floor_unless_a_collective_is_in_flight():
+    progress = Progress()
+    assert progress.threshold_s("auto") == AUTO_BETWEEN_STEPS_S  # set-up, nothing in flight
+    progress.step_began(time.time_ns(), 0)
+    for _ in range(5):
+        progress.durations.append(0.2)
+    progress.next_seq["0"] = 3  # seqs 0, 1, 2 issued in the step
+    assert progress.threshold_s("auto") == AUTO_FLOOR_S
+    progress.step_ended(time.time_ns(), True)  # the step's collectives are complete
+    assert not progress.in_flight() and progress.threshold_s("auto") == AUTO_BETWEEN_STEPS_S
+    assert progress.threshold_s(2.5) == 2.5  # a number applies between steps too
+    progress.next_seq["0"] = 4  # a collective between steps, not known complete: the others may be waiting
+    assert progress.in_flight() and progress.threshold_s("auto") == AUTO_FLOOR_S
+    progress.complete("0", 3)
+    assert progress.threshold_s("auto") == AUTO_BETWEEN_STEPS_S
 
 
 def test_snapshots_back_off_while_one_stall_lasts():
@@ -399,3 +417,51 @@ def test_a_snapshot_copies_the_stuck_steps_records_even_if_the_step_ends_meanwhi
     # Step 1 as it was when the copy began (forward only), nothing of step 2's.
     snapshot = sorted(span.name for span in telemetry.spans() if span.attributes.get(semconv.STALL_SNAPSHOT) == 1)
     assert snapshot == ["Net forward", "Net.first forward", "Net.second forward", "stalled", "train_step"]
+
+
+def _pause_between_steps(rank: int, world_size: int) -> dict:
+    """Four fast steps, then rank 1 pauses between steps (a checkpoint save) while rank 0 waits for it in an
+    all_reduce. Each rank's watchdog is asked, during the pause, at a clock a minute past the last step's end
+    (above auto's 30 s floor): the pause alone is no stall; the wait in a collective is."""
+    import threading
+
+    import torch.distributed as dist
+
+    from commdebug_otel import CommTracer, Settings
+    from commdebug_otel.testing import InMemoryTelemetry
+
+    telemetry = InMemoryTelemetry()
+    model = AllReduceLinear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    fired = []
+    with CommTracer(Settings(stall_after_s="auto"), tracer_provider=telemetry.tracer_provider,
+                    meter_provider=telemetry.meter_provider) as tracer:
+        for _ in range(4):
+            model(torch.ones(2, 4)).sum().backward()
+            optimizer.step()
+        watch, progress = tracer._stall_watch, tracer.recorder.progress
+
+        def ask():
+            time.sleep(1.0)  # rank 0 is in its all_reduce by now, rank 1 in its pause
+            fired.append(watch.check(progress.since_ns + 60 * 10**9))
+
+        asking = threading.Thread(target=ask)
+        asking.start()
+        if rank == 1:
+            time.sleep(3.0)  # the planned pause, nothing in flight
+        dist.all_reduce(torch.ones(1))  # between steps; rank 0 waits here for rank 1
+        asking.join()
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+    stalled = [span for span in telemetry.spans() if span.name == "stalled"]
+    return {"fired": fired, "stalled": [(dict(span.attributes).get(semconv.STALL_BETWEEN_STEPS),
+                                         [event.attributes.get(semconv.COLLECTIVE_STATE) for event in span.events])
+                                        for span in stalled]}
+
+
+def test_auto_reports_a_wait_in_a_collective_between_steps_but_not_a_planned_pause():
+    waiting, pausing = run_ranks(_pause_between_steps, 2)
+    assert pausing == {"fired": [False], "stalled": []}
+    assert waiting["fired"] == [True]
+    [(between_steps, states)] = waiting["stalled"]
+    assert between_steps is True and states[-1] == semconv.STATE_IN_FLIGHT
