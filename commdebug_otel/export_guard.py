@@ -273,7 +273,7 @@ class SizedSpanExporter(SpanExporter):
             try:
                 outcome = self._inner.export(chunk)
             except Exception as error:  # an exporter bug must not kill the export thread
-                _fold.last_message = describe(error)
+                _fold.last_message = describe(error, values=False)
                 outcome = SpanExportResult.FAILURE
             finally:
                 self._in_flight = 0
@@ -338,7 +338,7 @@ class CountingMetricExporter(MetricExporter):
         try:
             outcome = self._inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
         except Exception as error:
-            _fold.last_message = describe(error)
+            _fold.last_message = describe(error, values=False)
             outcome = MetricExportResult.FAILURE
         if outcome is not MetricExportResult.SUCCESS:
             self._count_dropped(semconv.DROPPED_KIND_METRIC_EXPORT, 1)

@@ -352,7 +352,7 @@ class LazyCollectiveMetrics:
             except Exception as error:  # e.g. an output folder we cannot create: say it once
                 from opentelemetry.metrics import NoOpMeter
 
-                _logger.warning("commdebug-otel: metrics are off: %s", describe(error))
+                _logger.warning("commdebug-otel: metrics are off: %s", describe(error, values=False))
                 meter = NoOpMeter("commdebug_otel")
             self._metrics = CollectiveMetrics(meter, self._module_depth, self.dropped,
                                               self._rank_label(self._rank().world_size), self._progress)

@@ -124,7 +124,31 @@ def exception_attributes(error: BaseException, messages: str = "redacted") -> di
     return attributes
 
 
-def describe(error: BaseException) -> str:
-    """``Type: redacted message``, for our own log lines."""
-    message = redact_message(message_of(error))
+def describe(error: BaseException, values: bool = True) -> str:
+    """``Type: message``, for our own log lines.
+
+    An ``OSError`` with an error code is written from its parts, ``[Errno 28] No space left on device:
+    '/out/run-20260101-120000-1a2b3c4d/traces-rank3.jsonl'``: the file names are paths we or the OS chose,
+    never tensor values, so they are shown as they are. Any other message is redacted
+    (:func:`redact_message`) where ``values`` is True, the default: it may come from code that held the
+    script's tensors; ``values=False`` (an exporter's or the SDK's failure, about our own endpoints and
+    files) keeps its numbers, a port for one. Credentials are hidden in every case.
+    """
+    if isinstance(error, OSError) and error.strerror:
+        message = _os_error_message(error)
+    else:
+        text = message_of(error)
+        message = redact_message(text) if values else hide_credentials(text[:MAX_MESSAGE_CHARS])
     return f"{type(error).__name__}: {message}" if message else type(error).__name__
+
+
+def _os_error_message(error: OSError) -> str:
+    """What ``str(error)`` says, from the attributes (a subclass's ``__str__`` may say more)."""
+    message = str(error.strerror)
+    if error.errno is not None:
+        message = f"[Errno {error.errno}] {message}"
+    if error.filename is not None:
+        message += f": {error.filename!r}"
+        if error.filename2 is not None:
+            message += f" -> {error.filename2!r}"
+    return hide_credentials(message)

@@ -276,7 +276,7 @@ class Telemetry:
                             provider = self._make_tracer_provider()
                         except Exception as error:  # e.g. OUTPUT_DIR cannot be created
                             _logger.warning("commdebug-otel: spans are off: %s",
-                                            describe(error))
+                                            describe(error, values=False))
                             provider = otel_trace.NoOpTracerProvider()
                     ids = attach_id_generator(provider)  # before the tracer: it keeps the generator
                     tracer = otel_trace.get_tracer(SCOPE_NAME, __version__, provider)
@@ -309,7 +309,7 @@ class Telemetry:
                             provider = self._make_meter_provider()
                         except Exception as error:
                             _logger.warning("commdebug-otel: metrics are off: %s",
-                                            describe(error))
+                                            describe(error, values=False))
                             provider = otel_metrics.NoOpMeterProvider()
                     self._meter = otel_metrics.get_meter(SCOPE_NAME, __version__, provider)
         return self._meter
@@ -442,7 +442,7 @@ class Telemetry:
                 _logger.warning("commdebug-otel: cannot write OTLP-JSON files to %s "
                                 "(OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR=%s): %s; spans and metrics that would go "
                                 "there are not exported, training continues", directory,
-                                self._settings.output_dir, describe(error))
+                                self._settings.output_dir, describe(error, values=False))
             return None
         if not self._said_where:
             self._said_where = True

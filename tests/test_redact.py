@@ -1,5 +1,7 @@
 """What leaves the process of an exception message: no tensor value in any form, in time linear in the message."""
 
+import errno
+
 import pytest
 
 from commdebug_otel.redact import MAX_MESSAGE_CHARS, describe, exception_attributes, hide_credentials, redact_message
@@ -81,3 +83,18 @@ def test_the_exception_message_setting_from_the_environment(caplog):
     assert Settings.from_env({"OTEL_PYTHON_COMMDEBUG_EXCEPTION_MESSAGES": "None"}).exception_messages == "none"
     assert Settings.from_env({"OTEL_PYTHON_COMMDEBUG_EXCEPTION_MESSAGES": "all"}).exception_messages == "redacted"
     assert "OTEL_PYTHON_COMMDEBUG_EXCEPTION_MESSAGES" in caplog.text and "redacted, full or none" in caplog.text
+
+
+def test_our_own_paths_and_endpoints_are_not_redacted_in_log_lines():
+    """A warning about our run folder or an export failure shows the path and the port as they are."""
+    path = "/out-2026/run-20261201-224655-49acfada/traces-rank3.jsonl"
+    assert describe(OSError(errno.ENOSPC, "No space left on device", path)) == (
+        f"OSError: [Errno {errno.ENOSPC}] No space left on device: '{path}'")
+    assert describe(FileExistsError(errno.EEXIST, "File exists", "/a/run-1", None, "/b/run-2")) == (
+        f"FileExistsError: [Errno {errno.EEXIST}] File exists: '/a/run-1' -> '/b/run-2'")
+    refused = ConnectionError("HTTPConnectionPool(host='u:pw@collector', port=4318): Max retries exceeded")
+    assert describe(refused, values=False) == (
+        "ConnectionError: HTTPConnectionPool(host='<credentials>@collector', port=4318): Max retries exceeded")
+    # Anything else, by default, may have come near the script's tensors: its numbers go.
+    assert describe(OSError("value tensor([1.5]) at 7")) == "OSError: value <values> at <values>"
+    assert describe(ValueError(f"bad {path}")) != f"ValueError: bad {path}"

@@ -1,5 +1,6 @@
 """Never break or stall training; lose nothing silently; refuse bad input clearly."""
 
+import errno
 import json
 import logging
 import os
@@ -618,6 +619,10 @@ def test_unwritable_output_folder_costs_a_warning_not_the_training(tmp_path):
     said = [line for line in result.stderr.splitlines() if "commdebug-otel" in line]
     assert len(said) == 1 and "OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR" in said[0], result.stderr  # one line, naming it
     assert "Traceback" not in result.stderr
+    # Our own paths as they are (redaction is for the script's values): the run folder, and the error's file name.
+    assert f"files to {blocker / 'sub'}{os.sep}run-" in said[0]
+    assert f"NotADirectoryError: [Errno {errno.ENOTDIR}] Not a directory: '{blocker / 'sub'}'" in said[0]
+    assert "<values>" not in said[0]
 
 
 def test_a_forked_child_killed_by_sigterm_leaves_its_parent_alone(tmp_path):
