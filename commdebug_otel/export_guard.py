@@ -25,6 +25,7 @@ import collections
 import errno
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -35,7 +36,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 
 from . import semconv
 from ._sdk import batch_queue, exporter_preferences, replace_batch_queue
-from .redact import describe, hide_credentials
+from .redact import describe, hide_credentials, valid_text
 
 _logger = logging.getLogger(__name__)
 
@@ -399,6 +400,22 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
             replace_batch_queue(holder, _CountingQueue(queue, queue.maxlen, dropped))
 
 
+# In JSON text as json.dumps writes it (ensure_ascii): an escaped backslash, a surrogate pair's escapes, or one
+# surrogate's escape alone; only the last is invalid Unicode (a strict reader refuses the line).
+_SURROGATE_ESCAPES = re.compile(r"\\\\|\\ud[89ab][0-9a-f]{2}\\ud[c-f][0-9a-f]{2}|(\\ud[89a-f][0-9a-f]{2})")
+
+
+def valid_json(text: str) -> str:
+    """JSON ``text`` with every lone surrogate, escaped (``\\udc80``) or raw, made U+FFFD: valid UTF-8 JSON.
+
+    Module names, exception messages and file names decoded with ``surrogateescape`` can hold one;
+    ``json.dumps`` escapes it, and strict readers (the Collector's, ``summarize``) then refuse the line.
+    """
+    if "\\ud" in text:
+        text = _SURROGATE_ESCAPES.sub(lambda match: "\\ufffd" if match.group(1) else match.group(0), text)
+    return valid_text(text)
+
+
 class WholeLineFile:
     """A text stream over one append-only file, for ``FileSpanExporter(stream=...)`` and its metric twin.
 
@@ -406,7 +423,8 @@ class WholeLineFile:
     that fails part-way (``ENOSPC``, ``EFBIG`` under ``ulimit -f``), the file is
     cut back to its length before, so it never holds half a line, and the
     ``OSError`` reaches the exporter, which reports a failed export (counted by
-    the guards above). The file is created with mode 0600 (owner only).
+    the guards above). The file is created with mode 0600 (owner only). What is
+    written is valid UTF-8 JSON (:func:`valid_json`).
 
     Args:
         path: the file; created if missing, else appended to.
@@ -428,7 +446,7 @@ class WholeLineFile:
     def flush(self) -> None:
         if not self._pending:
             return
-        data = "".join(self._pending).encode("utf-8")
+        data = valid_json("".join(self._pending)).encode("utf-8")
         self._pending.clear()
         start = os.lseek(self._fd, 0, os.SEEK_END)
         written = 0

@@ -58,7 +58,7 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from . import semconv
 from .ops import GroupFacts
-from .redact import describe
+from .redact import describe, valid_text
 
 # Collective issue times span microseconds (in-process) to seconds (slow ranks).
 DURATION_BUCKETS_S = (0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05,
@@ -243,19 +243,19 @@ class CollectiveMetrics:
         key = (op, pass_, group.name, rank, module)
         labels = self._labels.get(key)
         if labels is None:
-            labels = self._labels[key] = {
+            labels = self._labels[key] = {  # names from the script made valid Unicode: OTLP strings are UTF-8
                 semconv.COLLECTIVE_OP: op,
                 semconv.MODULE_PASS: pass_,
-                semconv.PROCESS_GROUP_NAME: group.name,
+                semconv.PROCESS_GROUP_NAME: valid_text(group.name),
                 semconv.PROCESS_GROUP_SIZE: group.size,
                 **self._rank_labels(rank),
             }
             if group.dim_name:
-                labels[semconv.DEVICE_MESH_DIM_NAME] = group.dim_name
+                labels[semconv.DEVICE_MESH_DIM_NAME] = valid_text(group.dim_name)
                 if not self._rank_label:  # the dimension names it on every rank alike
                     del labels[semconv.PROCESS_GROUP_NAME]
             if module:
-                labels[semconv.MODULE_FQN] = module
+                labels[semconv.MODULE_FQN] = valid_text(module)
         return labels
 
     def completion(self, op: str, pass_: str, group: GroupFacts, rank: int, duration_s: float,

@@ -77,6 +77,23 @@ def redact_message(text: str) -> str:
     return _RUN.sub(REDACTED, redacted)
 
 
+def valid_text(text: str) -> str:
+    """``text`` as valid Unicode, so it encodes to UTF-8: surrogate pairs joined, a lone surrogate
+    (``"\\udc80"``: a module name, a file name decoded with ``surrogateescape``, an exception message)
+    replaced by U+FFFD, as a UTF-8 decoder replaces bytes it cannot read. ``text`` itself when it is valid.
+
+    OTLP strings must be UTF-8: protobuf refuses the string (the SDK's exporters then drop the batch) and
+    a JSON reader the line.
+    """
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+
+
 def message_of(error: BaseException) -> str:
     """``str(error)``, or ``<unprintable Type>`` when its ``__str__`` raises."""
     try:
@@ -116,10 +133,10 @@ def exception_attributes(error: BaseException, messages: str = "redacted") -> di
     attributes: dict[str, Any] = {"exception.type": type(error).__name__}
     if messages != "none":
         text = message_of(error)
-        message = text if messages == "full" else redact_message(text)
+        message = valid_text(text if messages == "full" else redact_message(text))
         if message:
             attributes["exception.message"] = message
-    attributes["exception.stacktrace"] = code_locations(error)
+    attributes["exception.stacktrace"] = valid_text(code_locations(error))  # file names may hold surrogates
     attributes["exception.escaped"] = "False"
     return attributes
 

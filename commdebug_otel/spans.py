@@ -36,7 +36,7 @@ from ._sdk import instrumentation_scope, span_limits
 from .ids import span_id as _new_span_id
 from .ids import trace_id as _new_trace_id
 from .records import span_attributes
-from .redact import exception_attributes
+from .redact import exception_attributes, valid_text
 
 
 class OwnIdGenerator(IdGenerator):
@@ -216,10 +216,10 @@ class SpanBuilder:
         else:
             parent_context = otel_context.Context()
         with chosen:
-            span = tracer.start_span(record.name, context=parent_context, attributes=attributes,
-                                     start_time=record.start_ns)
+            span = tracer.start_span(valid_text(record.name), context=parent_context,
+                                     attributes=_valid_values(attributes), start_time=record.start_ns)
         for name, event_attributes, timestamp in record.events:
-            span.add_event(name, event_attributes, timestamp)
+            span.add_event(name, _valid_values(event_attributes), timestamp)
         if record.error is not None:
             span.set_status(Status(StatusCode.ERROR, type(record.error).__name__))
             # Not Span.record_exception: its message and stack trace can hold tensor values.
@@ -337,7 +337,7 @@ class _DirectSpans:
     def end(self, record: Any, attributes: dict[str, Any], events: tuple, context: SpanContext,
             parent: SpanContext | None) -> ReadableSpan:
         """The finished span (for :meth:`hand_over`), with what :meth:`prepare` returned."""
-        return ReadableSpan(name=record.name, context=context, parent=parent,
+        return ReadableSpan(name=valid_text(record.name), context=context, parent=parent,
                             resource=self._provider.resource, attributes=attributes, events=events,
                             start_time=record.start_ns, end_time=record.end_ns,
                             instrumentation_info=self._info, instrumentation_scope=self._scope)
@@ -356,10 +356,30 @@ def _fits(count: int, limit: int | None) -> bool:
 _PLAIN = (str, bool, int, float)
 
 
+def _valid_values(attributes: Any) -> Any:
+    """``attributes`` with every string made valid Unicode (``redact.valid_text``); itself when all are."""
+    if not attributes:
+        return attributes
+    fixed = None
+    for key, value in attributes.items():
+        if type(value) is str:
+            valid = valid_text(value)
+        elif type(value) in (tuple, list) and any(type(item) is str and not item.isascii() for item in value):
+            valid = tuple(valid_text(item) if type(item) is str else item for item in value)
+        else:
+            continue
+        if valid is not value:
+            if fixed is None:
+                fixed = dict(attributes)
+            fixed[key] = valid
+    return attributes if fixed is None else fixed
+
+
 def _plain(attributes: dict[str, Any], chars: int | None, limit: int | None) -> dict[str, Any] | None:
     """``attributes`` (changed in place) as ``BoundedAttributes`` keeps them, or None if they are not plain.
 
-    Strings, also inside sequences, are cut at ``chars``; lists become tuples. None when
+    Strings, also inside sequences, are made valid Unicode (``redact.valid_text``: OTLP strings are
+    UTF-8) and cut at ``chars``; lists become tuples. None when
     a value is of another type or a sequence mixes types (the SDK would convert or drop
     it, with a warning), or there are more than ``limit`` attributes.
     """
@@ -368,6 +388,8 @@ def _plain(attributes: dict[str, Any], chars: int | None, limit: int | None) -> 
     for key, value in attributes.items():
         kind = type(value)
         if kind is str:
+            if not value.isascii():
+                attributes[key] = value = valid_text(value)
             if chars is not None and len(value) > chars:
                 attributes[key] = value[:chars]
         elif kind is int or kind is bool or kind is float:
@@ -377,8 +399,8 @@ def _plain(attributes: dict[str, Any], chars: int | None, limit: int | None) -> 
                 first = type(value[0])
                 if first not in _PLAIN or any(type(item) is not first for item in value):
                     return None
-                if first is str and chars is not None:
-                    value = tuple(item[:chars] for item in value)
+                if first is str:
+                    value = tuple((item if item.isascii() else valid_text(item))[:chars] for item in value)
             if kind is list:
                 value = tuple(value)
             attributes[key] = value

@@ -411,3 +411,102 @@ def test_the_file_exporter_writes_nothing_to_a_closed_stream():
         for _ in range(3):
             assert exporter.export(spans).name == "FAILURE"  # as the SDK's: the stream is closed
         assert not stream._pending  # and nothing waits to be written
+
+
+# ----------------------------------------------------------------- what we write is valid UTF-8
+def _surrogate_job(tracer):
+    """Module names, a class's qualified name and an exception message, each with a lone surrogate."""
+    import torch
+    from torch import nn
+
+    from models import AllReduceLinear
+
+    class Boom(nn.Module):
+        fail = False
+
+        def forward(self, x):
+            if self.fail:
+                raise ValueError("bad \udc80 value")
+            return x
+
+    Odd = type("Odd", (nn.Module,), {"forward": lambda self, x: x * 2})
+    Odd.__module__, Odd.__qualname__ = "mod\udc82", "Odd\udc81"  # a class name itself cannot hold one
+    model = nn.Sequential()
+    model.add_module("lin\udc80", AllReduceLinear())
+    model.add_module("odd", Odd())
+    model.add_module("boom", Boom())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tracer:
+        for _ in range(2):
+            model(torch.ones(1, 4)).sum().backward()
+            optimizer.step()
+        model.boom.fail = True
+        with pytest.raises(ValueError):
+            model(torch.ones(1, 4))
+        tracer.flush_metrics()
+
+
+def _strict_lines(path):
+    """Every line decoded strictly as UTF-8 and parsed, with no string a UTF-8 encoder refuses."""
+    lines = []
+    for raw in path.read_bytes().splitlines():
+        obj = json.loads(raw.decode("utf-8", "strict"))
+        json.dumps(obj, ensure_ascii=False).encode("utf-8", "strict")
+        lines.append(obj)
+    return lines
+
+
+def test_surrogates_in_names_and_messages_leave_valid_utf8_json(tmp_path, single_rank_group, capsys):
+    import argparse
+
+    from commdebug_otel import CommTracer, Settings, semconv
+    from commdebug_otel.offline import summary
+    from commdebug_otel.offline.otlp_json import spans_from_otlp_json
+
+    _surrogate_job(CommTracer(Settings(output_dir=str(tmp_path), metric_module_depth=3)))
+    [run] = tmp_path.glob("run-*")
+    traces, metrics = _strict_lines(run / "traces-rank0.jsonl"), _strict_lines(run / "metrics-rank0.jsonl")
+    spans = [span for line in traces for span in spans_from_otlp_json(line)]
+    names = {span["name"] for span in spans}
+    assert {"Sequential.lin\ufffd forward", "Sequential.odd forward", "Sequential.boom forward"} <= names
+    odd = next(span for span in spans if span["name"] == "Sequential.odd forward")
+    assert odd["attributes"][semconv.MODULE_TYPE] == "mod\ufffd.Odd\ufffd"
+    messages = {event["attributes"]["exception.message"] for span in spans for event in span["events"]
+                if event["name"] == "exception"}  # the module that raised and its parent
+    assert messages == {"bad \ufffd value"}
+    assert "Sequential.lin\ufffd" in json.dumps(metrics, ensure_ascii=False)  # the module label
+    parser = argparse.ArgumentParser()
+    summary.add_arguments(parser)
+    assert summary.run(parser.parse_args([str(run)])) == 0
+    assert "Sequential.lin\ufffd" in capsys.readouterr().out
+
+
+def test_surrogates_reach_the_protobuf_encoders_as_valid_strings(telemetry, tracer_factory, single_rank_group):
+    """gRPC (our encoder) and HTTP (the SDK's): protobuf refuses an invalid string, and the batch with it."""
+    _surrogate_job(tracer_factory(metric_module_depth=3))
+    spans = telemetry.spans()
+    assert "Sequential.lin\ufffd forward" in {span.name for span in spans}
+    assert encode_spans(spans).SerializeToString() == sdk_encode_spans(spans).SerializeToString()
+    labels = [point.attributes for rm in telemetry.metric_reader.get_metrics_data().resource_metrics
+              for sm in rm.scope_metrics for metric in sm.metrics for point in metric.data.data_points]
+    assert {"Sequential.lin\ufffd"} <= {label.get("torch.module.fqn") for label in labels}
+
+
+def test_file_lines_are_valid_utf8_whatever_reaches_them(tmp_path):
+    """The files' last guard (a resource attribute from the environment, a metric the SDK encodes): a lone
+    surrogate, escaped by json.dumps or raw, becomes U+FFFD; pairs and escaped backslashes stay."""
+    from commdebug_otel.export_guard import WholeLineFile, valid_json
+
+    values = ["a\udc80", "\ud83d\ude00", "x\\udc80", "é\ud800", "\ud83d"]
+    written = WholeLineFile(str(tmp_path / "out.jsonl"))
+    written.write(json.dumps(values) + "\n")
+    written.write(json.dumps(values, ensure_ascii=False) + "\n")
+    written.flush()
+    written.close()
+    expected = ["a\ufffd", "\U0001f600", "x\\udc80", "é\ufffd", "\ufffd"]
+    assert [json.loads(line) for line in _strict_raw(tmp_path / "out.jsonl")] == [expected, expected]
+    assert valid_json('{"k":"plain"}') == '{"k":"plain"}'
+
+
+def _strict_raw(path):
+    return [raw.decode("utf-8", "strict") for raw in path.read_bytes().splitlines()]
