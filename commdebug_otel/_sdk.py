@@ -88,3 +88,29 @@ def exemplar_reservoir_factory(rng: Any) -> Any:
         return OwnRandomReservoir if default is SimpleFixedSizeExemplarReservoir else default
 
     return factory
+
+
+def jitter_from(exporter: Any, rng: Any) -> bool:
+    """Have an OTLP exporter's retry back-off jitter drawn from ``rng``, not the global ``random``.
+
+    The HTTP exporters' client draws it in ``_OTLPHTTPClient._compute_backoff`` (replaced on this
+    exporter's client only); the gRPC exporter calls ``random.uniform`` inline, so the name ``random``
+    of its module is pointed at ``rng``: every gRPC exporter of the process then jitters from ``rng``
+    (the same numbers' distribution; only the script's own generator is left alone). False where
+    neither shape is found.
+    """
+    import random
+    import sys
+
+    client = getattr(exporter, "_client", None)
+    jitter = getattr(client, "_jitter", None)
+    if callable(getattr(client, "_compute_backoff", None)) and isinstance(jitter, float):
+        client._compute_backoff = lambda retry: 2**retry * rng.uniform(1 - jitter, 1 + jitter)
+        return True
+    for cls in type(exporter).__mro__:
+        module = sys.modules.get(cls.__module__)
+        if module is not None and cls.__module__.startswith("opentelemetry.exporter.otlp") \
+                and getattr(module, "random", None) is random:
+            module.random = rng
+            return True
+    return False

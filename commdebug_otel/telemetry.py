@@ -49,7 +49,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 
 from . import semconv
-from ._sdk import batch_queue, own_random_views
+from ._sdk import batch_queue, jitter_from, own_random_views
 from .config import ExportEnv, Settings
 from .export_guard import (
     CountingBatchSpanProcessor,
@@ -474,12 +474,13 @@ class Telemetry:
                 transport = "http" if export.otlp_protocol(signal).startswith("http") else "grpc"
                 arguments = _exporter_arguments(export, signal, transport)
                 if signal == "traces":
-                    exporter = SizedSpanExporter(_exporter_class(signal, transport)(endpoint=endpoint, **arguments),
-                                                 endpoint, self.count_dropped)
+                    inner = _exporter_class(signal, transport)(endpoint=endpoint, **arguments)
+                    exporter = SizedSpanExporter(inner, endpoint, self.count_dropped)
                 else:
-                    exporter = CountingMetricExporter(_exporter_class(signal, transport)(
-                        endpoint=endpoint, max_export_batch_size=METRIC_EXPORT_BATCH_POINTS, **arguments),
-                        endpoint, self.count_dropped)
+                    inner = _exporter_class(signal, transport)(
+                        endpoint=endpoint, max_export_batch_size=METRIC_EXPORT_BATCH_POINTS, **arguments)
+                    exporter = CountingMetricExporter(inner, endpoint, self.count_dropped)
+                jitter_from(inner, OWN_RNG)  # retries after a failed export: not the script's random numbers
                 exporters.append(exporter)
             elif name == "file":
                 fold_exporter_logs()

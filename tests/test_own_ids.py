@@ -200,3 +200,27 @@ def test_a_user_chosen_id_generator_keeps_making_the_ids():
     assert StepIdGenerator(Counting()).own.generate_span_id() == 5
     assert type(StepIdGenerator(RandomIdGenerator()).own) is OwnIdGenerator
     assert type(StepIdGenerator().own) is OwnIdGenerator
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_export_retries_leave_the_random_numbers_alone(protocol):
+    """An unreachable collector: each retry's back-off jitter is drawn from our source, not the script's."""
+    from opentelemetry.sdk.trace import ReadableSpan
+    from opentelemetry.trace import SpanContext
+
+    from commdebug_otel import Settings
+    from commdebug_otel.telemetry import Telemetry
+
+    environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1", "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
+               "OTEL_EXPORTER_OTLP_TIMEOUT": "1", "OTEL_METRICS_EXPORTER": "none"}
+    telemetry = Telemetry(Settings(), environ=environ)
+    try:
+        telemetry.tracer()
+        [guard] = telemetry._span_guards
+        span = ReadableSpan("s", SpanContext(1, 1, False), start_time=1, end_time=2)
+        random.seed(3)
+        state = random.getstate()
+        assert guard.export([span]).name == "FAILURE"  # the exporter tried, and retried
+        assert random.getstate() == state
+    finally:
+        telemetry.shutdown()
