@@ -61,15 +61,17 @@ class StepIdGenerator(IdGenerator):
             we do not build (None: :class:`OwnIdGenerator`, our own provider).
 
     ``own``: where the random ids of the spans we build come from:
-    :class:`OwnIdGenerator` when ``inner`` is ours or the SDK's stock
-    ``RandomIdGenerator`` (it draws from the script's global ``random``);
+    :class:`OwnIdGenerator` when ``inner`` is ours or makes its ids with the SDK's
+    ``RandomIdGenerator`` methods (they draw from the script's global ``random``);
     ``inner`` itself when the user chose another kind (e.g. X-Ray's, whose ids
     have a form of their own).
     """
 
     def __init__(self, inner: IdGenerator | None = None) -> None:
         self._inner = inner or OwnIdGenerator()
-        self.own = OwnIdGenerator() if type(self._inner) in (RandomIdGenerator, OwnIdGenerator) else self._inner
+        draws_global = all(getattr(type(self._inner), name, None) is getattr(RandomIdGenerator, name)
+                           for name in ("generate_span_id", "generate_trace_id"))  # the stock one, or a subclass
+        self.own = OwnIdGenerator() if draws_global or isinstance(self._inner, OwnIdGenerator) else self._inner
         self._pending = threading.local()
 
     @contextlib.contextmanager

@@ -199,6 +199,12 @@ def test_a_user_chosen_id_generator_keeps_making_the_ids():
 
     assert StepIdGenerator(Counting()).own.generate_span_id() == 5
     assert type(StepIdGenerator(RandomIdGenerator()).own) is OwnIdGenerator
+
+    class Flagged(RandomIdGenerator):  # the SDK's draws, another flag
+        def is_trace_id_random(self):
+            return False
+
+    assert type(StepIdGenerator(Flagged()).own) is OwnIdGenerator
     assert type(StepIdGenerator().own) is OwnIdGenerator
 
 
