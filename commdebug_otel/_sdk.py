@@ -87,7 +87,42 @@ def exemplar_reservoir_factory(rng: Any) -> Any:
         default = _default_reservoir_factory(aggregation_type)
         return OwnRandomReservoir if default is SimpleFixedSizeExemplarReservoir else default
 
+    factory.own_random = True  # exemplar_draws tells our views by it
     return factory
+
+
+def exemplar_draws(meter: Any) -> tuple[bool, bool]:
+    """``(sums, histograms)``: whether offering ``meter``'s counters, resp. histograms, a measurement with a
+    sampled span context (an exemplar) draws from the global ``random``.
+
+    The SDK's ``SimpleFixedSizeExemplarReservoir`` does, on every point past the first of an export
+    interval; it is the default of sums and exponential histograms (explicit-bucket histograms keep the
+    last point per bucket: no draw). ``(False, False)`` where the reservoirs are ours
+    (:func:`own_random_views`), exemplars are off (``OTEL_METRICS_EXEMPLAR_FILTER=always_off``) or
+    ``meter`` is not an SDK meter; ``(True, True)`` where views of another kind may choose any reservoir.
+    """
+    consumer = getattr(meter, "_measurement_consumer", None)
+    config = getattr(consumer, "_sdk_config", None)
+    if config is None:
+        return False, False
+    try:
+        from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, Histogram
+        from opentelemetry.sdk.metrics.view import ExponentialBucketHistogramAggregation
+
+        if isinstance(config.exemplar_filter, AlwaysOffExemplarFilter):
+            return False, False
+        views = list(config.views or ())
+        if views:
+            ours = all(getattr(view._exemplar_reservoir_factory, "own_random", False) for view in views)
+            return (False, False) if ours else (True, True)
+        exponential = False
+        for reader in consumer._reader_storages:
+            preferred = reader._instrument_class_aggregation
+            exponential |= any(isinstance(aggregation, ExponentialBucketHistogramAggregation)
+                               for kind, aggregation in preferred.items() if issubclass(kind, Histogram))
+        return True, exponential
+    except Exception:  # another SDK shape: assume the worst
+        return True, True
 
 
 def jitter_from(exporter: Any, rng: Any) -> bool:

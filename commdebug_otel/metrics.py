@@ -57,6 +57,7 @@ from typing import Any
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from . import semconv
+from ._sdk import exemplar_draws
 from .ops import GroupFacts
 from .redact import describe, valid_text
 
@@ -139,6 +140,10 @@ class CollectiveMetrics:
                  rank_label: bool = True, progress: Any = None) -> None:
         self._module_depth = module_depth
         self._rank_label = rank_label
+        # Exemplars only where offering one leaves the script's random numbers alone (an injected provider's
+        # default reservoir for sums draws from the global random): else the points go without their context.
+        draws = exemplar_draws(meter)
+        self._sum_exemplars, self._histogram_exemplars = not draws[0], not draws[1]
         self._operations = meter.create_counter(
             semconv.METRIC_OPERATIONS, unit="{operation}",
             description="Collectives issued by this rank.")
@@ -226,7 +231,8 @@ class CollectiveMetrics:
         (None on a step that is not timed: counted, without a ``torch.collective.duration`` point).
 
         ``context`` (an OTel context holding the owning span) makes the SDK attach
-        exemplars that link these points to the traced step's span. Beyond
+        exemplars that link these points to the traced step's span, where offering
+        one leaves the global ``random`` alone (``_sdk.exemplar_draws``). Beyond
         ``MAX_PENDING_POINTS`` waiting for the worker, the point is dropped and counted.
         """
         points = self._points
@@ -296,13 +302,15 @@ class CollectiveMetrics:
             if context is not None:
                 entry[3] = context
             if duration_s is not None:  # a timed step's
-                record(duration_s, labels, context=context)
+                record(duration_s, labels, context=context if self._histogram_exemplars else None)
         for labels, count, nbytes, context in sums.values():
+            context = context if self._sum_exemplars else None
             self._operations.add(count, labels, context=context)
             self._io.add(nbytes, labels, context=context)
         steps = self._steps
         for _ in range(len(steps)):
             duration_s, wait_s, labels, context = steps.popleft()
+            context = context if self._histogram_exemplars else None
             self._step_duration.record(duration_s, labels, context=context)
             self._step_wait.record(wait_s, labels, context=context)
         completions, record = self._completions, self._completion.record

@@ -55,21 +55,23 @@ class _nothing:
 def test_tracing_leaves_every_random_generator_as_it_was(provider, tmp_path, single_rank_group):
     """Our own provider (direct span path, our metric reservoirs, exemplars) and an injected SDK provider with
     the SDK's stock RandomIdGenerator (the Tracer.start_span path): the same draws, the same state after."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from commdebug_otel import CommTracer, Settings
-    from commdebug_otel.testing import InMemoryTelemetry
+    from commdebug_otel import CommTracer, Settings, semconv
 
     untraced = _seeded_steps(None)
     if provider == "own":
         tracer = CommTracer(Settings(output_dir=str(tmp_path)))
     else:
-        exporter = InMemorySpanExporter()
+        exporter, reader = InMemorySpanExporter(), InMemoryMetricReader()
         stock = TracerProvider()  # the SDK's default generator: it draws from the global random
         stock.add_span_processor(SimpleSpanProcessor(exporter))
-        tracer = CommTracer(tracer_provider=stock, meter_provider=InMemoryTelemetry().meter_provider)
+        # The SDK's default exemplar reservoir for sums draws from the global random too.
+        tracer = CommTracer(tracer_provider=stock, meter_provider=MeterProvider(metric_readers=[reader]))
     traced = _seeded_steps(tracer)
     assert traced == untraced
     if provider == "own":
@@ -77,6 +79,11 @@ def test_tracing_leaves_every_random_generator_as_it_was(provider, tmp_path, sin
         names = [span["name"] for span in _spans(traces)]
     else:
         names = [span.name for span in exporter.get_finished_spans()]
+        exemplars = {metric.name: sum(len(point.exemplars) for point in metric.data.data_points)
+                     for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics
+                     for metric in sm.metrics}
+        # Sums go without exemplars there; explicit-bucket histograms (no draw) keep theirs.
+        assert exemplars[semconv.METRIC_OPERATIONS] == 0 and exemplars[semconv.METRIC_STEP_DURATION] > 0
     assert names.count("train_step") == 4 and names.count("AllReduceLinear forward") == 4
 
 
