@@ -354,8 +354,10 @@ def stragglers(spans: list[dict], step: int | None = None) -> dict[str, Any]:
     ``batch_p2p``) are no collectives (see :func:`pipeline_waits`), and a collective's
     seq is counted without them.
 
-    A rank's lateness in a match is its event time minus the earliest rank's
-    (ns). A match is complete when as many ranks as the group's size took part.
+    A rank's lateness in a match is its arrival (when its CPU began issuing the collective,
+    :func:`.model.issued_ns`, as ``diagnose`` measures it) minus the earliest rank's (ns), not
+    when the call returned: the time the others waited for it. A match is complete when as
+    many ranks as the group's size took part.
     ``step``: only collectives of that training step (matched over all of ``spans``).
 
     Returns:
@@ -381,7 +383,7 @@ def stragglers(spans: list[dict], step: int | None = None) -> dict[str, Any]:
         if not is_complete(events):
             continue
         complete += 1
-        arrivals = {rank: event["time_ns"] for rank, event in events.items()}
+        arrivals = {rank: issued_ns(event) for rank, event in events.items()}
         first, latest = min(arrivals.values()), max(arrivals.values())
         ordered = sorted(arrivals.values())
         for rank, time_ns in arrivals.items():
