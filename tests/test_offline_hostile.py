@@ -1,4 +1,4 @@
-"""Damaged and hostile input for ``summarize``, ``diagnose`` and ``perfetto`` (issue 29, item 1).
+"""Damaged and hostile input for ``summarize``, ``diagnose`` and ``perfetto`` (issue 29, items 1 and 2).
 
 Every case runs each command through the CLI entry (``commdebug_otel.cli.main``) and asserts the
 good spans kept, the message about what was skipped, and the exit status (0: something to
@@ -6,17 +6,21 @@ show; 1: nothing readable, said on stderr). Cases that could hang (FIFOs, device
 command in a child process with a timeout, so a hang fails the test instead of the suite.
 """
 
+import base64
 import gzip
+import http.server
 import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
 from commdebug_otel import semconv
 from commdebug_otel.cli import main
-from commdebug_otel.offline import otlp_json, summary
+from commdebug_otel.offline import backends, otlp_json, summary
 from commdebug_otel.offline.model import SpanIndex
 
 from otlp_files import checkout_env
@@ -283,3 +287,113 @@ def test_a_chain_20000_deep(tmp_path, capsys):
     results = _run([str(tmp_path)], capsys, tmp_path)
     assert _kept(results) == (depth, depth)
     assert all(status == 0 and err == "" for status, _, err in results.values())
+
+
+# ------------------------------------------------------- Jaeger and Tempo
+
+_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+@pytest.fixture
+def bad_server():
+    """A local HTTP server that misbehaves by path: drips, floods, redirects in a loop, checks credentials."""
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.0"
+
+        def do_GET(self):
+            seen.append((self.path, self.headers.get("Authorization")))
+            try:
+                if self.path.startswith("/drip/"):  # headers at once, then one byte every 0.5 s
+                    self.send_response(200)
+                    self.send_header("Content-Length", "40")
+                    self.end_headers()
+                    for _ in range(40):
+                        self.wfile.write(b" ")
+                        self.wfile.flush()
+                        time.sleep(0.5)
+                elif self.path.startswith("/flood/"):  # no length: 64 MiB until the client gives up
+                    self.send_response(200)
+                    self.end_headers()
+                    for _ in range(64):
+                        self.wfile.write(b" " * (1 << 20))
+                elif self.path.startswith("/big/"):  # says its length up front
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(2 << 30))
+                    self.end_headers()
+                elif self.path.startswith("/loop/"):
+                    self.send_response(302)
+                    self.send_header("Location", self.path)
+                    self.end_headers()
+                elif self.path.startswith("/creds/"):
+                    ok = self.headers.get("Authorization") == "Basic " + base64.b64encode(b"me:s3cret").decode()
+                    body = json.dumps({"result": _request([_span(1)])}).encode() if ok else b"{}"
+                    self.send_response(200 if ok else 401, "Unauthorized" if not ok else None)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+            except OSError:  # the client hung up: that is the point
+                pass
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", seen
+    server.shutdown()
+    server.server_close()
+
+
+def _diagnose(capsys, *argv):
+    status = main(["diagnose", *argv])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_a_dripping_server_is_cut_off_at_the_deadline(bad_server, capsys):
+    url, _ = bad_server
+    status, _, err = _diagnose(capsys, "--jaeger", url + "/drip", "--trace-id", _TRACE_ID, "--backend-timeout", "1.5")
+    assert (status, err) == (1, f"commdebug-otel diagnose: {url}/drip/api/v3/traces/{_TRACE_ID}: no whole answer "
+                                "within 1.5 s (diagnose --backend-timeout raises it)\n")
+
+
+def test_an_answer_over_the_limit_is_not_read(bad_server, capsys):
+    url, _ = bad_server
+    status, _, err = _diagnose(capsys, "--tempo", url + "/flood", "--trace-id", _TRACE_ID, "--backend-max-mib", "1")
+    assert (status, err) == (1, f"commdebug-otel diagnose: {url}/flood/api/v2/traces/{_TRACE_ID}: the answer is over "
+                                "the limit of 1048576 bytes (diagnose --backend-max-mib raises it)\n")
+    status, _, err = _diagnose(capsys, "--tempo", url + "/big", "--trace-id", _TRACE_ID)
+    assert (status, err) == (1, f"commdebug-otel diagnose: {url}/big/api/v2/traces/{_TRACE_ID}: the answer is "
+                                f"{2 << 30} bytes, over the limit of {512 << 20} "
+                                "(diagnose --backend-max-mib raises it)\n")
+
+
+def test_a_redirect_loop_says_so(bad_server, capsys):
+    url, _ = bad_server
+    status, _, err = _diagnose(capsys, "--jaeger", url + "/loop?token=abc", "--trace-id", _TRACE_ID)
+    target = f"{url}/loop/api/v3/traces/{_TRACE_ID}?token=***"
+    assert status == 1
+    assert err == f"commdebug-otel diagnose: {target}: HTTP 302: a redirect loop: {target} -> {target}\n"
+    assert "abc" not in err
+
+
+def test_credentials_are_sent_and_never_printed(bad_server, capsys):
+    url, seen = bad_server
+    host = url.removeprefix("http://")
+    good = f"http://me:s3cret@{host}/creds/?token=hunter2"
+    status, out, err = _diagnose(capsys, "--jaeger", good, "--trace-id", _TRACE_ID, "--format", "json")
+    assert (status, err) == (0, "")
+    assert json.loads(out)["ranks"] == [0]
+    # The API path goes after the path, the query stays the query; the userinfo goes in a header.
+    assert seen[-1] == (f"/creds/api/v3/traces/{_TRACE_ID}?token=hunter2",
+                        "Basic " + base64.b64encode(b"me:s3cret").decode())
+    spans = backends.fetch_trace("jaeger", good, _TRACE_ID)
+    assert {span["file"] for span in spans} == {f"http://***@{host}/creds/api/v3/traces/{_TRACE_ID}?token=***"}
+    status, out, err = _diagnose(capsys, "--jaeger", f"http://me:wrong@{host}/creds?token=hunter2", "--trace-id",
+                                 _TRACE_ID)
+    assert (status, err) == (1, f"commdebug-otel diagnose: http://***@{host}/creds/api/v3/traces/{_TRACE_ID}"
+                                "?token=***: HTTP 401 Unauthorized\n")

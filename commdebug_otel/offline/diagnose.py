@@ -51,6 +51,7 @@ from typing import Any
 
 from .. import semconv
 from . import summary
+from .backends import DEADLINE_S, MAX_RESPONSE_BYTES
 from .model import P2P, SpanIndex, collective_events, collective_matches, group_size, is_snapshot, issued_ns, own_step
 
 __all__ = ["BETWEEN_STEPS", "NOISE_FLOOR_S", "TRAIN_STEP", "UNATTRIBUTED", "add_arguments", "desyncs", "diagnose",
@@ -883,6 +884,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="also read traces from Tempo's HTTP API at URL (e.g. http://localhost:3200)")
     parser.add_argument("--trace-id", action="append", default=[], metavar="ID",
                         help="a trace (32 hex digits) to read from --jaeger or --tempo; repeat for more steps")
+    parser.add_argument("--backend-timeout", type=float, default=DEADLINE_S, metavar="S",
+                        help=f"seconds one trace's fetch may take in all (default {DEADLINE_S:g})")
+    parser.add_argument("--backend-max-mib", type=float, default=MAX_RESPONSE_BYTES / (1 << 20), metavar="MIB",
+                        help=f"the largest answer read per trace (default {MAX_RESPONSE_BYTES >> 20})")
     parser.add_argument("--format", choices=("text", "json"), default="text",
                         help="text report, or everything as one JSON object (default text)")
     parser.add_argument("--top", type=int, default=10, metavar="N",
@@ -907,7 +912,8 @@ def _load(args: argparse.Namespace) -> list[dict] | None:
     spans: list[dict] = []
     for trace_id in args.trace_id:
         try:
-            spans += fetch_trace(backend, args.jaeger or args.tempo, trace_id)
+            spans += fetch_trace(backend, args.jaeger or args.tempo, trace_id, args.backend_timeout,
+                                 round(args.backend_max_mib * (1 << 20)))
         except (ValueError, BackendError) as error:
             print(f"commdebug-otel diagnose: {error}", file=sys.stderr)
             return None
