@@ -280,10 +280,25 @@ def test_parent_loops_and_self_parents_end(tmp_path, capsys):
 
 def test_a_chain_20000_deep(tmp_path, capsys):
     depth = 20_000
-    spans = [_span(1, name="train_step", start=0, end=10 * depth, attributes=[_attr(semconv.STEP, intValue="0")])]
-    spans += [_span(n, parent=n - 1, name=f"M{n}", start=n, end=10 * depth - n,
+
+    def collective(n):  # one all_reduce on every span: each module counts those of its whole chain below
+        return [{"name": "all_reduce", "timeUnixNano": str(n), "attributes": [
+            _attr(semconv.COLLECTIVE_OP, stringValue="all_reduce"), _attr(semconv.COLLECTIVE_SEQ, intValue=str(n)),
+            _attr(semconv.PROCESS_GROUP_NAME, stringValue="0"), _attr(semconv.PROCESS_GROUP_SIZE, intValue="1")]}]
+
+    spans = [_span(1, name="train_step", start=0, end=10 * depth, attributes=[_attr(semconv.STEP, intValue="0")],
+                   events=collective(1))]
+    spans += [_span(n, parent=n - 1, name=f"M{n}", start=n, end=10 * depth - n, events=collective(n),
                     attributes=[_attr(semconv.MODULE_FQN, stringValue=f"M{n}")]) for n in range(2, depth + 1)]
     (tmp_path / "traces.jsonl").write_text(_line(spans) + "\n")
+    # Module counts sum up the tree once: not one walk up 20,000 parents per collective (hours). In a child
+    # process first, so that a walk per collective fails the test instead of stalling the suite.
+    out = subprocess.run([sys.executable, "-m", "commdebug_otel.cli", "summarize", str(tmp_path), "--format",
+                          "report-json"], capture_output=True, text=True, env=checkout_env(), timeout=300)
+    counts = json.loads(out.stdout)["module_counts"]
+    assert list(counts)[:3] == ["Global", "M2", "M3"] and len(counts) == depth
+    assert [counts[fqn]["forward"] for fqn in ("Global", "M2", f"M{depth}")] == [
+        {"all_reduce": depth}, {"all_reduce": depth - 1}, {"all_reduce": 1}]
     results = _run([str(tmp_path)], capsys, tmp_path)
     assert _kept(results) == (depth, depth)
     assert all(status == 0 and err == "" for status, _, err in results.values())

@@ -309,27 +309,41 @@ def _any_value(value: Any, depth: int = 0) -> Any:
         raise BadData(f"an attribute value is {type(value).__name__}, expected an object")
     if depth > MAX_VALUE_DEPTH:
         raise BadData(f"an attribute value nested deeper than {MAX_VALUE_DEPTH}")
-    if (text := _get(value, "stringValue")) is not None:
-        return _str(text, "a stringValue")
-    if (flag := _get(value, "boolValue")) is not None:
-        if not isinstance(flag, bool):
-            raise BadData(f"a boolValue is {type(flag).__name__}")
-        return flag
-    if (number := _get(value, "intValue")) is not None:
-        return _int(number, "an intValue")
-    if (number := _get(value, "doubleValue")) is not None:
-        return _number(number, "a doubleValue")
-    if (array := _get(value, "arrayValue")) is not None:
-        return [_any_value(item, depth + 1) for item in _list(_object(array, "an arrayValue").get("values"),
-                                                               "an arrayValue's values")]
-    if (kvlist := _get(value, "kvlistValue")) is not None:
-        return _attributes(_object(kvlist, "a kvlistValue").get("values"), depth + 1)
-    if (raw := _get(value, "bytesValue")) is not None:
-        try:
-            return base64.b64decode(_str(raw, "a bytesValue"), validate=True)
-        except (binascii.Error, ValueError):
-            raise BadData("a bytesValue is not base64") from None
+    for key, inner in value.items():  # one key: the oneof's field (unknown keys are passed over)
+        kind = _ANY_KINDS.get(key)
+        if kind is not None and inner is not None:
+            return kind(inner, depth)
     return None
+
+
+def _bool(flag: Any, depth: int) -> bool:
+    if not isinstance(flag, bool):
+        raise BadData(f"a boolValue is {type(flag).__name__}")
+    return flag
+
+
+def _bytes(raw: Any, depth: int) -> bytes:
+    try:
+        return base64.b64decode(_str(raw, "a bytesValue"), validate=True)
+    except (binascii.Error, ValueError):
+        raise BadData("a bytesValue is not base64") from None
+
+
+def _array(array: Any, depth: int) -> list:
+    return [_any_value(item, depth + 1)
+            for item in _list(_object(array, "an arrayValue").get("values"), "an arrayValue's values")]
+
+
+def _kvlist(kvlist: Any, depth: int) -> dict:
+    return _attributes(_object(kvlist, "a kvlistValue").get("values"), depth + 1)
+
+
+_ANY_KINDS: dict[str, Callable[[Any, int], Any]] = {}
+for _name, _kind in (("stringValue", lambda text, depth: _str(text, "a stringValue")), ("boolValue", _bool),
+                     ("intValue", lambda number, depth: _int(number, "an intValue")),
+                     ("doubleValue", lambda number, depth: _number(number, "a doubleValue")),
+                     ("arrayValue", _array), ("kvlistValue", _kvlist), ("bytesValue", _bytes)):
+    _ANY_KINDS[_name] = _ANY_KINDS[re.sub(r"([A-Z])", lambda m: "_" + m.group(1).lower(), _name)] = _kind
 
 
 def _attributes(key_values: Any, depth: int = 0) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .. import semconv
-from ..report import GLOBAL, CommReport, Operation, module_chain, render_json, render_table
+from ..report import GLOBAL, CommReport, Operation, render_json, render_table
 from .model import P2P as _P2P
 from .model import SpanIndex, collective_events, collective_matches, is_complete, is_snapshot, issued_ns, own_step
 from .otlp_json import SpanReader, ranked, spans_from_otlp_json, trace_files
@@ -173,10 +173,59 @@ def _event_pass(event: dict) -> str:
 
 
 def _count_collectives(report: CommReport, spans: list[dict], rank: int, index: SpanIndex) -> None:
-    """Count ``rank``'s collectives into ``report`` for their span's module and its enclosing module spans."""
-    for event in collective_events(spans, rank):
+    """Count ``rank``'s collectives into ``report`` for their span's module and its enclosing module spans.
+
+    As ``report.count_collective(packet, pass, module_chain(span))`` for each event, with the same
+    counts and the same order of modules and packets, but in time linear in the spans: counts are
+    summed up the tree once instead of walking each event's chain (a chain 20,000 modules deep).
+    """
+    first: dict[int, dict[tuple[str, str], list[int]]] = defaultdict(dict)  # id(span) -> (key, packet) -> [n, order]
+    seen: set[int] = set()
+    for order, event in enumerate(collective_events(spans, rank)):
         packet = packet_name(event["attributes"].get(semconv.OP_NAME, event["name"]))
-        report.count_collective(packet, _event_pass(event), module_chain(event["span"], _fqn, index.parent))
+        pass_ = _event_pass(event)
+        span = event["span"]
+        node = span
+        while node is not None and id(node) not in seen and _fqn(node):  # modules listed as the chains meet them
+            seen.add(id(node))
+            report.counts_of(_fqn(node))
+            node = index.parent(node)
+        report.count_collective(packet, pass_, ())  # "Global"
+        if _fqn(span):
+            key = _pass_key(report, pass_)
+            first[id(span)].setdefault((key, packet), [0, order])[0] += 1
+    # Children before parents: a module span's counts are its own and those of its module children.
+    spans_down = list(index.roots)
+    for span in spans_down:
+        spans_down.extend(index.children(span))
+    by_fqn: dict[str, dict[tuple[str, str], list[int]]] = defaultdict(dict)
+    for span in reversed(spans_down):
+        fqn = _fqn(span)
+        if not fqn or id(span) not in first:
+            continue
+        counts = first.pop(id(span))
+        for (key, packet), (n, order) in counts.items():
+            total = by_fqn[fqn].setdefault((key, packet), [0, order])
+            total[0] += n
+            total[1] = min(total[1], order)
+        parent = index.parent(span)
+        if parent is not None and _fqn(parent):
+            into = first[id(parent)]
+            for item, (n, order) in counts.items():
+                total = into.setdefault(item, [0, order])
+                total[0] += n
+                total[1] = min(total[1], order)
+    for fqn, counts in by_fqn.items():
+        table = report.counts_of(fqn)
+        for (key, packet), (n, _) in sorted(counts.items(), key=lambda item: item[1][1]):
+            table[key][packet] += n
+
+
+def _pass_key(report: CommReport, pass_: str) -> str:
+    """The pass a collective of ``pass_`` counts under, as :meth:`CommReport.count_collective` files it."""
+    if pass_ == _RECOMPUTE:
+        return _RECOMPUTE if report.recompute_apart else _BACKWARD
+    return _BACKWARD if pass_ == _BACKWARD else _FORWARD
 
 
 def _plain(counts: dict[str, dict[str, dict[str, int]]]) -> dict[str, dict[str, dict[str, int]]]:
