@@ -109,6 +109,8 @@ _BAD_LINES = {
     "a rank past any job": (_line([_span(8)], rank=10**9),
                             "attribute torch.distributed.rank 1000000000 is out of range"),
     "NUL bytes": ("\0" * 64, "not JSON (Expecting value)"),
+    "a stall age past any job": (_line([_span(10, attributes=[_attr(semconv.STALL_AGE, doubleValue=1e300)])]),
+                                 "attribute commdebug.stall.age_s 1e+300 is out of range"),
     "a span without a trace id": (_line([{k: v for k, v in _span(9).items() if k != "traceId"}]),
                                   "a span has no traceId"),
 }
@@ -161,6 +163,20 @@ def test_bom_duplicate_keys_and_proto_field_names(tmp_path, capsys):
     assert _kept(results) == (3, 3)
     assert all(err == "" and status == 0 for status, _, err in results.values())
     assert sorted(span["name"] for span in summary.load_spans([tmp_path])) == ["M forward", "m", "train_step"]
+
+
+def test_values_json_cannot_hold_or_hash_are_kept(tmp_path, capsys):
+    # A bytesValue attribute (perfetto writes it as base64), a list where a host name is expected.
+    resource = [_attr(semconv.RANK, intValue="0"), _attr("host.name", arrayValue={"values": [{"stringValue": "a"}]}),
+                _attr("process.pid", kvlistValue={"values": [{"key": "k", "value": {"intValue": "1"}}]})]
+    spans = [_span(1, attributes=[_attr("blob", bytesValue=base64.b64encode(b"\x00\xff").decode())])]
+    (tmp_path / "traces.jsonl").write_text(_line(spans, resource_attrs=resource) + "\n")
+    results = _run([str(tmp_path)], capsys, tmp_path)
+    assert _kept(results) == (1, 1)
+    assert all(status == 0 and err == "" for status, _, err in results.values())
+    (blob,) = [e["args"]["blob"] for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+               if e["ph"] == "X"]
+    assert blob == "AP8="
 
 
 # ------------------------------------------------------------- bad files

@@ -34,9 +34,9 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as _tpb
 
 from .. import semconv
 
-__all__ = ["MAX_LINE_BYTES", "MAX_RANKS", "BadData", "SpanReader", "decode_any_value", "metric_dicts",
-           "metrics_from_otlp_json", "parse_otlp_json", "read_spans", "span_dicts", "spans_from_otlp_json",
-           "trace_files"]
+__all__ = ["ATTRIBUTE_TYPES", "MAX_LINE_BYTES", "MAX_RANKS", "BadData", "SpanReader", "decode_any_value",
+           "metric_dicts", "metrics_from_otlp_json", "parse_otlp_json", "ranked", "read_spans", "span_dicts",
+           "spans_from_otlp_json", "trace_files"]
 
 _SIGNALS = {
     "traces": (_tpb.ExportTraceServiceRequest, _tpb.ExportTraceServiceResponse),
@@ -354,6 +354,14 @@ def _attributes(key_values: Any, depth: int = 0) -> dict[str, Any]:
     return out
 
 
+def _seconds(value: Any, what: str) -> float:
+    """A finite number of seconds within 30 years either way: a larger one is damage (and overflows ns)."""
+    number = _number(value, what)
+    if abs(number) > 1e9:
+        raise BadData(f"{what} {number:g} is out of range")
+    return number
+
+
 def _int_in(low: int, high: int) -> Callable[[Any, str], int]:
     return lambda value, what: _int(value, what, (low, high))
 
@@ -391,7 +399,7 @@ ATTRIBUTE_TYPES: dict[str, Callable[[Any, str], Any]] = {
     semconv.RANK: _int_in(0, MAX_RANKS - 1),
     semconv.WORLD_SIZE: _int_in(0, MAX_RANKS),
     **dict.fromkeys((semconv.COLLECTIVE_DURATION, semconv.STALL_AGE, semconv.STALL_THRESHOLD,
-                     semconv.STEP_COLLECTIVE_WAIT), _number),
+                     semconv.STEP_COLLECTIVE_WAIT), _seconds),
     **dict.fromkeys((semconv.STALL_ISSUED_SEQ, semconv.STALL_COMPLETED_SEQ, semconv.STEP_COLLECTIVE_COUNTS,
                      semconv.STEP_COLLECTIVE_FIRST_SEQ, semconv.COLLECTIVE_SHAPE), _int_list),
     **dict.fromkeys((semconv.MODULE_PARAMETERS, semconv.STALL_STACK), _str_list),

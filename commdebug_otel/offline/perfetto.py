@@ -26,6 +26,7 @@ Ranks share one time axis: on several hosts, clock skew shifts ranks against eac
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import sys
 from collections import defaultdict
@@ -45,6 +46,13 @@ _NS_PER_US = 1000
 def _us(ns: int) -> float:
     """Nanoseconds -> microseconds (exact to the ns when read back: ``round(us * 1000)``)."""
     return ns / _NS_PER_US
+
+
+def _jsonable(value: Any) -> str:
+    """A ``bytesValue`` attribute (the only value JSON cannot hold) as base64, as OTLP-JSON writes it."""
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode("ascii")
+    raise TypeError(f"{type(value).__name__} is not JSON")
 
 
 def _category(span: dict) -> str:
@@ -117,7 +125,7 @@ def write_chrome_trace(spans: list[dict[str, Any]], path: str) -> dict[str, int]
     """Write :func:`chrome_trace` to ``path``. Returns ``{"slices": n, "instants": n, "ranks": n}``."""
     trace = chrome_trace(spans)
     with open(path, "w", encoding="utf-8") as handle:
-        json.dump(trace, handle)
+        json.dump(trace, handle, default=_jsonable)
     kinds = [event["ph"] for event in trace["traceEvents"]]
     return {"slices": kinds.count("X"), "instants": kinds.count("i"),
             "ranks": len({span["rank"] for span in spans})}

@@ -38,7 +38,7 @@ import os
 import statistics
 import sys
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from .. import semconv
@@ -452,7 +452,7 @@ def stragglers(spans: list[dict], step: int | None = None) -> dict[str, Any]:
             "most_time_lost": lost.most_common(1)[0][0] if lost and lost.most_common(1)[0][1] > 0 else None}
 
 
-def _group_members(events: list[dict]) -> dict[str, list[int] | None]:
+def _group_members(events: list[dict]) -> dict[str, Sequence[int] | None]:
     """Process group name -> its global ranks in group-rank order, or None where the files cannot tell.
 
     torch orders a group's ranks ascending (``new_group`` sorts them), so a group whose
@@ -466,12 +466,12 @@ def _group_members(events: list[dict]) -> dict[str, list[int] | None]:
         seen[group].add(event["rank"])
         sizes[group] = int(event["attributes"].get(semconv.PROCESS_GROUP_SIZE, 1))
         worlds[group] = int(event["span"]["resource"].get(semconv.WORLD_SIZE, 0))
-    members: dict[str, list[int] | None] = {}
+    members: dict[str, Sequence[int] | None] = {}
     for group, ranks in seen.items():
         if len(ranks) == sizes[group]:
             members[group] = sorted(ranks)
         else:
-            members[group] = list(range(sizes[group])) if sizes[group] == worlds[group] else None
+            members[group] = range(sizes[group]) if sizes[group] == worlds[group] else None  # not a list per group
     return members
 
 
@@ -579,7 +579,7 @@ def span_warnings(spans: list[dict]) -> list[str]:
     dropped: Counter = Counter()
     for span in spans:
         resource = span["resource"]
-        processes[span["rank"]].add((resource.get("host.name"), resource.get("process.pid")))
+        processes[span["rank"]].add((str(resource.get("host.name")), str(resource.get("process.pid"))))
         dropped[span["rank"]] += int(span["attributes"].get(semconv.SPAN_DROPPED_EVENTS, 0))
         dropped[span["rank"]] += span.get("dropped_events_count", 0)
     for rank, seen in sorted(processes.items()):
