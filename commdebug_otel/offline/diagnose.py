@@ -232,7 +232,7 @@ def stragglers(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S) -> list[
     """Blame the rank that arrived last at each collective, weighted by the time it held the others.
 
     Each collective event of a traced step (stall snapshots aside) is matched across ranks
-    by (process group name, seq) as :func:`.summary.collective_matches` does (send/recv
+    by (process group name, seq) as :func:`.model.collective_matches` does (send/recv
     left out: see :func:`.summary.pipeline_waits`); only complete matches count. A rank's
     arrival ``a_r`` is when its CPU began issuing the op. The last rank L is late by
     ``late = a_L - max(a_r, r != L)``. It is blamed for the delay it added since its previous
@@ -604,7 +604,7 @@ def _issued_collectives(spans: list[dict], raised: dict[tuple[int, int | None], 
         snapshots (copies of the step's spans and the ring of recent collectives); a record is
         whole when the step finished and none of its spans dropped events. Each (rank, group,
         seq) is taken once, a finished step's event first; seqs are counted without
-        point-to-point ops, as :func:`.summary.collective_matches` counts them. Each collective:
+        point-to-point ops, as :func:`.model.collective_matches` counts them. Each collective:
         ``{"op", "dtype", "shape", "module", "pass", "seq" (the rank's own torch.collective.seq)}``.
     """
     finished = _finished(spans)
