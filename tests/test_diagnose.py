@@ -280,6 +280,25 @@ def test_straggler_blame_exact(tmp_path):
         "collectives": 2, "steps": [0], "excess_s": 0.012}
 
 
+def test_summarize_and_diagnose_agree_on_the_straggler(tmp_path):
+    # A blocking all_reduce: rank 1 issues it 10 ms after rank 0, both return at 30 ms. The time the call
+    # returned says nothing of who was late; the issue time (one definition, docs/diagnosis.md) does.
+    spans = []
+    for rank, issued_ms in ((0, 10), (1, 20)):
+        event = (30 * MS, {semconv.COLLECTIVE_OP: "all_reduce", semconv.COLLECTIVE_SEQ: 0,
+                           semconv.PROCESS_GROUP_NAME: "0", semconv.PROCESS_GROUP_SIZE: 2,
+                           semconv.COLLECTIVE_DURATION: (30 - issued_ms) / 1e3})
+        spans.append(span(rank, "train_step", "s", start=0, end=40 * MS, events=[event], world_size=2,
+                          **{semconv.STEP: 0}))
+    spans = _load(spans, tmp_path)
+    lag = summary.stragglers(spans)
+    assert lag["most_time_lost"] == 1
+    assert (lag["per_rank"][1]["lost_ms"], lag["per_rank"][1]["max_late_ms"], lag["per_rank"][0]["last"]) == (10, 10, 0)
+    (row,) = diagnose.stragglers(spans)
+    assert (row["rank"], row["lost_s"] * 1e3) == (1, 10)
+    assert "Most time lost: rank 1 held back the others 10.000 ms" in summary.format_report(spans)
+
+
 def test_asynchronous_collectives_count_a_delay_once(tmp_path):
     # DDP's buckets: four all_reduces issued asynchronously in M.b's backward (each returns at once). Rank 1
     # spends 50 ms longer there before the first; the other three are as late, but only by that delay. Rank 0

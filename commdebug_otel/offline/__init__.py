@@ -12,6 +12,10 @@ Usage::
 Modules:
 
 * :mod:`.otlp_json`: OTLP-JSON lines and OTLP protobuf requests as plain span and metric dicts;
+  the one reader of files (:class:`.otlp_json.SpanReader`: streamed, every field checked,
+  what cannot be read skipped and said once per file);
+* :mod:`.model`: the span model the views share: span index (loops broken, no recursion),
+  steps, collective matching across ranks, a collective's arrival (issue time);
 * :mod:`.summary`: per-module collective counts (torch ``CommDebugMode``'s table and JSON tree,
   rendered by :mod:`commdebug_otel.report`), per-rank totals, stragglers, top collectives;
 * :mod:`.diagnose`: stuck ranks (stall snapshots), desyncs, stragglers blamed with the module
@@ -23,4 +27,4 @@ Nothing here imports torch, the OTel SDK or the live tracer; importing this
 package imports none of its modules.
 """
 
-__all__ = ["backends", "diagnose", "otlp_json", "perfetto", "summary"]
+__all__ = ["backends", "diagnose", "model", "otlp_json", "perfetto", "summary"]

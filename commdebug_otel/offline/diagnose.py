@@ -51,6 +51,8 @@ from typing import Any
 
 from .. import semconv
 from . import summary
+from .backends import DEADLINE_S, MAX_RESPONSE_BYTES
+from .model import P2P, SpanIndex, collective_events, collective_matches, group_size, is_snapshot, issued_ns, own_step
 
 __all__ = ["BETWEEN_STEPS", "NOISE_FLOOR_S", "TRAIN_STEP", "UNATTRIBUTED", "add_arguments", "desyncs", "diagnose",
            "errors", "format_text", "missing_ranks", "run", "stalls", "stragglers"]
@@ -72,7 +74,7 @@ Label = tuple[str, str]  # (module FQN or a parenthesised place, pass)
 
 
 def _finished(spans: list[dict]) -> list[dict]:
-    return [span for span in spans if not summary.is_snapshot(span)]
+    return [span for span in spans if not is_snapshot(span)]
 
 
 def _label(span: dict) -> Label:
@@ -97,32 +99,30 @@ class _Timeline:
     """
 
     def __init__(self, spans: list[dict]) -> None:
-        index = {(span["trace_id"], span["span_id"]): span for span in spans}
-        children: dict[int, list[dict]] = defaultdict(list)
-        roots = []
-        for span in spans:
-            parent = index.get((span["trace_id"], span["parent_span_id"])) if span["parent_span_id"] else None
-            if parent is None or parent is span:
-                roots.append(span)
-            else:
-                children[id(parent)].append(span)
+        index = SpanIndex(spans)
         pieces: list[tuple[int, int, Label]] = []
-
-        def walk(span: dict, start: int, end: int) -> None:
-            cursor = start
-            for child in sorted(children[id(span)], key=lambda child: child["start_ns"]):
-                child_start, child_end = max(child["start_ns"], cursor), min(child["end_ns"], end)
-                if child_end <= child_start:
-                    continue
-                if child_start > cursor:
-                    pieces.append((cursor, child_start, _label(span)))
-                walk(child, child_start, child_end)
-                cursor = child_end
-            if end > cursor:
-                pieces.append((cursor, end, _label(span)))
-
-        for root in roots:
-            walk(root, root["start_ns"], root["end_ns"])
+        for root in index.roots:
+            # A walk with its own stack (a chain of 20,000 spans is no recursion): each frame is
+            # [span, end, cursor (where the next child may start), its children by start].
+            stack = [[root, root["end_ns"], root["start_ns"],
+                      iter(sorted(index.children(root), key=lambda child: child["start_ns"]))]]
+            while stack:
+                frame = stack[-1]
+                span, end, cursor, children = frame
+                for child in children:
+                    child_start, child_end = max(child["start_ns"], cursor), min(child["end_ns"], end)
+                    if child_end <= child_start:
+                        continue
+                    if child_start > cursor:
+                        pieces.append((cursor, child_start, _label(span)))
+                    frame[2] = child_end
+                    stack.append([child, child_end, child_start,
+                                  iter(sorted(index.children(child), key=lambda kid: kid["start_ns"]))])
+                    break
+                else:
+                    if end > cursor:
+                        pieces.append((cursor, end, _label(span)))
+                    stack.pop()
         pieces.sort()
         self._pieces = pieces
         self._starts = [piece[0] for piece in pieces]
@@ -147,15 +147,15 @@ class _Timeline:
 class _Arrivals:
     """Each rank's collective arrivals (issue times), to find the window before one."""
 
-    def __init__(self, spans: list[dict], steps: dict[int, int | None]) -> None:
+    def __init__(self, spans: list[dict], steps: SpanIndex) -> None:
         by_rank: dict[int, list[tuple[int, int | None]]] = defaultdict(list)
-        for event in summary.collective_events(spans):
-            by_rank[event["rank"]].append((summary._issued_ns(event), steps[id(event["span"])]))
+        for event in collective_events(spans):
+            by_rank[event["rank"]].append((issued_ns(event), steps.step(event["span"])))
         self._times = {rank: [time for time, _ in sorted(items)] for rank, items in by_rank.items()}
         self._steps = {rank: [step for _, step in sorted(items)] for rank, items in by_rank.items()}
         self._step_start: dict[tuple[int, int], int] = {}
         for span in spans:
-            step = steps[id(span)]
+            step = steps.step(span)
             if span["name"] == semconv.SPAN_TRAIN_STEP and step is not None:
                 key = (span["rank"], step)
                 self._step_start[key] = min(self._step_start.get(key, span["start_ns"]), span["start_ns"])
@@ -179,15 +179,15 @@ class _Carried:
     buckets, FSDP's prefetch, functional collectives) returns at once (all of it carried).
     """
 
-    def __init__(self, complete: list[dict[int, dict]], steps: dict[int, int | None]) -> None:
+    def __init__(self, complete: list[dict[int, dict]], steps: SpanIndex) -> None:
         items: dict[int, list[tuple[int, int, int | None]]] = defaultdict(list)
         for events in complete:
-            issued = {rank: summary._issued_ns(event) for rank, event in events.items()}
-            returned = {rank: event["time_ns"] for rank, event in events.items()}
+            issued = _Latest({rank: issued_ns(event) for rank, event in events.items()})
+            returned = _Latest({rank: event["time_ns"] for rank, event in events.items()})
             for rank, event in events.items():
-                late = issued[rank] - max(time for other, time in issued.items() if other != rank)
-                later = returned[rank] - max(time for other, time in returned.items() if other != rank)
-                items[rank].append((issued[rank], max(0, min(late, later)), steps[id(event["span"])]))
+                late = issued[rank] - _latest_other(issued, rank)
+                later = returned[rank] - _latest_other(returned, rank)
+                items[rank].append((issued[rank], max(0, min(late, later)), steps.step(event["span"])))
         self._items = {rank: sorted(found, key=lambda item: item[0]) for rank, found in items.items()}
         self._times = {rank: [item[0] for item in found] for rank, found in self._items.items()}
 
@@ -198,6 +198,21 @@ class _Carried:
             return 0
         _, carried, previous_step = self._items[rank][i - 1]
         return carried if step is not None and previous_step in (step, step - 1) else 0
+
+
+class _Latest(dict):
+    """``{rank: ns}`` that knows its two latest ranks: the latest other than a rank in O(1), not O(ranks)."""
+
+    def __init__(self, times: dict[int, int]) -> None:
+        super().__init__(times)
+        top = sorted(times, key=lambda rank: times[rank], reverse=True)[:2]
+        self.top = [(rank, times[rank]) for rank in top]
+
+
+def _latest_other(times: _Latest, rank: int) -> int:
+    """The latest time of a rank other than ``rank`` (a match has at least two ranks)."""
+    (first, first_time), (_, second_time) = times.top[0], times.top[1]
+    return second_time if first == rank else first_time
 
 
 def _blame(late: dict[Label, int], others: list[dict[Label, int]]) -> tuple[Label, int, int]:
@@ -217,7 +232,7 @@ def stragglers(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S) -> list[
     """Blame the rank that arrived last at each collective, weighted by the time it held the others.
 
     Each collective event of a traced step (stall snapshots aside) is matched across ranks
-    by (process group name, seq) as :func:`.summary.collective_matches` does (send/recv
+    by (process group name, seq) as :func:`.model.collective_matches` does (send/recv
     left out: see :func:`.summary.pipeline_waits`); only complete matches count. A rank's
     arrival ``a_r`` is when its CPU began issuing the op. The last rank L is late by
     ``late = a_L - max(a_r, r != L)``. It is blamed for the delay it added since its previous
@@ -244,8 +259,8 @@ def stragglers(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S) -> list[
         over the others' median, summed)}``; seconds as floats.
     """
     finished = _finished(spans)
-    steps = summary._span_steps(finished)
-    matches = summary.collective_matches(finished, lambda event: steps[id(event["span"])] is not None)
+    steps = SpanIndex(finished)
+    matches = collective_matches(finished, lambda event: steps.step(event["span"]) is not None)
     arrivals = _Arrivals(finished, steps)
     by_rank: dict[int, list[dict]] = defaultdict(list)
     for span in finished:
@@ -255,19 +270,19 @@ def stragglers(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S) -> list[
     def self_times(rank: int, event: dict, step: int) -> dict[Label, int]:
         if rank not in timelines:
             timelines[rank] = _Timeline(by_rank[rank])
-        arrival = summary._issued_ns(event)
+        arrival = issued_ns(event)
         return timelines[rank].self_times(arrivals.window_start(rank, arrival, step), arrival)
 
     complete = [events for events in matches.values()
-                if len(events) >= 2 and len(events) == summary._group_size(next(iter(events.values())))]
+                if len(events) >= 2 and len(events) == group_size(next(iter(events.values())))]
     carried = _Carried(complete, steps)
     rows: dict[tuple[int, str, str], dict[str, Any]] = {}
     floor_ns = noise_floor_s * 1e9
     for events in complete:
-        issued = {rank: summary._issued_ns(event) for rank, event in events.items()}
+        issued = {rank: issued_ns(event) for rank, event in events.items()}
         last = max(sorted(issued), key=lambda rank: issued[rank])
         others = [time for rank, time in issued.items() if rank != last]
-        step = steps[id(events[last]["span"])]
+        step = steps.step(events[last]["span"])
         # Only the delay L added since its previous collective: lateness it still carried from there
         # (an asynchronous collective that it left as late as it came) was counted there.
         late = issued[last] - max(others)
@@ -513,7 +528,7 @@ _STATUS_ERROR = 2  # OTLP's STATUS_CODE_ERROR
 def _raised(spans: list[dict]) -> list[dict[str, Any]]:
     """Each (rank, step)'s first exception, from its innermost span that raised, with ``_time_ns``."""
     finished = _finished(spans)
-    steps = summary._span_steps(finished)
+    steps = SpanIndex(finished)
     first: dict[tuple[int, int | None], tuple[tuple[int, int], dict]] = {}
     for span in finished:
         event = next((event for event in span["events"] if event["name"] == "exception"), None)
@@ -522,11 +537,11 @@ def _raised(spans: list[dict]) -> list[dict[str, Any]]:
         attrs = event["attributes"] if event is not None else {}
         time_ns = event["time_ns"] if event is not None else span["end_ns"]
         module, pass_ = _label(span)
-        key = (span["rank"], steps[id(span)])
+        key = (span["rank"], steps.step(span))
         order = (time_ns, -span["start_ns"])  # the first to raise; of those, the innermost
         if key not in first or order < first[key][0]:
             first[key] = (order, {
-                "rank": span["rank"], "step": steps[id(span)], "module": module, "pass": pass_,
+                "rank": span["rank"], "step": steps.step(span), "module": module, "pass": pass_,
                 "type": str(attrs.get("exception.type", span.get("status_message", ""))),
                 "message": str(attrs.get("exception.message", "")),
                 "stacktrace": str(attrs.get("exception.stacktrace", "")), "_time_ns": time_ns})
@@ -563,7 +578,7 @@ def _traced_steps(spans: list[dict]) -> list[int]:
     crashed = {item["step"] for item in _raised(spans)}
     traced = set()
     for span in finished:
-        step = summary._own_step(span)
+        step = own_step(span)
         if step is None or step in crashed:
             continue
         if semconv.STEP_STALLED in span["attributes"] and not span["events"] \
@@ -589,23 +604,23 @@ def _issued_collectives(spans: list[dict], raised: dict[tuple[int, int | None], 
         snapshots (copies of the step's spans and the ring of recent collectives); a record is
         whole when the step finished and none of its spans dropped events. Each (rank, group,
         seq) is taken once, a finished step's event first; seqs are counted without
-        point-to-point ops, as :func:`.summary.collective_matches` counts them. Each collective:
+        point-to-point ops, as :func:`.model.collective_matches` counts them. Each collective:
         ``{"op", "dtype", "shape", "module", "pass", "seq" (the rank's own torch.collective.seq)}``.
     """
     finished = _finished(spans)
-    snapshots = [span for span in spans if summary.is_snapshot(span)]
-    steps = summary._span_steps(finished)
-    snapshot_steps = summary._span_steps(snapshots)
-    finished_steps = {(span["rank"], step) for span in finished if (step := steps[id(span)]) is not None}
+    snapshots = [span for span in spans if is_snapshot(span)]
+    steps = SpanIndex(finished)
+    snapshot_steps = SpanIndex(snapshots)
+    finished_steps = {(span["rank"], step) for span in finished if (step := steps.step(span)) is not None}
     raised = raised or {}
-    cut = {(span["rank"], steps[id(span)]) for span in finished if span.get("dropped_events_count", 0)
+    cut = {(span["rank"], steps.step(span)) for span in finished if span.get("dropped_events_count", 0)
            or span["attributes"].get(semconv.SPAN_DROPPED_EVENTS, 0)} | set(raised)
     seen: set[tuple[int, str, int]] = set()
     taken: list[tuple[dict, int | None]] = []
     for source, step_of in ((finished, steps), (snapshots, snapshot_steps)):
-        for event in summary.collective_events(source):
+        for event in collective_events(source):
             attrs, span = event["attributes"], event["span"]
-            step = step_of[id(span)] if span["name"] != semconv.SPAN_STALLED else span["attributes"].get(semconv.STEP)
+            step = step_of.step(span) if span["name"] != semconv.SPAN_STALLED else span["attributes"].get(semconv.STEP)
             if semconv.COLLECTIVE_SEQ not in attrs or (source is snapshots and (event["rank"], step) in finished_steps):
                 continue
             if event["time_ns"] > raised.get((event["rank"], step), event["time_ns"]):
@@ -620,7 +635,7 @@ def _issued_collectives(spans: list[dict], raised: dict[tuple[int, int | None], 
     for event, step in taken:
         attrs, span = event["attributes"], event["span"]
         group = _group(attrs)
-        if event["name"] in summary._P2P:  # counted wherever it is (a pipeline's first recv is outside the step)
+        if event["name"] in P2P:  # counted wherever it is (a pipeline's first recv is outside the step)
             p2p_before[(event["rank"], group)] += 1
             continue
         if step is None:
@@ -743,7 +758,7 @@ def diagnose(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S) -> dict[st
     """
     finished = _finished(spans)
     missing = missing_ranks(spans)
-    warnings = summary._warnings(finished)
+    warnings = summary.span_warnings(finished)
     if missing:
         world = max(int(span["resource"].get(semconv.WORLD_SIZE, 0)) for span in spans)
         warnings.append(f"warning: world size {world}, but no spans from rank(s) {_ranges(missing)}: not traced "
@@ -856,7 +871,7 @@ def format_text(found: dict[str, Any], top: int = 10) -> str:
         table = [("rank", "module", "pass", "lost s", "waited s", "excess s", "collectives", "steps")]
         table += [(row["rank"], row["module"], row["pass"] or "-", f"{row['lost_s']:.3f}", f"{row['waited_s']:.3f}",
                    f"{row['excess_s']:.3f}", row["collectives"], len(row["steps"])) for row in rows[:top]]
-        out += ["  " + line for line in summary._columns(table)]
+        out += ["  " + line for line in summary.columns(table)]
         if len(rows) > top:
             out.append(f"  ... {len(rows) - top} more rows, {sum(row['lost_s'] for row in rows[top:]):.3f} s lost "
                        "in all (--top, or --format json for every row)")
@@ -884,6 +899,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="also read traces from Tempo's HTTP API at URL (e.g. http://localhost:3200)")
     parser.add_argument("--trace-id", action="append", default=[], metavar="ID",
                         help="a trace (32 hex digits) to read from --jaeger or --tempo; repeat for more steps")
+    parser.add_argument("--backend-timeout", type=float, default=DEADLINE_S, metavar="S",
+                        help=f"seconds one trace's fetch may take in all (default {DEADLINE_S:g})")
+    parser.add_argument("--backend-max-mib", type=float, default=MAX_RESPONSE_BYTES / (1 << 20), metavar="MIB",
+                        help=f"the largest answer read per trace (default {MAX_RESPONSE_BYTES >> 20})")
     parser.add_argument("--format", choices=("text", "json"), default="text",
                         help="text report, or everything as one JSON object (default text)")
     parser.add_argument("--top", type=int, default=10, metavar="N",
@@ -908,7 +927,8 @@ def _load(args: argparse.Namespace) -> list[dict] | None:
     spans: list[dict] = []
     for trace_id in args.trace_id:
         try:
-            spans += fetch_trace(backend, args.jaeger or args.tempo, trace_id)
+            spans += fetch_trace(backend, args.jaeger or args.tempo, trace_id, args.backend_timeout,
+                                 round(args.backend_max_mib * (1 << 20)))
         except (ValueError, BackendError) as error:
             print(f"commdebug-otel diagnose: {error}", file=sys.stderr)
             return None
@@ -920,6 +940,9 @@ def _load(args: argparse.Namespace) -> list[dict] | None:
     if not spans:
         print("commdebug-otel diagnose: no spans in the traces", file=sys.stderr)
         return None
+    if args.trace_id and args.paths:  # a span both in the files and in the backend counts once
+        unique = {(span["rank"], span["trace_id"], span["span_id"]): span for span in reversed(spans)}
+        spans = list(unique.values())
     spans.sort(key=lambda span: (span["rank"], span["start_ns"]))
     return spans
 

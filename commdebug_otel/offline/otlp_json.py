@@ -1,24 +1,42 @@
 """OTLP-JSON (the OTel file exporter's format) and OTLP protobuf requests as plain span and metric dicts.
 
-Used by the offline views (``summary``, ``perfetto``) and by the test
-receiver (``commdebug_otel.testing.otlp_receiver`` re-exports the public
-names). OTLP/JSON writes trace and span ids as hex, not base64 as
-protobuf's generic JSON mapping does, and 64-bit integers as strings.
+The one reader of the offline views (``summarize``, ``diagnose``, ``perfetto``, and
+``diagnose --jaeger/--tempo`` through :mod:`.backends`): :func:`read_spans` streams the spans
+of files and folders, :func:`spans_from_otlp_json` decodes one object. Used too by the test
+receiver (``commdebug_otel.testing.otlp_receiver`` re-exports the public names). OTLP/JSON
+writes trace and span ids as hex, not base64 as protobuf's generic JSON mapping does, and
+64-bit integers as strings.
+
+Damaged input (see docs/offline.md, "What is skipped"): every field a span's line is read
+for is checked (types, hex ids, integer ranges, finite numbers, the attributes the views
+compute with); a line that fails is skipped whole, the other lines are kept, and each file
+with skipped lines gets one message. Only regular files are opened (a FIFO or a device
+named ``*.jsonl`` is skipped unopened), a line over :data:`MAX_LINE_BYTES` is skipped
+without being held in memory, and a span read twice (same trace and span id) is kept once.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import json
-from collections.abc import Iterator
+import math
+import os
+import re
+import stat
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from google.protobuf import json_format
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2 as _mpb
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as _tpb
 
-__all__ = ["decode_any_value", "metric_dicts", "metrics_from_otlp_json", "parse_otlp_json",
-           "span_dicts", "spans_from_otlp_json"]
+from .. import semconv
+
+__all__ = ["ATTRIBUTE_TYPES", "MAX_LINE_BYTES", "MAX_RANKS", "BadData", "SpanReader", "decode_any_value",
+           "metric_dicts", "metrics_from_otlp_json", "parse_otlp_json", "ranked", "read_spans", "span_dicts",
+           "spans_from_otlp_json", "trace_files"]
 
 _SIGNALS = {
     "traces": (_tpb.ExportTraceServiceRequest, _tpb.ExportTraceServiceResponse),
@@ -148,12 +166,559 @@ def parse_otlp_json(obj: dict | str | bytes, signal: str, hex_ids: bool = True) 
 def spans_from_otlp_json(obj: dict | str | bytes, hex_ids: bool = True) -> list[dict[str, Any]]:
     """Span dicts (as ``OtlpReceiver.spans()``, transport "file") from one OTLP-JSON object/line.
 
-    ``hex_ids``: as :func:`parse_otlp_json`.
+    ``hex_ids``: as :func:`parse_otlp_json`. Every field is checked as :func:`read_spans` checks it;
+    the known attributes come back normalised (an integer written as a decimal string is an int).
+
+    Raises:
+        json.JSONDecodeError: text that is not JSON.
+        BadData: an object that is not an OTLP-JSON trace request, or a field of the wrong type.
     """
-    return span_dicts(parse_otlp_json(obj, "traces", hex_ids), "file")
+    if isinstance(obj, (str, bytes)):
+        obj = json.loads(obj)
+    return _decode_traces(obj, hex_ids)
 
 
 def metrics_from_otlp_json(obj: dict | str | bytes) -> list[dict[str, Any]]:
     """Data-point dicts (as ``OtlpReceiver.metrics()``, transport "file") from one OTLP-JSON object/line."""
     return metric_dicts(parse_otlp_json(obj, "metrics"), "file")
 
+
+
+# ------------------------------------------------------------ the one reader
+
+#: The longest line read (bytes); a longer one is skipped without being held. An OTLP-JSON line is
+#: one export request: the embedded exporter's are a few MiB at most, a Collector's batch tens.
+MAX_LINE_BYTES = 64 << 20
+#: Ranks, world sizes and process group sizes read are below this: a larger one is damage, not a job.
+MAX_RANKS = 1 << 20
+#: The deepest nesting of attribute values (arrays and key-value lists in arrays) read.
+MAX_VALUE_DEPTH = 16
+_CHUNK = 1 << 20
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+_UINT64 = (0, (1 << 64) - 1)
+_HEX = re.compile(r"[0-9a-fA-F]+\Z")
+_DECIMAL = re.compile(r"-?[0-9]+\Z")
+# A \\uD800-\\uDFFF escape that is not half of a pair: json.loads would make a lone surrogate,
+# which no UTF-8 output (print, json.dump) can write.
+_LONE_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+                             rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+_GZIP_MAGIC = b"\x1f\x8b"
+_BOM = b"\xef\xbb\xbf"
+
+
+class BadData(ValueError):
+    """One OTLP-JSON object that cannot be read as spans; ``str()`` says why, in a few words."""
+
+
+_SNAKE: dict[str, str] = {}
+
+
+def _get(obj: dict, camel: str) -> Any:
+    """A field by its OTLP-JSON (lowerCamelCase) name or its proto name (snake_case), as protobuf reads both."""
+    value = obj.get(camel)
+    if value is None:
+        snake = _SNAKE.get(camel)
+        if snake is None:
+            snake = _SNAKE[camel] = re.sub(r"([A-Z])", lambda m: "_" + m.group(1).lower(), camel)
+        value = obj.get(snake)
+    return value
+
+
+def _object(value: Any, what: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadData(f"{what} is {type(value).__name__}, expected an object")
+    return value
+
+
+def _list(value: Any, what: str) -> list:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise BadData(f"{what} is {type(value).__name__}, expected a list")
+    return value
+
+
+def _str(value: Any, what: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise BadData(f"{what} is {type(value).__name__}, expected a string")
+    return value
+
+
+def _int(value: Any, what: str, bounds: tuple[int, int] = _INT64) -> int:
+    """An integer written as a JSON number or a decimal string (as OTLP-JSON writes 64-bit ones)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, float) and value.is_integer():
+        number = int(value)
+    elif isinstance(value, str) and _DECIMAL.match(value):
+        if len(value) > 40:  # int() of a long digit string costs quadratic time
+            raise BadData(f"{what} is out of range ({_brief(value)})")
+        number = int(value)
+    else:
+        raise BadData(f"{what} is not an integer ({_brief(value)})")
+    if not bounds[0] <= number <= bounds[1]:
+        raise BadData(f"{what} {number} is out of range")
+    return number
+
+
+def _number(value: Any, what: str) -> float:
+    """A finite number (an int or float; protobuf's "NaN"/"Infinity" strings are refused, as NaN is)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, str) and _DECIMAL.match(value) and len(value) <= 40:
+            return float(int(value))
+        raise BadData(f"{what} is not a number ({_brief(value)})")
+    number = float(value)
+    if not math.isfinite(number):
+        raise BadData(f"{what} is not a finite number")
+    return number
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _id(value: Any, what: str, size: int, hex_ids: bool, required: bool) -> str:
+    """A trace (16 bytes) or span (8 bytes) id as lowercase hex; "" for an absent optional one."""
+    if value is None or value == "":
+        if required:
+            raise BadData(f"a span has no {what}")
+        return ""
+    if not isinstance(value, str):
+        raise BadData(f"{what} is {type(value).__name__}, expected a string")
+    if hex_ids:
+        if len(value) != 2 * size or not _HEX.match(value):
+            raise BadData(f"{what} is not {2 * size} hex digits ({_brief(value)})")
+        return value.lower()
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadData(f"{what} is not base64 ({_brief(value)})") from None
+    if len(raw) != size:
+        raise BadData(f"{what} is not {size} bytes ({_brief(value)})")
+    return raw.hex()
+
+
+def _any_value(value: Any, depth: int = 0) -> Any:
+    """An OTLP-JSON ``AnyValue`` object as str/bool/int/float/bytes, a list, a dict or None."""
+    if not isinstance(value, dict):
+        raise BadData(f"an attribute value is {type(value).__name__}, expected an object")
+    if depth > MAX_VALUE_DEPTH:
+        raise BadData(f"an attribute value nested deeper than {MAX_VALUE_DEPTH}")
+    for key, inner in value.items():  # one key: the oneof's field (unknown keys are passed over)
+        kind = _ANY_KINDS.get(key)
+        if kind is not None and inner is not None:
+            return kind(inner, depth)
+    return None
+
+
+def _bool(flag: Any, depth: int) -> bool:
+    if not isinstance(flag, bool):
+        raise BadData(f"a boolValue is {type(flag).__name__}")
+    return flag
+
+
+def _bytes(raw: Any, depth: int) -> bytes:
+    try:
+        return base64.b64decode(_str(raw, "a bytesValue"), validate=True)
+    except (binascii.Error, ValueError):
+        raise BadData("a bytesValue is not base64") from None
+
+
+def _array(array: Any, depth: int) -> list:
+    return [_any_value(item, depth + 1)
+            for item in _list(_object(array, "an arrayValue").get("values"), "an arrayValue's values")]
+
+
+def _kvlist(kvlist: Any, depth: int) -> dict:
+    return _attributes(_object(kvlist, "a kvlistValue").get("values"), depth + 1)
+
+
+_ANY_KINDS: dict[str, Callable[[Any, int], Any]] = {}
+for _name, _kind in (("stringValue", lambda text, depth: _str(text, "a stringValue")), ("boolValue", _bool),
+                     ("intValue", lambda number, depth: _int(number, "an intValue")),
+                     ("doubleValue", lambda number, depth: _number(number, "a doubleValue")),
+                     ("arrayValue", _array), ("kvlistValue", _kvlist), ("bytesValue", _bytes)):
+    _ANY_KINDS[_name] = _ANY_KINDS[re.sub(r"([A-Z])", lambda m: "_" + m.group(1).lower(), _name)] = _kind
+
+
+def _attributes(key_values: Any, depth: int = 0) -> dict[str, Any]:
+    out = {}
+    for item in _list(key_values, "attributes"):
+        item = _object(item, "an attribute")
+        out[_str(item.get("key"), "an attribute key")] = _any_value(item.get("value", {}), depth)
+    return out
+
+
+def _seconds(value: Any, what: str) -> float:
+    """A finite number of seconds within 30 years either way: a larger one is damage (and overflows ns)."""
+    number = _number(value, what)
+    if abs(number) > 1e9:
+        raise BadData(f"{what} {number:g} is out of range")
+    return number
+
+
+def _int_in(low: int, high: int) -> Callable[[Any, str], int]:
+    return lambda value, what: _int(value, what, (low, high))
+
+
+def _int_list(value: Any, what: str) -> list[int]:
+    return [_int(item, what) for item in _list(value, what)]
+
+
+def _str_list(value: Any, what: str) -> list[str]:
+    return [_str(item, what) for item in _list(value, what)]
+
+
+def _scalar_list(value: Any, what: str) -> list:
+    items = _list(value, what)
+    if any(isinstance(item, (list, dict)) for item in items):
+        raise BadData(f"{what} holds a list or map, expected plain values")
+    return items
+
+
+def _text(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise BadData(f"{what} is {type(value).__name__}, expected a string")
+    return value
+
+
+#: The attributes the offline views compute with, and how each is checked (and normalised: an integer
+#: written as a decimal string, as ``OTEL_RESOURCE_ATTRIBUTES`` writes ranks, becomes an int).
+ATTRIBUTE_TYPES: dict[str, Callable[[Any, str], Any]] = {
+    **dict.fromkeys((semconv.STEP, semconv.MODULE_DEPTH, semconv.MODULE_CALL_INDEX, semconv.SPAN_DROPPED_EVENTS,
+                     semconv.STEP_PART, semconv.STEP_STALLED, semconv.STALL_SNAPSHOT, semconv.COLLECTIVE_BYTES,
+                     semconv.COLLECTIVE_INPUT_ELEMENTS, semconv.COLLECTIVE_OUTPUT_ELEMENTS,
+                     semconv.COLLECTIVE_SEQ), _int),
+    semconv.COLLECTIVE_PEER: _int_in(0, MAX_RANKS - 1),
+    semconv.PROCESS_GROUP_SIZE: _int_in(1, MAX_RANKS),
+    semconv.RANK: _int_in(0, MAX_RANKS - 1),
+    semconv.WORLD_SIZE: _int_in(0, MAX_RANKS),
+    **dict.fromkeys((semconv.COLLECTIVE_DURATION, semconv.STALL_AGE, semconv.STALL_THRESHOLD,
+                     semconv.STEP_COLLECTIVE_WAIT), _seconds),
+    **dict.fromkeys((semconv.STALL_ISSUED_SEQ, semconv.STALL_COMPLETED_SEQ, semconv.STEP_COLLECTIVE_COUNTS,
+                     semconv.STEP_COLLECTIVE_FIRST_SEQ, semconv.COLLECTIVE_SHAPE), _int_list),
+    **dict.fromkeys((semconv.MODULE_PARAMETERS, semconv.STALL_STACK), _str_list),
+    **dict.fromkeys((semconv.STALL_GROUPS, semconv.STEP_COLLECTIVE_GROUPS, semconv.STEP_COLLECTIVE_FINGERPRINTS,
+                     semconv.DTENSOR_INPUT_SHAPES, semconv.DTENSOR_INPUT_PLACEMENTS, semconv.OP_INPUT_SHAPES),
+                    _scalar_list),
+    **dict.fromkeys((semconv.MODULE_FQN, semconv.MODULE_PASS, semconv.MODULE_TYPE, semconv.COLLECTIVE_OP,
+                     semconv.OP_NAME, semconv.COLLECTIVE_DTYPE, semconv.COLLECTIVE_REDUCE_OP,
+                     semconv.PROCESS_GROUP_NAME, semconv.STALL_MODULE, semconv.STALL_PASS,
+                     semconv.COLLECTIVE_STATE, semconv.DEVICE_MESH), _text),
+}
+
+
+def _checked(attributes: dict[str, Any]) -> dict[str, Any]:
+    for key in attributes.keys() & ATTRIBUTE_TYPES.keys():
+        attributes[key] = ATTRIBUTE_TYPES[key](attributes[key], f"attribute {key}")
+    return attributes
+
+
+_SPAN_KINDS = {"SPAN_KIND_UNSPECIFIED": 0, "SPAN_KIND_INTERNAL": 1, "SPAN_KIND_SERVER": 2, "SPAN_KIND_CLIENT": 3,
+               "SPAN_KIND_PRODUCER": 4, "SPAN_KIND_CONSUMER": 5}
+_STATUS_CODES = {"STATUS_CODE_UNSET": 0, "STATUS_CODE_OK": 1, "STATUS_CODE_ERROR": 2}
+
+
+def _enum(value: Any, names: dict[str, int], what: str) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, str) and value in names:
+        return names[value]
+    return _int(value, what, (0, max(names.values())))
+
+
+def _span(s: Any, resource: dict, scope: str, hex_ids: bool) -> dict[str, Any]:
+    s = _object(s, "a span")
+    status = _object(s.get("status"), "a span's status")
+    return {
+        "name": _str(s.get("name"), "a span's name"),
+        "trace_id": _id(_get(s, "traceId"), "traceId", 16, hex_ids, True),
+        "span_id": _id(_get(s, "spanId"), "spanId", 8, hex_ids, True),
+        "parent_span_id": _id(_get(s, "parentSpanId"), "parentSpanId", 8, hex_ids, False),
+        "kind": _enum(s.get("kind"), _SPAN_KINDS, "a span's kind"),
+        "start_ns": _int(_get(s, "startTimeUnixNano") or 0, "startTimeUnixNano", _UINT64),
+        "end_ns": _int(_get(s, "endTimeUnixNano") or 0, "endTimeUnixNano", _UINT64),
+        "attributes": _checked(_attributes(s.get("attributes"))),
+        "events": [_event(event) for event in _list(s.get("events"), "a span's events")],
+        "status_code": _enum(status.get("code"), _STATUS_CODES, "a status code"),
+        "status_message": _str(status.get("message"), "a status message"),
+        "resource": resource,
+        "scope": scope,
+        "transport": "file",
+        "dropped_events_count": _int(_get(s, "droppedEventsCount") or 0, "droppedEventsCount", (0, 1 << 32)),
+        "dropped_attributes_count": _int(_get(s, "droppedAttributesCount") or 0, "droppedAttributesCount",
+                                         (0, 1 << 32)),
+    }
+
+
+def _event(event: Any) -> dict[str, Any]:
+    event = _object(event, "an event")
+    return {"name": _str(event.get("name"), "an event's name"),
+            "time_ns": _int(_get(event, "timeUnixNano") or 0, "an event's timeUnixNano", _UINT64),
+            "attributes": _checked(_attributes(event.get("attributes")))}
+
+
+def _decode_traces(request: Any, hex_ids: bool = True) -> list[dict[str, Any]]:
+    """The spans of one ``ExportTraceServiceRequest`` (or ``TracesData``) object. Raises BadData."""
+    request = _object(request, "the line")
+    out = []
+    for entry in _list(_get(request, "resourceSpans"), "resourceSpans"):
+        entry = _object(entry, "a resourceSpans entry")
+        resource = _checked(_attributes(_object(entry.get("resource"), "a resource").get("attributes")))
+        for scoped in _list(_get(entry, "scopeSpans"), "scopeSpans"):
+            scoped = _object(scoped, "a scopeSpans entry")
+            scope = _str(_object(scoped.get("scope"), "a scope").get("name"), "a scope name")
+            out += [_span(s, resource, scope, hex_ids) for s in _list(scoped.get("spans"), "spans")]
+    return out
+
+
+def ranked(spans: list[dict[str, Any]], source: str) -> list[dict[str, Any]]:
+    """``spans`` with ``"rank"`` (the resource's ``torch.distributed.rank``, 0 when absent) and ``"file"`` added."""
+    for span in spans:
+        span["rank"] = span["resource"].get(semconv.RANK, 0)
+        span["file"] = source
+    return spans
+
+
+def trace_files(paths: Iterable[str | os.PathLike], skipped: list[str] | None = None) -> list[str]:
+    """The files to read: each path given, and every ``*.jsonl``/``*.json`` under each folder.
+
+    Folders are walked through symbolic links (a run folder linked into another is read), each
+    real folder once (a link back up does not loop). ``skipped``: messages about folders that
+    cannot be listed are appended to it.
+
+    Raises:
+        FileNotFoundError: a path does not exist.
+    """
+    found: list[str] = []
+    seen: set[tuple[int, int]] = set()
+    for path in map(os.fspath, paths):
+        if not os.path.isdir(path):
+            if not os.path.lexists(path):
+                raise FileNotFoundError(f"no such file or folder: {path}")
+            found.append(path)  # even a FIFO or a dead link: read_spans says why it cannot be read
+            continue
+
+        def unlisted(error: OSError) -> None:
+            if skipped is not None:
+                skipped.append(f"skipped folder {error.filename}: {error.strerror}")
+
+        for folder, dirs, names in os.walk(path, onerror=unlisted, followlinks=True):
+            try:
+                info = os.stat(folder)
+            except OSError:
+                dirs[:] = []
+                continue
+            if (info.st_dev, info.st_ino) in seen:
+                dirs[:] = []
+                continue
+            seen.add((info.st_dev, info.st_ino))
+            dirs.sort()
+            found.extend(os.path.join(folder, name) for name in sorted(names) if name.endswith((".jsonl", ".json")))
+    return found
+
+
+class SpanReader:
+    """The spans of OTLP-JSON trace files, streamed: iterate over it once.
+
+    ``paths``: files and folders (:func:`trace_files`). Each span is a dict as
+    :func:`spans_from_otlp_json` makes it (``start_ns``/``end_ns``/event ``time_ns`` in ns since
+    the Unix epoch, ids as lowercase hex), with ``"rank"`` (int, the resource's
+    ``torch.distributed.rank``, 0 when absent) and ``"file"``; in file order, each span once
+    (a (trace id, span id) seen before is counted in :attr:`duplicates`, not yielded).
+
+    A file is read line by line in chunks: one object per line, or, when its first line is not
+    JSON and the file is at most :data:`MAX_LINE_BYTES`, the whole file as one (pretty-printed)
+    object. Objects without ``resourceSpans`` (metrics, logs) are passed over. What cannot be read
+    is skipped and said once per file in :attr:`messages`: a file that is no regular file (FIFO,
+    device, socket: never opened), cannot be opened, or is gzip-compressed; lines that are not JSON
+    (a line cut by a killed job, NUL bytes), nested too deep, longer than ``max_line_bytes``, or
+    whose fields fail the checks (:class:`BadData`).
+
+    Memory: one line (at most ``max_line_bytes``) and one 16-byte key per span yielded.
+
+    Raises:
+        FileNotFoundError: a path does not exist (when iteration begins).
+    """
+
+    def __init__(self, paths: Iterable[str | os.PathLike], max_line_bytes: int = MAX_LINE_BYTES,
+                 hex_ids: bool = True) -> None:
+        self.paths = list(paths)
+        self.max_line_bytes = max_line_bytes
+        self.hex_ids = hex_ids
+        #: One line per file or folder with something skipped: ``skipped N lines in FILE: why``.
+        self.messages: list[str] = []
+        #: Spans read again (the same trace and span id): a file given twice, a linked copy, repeated lines.
+        self.duplicates = 0
+        #: Lines (objects) skipped, over all files.
+        self.skipped_lines = 0
+        #: Files that held at least one span.
+        self.files: set[str] = set()
+        self._seen: set[bytes] = set()
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for path in trace_files(self.paths, self.messages):
+            yield from self._file(path)
+
+    def _file(self, path: str) -> Iterator[dict[str, Any]]:
+        try:
+            info = os.stat(path)
+        except OSError as error:
+            self.messages.append(f"skipped {path}: {error.strerror}")
+            return
+        if not stat.S_ISREG(info.st_mode):
+            kind = ("a FIFO" if stat.S_ISFIFO(info.st_mode) else "a device" if stat.S_ISCHR(info.st_mode)
+                    or stat.S_ISBLK(info.st_mode) else "a socket" if stat.S_ISSOCK(info.st_mode) else "a folder"
+                    if stat.S_ISDIR(info.st_mode) else "not a regular file")
+            self.messages.append(f"skipped {path}: {kind}, not a regular file (not opened)")
+            return
+        try:
+            # O_NONBLOCK: a path swapped for a FIFO since the stat cannot block the open; fstat checks again.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        except OSError as error:
+            self.messages.append(f"skipped {path}: {error.strerror}")
+            return
+        with os.fdopen(fd, "rb", buffering=0) as handle:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                self.messages.append(f"skipped {path}: not a regular file (not read)")
+                return
+            bad: Counter = Counter()
+            first_bad: dict[str, int] = {}
+            spans = 0
+            try:
+                for number, line in self._lines(handle, info.st_size):
+                    if line is None:
+                        why = f"longer than {self.max_line_bytes} bytes"
+                    else:
+                        try:
+                            found = self._decode(line)
+                        except BadData as error:
+                            why = str(error)
+                        else:
+                            for span in found:
+                                if self._new(span):
+                                    span["rank"] = span["resource"].get(semconv.RANK, 0)
+                                    span["file"] = path
+                                    spans += 1
+                                    yield span
+                            continue
+                    bad[why] += 1
+                    first_bad.setdefault(why, number)
+            except _Gzip:
+                self.messages.append(f"skipped {path}: gzip-compressed (gunzip it first)")
+                return
+            except OSError as error:
+                bad[f"read error: {error.strerror}"] += 1
+                first_bad.setdefault(f"read error: {error.strerror}", 0)
+            if spans:
+                self.files.add(path)
+            if bad:
+                total = sum(bad.values())
+                self.skipped_lines += total
+                shown = sorted(bad.most_common(3), key=lambda item: first_bad[item[0]])
+                reasons = "; ".join(f"{'line' if n == 1 else f'{n} lines, the first'} {first_bad[why]}: {why}"
+                                    for why, n in shown)
+                more = total - sum(n for _, n in shown)
+                self.messages.append(f"skipped {total} line{'s' if total != 1 else ''} in {path}: {reasons}"
+                                     + (f"; {more} more for other reasons" if more else ""))
+
+    def _new(self, span: dict) -> bool:
+        key = f"{span['trace_id']}{span['span_id']}".encode()
+        if key in self._seen:
+            self.duplicates += 1
+            return False
+        self._seen.add(key)
+        return True
+
+    def _decode(self, line: bytes) -> list[dict[str, Any]]:
+        if b"\\u" in line and _LONE_SURROGATE.search(line):
+            line = _LONE_SURROGATE.sub(rb"\\ufffd", line)
+        try:
+            obj = json.loads(line.decode("utf-8", "replace"))
+        except json.JSONDecodeError as error:
+            raise BadData(f"not JSON ({error.msg})") from None
+        except RecursionError:
+            raise BadData("JSON nested too deep") from None
+        if not isinstance(obj, dict) or ("resourceSpans" not in obj and "resource_spans" not in obj):
+            return []  # metrics, logs, other JSON
+        return _decode_traces(obj, self.hex_ids)
+
+    def _lines(self, handle: Any, size: int) -> Iterator[tuple[int, bytes | None]]:
+        """(line number, line without its end) of each non-blank line; None for a line over the limit,
+        whose bytes are dropped as they come."""
+        limit = self.max_line_bytes
+        chunk = handle.read(_CHUNK)
+        if chunk.startswith(_GZIP_MAGIC):
+            raise _Gzip
+        bom = len(_BOM) if chunk.startswith(_BOM) else 0
+        chunk = chunk[bom:]
+        pending: list[bytes] = []  # the start of the line the next chunk ends
+        pending_bytes = 0
+        overlong = False
+        number = 0
+        first = True  # the first non-blank line: is the file one (pretty-printed) object?
+        while chunk:
+            start = 0
+            while (end := chunk.find(b"\n", start)) >= 0:
+                number += 1
+                piece = chunk[start:end]
+                start = end + 1
+                if overlong or pending_bytes + len(piece) > limit:
+                    yield number, None
+                else:
+                    line = b"".join((*pending, piece)) if pending else piece
+                    if line.strip(_BLANK):
+                        if first and size <= limit and not _is_json(line):
+                            whole = self._whole(handle, bom)
+                            if whole is not None:
+                                yield number, whole
+                                return
+                        first = False
+                        yield number, line
+                pending, pending_bytes, overlong = [], 0, False
+            rest = chunk[start:]
+            if rest and not overlong:
+                pending.append(rest)
+                pending_bytes += len(rest)
+                if pending_bytes > limit:
+                    pending, pending_bytes, overlong = [], 0, True
+            chunk = handle.read(_CHUNK)
+        if overlong:
+            yield number + 1, None
+        elif pending:
+            line = b"".join(pending)
+            if line.strip(_BLANK):
+                yield number + 1, line
+
+    def _whole(self, handle: Any, bom: int) -> bytes | None:
+        """The whole file when it is one JSON object, else None (then it is read line by line)."""
+        position = handle.tell()
+        handle.seek(bom)
+        text = handle.read(self.max_line_bytes + 1)
+        handle.seek(position)
+        return text if len(text) <= self.max_line_bytes and _is_json(text) else None
+
+
+def _is_json(text: bytes) -> bool:
+    try:
+        json.loads(text.decode("utf-8", "replace"))
+    except (json.JSONDecodeError, RecursionError):
+        return False
+    return True
+
+
+_BLANK = b" \t\r"
+
+
+class _Gzip(Exception):
+    pass
+
+
+def read_spans(paths: Iterable[str | os.PathLike], max_line_bytes: int = MAX_LINE_BYTES) -> SpanReader:
+    """A :class:`SpanReader` over ``paths``: iterate it for the spans, then read its ``messages``."""
+    return SpanReader(paths, max_line_bytes)

@@ -26,12 +26,15 @@ Ranks share one time axis: on several hosts, clock skew shifts ranks against eac
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import sys
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 from .. import semconv
+from .model import SpanIndex
 from .summary import load_for_command
 
 __all__ = ["add_arguments", "chrome_trace", "run", "write_chrome_trace"]
@@ -43,6 +46,13 @@ _NS_PER_US = 1000
 def _us(ns: int) -> float:
     """Nanoseconds -> microseconds (exact to the ns when read back: ``round(us * 1000)``)."""
     return ns / _NS_PER_US
+
+
+def _jsonable(value: Any) -> str:
+    """A ``bytesValue`` attribute (the only value JSON cannot hold) as base64, as OTLP-JSON writes it."""
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode("ascii")
+    raise TypeError(f"{type(value).__name__} is not JSON")
 
 
 def _category(span: dict) -> str:
@@ -76,41 +86,46 @@ def chrome_trace(spans: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _rank_events(spans: list[dict], pid: int, origin: int, out: list[dict]) -> None:
     """Slices and instants of one rank; children are clamped into parents, siblings kept apart."""
-    ids = {(span["trace_id"], span["span_id"]) for span in spans}
-    children: dict[tuple | None, list[dict]] = defaultdict(list)
-    for span in spans:
-        parent = (span["trace_id"], span["parent_span_id"])
-        children[parent if parent in ids else None].append(span)
+    index = SpanIndex(spans)
 
-    def emit(siblings: list[dict], low: int, high: int) -> None:
-        for span in sorted(siblings, key=lambda s: (s["start_ns"], -s["end_ns"])):
-            start = min(max(span["start_ns"], low), high)
-            end = max(min(span["end_ns"], high), start)
-            args = {"span_id": span["span_id"], **span["attributes"]}
-            trimmed = (start - span["start_ns"]) + (span["end_ns"] - end)
-            if trimmed:
-                args[TRIMMED] = trimmed
-            if span.get("status_code") == 2:  # STATUS_CODE_ERROR
-                args["status"] = f"ERROR {span.get('status_message', '')}".strip()
-            out.append({"ph": "X", "name": span["name"], "cat": _category(span), "pid": pid, "tid": pid,
-                        "ts": _us(start - origin), "dur": _us(end - start), "args": args})
-            for event in span["events"]:
-                collective = semconv.COLLECTIVE_OP in event["attributes"]
-                out.append({"ph": "i", "s": "t", "name": event["name"],
-                            "cat": "collective" if collective else "op", "pid": pid, "tid": pid,
-                            "ts": _us(event["time_ns"] - origin),
-                            "args": {"span": span["name"], **event["attributes"]}})
-            emit(children.get((span["trace_id"], span["span_id"]), []), start, end)
-            low = end  # the next sibling starts after this one
+    def by_start(siblings: list[dict]) -> Iterator[dict]:
+        return iter(sorted(siblings, key=lambda s: (s["start_ns"], -s["end_ns"])))
 
-    emit(children.get(None, []), origin, max((span["end_ns"] for span in spans), default=origin))
+    # A walk with its own stack (a chain of 20,000 spans is no recursion): each frame is
+    # [siblings left, low (where the next may start), high (where they must end)].
+    stack = [[by_start(index.roots), origin, max((span["end_ns"] for span in spans), default=origin)]]
+    while stack:
+        frame = stack[-1]
+        span = next(frame[0], None)
+        if span is None:
+            stack.pop()
+            continue
+        low, high = frame[1], frame[2]
+        start = min(max(span["start_ns"], low), high)
+        end = max(min(span["end_ns"], high), start)
+        args = {"span_id": span["span_id"], **span["attributes"]}
+        trimmed = (start - span["start_ns"]) + (span["end_ns"] - end)
+        if trimmed:
+            args[TRIMMED] = trimmed
+        if span.get("status_code") == 2:  # STATUS_CODE_ERROR
+            args["status"] = f"ERROR {span.get('status_message', '')}".strip()
+        out.append({"ph": "X", "name": span["name"], "cat": _category(span), "pid": pid, "tid": pid,
+                    "ts": _us(start - origin), "dur": _us(end - start), "args": args})
+        for event in span["events"]:
+            collective = semconv.COLLECTIVE_OP in event["attributes"]
+            out.append({"ph": "i", "s": "t", "name": event["name"],
+                        "cat": "collective" if collective else "op", "pid": pid, "tid": pid,
+                        "ts": _us(event["time_ns"] - origin),
+                        "args": {"span": span["name"], **event["attributes"]}})
+        frame[1] = end  # the next sibling starts after this one
+        stack.append([by_start(index.children(span)), start, end])
 
 
 def write_chrome_trace(spans: list[dict[str, Any]], path: str) -> dict[str, int]:
     """Write :func:`chrome_trace` to ``path``. Returns ``{"slices": n, "instants": n, "ranks": n}``."""
     trace = chrome_trace(spans)
     with open(path, "w", encoding="utf-8") as handle:
-        json.dump(trace, handle)
+        json.dump(trace, handle, default=_jsonable)
     kinds = [event["ph"] for event in trace["traceEvents"]]
     return {"slices": kinds.count("X"), "instants": kinds.count("i"),
             "ranks": len({span["rank"] for span in spans})}

@@ -33,26 +33,33 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import sys
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from .. import semconv
-from ..report import GLOBAL, CommReport, Operation, module_chain, render_json, render_table
-from .otlp_json import spans_from_otlp_json
+from ..report import GLOBAL, CommReport, Operation, render_json, render_table
+from .model import P2P as _P2P
+from .model import SpanIndex, collective_events, collective_matches, is_complete, is_snapshot, issued_ns, own_step
+from .otlp_json import SpanReader, ranked, spans_from_otlp_json, trace_files
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "GLOBAL",
     "add_arguments",
     "collective_events",
     "collective_matches",
+    "columns",
     "comm_debug_json",
     "comm_report",
     "format_report",
     "format_table",
+    "is_snapshot",
     "load_spans",
     "module_counts",
     "module_pass_counts",
@@ -62,6 +69,7 @@ __all__ = [
     "ranked_spans",
     "report_dict",
     "run",
+    "span_warnings",
     "step_spans",
     "steps_present",
     "stragglers",
@@ -71,59 +79,18 @@ __all__ = [
 
 _FORWARD, _BACKWARD, _RECOMPUTE = semconv.PASS_FORWARD, semconv.PASS_BACKWARD, semconv.PASS_RECOMPUTE
 _LEGACY_FUNCTIONAL = semconv.LEGACY_FUNCTIONAL_PACKETS
-_SUFFIXES = (".jsonl", ".json")
-# Point-to-point ops: paired by (group, sender, receiver), never matched as collectives.
-_P2P = frozenset({semconv.SEND, semconv.RECV, semconv.BATCH_P2P})
 
 
 # ------------------------------------------------------------------- loading
 
 
-def trace_files(paths: Iterable[str | os.PathLike]) -> list[str]:
-    """The files to read: each file as given, and every ``*.jsonl``/``*.json`` under each folder.
+def load_spans(paths: Iterable[str | os.PathLike], reader: SpanReader | None = None) -> list[dict[str, Any]]:
+    """Every span in the OTLP-JSON trace files under ``paths`` (files or folders), each once.
 
-    Raises:
-        FileNotFoundError: a path does not exist.
-    """
-    found: list[str] = []
-    for path in map(os.fspath, paths):
-        if os.path.isdir(path):
-            for folder, dirs, names in os.walk(path):
-                dirs.sort()
-                found.extend(os.path.join(folder, name) for name in sorted(names)
-                             if name.endswith(_SUFFIXES))
-        elif os.path.isfile(path):
-            found.append(path)
-        else:
-            raise FileNotFoundError(f"no such file or folder: {path}")
-    return found
-
-
-def _objects(path: str) -> Iterator[dict]:
-    """JSON objects in a file: one per line, or the whole file as one (pretty-printed) object."""
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        text = handle.read()
-    try:
-        objects = [json.loads(text)]  # one (pretty-printed) object
-    except json.JSONDecodeError:
-        objects = []
-        for number, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                objects.append(json.loads(line))
-            except json.JSONDecodeError:
-                # A job killed mid-write leaves a cut last line: keep the rest, say so.
-                print(f"commdebug-otel: skipping unreadable line {number} of {path}", file=sys.stderr)
-    for obj in objects:
-        if isinstance(obj, dict):
-            yield obj
-
-
-def load_spans(paths: Iterable[str | os.PathLike]) -> list[dict[str, Any]]:
-    """Every span in the OTLP-JSON trace files under ``paths`` (files or folders).
-
-    Objects without ``resourceSpans`` (metrics, logs, other JSON) are skipped.
+    Read by :class:`commdebug_otel.offline.otlp_json.SpanReader`: what it skips, and why, is in its
+    ``messages``; pass ``reader`` to read them, else each is logged as a warning (logger
+    ``commdebug_otel.offline.summary``). Objects without ``resourceSpans`` (metrics, logs,
+    other JSON) are passed over.
 
     Returns:
         span dicts as :func:`commdebug_otel.offline.otlp_json.spans_from_otlp_json`
@@ -135,11 +102,12 @@ def load_spans(paths: Iterable[str | os.PathLike]) -> list[dict[str, Any]]:
     Raises:
         FileNotFoundError: a path does not exist.
     """
-    spans: list[dict[str, Any]] = []
-    for path in trace_files(paths):
-        for obj in _objects(path):
-            if "resourceSpans" in obj:
-                spans += ranked_spans(obj, path)
+    own = reader is None
+    reader = SpanReader(paths) if reader is None else reader
+    spans = list(reader)
+    if own:  # nobody else will read the reader's messages: log them
+        for message in reader.messages:
+            _log.warning("commdebug-otel: %s", message)
     spans.sort(key=lambda span: (span["rank"], span["start_ns"]))
     return spans
 
@@ -148,12 +116,11 @@ def ranked_spans(request: dict, source: str, hex_ids: bool = True) -> list[dict[
     """The spans of one OTLP-JSON ``ExportTraceServiceRequest`` (or ``TracesData``) dict, as :func:`load_spans`
     makes them: each with ``"rank"`` and ``"file"`` = ``source``. ``hex_ids``: as
     :func:`commdebug_otel.offline.otlp_json.parse_otlp_json`.
+
+    Raises:
+        commdebug_otel.offline.otlp_json.BadData: as :func:`.otlp_json.spans_from_otlp_json`.
     """
-    spans = spans_from_otlp_json(request, hex_ids)
-    for span in spans:
-        span["rank"] = int(span["resource"].get(semconv.RANK, 0))
-        span["file"] = source
-    return spans
+    return ranked(spans_from_otlp_json(request, hex_ids), source)
 
 
 def packet_name(op_name: str) -> str:
@@ -176,50 +143,13 @@ def _ranks(spans: list[dict]) -> list[int]:
     return sorted({span["rank"] for span in spans})
 
 
-def _index(spans: list[dict]) -> dict[tuple, dict]:
-    return {(span["rank"], span["trace_id"], span["span_id"]): span for span in spans}
-
-
-def _parent(span: dict, index: dict[tuple, dict]) -> dict | None:
-    if not span["parent_span_id"]:
-        return None
-    return index.get((span["rank"], span["trace_id"], span["parent_span_id"]))
-
-
 def _fqn(span: dict) -> str | None:
     return span["attributes"].get(semconv.MODULE_FQN)
 
 
-def _own_step(span: dict) -> int | None:
-    value = span["attributes"].get(semconv.STEP)
-    return value if span["name"] == semconv.SPAN_TRAIN_STEP and isinstance(value, int) else None
-
-
-def _span_steps(spans: list[dict]) -> dict[int, int | None]:
-    """``id(span)`` -> the ``torch.step`` of its ``train_step`` root; None under any other root.
-
-    A span whose parent is not in the files counts as a root.
-    """
-    index = _index(spans)
-    steps: dict[int, int | None] = {}
-    for span in spans:
-        node, chain, on_chain = span, [], set()
-        while id(node) not in steps:
-            chain.append(node)
-            on_chain.add(id(node))
-            parent = _parent(node, index)
-            if parent is None or id(parent) in on_chain:  # a root (or a malformed loop)
-                steps[id(node)] = _own_step(node)
-                break
-            node = parent
-        for item in chain:
-            steps[id(item)] = steps[id(node)]
-    return steps
-
-
 def steps_present(spans: list[dict]) -> list[int]:
     """The ``torch.step`` values of the ``train_step`` spans in ``spans``, ascending."""
-    return sorted({step for step in map(_own_step, spans) if step is not None})
+    return sorted({step for step in map(own_step, spans) if step is not None})
 
 
 def step_spans(spans: list[dict], step: int) -> list[dict]:
@@ -229,29 +159,8 @@ def step_spans(spans: list[dict], step: int) -> list[dict]:
     spans with the same ``torch.step``: all are kept. ``outside_step`` spans and
     inference roots belong to no step. Order is kept; ``[]`` when no rank has that step.
     """
-    steps = _span_steps(spans)
-    return [span for span in spans if steps[id(span)] == step]
-
-
-def collective_events(spans: list[dict], rank: int | None = None) -> list[dict[str, Any]]:
-    """Collective events (those with ``torch.collective.op``), oldest first.
-
-    Returns:
-        ``[{"rank", "time_ns", "name", "attributes", "span"}]``; ``span`` is the owning span dict.
-    """
-    out = []
-    for order, span in enumerate(spans):
-        if rank is not None and span["rank"] != rank:
-            continue
-        for number, event in enumerate(span["events"]):
-            if semconv.COLLECTIVE_OP in event["attributes"]:
-                out.append({"rank": span["rank"], "time_ns": event["time_ns"], "name": event["name"],
-                            "attributes": event["attributes"], "span": span,
-                            "_order": (order, number)})
-    out.sort(key=lambda event: (event["time_ns"], event["_order"]))
-    for event in out:
-        del event["_order"]
-    return out
+    index = SpanIndex(spans)
+    return [span for span in spans if index.step(span) == step]
 
 
 # -------------------------------------------------------------- module counts
@@ -263,14 +172,60 @@ def _event_pass(event: dict) -> str:
         semconv.MODULE_PASS, _FORWARD)
 
 
-def _count_collectives(report: CommReport, spans: list[dict], rank: int, index: dict[tuple, dict]) -> None:
-    """Count ``rank``'s collectives into ``report`` for their span's module and its enclosing module spans."""
-    def parent(span: dict) -> dict | None:
-        return _parent(span, index)
+def _count_collectives(report: CommReport, spans: list[dict], rank: int, index: SpanIndex) -> None:
+    """Count ``rank``'s collectives into ``report`` for their span's module and its enclosing module spans.
 
-    for event in collective_events(spans, rank):
+    As ``report.count_collective(packet, pass, module_chain(span))`` for each event, with the same
+    counts and the same order of modules and packets, but in time linear in the spans: counts are
+    summed up the tree once instead of walking each event's chain (a chain 20,000 modules deep).
+    """
+    first: dict[int, dict[tuple[str, str], list[int]]] = defaultdict(dict)  # id(span) -> (key, packet) -> [n, order]
+    seen: set[int] = set()
+    for order, event in enumerate(collective_events(spans, rank)):
         packet = packet_name(event["attributes"].get(semconv.OP_NAME, event["name"]))
-        report.count_collective(packet, _event_pass(event), module_chain(event["span"], _fqn, parent))
+        pass_ = _event_pass(event)
+        span = event["span"]
+        node = span
+        while node is not None and id(node) not in seen and _fqn(node):  # modules listed as the chains meet them
+            seen.add(id(node))
+            report.counts_of(_fqn(node))
+            node = index.parent(node)
+        report.count_collective(packet, pass_, ())  # "Global"
+        if _fqn(span):
+            key = _pass_key(report, pass_)
+            first[id(span)].setdefault((key, packet), [0, order])[0] += 1
+    # Children before parents: a module span's counts are its own and those of its module children.
+    spans_down = list(index.roots)
+    for span in spans_down:
+        spans_down.extend(index.children(span))
+    by_fqn: dict[str, dict[tuple[str, str], list[int]]] = defaultdict(dict)
+    for span in reversed(spans_down):
+        fqn = _fqn(span)
+        if not fqn or id(span) not in first:
+            continue
+        counts = first.pop(id(span))
+        for (key, packet), (n, order) in counts.items():
+            total = by_fqn[fqn].setdefault((key, packet), [0, order])
+            total[0] += n
+            total[1] = min(total[1], order)
+        parent = index.parent(span)
+        if parent is not None and _fqn(parent):
+            into = first[id(parent)]
+            for item, (n, order) in counts.items():
+                total = into.setdefault(item, [0, order])
+                total[0] += n
+                total[1] = min(total[1], order)
+    for fqn, counts in by_fqn.items():
+        table = report.counts_of(fqn)
+        for (key, packet), (n, _) in sorted(counts.items(), key=lambda item: item[1][1]):
+            table[key][packet] += n
+
+
+def _pass_key(report: CommReport, pass_: str) -> str:
+    """The pass a collective of ``pass_`` counts under, as :meth:`CommReport.count_collective` files it."""
+    if pass_ == _RECOMPUTE:
+        return _RECOMPUTE if report.recompute_apart else _BACKWARD
+    return _BACKWARD if pass_ == _BACKWARD else _FORWARD
 
 
 def _plain(counts: dict[str, dict[str, dict[str, int]]]) -> dict[str, dict[str, dict[str, int]]]:
@@ -290,7 +245,7 @@ def module_pass_counts(spans: list[dict], rank: int = 0) -> dict[str, dict[str, 
     """
     report = CommReport(recompute_apart=True)
     report.reset()
-    _count_collectives(report, spans, rank, _index([span for span in spans if span["rank"] == rank]))
+    _count_collectives(report, spans, rank, SpanIndex([span for span in spans if span["rank"] == rank]))
     return _plain(report.collectives)
 
 
@@ -311,7 +266,7 @@ def module_counts(spans: list[dict], rank: int = 0) -> dict[str, dict[str, dict[
     return out
 
 
-def _module_order(spans: list[dict], index: dict[tuple, dict]) -> tuple[list[str], dict[str, int], dict[str, str]]:
+def _module_order(spans: list[dict], index: SpanIndex) -> tuple[list[str], dict[str, int], dict[str, str]]:
     """FQNs in first-forward order, their call depth (Global = 0, root module = 1), their forward parent.
 
     ``spans``: one rank's.
@@ -324,7 +279,7 @@ def _module_order(spans: list[dict], index: dict[tuple, dict]) -> tuple[list[str
     for span in module_spans:  # forward spans first: a parent comes before its children
         fqn = _fqn(span)
         if span["attributes"].get(semconv.MODULE_PASS) == _FORWARD and fqn not in parents:
-            parent = _parent(span, index)
+            parent = index.parent(span)
             parents[fqn] = _fqn(parent) if parent is not None and _fqn(parent) else GLOBAL
         if fqn not in order:  # depth in the call tree, as torch's ModTracker counts it
             order[fqn] = order.get(parents.get(fqn, GLOBAL), 0) + 1
@@ -341,7 +296,7 @@ def comm_report(spans: list[dict], rank: int = 0) -> CommReport:
     under ``"Global"``. A module called several times is listed once.
     """
     rank_spans = [span for span in spans if span["rank"] == rank]
-    index = _index(rank_spans)
+    index = SpanIndex(rank_spans)
     report = CommReport(recompute_apart=True)
     report.reset()
     _count_collectives(report, rank_spans, rank, index)
@@ -441,41 +396,6 @@ def rank_totals(spans: list[dict]) -> dict[int, dict[str, Any]]:
     return totals
 
 
-def _group_size(event: dict) -> int:
-    return int(event["attributes"].get(semconv.PROCESS_GROUP_SIZE, 1))
-
-
-def collective_matches(spans: list[dict], keep: Callable[[dict], bool] | None = None
-                       ) -> dict[tuple[str, int], dict[int, dict]]:
-    """The same collective on every rank: events matched by (process group name, seq).
-
-    Point-to-point ops (``send``, ``recv``, ``batch_p2p``) are left out, and a
-    collective's seq is taken less the point-to-point ops its rank issued before it
-    on that group (``torch.collective.seq`` counts both; pipeline stages issue
-    different numbers of them). Events without a seq are left out.
-    ``keep(event)``: only events it accepts (p2p ops are counted before it is asked).
-
-    Returns:
-        ``{(group, seq): {rank: event}}`` (events as :func:`collective_events`
-        makes them; a rank's first event wins if it has two), in the order of
-        each key's first event. A match is complete when it has as many ranks
-        as the events' ``torch.process_group.size``.
-    """
-    matches: dict[tuple[str, int], dict[int, dict]] = defaultdict(dict)
-    p2p_before: Counter = Counter()  # (rank, group) -> point-to-point ops issued so far
-    for event in collective_events(spans):
-        attrs = event["attributes"]
-        group = str(attrs.get(semconv.PROCESS_GROUP_NAME, ""))
-        if event["name"] in _P2P:
-            p2p_before[(event["rank"], group)] += 1
-            continue
-        if semconv.COLLECTIVE_SEQ not in attrs or (keep is not None and not keep(event)):
-            continue
-        key = (group, int(attrs[semconv.COLLECTIVE_SEQ]) - p2p_before[(event["rank"], group)])
-        matches[key].setdefault(event["rank"], event)
-    return dict(matches)
-
-
 def stragglers(spans: list[dict], step: int | None = None) -> dict[str, Any]:
     """Match each collective across ranks by (process group name, seq) and measure lateness.
 
@@ -483,8 +403,10 @@ def stragglers(spans: list[dict], step: int | None = None) -> dict[str, Any]:
     ``batch_p2p``) are no collectives (see :func:`pipeline_waits`), and a collective's
     seq is counted without them.
 
-    A rank's lateness in a match is its event time minus the earliest rank's
-    (ns). A match is complete when as many ranks as the group's size took part.
+    A rank's lateness in a match is its arrival (when its CPU began issuing the collective,
+    :func:`.model.issued_ns`, as ``diagnose`` measures it) minus the earliest rank's (ns), not
+    when the call returned: the time the others waited for it. A match is complete when as
+    many ranks as the group's size took part.
     ``step``: only collectives of that training step (matched over all of ``spans``).
 
     Returns:
@@ -500,17 +422,17 @@ def stragglers(spans: list[dict], step: int | None = None) -> dict[str, Any]:
     The times are each host's wall clock when the CPU issued the collective,
     not when the device ran it; across hosts, clock skew adds to lateness.
     """
-    steps = _span_steps(spans) if step is not None else {}
-    matches = collective_matches(spans, lambda event: step is None or steps[id(event["span"])] == step)
+    index = SpanIndex(spans) if step is not None else None
+    matches = collective_matches(spans, lambda event: index is None or index.step(event["span"]) == step)
     late: dict[int, list[int]] = {rank: [] for rank in _ranks(spans)}
     last: Counter = Counter()
     lost: Counter = Counter()
     complete = 0
     for events in matches.values():
-        if len(events) != _group_size(next(iter(events.values()))):
+        if not is_complete(events):
             continue
         complete += 1
-        arrivals = {rank: event["time_ns"] for rank, event in events.items()}
+        arrivals = {rank: issued_ns(event) for rank, event in events.items()}
         first, latest = min(arrivals.values()), max(arrivals.values())
         ordered = sorted(arrivals.values())
         for rank, time_ns in arrivals.items():
@@ -530,7 +452,7 @@ def stragglers(spans: list[dict], step: int | None = None) -> dict[str, Any]:
             "most_time_lost": lost.most_common(1)[0][0] if lost and lost.most_common(1)[0][1] > 0 else None}
 
 
-def _group_members(events: list[dict]) -> dict[str, list[int] | None]:
+def _group_members(events: list[dict]) -> dict[str, Sequence[int] | None]:
     """Process group name -> its global ranks in group-rank order, or None where the files cannot tell.
 
     torch orders a group's ranks ascending (``new_group`` sorts them), so a group whose
@@ -544,18 +466,13 @@ def _group_members(events: list[dict]) -> dict[str, list[int] | None]:
         seen[group].add(event["rank"])
         sizes[group] = int(event["attributes"].get(semconv.PROCESS_GROUP_SIZE, 1))
         worlds[group] = int(event["span"]["resource"].get(semconv.WORLD_SIZE, 0))
-    members: dict[str, list[int] | None] = {}
+    members: dict[str, Sequence[int] | None] = {}
     for group, ranks in seen.items():
         if len(ranks) == sizes[group]:
             members[group] = sorted(ranks)
         else:
-            members[group] = list(range(sizes[group])) if sizes[group] == worlds[group] else None
+            members[group] = range(sizes[group]) if sizes[group] == worlds[group] else None  # not a list per group
     return members
-
-
-def _issued_ns(event: dict) -> int:
-    """When the CPU began issuing the op: the event is stamped when the call returned."""
-    return event["time_ns"] - round(float(event["attributes"].get(semconv.COLLECTIVE_DURATION, 0.0)) * 1e9)
 
 
 def pipeline_waits(spans: list[dict], step: int | None = None) -> dict[str, Any]:
@@ -582,13 +499,13 @@ def pipeline_waits(spans: list[dict], step: int | None = None) -> dict[str, Any]
     """
     events = collective_events(spans)
     members = _group_members(events)
-    steps = _span_steps(spans) if step is not None else {}
+    index = SpanIndex(spans) if step is not None else None
 
     def in_step(event: dict, partner: dict | None = None) -> bool:
-        if step is None:
+        if index is None:
             return True
-        own = steps[id(event["span"])]
-        return (own if own is not None or partner is None else steps[id(partner["span"])]) == step
+        own = index.step(event["span"])
+        return (own if own is not None or partner is None else index.step(partner["span"])) == step
 
     queues: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: {semconv.SEND: [], semconv.RECV: []})
     unmatched = {semconv.SEND: 0, semconv.RECV: 0}
@@ -608,7 +525,7 @@ def pipeline_waits(spans: list[dict], step: int | None = None) -> dict[str, Any]
         sends, recvs = queue[semconv.SEND], queue[semconv.RECV]
         for send, recv in zip(sends, recvs, strict=False):
             if in_step(recv, send):
-                rows[(recv["rank"], group)].append(max(0, _issued_ns(send) - _issued_ns(recv)))
+                rows[(recv["rank"], group)].append(max(0, issued_ns(send) - issued_ns(recv)))
         for name, left in ((semconv.SEND, sends[len(recvs):]), (semconv.RECV, recvs[len(sends):])):
             unmatched[name] += sum(map(in_step, left))
     per_stage = [{
@@ -640,7 +557,8 @@ def top_collectives(spans: list[dict], rank: int = 0, limit: int = 10) -> list[d
 # ------------------------------------------------------------------ report
 
 
-def _columns(rows: list[tuple]) -> list[str]:
+def columns(rows: list[tuple]) -> list[str]:
+    """Rows (the first a header) as left-aligned text columns two spaces apart, one string per row."""
     cells = [[str(cell) for cell in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
     return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in cells]
@@ -654,13 +572,14 @@ def _human_bytes(n: float) -> str:
     return f"{n} B"
 
 
-def _warnings(spans: list[dict]) -> list[str]:
+def span_warnings(spans: list[dict]) -> list[str]:
+    """Warnings about the spans themselves: several processes for one rank (runs mixed), events dropped."""
     notes = []
     processes: dict[int, set] = defaultdict(set)
     dropped: Counter = Counter()
     for span in spans:
         resource = span["resource"]
-        processes[span["rank"]].add((resource.get("host.name"), resource.get("process.pid")))
+        processes[span["rank"]].add((str(resource.get("host.name")), str(resource.get("process.pid"))))
         dropped[span["rank"]] += int(span["attributes"].get(semconv.SPAN_DROPPED_EVENTS, 0))
         dropped[span["rank"]] += span.get("dropped_events_count", 0)
     for rank, seen in sorted(processes.items()):
@@ -692,7 +611,7 @@ def report_dict(spans: list[dict], rank: int = 0, top: int = 10, step: int | Non
         "step": step,
         "ranks": _ranks(chosen),
         "files": len({span["file"] for span in chosen if "file" in span}),
-        "warnings": _warnings(chosen),
+        "warnings": span_warnings(chosen),
         "rank": rank,
         "module_counts": module_counts(chosen, rank),
         "rank_totals": rank_totals(chosen),
@@ -723,7 +642,7 @@ def format_report(spans: list[dict], rank: int = 0, top: int = 10, step: int | N
         rows.append((r, total["events"], _human_bytes(total["bytes"]),
                      *(total["by_op"].get(op, 0) for op in ops),
                      "<- differs from the other ranks" if total["odd"] else ""))
-    out += _columns(rows)
+    out += columns(rows)
 
     lag = report["stragglers"]
     out += ["", (f"Stragglers: {lag['matched']} collectives matched across ranks by "
@@ -733,7 +652,7 @@ def format_report(spans: list[dict], rank: int = 0, top: int = 10, step: int | N
     for r, stats in lag["per_rank"].items():
         rows.append((r, stats["matched"], f"{stats['mean_late_ms']:.3f}", f"{stats['max_late_ms']:.3f}",
                      stats["last"], f"{stats['lost_ms']:.3f}"))
-    out += _columns(rows)
+    out += columns(rows)
     slowest = lag["most_time_lost"]
     if slowest is not None:
         stats = lag["per_rank"][slowest]
@@ -750,7 +669,7 @@ def format_report(spans: list[dict], rank: int = 0, top: int = 10, step: int | N
         rows = [("rank", "group", "group rank", "recvs", "wait ms", "mean wait ms", "max wait ms")]
         rows += [(row["rank"], row["group"], row["group_rank"], row["recvs"], f"{row['wait_ms']:.3f}",
                   f"{row['mean_wait_ms']:.3f}", f"{row['max_wait_ms']:.3f}") for row in waits["per_stage"]]
-        out += _columns(rows)
+        out += columns(rows)
         out.append("Wait = how long a rank's recv was posted before its peer began the send "
                    "(the pipeline bubble), by each host's wall clock.")
 
@@ -758,7 +677,7 @@ def format_report(spans: list[dict], rank: int = 0, top: int = 10, step: int | N
     biggest = report["top_collectives"]
     rows = [("op", "module", "bytes", "count")]
     rows += [(c["op"], c["module"], _human_bytes(c["bytes"]), c["count"]) for c in biggest]
-    out += _columns(rows) if biggest else ["(none)"]
+    out += columns(rows) if biggest else ["(none)"]
     return "\n".join(out)
 
 
@@ -780,25 +699,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "report's content as JSON (report-json) (default text)")
 
 
-def is_snapshot(span: dict) -> bool:
-    """A span of a stall snapshot: the ``stalled`` span, or a copy of a step's spans so far
-    (the step's own export, if it ever ended, has them all again)."""
-    attributes = span["attributes"]
-    return (span["name"] == semconv.SPAN_STALLED or semconv.STALL_SNAPSHOT in attributes
-            or attributes.get(semconv.SPAN_INCOMPLETE) is True)
-
-
 def load_for_command(paths: Iterable[str], command: str, snapshots: bool = False) -> list[dict[str, Any]] | None:
     """``load_spans(paths)``, or None after telling the user (on stderr) why there is nothing to read.
 
-    ``snapshots``: keep the spans of stall snapshots (``diagnose``); otherwise they are left out, so a
-    step that stalled is counted once, and the user is told how many were left out.
+    What the reader skipped (unreadable files, lines, spans read twice) is said on stderr first, one
+    line per file. ``snapshots``: keep the spans of stall snapshots (``diagnose``); otherwise they
+    are left out, so a step that stalled is counted once, and the user is told how many were left out.
     """
+    reader = SpanReader(paths)
     try:
-        spans = load_spans(paths)
+        spans = load_spans(paths, reader)
     except FileNotFoundError as error:
         print(f"commdebug-otel {command}: {error}", file=sys.stderr)
         return None
+    for message in reader.messages:
+        print(f"commdebug-otel {command}: {message}", file=sys.stderr)
+    if reader.duplicates:
+        print(f"commdebug-otel {command}: {reader.duplicates} spans read more than once (the same trace and span "
+              "id: a file given twice, a linked copy, repeated lines) are counted once", file=sys.stderr)
     if not spans:
         print(f"commdebug-otel {command}: no spans found (expected OTLP-JSON trace files)", file=sys.stderr)
         return None

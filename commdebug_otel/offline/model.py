@@ -1,0 +1,175 @@
+"""The one model of spans that ``summarize``, ``diagnose`` and ``perfetto`` read: a span index, steps,
+collective events, their matching across ranks, and what a collective's arrival is.
+
+Spans are the dicts :class:`.otlp_json.SpanReader` yields (or any dicts with the same keys:
+``rank``, ``trace_id``, ``span_id``, ``parent_span_id``, ``name``, ``start_ns``, ``end_ns``,
+``attributes``, ``events``).
+
+* :class:`SpanIndex`: parents, children and training step of every span, built in one pass
+  without recursion. A span whose parent is not among the spans is a root; so is a span that
+  is its own parent, and where parents form a loop, the span where a walk up the loop first
+  comes back (its parent link is dropped): walks always end, whatever the files say.
+* :func:`issued_ns`: a collective's **arrival**, when its rank's CPU began issuing it. The
+  event is stamped when the call returned; the issue duration is taken off. Both commands
+  measure lateness on arrivals: the time the others waited for this rank (docs/diagnosis.md).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from .. import semconv
+
+__all__ = ["P2P", "SpanIndex", "collective_events", "collective_matches", "group_size", "is_complete",
+           "is_snapshot", "issued_ns", "own_step"]
+
+#: Point-to-point ops: paired by (group, sender, receiver), never matched as collectives.
+P2P = frozenset({semconv.SEND, semconv.RECV, semconv.BATCH_P2P})
+
+
+def own_step(span: dict) -> int | None:
+    """The ``torch.step`` of a ``train_step`` span; None for any other span."""
+    value = span["attributes"].get(semconv.STEP)
+    return value if span["name"] == semconv.SPAN_TRAIN_STEP and isinstance(value, int) else None
+
+
+def is_snapshot(span: dict) -> bool:
+    """A span of a stall snapshot: the ``stalled`` span, or a copy of a step's spans so far
+    (the step's own export, if it ever ended, has them all again)."""
+    attributes = span["attributes"]
+    return (span["name"] == semconv.SPAN_STALLED or semconv.STALL_SNAPSHOT in attributes
+            or attributes.get(semconv.SPAN_INCOMPLETE) is True)
+
+
+def issued_ns(event: dict) -> int:
+    """A collective's arrival (ns since the epoch): when the CPU began issuing the op. The event is
+    stamped when the call returned; ``torch.collective.issue_duration_s`` is taken off."""
+    return event["time_ns"] - round(float(event["attributes"].get(semconv.COLLECTIVE_DURATION, 0.0)) * 1e9)
+
+
+def group_size(event: dict) -> int:
+    """The ``torch.process_group.size`` of a collective event (1 when not recorded)."""
+    return int(event["attributes"].get(semconv.PROCESS_GROUP_SIZE, 1))
+
+
+def is_complete(events: dict[int, dict]) -> bool:
+    """A match (``{rank: event}``) that holds as many ranks as its group's size."""
+    return len(events) == group_size(next(iter(events.values())))
+
+
+class SpanIndex:
+    """Parents, children and training step of spans of any ranks, loops broken (see the module docstring).
+
+    A span's parent is the span of the same rank and trace whose id is its ``parent_span_id``.
+    Building it is linear in the spans; so is every walk.
+    """
+
+    def __init__(self, spans: list[dict]) -> None:
+        by_id: dict[tuple, dict] = {}
+        for span in spans:
+            by_id.setdefault((span["rank"], span["trace_id"], span["span_id"]), span)
+        parent: dict[int, dict | None] = {}
+        for span in spans:
+            found = by_id.get((span["rank"], span["trace_id"], span["parent_span_id"])) \
+                if span["parent_span_id"] else None
+            parent[id(span)] = None if found is span else found
+        state: dict[int, bool] = {}  # id -> True while on the chain being walked, False once done
+        for span in spans:
+            chain = []
+            node = span
+            while node is not None and id(node) not in state:
+                state[id(node)] = True
+                chain.append(node)
+                node = parent[id(node)]
+            if node is not None and state[id(node)]:  # came back to the chain: a loop
+                parent[id(node)] = None
+            for item in chain:
+                state[id(item)] = False
+        self._parent = parent
+        self._children: dict[int, list[dict]] = defaultdict(list)
+        self.roots: list[dict] = []
+        for span in spans:
+            up = parent[id(span)]
+            if up is None:
+                self.roots.append(span)
+            else:
+                self._children[id(up)].append(span)
+        self._steps: dict[int, int | None] = {}
+        stack = [(root, own_step(root)) for root in self.roots]
+        while stack:
+            span, step = stack.pop()
+            self._steps[id(span)] = step
+            stack.extend((child, step) for child in self._children.get(id(span), ()))
+
+    def parent(self, span: dict) -> dict | None:
+        """The span's parent span, or None for a root."""
+        return self._parent[id(span)]
+
+    def children(self, span: dict) -> list[dict]:
+        """The span's children, in the order of the spans given."""
+        return self._children.get(id(span), [])
+
+    def step(self, span: dict) -> int | None:
+        """The ``torch.step`` of the span's ``train_step`` root; None under any other root."""
+        return self._steps[id(span)]
+
+    def ancestors(self, span: dict) -> Iterator[dict]:
+        """The span's parent, its parent's parent, ... up to its root."""
+        node = self._parent[id(span)]
+        while node is not None:
+            yield node
+            node = self._parent[id(node)]
+
+
+def collective_events(spans: list[dict], rank: int | None = None) -> list[dict[str, Any]]:
+    """Collective events (those with ``torch.collective.op``), oldest first (by the time the call returned).
+
+    Returns:
+        ``[{"rank", "time_ns", "name", "attributes", "span"}]``; ``span`` is the owning span dict.
+    """
+    out = []
+    for order, span in enumerate(spans):
+        if rank is not None and span["rank"] != rank:
+            continue
+        for number, event in enumerate(span["events"]):
+            if semconv.COLLECTIVE_OP in event["attributes"]:
+                out.append({"rank": span["rank"], "time_ns": event["time_ns"], "name": event["name"],
+                            "attributes": event["attributes"], "span": span,
+                            "_order": (order, number)})
+    out.sort(key=lambda event: (event["time_ns"], event["_order"]))
+    for event in out:
+        del event["_order"]
+    return out
+
+
+def collective_matches(spans: list[dict], keep: Callable[[dict], bool] | None = None
+                       ) -> dict[tuple[str, int], dict[int, dict]]:
+    """The same collective on every rank: events matched by (process group name, seq).
+
+    Point-to-point ops (``send``, ``recv``, ``batch_p2p``) are left out, and a
+    collective's seq is taken less the point-to-point ops its rank issued before it
+    on that group (``torch.collective.seq`` counts both; pipeline stages issue
+    different numbers of them). Events without a seq are left out.
+    ``keep(event)``: only events it accepts (p2p ops are counted before it is asked).
+
+    Returns:
+        ``{(group, seq): {rank: event}}`` (events as :func:`collective_events`
+        makes them; a rank's first event wins if it has two), in the order of
+        each key's first event. A match is complete (:func:`is_complete`) when it has as many
+        ranks as the events' ``torch.process_group.size``.
+    """
+    matches: dict[tuple[str, int], dict[int, dict]] = defaultdict(dict)
+    p2p_before: Counter = Counter()  # (rank, group) -> point-to-point ops issued so far
+    for event in collective_events(spans):
+        attrs = event["attributes"]
+        group = str(attrs.get(semconv.PROCESS_GROUP_NAME, ""))
+        if event["name"] in P2P:
+            p2p_before[(event["rank"], group)] += 1
+            continue
+        if semconv.COLLECTIVE_SEQ not in attrs or (keep is not None and not keep(event)):
+            continue
+        key = (group, int(attrs[semconv.COLLECTIVE_SEQ]) - p2p_before[(event["rank"], group)])
+        matches[key].setdefault(event["rank"], event)
+    return dict(matches)
