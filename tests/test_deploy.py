@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
-import shutil
 import subprocess
 from typing import Any
 
@@ -23,6 +21,7 @@ from commdebug_otel.telemetry import MAX_ATTRIBUTE_CHARS
 
 import collector_schema as schema
 import grafana_dashboard as dash
+from tools import require_program
 
 DEPLOY = dash.DEPLOY
 ROOT = DEPLOY.parent
@@ -148,8 +147,7 @@ def test_prometheus_scrapes_the_collector_exporter():
 
 def test_promtool_accepts_the_prometheus_config():
     """promtool ships in Debian's prometheus package, which CI installs for test_prometheus.py."""
-    promtool = shutil.which("promtool") or "/usr/bin/promtool"
-    assert os.access(promtool, os.X_OK), "promtool missing: apt-get install -y prometheus"
+    promtool = require_program("promtool", package="prometheus")
     check = subprocess.run([promtool, "check", "config", str(PROMETHEUS_CONFIG)],
                            capture_output=True, text=True, timeout=30)
     assert check.returncode == 0, check.stdout + check.stderr
