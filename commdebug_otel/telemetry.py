@@ -786,7 +786,8 @@ def _prometheus_reader(rank: RankInfo, export: ExportEnv) -> MetricReader | None
         from prometheus_client import start_http_server
     except ImportError:
         _logger.warning("commdebug-otel: OTEL_METRICS_EXPORTER=prometheus needs "
-                        "`pip install commdebug-otel[prometheus]`; metrics are not exported")
+                        "`pip install opentelemetry-exporter-prometheus` (the `prometheus` extra: "
+                        "`pip install '.[prometheus]'` in a checkout); metrics are not exported")
         return None
     host = export.prometheus_host
     port = export.prometheus_port(rank.local_rank)
