@@ -1,4 +1,4 @@
-"""The ``commdebug-otel`` command: ``demo``, ``run``, ``summarize``, ``diagnose``, ``perfetto``.
+"""The ``commdebug-otel`` command: ``demo``, ``run``, ``summarize``, ``diagnose``, ``perfetto``, ``receive``.
 
 ``commdebug-otel`` alone prints the help; ``--version`` the versions of ours, torch and the OTel SDK.
 """
@@ -79,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
              "per-module collective tables, rank totals and stragglers from OTLP-JSON files"),
             ("diagnose", "offline.diagnose",
              "stuck ranks, desyncs, stragglers with the module that held them back, from OTLP-JSON files"),
-            ("perfetto", "offline.perfetto", "convert OTLP-JSON files to a Chrome/Perfetto trace")):
+            ("perfetto", "offline.perfetto", "convert OTLP-JSON files to a Chrome/Perfetto trace"),
+            ("receive", "offline.receive",
+             "a local OTLP receiver (gRPC 4317, HTTP 4318) writing OTLP-JSON run folders the commands above read")):
         module = _optional_module(module_name)
         if module is not None:
             sub = commands.add_parser(name, help=help_text)

@@ -17,10 +17,11 @@ Modules:
 * :mod:`.diagnose`: stuck ranks (stall snapshots), desyncs, stragglers blamed with the module
   that held them back;
 * :mod:`.backends`: one trace by id from Jaeger's or Tempo's HTTP API (``diagnose --jaeger/--tempo``);
-* :mod:`.perfetto`: Chrome trace-event JSON for https://ui.perfetto.dev.
+* :mod:`.perfetto`: Chrome trace-event JSON for https://ui.perfetto.dev;
+* :mod:`.receive`: ``commdebug-otel receive``, a local OTLP receiver writing run folders.
 
 Nothing here imports torch, the OTel SDK or the live tracer; importing this
 package imports none of its modules.
 """
 
-__all__ = ["backends", "diagnose", "otlp_json", "perfetto", "summary"]
+__all__ = ["backends", "diagnose", "otlp_json", "perfetto", "receive", "summary"]
