@@ -1,4 +1,5 @@
-"""The ``commdebug-otel`` command: ``demo``, ``run``, ``summarize``, ``diagnose``, ``perfetto``, ``receive``.
+"""The ``commdebug-otel`` command: ``demo``, ``run``, ``summarize``, ``diagnose``, ``perfetto``, ``report``,
+``receive``.
 
 ``commdebug-otel`` alone prints the help; ``--version`` the versions of ours, torch and the OTel SDK.
 """
@@ -80,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
             ("diagnose", "offline.diagnose",
              "stuck ranks, desyncs, stragglers with the module that held them back, from OTLP-JSON files"),
             ("perfetto", "offline.perfetto", "convert OTLP-JSON files to a Chrome/Perfetto trace"),
+            ("report", "offline.html_report",
+             "one self-contained HTML page: findings, per-rank step and wait time, a module x collective heat "
+             "map, step timelines"),
             ("receive", "offline.receive",
              "a local OTLP receiver (gRPC 4317, HTTP 4318) writing OTLP-JSON run folders the commands above read")):
         module = _optional_module(module_name)

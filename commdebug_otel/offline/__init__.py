@@ -18,10 +18,11 @@ Modules:
   that held them back;
 * :mod:`.backends`: one trace by id from Jaeger's or Tempo's HTTP API (``diagnose --jaeger/--tempo``);
 * :mod:`.perfetto`: Chrome trace-event JSON for https://ui.perfetto.dev;
+* :mod:`.html_report`: ``commdebug-otel report``, one self-contained HTML page of a run;
 * :mod:`.receive`: ``commdebug-otel receive``, a local OTLP receiver writing run folders.
 
 Nothing here imports torch, the OTel SDK or the live tracer; importing this
 package imports none of its modules.
 """
 
-__all__ = ["backends", "diagnose", "otlp_json", "perfetto", "receive", "summary"]
+__all__ = ["backends", "diagnose", "html_report", "otlp_json", "perfetto", "receive", "summary"]
