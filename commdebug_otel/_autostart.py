@@ -2,9 +2,10 @@
 
 Imported by ``commdebug_otel.pth`` (installed into site-packages: environment
 variables alone switch tracing on, no wrapper) and by the ``sitecustomize``
-that ``commdebug-otel run`` puts on ``PYTHONPATH``. With the variable unset (or
-empty), the ``.pth`` line costs one environment lookup and never imports this
-module.
+that ``commdebug-otel run`` puts on ``PYTHONPATH``. With no ``OTEL_PYTHON_COMMDEBUG_*``
+variable set (or all empty), the ``.pth`` line costs one pass over the environment's
+names and never imports this module. Any such variable brings it in, so that a
+mistyped name (``..._ENABLE``) is reported once torch is imported, though tracing stays off.
 
 When it is set, every Python process started with that environment imports
 this module: pip, a launcher's helper processes, a shell's ``python -c``. So
@@ -31,6 +32,7 @@ def maybe_start() -> None:
     try:
         from . import config
 
+        config.warn_unknown_variables()
         if not config.read_option("enabled") or config.instrumentation_disabled():
             return
         from .instrumentor import instrument

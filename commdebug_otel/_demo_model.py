@@ -106,11 +106,13 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens: int64 [batch, seq] -> logits float [batch, seq, vocab]."""
+        """tokens: int64 [batch, seq] -> logits float [batch, seq, vocab] (a tensor of its own, not a view)."""
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h)
-        return self.output(self.norm(h))
+        # Tensor parallel's output is a view (DTensor.to_local): FSDP2 warns when its root returns one, since an
+        # in-place op on it would skip the pre-backward hook. A copy of [batch, seq, vocab] costs nothing here.
+        return self.output(self.norm(h)).clone()
 
 
 def parallelize(model: Transformer, tp_mesh, dp_mesh=None) -> Transformer:

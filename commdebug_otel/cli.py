@@ -1,4 +1,8 @@
-"""The ``commdebug-otel`` command: ``demo``, ``run``, ``summarize``, ``diagnose``, ``perfetto``."""
+"""The ``commdebug-otel`` command: ``demo``, ``run``, ``summarize``, ``diagnose``, ``perfetto``, ``report``,
+``receive``.
+
+``commdebug-otel`` alone prints the help; ``--version`` the versions of ours, torch and the OTel SDK.
+"""
 
 from __future__ import annotations
 
@@ -29,12 +33,26 @@ def _checked(option: Option):
     return check
 
 
+RUN_EXAMPLES = """\
+examples:
+  # every worker traced; no collector: OTLP-JSON files in ./commdebug-otel-out/run-<time>-<id>/
+  commdebug-otel run -- torchrun --nproc-per-node 8 train.py
+  # one step in 100, to a collector (OTLP/gRPC; for OTLP/HTTP on 4318 add OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf)
+  OTEL_EXPORTER_OTLP_ENDPOINT=http://localhost:4317 \\
+    commdebug-otel run --trace-every 100 -- torchrun --nproc-per-node 8 train.py
+  # DTensor ops as span events too, spans from ranks 0 and 4 only, a stall snapshot after 120 s
+  commdebug-otel run --detail dtensor --ranks 0,4 --stall-after 120 -- python train.py
+  # then, offline: commdebug-otel summarize|diagnose commdebug-otel-out/run-*/
+"""
+
+
 def _add_run(commands: argparse._SubParsersAction) -> None:
     run = commands.add_parser(
         "run", help="run a command with tracing on in every Python process it starts",
         description="Like opentelemetry-instrument: runs CMD with OTEL_PYTHON_COMMDEBUG_ENABLED=true "
                     "and our start-up hook on PYTHONPATH. Each option sets the environment variable "
-                    "named in its help.")
+                    "named in its help.",
+        epilog=RUN_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     for option in OPTIONS:
         if option.field == "enabled":
             continue
@@ -47,10 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="commdebug-otel",
         description="PyTorch collectives and module passes as OpenTelemetry spans, events and metrics.")
-    commands = parser.add_subparsers(dest="command_name", required=True)
+    parser.add_argument("--version", action="version", version=_version())
+    commands = parser.add_subparsers(dest="command_name", metavar="COMMAND")
     demo = commands.add_parser("demo", help="run a traced multi-rank training job on CPU (gloo)")
     demo.add_argument("--ranks", type=_positive, default=2,
-                      help="processes; 2 = tensor parallel, 4 = FSDP2 + TP on a 2-D mesh (default 2)")
+                      help="processes: 1 or 2 = tensor parallel, an even number from 4 = FSDP2 + TP on a "
+                           "(ranks/2, 2) mesh (default 2)")
     demo.add_argument("--steps", type=_positive, default=5, help="optimizer steps (default 5)")
     demo.add_argument("--detail", choices=[level.label for level in Detail], default="collectives",
                       help="what becomes a span event (default collectives)")
@@ -60,13 +80,34 @@ def build_parser() -> argparse.ArgumentParser:
              "per-module collective tables, rank totals and stragglers from OTLP-JSON files"),
             ("diagnose", "offline.diagnose",
              "stuck ranks, desyncs, stragglers with the module that held them back, from OTLP-JSON files"),
-            ("perfetto", "offline.perfetto", "convert OTLP-JSON files to a Chrome/Perfetto trace")):
+            ("perfetto", "offline.perfetto", "convert OTLP-JSON files to a Chrome/Perfetto trace"),
+            ("report", "offline.html_report",
+             "one self-contained HTML page: findings, per-rank step and wait time, a module x collective heat "
+             "map, step timelines"),
+            ("receive", "offline.receive",
+             "a local OTLP receiver (gRPC 4317, HTTP 4318) writing OTLP-JSON run folders the commands above read")):
         module = _optional_module(module_name)
         if module is not None:
             sub = commands.add_parser(name, help=help_text)
             module.add_arguments(sub)
             sub.set_defaults(handler=module.run)
     return parser
+
+
+def _version() -> str:
+    """``commdebug-otel X (torch Y, opentelemetry-sdk Z)``, from the installed metadata (torch is not imported)."""
+    from importlib import metadata
+
+    from .version import __version__
+
+    def installed(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    sdk = installed("opentelemetry-sdk")
+    return f"commdebug-otel {__version__} (torch {installed('torch')}, opentelemetry-sdk {sdk})"
 
 
 def _optional_module(name: str):
@@ -109,8 +150,12 @@ EXIT_PIPE_CLOSED = 141
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command_name == "demo":
-        from .demo import run_demo
+        from .demo import demo_refusal, run_demo
 
+        refusal = demo_refusal(args.ranks)
+        if refusal:
+            print(f"commdebug-otel demo: {refusal}", file=sys.stderr)
+            return 2
         return run_demo(ranks=args.ranks, steps=args.steps, detail=args.detail)
     if args.command_name == "run":
         return run_command(args)
@@ -124,7 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     command quietly with :data:`EXIT_PIPE_CLOSED` (141), as Unix tools killed by SIGPIPE do.
     """
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    args = build_parser().parse_args(argv)  # argparse's --help ignores a closed stdout itself
+    parser = build_parser()
+    args = parser.parse_args(argv)  # argparse's --help ignores a closed stdout itself
+    if args.command_name is None:  # `commdebug-otel` alone: what it can do
+        parser.print_help()
+        return 0
     try:
         status = _dispatch(args)
         sys.stdout.flush()  # inside the try: a buffered tail meets the closed pipe here, not at exit

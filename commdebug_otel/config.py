@@ -29,6 +29,7 @@ that we and the SDK never disagree about them.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import logging
 import numbers
@@ -433,6 +434,7 @@ class Settings:
         and falls back to the default.
         """
         environ = _environ(environ)
+        warn_unknown_variables(environ)
         values = {option.field: read_option(option.field, environ)
                   for option in OPTIONS if option.env in environ}
         values.update(overrides)
@@ -440,6 +442,10 @@ class Settings:
 
     def traces_rank(self, rank: int) -> bool:
         return self.ranks is None or rank in self.ranks
+
+    def ranks_outside(self, world_size: int) -> list[int]:
+        """The ranks ``ranks`` names that a job of ``world_size`` ranks does not have, sorted."""
+        return sorted(rank for rank in self.ranks or () if rank >= world_size)
 
     def metric_rank_label_on(self, world_size: int) -> bool:
         """Whether metric points of a job of ``world_size`` ranks carry the rank (``metric_rank_label``)."""
@@ -473,6 +479,32 @@ def read_option(field: str, environ: Mapping[str, str] | None = None) -> Any:
             option.env, raw, option.accepted, _describe(option.default),
         )
         return option.default
+
+
+_unknown_said: set[str] = set()
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> dict[str, str | None]:
+    """Each ``OTEL_PYTHON_COMMDEBUG_*`` name in ``environ`` (default ``os.environ``) that no option has,
+    with the closest option's variable (``difflib`` on the part after the prefix), or None when none is close."""
+    suffixes = [option.suffix for option in OPTIONS]
+    found: dict[str, str | None] = {}
+    for name in _environ(environ):
+        if name.startswith(ENV_PREFIX) and name[len(ENV_PREFIX):] not in suffixes:
+            close = difflib.get_close_matches(name[len(ENV_PREFIX):], suffixes, n=1, cutoff=0.6)
+            found[name] = ENV_PREFIX + close[0] if close else None
+    return found
+
+
+def warn_unknown_variables(environ: Mapping[str, str] | None = None) -> None:
+    """One warning per unknown ``OTEL_PYTHON_COMMDEBUG_*`` name per process (a typo is otherwise silent),
+    naming the closest known variable; on rank 0 only, as for bad values."""
+    for name, close in sorted(unknown_variables(environ).items()):
+        if name in _unknown_said:
+            continue
+        _unknown_said.add(name)
+        hint = f"did you mean {close}?" if close else "docs/configuration.md lists the variables"
+        job_log(_logger, environ)("commdebug-otel: ignoring %s: no such variable (%s)", name, hint)
 
 
 def variable(field: str) -> str:

@@ -5,8 +5,11 @@ llama-style transformer for ``--steps`` optimizer steps under
 :class:`commdebug_otel.CommDebugMode`, which streams spans, events and
 metrics and counts collectives per module:
 
-* 2 ranks (default): tensor parallel (ColwiseParallel / RowwiseParallel);
-* 4 ranks: FSDP2 (``fully_shard``) + TP on a 2-D mesh ``(dp=2, tp=2)``.
+* 1 or 2 ranks (default 2): tensor parallel (ColwiseParallel / RowwiseParallel);
+* 4 ranks (any even number from 4): FSDP2 (``fully_shard``) + TP on a 2-D mesh ``(dp=ranks/2, tp=2)``.
+
+Other counts are refused (:func:`demo_refusal`): tensor parallel splits the model's 4 attention heads evenly.
+Rank 0 prints a line as the job starts and after each step.
 
 Telemetry goes to the configured OTLP endpoint, or to OTLP-JSON files in the
 run's ``run-<time>-<id>`` folder under ``OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR``. The
@@ -25,6 +28,7 @@ import time
 from .config import Detail, ExportEnv, Settings
 
 _DEMO_BATCH = 4
+_DEMO_HEADS = 4  # _demo_model.ModelArgs.n_heads
 
 
 def _free_port() -> int:
@@ -45,8 +49,13 @@ def _worker(rank: int, world_size: int, port: int, steps: int, settings: Setting
     from . import _demo_model as demo_model
     from .compat import CommDebugMode
 
+    def say(text: str) -> None:
+        if rank == 0:
+            print(f"  {text}", flush=True)
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    say(f"{world_size} process(es) joined the gloo group; building and sharding the model")
     try:
         with CommDebugMode(settings) as comm_mode:
             if world_size >= 4 and world_size % 2 == 0:
@@ -60,8 +69,10 @@ def _worker(rank: int, world_size: int, port: int, steps: int, settings: Setting
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
             losses = []
             for step in range(steps):
+                began = time.perf_counter()
                 tokens, targets = demo_model.make_batch(args, _DEMO_BATCH, step)
                 losses.append(demo_model.train_step(model, optimizer, tokens, targets))
+                say(f"step {step + 1}/{steps}: loss {losses[-1]:.3f} ({time.perf_counter() - began:.1f} s)")
         order = {fqn: index for index, fqn in enumerate(["Global", *comm_mode._modules])}
         counts = {
             fqn: {key: {str(op): n for op, n in ops.items() if n} for key, ops in by_pass.items()}
@@ -109,6 +120,15 @@ def format_counts(counts: dict[str, dict[str, dict[str, int]]]) -> str:
                      for row in rows)
 
 
+def demo_refusal(ranks: int) -> str | None:
+    """Why the demo cannot run on ``ranks`` processes, in one line; None when it can (1, 2, or even from 4)."""
+    if ranks in (1, 2) or (ranks >= 4 and ranks % 2 == 0):
+        return None
+    return (f"--ranks {ranks} is not supported: tensor parallel must split the model's "
+            f"{_DEMO_HEADS} attention heads evenly; use 1 or 2 (tensor parallel) or an even number from 4 "
+            "(FSDP2 + tensor parallel)")
+
+
 def run_demo(ranks: int = 2, steps: int = 5, detail: str = "collectives") -> int:
     """Run the demo job; print where telemetry went and rank 0's per-module counts. Returns an exit code."""
     import torch.multiprocessing as mp
@@ -117,6 +137,8 @@ def run_demo(ranks: int = 2, steps: int = 5, detail: str = "collectives") -> int
     mode = f"FSDP2 + tensor parallel on a (dp={ranks // 2}, tp=2) mesh" if ranks >= 4 \
         else f"tensor parallel on {ranks} ranks"
     print(f"commdebug-otel demo: {mode}, {steps} steps, detail {settings.detail.label}", flush=True)
+    print(f"  starting {ranks} process(es) on this machine (gloo on 127.0.0.1; importing torch takes a while)",
+          flush=True)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as result_dir:
         mp.start_processes(_worker, args=(ranks, _free_port(), steps, settings, result_dir),

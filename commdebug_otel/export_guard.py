@@ -62,9 +62,34 @@ class _ExporterLogFold(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno >= logging.WARNING:
-            self.last_message = record.getMessage()[:300]
+            message = record.getMessage()
+            self.last_message = message[:300]
+            _say_if_wrong_protocol(record.name, message)
             return False
         return True
+
+
+# What an exporter's first failed try says when the endpoint speaks the other OTLP transport:
+# (exporter logger prefix, markers in its message, what the endpoint speaks, the protocol that fits, its port).
+_OTHER_PROTOCOL = (
+    ("opentelemetry.exporter.otlp.proto.grpc", ("http1.x server", "Expected SETTINGS frame"),  # grpc-core's words
+     "OTLP/HTTP, not gRPC", "http/protobuf", "the gRPC port (4317 by default)"),
+    ("opentelemetry.exporter.otlp.proto.http", ("BadStatusLine('\\x00\\x00",),  # an HTTP/2 SETTINGS frame
+     "gRPC, not OTLP/HTTP", "grpc", "the OTLP/HTTP port (4318 by default)"),
+)
+
+
+def _say_if_wrong_protocol(logger_name: str, message: str) -> None:
+    """At the first failed try (the exporter retries for up to its timeout, often past the job's end), say once
+    per signal when the endpoint answered in the other transport: a protocol that does not match the port."""
+    for prefix, markers, speaks, protocol, port in _OTHER_PROTOCOL:
+        if logger_name.startswith(prefix) and any(marker in message for marker in markers):
+            signal = "metrics" if "metric" in logger_name or "exporting metrics" in message else "traces"
+            if claim_warning(f"protocol for {signal}"):
+                _logger.warning("commdebug-otel: the OTLP endpoint for %s speaks %s: set "
+                                "OTEL_EXPORTER_OTLP_PROTOCOL=%s (or OTEL_EXPORTER_OTLP_%s_PROTOCOL), or send to %s; "
+                                "until then its exports fail and are dropped (counted)",
+                                signal, speaks, protocol, signal.upper(), port)
 
 
 _fold = _ExporterLogFold()

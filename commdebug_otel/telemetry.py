@@ -50,7 +50,7 @@ from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 
 from . import semconv
 from ._sdk import batch_queue, jitter_from, own_random_views
-from .config import ExportEnv, Settings
+from .config import ExportEnv, Settings, variable
 from .export_guard import (
     CountingBatchSpanProcessor,
     CountingMetricExporter,
@@ -244,7 +244,7 @@ class Telemetry:
         # The recorder's span sink: finished records become spans on this telemetry's tracer.
         self.spans = SpanBuilder(self.tracer_setup, self._settings.exception_messages)
         self._atexit = False
-        self._said_where = False  # where the files go was said (once per process)
+        self._said_where = False  # that tracing is on, and where it sends, was said (once per process)
         self._signal_rescue: _SignalRescue | None = None
         self.disabled = ExportEnv.from_env(environ).sdk_disabled
         # The variables as our own providers last read them when they started (None before).
@@ -336,6 +336,7 @@ class Telemetry:
                                                  schedule_delay_millis=export.sdk_millis(OTEL_BSP_SCHEDULE_DELAY),
                                                  export_timeout_millis=export.sdk_millis(OTEL_BSP_EXPORT_TIMEOUT))
                       for exporter in self._exporters("traces", rank, export)]
+        self._say_where(rank, export)
         for processor in processors:
             provider.add_span_processor(processor)
         self._own_tracer_provider = provider
@@ -358,6 +359,7 @@ class Telemetry:
             reader = _prometheus_reader(rank, export)
             if reader is not None:
                 readers.append(reader)
+        self._say_where(rank, export)
         # Exemplar sampling draws from our own random source: the script's random numbers stay its own.
         provider = MeterProvider(resource=build_resource(rank, export), metric_readers=readers,
                                  shutdown_on_exit=False, views=own_random_views(OWN_RNG))
@@ -429,12 +431,7 @@ class Telemetry:
 
         None (said once, naming the variable) when the folder cannot be made.
         """
-        if self.file_directory is None:
-            from .steps import job_nonce
-
-            self.file_directory = os.path.join(
-                os.path.abspath(os.path.expanduser(self._settings.output_dir)), f"run-{job_nonce()}")
-        directory = self.file_directory
+        directory = self._run_directory()
         try:
             os.makedirs(directory, mode=0o700, exist_ok=True)  # owner only: the files name hosts and modules
         except OSError as error:
@@ -444,24 +441,60 @@ class Telemetry:
                                 "there are not exported, training continues", directory,
                                 self._settings.output_dir, describe(error, values=False))
             return None
-        if not self._said_where:
-            self._said_where = True
-            self._say_where(directory, rank, export)
         return os.path.join(directory, f"{signal}-rank{rank.rank}.jsonl")
 
-    @staticmethod
-    def _say_where(directory: str, rank: RankInfo, export: ExportEnv) -> None:
-        """One line per process naming every signal written to files: WARNING on rank 0, DEBUG elsewhere
-        (all ranks write into the same folder)."""
-        signals = [signal for signal in ("traces", "metrics") if "file" in export.exporter_names(signal)]
-        unset = [signal for signal in signals if not (export.endpoint or export.signal(signal).endpoint)]
+    def _run_directory(self) -> str:
+        """``OUTPUT_DIR/run-<job id>``, the folder the run's OTLP-JSON files go to (not made here)."""
+        if self.file_directory is None:
+            from .steps import job_nonce
+
+            self.file_directory = os.path.join(
+                os.path.abspath(os.path.expanduser(self._settings.output_dir)), f"run-{job_nonce()}")
+        return self.file_directory
+
+    def _say_where(self, rank: RankInfo, export: ExportEnv) -> None:
+        """Once per process, as its first provider starts: that tracing is on and where each signal goes, in
+        one line (WARNING on local rank 0, so once per job on each node; DEBUG elsewhere); and a second when
+        ``RANKS`` names ranks the job does not have."""
+        if self._said_where:
+            return
+        self._said_where = True
+        log = _logger.warning if rank.local_rank == 0 else _logger.debug
+        places: dict[tuple[str, str], list[str]] = {}  # (verb, where) -> signals, in the order first named
+        for kind in ("traces", "metrics"):
+            for name in export.exporter_names(kind):
+                if name == "otlp":
+                    place = ("sending", f"as OTLP ({export.otlp_protocol(kind)}) to "
+                                        f"{hide_credentials(export.otlp_endpoint(kind))}")
+                elif name == "prometheus":
+                    place = ("serving", "for Prometheus to scrape")
+                elif name == "file":
+                    place = ("writing", f"as OTLP-JSON lines to {self._run_directory()}")
+                elif name != "none":
+                    place = ("exporting", f"to {name}")
+                else:
+                    continue
+                places.setdefault(place, []).append(kind)
+        files = places.get(("writing", f"as OTLP-JSON lines to {self.file_directory}"), [])
+        unset = [kind for kind in files if not (export.endpoint or export.signal(kind).endpoint)]
         why = ""
         if unset:
-            variables = " or ".join(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT" for signal in unset)
+            variables = " or ".join(f"OTEL_EXPORTER_OTLP_{kind.upper()}_ENDPOINT" for kind in unset)
             why = (f" (no OTLP endpoint for {' and '.join(unset)}: set OTEL_EXPORTER_OTLP_ENDPOINT or {variables} "
                    "to send to a collector)")
-        log = _logger.warning if rank.rank == 0 else _logger.debug
-        log("commdebug-otel: writing %s as OTLP-JSON lines to %s%s", " and ".join(signals), directory, why)
+        # Files last: the hint about an endpoint is theirs.
+        said = [f"{verb} {' and '.join(kinds)} {where}"
+                for (verb, where), kinds in sorted(places.items(), key=lambda item: item[0][0] == "writing")]
+        spans_from = "" if self._settings.ranks is None else \
+            f", spans from rank(s) {','.join(map(str, sorted(self._settings.ranks)))} only"
+        log("commdebug-otel: tracing is on (%d rank(s)%s): %s%s", rank.world_size, spans_from,
+            "; ".join(said) or "exporting nothing (OTEL_TRACES_EXPORTER and OTEL_METRICS_EXPORTER are none)",
+            why)
+        outside = self._settings.ranks_outside(rank.world_size)
+        if outside:
+            (_logger.warning if rank.rank == 0 else _logger.debug)(
+                "commdebug-otel: %s names rank(s) %s, outside this job's %d rank(s) (0-%d): they trace nothing",
+                variable("ranks"), ",".join(map(str, outside)), rank.world_size, rank.world_size - 1)
 
     def _exporters(self, signal: str, rank: RankInfo, export: ExportEnv) -> list[Any]:
         """The exporters ``OTEL_{signal}_EXPORTER`` names (after the embedded default)."""
@@ -756,7 +789,8 @@ def _prometheus_reader(rank: RankInfo, export: ExportEnv) -> MetricReader | None
         from prometheus_client import start_http_server
     except ImportError:
         _logger.warning("commdebug-otel: OTEL_METRICS_EXPORTER=prometheus needs "
-                        "`pip install commdebug-otel[prometheus]`; metrics are not exported")
+                        "`pip install opentelemetry-exporter-prometheus` (the `prometheus` extra: "
+                        "`pip install '.[prometheus]'` in a checkout); metrics are not exported")
         return None
     host = export.prometheus_host
     port = export.prometheus_port(rank.local_rank)

@@ -1,7 +1,7 @@
 """A real Prometheus server for tests: temp config and data dir, 127.0.0.1 only, always stopped.
 
-CI installs Debian's ``prometheus`` package (``.ci/run``); a missing binary is a
-test failure with the install command, never a skip.
+CI installs Debian's ``prometheus`` package (``.ci/run``). A missing binary skips the tests that
+need it with the install command, or fails them under CI (``tools.require_program``).
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import signal
 import socket
 import subprocess
@@ -21,20 +20,17 @@ import urllib.request
 from collections.abc import Iterable
 from typing import Any
 
-INSTALL_HINT = "install it with `apt-get install -y prometheus` (CI's .ci/run does)"
+from tools import require_program
 
 
 def prometheus_binary() -> str:
     """The prometheus executable: ``$PROMETHEUS_BIN``, ``prometheus`` on PATH, or /usr/bin/prometheus.
 
     Raises:
-        FileNotFoundError: with the install hint, when there is none.
+        pytest.skip.Exception: when there is none and CI is unset (with the install command).
+        pytest.fail.Exception: when there is none under CI.
     """
-    candidates = [os.environ.get("PROMETHEUS_BIN"), shutil.which("prometheus"), "/usr/bin/prometheus"]
-    for candidate in candidates:
-        if candidate and os.access(candidate, os.X_OK):
-            return candidate
-    raise FileNotFoundError(f"no prometheus binary found; {INSTALL_HINT}")
+    return require_program("prometheus", package="prometheus", env="PROMETHEUS_BIN")
 
 
 def free_port() -> int:

@@ -274,8 +274,10 @@ def test_enabled_starts_tracing_when_the_script_imports_torch(route, tmp_path):
 def test_enabled_starts_at_once_when_torch_is_already_imported(tmp_path):
     env = start_route_env("run", tmp_path)
     env["PYTHONPATH"] = str(PACKAGE_PARENT)
-    env["OTEL_PYTHON_COMMDEBUG_ENABLED"] = ""  # the .pth does nothing at start-up
+    env["OTEL_PYTHON_COMMDEBUG_ENABLED"] = ""  # the .pth does nothing at start-up (no variable of ours is set)
+    output_dir = env.pop("OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR")
     code = ("import json, os, sys, torch\n"
+            f"os.environ['OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR'] = {output_dir!r}\n"
             "os.environ['OTEL_PYTHON_COMMDEBUG_ENABLED'] = 'true'\n"
             "import commdebug_otel._autostart\n"
             "from commdebug_otel.instrumentor import current\n"

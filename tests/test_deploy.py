@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
-import shutil
 import subprocess
 from typing import Any
 
@@ -23,6 +21,7 @@ from commdebug_otel.telemetry import MAX_ATTRIBUTE_CHARS
 
 import collector_schema as schema
 import grafana_dashboard as dash
+from tools import require_program
 
 DEPLOY = dash.DEPLOY
 ROOT = DEPLOY.parent
@@ -148,8 +147,7 @@ def test_prometheus_scrapes_the_collector_exporter():
 
 def test_promtool_accepts_the_prometheus_config():
     """promtool ships in Debian's prometheus package, which CI installs for test_prometheus.py."""
-    promtool = shutil.which("promtool") or "/usr/bin/promtool"
-    assert os.access(promtool, os.X_OK), "promtool missing: apt-get install -y prometheus"
+    promtool = require_program("promtool", package="prometheus")
     check = subprocess.run([promtool, "check", "config", str(PROMETHEUS_CONFIG)],
                            capture_output=True, text=True, timeout=30)
     assert check.returncode == 0, check.stdout + check.stderr
@@ -214,7 +212,6 @@ def _strings(node: Any):
 @pytest.mark.parametrize("stack", sorted(STACKS))
 def test_grafana_datasources_link_traces_and_metrics(stack):
     sources = _datasources(stack)
-    assert dash.datasource_uids(dash.load()) <= set(sources)
     assert set(sources) == {"prometheus", stack}
     prometheus, traces = sources["prometheus"], sources[stack]
     assert prometheus["type"] == "prometheus" and traces["type"] == stack
@@ -639,3 +636,101 @@ def test_readme_gives_the_scale_deployment_and_its_capacity():
     assert [every for every, _ in rows] == ["1", "10", "100"]
     spans = [int(count.replace(",", "")) for _, count in rows]
     assert spans[0] == 10 * spans[1] == 100 * spans[2]
+
+
+# ------------------------------------------------------ reaching the stack, viewing on Kubernetes
+KUBERNETES_VIEWING = DEPLOY / "kubernetes" / "viewing.yaml"
+
+
+def _readme_section(title: str) -> str:
+    text = (DEPLOY / "README.md").read_text()
+    start = text.index(f"\n{title}\n")
+    following = re.search(r"\n#{2,3} ", text[start + len(title) + 2:])
+    return text[start:start + len(title) + 2 + (following.start() if following else len(text))]
+
+
+def test_the_pull_path_scrapes_every_local_rank_of_an_8_gpu_node():
+    jobs = {job["job_name"]: job for job in _yaml(PROMETHEUS_CONFIG)["scrape_configs"]}
+    targets = [t for static in jobs["commdebug-workers"]["static_configs"] for t in static["targets"]]
+    # OTEL_EXPORTER_PROMETHEUS_PORT's default (9464) plus the local rank, as ExportEnv.prometheus_port gives it
+    from commdebug_otel.config import ExportEnv
+
+    ports = [ExportEnv.from_env({}).prometheus_port(local_rank) for local_rank in range(8)]
+    assert targets == [f"host.docker.internal:{port}" for port in ports]
+    assert f"`host.docker.internal:{ports[0]}`-`{ports[-1]}`" in (DEPLOY / "README.md").read_text()
+
+
+def test_your_own_job_switches_tracing_on_and_says_how_to_reach_the_collector_from_elsewhere():
+    own = _readme_section("## Your own job")
+    assert "export OTEL_PYTHON_COMMDEBUG_ENABLED=true\n" in own
+    known = {option.env for option in OPTIONS}
+    assert set(re.findall(r"OTEL_PYTHON_COMMDEBUG_\w+", own)) <= known
+    elsewhere = _readme_section("### When the job runs in a container or on another host")
+    for stack in STACKS:
+        compose = _compose(stack)
+        network = f"{compose['name']}_default"  # compose's default network: the project name, then _default
+        assert f"`{network}`" in elsewhere
+        assert compose["services"]["otel-collector"]["ports"][:2] == ["4317:4317", "4318:4318"]  # every interface
+    assert "`http://otel-collector:4317`" in elsewhere and "--network commdebug-jaeger_default" in elsewhere
+    assert "--add-host=host.docker.internal:host-gateway" in elsewhere
+    health = _yaml(COLLECTOR_CONFIG)["extensions"]["health_check"]["endpoint"].rsplit(":", 1)[1]
+    assert f"http://STACK-HOST:{health}" in elsewhere
+
+
+def _viewing() -> dict[tuple[str, str], dict]:
+    return {(doc["kind"], doc["metadata"]["name"]): doc for doc in yaml.safe_load_all(KUBERNETES_VIEWING.read_text())
+            if doc}
+
+
+def test_kubernetes_viewing_stack_is_made_from_the_compose_stacks_files():
+    docs = _viewing()
+    text = KUBERNETES_VIEWING.read_text()
+    made = {name: (key, ROOT / source) for name, key, source in re.findall(
+        r"kubectl create configmap -n observability (\S+) \\\s*#\s*--from-file=([^=\s]+)=(\S+)", text)}
+    assert all(source.is_file() for _, source in made.values())
+    compose = _compose("jaeger")["services"]
+    for name in ("jaeger", "prometheus", "grafana"):
+        spec = docs[("Deployment", name)]["spec"]["template"]["spec"]
+        [container] = spec["containers"]
+        assert container["image"] == compose[name]["image"]  # the versions the stacks pin
+        maps = {volume["name"]: volume["configMap"]["name"] for volume in spec["volumes"] if "configMap" in volume}
+        assert set(maps.values()) <= set(made), set(maps.values()) - set(made)
+        mounts = {mount["name"]: mount["mountPath"] for mount in container["volumeMounts"]}
+        # Each ConfigMap's key lands where the compose stack mounts the same file.
+        compose_mounts = {target for entry in compose[name].get("volumes", []) if ":" in entry
+                          for target in [entry.split(":")[1]]}
+        for volume, config_map in maps.items():
+            key, source = made[config_map]
+            path = f"{mounts[volume]}/{key}"
+            assert path in compose_mounts or f"{mounts[volume]}" in compose_mounts, (name, path)
+    # The Grafana data sources' URLs and the gateway's trace endpoint name these Services on their ports.
+    services = {name: {port["port"] for port in doc["spec"]["ports"]} for (kind, name), doc in docs.items()
+                if kind == "Service"}
+    for source in _yaml(STACKS["jaeger"] / "grafana" / "datasources.yaml")["datasources"]:
+        host, port = re.match(r"https?://([^:/]+):(\d+)", source["url"]).groups()
+        assert int(port) in services[host], source["url"]
+    gateway = {doc["kind"]: doc for doc in yaml.safe_load_all(KUBERNETES_GATEWAY.read_text()) if doc}
+    [container] = gateway["Deployment"]["spec"]["template"]["spec"]["containers"]
+    endpoint = {item["name"]: item["value"] for item in container["env"]}["TRACES_OTLP_ENDPOINT"]
+    assert endpoint == f"{_cluster_dns(docs[('Service', 'jaeger')], 'observability')}:4317"
+    # The shared Prometheus config scrapes the gateway Service's exporter port by its name.
+    jobs = {job["job_name"]: job for job in _yaml(PROMETHEUS_CONFIG)["scrape_configs"]}
+    [target] = jobs["otel-collector"]["static_configs"][0]["targets"]
+    name, port = target.split(":")
+    assert name == gateway["Service"]["metadata"]["name"]
+    assert int(port) in {p["port"] for p in gateway["Service"]["spec"]["ports"]}
+    readme = (DEPLOY / "README.md").read_text()
+    for config_map, (key, source) in made.items():
+        assert f"{config_map} \\\n    --from-file={key}={source.relative_to(ROOT)}" in readme, config_map
+    assert "Dashboards → New → Import" in readme
+
+
+def test_the_dashboard_names_no_data_source_uid():
+    dashboard = dash.load()
+    [variable] = [var for var in dash.variables(dashboard).values() if var["type"] == "datasource"]
+    assert (variable["name"], variable["query"]) == ("datasource", "prometheus")
+    assert dash.datasource_uids(dashboard) == {"${datasource}"}
+    # Provisioned stacks start on their own Prometheus (uid prometheus).
+    assert variable["current"]["value"] == "prometheus"
+    for stack in STACKS:
+        assert "prometheus" in _datasources(stack)

@@ -298,8 +298,9 @@ def test_a_real_pipeline_reports_its_bubble_not_stragglers(pipeline_spans):
     rows = {row["rank"]: row for row in waits["per_stage"]}
     assert rows[1]["group_rank"] == 1 and rows[1]["recvs"] == per_microbatch
     expected_ms = _DELAY_S * 1e3 * per_microbatch  # stage 1 waits for each slow forward of stage 0
-    assert abs(rows[1]["wait_ms"] - expected_ms) <= 0.2 * expected_ms, rows
-    assert rows[0]["wait_ms"] < 0.2 * expected_ms  # stage 0 never waits for a sleeping peer
+    # Lower bounds only: a sleep never ends early, but a busy machine (2 shared cores) lengthens every wait.
+    assert rows[1]["wait_ms"] >= 0.8 * expected_ms, rows
+    assert rows[0]["wait_ms"] < rows[1]["wait_ms"] / 2, rows  # stage 0 never waits for a sleeping peer
     lag = summary.stragglers(pipeline_spans)
     # Only the loss all_reduces, one per step, matched although the group also carries send/recv.
     assert (lag["matched"], lag["incomplete"]) == (_STEPS, 0)
@@ -308,7 +309,7 @@ def test_a_real_pipeline_reports_its_bubble_not_stragglers(pipeline_spans):
     assert one["pairs"] == 2 * _MICROBATCHES
     one_row = next(row for row in one["per_stage"] if row["rank"] == 1)
     expected_ms = _DELAY_S * 1e3 * _MICROBATCHES
-    assert abs(one_row["wait_ms"] - expected_ms) <= 0.2 * expected_ms, one_row
+    assert one_row["wait_ms"] >= 0.8 * expected_ms, one_row
     assert rows[0]["group_rank"] == 0 and rows[0]["recvs"] == per_microbatch
     text = summary.format_report(pipeline_spans)
     assert "Pipeline waits: 12 send/recv pairs" in text and "Stragglers: 3 collectives matched" in text

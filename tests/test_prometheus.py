@@ -26,7 +26,7 @@ import torch.distributed as dist
 import grafana_dashboard as dash
 from distributed import run_ranks
 from models import AllReduceInBackward
-from prometheus_server import INSTALL_HINT, PrometheusServer, by_labels, free_port_run, prometheus_binary, query
+from prometheus_server import PrometheusServer, by_labels, free_port_run, prometheus_binary, query
 
 WORLD_SIZE = 2
 STEPS = 8
@@ -185,10 +185,7 @@ def _train_then_wait_for_scrape(rank: int, world_size: int, prometheus_url: str)
 @pytest.fixture(scope="module")
 def scraped(tmp_path_factory):
     """Prometheus that scraped a finished 2-rank job; ``at`` is when it held every final value."""
-    try:
-        prometheus_binary()
-    except FileNotFoundError:
-        pytest.fail(f"tests/test_prometheus.py needs a real Prometheus server: {INSTALL_HINT}")
+    prometheus_binary()  # skips (fails under CI) without Debian's prometheus
     base = free_port_run(WORLD_SIZE)
     targets = [f"127.0.0.1:{base + rank}" for rank in range(WORLD_SIZE)]
     env = {
@@ -267,6 +264,8 @@ def test_dashboard_uses_only_names_prometheus_held(scraped):
     held = set(scraped.server.api("label/__name__/values"))
     assert dash.all_metric_names(dashboard) <= held
     for name, var in dash.variables(dashboard).items():
+        if var["type"] == "datasource":
+            continue  # which Prometheus: not a query
         metric, label = dash.label_values_query(dash.variable_definition(var))
         values = scraped.server.api(f"label/{label}/values", **{"match[]": metric})
         assert values, f"variable ${name} would offer no values"

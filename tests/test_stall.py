@@ -164,7 +164,8 @@ def test_every_traced_step_has_a_wait_and_a_fingerprint_equal_across_ranks(stuck
         assert len(fingerprints) == 1
         assert [a[semconv.STEP_COLLECTIVE_COUNTS] for a in attributes] == [[2], [2]]
     waits = sorted(a[semconv.STEP_COLLECTIVE_WAIT] for a in by_step[STUCK_STEP])
-    assert waits[0] < 1.0 and waits[1] >= STUCK_S - 1.0  # rank 0 waited for rank 1
+    # Rank 0 waited for rank 1 (a busy machine delays the collective's end for both, not the difference).
+    assert waits[1] - waits[0] >= STUCK_S - 1.0
     assert [a[semconv.STEP_COLLECTIVE_FIRST_SEQ] for a in by_step[3]] == [[6], [6]]
 
 
@@ -326,7 +327,9 @@ def test_diagnose_names_the_stuck_rank_its_module_and_the_collective_the_other_w
     import sys
 
     env = {"OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR": str(tmp_path), "OTEL_PYTHON_COMMDEBUG_STALL_AFTER": str(STALL_AFTER_S)}
+    began = time.monotonic()
     run_ranks(_train_with_one_rank_stuck, 2, env=env)
+    job_s = time.monotonic() - began
     [run] = tmp_path.glob("run-*")
     out = subprocess.run([sys.executable, "-m", "commdebug_otel.cli", "diagnose", str(run), "--format", "json"],
                          capture_output=True, text=True, timeout=120)
@@ -335,7 +338,7 @@ def test_diagnose_names_the_stuck_rank_its_module_and_the_collective_the_other_w
     [stall] = found["stalls"]
     assert (stall["rank"], stall["step"], stall["module"], stall["pass"]) == (1, STUCK_STEP, "Net.layers.1", "forward")
     # The rank went on and its step was exported whole: the stall is over, and lasted about STUCK_S.
-    assert stall["ended"] is True and STUCK_S <= stall["duration_s"] < STUCK_S + 3, stall
+    assert stall["ended"] is True and STUCK_S <= stall["duration_s"] < job_s, stall  # no wall-clock bound
     assert abs(stall["duration_s"] - stall["age_s"] - stall["ended_after_s"]) < 0.01
     [waiting] = stall["waiting_ranks"]
     assert waiting["rank"] == 0

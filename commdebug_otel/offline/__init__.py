@@ -21,10 +21,12 @@ Modules:
 * :mod:`.diagnose`: stuck ranks (stall snapshots), desyncs, stragglers blamed with the module
   that held them back;
 * :mod:`.backends`: one trace by id from Jaeger's or Tempo's HTTP API (``diagnose --jaeger/--tempo``);
-* :mod:`.perfetto`: Chrome trace-event JSON for https://ui.perfetto.dev.
+* :mod:`.perfetto`: Chrome trace-event JSON for https://ui.perfetto.dev;
+* :mod:`.html_report`: ``commdebug-otel report``, one self-contained HTML page of a run;
+* :mod:`.receive`: ``commdebug-otel receive``, a local OTLP receiver writing run folders.
 
 Nothing here imports torch, the OTel SDK or the live tracer; importing this
 package imports none of its modules.
 """
 
-__all__ = ["backends", "diagnose", "model", "otlp_json", "perfetto", "summary"]
+__all__ = ["backends", "diagnose", "html_report", "model", "otlp_json", "perfetto", "receive", "summary"]

@@ -36,7 +36,7 @@ from .. import semconv
 
 __all__ = ["ATTRIBUTE_TYPES", "MAX_LINE_BYTES", "MAX_RANKS", "BadData", "SpanReader", "decode_any_value",
            "metric_dicts", "metrics_from_otlp_json", "parse_otlp_json", "ranked", "read_spans", "span_dicts",
-           "spans_from_otlp_json", "trace_files"]
+           "spans_from_otlp_json", "to_otlp_json", "trace_files"]
 
 _SIGNALS = {
     "traces": (_tpb.ExportTraceServiceRequest, _tpb.ExportTraceServiceResponse),
@@ -146,6 +146,22 @@ def _hex_ids_to_base64(obj: Any) -> Any:
         if k in _HEX_ID_KEYS and isinstance(v, str) else _hex_ids_to_base64(v)
         for k, v in obj.items()
     }
+
+
+def _base64_ids_to_hex(obj: Any) -> Any:
+    if isinstance(obj, list):
+        return [_base64_ids_to_hex(v) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    return {k: base64.b64decode(v).hex() if k in _HEX_ID_KEYS and isinstance(v, str) else _base64_ids_to_hex(v)
+            for k, v in obj.items()}
+
+
+def to_otlp_json(request: Any) -> str:
+    """One export request (protobuf) as one OTLP-JSON line, without its newline: ids hex, enums as
+    integers, 64-bit integers as strings; :func:`parse_otlp_json` reads it back to an equal request."""
+    obj = json_format.MessageToDict(request, use_integers_for_enums=True)
+    return json.dumps(_base64_ids_to_hex(obj), separators=(",", ":"))
 
 
 def parse_otlp_json(obj: dict | str | bytes, signal: str, hex_ids: bool = True) -> Any:

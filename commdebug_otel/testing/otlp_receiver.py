@@ -1,6 +1,7 @@
 """A small, real OTLP receiver (gRPC and HTTP) for tests and local debugging.
 
-``OtlpReceiver`` listens on 127.0.0.1 with two servers on free ports:
+``OtlpReceiver`` listens on 127.0.0.1 (or ``host``) with two servers, on free ports unless
+``grpc_port`` / ``http_port`` are given:
 
 * OTLP/gRPC (grpcio): ``TraceService/Export`` and ``MetricsService/Export``;
 * OTLP/HTTP (stdlib ``ThreadingHTTPServer``): ``POST /v1/traces`` and
@@ -23,8 +24,12 @@ Usage::
         run_code_that_exports()
         assert rx.wait_for(lambda r: any(s["name"] == "step" for s in r.spans()))
 
+``on_request`` is called with each accepted :class:`ReceivedRequest` (on a server thread);
+with ``keep=False`` nothing is held in memory. ``commdebug-otel receive`` (also
+``python -m commdebug_otel.testing.otlp_receiver``) is this receiver writing OTLP-JSON files.
+
 Limits: plaintext only (no TLS), traces and metrics only (logs are answered
-404/UNIMPLEMENTED), everything is held in memory until ``clear()``.  The gRPC
+404/UNIMPLEMENTED), everything is held in memory until ``clear()`` (unless ``keep=False``).  The gRPC
 size limit is checked on the decoded request's serialized size (what
 grpc-core measures for uncompressed messages), so rejections can be counted;
 the HTTP side accepts any size and records it.
@@ -33,6 +38,9 @@ the HTTP side accepts any size and records it.
 from __future__ import annotations
 
 import gzip
+import logging
+import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -55,6 +63,7 @@ __all__ = [
 ]
 
 DEFAULT_MAX_RECEIVE_MESSAGE_BYTES = 4 * 1024 * 1024  # the collector's default
+_logger = logging.getLogger(__name__)
 
 
 
@@ -149,11 +158,23 @@ class OtlpReceiver:
 
     ``max_receive_message_bytes`` (bytes, default 4 MiB like the collector):
     larger gRPC requests are refused with RESOURCE_EXHAUSTED and counted in
-    ``rejected_grpc``.
+    ``rejected_grpc``. ``host``: the address both servers bind; ``grpc_port`` and
+    ``http_port``: 0 (default) for a free port each. ``on_request(request)``: called with
+    each accepted request, on the server thread that took it; an exception it raises is
+    logged and the request still answered. ``keep``: hold requests for ``requests()``.
+
+    Raises:
+        OSError: from :meth:`start`, when a port cannot be bound (in use, or no such address).
     """
 
-    def __init__(self, max_receive_message_bytes: int = DEFAULT_MAX_RECEIVE_MESSAGE_BYTES) -> None:
+    def __init__(self, max_receive_message_bytes: int = DEFAULT_MAX_RECEIVE_MESSAGE_BYTES, host: str = "127.0.0.1",
+                 grpc_port: int = 0, http_port: int = 0,
+                 on_request: Callable[[ReceivedRequest], None] | None = None, keep: bool = True) -> None:
         self.max_receive_message_bytes = max_receive_message_bytes
+        self.host = host
+        self._ports = (grpc_port, http_port)
+        self._on_request = on_request
+        self._keep = keep
         self._lock = threading.Lock()
         self._requests: list[ReceivedRequest] = []
         self.rejected_grpc = 0  # gRPC requests refused as too large
@@ -169,13 +190,33 @@ class OtlpReceiver:
         if self._grpc is not None:
             return self
         # grpc-core's own limit is lifted so that _accept_grpc can see and count refusals.
+        # so_reuseport off: a second receiver on the same port fails to start instead of sharing it.
         self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
-                                 options=[("grpc.max_receive_message_length", -1)])
+                                 options=[("grpc.max_receive_message_length", -1), ("grpc.so_reuseport", 0)])
         _tgrpc.add_TraceServiceServicer_to_server(_GrpcTraceService(self), self._grpc)
         _mgrpc.add_MetricsServiceServicer_to_server(_GrpcMetricsService(self), self._grpc)
-        self.grpc_port = self._grpc.add_insecure_port("127.0.0.1:0")
+        address = f"[{self.host}]" if ":" in self.host else self.host
+        if self._ports[0]:  # grpc-core would print its own error line first
+            try:
+                with socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET) as probe:
+                    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc-core binds
+                    probe.bind((self.host, self._ports[0]))
+            except OSError as error:
+                self._grpc = None
+                raise OSError(f"cannot listen for OTLP/gRPC on {address}:{self._ports[0]}: {error.strerror}") from None
+        try:
+            self.grpc_port = self._grpc.add_insecure_port(f"{address}:{self._ports[0]}")
+        except RuntimeError:  # grpcio >= 1.63 raises where older ones returned 0
+            self.grpc_port = 0
+        if not self.grpc_port:
+            self._grpc = None
+            raise OSError(f"cannot listen for OTLP/gRPC on {address}:{self._ports[0]} (in use?)")
         self._grpc.start()
-        self._http = _HttpServer(("127.0.0.1", 0), _HttpHandler)
+        try:
+            self._http = _HttpServer((self.host, self._ports[1]), _HttpHandler)
+        except OSError as error:
+            self.stop()
+            raise OSError(f"cannot listen for OTLP/HTTP on {address}:{self._ports[1]}: {error.strerror}") from None
         self._http.receiver = self
         self.http_port = self._http.server_address[1]
         self._http_thread = threading.Thread(target=self._http.serve_forever,
@@ -202,19 +243,31 @@ class OtlpReceiver:
 
     @property
     def grpc_endpoint(self) -> str:
-        """``http://127.0.0.1:PORT`` for OTLP/gRPC exporters (use insecure=True)."""
-        return f"http://127.0.0.1:{self.grpc_port}"
+        """``http://HOST:PORT`` (127.0.0.1 by default) for OTLP/gRPC exporters (use insecure=True)."""
+        return f"http://{self._client_host}:{self.grpc_port}"
 
     @property
     def http_endpoint(self) -> str:
-        """``http://127.0.0.1:PORT``; signal paths are ``/v1/traces`` and ``/v1/metrics``."""
-        return f"http://127.0.0.1:{self.http_port}"
+        """``http://HOST:PORT``; signal paths are ``/v1/traces`` and ``/v1/metrics``."""
+        return f"http://{self._client_host}:{self.http_port}"
+
+    @property
+    def _client_host(self) -> str:
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
+        return f"[{host}]" if ":" in host else host
 
     # recording (shared by both transports)
     def _record(self, signal: str, transport: str, req: Any, size: int,
                 wire: int | None, headers: dict[str, str]) -> Any:
-        with self._lock:
-            self._requests.append(ReceivedRequest(signal, transport, size, wire, headers, req))
+        received = ReceivedRequest(signal, transport, size, wire, headers, req)
+        if self._keep:
+            with self._lock:
+                self._requests.append(received)
+        if self._on_request is not None:
+            try:
+                self._on_request(received)
+            except Exception:  # the sender did its part: answer it, and say what went wrong here
+                _logger.exception("OTLP receiver: handling a %s request failed", signal)
         return _SIGNALS[signal][1]()
 
     def _accept_grpc(self, signal: str, request: Any, context: grpc.ServicerContext) -> Any:
@@ -266,3 +319,9 @@ class OtlpReceiver:
         with self._lock:
             self._requests.clear()
             self.rejected_grpc = 0
+
+
+if __name__ == "__main__":  # `python -m commdebug_otel.testing.otlp_receiver` is `commdebug-otel receive`
+    from commdebug_otel.cli import main
+
+    sys.exit(main(["receive", *sys.argv[1:]]))
