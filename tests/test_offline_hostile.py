@@ -23,7 +23,8 @@ from commdebug_otel.cli import main
 from commdebug_otel.offline import backends, otlp_json, summary
 from commdebug_otel.offline.model import SpanIndex
 
-from otlp_files import checkout_env
+from otlp_files import checkout_env, write_otlp
+from otlp_files import span as otlp_span
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
 COMMANDS = ("summarize", "diagnose", "perfetto")
@@ -428,3 +429,22 @@ def test_credentials_are_sent_and_never_printed(bad_server, capsys):
                                  _TRACE_ID)
     assert (status, err) == (1, f"commdebug-otel diagnose: http://***@{host}/creds/api/v3/traces/{_TRACE_ID}"
                                 "?token=***: HTTP 401 Unauthorized\n")
+
+
+def test_many_groups_each_on_its_own_step(tmp_path):
+    # 6,000 steps, each with one collective on a group of its own: desyncs look at the (group, step) pairs
+    # that hold records, not at every group in every step (36 million pairs: 135 s at 3,000 steps before). In a
+    # child process with a timeout, so that the quadratic walk fails the test instead of stalling the suite.
+    spans = []
+    for step in range(6_000):
+        for rank in (0, 1):
+            event = (step * 10 + 1, {semconv.COLLECTIVE_OP: "all_reduce", semconv.COLLECTIVE_SEQ: 0,
+                                     semconv.PROCESS_GROUP_NAME: f"g{step}", semconv.PROCESS_GROUP_SIZE: 2})
+            spans.append(otlp_span(rank, "train_step", f"s{step}", start=step * 10, end=step * 10 + 5,
+                                   events=[event], trace=f"t{step}-", world_size=2, **{semconv.STEP: step}))
+    write_otlp(spans, tmp_path / "traces.jsonl")
+    out = subprocess.run([sys.executable, "-m", "commdebug_otel.cli", "diagnose", str(tmp_path), "--format", "json"],
+                         capture_output=True, text=True, env=checkout_env(), timeout=240)
+    assert out.returncode == 0, out.stderr
+    found = json.loads(out.stdout)
+    assert (found["desyncs"], found["steps"], found["ranks"]) == ([], list(range(6_000)), [0, 1])

@@ -702,15 +702,17 @@ def desyncs(spans: list[dict]) -> list[dict[str, Any]]:
     fingerprints = _fingerprints(spans)
     members: dict[str, set[int]] = defaultdict(set)
     steps: dict[int, set[int]] = defaultdict(set)
+    recorded: dict[str, set[int]] = defaultdict(set)  # group -> steps where some rank issued on it
     for (rank, step), groups in issued.items():
         steps[step].add(rank)
         for group in groups:
             members[group].add(rank)
+            recorded[group].add(step)
     for rank, step in [*fingerprints, *whole]:
         steps[step].add(rank)
     out = []
     for group in sorted(members):
-        for step in sorted(steps):
+        for step in sorted(recorded[group]):  # not every (group, step): no record there, no difference
             ranks = sorted(members[group] & steps[step])
             if len(ranks) < 2:
                 continue

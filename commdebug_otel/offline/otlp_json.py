@@ -556,7 +556,7 @@ class SpanReader:
     (a line cut by a killed job, NUL bytes), nested too deep, longer than ``max_line_bytes``, or
     whose fields fail the checks (:class:`BadData`).
 
-    Memory: one line (at most ``max_line_bytes``) and one 16-byte key per span yielded.
+    Memory: one line (at most ``max_line_bytes``) and one 24-byte key per span yielded.
 
     Raises:
         FileNotFoundError: a path does not exist (when iteration begins).
@@ -644,7 +644,7 @@ class SpanReader:
                                      + (f"; {more} more for other reasons" if more else ""))
 
     def _new(self, span: dict) -> bool:
-        key = f"{span['trace_id']}{span['span_id']}".encode()
+        key = bytes.fromhex(span["trace_id"] + span["span_id"])  # 24 bytes: checked hex
         if key in self._seen:
             self.duplicates += 1
             return False
