@@ -96,10 +96,11 @@ def tensor_hook_key(handle: Any) -> tuple[Any, int] | None:
 
 
 def new_hook_id() -> int:
-    """An id from torch's own hook counter (``RemovableHandle.next_id``): no torch handle ever gets it."""
+    """A hook id no torch handle ever has: negative (torch's count up from 0, ``RemovableHandle.next_id``, also
+    in a module unpickled from another process), and unique in this process (drawn from that counter)."""
     hook_id = RemovableHandle.next_id
     RemovableHandle.next_id = hook_id + 1
-    return hook_id
+    return -1 - hook_id
 
 
 def add_forward_hook_last(module: torch.nn.Module, hook_id: int, hook: Any) -> bool:
@@ -110,12 +111,12 @@ def add_forward_hook_last(module: torch.nn.Module, hook_id: int, hook: Any) -> b
     there already (a call of the module inside its own call): then it moves behind hooks added since.
     """
     hooks = module._forward_hooks
-    if hook_id in hooks:
+    there = hook_id in hooks
+    hooks[hook_id] = hook  # (a copy made inside a call holds another object under the id)
+    if there:
         hooks.move_to_end(hook_id)
-        return True
-    hooks[hook_id] = hook
     module._forward_hooks_always_called[hook_id] = True
-    return False
+    return there
 
 
 def remove_forward_hook(module: torch.nn.Module, hook_id: int) -> None:

@@ -276,3 +276,22 @@ def test_a_collective_in_backward_of_a_module_pickled_mid_step_stays_its_own(tel
         optimizer.step()
     owners = [(span.name, event.name) for span in telemetry.spans() for event in span.events]
     assert owners == [("Sequential.0 backward", "all_reduce")]
+
+
+def test_a_copy_made_inside_its_own_call_is_traced_like_any_module(telemetry, tracer_factory):
+    # The copy holds a no-op under our hook's id: our hook must replace it when the copy is called.
+    copies = []
+    saver = SavesItself(copies)
+    with tracer_factory():
+        saver(torch.ones(1, 4))
+        copied = pickle.loads(copies[0])
+        assert [type(hook).__name__ for hook in copied._forward_hooks.values()] == ["method-wrapper"]
+        optimizer = torch.optim.SGD(copied.parameters(), lr=0.1)
+        copied(torch.ones(1, 4)).sum().backward()
+        optimizer.step()
+        assert not copied._forward_hooks  # our hook took the no-op's place and went with the call
+    assert telemetry.tree() == [
+        (0, "train_step"), (1, "SavesItself forward"), (2, "SavesItself.lin forward"),  # the saver's call
+        (1, "SavesItself forward"), (2, "SavesItself.lin forward"),  # the copy's
+        (1, "SavesItself backward"), (2, "SavesItself.lin backward")]
+
