@@ -130,24 +130,24 @@ def _walk(value: Any, found: list, depth: int, budget: int) -> int:
 
 
 def _members(value: Any) -> Any:
-    """The values inside an object that is not a built-in container (empty: none to look at)."""
+    """The values inside an object that is not a built-in container (empty: none to look at, or it raised)."""
     if isinstance(value, (torch.nn.Module, type)) or hasattr(type(value), "__torch_function__"):
         return ()
-    if dataclasses.is_dataclass(value):
-        return [getattr(value, field.name, None) for field in dataclasses.fields(value)]
-    children = pytree_children(value)  # a type registered with torch's pytree
-    if children is not None:
-        return children
     try:
-        members = list(vars(value).values())
-    except Exception:  # no __dict__ (or an odd __getattr__ answering for it)
-        members = []
-    for cls in type(value).__mro__:
-        slots = cls.__dict__.get("__slots__", ())
-        for name in (slots,) if isinstance(slots, str) else slots:
-            if name not in ("__dict__", "__weakref__"):
-                members.append(getattr(value, name, None))
-    return members
+        if dataclasses.is_dataclass(value):
+            return [getattr(value, field.name, None) for field in dataclasses.fields(value)]
+        children = pytree_children(value)  # a type registered with torch's pytree
+        if children is not None:
+            return children
+        members = list(value.__dict__.values()) if hasattr(value, "__dict__") else []
+        for cls in type(value).__mro__:
+            slots = cls.__dict__.get("__slots__", ())
+            for name in (slots,) if isinstance(slots, str) else slots:
+                if name not in ("__dict__", "__weakref__"):
+                    members.append(getattr(value, name, None))
+        return members
+    except Exception:  # an odd object (a __getattr__ or flatten function that raises): not looked into
+        return ()
 
 
 def _edge(tensor: torch.Tensor) -> int:

@@ -180,3 +180,19 @@ def test_the_walk_is_bounded_on_cycles_and_huge_graphs(telemetry, tracer_factory
     with pytest.raises(_TooLarge):
         _grad_tensors([*wide, [1], [2]], [])
     assert _grad_tensors((torch.ones(1), None, 3, "x", torch.float32, nn.Linear(1, 1)), []) == []
+
+
+class Odd:
+    """Its unset slot's lookup raises something other than AttributeError."""
+
+    __slots__ = ("unset",)
+
+    def __getattr__(self, name):
+        raise RuntimeError(name)
+
+
+def test_an_object_that_raises_when_looked_into_is_skipped():
+    from commdebug_otel.tracker import _grad_tensors
+
+    hidden = torch.ones(1, requires_grad=True)
+    assert _grad_tensors((Odd(), hidden), []) == [hidden]
