@@ -11,7 +11,8 @@
   export, copies and pickles inspect them).
 * A call's inputs and outputs are searched for tensors in any container:
   tuples, lists, dicts, dataclasses, types registered with torch's pytree,
-  other objects' ``__dict__`` and ``__slots__``, within bounds (cycles).
+  and for outputs other objects' ``__dict__`` and ``__slots__``, within
+  bounds (cycles).
 * Backward begins when the first gradient w.r.t. the call's outputs is ready
   (a ``Tensor.register_hook`` per output; the recorder keeps the first per
   graph task, as ``register_multi_grad_hook(mode="any")`` would) and ends when
@@ -88,31 +89,31 @@ _Tensor = torch.Tensor
 _MAX_CONTAINERS, _MAX_DEPTH = 1024, 32
 
 
-def _grad_tensors(value: Any, found: list) -> list:
+def _grad_tensors(value: Any, found: list, objects: bool = True) -> list:
     """Append the tensors that require grad in ``value`` (a module's inputs or outputs) to ``found``; return it.
 
     Any container: tuples and lists (namedtuples too), dicts (``ModelOutput``, an OrderedDict and a
-    dataclass), dataclasses, types registered with torch's pytree, and other objects through their
-    ``__dict__`` and ``__slots__`` (a distribution holding its parameters). Not modules, classes nor
-    tensor-likes (``__torch_function__``: an fx ``Proxy``). Raises :class:`_TooLarge` (with what was
-    found) past ``_MAX_CONTAINERS`` containers or ``_MAX_DEPTH`` levels.
+    dataclass), dataclasses, types registered with torch's pytree, and, if ``objects``, other objects
+    through their ``__dict__`` and ``__slots__`` (a distribution holding its parameters). Not modules,
+    classes nor tensor-likes (``__torch_function__``: an fx ``Proxy``). Raises :class:`_TooLarge` (with
+    what was found) past ``_MAX_CONTAINERS`` containers or ``_MAX_DEPTH`` levels.
     """
     if isinstance(value, _Tensor):  # the common case first: one output tensor
         if value.requires_grad:
             found.append(value)
-    elif type(value) not in _ATOMS and _walk(value, found, _MAX_DEPTH, _MAX_CONTAINERS) < 0:
+    elif type(value) not in _ATOMS and _walk(value, found, _MAX_DEPTH, _MAX_CONTAINERS, objects) < 0:
         raise _TooLarge(found)
     return found
 
 
-def _walk(value: Any, found: list, depth: int, budget: int) -> int:
+def _walk(value: Any, found: list, depth: int, budget: int, objects: bool) -> int:
     """:func:`_grad_tensors` in a container; returns how many more containers may be entered (negative: cut)."""
     if isinstance(value, (tuple, list)):
         items = value
     elif isinstance(value, dict):
         items = value.values()
     else:
-        items = _members(value)
+        items = _members(value, objects)
         if not items:
             return budget
     if depth == 0 or budget == 0:
@@ -123,14 +124,15 @@ def _walk(value: Any, found: list, depth: int, budget: int) -> int:
             if item.requires_grad:
                 found.append(item)
         elif type(item) not in _ATOMS:
-            budget = _walk(item, found, depth - 1, budget)
+            budget = _walk(item, found, depth - 1, budget, objects)
             if budget < 0:
                 break
     return budget
 
 
-def _members(value: Any) -> Any:
-    """The values inside an object that is not a built-in container (empty: none to look at, or it raised)."""
+def _members(value: Any, objects: bool) -> Any:
+    """The values inside an object that is not a built-in container (empty: none to look at, or it raised);
+    ``objects``: any object's ``__dict__`` and ``__slots__`` too, else dataclasses and pytree types only."""
     if isinstance(value, (torch.nn.Module, type)) or hasattr(type(value), "__torch_function__"):
         return ()
     try:
@@ -139,6 +141,8 @@ def _members(value: Any) -> Any:
         children = pytree_children(value)  # a type registered with torch's pytree
         if children is not None:
             return children
+        if not objects:
+            return ()
         members = list(value.__dict__.values()) if hasattr(value, "__dict__") else []
         for cls in type(value).__mro__:
             slots = cls.__dict__.get("__slots__", ())
@@ -291,10 +295,15 @@ class ModuleTracker:
         except Exception as error:
             recorder.hook_failed("module forward pre-hook", error)
 
-    def _grad_tensors(self, value: Any) -> list:
-        """:func:`_grad_tensors`; what it finds past its bounds is not hooked: counted and logged once."""
+    def _grad_tensors(self, value: Any, outputs: bool = False) -> list:
+        """:func:`_grad_tensors`; what it finds past its bounds is not hooked: counted and logged once.
+
+        Inputs (``outputs`` false) are not searched in other objects: one passed along holds tensors
+        that are not the call's inputs (a Hugging Face ``DynamicCache`` holds every earlier layer's
+        keys and values), and the call's backward would end only with their gradients.
+        """
         try:
-            return _grad_tensors(value, [])
+            return _grad_tensors(value, [], outputs)
         except _TooLarge as cut:
             self._recorder.hook_failed("module inputs or outputs walk", cut)
             return cut.found
@@ -430,7 +439,7 @@ class ModuleTracker:
         # edge: Identity, Dropout(p=0) or in eval, a gate returning x) gets its gradient
         # only when the inputs' gradients are ready: the module has no backward of its own.
         inputs = record.input_edges
-        outputs = [t for t in self._grad_tensors(output)
+        outputs = [t for t in self._grad_tensors(output, outputs=True)
                    if id(t) not in record.hooked_outputs and _edge(t) not in inputs]
         if outputs:
             if record.hooked_outputs:

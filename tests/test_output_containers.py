@@ -196,3 +196,51 @@ def test_an_object_that_raises_when_looked_into_is_skipped():
 
     hidden = torch.ones(1, requires_grad=True)
     assert _grad_tensors((Odd(), hidden), []) == [hidden]
+
+
+class Cache:
+    """A Hugging Face ``DynamicCache``-like object passed to every layer: each layer appends its keys."""
+
+    def __init__(self):
+        self.keys = []
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, cache=None):
+        out = self.lin(x)
+        cache.keys.append(out)
+        return out
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = Layer()
+        self.second = Layer()
+
+    def forward(self, x):
+        cache = Cache()
+        h = AllReduceInBackward.apply(self.first(x, cache=cache))
+        return self.second(h, cache=cache), cache
+
+
+def test_an_object_passed_along_to_a_module_is_not_its_input(telemetry, tracer_factory, single_rank_group):
+    # The cache holds the first layer's output when the second layer runs: were it the second layer's input, its
+    # backward would end only with that gradient, after the all_reduce that comes between the layers.
+    model = Stack()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tracer_factory():
+        out, _ = model(torch.ones(2, 4))
+        out.sum().backward()
+        optimizer.step()
+    owners = [(span.name, event.name) for span in telemetry.spans() for event in span.events]
+    assert owners == [("Stack backward", "all_reduce")]
+    assert telemetry.tree() == [
+        (0, "train_step"), (1, "Stack forward"), (2, "Stack.first forward"), (3, "Stack.first.lin forward"),
+        (2, "Stack.second forward"), (3, "Stack.second.lin forward"), (1, "Stack backward"),
+        (2, "Stack.second backward"), (3, "Stack.second.lin backward"), (2, "Stack.first backward"),
+        (3, "Stack.first.lin backward")]
