@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch._ops import HigherOrderOperator  # noqa: F401  (re-exported: the mode skips these)
+from torch.utils import _pytree
 from torch.utils._python_dispatch import (  # noqa: F401  (TorchDispatchMode re-exported)
     TorchDispatchMode,
     _get_current_dispatch_mode_stack,
@@ -52,11 +53,11 @@ def compiled_original(module: torch.nn.Module) -> torch.nn.Module | None:
     never imported it has none (importing torch._dynamo here would cost every
     start-up a second).
     """
-    original = module._modules.get("_orig_mod")  # the cheap test first: this runs on every module call
-    if original is not None:
+    # The cheap test first: this runs on every module call (a ScriptModule's _modules has no get()).
+    if "_orig_mod" in module._modules:
         eval_frame = sys.modules.get("torch._dynamo.eval_frame")
         if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
-            return original
+            return module._modules["_orig_mod"]
     return None
 
 
@@ -94,11 +95,34 @@ def tensor_hook_key(handle: Any) -> tuple[Any, int] | None:
     return None if hooks is None else (hooks, handle.id)
 
 
-def keep_forward_hook_last(module: torch.nn.Module, handle: Any) -> None:
-    """Move the module-local forward hook ``handle`` behind hooks added after it (``Module._forward_hooks``)."""
+def new_hook_id() -> int:
+    """A hook id no torch handle ever has: negative (torch's count up from 0, ``RemovableHandle.next_id``, also
+    in a module unpickled from another process), and unique in this process (drawn from that counter)."""
+    hook_id = RemovableHandle.next_id
+    RemovableHandle.next_id = hook_id + 1
+    return -1 - hook_id
+
+
+def add_forward_hook_last(module: torch.nn.Module, hook_id: int, hook: Any) -> bool:
+    """Put ``hook`` last in ``module``'s own forward hooks, always called, under ``hook_id``.
+
+    What ``module.register_forward_hook(hook, always_call=True)`` does (``Module._forward_hooks``,
+    ``_forward_hooks_always_called``), without a handle object per call. Returns whether it was
+    there already (a call of the module inside its own call): then it moves behind hooks added since.
+    """
     hooks = module._forward_hooks
-    if next(reversed(hooks)) != handle.id:
-        hooks.move_to_end(handle.id)
+    there = hook_id in hooks
+    hooks[hook_id] = hook  # (a copy made inside a call holds another object under the id)
+    if there:
+        hooks.move_to_end(hook_id)
+    module._forward_hooks_always_called[hook_id] = True
+    return there
+
+
+def remove_forward_hook(module: torch.nn.Module, hook_id: int) -> None:
+    """Undo :func:`add_forward_hook_last` (nothing if the hook is not there)."""
+    module._forward_hooks.pop(hook_id, None)
+    module._forward_hooks_always_called.pop(hook_id, None)
 
 
 def remove_global_forward_hook(handle: Any) -> None:
@@ -114,11 +138,28 @@ def remove_global_forward_hook(handle: Any) -> None:
     getattr(module, "_global_forward_hooks_with_kwargs", {}).pop(handle.id, None)
 
 
+def mark_unserializable(handle: Any) -> None:
+    """Mark the tensor hooks of a ``register_multi_grad_hook`` handle as torch's ``unserializable_hook`` does:
+    pickling a tensor that holds one (``Tensor.__reduce_ex__``) then warns of no hook of ours."""
+    for part in getattr(handle, "handles", ()):
+        hooks = part.hooks_dict_ref()
+        hook = hooks.get(part.id) if hooks is not None else None
+        if hook is not None:
+            hook.__torch_unserializable__ = True
+
+
 def rewrites_keyword_inputs(module: torch.nn.Module) -> bool:
     """True if ``module`` has forward pre-hooks that may replace its keyword inputs (``with_kwargs=True``: FSDP2,
     TP's ``PrepareModuleInput``): the keyword inputs its forward hooks see are not the caller's (``Module._call_impl``).
     """
     return bool(getattr(module, "_forward_pre_hooks_with_kwargs", True))  # unknown torch: assume they may
+
+
+def pytree_children(value: Any) -> list | None:
+    """``value``'s children one level down if its type is a node of torch's pytree (``torch.utils._pytree``:
+    ``register_pytree_node``, ``register_dataclass``, the built-in containers), else None."""
+    node = _pytree.SUPPORTED_NODES.get(type(value))
+    return None if node is None else node.flatten_fn(value)[0]
 
 
 # ------------------------------------------------------------------ dispatch modes

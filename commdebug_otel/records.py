@@ -71,6 +71,8 @@ class Record:
         "start_ns",
         "unmatched",
     )
+    # A tensor hook of ours: pickling a tensor that holds it warns of nothing (torch.utils.hooks.warn_if_has_hooks).
+    __torch_unserializable__ = True
 
     def __init__(self, kind: SpanKind, name: str, start_ns: int) -> None:
         # What a record keeps when it is reused for another call (Recorder._module_record): its

@@ -2,11 +2,17 @@
 
 * Forward begins in a global forward pre-hook
   (``torch.nn.modules.module.register_module_forward_pre_hook``).
-* Forward ends in a module-local forward hook that we keep *last* in the
-  module's own hooks, with ``always_call=True``: global forward hooks run
-  before module-local ones (``Module._call_impl``), so closing there would
-  miss collectives that tensor parallel issues in the module's own output
-  hook (RowwiseParallel's all_reduce).
+* Forward ends in a module-local forward hook, last in the module's own
+  hooks, always called: global forward hooks run before module-local ones
+  (``Module._call_impl``), so closing there would miss collectives that
+  tensor parallel issues in the module's own output hook (RowwiseParallel's
+  all_reduce). The pre-hook adds it for the call's duration and it removes
+  itself: between calls a module holds only its own hooks (TorchScript,
+  export, copies and pickles inspect them).
+* A call's inputs and outputs are searched for tensors in any container:
+  tuples, lists, dicts, dataclasses, types registered with torch's pytree,
+  and for outputs other objects' ``__dict__`` and ``__slots__``, within
+  bounds (cycles).
 * Backward begins when the first gradient w.r.t. the call's outputs is ready
   (a ``Tensor.register_hook`` per output; the recorder keeps the first per
   graph task, as ``register_multi_grad_hook(mode="any")`` would) and ends when
@@ -39,6 +45,7 @@ errors, logs once and gives up; none raises into training.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import weakref
 from typing import Any
 
@@ -49,10 +56,14 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 
 from . import semconv
 from ._torch import (
+    add_forward_hook_last,
     compiled_call,
     compiled_original,
     in_compiled_autograd,
-    keep_forward_hook_last,
+    mark_unserializable,
+    new_hook_id,
+    pytree_children,
+    remove_forward_hook,
     remove_global_forward_hook,
     rewrites_keyword_inputs,
     run_tensor_hook_first,
@@ -62,17 +73,85 @@ from .recorder import Recorder
 from .records import Record
 
 
-def _grad_tensors(value: Any, found: list) -> list:
-    if isinstance(value, torch.Tensor):
+class _TooLarge(Exception):
+    """A module's inputs or outputs hold more containers than :func:`_grad_tensors` walks."""
+
+    def __init__(self, found: list) -> None:
+        super().__init__(f"more than {_MAX_CONTAINERS} containers or {_MAX_DEPTH} levels: the rest is not hooked")
+        self.found = found
+
+
+# Values that hold no tensor: skipped at once (None and plain fields are common in outputs).
+_ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
+                    torch.memory_format, slice, type(Ellipsis)})
+_Tensor = torch.Tensor
+# Bounds on one call's walk (cycles, huge object graphs): the containers entered, and how deep.
+_MAX_CONTAINERS, _MAX_DEPTH = 1024, 32
+
+
+def _grad_tensors(value: Any, found: list, objects: bool = True) -> list:
+    """Append the tensors that require grad in ``value`` (a module's inputs or outputs) to ``found``; return it.
+
+    Any container: tuples and lists (namedtuples too), dicts (``ModelOutput``, an OrderedDict and a
+    dataclass), dataclasses, types registered with torch's pytree, and, if ``objects``, other objects
+    through their ``__dict__`` and ``__slots__`` (a distribution holding its parameters). Not modules,
+    classes nor tensor-likes (``__torch_function__``: an fx ``Proxy``). Raises :class:`_TooLarge` (with
+    what was found) past ``_MAX_CONTAINERS`` containers or ``_MAX_DEPTH`` levels.
+    """
+    if isinstance(value, _Tensor):  # the common case first: one output tensor
         if value.requires_grad:
             found.append(value)
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            _grad_tensors(item, found)
-    elif isinstance(value, dict):
-        for item in value.values():
-            _grad_tensors(item, found)
+    elif type(value) not in _ATOMS and _walk(value, found, _MAX_DEPTH, _MAX_CONTAINERS, objects) < 0:
+        raise _TooLarge(found)
     return found
+
+
+def _walk(value: Any, found: list, depth: int, budget: int, objects: bool) -> int:
+    """:func:`_grad_tensors` in a container; returns how many more containers may be entered (negative: cut)."""
+    if isinstance(value, (tuple, list)):
+        items = value
+    elif isinstance(value, dict):
+        items = value.values()
+    else:
+        items = _members(value, objects)
+        if not items:
+            return budget
+    if depth == 0 or budget == 0:
+        return -1
+    budget -= 1
+    for item in items:  # tensors and plain values here: one call less per item
+        if isinstance(item, _Tensor):
+            if item.requires_grad:
+                found.append(item)
+        elif type(item) not in _ATOMS:
+            budget = _walk(item, found, depth - 1, budget, objects)
+            if budget < 0:
+                break
+    return budget
+
+
+def _members(value: Any, objects: bool) -> Any:
+    """The values inside an object that is not a built-in container (empty: none to look at, or it raised);
+    ``objects``: any object's ``__dict__`` and ``__slots__`` too, else dataclasses and pytree types only."""
+    if isinstance(value, (torch.nn.Module, type)) or hasattr(type(value), "__torch_function__"):
+        return ()
+    try:
+        if dataclasses.is_dataclass(value):
+            return [getattr(value, field.name, None) for field in dataclasses.fields(value)]
+        children = pytree_children(value)  # a type registered with torch's pytree
+        if children is not None:
+            return children
+        if not objects:
+            return ()
+        members = list(value.__dict__.values()) if hasattr(value, "__dict__") else []
+        for cls in type(value).__mro__:
+            slots = cls.__dict__.get("__slots__", ())
+            for name in (slots,) if isinstance(slots, str) else slots:
+                if name not in ("__dict__", "__weakref__"):
+                    members.append(getattr(value, name, None))
+        return members
+    except Exception:  # an odd object (a __getattr__ or flatten function that raises): not looked into
+        return ()
 
 
 def _edge(tensor: torch.Tensor) -> int:
@@ -117,12 +196,16 @@ class ModuleTracker:
         self._recorder = recorder
         self._began = _BackwardBegan(recorder)  # every record's backward-begin hook calls it
         self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._post_handles: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # Our forward hook, put last in a module's own hooks for the call's duration only (nothing of
+        # ours stays on a user's module between calls: TorchScript, pickling and copies inspect them).
+        self._end_hook, self._end_hook_id = _PostHook(self), new_hook_id()
         # Calls in flight, one entry in each list: the module, its record (None: not recorded), whether its
-        # inside is compiled. Parallel lists, not a tuple per call: no object more alive through the call.
+        # inside is compiled, whether an outer call of the same module removes our forward hook at its
+        # end. Parallel lists, not a tuple per call: no object more alive through the call.
         self._calls: list[torch.nn.Module] = []
         self._call_records: list[Record | None] = []
         self._call_compiled: list[bool] = []
+        self._call_nested: list[bool] = []
         self._wrapped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module.compile()'d
         self._pre_handle = None
         self._early_post_handle = None
@@ -146,12 +229,12 @@ class ModuleTracker:
     def remove(self) -> None:
         self._remove_global_hooks()
         self._suspended = False
-        for handle in list(self._post_handles.values()):
-            handle.remove()
-        self._post_handles.clear()
+        for module in self._calls:
+            remove_forward_hook(module, self._end_hook_id)
         self._calls.clear()
         self._call_records.clear()
         self._call_compiled.clear()
+        self._call_nested.clear()
         for module, wrapper in list(self._wrapped.items()):
             if compiled_call(module) is wrapper:
                 set_compiled_call(module, wrapper.call)
@@ -159,7 +242,8 @@ class ModuleTracker:
 
     def state_sizes(self) -> dict[str, int]:
         """How many entries each piece of per-run state holds, by name (for leak checks)."""
-        return {"named modules": len(self._names), "module hooks": len(self._post_handles),
+        hooked = {id(module) for module in self._calls if self._end_hook_id in module._forward_hooks}
+        return {"named modules": len(self._names), "module hooks": len(hooked),
                 "calls in flight": len(self._calls), "compiled calls wrapped": len(self._wrapped)}
 
     def known_fqn(self, module: torch.nn.Module) -> str | None:
@@ -205,18 +289,32 @@ class ModuleTracker:
             if self._call_compiled and self._call_compiled[-1]:
                 return  # inside a compiled call (a graph break runs this module eagerly): no span
             original = compiled_original(module)
-            handle = self._post_handles.get(module)
-            if handle is None:
-                handle = module.register_forward_hook(_PostHook(self), always_call=True)
-                self._post_handles[module] = handle
-            else:
-                keep_forward_hook_last(module, handle)  # hooks added after ours must run inside the span
-            self._begin(module, args, original)
+            # Last, so the module's own forward hooks (tensor parallel's output all_reduce) are inside the span.
+            nested = add_forward_hook_last(module, self._end_hook_id, self._end_hook) and self._in_flight(module)
+            self._begin(module, args, original, nested)
         except Exception as error:
             recorder.hook_failed("module forward pre-hook", error)
 
-    def _begin(self, module: torch.nn.Module, args: tuple, original: torch.nn.Module | None) -> None:
-        """A call begins; ``original``: the module whose compiled code runs inside it, else None."""
+    def _grad_tensors(self, value: Any, outputs: bool = False) -> list:
+        """:func:`_grad_tensors`; what it finds past its bounds is not hooked: counted and logged once.
+
+        Inputs (``outputs`` false) are not searched in other objects: one passed along holds tensors
+        that are not the call's inputs (a Hugging Face ``DynamicCache`` holds every earlier layer's
+        keys and values), and the call's backward would end only with their gradients.
+        """
+        try:
+            return _grad_tensors(value, [], outputs)
+        except _TooLarge as cut:
+            self._recorder.hook_failed("module inputs or outputs walk", cut)
+            return cut.found
+
+    def _in_flight(self, module: torch.nn.Module) -> bool:
+        return any(call is module for call in self._calls)  # identity: a module's own __eq__ is not ours to run
+
+    def _begin(self, module: torch.nn.Module, args: tuple, original: torch.nn.Module | None,
+               nested: bool = True) -> None:
+        """A call begins; ``original``: the module whose compiled code runs inside it, else None;
+        ``nested``: our forward hook on the module stays at the call's end (an outer call of it, or none)."""
         recorder = self._recorder
         name = self._names.get(module)
         if name is None:
@@ -226,11 +324,12 @@ class ModuleTracker:
         self._calls.append(module)
         self._call_records.append(record)
         self._call_compiled.append(compiled)
+        self._call_nested.append(nested)
         if record is None:
             if len(self._calls) == 1:
                 self._suspend_inside(module)
         elif torch.is_grad_enabled() and record.pass_ in _HOOKED_PASSES:
-            grads = _grad_tensors(args, [])
+            grads = self._grad_tensors(args)
             if grads:
                 record.input_edges = _edges(grads)
             inputs = _hooked_inputs(grads)
@@ -264,7 +363,11 @@ class ModuleTracker:
         if end is None or end.record is not record:
             end = record.end_hook = _BackwardEnd(self._recorder, record)
         # One input (the common case): its own hook is "all" grads, at a third of the cost.
-        handle = inputs[0].register_hook(end) if len(inputs) == 1 else register_multi_grad_hook(inputs, end)
+        if len(inputs) == 1:
+            handle = inputs[0].register_hook(end)
+        else:
+            handle = register_multi_grad_hook(inputs, end)
+            mark_unserializable(handle)
         self._recorder.keep_hook(handle)
 
     def _add_keyword_inputs(self, module: torch.nn.Module, record: Record, kwargs: dict) -> None:
@@ -278,7 +381,7 @@ class ModuleTracker:
         ``PrepareModuleInput``: their backward, the unit's reduce-scatter, belongs inside
         the span): then the backward ends at the end of the pass, as before.
         """
-        grads = _grad_tensors(kwargs, [])
+        grads = self._grad_tensors(kwargs)
         if not grads:
             return
         before = record.input_edges
@@ -287,7 +390,7 @@ class ModuleTracker:
         if not keywords or not torch.is_grad_enabled() or rewrites_keyword_inputs(module):
             return
         hooked = record.input_hooked
-        inputs = _hooked_inputs(_grad_tensors(record.call_args, [])) if hooked else []
+        inputs = _hooked_inputs(self._grad_tensors(record.call_args)) if hooked else []
         if any(_edge(t) not in before for t in inputs):
             return
         if hooked:
@@ -297,17 +400,11 @@ class ModuleTracker:
     def _suspend_inside(self, outermost: torch.nn.Module) -> None:
         """Nothing is recorded inside ``outermost``'s call: no hook of ours runs there.
 
-        Its own forward hook (registered above, ``always_call``) brings the global
-        hooks back; the other modules' forward hooks go (the next recorded call
-        registers them again).
+        Its own forward hook (added by the pre-hook, ``always_call``) brings the global
+        hooks back.
         """
         self._remove_global_hooks()
         self._suspended = True
-        if len(self._post_handles) > 1:
-            for module, handle in list(self._post_handles.items()):
-                if module is not outermost:
-                    handle.remove()
-                    del self._post_handles[module]
 
     def _early_post_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """Global forward hooks run before the module's own: hook the raw outputs first.
@@ -342,7 +439,7 @@ class ModuleTracker:
         # edge: Identity, Dropout(p=0) or in eval, a gate returning x) gets its gradient
         # only when the inputs' gradients are ready: the module has no backward of its own.
         inputs = record.input_edges
-        outputs = [t for t in _grad_tensors(output, [])
+        outputs = [t for t in self._grad_tensors(output, outputs=True)
                    if id(t) not in record.hooked_outputs and _edge(t) not in inputs]
         if outputs:
             if record.hooked_outputs:
@@ -368,21 +465,25 @@ class ModuleTracker:
         """A call ended; ``in_place_compiled``: the module's own hooks ran inside its compiled call."""
         recorder = self._recorder
         if not recorder.active or not self._calls:
+            remove_forward_hook(module, self._end_hook_id)  # no call of ours in flight: nothing to end
             return
         try:
             if not recorder.tracks_thread(claim=False):
-                return
-            calls, records, compiled = self._calls, self._call_records, self._call_compiled
+                return  # another thread's call: the training thread's call of the module keeps our hook
+            calls, records, compiled, nested = self._calls, self._call_records, self._call_compiled, self._call_nested
             if compiled[-1] and calls[-1] is not module:
                 return  # a module inside a compiled call
             while True:
                 entry_module, record = calls.pop(), records.pop()
                 compiled.pop()
+                if not nested.pop():
+                    remove_forward_hook(entry_module, self._end_hook_id)
                 if record is not None:
                     record.call_args = None  # the inputs are not kept past the call
                 if entry_module is module or not calls:
                     break  # else: a call whose hook never came back
             if entry_module is not module:
+                remove_forward_hook(module, self._end_hook_id)  # a call whose pre-hook failed
                 return
             if self._suspended and not calls:
                 self._add_global_hooks()
@@ -405,18 +506,13 @@ def _compiled() -> bool:
     return is_compiling() or in_compiled_autograd()
 
 
-def _inert_hook(*_args: Any) -> None:
-    """What a copy or an unpickled module gets in place of our forward hook: nothing (ours is added anew)."""
-    return None
-
-
-def _inert() -> Any:
-    return _inert_hook
-
-
 class _PostHook:
-    """Our per-module forward hook. A module holds it in ``_forward_hooks``, so ``copy.deepcopy(model)``
-    (an EMA copy) and ``torch.save(model)`` meet it: they get :func:`_inert_hook`, not the tracer."""
+    """Our forward hook, in a module's ``_forward_hooks`` only while the module's call runs.
+
+    A module copied or pickled from inside its own call (its forward, a hook) holds it: the copy
+    gets a no-op of Python's own (``Exception().__init__``, which takes any arguments and returns
+    None), so nothing of ours is pickled and the copy loads where this package is not installed.
+    """
 
     __slots__ = ("tracker",)
 
@@ -427,10 +523,10 @@ class _PostHook:
         self.tracker._post_hook(module, args, output)
 
     def __deepcopy__(self, memo: dict) -> Any:
-        return _inert_hook
+        return Exception().__init__
 
     def __reduce__(self) -> Any:
-        return _inert, ()  # unpickled, it is _inert_hook
+        return getattr, (Exception(), "__init__")
 
 
 class _CompiledCall:
@@ -476,6 +572,7 @@ class _BackwardEnd:
     """A tensor (or multi-grad) hook on a call's inputs: the gradients w.r.t. them are computed."""
 
     __slots__ = ("record", "recorder")
+    __torch_unserializable__ = True  # pickling a tensor that holds it warns of nothing (torch's unserializable_hook)
 
     def __init__(self, recorder: Recorder, record: Record) -> None:
         self.recorder, self.record = recorder, record

@@ -1,4 +1,7 @@
-"""Small models with known module trees for exact span assertions."""
+"""Small models with known module trees for exact span assertions (torch only: tests/test_user_objects.py
+loads pickles of them where commdebug_otel cannot be imported)."""
+
+import pickle
 
 import torch
 from torch import nn
@@ -69,3 +72,49 @@ class AllReduceInBackward(torch.autograd.Function):
         grad = grad.clone()
         torch.distributed.all_reduce(grad)
         return grad
+
+
+class SavesItself(nn.Module):
+    """Pickles itself into ``into`` from inside its own call."""
+
+    def __init__(self, into):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.into = into
+
+    def forward(self, x):
+        out = self.lin(x)
+        self.into.append(pickle.dumps(self))
+        return out
+
+
+class Position(nn.Module):
+    """Returns its parameter: a leaf output, which holds our backward-begin hook through the step."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.ones(2, 4))
+
+    def forward(self):
+        return self.table
+
+
+class TwoInputs(nn.Module):
+    def forward(self, a, b):
+        return a * b
+
+
+class Hooked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.position = Position()
+        self.first = nn.Linear(4, 4)
+        self.second = nn.Linear(4, 4)
+        self.mix = TwoInputs()
+
+    def forward(self, x, keep=None):
+        h = self.first(x + self.position())
+        g = self.second(h)
+        if keep is not None:
+            keep += [h, g]  # inputs of mix (a multi-grad hook), outputs of first and second
+        return self.mix(h, g)
