@@ -316,3 +316,27 @@ def unbox_process_group(group: Any) -> Any:
     if isinstance(group, torch.ScriptObject):
         return torch.distributed.ProcessGroup.unbox(group)
     return group
+
+
+# ------------------------------------------------------------------ device meshes
+def device_mesh_class() -> type:
+    """``torch.distributed.device_mesh.DeviceMesh``; raises where torch.distributed lacks it."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh
+
+
+def mesh_dim_groups(mesh: Any) -> list[tuple[str, str]]:
+    """``(dimension name, process group name)`` of each dimension of ``mesh`` that has a group.
+
+    ``DeviceMesh._dim_group_names`` is parallel to its dimensions (set after ``__init__`` by
+    ``from_group``, slicing and unflattening; absent without a backend); a mesh without
+    ``mesh_dim_names`` names them ``dim_0``, ``dim_1``, ... as the ``group_desc`` of the groups it
+    makes does (``mesh_dim_0``).
+    """
+    groups = getattr(mesh, "_dim_group_names", None)
+    if not groups:
+        return []
+    names = getattr(mesh, "_mesh_dim_names", None) or tuple(f"dim_{index}" for index in range(len(groups)))
+    return [(str(name), str(group)) for name, group in zip(names, groups)]
+

@@ -75,6 +75,8 @@ PROCESS_GROUP_NAME = "torch.process_group.name"
 PROCESS_GROUP_SIZE = "torch.process_group.size"
 DEVICE_MESH = "torch.device_mesh"
 DEVICE_MESH_DIM_NAME = "torch.device_mesh.dim_name"
+# Between the names of a process group that serves several mesh dimensions, in the order the meshes were made.
+DEVICE_MESH_DIM_NAME_SEPARATOR = ","
 DEVICE_MESH_SHAPE = "torch.device_mesh.shape"
 DEVICE_MESH_DIM_NAMES = "torch.device_mesh.dim_names"
 DTENSOR_OP = "torch.dtensor.op"

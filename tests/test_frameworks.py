@@ -1,0 +1,97 @@
+"""The patterns the frameworks use: FSDP2 on a 1-D mesh (a mesh dimension that is the default group), loss
+parallel (collectives DTensor's custom op handlers issue), and work after ``optimizer.step()`` (torchtitan's
+loss logging, DeepSpeed ZeRO's parameter all-gather), on real 2-rank gloo jobs."""
+
+import collections
+
+import torch
+from torch import nn
+
+from commdebug_otel import semconv
+
+from distributed import run_ranks
+
+
+def _tracer(telemetry, **settings):
+    from commdebug_otel import CommTracer, Settings
+
+    return CommTracer(Settings(**settings), tracer_provider=telemetry.tracer_provider,
+                      meter_provider=telemetry.meter_provider)
+
+
+def _collective_events(telemetry):
+    return [(span, event) for span in telemetry.spans() for event in span.events
+            if semconv.COLLECTIVE_OP in event.attributes]
+
+
+def _operations(telemetry):
+    """``{(op, dim name or None): count}`` from the operations counter."""
+    counts = collections.Counter()
+    for labels, value in telemetry.metric_points(semconv.METRIC_OPERATIONS):
+        counts[labels[semconv.COLLECTIVE_OP], labels.get(semconv.DEVICE_MESH_DIM_NAME)] += value
+    return dict(counts)
+
+
+# ------------------------------------------------------------------ 1. mesh dimensions
+def _fsdp2_on_a_1d_mesh(rank, world_size):
+    """Two steps of FSDP2 over ``init_device_mesh("cpu", (2,), ("dp_shard",))``, made before the tracer."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from commdebug_otel.testing import InMemoryTelemetry
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.0), nn.ReLU(), nn.Linear(16, 8))
+    for layer in (model[0], model[3]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    telemetry = InMemoryTelemetry()
+    with _tracer(telemetry):
+        for _ in range(2):
+            model(torch.randn(4, 8)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    events = collections.Counter((event.name, event.attributes.get(semconv.DEVICE_MESH_DIM_NAME))
+                                 for _, event in _collective_events(telemetry))
+    return dict(events), _operations(telemetry)
+
+
+def test_fsdp2_collectives_on_a_1d_mesh_name_its_dimension():
+    # Per step: each of the two units all-gathers in forward and again in backward (resharded after
+    # forward), and reduce-scatters its gradients once.
+    expected = {("all_gather", "dp_shard"): 8, ("reduce_scatter", "dp_shard"): 4}
+    assert run_ranks(_fsdp2_on_a_1d_mesh, 2) == [(expected, expected)] * 2
+
+
+def _two_meshes_one_group(rank, world_size):
+    """A (1, 2) mesh made while the tracer runs: "dp" is a one-rank group, "tp" the default group, and the
+    flattened "dp_tp" the default group again; a barrier before the mesh exists has no dimension."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from commdebug_otel.testing import InMemoryTelemetry
+
+    telemetry = InMemoryTelemetry()
+    with _tracer(telemetry):
+        dist.barrier()
+        mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp"))
+        mesh["dp", "tp"]._flatten("dp_tp")
+        tensor = torch.ones(4)
+        dist.all_reduce(tensor, group=mesh.get_group("tp"))
+        dist.all_reduce(tensor, group=mesh.get_group("dp"))
+        funcol.all_reduce(tensor, "sum", (mesh, 1)).wait()  # dimension 1: "tp"
+        dist.barrier()
+    events = [(event.name, event.attributes.get(semconv.DEVICE_MESH_DIM_NAME))
+              for _, event in _collective_events(telemetry)]
+    return events, _operations(telemetry)
+
+
+def test_a_group_serving_several_mesh_dimensions_names_them_all():
+    both = "tp,dp_tp"
+    events = [("barrier", None), ("all_reduce", both), ("all_reduce", "dp"), ("all_reduce", both),
+              ("barrier", both)]
+    operations = {("barrier", None): 1, ("all_reduce", both): 2, ("all_reduce", "dp"): 1, ("barrier", both): 1}
+    assert run_ranks(_two_meshes_one_group, 2) == [(events, operations)] * 2
