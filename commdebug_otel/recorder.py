@@ -46,6 +46,7 @@ from .collectives import (
     CompiledWhys,
     Why,
     _set_peer,
+    dispatched_op_why,
     event_attributes,
     peer_when_received,
 )
@@ -810,13 +811,15 @@ class Recorder:
         if not step.traced or owner is None:
             return
         why = None
-        if spec.functional or self.why.cause in C10D_CAUSES:
-            try:
+        try:
+            if spec.functional or self.why.cause in C10D_CAUSES:
                 why = self.why.attributes()
-                if why is None and owner.compiled:  # compiled code: DTensor ran when it was traced
-                    why = self._compiled_whys.lookup(collective)
-            except Exception as error:  # the event goes without its "why"
-                self.hook_failed("DTensor redistribution facts", error)
+            if why is None:  # a DTensor op that issues collectives itself (loss_parallel's handlers)
+                why = dispatched_op_why()
+            if why is None and owner.compiled:  # compiled code: DTensor ran when it was traced
+                why = self._compiled_whys.lookup(collective)
+        except Exception as error:  # the event goes without its "why"
+            self.hook_failed("DTensor redistribution facts", error)
         attrs = event_attributes(collective, why)
         peer_when_received(collective, attrs, self.hook_failed, self._awaiting_source)
         self._add_event(owner, spec.op, attrs, now)

@@ -95,3 +95,47 @@ def test_a_group_serving_several_mesh_dimensions_names_them_all():
               ("barrier", both)]
     operations = {("barrier", None): 1, ("all_reduce", both): 2, ("all_reduce", "dp"): 1, ("barrier", both): 1}
     assert run_ranks(_two_meshes_one_group, 2) == [(events, operations)] * 2
+
+
+# ------------------------------------------------------------------ 2. loss parallel
+_WHY = (semconv.DTENSOR_CAUSE, semconv.DTENSOR_OP, semconv.DTENSOR_INPUT_PLACEMENTS,
+        semconv.DEVICE_MESH_SHAPE, semconv.DEVICE_MESH_DIM_NAMES, semconv.DTENSOR_SOURCE_PLACEMENTS)
+
+
+def _loss_parallel_step(rank, world_size):
+    """One step of a tensor-parallel head whose Shard(-1) logits go to ``F.cross_entropy`` in ``loss_parallel()``."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
+
+    from commdebug_otel.testing import InMemoryTelemetry
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 12))
+    parallelize_module(model, mesh, {"2": ColwiseParallel(use_local_output=False)})  # logits: Shard(-1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    inputs, target = torch.randn(4, 8), torch.tensor([0, 5, 7, 11])
+    telemetry = InMemoryTelemetry()
+    with _tracer(telemetry):
+        with loss_parallel():
+            loss = F.cross_entropy(model(inputs), target)
+            loss.backward()
+        optimizer.step()
+    return [(span.name, event.name, tuple(event.attributes.get(key) for key in _WHY))
+            for span, event in _collective_events(telemetry)]
+
+
+def test_loss_parallel_all_reduces_name_the_loss_op():
+    shard, replicate, mesh = "(Shard(dim=1),)", "(Replicate(),)", ((2,), ("tp",))
+    log_softmax, nll = "aten._log_softmax.default", "aten.nll_loss_forward.default"
+    expected = [
+        # _log_softmax's max and sum of exponentials over the class shards, then nll_loss's masked gather.
+        ("train_step", "all_reduce", (log_softmax, log_softmax, (shard,), *mesh, None)),
+        ("train_step", "all_reduce", (log_softmax, log_softmax, (shard,), *mesh, None)),
+        ("train_step", "all_reduce", (nll, nll, (shard, replicate), *mesh, None)),
+        # ColwiseParallel's input gradient: from_local's backward (a redistribution, as before).
+        ("Sequential.2 backward", "all_reduce",
+         ("from_local", None, None, *mesh, "(Partial(sum),)")),
+    ]
+    assert run_ranks(_loss_parallel_step, 2) == [expected, expected]
