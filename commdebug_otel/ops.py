@@ -15,8 +15,11 @@ No tensor value is ever read: only ``shape``, ``dtype``, ``numel`` and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
+import itertools
 import logging
+import operator
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -424,7 +427,8 @@ class MeshDimensions:
     the default group (``group_desc`` ``default_pg``), and flattened or sliced dimensions and
     ``DeviceMesh.from_group`` reuse groups made before. So the meshes themselves are asked: each
     ``DeviceMesh`` made while a tracer runs is registered (:meth:`add`, from a wrapper of its
-    ``__init__``), and those made before are found once when the tracer starts (:meth:`scan`).
+    ``__init__``), and those made before are found once, at the first question after a tracer
+    started (:meth:`scan`).
     Meshes are held weakly. :attr:`version` changes when a mesh is added, so that cached group
     facts are made again.
     """
@@ -432,6 +436,7 @@ class MeshDimensions:
     def __init__(self) -> None:
         self._meshes: list[weakref.ref] = []
         self._seen: set[int] = set()  # id() of registered meshes that are alive
+        self._scan_pending = False
         self.version = 0
 
     def add(self, mesh: Any) -> None:
@@ -444,21 +449,28 @@ class MeshDimensions:
         self.version += 1
 
     def scan(self) -> None:
-        """Register every ``DeviceMesh`` alive now (one pass over the collector's objects).
+        """Register every ``DeviceMesh`` alive, at the next :meth:`dim_names` (the first collective's group):
+        one pass over the collector's objects, about 0.1 s in a process that has just imported torch on a
+        busy 2-core machine, which a tracer's start need not wait for (nor a job that issues no collective)."""
+        self._scan_pending = True
 
-        ``type() is``, not ``isinstance``: ``DeviceMesh``'s metaclass answers ``isinstance`` in Python.
-        """
+    def _scan(self) -> None:
+        """``type() is``, not ``isinstance``: ``DeviceMesh``'s metaclass answers ``isinstance`` in Python; the
+        filter runs in C (a loop in Python took 0.17 s over the 165,000 objects)."""
+        self._scan_pending = False
         try:
             kind = device_mesh_class()
         except Exception:  # torch without torch.distributed: no meshes
             return
-        for obj in gc.get_objects():
-            if type(obj) is kind:
-                self.add(obj)
+        objects = gc.get_objects()
+        for mesh in itertools.compress(objects, map(functools.partial(operator.is_, kind), map(type, objects))):
+            self.add(mesh)
 
     def dim_names(self, group_name: str) -> list[str]:
         """The names of the mesh dimensions whose process group is ``group_name``, in the order the meshes
         were made, each once."""
+        if self._scan_pending:
+            self._scan()
         names: list[str] = []
         for ref in list(self._meshes):
             mesh = ref()
