@@ -8,6 +8,9 @@ and a test checks that every constant here appears there.
 # Span names. Module spans are named "{fqn} {pass}".
 SPAN_TRAIN_STEP = "train_step"
 SPAN_OUTSIDE_STEP = "outside_step"
+# Work of a training iteration after its optimizer step (logging all-reduces, ZeRO's parameter all-gather):
+# a child of that step's train_step, in its trace, until the next step begins.
+SPAN_TRAIN_STEP_TAIL = "train_step_tail"
 
 # Span attributes.
 STEP = "torch.step"

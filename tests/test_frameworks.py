@@ -139,3 +139,63 @@ def test_loss_parallel_all_reduces_name_the_loss_op():
          ("from_local", None, None, *mesh, "(Partial(sum),)")),
     ]
     assert run_ranks(_loss_parallel_step, 2) == [expected, expected]
+
+
+# ------------------------------------------------------------------ 3. the tail of a step
+def _logging_after_the_step(rank, world_size):
+    """torchtitan's pattern: set-up broadcasts, then per step forward, backward, optimizer.step() and a loss
+    all_reduce for logging."""
+    import torch.distributed as dist
+
+    from commdebug_otel.testing import InMemoryTelemetry
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    telemetry = InMemoryTelemetry()
+    with _tracer(telemetry):
+        for parameter in model.parameters():  # set-up: the same weights on every rank
+            dist.broadcast(parameter.data, src=0)
+        for _ in range(3):
+            optimizer.zero_grad()
+            loss = model(torch.randn(2, 4)).sum()
+            loss.backward()
+            optimizer.step()
+            logged = loss.detach().clone()
+            dist.all_reduce(logged)
+    spans = telemetry.spans()
+    by_id = {span.context.span_id: span for span in spans}
+    rows = []
+    for span in spans:
+        if span.name in (semconv.SPAN_TRAIN_STEP, semconv.SPAN_TRAIN_STEP_TAIL, semconv.SPAN_OUTSIDE_STEP):
+            parent = by_id.get(span.parent.span_id) if span.parent is not None else None
+            rows.append((span.name, span.attributes.get(semconv.STEP), f"{span.context.trace_id:032x}",
+                         parent.name if parent is not None else None,
+                         parent.attributes.get(semconv.STEP) if parent is not None else None,
+                         [event.name for event in span.events]))
+    events = len(_collective_events(telemetry))
+    counted = sum(value for value in _operations(telemetry).values())
+    return rows, events, counted
+
+
+def test_work_after_optimizer_step_is_the_tail_of_that_step():
+    ranks = run_ranks(_logging_after_the_step, 2)
+    for rows, events, counted in ranks:
+        assert (events, counted) == (5, 5)  # metric totals equal event totals
+        shapes = sorted((name, step, parent, parent_step, names) for name, step, _, parent, parent_step, names in rows)
+        assert shapes == [
+            ("outside_step", None, None, None, ["broadcast", "broadcast"]),
+            ("train_step", 0, None, None, []),
+            ("train_step", 1, None, None, []),
+            ("train_step", 2, None, None, []),
+            ("train_step_tail", 0, "train_step", 0, ["all_reduce"]),
+            ("train_step_tail", 1, "train_step", 1, ["all_reduce"]),
+            ("train_step_tail", 2, "train_step", 2, ["all_reduce"]),
+        ]
+        traces = {(name, step): trace for name, step, trace, *_ in rows}
+        for step in range(3):
+            assert traces["train_step_tail", step] == traces["train_step", step]
+        assert len({traces["outside_step", None], *(traces["train_step", step] for step in range(3))}) == 4
+    # The same trace ids on every rank (trace scope job).
+    views = [sorted(row[:3] for row in rows) for rows, *_ in ranks]
+    assert views[0] == views[1]
