@@ -199,3 +199,29 @@ def test_work_after_optimizer_step_is_the_tail_of_that_step():
     # The same trace ids on every rank (trace scope job).
     views = [sorted(row[:3] for row in rows) for rows, *_ in ranks]
     assert views[0] == views[1]
+
+
+def _other_dtensor_handlers(rank, world_size):
+    """argmax over a sharded dimension (its handler all-gathers values and indices) and torch.equal (the dispatcher's
+    Python tail all-reduces the local answers), traced outside any step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from commdebug_otel.testing import InMemoryTelemetry
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    tensor = distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])
+    telemetry = InMemoryTelemetry()
+    with _tracer(telemetry):
+        index = tensor.argmax().full_tensor()
+        same = torch.equal(tensor, tensor)
+    return int(index), same, [(event.name, tuple(event.attributes.get(key) for key in _WHY[:3]))
+                              for _, event in _collective_events(telemetry)]
+
+
+def test_other_dtensor_handlers_name_their_op():
+    shard = ("(Shard(dim=0),)",)
+    argmax, equal = "aten.argmax.default", "aten.equal.default"
+    expected = [("all_gather", (argmax, argmax, shard)), ("all_gather", (argmax, argmax, shard)),
+                ("all_reduce", (equal, equal, shard * 2))]
+    assert run_ranks(_other_dtensor_handlers, 2) == [(7, True, expected)] * 2
