@@ -43,7 +43,13 @@ The "why" of a collective comes from DTensor's own redistribution steps:
   when ``parallelize_module`` shards parameters, and, for a ``distribute_tensor`` held
   since before the tracer started, the placements' own makers it calls per mesh
   dimension): its c10d scatter or broadcast from the source rank names it, with the
-  target placements and the mesh (the source is a plain tensor: placements ``()``).
+  target placements and the mesh (the source is a plain tensor: placements ``()``);
+* an op whose DTensor code issues collectives itself, not by redistributing (its custom
+  handler: ``loss_parallel()``'s log_softmax and nll_loss, convolution, argmin/argmax; the
+  dispatcher's Python tail for ``aten.equal``): DTensor's dispatch is C++ and reads its
+  handlers' dict on each call, so nothing is wrapped; the recorder finds the op on the
+  issuing thread's stack, for a traced collective that has no other "why"
+  (``collectives.dispatched_op_why``).
 
 DTensor redistributes about 30 times per step of the demo transformer under
 tensor parallel, so the wrappers are in place only while some subscriber may

@@ -856,10 +856,10 @@ class Recorder:
         try:
             if spec.functional or self.why.cause in C10D_CAUSES:
                 why = self.why.attributes()
+                if why is None and owner.compiled:  # compiled code: DTensor ran when it was traced
+                    why = self._compiled_whys.lookup(collective)
             if why is None:  # a DTensor op that issues collectives itself (loss_parallel's handlers)
                 why = dispatched_op_why()
-            if why is None and owner.compiled:  # compiled code: DTensor ran when it was traced
-                why = self._compiled_whys.lookup(collective)
         except Exception as error:  # the event goes without its "why"
             self.hook_failed("DTensor redistribution facts", error)
         attrs = event_attributes(collective, why)
