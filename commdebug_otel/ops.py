@@ -460,11 +460,11 @@ class MeshDimensions:
         self._scan_pending = False
         try:
             kind = device_mesh_class()
-        except Exception:  # torch without torch.distributed: no meshes
-            return
-        objects = gc.get_objects()
-        for mesh in itertools.compress(objects, map(functools.partial(operator.is_, kind), map(type, objects))):
-            self.add(mesh)
+            objects = gc.get_objects()
+            for mesh in itertools.compress(objects, map(functools.partial(operator.is_, kind), map(type, objects))):
+                self.add(mesh)
+        except Exception as error:  # torch without torch.distributed, a mesh not weakly referenceable
+            _logger.debug("commdebug-otel: device meshes made before the tracer not found: %s", error)
 
     def dim_names(self, group_name: str) -> list[str]:
         """The names of the mesh dimensions whose process group is ``group_name``, in the order the meshes
