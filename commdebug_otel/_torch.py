@@ -7,6 +7,7 @@ internals from here and nowhere else.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -357,3 +358,71 @@ def unbox_process_group(group: Any) -> Any:
     if isinstance(group, torch.ScriptObject):
         return torch.distributed.ProcessGroup.unbox(group)
     return group
+
+
+# ------------------------------------------------------------------ device meshes
+def device_mesh_class() -> type:
+    """``torch.distributed.device_mesh.DeviceMesh``; raises where torch.distributed lacks it."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh
+
+
+def mesh_dim_groups(mesh: Any) -> list[tuple[str, str]]:
+    """``(dimension name, process group name)`` of each dimension of ``mesh`` that has a group.
+
+    ``DeviceMesh._dim_group_names`` is parallel to its dimensions (set after ``__init__`` by
+    ``from_group``, slicing and unflattening; absent without a backend); a mesh without
+    ``mesh_dim_names`` names them ``dim_0``, ``dim_1``, ... as the ``group_desc`` of the groups it
+    makes does (``mesh_dim_0``).
+    """
+    groups = getattr(mesh, "_dim_group_names", None)
+    if not groups:
+        return []
+    names = getattr(mesh, "_mesh_dim_names", None) or tuple(f"dim_{index}" for index in range(len(groups)))
+    return [(str(name), str(group)) for name, group in zip(names, groups)]
+
+
+# ------------------------------------------------------------------ DTensor ops dispatched in Python
+# DTensor's dispatch runs in C++ (dispatchDTensorOp, torch/csrc/autograd/python_variable.cpp); it calls
+# back into Python with the op as the argument ``op_call``: an op's custom handler
+# (``OpDispatcher._custom_op_handlers``: loss_parallel's, convolution's, argmin/argmax's, context
+# parallel's attention, the AMP found-inf reduction), and the dispatcher's slow paths and tail
+# (``aten.equal``'s all_reduce). A collective issued inside such a call is that op's.
+_DTENSOR_DIR = os.path.join(os.path.dirname(torch.__file__), "distributed", "tensor", "")
+# id(code object) -> (code object, whether it is such a call: takes op_call, in DTensor). By id: a code object's
+# own hash is computed from its contents on every call; the object is held, so its id is not reused.
+_OP_CALL_CODES: dict[int, tuple[Any, bool]] = {}
+
+
+def dtensor_op_on_stack(max_frames: int = 24) -> tuple[Any, Any] | None:
+    """``(op, args)`` of the innermost DTensor op whose Python part this thread runs now, else None.
+
+    A handler issues its collectives a few calls down (``_nll_loss_forward_handler`` ->
+    ``_nll_loss_forward`` -> ``_MaskPartial._reduce_value`` -> ``funcol.all_reduce`` -> our kernel and
+    recorder: about 10 frames), so the walk stops after ``max_frames``: a collective issued from deep
+    Python code elsewhere (FSDP2's hooks) pays for those few frames only.
+
+    Looks at most ``max_frames`` frames up the calling thread's stack for a function of
+    ``torch/distributed/tensor/`` that takes ``op_call`` (an ``OpOverload``); ``args`` is its
+    ``args`` (the op's arguments, DTensors among them, as the handler holds them now) or ``()``.
+    """
+    frame = sys._getframe(1)
+    codes = _OP_CALL_CODES
+    while frame is not None and max_frames > 0:
+        code = frame.f_code
+        entry = codes.get(id(code))
+        if entry is None:
+            if len(codes) > 65536:  # code made at run time (exec, generated functions): never unbounded
+                codes.clear()
+            entry = codes[id(code)] = (code, code.co_filename.startswith(_DTENSOR_DIR)
+                                       and "op_call" in code.co_varnames[:code.co_argcount])
+        if entry[1]:
+            found = frame.f_locals
+            op = found.get("op_call")
+            if isinstance(op, torch._ops.OpOverload):
+                args = found.get("args")  # a handler may have made it a list (nll_loss's)
+                return op, tuple(args) if isinstance(args, (tuple, list)) else ()
+        frame = frame.f_back
+        max_frames -= 1
+    return None

@@ -336,6 +336,23 @@ class Why:
         return attrs
 
 
+def dispatched_op_why() -> dict[str, Any] | None:
+    """The "why" of a collective that a DTensor op issues itself rather than by redistributing its inputs:
+    the op whose Python part (a custom op handler such as ``loss_parallel``'s, or the dispatcher's own)
+    runs on this thread's stack (:func:`~commdebug_otel._torch.dtensor_op_on_stack`), with its input
+    placements and mesh; None when no such op runs."""
+    found = _torch.dtensor_op_on_stack()
+    if found is None:
+        return None
+    op, args = found
+    attrs: dict[str, Any] = {semconv.DTENSOR_OP: str(op), semconv.DTENSOR_CAUSE: str(op)}
+    facts = dtensor_facts(args)
+    for key in (semconv.DTENSOR_INPUT_PLACEMENTS, semconv.DEVICE_MESH_SHAPE, semconv.DEVICE_MESH_DIM_NAMES):
+        if key in facts:
+            attrs[key] = facts[key]
+    return attrs
+
+
 class CompiledWhys:
     """The "why" of collectives in compiled code, as seen when torch.compile traced them.
 
@@ -354,7 +371,7 @@ class CompiledWhys:
 
     def trace(self, spec: CollectiveSpec, group: GroupFacts, args: tuple, out: Any, why: Why) -> None:
         """A collective seen while a graph is traced, with the current why."""
-        attrs = why.attributes()
+        attrs = why.attributes() or dispatched_op_why()
         if attrs is None or len(self._by_key) >= self.MAX_KEYS:
             return
         key = self._key(spec, group, message(spec, args, out, group.size), _torch.in_backward())

@@ -311,7 +311,7 @@ OPTIONS: tuple[Option, ...] = (
            "Which ops become span events, as CommDebugMode's noise levels 0-3."),
     Option("trace_every", "TRACE_EVERY", _parse_step_period, 1, _parse_step_period.accepted,
            "Trace one optimizer step in N (step % N == 0), and the collectives between it and the "
-           "next step (`outside_step`); metrics cover every step. Untraced steps run without a "
+           "next step (its `train_step_tail`); metrics cover every step. Untraced steps run without a "
            "dispatch mode (docs/performance.md)."),
     Option("completion_every", "COMPLETION_EVERY", _parse_step_period, 10, _parse_step_period.accepted,
            "Time collectives on one step in N, on the steps TRACE_EVERY picks and between steps, on every rank: "
@@ -321,9 +321,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("ranks", "RANKS", _parse_ranks, None, "all, or a comma list of ranks like 0,3",
            "Ranks that export spans; metrics come from every rank."),
     Option("trace_scope", "TRACE_SCOPE", _parse_scope, TraceScope.JOB, "job or rank",
-           "job: step N of every rank shares one trace id, and so does each `outside_step` segment "
-           "(set-up, between steps), within a block of RANKS_PER_TRACE ranks; rank: one trace per rank "
-           "per step."),
+           "job: step N of every rank shares one trace id (its `train_step_tail` too), and so does the "
+           "`outside_step` set-up before the first step, within a block of RANKS_PER_TRACE ranks; rank: one "
+           "trace per rank per step."),
     Option("ranks_per_trace", "RANKS_PER_TRACE", _parse_ranks_per_trace, DEFAULT_RANKS_PER_TRACE,
            _parse_ranks_per_trace.accepted,
            "Trace scope job: a job of more ranks is cut into blocks of this many consecutive ranks, "

@@ -43,7 +43,13 @@ The "why" of a collective comes from DTensor's own redistribution steps:
   when ``parallelize_module`` shards parameters, and, for a ``distribute_tensor`` held
   since before the tracer started, the placements' own makers it calls per mesh
   dimension): its c10d scatter or broadcast from the source rank names it, with the
-  target placements and the mesh (the source is a plain tensor: placements ``()``).
+  target placements and the mesh (the source is a plain tensor: placements ``()``);
+* an op whose DTensor code issues collectives itself, not by redistributing (its custom
+  handler: ``loss_parallel()``'s log_softmax and nll_loss, convolution, argmin/argmax; the
+  dispatcher's Python tail for ``aten.equal``): DTensor's dispatch is C++ and reads its
+  handlers' dict on each call, so nothing is wrapped; the recorder finds the op on the
+  issuing thread's stack, for a traced collective that has no other "why"
+  (``collectives.dispatched_op_why``).
 
 DTensor redistributes about 30 times per step of the demo transformer under
 tensor parallel, so the wrappers are in place only while some subscriber may
@@ -65,7 +71,7 @@ import torch
 
 from . import _torch
 from .collectives import DISTRIBUTE_TENSOR, FULL_TENSOR
-from .ops import CollectiveSpec
+from .ops import MESHES, CollectiveSpec
 from .redact import describe
 
 _logger = logging.getLogger(__name__)
@@ -96,6 +102,7 @@ class CollectiveInterceptor:
         self._patches: list[_Patch] = []  # in place while some subscriber wants a "why"
         self._wanting_why: set[int] = set()  # ids of subscribers that may record a "why" now
         self._wait_patch: _Patch | None = None  # Work.wait timed, while someone is subscribed
+        self._mesh_patch: _Patch | None = None  # DeviceMesh.__init__ registers meshes, while someone is subscribed
 
     @property
     def names_dtensor_ops(self) -> bool:
@@ -107,6 +114,8 @@ class CollectiveInterceptor:
         with self._lock:
             if not self._libraries and not self._install():
                 return False
+            if not self._subscribers:
+                self._watch_meshes(True)
             if recorder not in self._subscribers:
                 self._subscribers = (*self._subscribers, recorder)
             self._want_why(recorder, True)
@@ -126,6 +135,8 @@ class CollectiveInterceptor:
             self._want_why(recorder, False)
             if self._wait_patch is not None and not self._subscribers:
                 self._wait_patch.apply(False)
+            if not self._subscribers:
+                self._watch_meshes(False)
 
     def want_why(self, recorder: Any, wanted: bool) -> None:
         """Whether ``recorder`` may record the DTensor op behind a collective now (a traced step, set-up)."""
@@ -154,6 +165,20 @@ class CollectiveInterceptor:
             self._uninstall()
             return False
         return True
+
+    def _watch_meshes(self, on: bool) -> None:
+        """Keep :data:`~commdebug_otel.ops.MESHES` up to date: the meshes alive now, and each one made
+        while ``on`` (``DeviceMesh.__init__`` wrapped), so that groups are named by their mesh dimensions."""
+        try:
+            if self._mesh_patch is None:
+                mesh_class = _torch.device_mesh_class()
+                self._mesh_patch = _Patch(mesh_class, "__init__", mesh_class.__dict__["__init__"],
+                                          _mesh_init_wrapper(mesh_class.__dict__["__init__"]))
+            if on:
+                MESHES.scan()
+            self._mesh_patch.apply(on)
+        except Exception as error:  # another torch: groups are named by their group_desc alone
+            _logger.debug("commdebug-otel: device meshes not watched: %s", describe(error))
 
     def _register(self, libraries: dict[str, torch.library.Library], overload: Any, kernel: Any) -> None:
         """Register ``kernel`` for ``overload`` at ``BackendSelect``, in its namespace's one library."""
@@ -321,11 +346,11 @@ class CollectiveInterceptor:
         return full_tensor
 
     def _uninstall(self) -> None:
-        for patch in (*self._patches, self._wait_patch):
+        for patch in (*self._patches, self._wait_patch, self._mesh_patch):
             if patch is not None:
                 patch.apply(False)
         self._patches = []
-        self._wait_patch = None
+        self._wait_patch = self._mesh_patch = None
         self._original_redistribute = None
         libraries, self._libraries = self._libraries, []
         for library in libraries:
@@ -383,6 +408,20 @@ def interceptor(registry: dict[Any, CollectiveSpec]) -> CollectiveInterceptor:
         if _interceptor is None:
             _interceptor = CollectiveInterceptor(registry)
         return _interceptor
+
+
+def _mesh_init_wrapper(init: Any) -> Any:
+    """``DeviceMesh.__init__`` that registers the new mesh in :data:`~commdebug_otel.ops.MESHES`."""
+
+    @functools.wraps(init)
+    def __init__(mesh: Any, *args: Any, **kwargs: Any) -> None:
+        init(mesh, *args, **kwargs)
+        try:
+            MESHES.add(mesh)
+        except Exception as error:  # never into the training script
+            _logger.debug("commdebug-otel: a device mesh not registered: %s", describe(error))
+
+    return __init__
 
 
 def _call_within(scopes: list, function: Any, *args: Any, **kwargs: Any) -> Any:

@@ -246,7 +246,7 @@ class CollectiveMetrics:
 
     def _labels_of(self, op: str, pass_: str, group: GroupFacts, rank: int, fqn: str) -> dict[str, Any]:
         module = self._module_label(fqn) if self._module_depth and fqn else ""
-        key = (op, pass_, group.name, rank, module)
+        key = (op, pass_, group.name, group.dim_name, rank, module)  # a mesh made later names the group
         labels = self._labels.get(key)
         if labels is None:
             labels = self._labels[key] = {  # names from the script made valid Unicode: OTLP strings are UTF-8

@@ -58,14 +58,17 @@ class SpanSink(Protocol):
         ``on_op`` or ``on_first_call``; metrics go on).
         """
 
-    def emit(self, roots: list[Record], children: dict[int, list[Record]], trace_id: int | None) -> None:
+    def emit(self, roots: list[Record], children: dict[int, list[Record]], trace_id: int | None,
+             parent_span_id: int = 0) -> None:
         """Turn one finished step into spans, each with its record's own timestamps.
 
         Args:
-            roots: the root records (``train_step``, ``outside_step``, or the
+            roots: the root records (``train_step``, ``outside_step``, ``train_step_tail``, or the
                 top-level forwards of an inference step).
             children: ``children[id(record)]`` is the records under ``record``, in start order.
             trace_id: the step's 128-bit trace id, or None for a random one.
+            parent_span_id: the 64-bit span id of an exported span whose children the roots are (a
+                ``train_step_tail``'s ``train_step``), with ``trace_id``; passed only when not 0.
         """
 
 

@@ -16,8 +16,11 @@ Ownership rules (DESIGN.md):
   (CommDebugMode's rule, which keeps a ColwiseParallel input-gradient
   all_reduce with that layer and books FSDP2's post-backward reduce-scatter
   to the FSDP unit);
-* otherwise the step's ``train_step`` span, or an ``outside_step`` root span
-  when no step is open (model set-up, evaluation between steps).
+* otherwise the step's ``train_step`` span; when no step is open, the
+  ``train_step_tail`` of the training step that closed last (work of its
+  iteration after ``optimizer.step()``: logging, ZeRO's parameter all-gather,
+  evaluation), or, before the first step, an ``outside_step`` root span
+  (model set-up).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from .collectives import (
     CompiledWhys,
     Why,
     _set_peer,
+    dispatched_op_why,
     event_attributes,
     peer_when_received,
 )
@@ -131,6 +135,9 @@ class Recorder:
         # Whether the step that closed last was traced: collectives between steps (a logging
         # all_reduce after optimizer.step()) follow it; set-up before the first step is traced.
         self._after_traced = True
+        # The training step that closed last, until the next one opens (its collectives meanwhile go
+        # to its train_step_tail): Recorder._tail_facts; None before the first step.
+        self._tail_of: tuple | None = None
         # Collectives are timed (issue time; c10d ones to completion, a backend-thread callback
         # each) on the steps trace_every picks and one in completion_every, and between steps.
         self._counter.timed = True
@@ -246,6 +253,8 @@ class Recorder:
         if self._outside is not None:
             self._close(self._outside, now)
             self._outside = None
+        if not inference:  # the next training step: the tail of the last one is over
+            self._tail_of = None
         # Inference/evaluation forwards are counted apart, so torch.step stays the optimizer step.
         index = self._next_inference if inference else self._next_step
         sampled = index % self.settings.trace_every == 0
@@ -291,10 +300,23 @@ class Recorder:
         return context
 
     def _outside_step(self, now: int) -> Step:
+        """The segment that holds collectives while no step is open: a ``train_step_tail`` of the
+        training step that closed last, in its trace and under its ``train_step``, or before the
+        first step an ``outside_step`` root."""
         if self._outside is None:
-            root = Record(SpanKind.OUTSIDE_STEP, semconv.SPAN_OUTSIDE_STEP, now)
-            traced = self._after_traced and self._traces_this_rank()
-            self._outside = Step(-1, traced, root, SpanKind.OUTSIDE_STEP)
+            tail = self._tail_of
+            if tail is None:
+                root = Record(SpanKind.OUTSIDE_STEP, semconv.SPAN_OUTSIDE_STEP, now)
+                traced = self._after_traced and self._traces_this_rank()
+                self._outside = Step(-1, traced, root, SpanKind.OUTSIDE_STEP)
+            else:
+                index, traced, trace_id, span_id, block = tail
+                root = Record(SpanKind.OUTSIDE_STEP, semconv.SPAN_TRAIN_STEP_TAIL, now)
+                root.attrs[semconv.STEP] = index
+                if block is not None:
+                    root.attrs[semconv.TRACE_BLOCK] = block
+                outside = self._outside = Step(index, traced, root, SpanKind.OUTSIDE_STEP)
+                outside.trace_id, outside.parent_span_id = trace_id, span_id
         return self._outside
 
     def optimizer_step_done(self) -> None:
@@ -323,12 +345,25 @@ class Recorder:
         self._after_traced = step.traced
         if inference or step.inference:
             step.kind = SpanKind.INFERENCE  # no train_step span: each top-level forward is a root
+        else:
+            self._tail_of = self._tail_facts(step)
         self._step_signals(step, now)
         self._close(step, now)
         self._want_why(step.traced)  # between steps as the step before (_outside_step)
         # Between steps, always: their few collectives (logging every k steps, checkpoints) would
         # otherwise never be timed where k is a multiple of completion_every.
         self._counter.timed = True
+
+    def _tail_facts(self, step: Step) -> tuple:
+        """``(index, traced, trace id, train_step span id, trace block)`` of a closing training step, for
+        its ``train_step_tail``: the ids are chosen now (a traced step's) so that the tail can join them."""
+        if step.traced:
+            if not step.trace_id:
+                step.trace_id = self._trace_id(step) or ids.trace_id()
+            if not step.root.span_id:
+                step.root.span_id = ids.span_id()
+        return (step.index, step.traced, step.trace_id, step.root.span_id,
+                step.root.attrs.get(semconv.TRACE_BLOCK))
 
     def _step_signals(self, step: Step, now: int) -> None:
         """Every step: its duration and collective wait (metrics); traced steps: the same on train_step."""
@@ -399,7 +434,7 @@ class Recorder:
             try:
                 # An untraced step that stalled: its train_step alone (its snapshots hold the rest).
                 roots, children = span_tree(step) if step.traced else ([step.root], {})
-                self._spans.emit(roots, children, step.trace_id or self._trace_id(step))
+                self._emit(roots, children, step.trace_id or self._trace_id(step), step)
             except Exception as error:
                 self.hook_failed("building spans", error)
         # Not while a stall snapshot copies them (the watchdog's thread): then they are not reused.
@@ -423,6 +458,14 @@ class Recorder:
             if reuse:
                 self._copying.release()
         step.records.clear()
+
+    def _emit(self, roots: list[Record], children: dict[int, list[Record]], trace_id: int | None,
+              step: Step) -> None:
+        """Hand ``step``'s span tree to the sink, under its parent span when it has one (a tail)."""
+        if step.parent_span_id:
+            self._spans.emit(roots, children, trace_id, parent_span_id=step.parent_span_id)
+        else:
+            self._spans.emit(roots, children, trace_id)
 
     def _step_full(self, step: Step, now: int, in_backward: bool) -> Step | None:
         """``step`` holds ``max_spans_per_step`` records: cut it, go on, or record no more of this pass.
@@ -809,13 +852,15 @@ class Recorder:
         if not step.traced or owner is None:
             return
         why = None
-        if spec.functional or self.why.cause in C10D_CAUSES:
-            try:
+        try:
+            if spec.functional or self.why.cause in C10D_CAUSES:
                 why = self.why.attributes()
                 if why is None and owner.compiled:  # compiled code: DTensor ran when it was traced
                     why = self._compiled_whys.lookup(collective)
-            except Exception as error:  # the event goes without its "why"
-                self.hook_failed("DTensor redistribution facts", error)
+            if why is None:  # a DTensor op that issues collectives itself (loss_parallel's handlers)
+                why = dispatched_op_why()
+        except Exception as error:  # the event goes without its "why"
+            self.hook_failed("DTensor redistribution facts", error)
         attrs = event_attributes(collective, why)
         peer_when_received(collective, attrs, self.hook_failed, self._awaiting_source)
         self._add_event(owner, spec.op, attrs, now)
@@ -887,7 +932,7 @@ class Recorder:
             roots, children, root = snapshot_tree(step, list(step.records), now, snapshot)
         root.attrs[semconv.STEP_STALLED] = snapshot
         children.setdefault(id(root), []).append(stalled)
-        self._spans.emit(roots, children, step.trace_id)
+        self._emit(roots, children, step.trace_id, step)
         return True
 
     # ------------------------------------------------------------------ ops

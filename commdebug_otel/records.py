@@ -27,7 +27,7 @@ class SpanKind(enum.Enum):
 
     MODULE = "module"  # a module's forward, backward or recompute pass
     STEP = "step"  # the ``train_step`` root
-    OUTSIDE_STEP = "outside_step"  # the root of collectives outside any step (set-up, evaluation)
+    OUTSIDE_STEP = "outside_step"  # the root of collectives outside any step (set-up), or a step's tail
     INFERENCE = "inference"  # a step without ``train_step``: each top-level forward is a root
 
 
@@ -143,6 +143,7 @@ class Step:
         "index",
         "inference",
         "kind",
+        "parent_span_id",
         "part",
         "quiet",
         "records",
@@ -162,6 +163,7 @@ class Step:
         self.backward_done = 0  # backward passes completed in this step
         self.had_module = False
         self.trace_id = 0  # known up front for traced steps when span ids can be pre-assigned
+        self.parent_span_id = 0  # a train_step_tail: the span id of its step's train_step (its root's parent)
         # Hooks removed when the step closes: tensor hooks as flat (hooks dict, key) pairs (no handle
         # object kept per hook, see Recorder.keep_hook), other handles (multi-grad hooks) as they are.
         self.tensor_hooks: list[Any] = []

@@ -8,6 +8,9 @@ and a test checks that every constant here appears there.
 # Span names. Module spans are named "{fqn} {pass}".
 SPAN_TRAIN_STEP = "train_step"
 SPAN_OUTSIDE_STEP = "outside_step"
+# Work of a training iteration after its optimizer step (logging all-reduces, ZeRO's parameter all-gather):
+# a child of that step's train_step, in its trace, until the next step begins.
+SPAN_TRAIN_STEP_TAIL = "train_step_tail"
 
 # Span attributes.
 STEP = "torch.step"
@@ -75,6 +78,8 @@ PROCESS_GROUP_NAME = "torch.process_group.name"
 PROCESS_GROUP_SIZE = "torch.process_group.size"
 DEVICE_MESH = "torch.device_mesh"
 DEVICE_MESH_DIM_NAME = "torch.device_mesh.dim_name"
+# Between the names of a process group that serves several mesh dimensions, in the order the meshes were made.
+DEVICE_MESH_DIM_NAME_SEPARATOR = ","
 DEVICE_MESH_SHAPE = "torch.device_mesh.shape"
 DEVICE_MESH_DIM_NAMES = "torch.device_mesh.dim_names"
 DTENSOR_OP = "torch.dtensor.op"

@@ -167,10 +167,12 @@ class SpanBuilder:
         """Whether spans skip the SDK's live ``Span`` (known after :meth:`start`)."""
         return self._direct is not None
 
-    def emit(self, roots: list, children: dict[int, list], trace_id: int | None) -> None:
+    def emit(self, roots: list, children: dict[int, list], trace_id: int | None, parent_span_id: int = 0) -> None:
         """Turn finished records (``recorder.Record``) into spans with their own timestamps.
 
         ``trace_id``: the roots' trace id (128-bit int), or None for a random one.
+        ``parent_span_id``: with a ``trace_id``, the span (64-bit int, exported earlier) that the
+        roots are children of (a ``train_step_tail`` under its ``train_step``); 0: they are roots.
         """
         setup = self._current()
         if setup.discards:
@@ -180,8 +182,10 @@ class SpanBuilder:
         # export thread, woken by the first full batch, would otherwise contend for the GIL meanwhile.
         finished: list[ReadableSpan] = []
         try:
+            parent = (SpanContext(trace_id, parent_span_id, is_remote=False,
+                                  trace_flags=TraceFlags(TraceFlags.SAMPLED)) if parent_span_id and trace_id else None)
             for root in roots:
-                self._start(tracer, root, None, None, trace_id, children, finished)
+                self._start(tracer, root, parent, None, trace_id, children, finished)
         finally:
             if finished:
                 self._direct.hand_over(finished)

@@ -101,8 +101,8 @@ class Progress:
         ``plain``: ``ops.plain_payload``'s answer when the caller has it.
         """
         tensor = plain if plain is not None else payload_tensor(spec, args, out)
-        if group.name not in self._dims:
-            self._dims[group.name] = group.dim_name or ""
+        if self._dims.get(group.name) is not group.dim_name:  # a mesh made since names the group
+            self._dims[group.name] = group.dim_name
         if tensor is None:
             self.ring.append((spec.op, group, seq, time.time_ns(), None, None, fqn, pass_))
         else:

@@ -52,9 +52,13 @@ def test_outside_step_span_collects_setup_collectives(telemetry, tracer_factory,
         optimizer.step()
         dist.all_reduce(torch.ones(2))  # logging after the step
     outside = telemetry.by_name("outside_step")
-    assert [[event.name for event in span.events] for span in outside] == [
-        ["broadcast", "barrier"], ["all_reduce"]]
+    assert [[event.name for event in span.events] for span in outside] == [["broadcast", "barrier"]]
     assert all(span.parent is None for span in outside)
+    # The logging after optimizer.step() is the step's tail: under its train_step, in its trace.
+    tail, step = telemetry.one(semconv.SPAN_TRAIN_STEP_TAIL), telemetry.one("train_step")
+    assert [event.name for event in tail.events] == ["all_reduce"]
+    assert (tail.parent.span_id, tail.context.trace_id, tail.attributes[semconv.STEP]) == (
+        step.context.span_id, step.context.trace_id, 0)
     broadcast = outside[0].events[0].attributes
     assert broadcast[semconv.COLLECTIVE_BYTES] == 40 and broadcast[semconv.COLLECTIVE_DTYPE] == "int64"
     assert outside[0].events[1].attributes[semconv.COLLECTIVE_BYTES] == 0
@@ -71,12 +75,13 @@ def test_collectives_between_steps_follow_the_step_before(telemetry, tracer_fact
             model(torch.randn(3, 4)).sum().backward()
             optimizer.step()
             dist.all_reduce(torch.full((2,), float(step)))  # logging after the step
-    outside = telemetry.by_name("outside_step")
-    assert [[event.name for event in span.events] for span in outside] == [
+    outside, tails = telemetry.by_name("outside_step"), telemetry.by_name(semconv.SPAN_TRAIN_STEP_TAIL)
+    assert [[event.name for event in span.events] for span in outside + tails] == [
         ["barrier"], ["all_reduce"], ["all_reduce"]]
     # The events keep the group's sequence numbers: the untraced steps' collectives are counted.
-    assert [span.events[0].attributes[semconv.COLLECTIVE_SEQ] for span in outside] == [0, 2, 6]
+    assert [span.events[0].attributes[semconv.COLLECTIVE_SEQ] for span in outside + tails] == [0, 2, 6]
     assert [s.attributes[semconv.STEP] for s in telemetry.by_name("train_step")] == [0, 2]
+    assert [s.attributes[semconv.STEP] for s in tails] == [0, 2]
     points = {(labels[semconv.COLLECTIVE_OP], labels[semconv.MODULE_PASS]): value
               for labels, value in telemetry.metric_points(semconv.METRIC_OPERATIONS)}
     assert points == {("barrier", "none"): 1, ("all_reduce", "forward"): 4, ("all_reduce", "none"): 4}

@@ -315,4 +315,5 @@ def test_a_real_pipeline_reports_its_bubble_not_stragglers(pipeline_spans):
     assert "Pipeline waits: 12 send/recv pairs" in text and "Stragglers: 3 collectives matched" in text
     assert "differs from the other ranks" not in text  # stage 0 sends what stage 1 receives, and back
     text = summary.format_report(pipeline_spans, step=1)
-    assert "Pipeline waits: 4 send/recv pairs" in text and "Stragglers: 0 collectives matched" in text
+    # Step 1's loss all_reduce after optimizer.step() is its train_step_tail's: in the step.
+    assert "Pipeline waits: 4 send/recv pairs" in text and "Stragglers: 1 collectives matched" in text

@@ -1,4 +1,4 @@
-"""Job-scope trace ids on real gloo ranks: train_step and outside_step segments agree across ranks."""
+"""Job-scope trace ids on real gloo ranks: train_step, its tail and outside_step segments agree across ranks."""
 
 import torch
 
@@ -26,11 +26,11 @@ def _segments(rank, world_size, scope, ranks_per_trace=8):
                     tracer_provider=telemetry.tracer_provider, meter_provider=telemetry.meter_provider):
         dist.broadcast(torch.zeros(2), src=0)  # set-up: outside-0
         step()
-        dist.all_reduce(torch.ones(1))  # a checkpoint save between steps: outside-1
+        dist.all_reduce(torch.ones(1))  # a checkpoint save after the step: the tail of step 0
         if rank == 0:
             with torch.no_grad():
                 model(torch.ones(1, 2))  # evaluation on rank 0 only: an inference root, then a new segment
-        dist.barrier()  # outside-1 still: ranks that evaluated and ranks that did not agree
+        dist.barrier()  # the tail of step 0 still: ranks that evaluated and ranks that did not agree
         step()
     nonce = dist.distributed_c10d._get_default_store().get(NONCE_KEY).decode() if scope == "job" else ""
     dist.barrier()  # rank 0 hosts the store: it stays until every rank has read it
@@ -40,12 +40,15 @@ def _segments(rank, world_size, scope, ranks_per_trace=8):
                       for span in telemetry.spans() if span.parent is None]}
 
 
+_SEGMENTS = ("outside_step", "train_step", "train_step_tail")
+
+
 def test_outside_step_segments_share_a_trace_id_on_every_rank():
     from commdebug_otel.steps import step_trace_id
 
     results = run_ranks(_segments, 2, "job")
     assert all(block is None for result in results for _, _, block in result["roots"])  # 2 ranks: one trace
-    views = [[span for span in result["spans"] if span[0] in ("outside_step", "train_step")] for result in results]
+    views = [[span for span in result["spans"] if span[0] in _SEGMENTS] for result in results]
     nonce = results[0]["nonce"]
 
     def trace(label):
@@ -54,14 +57,14 @@ def test_outside_step_segments_share_a_trace_id_on_every_rank():
     assert views[0] == [
         ("outside_step", trace("outside-0"), True, ["broadcast"]),
         ("train_step", trace(0), True, []),
-        ("outside_step", trace("outside-1"), True, ["all_reduce"]),
-        ("outside_step", trace("outside-1"), True, ["barrier"]),  # after rank 0's evaluation: one trace still
+        ("train_step_tail", trace(0), False, ["all_reduce"]),  # under train_step 0
+        ("train_step_tail", trace(0), False, ["barrier"]),  # after rank 0's evaluation: step 0's still
         ("train_step", trace(1), True, []),
     ]
     assert views[1] == [
         ("outside_step", trace("outside-0"), True, ["broadcast"]),
         ("train_step", trace(0), True, []),
-        ("outside_step", trace("outside-1"), True, ["all_reduce", "barrier"]),
+        ("train_step_tail", trace(0), False, ["all_reduce", "barrier"]),
         ("train_step", trace(1), True, []),
     ]
 
@@ -69,7 +72,12 @@ def test_outside_step_segments_share_a_trace_id_on_every_rank():
 def test_rank_scope_keeps_outside_step_traces_apart():
     results = run_ranks(_segments, 2, "rank")
     ids = [{trace_id for name, trace_id, _, _ in result["spans"] if name == "outside_step"} for result in results]
-    assert len(ids[0]) == 3 and len(ids[1]) == 2 and not ids[0] & ids[1]
+    assert len(ids[0]) == 1 and len(ids[1]) == 1 and not ids[0] & ids[1]
+    for result in results:  # each rank's tail is in its own step 0's trace
+        segments = [span for span in result["spans"] if span[0] in _SEGMENTS][:3]
+        traces = {name: trace_id for name, trace_id, _, _ in segments}
+        assert [name for name, *_ in segments] == list(_SEGMENTS)
+        assert traces["train_step_tail"] == traces["train_step"] != traces["outside_step"]
 
 
 def test_job_scope_cuts_a_larger_job_into_trace_blocks():
@@ -79,15 +87,15 @@ def test_job_scope_cuts_a_larger_job_into_trace_blocks():
 
     results = run_ranks(_segments, 4, "job", 2)
     nonce = results[0]["nonce"]
-    labels = ["outside-0", 0, "outside-1", 1]
+    labels = ["outside-0", 0, 0, 1]
     for rank, result in enumerate(results):
         block = rank // 2
-        views = [(name, trace_id) for name, trace_id, _, _ in result["spans"] if name in ("outside_step", "train_step")]
-        if rank == 0:  # its evaluation forward ends one outside-1 segment and starts another
+        views = [(name, trace_id) for name, trace_id, _, _ in result["spans"] if name in _SEGMENTS]
+        if rank == 0:  # its evaluation forward ends one tail segment and starts another
             views.pop(3)
         assert views == [(name, step_trace_id("none", nonce, label, block)) for name, label in
-                         zip(["outside_step", "train_step", "outside_step", "train_step"], labels)]
-        roots = [root for root in result["roots"] if root[0] in ("outside_step", "train_step")]
+                         zip(["outside_step", "train_step", "train_step_tail", "train_step"], labels)]
+        roots = [root for root in result["roots"] if root[0] in _SEGMENTS]
         assert {root_block for _, _, root_block in roots} == {block}
         assert [step for name, step, _ in roots if name == "train_step"] == [0, 1]
     traces = [{trace_id for _, trace_id, _, _ in result["spans"]} for result in results]

@@ -74,7 +74,11 @@ Label = tuple[str, str]  # (module FQN or a parenthesised place, pass)
 
 
 def _finished(spans: list[dict]) -> list[dict]:
-    return [span for span in spans if not is_snapshot(span)]
+    """The finished spans (no stall snapshot), a ``train_step_tail`` read as a root between steps, as the
+    ``outside_step`` segments it replaced were: it runs after its ``train_step`` ended (a child clipped to its
+    parent would vanish from the timeline), and the straggler windows count collectives of steps only."""
+    return [{**span, "parent_span_id": ""} if span["name"] == semconv.SPAN_TRAIN_STEP_TAIL else span
+            for span in spans if not is_snapshot(span)]
 
 
 def _label(span: dict) -> Label:

@@ -485,8 +485,9 @@ def pipeline_waits(spans: list[dict], step: int | None = None) -> dict[str, Any]
     ``send`` began (0 when the data was sent first): in a pipeline, the bubble
     where a stage waits for the stage before (forward) or after (backward).
     ``step``: only pairs of that training step (paired over all of ``spans``): a pair's step is its
-    ``recv``'s, or its ``send``'s when the ``recv`` is in no step (a later stage posts the first
-    ``recv`` of a step before its first forward, so that ``recv`` is an ``outside_step`` event).
+    ``recv``'s, or its ``send``'s when the ``recv`` is in no step or in a step's tail (a later stage
+    posts the first ``recv`` of a step before its first forward, so that ``recv`` is an ``outside_step``
+    event, or one of the step before's ``train_step_tail``).
     ``batch_p2p`` (coalesced, no peer) is not paired.
 
     Returns:
@@ -504,7 +505,8 @@ def pipeline_waits(spans: list[dict], step: int | None = None) -> dict[str, Any]
     def in_step(event: dict, partner: dict | None = None) -> bool:
         if index is None:
             return True
-        own = index.step(event["span"])
+        # A recv posted before the next step's forward lies in the step before's tail: the next step's data.
+        own = None if event["span"]["name"] == semconv.SPAN_TRAIN_STEP_TAIL else index.step(event["span"])
         return (own if own is not None or partner is None else index.step(partner["span"])) == step
 
     queues: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: {semconv.SEND: [], semconv.RECV: []})
