@@ -269,9 +269,10 @@ class CommTracer:
         _EXPORTING.discard(self)
         for where, undo in (("exit handlers", self._unregister_exit),
                             ("closing spans", self.recorder.finish),
-                            # The metrics worker records what the closed step left: in-memory SDK calls,
-                            # so a short bound (an SDK that hangs must not double the exit budget).
-                            ("metrics", lambda: self.flush_metrics(
+                            # The metrics worker records what the closed step left, then its thread ends:
+                            # in-memory SDK calls, so a short bound (an SDK that hangs must not double the
+                            # exit budget).
+                            ("metrics", lambda: self._metrics.close(
                                 min(self.settings.shutdown_timeout_s, METRICS_DRAIN_S))),
                             ("removing hooks", self._remove_hooks),
                             ("flush", self.telemetry.force_flush if flush else None)):

@@ -83,6 +83,9 @@ IDLE_TAKE_S = 1.0
 _logger = logging.getLogger(__name__)
 
 
+_STOP = object()  # ends a MetricsWorker's thread
+
+
 class MetricsWorker:
     """A daemon thread that runs the calls handed over, in order.
 
@@ -90,17 +93,39 @@ class MetricsWorker:
     until everything submitted before it has been recorded; ``on_idle()`` runs
     whenever the queue stays empty for ``IDLE_TAKE_S`` seconds. The thread starts
     here: :class:`CollectiveMetrics` is made at the first point (``LazyCollectiveMetrics``),
-    so a forked child that never records starts none.
+    so a forked child that never records starts none. :meth:`stop` ends it (its tracer
+    stopped); a call submitted after that starts it again.
     """
 
     def __init__(self, on_idle: Any = None) -> None:
         self._on_idle = on_idle
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="commdebug-otel-metrics", daemon=True).start()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._start()
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="commdebug-otel-metrics", daemon=True)
+                self._thread.start()
 
     def submit(self, call: Any) -> None:
         """Queue ``call()``."""
         self._queue.put(call)
+        if self._thread is None:
+            self._start()
+
+    def stop(self, timeout_s: float) -> bool:
+        """Run what was submitted so far, then end the thread; wait at most ``timeout_s``. True if it ended."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+            if thread is None:
+                return True
+            self._queue.put(_STOP)
+        if thread is not threading.current_thread():
+            thread.join(timeout_s)
+        return not thread.is_alive()
 
     def _run(self) -> None:
         failed = False
@@ -111,6 +136,8 @@ class MetricsWorker:
                 call = self._on_idle
                 if call is None:
                     continue
+            if call is _STOP:
+                return
             try:
                 call()
             except Exception as error:  # the SDK failed: say it once, keep the thread alive
@@ -315,6 +342,11 @@ class CollectiveMetrics:
         self.flush()
         return self._worker.drain(timeout_s)
 
+    def close(self, timeout_s: float) -> bool:
+        """Record everything pending, then end the worker thread, within ``timeout_s``. True if it ended."""
+        self.flush()
+        return self._worker.stop(timeout_s)
+
     def dropped(self, kind: str, count: int, rank: int) -> None:
         """Count ``count`` items of telemetry dropped on ``rank``, by ``kind`` (span, event, hook_error, ...).
 
@@ -377,6 +409,13 @@ class LazyCollectiveMetrics:
     def drain(self, timeout_s: float) -> bool:
         """Flush and wait (at most ``timeout_s``) until every point is recorded in the SDK."""
         return self._metrics.drain(timeout_s) if self._metrics is not None else True
+
+    def close(self, timeout_s: float) -> bool:
+        """Record every point, then end the worker thread (the tracer stops), within ``timeout_s``.
+
+        Returns False if the worker did not finish in time. A later point starts it again.
+        """
+        return self._metrics.close(timeout_s) if self._metrics is not None else True
 
     def reset(self) -> None:
         """Forget the instruments (a forked child gets its own meter and worker thread)."""
