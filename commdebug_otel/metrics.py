@@ -360,22 +360,38 @@ class LazyCollectiveMetrics:
 
     ``rank``: a callable returning this process's ``steps.RankInfo``. ``rank_label``: called
     with the job's world size at that first record, whether points carry the rank
-    (``Settings.metric_rank_label_on``; default: always).
+    (``Settings.metric_rank_label_on``; default: always). ``ready``: whether the meter may
+    start now (``Telemetry.metrics_ready``: not before the process group exists, in a job of
+    several ranks); until then points are held, in order (at most ``MAX_PENDING_POINTS``,
+    the rest counted as ``metric_point`` drops), and recorded when it may.
     """
 
     def __init__(self, meter_factory: Any, module_depth: int, rank: Any,
-                 rank_label: Any = lambda world_size: True, progress: Any = None) -> None:
+                 rank_label: Any = lambda world_size: True, progress: Any = None,
+                 ready: Any = None) -> None:
         self._meter_factory = meter_factory
         self._rank = rank
         self._rank_label = rank_label
         self._progress = progress
         self._module_depth = module_depth
+        self._ready = ready
         self._metrics: CollectiveMetrics | None = None
         self._lock = threading.Lock()
+        self._held: list[tuple[str, tuple, dict]] = []  # (method, args, kwargs) before the meter may start
+        self._held_dropped = 0
 
-    def _get(self) -> CollectiveMetrics:
+    def _hold(self, method: str, args: tuple, kwargs: dict | None = None) -> None:
+        if len(self._held) < MAX_PENDING_POINTS:
+            self._held.append((method, args, kwargs or {}))
+        else:
+            self._held_dropped += 1
+
+    def _get(self) -> CollectiveMetrics | None:
+        """The instruments, or None while the meter may not start (``ready``)."""
         if self._metrics is not None:
             return self._metrics
+        if self._ready is not None and not self._ready():
+            return None
         with self._lock:
             if self._metrics is not None:
                 return self._metrics
@@ -388,19 +404,38 @@ class LazyCollectiveMetrics:
                 meter = NoOpMeter("commdebug_otel")
             self._metrics = CollectiveMetrics(meter, self._module_depth, self.dropped,
                                               self._rank_label(self._rank().world_size), self._progress)
+            metrics = self._metrics
+            held, self._held = self._held, []
+            for method, args, kwargs in held:  # what came before the meter could start, in order
+                getattr(metrics, method)(*args, **kwargs)
+            if self._held_dropped:
+                metrics.dropped(semconv.DROPPED_KIND_METRIC, self._held_dropped, self._rank().rank)
+                self._held_dropped = 0
             # From now on the recorder calls the instruments' methods directly.
-            self.collective = self._metrics.collective
-            self.completion = self._metrics.completion
-        return self._metrics
+            self.collective = metrics.collective
+            self.completion = metrics.completion
+        return metrics
 
     def collective(self, *args: Any, **kwargs: Any) -> None:
-        self._get().collective(*args, **kwargs)
+        metrics = self._get()
+        if metrics is None:
+            self._hold("collective", args, kwargs)
+        else:
+            metrics.collective(*args, **kwargs)
 
     def completion(self, *args: Any) -> None:
-        self._get().completion(*args)
+        metrics = self._get()
+        if metrics is None:
+            self._hold("completion", args)
+        else:
+            metrics.completion(*args)
 
     def step(self, duration_s: float, wait_s: float, context: Any = None) -> None:
-        self._get().step(duration_s, wait_s, self._rank().rank, context)
+        metrics = self._get()
+        if metrics is None:
+            self._hold("step", (duration_s, wait_s, self._rank().rank, context))
+        else:
+            metrics.step(duration_s, wait_s, self._rank().rank, context)
 
     def flush(self) -> None:
         if self._metrics is not None:
@@ -408,21 +443,28 @@ class LazyCollectiveMetrics:
 
     def drain(self, timeout_s: float) -> bool:
         """Flush and wait (at most ``timeout_s``) until every point is recorded in the SDK."""
-        return self._metrics.drain(timeout_s) if self._metrics is not None else True
+        metrics = self._get() if self._held else self._metrics
+        return metrics.drain(timeout_s) if metrics is not None else True
 
     def close(self, timeout_s: float) -> bool:
         """Record every point, then end the worker thread (the tracer stops), within ``timeout_s``.
 
         Returns False if the worker did not finish in time. A later point starts it again.
         """
-        return self._metrics.close(timeout_s) if self._metrics is not None else True
+        metrics = self._get() if self._held else self._metrics
+        return metrics.close(timeout_s) if metrics is not None else True
 
     def reset(self) -> None:
         """Forget the instruments (a forked child gets its own meter and worker thread)."""
         self._metrics = None
+        self._held, self._held_dropped = [], 0
         self._lock = threading.Lock()  # a fork may have copied it held
         self.__dict__.pop("collective", None)
         self.__dict__.pop("completion", None)
 
     def dropped(self, kind: str, count: int) -> None:
-        self._get().dropped(kind, count, self._rank().rank)
+        metrics = self._get()
+        if metrics is None:
+            self._hold("dropped", (kind, count, self._rank().rank))
+        else:
+            metrics.dropped(kind, count, self._rank().rank)

@@ -55,7 +55,7 @@ from .ops import CollectiveSpec, GroupResolver, compiler_traced, plain_payload
 from .records import Record, SpanKind, Step, descends_from, dtensor_facts, parameter_facts, snapshot_tree, span_tree
 from .redact import code_locations, describe
 from .stall import Progress
-from .steps import RankInfo, job_nonce, job_trace_id, outside_step_label, rank_info
+from .steps import RankInfo, job_nonce, job_trace_id, outside_step_label, rank_info, settled
 
 __all__ = ["NO_OPTIMIZER_CYCLES", "PASS_NONE", "Recorder"]
 
@@ -119,11 +119,14 @@ class Recorder:
         self._seen_optimizer = False
         self._params_seen: weakref.WeakSet = weakref.WeakSet()
         self._nonce: str | None = None
+        self._provisional_nonce: str | None = None  # this rank's own, until the process group exists
         self._failed: set[str] = set()
         self.why = Why()
         self._compiled_whys = CompiledWhys()
         self._why_on = True  # what the observers were last told (why_wanted)
         self.active = True
+        # Called once, at the first module call that opens a step; True: stop recording (a data worker).
+        self.first_call: Any = None
         self._start_process_state()
 
     def _start_process_state(self) -> None:
@@ -146,6 +149,7 @@ class Recorder:
         self._depth = 0  # module nesting when records are skipped (untraced steps)
         self._call_counts: dict[str, int] = {}  # by span name (FQN and pass): a string key is not GC-tracked
         self._rank: RankInfo | None = None
+        self._provisional_step: Step | None = None  # the open step whose trace id was drawn before settling
         # Progress on every step (stall.py); its seq counters match collectives across ranks.
         self.progress = Progress()
         self._seq = self.progress.next_seq
@@ -269,6 +273,8 @@ class Recorder:
         self._call_counts.clear()
         if traced and self._exemplars_on():
             step.trace_id = self._trace_id(step) or random.getrandbits(128) or 1
+            if self._nonce is None and self.settings.trace_scope is TraceScope.JOB:
+                self._provisional_step = step  # opened before the process group: its id is made again at the end
         step.quiet = not (traced or self._every_event or self.settings.metric_module_depth)
         self._tell_traced(traced)  # every opening: a mode left on by a close inside backward goes now
         self._want_why(traced)
@@ -408,6 +414,10 @@ class Recorder:
         step.hooks.clear()
         if step.traced and step.kind is not SpanKind.OUTSIDE_STEP and not mode_stays:
             self._tell_traced(False)
+        if step is self._provisional_step:
+            self._provisional_step = None
+            if not step.stalled and settled(self.rank()):  # (a snapshot's trace keeps its step's spans)
+                step.trace_id = self._trace_id(step) or step.trace_id  # the process group came: the job's id
         if (step.traced or step.stalled) and self._spans is not None:
             if self._borrowed is not None:  # a thread that has not trained yet: exported once it does
                 self._held.append(step)
@@ -498,14 +508,18 @@ class Recorder:
     def _trace_id(self, step: Step) -> int | None:
         if self.settings.trace_scope is not TraceScope.JOB:
             return None
-        if self._nonce is None:
-            self._nonce = job_nonce()
+        nonce = self._nonce
+        if nonce is None:
+            if settled(self.rank()):
+                nonce = self._nonce = job_nonce()  # agreed by every rank
+            else:  # before init_process_group: no store to agree through (steps.py)
+                nonce = self._provisional_nonce = self._provisional_nonce or job_nonce()
         if step.kind is SpanKind.OUTSIDE_STEP:
             # The count cannot change while an outside_step is open: a step's opening closes it first.
             label = outside_step_label(self._next_step)
         else:
             label = f"inference-{step.index}" if step.inference else step.index
-        trace_id, block = job_trace_id(self.rank(), self._nonce, label, self.settings.ranks_per_trace)
+        trace_id, block = job_trace_id(self.rank(), nonce, label, self.settings.ranks_per_trace)
         if block is not None:  # a job cut into trace blocks: the root names its block
             step.root.attrs[semconv.TRACE_BLOCK] = block
         return trace_id
@@ -598,6 +612,11 @@ class Recorder:
         in_backward = graph_task_id() != -1
         step = self._step
         if step is None:
+            check = self.first_call
+            if check is not None:
+                self.first_call = None
+                if check():
+                    return None
             # A top-level forward without grad (inference, evaluation between steps) is its own root.
             step = self._open_step(now, inference=not in_backward and not torch.is_grad_enabled())
         elif (not self._fwd_stack and self._depth == 0 and not in_backward
