@@ -103,7 +103,7 @@ class CommTracer:
 
     Use as a context manager, or call :meth:`start` and :meth:`stop`.
     Collectives are counted on every thread; those on a thread other than the
-    training thread (the one that opened the step) or autograd's are metrics
+    training thread (the one that trains) or autograd's are metrics
     only (docs/troubleshooting.md). A dispatch mode, when detail needs one, is
     pushed on the training thread's stack.
 
@@ -130,7 +130,8 @@ class CommTracer:
         else:
             self.telemetry = Telemetry(self.settings, self._rank, tracer_provider, meter_provider)
         metrics = LazyCollectiveMetrics(self.telemetry.meter, self.settings.metric_module_depth, self._rank,
-                                        self.settings.metric_rank_label_on, self._progress)
+                                        self.settings.metric_rank_label_on, self._progress,
+                                        getattr(self.telemetry, "metrics_ready", None))
         self._metrics = metrics
         observers = (_ModeSwitch(self),) if observer is None else (_ModeSwitch(self), observer)
         self.recorder = Recorder(self.settings, self.telemetry.spans, metrics, observers)
@@ -176,6 +177,7 @@ class CommTracer:
             return self
         self._started = True
         self.recorder.activate()
+        self.recorder.first_call = self._first_call
         self._tracker.install()
         kernels = interceptor(COLLECTIVES)
         self._intercepted = kernels.subscribe(self.recorder)
@@ -225,6 +227,7 @@ class CommTracer:
             return
         try:
             self.recorder.reset_after_fork()
+            self.recorder.first_call = self._first_call  # a forked data worker's first call: stay silent
             self.telemetry.reset_after_fork()
         except Exception as error:
             self.recorder.hook_failed("fork handler", error)
@@ -233,11 +236,35 @@ class CommTracer:
         """multiprocessing fork children end in ``os._exit`` (no atexit) after running finalizers.
 
         Registered through ``register_after_fork``, which runs after the child
-        clears the finalizers it inherited.
+        clears the finalizers it inherited. A data-loading worker (its target is a
+        DataLoader's worker loop) stays silent instead: its tracer stops, exporting nothing.
         """
         import multiprocessing.util
 
+        from .instrumentor import is_data_worker
+
+        if is_data_worker():
+            self._stay_silent()
+            return
+
         multiprocessing.util.Finalize(self, CommTracer.stop, args=(self,), exitpriority=100)
+
+    def _stay_silent(self) -> None:
+        """A data-loading worker: the tracer stops, and this process's providers never start (no run folder)."""
+        self.telemetry.disabled = True
+        self.stop(flush=False)
+
+    def _first_call(self) -> bool:
+        """The first module call with no step open (``Recorder.first_call``): in a data-loading worker
+        (a spawn child whose target was not known when tracing started), stay silent. True if so."""
+        from torch.utils.data import get_worker_info
+
+        from .instrumentor import is_data_worker
+
+        if get_worker_info() is None and not is_data_worker():
+            return False
+        self._stay_silent()
+        return True
 
     def _optimizer_step_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
@@ -267,11 +294,15 @@ class CommTracer:
         self._started = False
         _STARTED.discard(self)
         _EXPORTING.discard(self)
+        # Flushing: what waits for the process group goes out with what is known now (telemetry.py).
+        settle = getattr(self.telemetry, "settle_now", None) if flush else None
         for where, undo in (("exit handlers", self._unregister_exit),
+                            ("telemetry", settle),
                             ("closing spans", self.recorder.finish),
-                            # The metrics worker records what the closed step left: in-memory SDK calls,
-                            # so a short bound (an SDK that hangs must not double the exit budget).
-                            ("metrics", lambda: self.flush_metrics(
+                            # The metrics worker records what the closed step left, then its thread ends:
+                            # in-memory SDK calls, so a short bound (an SDK that hangs must not double the
+                            # exit budget).
+                            ("metrics", lambda: self._metrics.close(
                                 min(self.settings.shutdown_timeout_s, METRICS_DRAIN_S))),
                             ("removing hooks", self._remove_hooks),
                             ("flush", self.telemetry.force_flush if flush else None)):

@@ -18,7 +18,10 @@ else the global providers if an SDK was configured (e.g. by a distro); else
 our own SDK set-up from the standard ``OTEL_*`` variables (``opentelemetry-instrument``
 without a distro configures no SDK).
 
-A torchrun launcher process (which runs the instrumentor too) stays a no-op.
+A torchrun launcher process (which runs the instrumentor too) stays a no-op, and so do
+data-loading worker processes (``DataLoader(num_workers=...)``, any start method:
+``CommTracer`` stops at its first module call in one) and multiprocessing's fork server,
+whose children decide when their ``Process`` starts running (its target known then).
 """
 
 from __future__ import annotations
@@ -50,6 +53,54 @@ def is_launcher_process(argv: list[str] | None = None) -> bool:
         if arg == "-m" and argv[index + 1] in _LAUNCHER_MODULES:
             return True
     return any(os.path.basename(arg).startswith("torchrun") for arg in argv[1:2])
+
+
+# Targets of data-loading worker processes: torch's DataLoader and torchdata's StatefulDataLoader.
+_DATA_WORKER_MODULES = ("torch.utils.data", "torchdata")
+
+
+def is_data_worker(process: Any = None) -> bool:
+    """Whether ``process`` (default: this one) is a data-loading worker: its ``multiprocessing.Process``
+    target is a DataLoader worker loop (``torch.utils.data._utils.worker._worker_loop``, any start method)."""
+    import multiprocessing
+
+    target = getattr(process or multiprocessing.current_process(), "_target", None)
+    module = getattr(target, "__module__", None) or ""
+    return getattr(target, "__name__", "") == "_worker_loop" and module.startswith(_DATA_WORKER_MODULES)
+
+
+def is_fork_server(argv: list[str] | None = None) -> bool:
+    """True in multiprocessing's ``forkserver`` server process (it imports the script's main module, and
+    torch with it, to fork the children it is asked for)."""
+    argv = list(sys.orig_argv if argv is None else argv)
+    return any("multiprocessing.forkserver import main" in arg for arg in argv)
+
+
+class _StartWhenRunning:
+    """Starts tracing in a fork server's child once its ``Process`` runs, unless it is a data worker.
+
+    ``multiprocessing.util.register_after_fork`` callbacks run there, with the target known
+    (``BaseProcess._after_fork``; a ``spawn`` child runs none). The registry holds its object
+    weakly: the one instance is kept in :data:`_pending`, and each forked child inherits it.
+    """
+
+    def __init__(self, instrumentor: CommDebugInstrumentor, kwargs: dict) -> None:
+        self._instrumentor = instrumentor
+        self._kwargs = kwargs
+
+    def run(self) -> None:
+        try:
+            with _lock:
+                if self._instrumentor.is_instrumented_by_opentelemetry and not is_data_worker():
+                    self._instrumentor._start(self._kwargs)
+        except Exception as error:  # start-up must never break the child
+            import logging
+
+            logging.getLogger(__name__).warning("commdebug-otel: could not start tracing: %s: %s",
+                                                type(error).__name__, error)
+
+
+_pending: _StartWhenRunning | None = None
 
 
 def _configured(provider: Any) -> bool:
@@ -125,8 +176,20 @@ class CommDebugInstrumentor(BaseInstrumentor):
             return super().uninstrument(**kwargs)
 
     def _instrument(self, **kwargs: Any) -> None:
+        global _pending
         if is_launcher_process():
             return  # torchrun itself: its workers trace themselves
+        if is_fork_server():
+            import multiprocessing.util
+
+            _pending = _StartWhenRunning(self, kwargs)
+            multiprocessing.util.register_after_fork(_pending, _StartWhenRunning.run)
+            return
+        if is_data_worker():
+            return  # a DataLoader worker that imported torch while running: it stays silent
+        self._start(kwargs)  # a spawn child still loading its target: CommTracer checks at its first call
+
+    def _start(self, kwargs: dict) -> None:
         from opentelemetry import metrics, trace
 
         from .instrumentation import CommTracer

@@ -84,6 +84,9 @@ IDLE_TAKE_S = 1.0
 _logger = logging.getLogger(__name__)
 
 
+_STOP = object()  # ends a MetricsWorker's thread
+
+
 class MetricsWorker:
     """A daemon thread that runs the calls handed over, in order.
 
@@ -91,17 +94,39 @@ class MetricsWorker:
     until everything submitted before it has been recorded; ``on_idle()`` runs
     whenever the queue stays empty for ``IDLE_TAKE_S`` seconds. The thread starts
     here: :class:`CollectiveMetrics` is made at the first point (``LazyCollectiveMetrics``),
-    so a forked child that never records starts none.
+    so a forked child that never records starts none. :meth:`stop` ends it (its tracer
+    stopped); a call submitted after that starts it again.
     """
 
     def __init__(self, on_idle: Any = None) -> None:
         self._on_idle = on_idle
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="commdebug-otel-metrics", daemon=True).start()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._start()
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="commdebug-otel-metrics", daemon=True)
+                self._thread.start()
 
     def submit(self, call: Any) -> None:
         """Queue ``call()``."""
         self._queue.put(call)
+        if self._thread is None:
+            self._start()
+
+    def stop(self, timeout_s: float) -> bool:
+        """Run what was submitted so far, then end the thread; wait at most ``timeout_s``. True if it ended."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+            if thread is None:
+                return True
+            self._queue.put(_STOP)
+        if thread is not threading.current_thread():
+            thread.join(timeout_s)
+        return not thread.is_alive()
 
     def _run(self) -> None:
         failed = False
@@ -112,6 +137,8 @@ class MetricsWorker:
                 call = self._on_idle
                 if call is None:
                     continue
+            if call is _STOP:
+                return
             try:
                 call()
             except Exception as error:  # the SDK failed: say it once, keep the thread alive
@@ -323,6 +350,11 @@ class CollectiveMetrics:
         self.flush()
         return self._worker.drain(timeout_s)
 
+    def close(self, timeout_s: float) -> bool:
+        """Record everything pending, then end the worker thread, within ``timeout_s``. True if it ended."""
+        self.flush()
+        return self._worker.stop(timeout_s)
+
     def dropped(self, kind: str, count: int, rank: int) -> None:
         """Count ``count`` items of telemetry dropped on ``rank``, by ``kind`` (span, event, hook_error, ...).
 
@@ -336,22 +368,38 @@ class LazyCollectiveMetrics:
 
     ``rank``: a callable returning this process's ``steps.RankInfo``. ``rank_label``: called
     with the job's world size at that first record, whether points carry the rank
-    (``Settings.metric_rank_label_on``; default: always).
+    (``Settings.metric_rank_label_on``; default: always). ``ready``: whether the meter may
+    start now (``Telemetry.metrics_ready``: not before the process group exists, in a job of
+    several ranks); until then points are held, in order (at most ``MAX_PENDING_POINTS``,
+    the rest counted as ``metric_point`` drops), and recorded when it may.
     """
 
     def __init__(self, meter_factory: Any, module_depth: int, rank: Any,
-                 rank_label: Any = lambda world_size: True, progress: Any = None) -> None:
+                 rank_label: Any = lambda world_size: True, progress: Any = None,
+                 ready: Any = None) -> None:
         self._meter_factory = meter_factory
         self._rank = rank
         self._rank_label = rank_label
         self._progress = progress
         self._module_depth = module_depth
+        self._ready = ready
         self._metrics: CollectiveMetrics | None = None
         self._lock = threading.Lock()
+        self._held: list[tuple[str, tuple, dict]] = []  # (method, args, kwargs) before the meter may start
+        self._held_dropped = 0
 
-    def _get(self) -> CollectiveMetrics:
+    def _hold(self, method: str, args: tuple, kwargs: dict | None = None) -> None:
+        if len(self._held) < MAX_PENDING_POINTS:
+            self._held.append((method, args, kwargs or {}))
+        else:
+            self._held_dropped += 1
+
+    def _get(self) -> CollectiveMetrics | None:
+        """The instruments, or None while the meter may not start (``ready``)."""
         if self._metrics is not None:
             return self._metrics
+        if self._ready is not None and not self._ready():
+            return None
         with self._lock:
             if self._metrics is not None:
                 return self._metrics
@@ -364,19 +412,38 @@ class LazyCollectiveMetrics:
                 meter = NoOpMeter("commdebug_otel")
             self._metrics = CollectiveMetrics(meter, self._module_depth, self.dropped,
                                               self._rank_label(self._rank().world_size), self._progress)
+            metrics = self._metrics
+            held, self._held = self._held, []
+            for method, args, kwargs in held:  # what came before the meter could start, in order
+                getattr(metrics, method)(*args, **kwargs)
+            if self._held_dropped:
+                metrics.dropped(semconv.DROPPED_KIND_METRIC, self._held_dropped, self._rank().rank)
+                self._held_dropped = 0
             # From now on the recorder calls the instruments' methods directly.
-            self.collective = self._metrics.collective
-            self.completion = self._metrics.completion
-        return self._metrics
+            self.collective = metrics.collective
+            self.completion = metrics.completion
+        return metrics
 
     def collective(self, *args: Any, **kwargs: Any) -> None:
-        self._get().collective(*args, **kwargs)
+        metrics = self._get()
+        if metrics is None:
+            self._hold("collective", args, kwargs)
+        else:
+            metrics.collective(*args, **kwargs)
 
     def completion(self, *args: Any) -> None:
-        self._get().completion(*args)
+        metrics = self._get()
+        if metrics is None:
+            self._hold("completion", args)
+        else:
+            metrics.completion(*args)
 
     def step(self, duration_s: float, wait_s: float, context: Any = None) -> None:
-        self._get().step(duration_s, wait_s, self._rank().rank, context)
+        metrics = self._get()
+        if metrics is None:
+            self._hold("step", (duration_s, wait_s, self._rank().rank, context))
+        else:
+            metrics.step(duration_s, wait_s, self._rank().rank, context)
 
     def flush(self) -> None:
         if self._metrics is not None:
@@ -384,14 +451,28 @@ class LazyCollectiveMetrics:
 
     def drain(self, timeout_s: float) -> bool:
         """Flush and wait (at most ``timeout_s``) until every point is recorded in the SDK."""
-        return self._metrics.drain(timeout_s) if self._metrics is not None else True
+        metrics = self._get() if self._held else self._metrics
+        return metrics.drain(timeout_s) if metrics is not None else True
+
+    def close(self, timeout_s: float) -> bool:
+        """Record every point, then end the worker thread (the tracer stops), within ``timeout_s``.
+
+        Returns False if the worker did not finish in time. A later point starts it again.
+        """
+        metrics = self._get() if self._held else self._metrics
+        return metrics.close(timeout_s) if metrics is not None else True
 
     def reset(self) -> None:
         """Forget the instruments (a forked child gets its own meter and worker thread)."""
         self._metrics = None
+        self._held, self._held_dropped = [], 0
         self._lock = threading.Lock()  # a fork may have copied it held
         self.__dict__.pop("collective", None)
         self.__dict__.pop("completion", None)
 
     def dropped(self, kind: str, count: int) -> None:
-        self._get().dropped(kind, count, self._rank().rank)
+        metrics = self._get()
+        if metrics is None:
+            self._hold("dropped", (kind, count, self._rank().rank))
+        else:
+            metrics.dropped(kind, count, self._rank().rank)

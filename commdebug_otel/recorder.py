@@ -58,7 +58,7 @@ from .ops import CollectiveSpec, GroupResolver, compiler_traced, plain_payload
 from .records import Record, SpanKind, Step, descends_from, dtensor_facts, parameter_facts, snapshot_tree, span_tree
 from .redact import code_locations, describe
 from .stall import Progress
-from .steps import RankInfo, job_nonce, job_trace_id, outside_step_label, rank_info
+from .steps import RankInfo, job_nonce, job_trace_id, outside_step_label, rank_info, settled
 
 __all__ = ["NO_OPTIMIZER_CYCLES", "PASS_NONE", "Recorder"]
 
@@ -67,6 +67,8 @@ _logger = logging.getLogger(__name__)
 # Before any optimizer.step() is seen, a step ends at the top-level forward after
 # this many completed backward passes (scripts that never step an optimizer).
 NO_OPTIMIZER_CYCLES = 8
+# Finished traced steps of a thread that borrows the training thread's role, kept until it trains.
+MAX_HELD_STEPS = 64
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 # Raised by torch.utils.checkpoint to stop a recompute early: control flow, not a failure.
 _CONTROL_FLOW_ERRORS = frozenset({"_StopRecomputationError"})
@@ -88,11 +90,10 @@ class Recorder:
         why: the DTensor op behind the collectives issued now
             (:class:`~commdebug_otel.collectives.Why`): ``with recorder.why(op, args): ...``.
         active: False once the tracer stopped: reporters ignore their hooks then.
-        thread_id: the training thread: the tracer's starting thread, or the first
-            to call a module while no step is open before the first optimizer step
-            (:meth:`tracks_thread`). Module calls and optimizer steps on other
-            threads (but autograd's) are ignored; their collectives are counted in
-            metrics only: no module, pass ``none``, no span event.
+        thread_id: the training thread: the tracer's starting thread, or another
+            thread that trains (:meth:`tracks_thread`). Module calls and optimizer
+            steps on other threads (but autograd's) are ignored; their collectives
+            are counted in metrics only: no module, pass ``none``, no span event.
     """
 
     def __init__(self, settings: Settings, spans: SpanSink | None, metrics: Any | None,
@@ -121,11 +122,14 @@ class Recorder:
         self._seen_optimizer = False
         self._params_seen: weakref.WeakSet = weakref.WeakSet()
         self._nonce: str | None = None
+        self._provisional_nonce: str | None = None  # this rank's own, until the process group exists
         self._failed: set[str] = set()
         self.why = Why()
         self._compiled_whys = CompiledWhys()
         self._why_on = True  # what the observers were last told (why_wanted)
         self.active = True
+        # Called once, at the first module call that opens a step; True: stop recording (a data worker).
+        self.first_call: Any = None
         self._start_process_state()
 
     def _start_process_state(self) -> None:
@@ -151,11 +155,18 @@ class Recorder:
         self._depth = 0  # module nesting when records are skipped (untraced steps)
         self._call_counts: dict[str, int] = {}  # by span name (FQN and pass): a string key is not GC-tracked
         self._rank: RankInfo | None = None
+        self._provisional_step: Step | None = None  # the open step whose trace id was drawn before settling
         # Progress on every step (stall.py); its seq counters match collectives across ranks.
         self.progress = Progress()
         self._seq = self.progress.next_seq
         self.why.clear()
-        self.thread_id = threading.get_ident()
+        self.thread_id = self._home_thread = threading.get_ident()
+        # Another thread holds the role provisionally (it called a module first) until it trains:
+        # its finished steps wait in _held, and the starting thread's first module call takes the
+        # role back (_take_back). (step counters when it borrowed the role, held steps)
+        self._borrowed: tuple[int, int] | None = None
+        self._held: list[Step] = []
+        self.thread_changes = 0  # how often the role changed hands (the tracker resets its call stack)
         self._want_why(True)
 
     def reset_after_fork(self) -> None:
@@ -167,7 +178,8 @@ class Recorder:
     def activate(self) -> None:
         """The tracer starts: this thread trains, and a "why" may be recorded (set-up is traced)."""
         self.active = True
-        self.thread_id = threading.get_ident()
+        self.thread_id = self._home_thread = threading.get_ident()
+        self._borrowed = None
         self._why_on = True
 
     # ----------------------------------------------------------------- queries
@@ -269,6 +281,8 @@ class Recorder:
         self._call_counts.clear()
         if traced and self._exemplars_on():
             step.trace_id = self._trace_id(step) or ids.trace_id()
+            if self._nonce is None and self.settings.trace_scope is TraceScope.JOB:
+                self._provisional_step = step  # opened before the process group: its id is made again at the end
         step.quiet = not (traced or self._every_event or self.settings.metric_module_depth)
         self._tell_traced(traced)  # every opening: a mode left on by a close inside backward goes now
         self._want_why(traced)
@@ -327,8 +341,12 @@ class Recorder:
         """
         if graph_task_id() == -1 and threading.get_ident() != self.thread_id:
             return
-        self._seen_optimizer = True
         step = self._step
+        if self._borrowed is not None:
+            if step is None or not step.backward_done:
+                return  # no backward on the borrowing thread: not training (an EMA update), it ends nothing
+            self._settle_thread()
+        self._seen_optimizer = True
         if step is not None and step.had_module:
             self._close_step(time.time_ns())
 
@@ -430,13 +448,31 @@ class Recorder:
         step.hooks.clear()
         if step.traced and step.kind is not SpanKind.OUTSIDE_STEP and not mode_stays:
             self._tell_traced(False)
+        if step is self._provisional_step:
+            self._provisional_step = None
+            if not step.stalled and settled(self.rank()):  # (a snapshot's trace keeps its step's spans)
+                step.trace_id = self._trace_id(step) or step.trace_id  # the process group came: the job's id
         if (step.traced or step.stalled) and self._spans is not None:
-            try:
-                # An untraced step that stalled: its train_step alone (its snapshots hold the rest).
-                roots, children = span_tree(step) if step.traced else ([step.root], {})
-                self._emit(roots, children, step.trace_id or self._trace_id(step), step)
-            except Exception as error:
-                self.hook_failed("building spans", error)
+            if self._borrowed is not None:  # a thread that has not trained yet: exported once it does
+                self._held.append(step)
+                if len(self._held) > MAX_HELD_STEPS:  # bounded: the oldest goes, counted
+                    oldest = self._held.pop(0)
+                    self._count_dropped(semconv.DROPPED_KIND_OTHER_THREAD, len(oldest.records) + 1)
+                    self._release(oldest, False)
+                return
+            self._emit(step)
+        self._release(step, reuse)
+
+    def _emit(self, step: Step) -> None:
+        try:
+            # An untraced step that stalled: its train_step alone (its snapshots hold the rest).
+            roots, children = span_tree(step) if step.traced else ([step.root], {})
+            self._emit_tree(roots, children, step.trace_id or self._trace_id(step), step)
+        except Exception as error:
+            self.hook_failed("building spans", error)
+
+    def _release(self, step: Step, reuse: bool) -> None:
+        """Unlink a closed step's records (its spans are built or dropped); reuse them where ``reuse``."""
         # Not while a stall snapshot copies them (the watchdog's thread): then they are not reused.
         # Never waited for: the training thread goes on.
         reuse = reuse and self._copying.acquire(blocking=False)
@@ -459,8 +495,8 @@ class Recorder:
                 self._copying.release()
         step.records.clear()
 
-    def _emit(self, roots: list[Record], children: dict[int, list[Record]], trace_id: int | None,
-              step: Step) -> None:
+    def _emit_tree(self, roots: list[Record], children: dict[int, list[Record]], trace_id: int | None,
+                   step: Step) -> None:
         """Hand ``step``'s span tree to the sink, under its parent span when it has one (a tail)."""
         if step.parent_span_id:
             self._spans.emit(roots, children, trace_id, parent_span_id=step.parent_span_id)
@@ -504,24 +540,28 @@ class Recorder:
         part.had_module, part.backward_done = step.had_module, step.backward_done
         return part
 
-    def _count_dropped(self, kind: str) -> None:
+    def _count_dropped(self, kind: str, count: int = 1) -> None:
         if self._metrics is not None:
             try:
-                self._metrics.dropped(kind, 1)
+                self._metrics.dropped(kind, count)
             except Exception as error:
                 self.hook_failed("metrics", error)
 
     def _trace_id(self, step: Step) -> int | None:
         if self.settings.trace_scope is not TraceScope.JOB:
             return None
-        if self._nonce is None:
-            self._nonce = job_nonce()
+        nonce = self._nonce
+        if nonce is None:
+            if settled(self.rank()):
+                nonce = self._nonce = job_nonce()  # agreed by every rank
+            else:  # before init_process_group: no store to agree through (steps.py)
+                nonce = self._provisional_nonce = self._provisional_nonce or job_nonce()
         if step.kind is SpanKind.OUTSIDE_STEP:
             # The count cannot change while an outside_step is open: a step's opening closes it first.
             label = outside_step_label(self._next_step)
         else:
             label = f"inference-{step.index}" if step.inference else step.index
-        trace_id, block = job_trace_id(self.rank(), self._nonce, label, self.settings.ranks_per_trace)
+        trace_id, block = job_trace_id(self.rank(), nonce, label, self.settings.ranks_per_trace)
         if block is not None:  # a job cut into trace blocks: the root names its block
             step.root.attrs[semconv.TRACE_BLOCK] = block
         return trace_id
@@ -535,23 +575,72 @@ class Recorder:
         if self._outside is not None:
             outside, self._outside = self._outside, None
             self._close(outside, now)
+        if self._borrowed is not None:  # no other thread came to train: the borrower's steps are the run's
+            self._settle_thread()
 
     # ---------------------------------------------------------------- modules
     def tracks_thread(self, claim: bool = True) -> bool:
         """Whether module calls on the calling thread are tracked: the training thread's, and autograd's.
 
-        Another thread (an inference, EMA or evaluation thread) takes the role only
-        before the first optimizer step, when no step and no module call is open
-        (scripts that train on a thread other than the tracer's), if ``claim``; after
-        that its module calls are ignored, so they never change the training step.
+        The training thread is the one that trains. The tracer's starting thread holds
+        the role; another thread may borrow it (if ``claim``) before the first optimizer
+        step, when no step and no module call is open (a script that trains on a thread
+        other than the tracer's), and keeps it once a backward pass of its own step ends
+        (:meth:`_settle_thread`). Until then its finished steps are held, not exported:
+        if the starting thread calls a module first, it takes the role back and the
+        borrower's steps are dropped (counted as ``other_thread``). So a side thread
+        (inference, EMA, evaluation) that happens to call first never takes the training
+        thread's steps; once the role is settled, other threads' calls are ignored.
         """
         ident = threading.get_ident()
         if ident == self.thread_id or graph_task_id() != -1:
             return True
-        if not claim or self._seen_optimizer or self._step is not None or self._fwd_stack or self._depth:
+        if not claim:
             return False
+        if ident == self._home_thread and self._borrowed is not None:
+            self._take_back(time.time_ns())
+            return True
+        if self._seen_optimizer or self._step is not None or self._fwd_stack or self._depth:
+            return False
+        if ident != self._home_thread:
+            self._borrowed = (self._next_step, self._next_inference)
         self.thread_id = ident
+        self.thread_changes += 1
         return True
+
+    @property
+    def thread_settled(self) -> bool:
+        """Whether the training thread is known (False while another thread borrows the role)."""
+        return self._borrowed is None
+
+    def _settle_thread(self) -> None:
+        """The borrowing thread trains: it keeps the role, and the steps it finished so far are exported."""
+        self._borrowed = None
+        held, self._held = self._held, []
+        for step in held:
+            self._emit(step)
+            self._release(step, False)
+
+    def _take_back(self, now: int) -> None:
+        """The starting thread calls a module while another thread borrows the role, untrained: the
+        starting thread trains. The borrower's open and held steps are dropped, counted, and its
+        step numbers given back."""
+        dropped = 0
+        for step in (self._step, self._outside):
+            if step is not None:
+                self._close(step, now)  # held, not exported (the role is still borrowed)
+        self._step = self._outside = None
+        for step in self._held:
+            dropped += len(step.records) + 1
+            self._release(step, False)
+        self._held = []
+        self._next_step, self._next_inference = self._borrowed
+        self._borrowed = None
+        self._after_traced = True
+        self.thread_id = self._home_thread
+        self.thread_changes += 1
+        if dropped:
+            self._count_dropped(semconv.DROPPED_KIND_OTHER_THREAD, dropped)
 
     def module_pre(self, module: torch.nn.Module, fqn: str, args: tuple,
                    compiled: bool = False) -> Record | None:
@@ -565,6 +654,11 @@ class Recorder:
         in_backward = graph_task_id() != -1
         step = self._step
         if step is None:
+            check = self.first_call
+            if check is not None:
+                self.first_call = None
+                if check():
+                    return None
             # A top-level forward without grad (inference, evaluation between steps) is its own root.
             step = self._open_step(now, inference=not in_backward and not torch.is_grad_enabled())
         elif (not self._fwd_stack and self._depth == 0 and not in_backward
@@ -757,6 +851,8 @@ class Recorder:
             self._bw_callback_tasks.discard(task)
             if self._step is not None and not self._bw_callback_tasks:  # not a pass nested in another
                 self._step.backward_done += 1
+                if self._borrowed is not None:
+                    self._settle_thread()  # the borrowing thread trains
         except Exception as error:
             self.hook_failed("backward end", error)
 
@@ -932,7 +1028,7 @@ class Recorder:
             roots, children, root = snapshot_tree(step, list(step.records), now, snapshot)
         root.attrs[semconv.STEP_STALLED] = snapshot
         children.setdefault(id(root), []).append(stalled)
-        self._emit(roots, children, step.trace_id, step)
+        self._emit_tree(roots, children, step.trace_id, step)
         return True
 
     # ------------------------------------------------------------------ ops

@@ -127,6 +127,8 @@ DROPPED_KIND_METRIC = "metric_point"  # collectives not recorded in metrics: the
 DROPPED_KIND_STEP_SPLIT = "step_split"
 # A module pass not recorded: the step part was full inside a pass, where it cannot be cut.
 DROPPED_KIND_STEP_FULL = "step_full"
+# Spans of a thread that called modules before the training thread and never trained (tracks_thread).
+DROPPED_KIND_OTHER_THREAD = "other_thread"
 
 # Resource attributes.
 RANK = "torch.distributed.rank"

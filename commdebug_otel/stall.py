@@ -263,9 +263,13 @@ class StallWatch:
         self._thread = threading.Thread(target=self._run, name="commdebug-otel-stall-watch", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
-        """Stop watching (the thread ends at its next wake-up; never waited for)."""
+    def stop(self, timeout_s: float = 1.0) -> None:
+        """Stop watching: the thread wakes at once and ends; waited for at most ``timeout_s``
+        (a snapshot being exported then finishes on its own)."""
         self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
 
     def _poll_s(self) -> float:
         return min(1.0, max(0.05, self._recorder.progress.threshold_s(self._setting) / 4))

@@ -8,6 +8,14 @@ agreed through the default process group's store with ``compare_set`` (a
 key-value round trip, not a collective, and it never blocks on other ranks):
 the first rank to ask sets it, every other rank reads it.
 
+Until the default process group exists in a job of several ranks (torchrun's
+``WORLD_SIZE`` above 1), nothing that ranks must agree on is fixed
+(:func:`settled`): a step that ends before ``init_process_group`` (a set-up
+forward, an optimizer step, a stall snapshot) gets its trace id from a
+provisional nonce of this rank's own, and the run folder, resource and
+providers wait for the process group (``telemetry.py``). From the first step
+after it, the agreed nonce is used.
+
 ``outside_step`` segments (set-up, evaluation collectives, checkpoint saves
 between steps) get the same treatment: each is named by how many training
 steps closed before it (:func:`outside_step_label`), which every rank running
@@ -81,6 +89,12 @@ def rank_info(environ: Mapping[str, str] | None = None) -> RankInfo:
         backend=backend,
         distributed=distributed,
     )
+
+
+def settled(info: RankInfo) -> bool:
+    """Whether ``info`` is final: torch.distributed is initialized, or no process group is expected
+    (``WORLD_SIZE`` unset or 1). Until then rank facts, the job nonce and the run folder are provisional."""
+    return info.distributed or info.world_size <= 1
 
 
 class RankCache:

@@ -19,7 +19,13 @@ which also holds the endpoint rules); a :class:`Telemetry` reads them from its
 
 Providers start lazily, at the first span or metric, so a
 ``torch.multiprocessing.spawn`` child has its rank (from the initialized
-process group) in its resource.
+process group) in its resource. In a job of several ranks (torchrun's
+``WORLD_SIZE`` above 1) they wait for the default process group
+(:meth:`Telemetry.settled`): spans finished before it (a set-up step, a stall
+snapshot) are held in memory and handed to the providers once it exists, with
+the settled resource (rank, backend) and in the run folder every rank agreed
+on; metric points wait in ``metrics.LazyCollectiveMetrics``. At exit or on a
+flushing signal, what is held is exported with what is known by then.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from opentelemetry.sdk.environment_variables import (
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import SpanLimits, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
 
 from . import semconv
 from ._sdk import batch_queue, jitter_from, own_random_views
@@ -63,7 +69,7 @@ from .ids import RNG as OWN_RNG
 from .metrics import dropped_counter
 from .redact import describe, hide_credentials
 from .spans import SpanBuilder, StepIdGenerator, TracerSetup, attach_id_generator
-from .steps import RankCache, RankInfo
+from .steps import RankCache, RankInfo, settled
 from .version import __version__
 
 _logger = logging.getLogger(__name__)
@@ -80,6 +86,8 @@ METRIC_EXPORT_BATCH_POINTS = 2000
 # Longest string attribute value we export (exception messages and stack traces included).
 MAX_ATTRIBUTE_CHARS = 4096
 STALL_FLUSH_TIMEOUT_S = 10.0  # per provider, for a stall snapshot's flush (the watchdog's own thread)
+# Spans finished before the process group exists, held until it does; more are dropped and counted.
+MAX_HELD_SPANS = DEFAULT_SPAN_QUEUE
 
 
 # (signal, kind) -> (module, class): imported only when chosen.
@@ -258,6 +266,13 @@ class Telemetry:
         self.before_shutdown: list[Any] = []
         self.endpoints: list[str] = []  # OTLP endpoints in use, for warnings
         self.file_directory: str | None = None  # where the embedded default writes, once known
+        self._settle_state()
+
+    def _settle_state(self) -> None:
+        self._settled = False  # rank, nonce and run folder are final (or forced: exit, signal, stop)
+        # Before that: a provider of our own that exports nothing, and the spans it finished.
+        self._pending: tuple[TracerSetup, _HeldSpans] | None = None
+        self._early_drops: dict[str, int] = {}
 
     @classmethod
     def silent(cls, settings: Settings) -> Telemetry:
@@ -292,12 +307,80 @@ class Telemetry:
                 # Our own meter too, now: spans dropped at exit are counted there, and a meter
                 # provider cannot be started once the interpreter is shutting down.
                 self.meter()
+            if self._pending is not None:
+                self._hand_over_held()
         return self._tracer
 
     def tracer_setup(self) -> TracerSetup:
-        """The tracer, its provider and our own processors; starts the provider if needed."""
+        """The tracer, its provider and our own processors; starts the provider if needed.
+
+        Before the process group exists (:meth:`settled`), a provisional set-up whose
+        spans are held until our own provider starts.
+        """
+        if self._tracer is None and self._tracer_provider is None and not self.disabled and not self.settled():
+            return self._pending_setup()
         self.tracer()
         return self._tracer_setup
+
+    def settled(self) -> bool:
+        """Whether our own providers may start: the rank, the job nonce and the run folder are final
+        (``steps.settled``: torch.distributed is initialized, or the job is one process), or we
+        export what we have now (exit, a flushing signal, ``CommTracer.stop``). Never raises."""
+        if not self._settled:
+            try:
+                self._settled = settled(self._rank())
+            except Exception:  # rank facts unreadable: nothing better will come
+                self._settled = True
+        return self._settled
+
+    def metrics_ready(self) -> bool:
+        """Whether metric points may be recorded in the meter now (an injected one, or :meth:`settled`)."""
+        return self._meter_provider is not None or self.disabled or self.settled()
+
+    def settle_now(self) -> None:
+        """Settle with what is known now (exit, a flushing signal): held spans go to our own providers."""
+        self._settled = True
+        if self._pending is not None:
+            self.tracer()
+
+    def _pending_setup(self) -> TracerSetup:
+        with self._lock:
+            if self._pending is None:
+                export = ExportEnv.from_env(self._environ)
+                provider = TracerProvider(resource=build_resource(self._rank(), export),
+                                          span_limits=self._span_limits(export), id_generator=StepIdGenerator(),
+                                          shutdown_on_exit=False)
+                held = _HeldSpans(self.count_dropped)
+                provider.add_span_processor(held)
+                ids = attach_id_generator(provider)
+                tracer = otel_trace.get_tracer(SCOPE_NAME, __version__, provider)
+                discards = all(name == "none" for name in export.exporter_names("traces"))
+                self._pending = (TracerSetup(tracer, provider, ids, (held,), False, discards), held)
+            return self._pending[0]
+
+    def _hand_over_held(self) -> None:
+        """Our own provider started: the spans held before it go to its processors, with its resource."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        spans = pending[1].take()
+        provider = self._own_tracer_provider
+        processors = self._own_span_processors if provider is not None else []
+        if not processors:
+            if spans and provider is not None:  # OTEL_TRACES_EXPORTER=none: nothing is dropped
+                return
+            if spans:
+                self.count_dropped(semconv.DROPPED_KIND_SPAN, len(spans))
+            return
+        resource = provider.resource
+        for span in spans:
+            settled_span = ReadableSpan(
+                name=span.name, context=span.context, parent=span.parent, resource=resource,
+                attributes=span.attributes, events=span.events, links=span.links, kind=span.kind,
+                status=span.status, start_time=span.start_time, end_time=span.end_time,
+                instrumentation_scope=span.instrumentation_scope)
+            for processor in processors:
+                processor.on_end(settled_span)
 
     def meter(self) -> otel_metrics.Meter:
         if self._meter is None:
@@ -312,6 +395,9 @@ class Telemetry:
                                             describe(error, values=False))
                             provider = otel_metrics.NoOpMeterProvider()
                     self._meter = otel_metrics.get_meter(SCOPE_NAME, __version__, provider)
+            drops, self._early_drops = self._early_drops, {}
+            for kind, count in drops.items():
+                self.count_dropped(kind, count)
         return self._meter
 
     def _read_export_env(self) -> ExportEnv:
@@ -325,8 +411,7 @@ class Telemetry:
             return otel_trace.NoOpTracerProvider()
         export = self._read_export_env()
         rank = self._rank()
-        limits = SpanLimits(**{**export.span_limit_arguments(), "max_events": self._settings.max_events_per_span,
-                                "max_attribute_length": MAX_ATTRIBUTE_CHARS})
+        limits = self._span_limits(export)
         # shutdown_on_exit=False: our own atexit shutdown is bounded; the SDK's waits ~10 s per provider.
         provider = TracerProvider(resource=build_resource(rank, export), span_limits=limits,
                                   id_generator=StepIdGenerator(), shutdown_on_exit=False)
@@ -343,6 +428,10 @@ class Telemetry:
         self._own_span_processors = processors
         self._register_atexit()
         return provider
+
+    def _span_limits(self, export: ExportEnv) -> SpanLimits:
+        return SpanLimits(**{**export.span_limit_arguments(), "max_events": self._settings.max_events_per_span,
+                             "max_attribute_length": MAX_ATTRIBUTE_CHARS})
 
     def _make_meter_provider(self) -> Any:
         if self.disabled:
@@ -418,6 +507,10 @@ class Telemetry:
             previous(signum, frame)
 
     def _exit(self) -> None:
+        try:
+            self.settle_now()  # first: the tracers' last spans and points then go straight to the providers
+        except Exception as error:
+            _logger.debug("commdebug-otel: starting telemetry at exit failed: %s", describe(error))
         for finish in list(self.before_shutdown):
             try:
                 finish()
@@ -543,6 +636,7 @@ class Telemetry:
         self._own_span_processors = []
         self._span_guards = []
         self._lock = threading.Lock()
+        self._settle_state()
 
     def count_dropped(self, kind: str, count: int) -> None:
         """Count ``count`` items of telemetry of ``kind`` that export dropped. Never raises.
@@ -552,6 +646,9 @@ class Telemetry:
         try:
             counter = self._dropped
             if counter is None:
+                if self._meter is None and not self.metrics_ready():  # counted once the meter starts
+                    self._early_drops[kind] = self._early_drops.get(kind, 0) + count
+                    return
                 counter = self._dropped = dropped_counter(self.meter())
             counter.add(count, {semconv.DROPPED_KIND: kind, semconv.RANK: self._rank().rank})
         except Exception:  # counting must never break export
@@ -559,7 +656,11 @@ class Telemetry:
 
     # -------------------------------------------------------------- shutdown
     def force_flush(self) -> None:
-        """Export what our own providers buffer, within what is left of the budget (see :meth:`shutdown`)."""
+        """Export what our own providers buffer, within what is left of the budget (see :meth:`shutdown`).
+
+        Spans held for the process group are exported too, with what is known now (:meth:`settle_now`).
+        """
+        self.settle_now()
         timeout_ms = int(self._settings.shutdown_timeout_s * 1000)
         traces, metrics = self._own_tracer_provider, self._own_meter_provider
         self._bounded("flush", None if traces is None else lambda: traces.force_flush(timeout_ms),
@@ -644,6 +745,28 @@ class Telemetry:
         if unsent:
             self.count_dropped(semconv.DROPPED_KIND_SPAN, unsent)
         return unsent
+
+
+class _HeldSpans(SpanProcessor):
+    """The provisional provider's processor: keeps finished spans (at most ``MAX_HELD_SPANS``, the rest
+    counted as dropped) until :meth:`Telemetry._hand_over_held` takes them. Starts no thread."""
+
+    def __init__(self, count_dropped: Callable[[str, int], None]) -> None:
+        self._spans: list[ReadableSpan] = []
+        self._count_dropped = count_dropped
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if len(self._spans) < MAX_HELD_SPANS:
+            self._spans.append(span)
+        else:
+            self._count_dropped(semconv.DROPPED_KIND_SPAN, 1)
+
+    def take(self) -> list[ReadableSpan]:
+        spans, self._spans = self._spans, []
+        return spans
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
 
 
 def _exporter_arguments(export: ExportEnv, signal: str, transport: str) -> dict[str, Any]:

@@ -210,6 +210,7 @@ class ModuleTracker:
         self._pre_handle = None
         self._early_post_handle = None
         self._suspended = False  # global hooks off inside an unrecorded outermost call
+        self._thread_changes = 0  # the recorder's thread_changes that the calls in flight belong to
 
     def install(self) -> None:
         self._add_global_hooks()
@@ -239,6 +240,14 @@ class ModuleTracker:
             if compiled_call(module) is wrapper:
                 set_compiled_call(module, wrapper.call)
         self._wrapped.clear()
+
+    def _new_thread(self) -> None:
+        """The training thread's role changed hands (``Recorder.tracks_thread``): the calls in flight are
+        the other thread's, whose hooks return at once from now on."""
+        self._thread_changes = self._recorder.thread_changes
+        self._calls.clear()
+        self._call_records.clear()
+        self._call_compiled.clear()
 
     def state_sizes(self) -> dict[str, int]:
         """How many entries each piece of per-run state holds, by name (for leak checks)."""
@@ -286,6 +295,8 @@ class ModuleTracker:
         try:
             if not recorder.tracks_thread():
                 return  # another thread's call (inference, EMA): never part of the training step
+            if recorder.thread_changes != self._thread_changes:
+                self._new_thread()
             if self._call_compiled and self._call_compiled[-1]:
                 return  # inside a compiled call (a graph break runs this module eagerly): no span
             original = compiled_original(module)
@@ -326,7 +337,8 @@ class ModuleTracker:
         self._call_compiled.append(compiled)
         self._call_nested.append(nested)
         if record is None:
-            if len(self._calls) == 1:
+            # Not while another thread may take the role back: it must see its own calls.
+            if len(self._calls) == 1 and recorder.thread_settled:
                 self._suspend_inside(module)
         elif torch.is_grad_enabled() and record.pass_ in _HOOKED_PASSES:
             grads = self._grad_tensors(args)
@@ -341,9 +353,12 @@ class ModuleTracker:
         """``module.compile()``'s call, as one span: the hooks inside it are compiled code."""
         began = False
         try:
-            if self._recorder.tracks_thread() and not (self._call_compiled and self._call_compiled[-1]):
-                self._begin(module, args, module)  # not another thread's, not inside another compiled call
-                began = True
+            if self._recorder.tracks_thread():  # not another thread's
+                if self._recorder.thread_changes != self._thread_changes:
+                    self._new_thread()
+                if not (self._call_compiled and self._call_compiled[-1]):  # not inside another compiled call
+                    self._begin(module, args, module)
+                    began = True
         except Exception as error:
             self._recorder.hook_failed("module forward pre-hook", error)
         if not began:

@@ -1,8 +1,8 @@
 """Module calls on other threads (inference, EMA, evaluation) never touch the training thread's steps.
 
-The training thread is the tracer's (or, before the first optimizer step, the
-first to call a module while no step is open). Other threads' module calls and
-optimizer steps are ignored: no spans, no effect on the training steps; their
+The training thread is the tracer's, or another thread that trains (a backward pass,
+then optimizer.step) before the tracer's thread calls a module. Other threads' module
+calls and optimizer steps are ignored: no spans, no effect on the training steps; their
 collectives are counted in metrics only.
 """
 
@@ -33,7 +33,7 @@ def _one_step():
     return [(0, "train_step"), *FORWARD_TREE, *BACKWARD_TREE]
 
 
-def _check(telemetry, trace_every=1):
+def _check(telemetry, trace_every=1, dropped=()):
     spans = telemetry.spans()
     tree = telemetry.tree()
     traced = list(range(0, STEPS, trace_every))
@@ -41,7 +41,7 @@ def _check(telemetry, trace_every=1):
     assert len(tree) == len(spans)  # every span is in the tree: no orphans
     assert [s.attributes[semconv.STEP] for s in telemetry.by_name("train_step")] == traced
     assert not any(s.attributes.get(semconv.SPAN_UNMATCHED) for s in spans)
-    assert telemetry.metric_points(semconv.METRIC_DROPPED) == []
+    assert [attrs[semconv.DROPPED_KIND] for attrs, _ in telemetry.metric_points(semconv.METRIC_DROPPED)] == [*dropped]
 
 
 @pytest.mark.parametrize("trace_every", [1, 3])
@@ -99,6 +99,50 @@ def test_a_concurrent_inference_thread_leaves_the_training_steps_as_they_are(
     # The other thread's collectives: in the metrics, owned by no module and no span.
     operations = telemetry.metric_points(semconv.METRIC_OPERATIONS)
     assert [(attrs[semconv.MODULE_PASS], value) for attrs, value in operations] == [("none", calls[1])]
+
+
+@pytest.mark.parametrize("side", ["inference", "grad forward and EMA step"])
+def test_a_side_thread_that_calls_first_never_takes_the_training_threads_place(
+        telemetry, tracer_factory, single_rank_group, side):
+    """The side thread calls modules before the training thread's first forward (forced with an Event):
+    the thread that trains (backward, optimizer.step) still gets every step, the side thread nothing."""
+    model = TwoBlocks()
+    calls = [0]
+    called, stop = threading.Event(), threading.Event()
+
+    def work():
+        ema = AllReduceLinear()  # its all_reduce: counted in the metrics, pass none
+        own_optimizer = torch.optim.SGD(ema.parameters(), lr=0.1)
+        while not stop.is_set():
+            with torch.no_grad():
+                model(torch.randn(2, 4))  # the training model itself, as a serving thread would
+                ema(torch.randn(2, 4))
+            if side != "inference":
+                model(torch.randn(2, 4, requires_grad=True)).sum()  # with grad, never backward: a step left open
+                own_optimizer.step()  # an optimizer step without a backward of its own
+            calls[0] += 1
+            called.set()
+
+    with tracer_factory() as tracer:
+        thread = threading.Thread(target=work, daemon=True)
+        thread.start()
+        try:
+            assert called.wait(60)  # the side thread called first
+            _train(model)
+        finally:
+            stop.set()
+            thread.join()
+        tracer.flush_metrics()
+    assert calls[0]
+    # Exactly the 30 steps, each the training thread's own tree. The side thread's spans recorded before the
+    # training thread's first call were never exported: dropped, counted as such.
+    _check(telemetry, dropped=[semconv.DROPPED_KIND_OTHER_THREAD])
+    # Every side collective counted; those before the training thread's first call were labelled while the
+    # side thread held the role (metric points are not held back).
+    operations = dict((attrs[semconv.MODULE_PASS], value)
+                      for attrs, value in telemetry.metric_points(semconv.METRIC_OPERATIONS))
+    assert sum(operations.values()) == calls[0]
+    assert set(operations) <= {"none", "forward"}
 
 
 def test_training_on_a_thread_other_than_the_tracers(telemetry, tracer_factory):

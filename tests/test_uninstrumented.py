@@ -100,3 +100,25 @@ def test_stop_removes_every_hook_mode_patch_and_exit_handler(telemetry, single_r
     dist.all_reduce(torch.ones(1))
     assert len(telemetry.spans()) == spans  # nothing traced after stop
     assert telemetry.metric_points("torch.collective.operations") == points  # nor counted
+
+
+def _our_threads() -> list[str]:
+    import threading
+
+    return sorted(thread.name for thread in threading.enumerate() if thread.name.startswith("commdebug-otel"))
+
+
+def test_tracers_started_and_stopped_leave_no_thread(telemetry, single_rank_group):
+    """Each tracer's metrics worker and stall watchdog end with it: 30 tracers leave no thread of ours behind."""
+    net = _Net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    before = _our_threads()
+    for _ in range(30):
+        with CommTracer(Settings(stall_after_s=30.0), tracer_provider=telemetry.tracer_provider,
+                        meter_provider=telemetry.meter_provider):
+            net(torch.ones(2, 4, requires_grad=True)).sum().backward()  # all_reduce: metric points
+            optimizer.step()
+            assert "commdebug-otel-metrics" in _our_threads()  # the worker really ran
+    assert _our_threads() == before
+    assert len(telemetry.metric_points("torch.collective.operations")) == 1  # every tracer's points recorded
+    assert telemetry.metric_points("torch.collective.operations")[0][1] == 30
