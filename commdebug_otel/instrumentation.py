@@ -199,6 +199,8 @@ class CommTracer:
             self._stall_watch.start()
         atexit.register(self._stop_at_exit)
         self.telemetry.before_shutdown.append(self._stop_at_exit)
+        if self._exports:
+            self.telemetry.hold_signals()  # again after a stop; before the first span, at the first span
         _STARTED.add(self)  # weakly: a tracer that is dropped can be collected
         if self._exports:
             _EXPORTING.add(self)
@@ -248,6 +250,8 @@ class CommTracer:
     def _optimizer_step_post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
             self.recorder.optimizer_step_done()
+            if self._exports:
+                self.telemetry.keep_signals()  # our flush again where a handler was reset to the default
         except Exception as error:
             self.recorder.hook_failed("optimizer step hook", error)
 
@@ -274,7 +278,9 @@ class CommTracer:
                             ("metrics", lambda: self.flush_metrics(
                                 min(self.settings.shutdown_timeout_s, METRICS_DRAIN_S))),
                             ("removing hooks", self._remove_hooks),
-                            ("flush", self.telemetry.force_flush if flush else None)):
+                            ("flush", self.telemetry.force_flush if flush else None),
+                            # Last: a signal during the flush still flushes and ends the process as before.
+                            ("signal handlers", self.telemetry.release_signals if self._exports else None)):
             if undo is None:
                 continue
             try:
