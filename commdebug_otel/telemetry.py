@@ -497,6 +497,9 @@ class Telemetry:
             except Exception as error:
                 _logger.debug("commdebug-otel: closing spans at exit failed: %s", describe(error))
         self.shutdown()
+        # Nothing left to flush: a hang in the teardown that follows (the interpreter's, the process group's,
+        # where our threads cannot run) ends at SIGTERM as without us.
+        self.release_signals()
 
     # ------------------------------------------------------------- exporters
     def _file_path(self, signal: str, rank: RankInfo, export: ExportEnv) -> str | None:

@@ -28,8 +28,8 @@ def _default_signal_actions() -> None:
 def _env(tmp_path: pathlib.Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     # Files; nothing exported by the batch processor's timer before the end (only a flush writes them).
-    env.update(OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR=str(tmp_path), OTEL_BSP_SCHEDULE_DELAY="600000",
-               OTEL_METRICS_EXPORTER="none", **extra)
+    env.update({"OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR": str(tmp_path), "OTEL_BSP_SCHEDULE_DELAY": "600000",
+                "OTEL_METRICS_EXPORTER": "none", **extra})
     return env
 
 
@@ -124,3 +124,76 @@ print("OK")
                           timeout=120, preexec_fn=_default_signal_actions)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["OK"]
+
+
+def _two_ranks(tmp_path: pathlib.Path, *args: str, timeout: float = 120) -> list[tuple[int, str, str]]:
+    """ddp_teardown.py ARGS on two gloo ranks (plain processes, environment start); (returncode, stdout, stderr)."""
+    from tests.distributed import free_port
+
+    port = free_port()
+    processes = []
+    for rank in range(2):
+        env = _env(tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                   LOCAL_RANK=str(rank), OTEL_PYTHON_COMMDEBUG_ENABLED="true", OTEL_METRICS_EXPORTER="file",
+                   OTEL_METRIC_EXPORT_INTERVAL="600000", OTEL_PYTHON_COMMDEBUG_COMPLETION_EVERY="1")
+        processes.append(subprocess.Popen([sys.executable, str(SCRIPTS / "ddp_teardown.py"), *args], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    try:
+        for process in processes:
+            stdout, stderr = process.communicate(timeout=timeout)
+            results.append((process.returncode, stdout, stderr))
+    finally:
+        for process in processes:
+            process.kill()
+    return results
+
+
+def _steps_per_rank(tmp_path: pathlib.Path) -> dict[int, list[int]]:
+    from commdebug_otel.offline.summary import load_spans
+
+    [run] = tmp_path.glob("run-*")
+    steps: dict[int, list[int]] = {}
+    for span in load_spans([str(run)]):
+        if span["name"] == "train_step":
+            steps.setdefault(span["resource"][semconv.RANK], []).append(span["attributes"][semconv.STEP])
+    return {rank: sorted(found) for rank, found in steps.items()}
+
+
+def test_ranks_killed_right_after_destroy_process_group_have_delivered_their_finished_steps(tmp_path):
+    """A rank that dies (or hangs) in the process group's teardown has already delivered its finished steps:
+    ``destroy_process_group`` flushes first. (The batch processor's timer is off: only a flush writes.)"""
+    results = _two_ranks(tmp_path, "3", "killed")
+    for returncode, stdout, stderr in results:
+        assert returncode == -signal.SIGKILL, stderr
+        assert stdout.split() == ["DESTROYED"]
+    assert _steps_per_rank(tmp_path) == {0: [0, 1, 2], 1: [0, 1, 2]}
+
+
+def test_ranks_stuck_in_teardown_holding_the_gil_end_at_sigterm_with_their_finished_steps(tmp_path):
+    """A teardown stuck holding the GIL (DDP's Reducer freed after ``destroy_process_group``, joining gloo's
+    threads) runs neither our handler nor our rescue thread: the handlers are the script's again by then, so
+    SIGTERM ends the rank as without us (before, it ignored SIGTERM and outlived torchrun)."""
+    from tests.distributed import free_port
+
+    port = free_port()
+    processes = []
+    for rank in range(2):
+        env = _env(tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                   LOCAL_RANK=str(rank), OTEL_PYTHON_COMMDEBUG_ENABLED="true")
+        processes.append(subprocess.Popen([sys.executable, str(SCRIPTS / "ddp_teardown.py"), "3", "stuck"], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                          preexec_fn=_default_signal_actions))
+    try:
+        for process in processes:
+            assert process.stdout.readline().split() == ["DESTROYED"]
+            assert process.stdout.readline().split() == ["STUCK"]
+        for process in processes:
+            process.send_signal(signal.SIGTERM)
+        for process in processes:
+            _, stderr = process.communicate(timeout=60)
+            assert process.returncode == -signal.SIGTERM, stderr
+    finally:
+        for process in processes:
+            process.kill()
+    assert _steps_per_rank(tmp_path) == {0: [0, 1, 2], 1: [0, 1, 2]}
