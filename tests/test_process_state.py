@@ -197,3 +197,34 @@ def test_ranks_stuck_in_teardown_holding_the_gil_end_at_sigterm_with_their_finis
         for process in processes:
             process.kill()
     assert _steps_per_rank(tmp_path) == {0: [0, 1, 2], 1: [0, 1, 2]}
+
+
+def test_a_collectives_work_keeps_no_dispatch_mode_of_ours(telemetry, single_rank_group):
+    """gloo's ``AsyncWork`` keeps the ``at::ThreadLocalState`` of its creation (dispatch modes included) until
+    its worker thread frees it, which then needs the GIL. Our mode handles a collective popped off the stack,
+    so the work holds none of ours: after stop it is collectable while the work lives (a guard)."""
+    import gc
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+
+    from commdebug_otel import CommTracer, Settings
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracer = CommTracer(Settings(detail="dtensor"), tracer_provider=telemetry.tracer_provider,
+                        meter_provider=telemetry.meter_provider).start()
+    works = []
+    for _ in range(2):
+        out = model(torch.ones(2, 4))
+        works.append(dist.all_reduce(out.detach().clone(), async_op=True))  # created on a traced step
+        out.sum().backward()
+        optimizer.step()
+    mode = weakref.ref(tracer._mode)
+    tracer.stop()
+    del tracer, out
+    gc.collect()
+    assert mode() is None
+    for work in works:
+        work.wait()
