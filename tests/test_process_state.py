@@ -1,7 +1,8 @@
 """Tracing never changes what the script does with its process: its signal handlers and its exit.
 
 Real subprocesses: a script's own SIGTERM handling (installed after tracing started, by the script or
-a library) runs as if we were not there, and finished steps are on disk however the process ends.
+a library) runs as if we were not there, and finished steps are on disk however the process ends, a
+2-rank gloo DDP job's ranks killed or stuck right after ``destroy_process_group`` included.
 """
 
 import os
