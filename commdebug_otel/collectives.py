@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -147,10 +149,57 @@ class CollectiveCounter:
             _logger.debug("commdebug-otel: %s is not timed to completion: %s", spec.overload_name, describe(error))
             return
         try:
-            future.add_done_callback(_Completion(self, spec.op, pass_, group, rank, fqn, start_ns, seq))
+            completion = _Completion(self, spec.op, pass_, group, rank, fqn, start_ns, seq)
+            future.add_done_callback(OnBackendThread(completion))
         except Exception as error:
             self._untimed.add(spec.overload_name)
             self._hook_failed("completion time", error)
+
+
+class OnBackendThread:
+    """A ``Work`` future's done callback of ours, counted until the backend's thread has let it go.
+
+    The backend's thread (gloo's worker) takes the GIL to run it and again to free it, while it
+    holds the ``Work``. Tearing the process group down meanwhile (``destroy_process_group``, or DDP's
+    ``Reducer`` freed after it: both join that thread holding the GIL) deadlocks it, and on a busy
+    machine a step's last callbacks are often still waiting for the GIL when the script ends. The
+    tracer waits for :func:`wait_for_backend_callbacks` before the group goes.
+    """
+
+    __slots__ = ("call",)
+    _live = 0
+    _lock = threading.Lock()
+
+    def __init__(self, call: Callable[[Any], None]) -> None:
+        self.call = call
+        with OnBackendThread._lock:
+            OnBackendThread._live += 1
+
+    def __call__(self, future: Any) -> None:
+        self.call(future)
+
+    def __del__(self) -> None:
+        with OnBackendThread._lock:
+            OnBackendThread._live -= 1
+
+
+def _none_in_child() -> None:
+    OnBackendThread._live = 0  # the parent's backend threads are not the child's
+
+
+os.register_at_fork(after_in_child=_none_in_child)
+
+
+def wait_for_backend_callbacks(timeout_s: float) -> bool:
+    """Wait (the GIL released) until every :class:`OnBackendThread` callback has run and been freed by its
+    backend's thread, at most ``timeout_s`` seconds (a collective that never completes keeps its own).
+    Returns True if none is left; never raises."""
+    deadline = time.monotonic() + timeout_s
+    while OnBackendThread._live > 0:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 class _Completion:
@@ -233,7 +282,7 @@ def peer_when_received(collective: Collective, attrs: dict[str, Any],
     except Exception:  # gloo: "Work::getFuture not implemented"
         awaiting[id(unboxed)] = (unboxed, attrs)  # held, so wait() gets this same object
         return
-    future.add_done_callback(functools.partial(_set_peer, unboxed, attrs, hook_failed))
+    future.add_done_callback(OnBackendThread(functools.partial(_set_peer, unboxed, attrs, hook_failed)))
 
 
 def _set_peer(work: Any, attrs: dict[str, Any], hook_failed: Callable[[str, BaseException], None],

@@ -14,6 +14,7 @@ Untraced steps pay for module hooks and metrics only.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import threading
@@ -23,6 +24,7 @@ from typing import Any
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ._torch import in_backward
+from .collectives import wait_for_backend_callbacks
 from .config import Detail, Settings
 from .intercept import interceptor
 from .metrics import LazyCollectiveMetrics
@@ -145,6 +147,7 @@ class CommTracer:
         self._optimizer_pre_handle = None
         self._started = False
         self._fork_hook = False
+        self._teardown_watch: _TeardownWatch | None = None
 
     def _rank(self) -> Any:
         return self.recorder.rank()
@@ -201,6 +204,9 @@ class CommTracer:
             self._stall_watch.start()
         atexit.register(self._stop_at_exit)
         self.telemetry.before_shutdown.append(self._stop_at_exit)
+        if self._exports:
+            self.telemetry.hold_signals()  # again after a stop; before the first span, at the first span
+            self._teardown_watch = _TeardownWatch(self._before_teardown).install()
         _STARTED.add(self)  # weakly: a tracer that is dropped can be collected
         if self._exports:
             _EXPORTING.add(self)
@@ -275,6 +281,8 @@ class CommTracer:
     def _optimizer_step_post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
             self.recorder.optimizer_step_done()
+            if self._exports:
+                self.telemetry.keep_signals()  # our flush again where a handler was reset to the default
         except Exception as error:
             self.recorder.hook_failed("optimizer step hook", error)
 
@@ -299,13 +307,18 @@ class CommTracer:
         for where, undo in (("exit handlers", self._unregister_exit),
                             ("telemetry", settle),
                             ("closing spans", self.recorder.finish),
+                            # Before the process group goes (at exit, when the script never destroyed it).
+                            ("backend callbacks", lambda: wait_for_backend_callbacks(
+                                min(self.settings.shutdown_timeout_s, METRICS_DRAIN_S))),
                             # The metrics worker records what the closed step left, then its thread ends:
                             # in-memory SDK calls, so a short bound (an SDK that hangs must not double the
                             # exit budget).
                             ("metrics", lambda: self._metrics.close(
                                 min(self.settings.shutdown_timeout_s, METRICS_DRAIN_S))),
                             ("removing hooks", self._remove_hooks),
-                            ("flush", self.telemetry.force_flush if flush else None)):
+                            ("flush", self.telemetry.force_flush if flush else None),
+                            # Last: a signal during the flush still flushes and ends the process as before.
+                            ("signal handlers", self.telemetry.release_signals if self._exports else None)):
             if undo is None:
                 continue
             try:
@@ -318,8 +331,32 @@ class CommTracer:
         if self._stop_at_exit in self.telemetry.before_shutdown:
             self.telemetry.before_shutdown.remove(self._stop_at_exit)
 
+    def _before_teardown(self, whole_job: bool) -> None:
+        """Before ``destroy_process_group``: our callbacks off the backend's threads, finished steps exported.
+
+        A rank that hangs or is killed in the group's teardown has delivered them. ``whole_job`` (the default
+        group goes): the signal handlers are given back too, since a teardown that hangs holding the GIL (a
+        destructor joining gloo's threads) runs neither our handler nor our rescue thread, and must end at
+        SIGTERM as without us. Never raises.
+        """
+        bound_s = min(self.settings.shutdown_timeout_s, METRICS_DRAIN_S)
+        for where, call in (("backend callbacks", lambda: wait_for_backend_callbacks(bound_s)),
+                            ("metrics", lambda: self.flush_metrics(bound_s)),
+                            ("flush", self.telemetry.force_flush),
+                            ("signal handlers", self.telemetry.release_signals if whole_job else None)):
+            if call is None:
+                continue
+            try:
+                call()
+            except Exception as error:
+                self.recorder.hook_failed(f"destroy_process_group: {where}", error)
+
     def _remove_hooks(self) -> None:
-        """Undo :meth:`start`'s hooks in mirrored order: optimizer hooks, dispatch mode, kernels, module hooks."""
+        """Undo :meth:`start`'s hooks in mirrored order: teardown watch, optimizer hooks, dispatch mode, kernels,
+        module hooks."""
+        if self._teardown_watch is not None:
+            self._teardown_watch.remove()
+            self._teardown_watch = None
         self.recorder.active = False
         self._mode_follows_steps = False
         if self._stall_watch is not None:
@@ -380,6 +417,65 @@ class CommTracer:
             self.stop()
         except Exception as error:  # stop() never raises; should it, the script's own exit still wins
             self.recorder.hook_failed("CommTracer.stop", error)
+
+
+class _TeardownWatch:
+    """``torch.distributed.destroy_process_group`` wrapped to call ``before(whole_job)`` first, while a tracer
+    runs (``whole_job``: the default group is destroyed).
+
+    torch offers no hook there. Put back at :meth:`remove` wherever it is still ours; a script that took
+    its own reference to the function before the tracer started (``from torch.distributed import
+    destroy_process_group`` with the tracer started later) calls torch's own (the exit flush remains).
+    """
+
+    _MODULES = ("torch.distributed", "torch.distributed.distributed_c10d")
+
+    def __init__(self, before: Any) -> None:
+        self._before = before
+        self._installed: list[tuple[Any, Any]] = []  # (module, torch's function)
+
+    def install(self) -> _TeardownWatch | None:
+        import importlib
+
+        for name in self._MODULES:
+            try:
+                module = importlib.import_module(name)
+            except Exception:  # a torch built without distributed
+                continue
+            original = getattr(module, "destroy_process_group", None)
+            if original is None or getattr(original, "__commdebug_before__", None) is not None:
+                continue  # torch without distributed; or another tracer's (it wraps torch's already)
+            module.destroy_process_group = self._wrap(original)
+            self._installed.append((module, original))
+        return self
+
+    def _wrap(self, original: Any) -> Any:
+        before = self._before
+
+        @functools.wraps(original)
+        def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+            group = args[0] if args else kwargs.get("group")
+            before(group is None or group is _world_group())
+            return original(*args, **kwargs)
+
+        destroy_process_group.__commdebug_before__ = before
+        return destroy_process_group
+
+    def remove(self) -> None:
+        for module, original in reversed(self._installed):
+            current = getattr(module, "destroy_process_group", None)
+            if getattr(current, "__commdebug_before__", None) is self._before:
+                module.destroy_process_group = original
+        self._installed.clear()
+
+
+def _world_group() -> Any:
+    try:
+        from torch.distributed import GroupMember
+
+        return GroupMember.WORLD
+    except Exception:
+        return None
 
 
 class _ModeSwitch(RecorderObserver):
