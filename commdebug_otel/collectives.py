@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -167,24 +166,28 @@ class OnBackendThread:
     """
 
     __slots__ = ("call",)
-    _live = 0
-    _lock = threading.Lock()
 
     def __init__(self, call: Callable[[Any], None]) -> None:
         self.call = call
-        with OnBackendThread._lock:
-            OnBackendThread._live += 1
+        _LIVE_CALLBACKS.append(None)
 
     def __call__(self, future: Any) -> None:
         self.call(future)
 
     def __del__(self) -> None:
-        with OnBackendThread._lock:
-            OnBackendThread._live -= 1
+        try:
+            _LIVE_CALLBACKS.pop()
+        except IndexError:  # counted before a fork, freed in the child
+            pass
+
+
+# One entry per live OnBackendThread. No lock: list.append and list.pop are atomic under the GIL, and a
+# lock taken in __del__ by a backend thread that finalization stops mid-way would hang the final collection.
+_LIVE_CALLBACKS: list[None] = []
 
 
 def _none_in_child() -> None:
-    OnBackendThread._live = 0  # the parent's backend threads are not the child's
+    _LIVE_CALLBACKS.clear()  # the parent's backend threads are not the child's
 
 
 os.register_at_fork(after_in_child=_none_in_child)
@@ -195,7 +198,7 @@ def wait_for_backend_callbacks(timeout_s: float) -> bool:
     backend's thread, at most ``timeout_s`` seconds (a collective that never completes keeps its own).
     Returns True if none is left; never raises."""
     deadline = time.monotonic() + timeout_s
-    while OnBackendThread._live > 0:
+    while _LIVE_CALLBACKS:
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.001)
