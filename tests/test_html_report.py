@@ -18,7 +18,7 @@ from tools import require_program
 
 _STEPS = 3
 _SLOW_RANK = 1
-_DELAY_S = 0.05
+_DELAY_S = 0.3
 
 
 class _Net(torch.nn.Module):
@@ -91,8 +91,9 @@ def test_step_and_wait_time_per_rank(run):
                                                    for span in steps) * 1e3)
         assert row["max_ms"] == max(span["end_ns"] - span["start_ns"] for span in steps) / 1e6
         assert f"<td>{row['wait_ms']:.2f}</td>" in page
-    # Rank 0 waits in second's all_reduce for rank 1's sleep, every step (a lower bound: sleeps never end early).
-    assert times[0]["wait_ms"] >= 0.8 * _DELAY_S * 1e3 * _STEPS
+    # Rank 0 waits in second's all_reduce for rank 1's sleep, every step. No bound in seconds: a busy machine
+    # can delay rank 0 too; only the order of the two ranks is asserted.
+    assert times[0]["wait_ms"] > times[1]["wait_ms"]
     assert "<td>rank 0</td><td>3</td>" in page and "<td>rank 1</td><td>3</td>" in page
 
 
