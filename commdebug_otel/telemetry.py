@@ -642,6 +642,8 @@ class Telemetry:
                 elif name == "prometheus":
                     place = ("serving", "for Prometheus to scrape")
                 elif name == "file":
+                    if not os.path.isdir(self._run_directory()):
+                        continue  # the folder could not be made: _file_path said so, naming the variable
                     place = ("writing", f"as OTLP-JSON lines to {self._run_directory()}")
                 elif name != "none":
                     place = ("exporting", f"to {name}")
@@ -660,9 +662,10 @@ class Telemetry:
                 for (verb, where), kinds in sorted(places.items(), key=lambda item: item[0][0] == "writing")]
         spans_from = "" if self._settings.ranks is None else \
             f", spans from rank(s) {','.join(map(str, sorted(self._settings.ranks)))} only"
-        log("commdebug-otel: tracing is on (%d rank(s)%s): %s%s", rank.world_size, spans_from,
-            "; ".join(said) or "exporting nothing (OTEL_TRACES_EXPORTER and OTEL_METRICS_EXPORTER are none)",
-            why)
+        if said or (not places and all(export.exporter_names(kind) == ["none"] for kind in ("traces", "metrics"))):
+            log("commdebug-otel: tracing is on (%d rank(s)%s): %s%s", rank.world_size, spans_from,
+                "; ".join(said) or "exporting nothing (OTEL_TRACES_EXPORTER and OTEL_METRICS_EXPORTER are none)",
+                why)
         outside = self._settings.ranks_outside(rank.world_size)
         if outside:
             (_logger.warning if rank.rank == 0 else _logger.debug)(

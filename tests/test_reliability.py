@@ -120,7 +120,9 @@ def test_bad_collector_costs_one_warning_and_a_bounded_exit(protocol, collector,
     # provider); the interpreter and process-group teardown come on top.
     assert handlers_done - done < budget_s + 1, result.stderr
     assert exited - done < budget_s + 6, result.stderr
-    warnings = [line for line in result.stderr.splitlines() if endpoint in line]
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith("commdebug-otel: tracing is on (1 rank(s)): sending traces") and endpoint in lines[0]
+    warnings = [line for line in lines[1:] if endpoint in line]  # after the start's line saying where it sends
     assert len(warnings) == 1, result.stderr
     assert "Traceback" not in result.stderr
 
