@@ -44,7 +44,16 @@ from typing import Any
 from .. import semconv
 from ..report import GLOBAL, CommReport, Operation, render_json, render_table
 from .model import P2P as _P2P
-from .model import SpanIndex, collective_events, collective_matches, is_complete, is_snapshot, issued_ns, own_step
+from .model import (
+    SpanIndex,
+    collective_events,
+    collective_matches,
+    is_complete,
+    is_snapshot,
+    issued_ns,
+    own_step,
+    warmup_step,
+)
 from .otlp_json import SpanReader, ranked, spans_from_otlp_json, trace_files
 
 _log = logging.getLogger(__name__)
@@ -396,7 +405,7 @@ def rank_totals(spans: list[dict]) -> dict[int, dict[str, Any]]:
     return totals
 
 
-def stragglers(spans: list[dict], step: int | None = None) -> dict[str, Any]:
+def stragglers(spans: list[dict], step: int | None = None, include_warmup: bool = False) -> dict[str, Any]:
     """Match each collective across ranks by (process group name, seq) and measure lateness.
 
     Matching is :func:`collective_matches`'s: point-to-point ops (``send``, ``recv``,
@@ -407,10 +416,12 @@ def stragglers(spans: list[dict], step: int | None = None) -> dict[str, Any]:
     :func:`.model.issued_ns`, as ``diagnose`` measures it) minus the earliest rank's (ns), not
     when the call returned: the time the others waited for it. A match is complete when as
     many ranks as the group's size took part.
-    ``step``: only collectives of that training step (matched over all of ``spans``).
+    ``step``: only collectives of that training step (matched over all of ``spans``); without it,
+    every traced step but the first (:func:`.model.warmup_step`: start-up skew and warm-up), unless
+    ``include_warmup``.
 
     Returns:
-        ``{"matched": complete matches, "incomplete": other matches,
+        ``{"warmup_step": the step left out or None, "matched": complete matches, "incomplete": other matches,
         "per_rank": {rank: {"matched": complete matches it took part in,
         "mean_late_ms", "max_late_ms", "last": matches where it was the latest (ties count for all),
         "lost_ms": the time those matches were held back by it (its arrival minus the next latest)}},
@@ -422,8 +433,10 @@ def stragglers(spans: list[dict], step: int | None = None) -> dict[str, Any]:
     The times are each host's wall clock when the CPU issued the collective,
     not when the device ran it; across hosts, clock skew adds to lateness.
     """
-    index = SpanIndex(spans) if step is not None else None
-    matches = collective_matches(spans, lambda event: index is None or index.step(event["span"]) == step)
+    warmup = None if include_warmup or step is not None else warmup_step(spans)
+    index = SpanIndex(spans) if step is not None or warmup is not None else None
+    matches = collective_matches(spans, lambda event: index is None or (
+        index.step(event["span"]) == step if step is not None else index.step(event["span"]) != warmup))
     late: dict[int, list[int]] = {rank: [] for rank in _ranks(spans)}
     last: Counter = Counter()
     lost: Counter = Counter()
@@ -447,7 +460,7 @@ def stragglers(spans: list[dict], step: int | None = None) -> dict[str, Any]:
         "last": last[rank],
         "lost_ms": lost[rank] / 1e6,
     } for rank, values in late.items()}
-    return {"matched": complete, "incomplete": len(matches) - complete, "per_rank": per_rank,
+    return {"warmup_step": warmup, "matched": complete, "incomplete": len(matches) - complete, "per_rank": per_rank,
             "most_often_last": last.most_common(1)[0][0] if last else None,
             "most_time_lost": lost.most_common(1)[0][0] if lost and lost.most_common(1)[0][1] > 0 else None}
 
@@ -593,7 +606,8 @@ def span_warnings(spans: list[dict]) -> list[str]:
     return notes
 
 
-def report_dict(spans: list[dict], rank: int = 0, top: int = 10, step: int | None = None) -> dict[str, Any]:
+def report_dict(spans: list[dict], rank: int = 0, top: int = 10, step: int | None = None,
+                include_warmup: bool = False) -> dict[str, Any]:
     """Everything ``summarize``'s text report says, as plain data (``--format report-json``).
 
     ``step``: training step ``step`` only (:func:`step_spans`); stragglers and
@@ -615,18 +629,19 @@ def report_dict(spans: list[dict], rank: int = 0, top: int = 10, step: int | Non
         "rank": rank,
         "module_counts": module_counts(chosen, rank),
         "rank_totals": rank_totals(chosen),
-        "stragglers": stragglers(spans, step),
+        "stragglers": stragglers(spans, step, include_warmup),
         "pipeline_waits": pipeline_waits(spans, step),
         "top_collectives": top_collectives(chosen, rank, top),
     }
 
 
-def format_report(spans: list[dict], rank: int = 0, top: int = 10, step: int | None = None) -> str:
+def format_report(spans: list[dict], rank: int = 0, top: int = 10, step: int | None = None,
+                  include_warmup: bool = False) -> str:
     """``commdebug-otel summarize``'s text: module table, per-rank totals, stragglers, pipeline waits, top bytes.
 
-    ``step``: as :func:`report_dict`.
+    ``step``, ``include_warmup``: as :func:`report_dict`.
     """
-    report = report_dict(spans, rank, top, step)
+    report = report_dict(spans, rank, top, step, include_warmup)
     where = "" if step is None else f" in step {step}"
     out = [f"{report['spans']} spans{where} from {len(report['ranks'])} rank(s) in {report['files']} file(s)",
            *report["warnings"], ""]
@@ -648,6 +663,9 @@ def format_report(spans: list[dict], rank: int = 0, top: int = 10, step: int | N
     out += ["", (f"Stragglers: {lag['matched']} collectives matched across ranks by "
                  f"(process group, seq); {lag['incomplete']} seen on fewer ranks than the group size. "
                  "Send/recv are not collectives: see pipeline waits.")]
+    if lag["warmup_step"] is not None:
+        out.append(f"(step {lag['warmup_step']} left out: the first traced step, start-up skew and warm-up; "
+                   "--include-warmup counts it)")
     rows = [("rank", "matched", "mean late ms", "max late ms", "last", "lost ms")]
     for r, stats in lag["per_rank"].items():
         rows.append((r, stats["matched"], f"{stats['mean_late_ms']:.3f}", f"{stats['max_late_ms']:.3f}",
@@ -697,6 +715,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=("text", "json", "report-json"), default="text",
                         help="text report, CommDebugMode's generate_json_dump tree (json), or the text "
                              "report's content as JSON (report-json) (default text)")
+    parser.add_argument("--include-warmup", action="store_true",
+                        help="count the first traced step in the stragglers (left out by default: ranks start it "
+                             "at different times and run it cold)")
 
 
 def load_for_command(paths: Iterable[str], command: str, snapshots: bool = False) -> list[dict[str, Any]] | None:
@@ -750,7 +771,7 @@ def run(args: argparse.Namespace) -> int:
         chosen = spans if args.step is None else step_spans(spans, args.step)
         print(json.dumps(comm_debug_json(chosen, args.rank), indent=4))
     elif args.format == "report-json":
-        print(json.dumps(report_dict(spans, args.rank, args.top, args.step), indent=4))
+        print(json.dumps(report_dict(spans, args.rank, args.top, args.step, args.include_warmup), indent=4))
     else:
-        print(format_report(spans, args.rank, args.top, args.step))
+        print(format_report(spans, args.rank, args.top, args.step, args.include_warmup))
     return 0
