@@ -309,10 +309,10 @@ def test_straggler_blame_exact(tmp_path):
 
 
 def test_summarize_and_diagnose_agree_on_the_straggler(tmp_path):
-    # A blocking all_reduce: rank 1 issues it 10 ms after rank 0, both return at 30 ms. The time the call
+    # A blocking all_reduce: rank 1 issues it 20 ms after rank 0, both return at 30 ms. The time the call
     # returned says nothing of who was late; the issue time (one definition, docs/diagnosis.md) does.
     spans = []
-    for rank, issued_ms in ((0, 10), (1, 20)):
+    for rank, issued_ms in ((0, 5), (1, 25)):
         event = (30 * MS, {semconv.COLLECTIVE_OP: "all_reduce", semconv.COLLECTIVE_SEQ: 0,
                            semconv.PROCESS_GROUP_NAME: "0", semconv.PROCESS_GROUP_SIZE: 2,
                            semconv.COLLECTIVE_DURATION: (30 - issued_ms) / 1e3})
@@ -321,10 +321,45 @@ def test_summarize_and_diagnose_agree_on_the_straggler(tmp_path):
     spans = _load(spans, tmp_path)
     lag = summary.stragglers(spans)
     assert lag["most_time_lost"] == 1
-    assert (lag["per_rank"][1]["lost_ms"], lag["per_rank"][1]["max_late_ms"], lag["per_rank"][0]["last"]) == (10, 10, 0)
+    assert (lag["per_rank"][1]["lost_ms"], lag["per_rank"][1]["max_late_ms"], lag["per_rank"][0]["last"]) == (20, 20, 0)
     (row,) = diagnose.stragglers(spans)
-    assert (row["rank"], row["lost_s"] * 1e3) == (1, 10)
-    assert "Most time lost: rank 1 held back the others 10.000 ms" in summary.format_report(spans)
+    assert (row["rank"], row["lost_s"] * 1e3) == (1, 20)
+    assert "Straggler: rank 1 held back the others 20.000 ms (last in 1 of 1; 20.000 ms in its median step, over " \
+        "10.800 ms: 10 ms + 2% of the median step, and 3 x any other rank's median step); `commdebug-otel " \
+        "diagnose` names the module." in summary.format_report(spans).splitlines()
+
+
+def _steps_late_by(late_ms):
+    """Steps 0.. of 100 ms on 2 ranks, one blocking all_reduce each; ``late_ms[step]``: ``(rank, ms)`` that rank
+    issued it after the other."""
+    spans = []
+    for step, (late_rank, ms) in enumerate(late_ms):
+        at = step * 100 * MS
+        for rank in (0, 1):
+            issued = at + 10 * MS + (ms * MS if rank == late_rank else 0)
+            event = (at + 60 * MS, _collective(step, **{semconv.COLLECTIVE_DURATION: (at + 60 * MS - issued) / 1e9}))
+            spans.append(_step(rank, step, f"s{step}", at, at + 100 * MS, [event], trace=f"t{step}"))
+    return spans
+
+
+def test_summarize_names_a_straggler_only_over_the_spread_of_healthy_ranks(tmp_path):
+    # A healthy run: now one rank, now the other, a few ms late (step 0, warm-up, left out). Rank 1 lost the
+    # most (18 ms in all) but 6 ms in its median step: under 10 ms + 2% of 100 ms.
+    healthy = _steps_late_by([(1, 50), (1, 6), (0, 4), (1, 6), (0, 5), (1, 6)])
+    lag = summary.stragglers(_load(healthy, tmp_path))
+    assert (lag["most_time_lost"], lag["straggler"], lag["straggler_threshold_ms"]) == (1, None, 12.0)
+    assert [lag["per_rank"][rank]["median_step_lost_ms"] for rank in (0, 1)] == [0.0, 6.0]
+    assert "No straggler: the most, rank 1, held back the others 18.000 ms, 6.000 ms in its median step, not over " \
+        "12.000 ms: 10 ms + 2% of the median step, and 3 x any other rank's median step (the spread of healthy " \
+        "ranks)." in summary.format_report(_load(healthy, tmp_path)).splitlines()
+    # Rank 1 30 ms late on every step: over the floor, and over 3 x rank 0's median (0 ms).
+    slow = _steps_late_by([(1, 30)] * 6)
+    lag = summary.stragglers(_load(slow, tmp_path))
+    assert (lag["straggler"], lag["per_rank"][1]["lost_ms"], lag["per_rank"][1]["median_step_lost_ms"]) == (1, 150, 30)
+    # Both ranks late now and then, rank 1 by more but within 3 x rank 0's median: the spread, no straggler.
+    spread = _steps_late_by([(0, 1), (1, 40), (0, 15), (1, 40), (0, 15), (1, 40), (0, 15)])
+    lag = summary.stragglers(_load(spread, tmp_path))
+    assert (lag["most_time_lost"], lag["straggler"], lag["straggler_threshold_ms"]) == (1, None, 22.5)
 
 
 def test_asynchronous_collectives_count_a_delay_once(tmp_path):

@@ -88,6 +88,12 @@ __all__ = [
 
 _FORWARD, _BACKWARD, _RECOMPUTE = semconv.PASS_FORWARD, semconv.PASS_BACKWARD, semconv.PASS_RECOMPUTE
 _LEGACY_FUNCTIONAL = semconv.LEGACY_FUNCTIONAL_PACKETS
+#: A rank is named the straggler only when, in its median counted step, it held the others back by more
+#: than STRAGGLER_FLOOR_MS plus STRAGGLER_STEP_SHARE of the median step time, and by more than
+#: STRAGGLER_MARGIN times the most any other rank did in its median step (how late healthy ranks get).
+STRAGGLER_FLOOR_MS = 10.0
+STRAGGLER_STEP_SHARE = 0.02
+STRAGGLER_MARGIN = 3.0
 
 
 # ------------------------------------------------------------------- loading
@@ -417,16 +423,22 @@ def stragglers(spans: list[dict], step: int | None = None, include_warmup: bool 
     when the call returned: the time the others waited for it. A match is complete when as
     many ranks as the group's size took part.
     ``step``: only collectives of that training step (matched over all of ``spans``); without it,
-    every traced step but the first (:func:`.model.warmup_step`: start-up skew and warm-up), unless
-    ``include_warmup``.
+    every collective but those of the first traced step (:func:`.model.warmup_step`: start-up skew
+    and warm-up), unless ``include_warmup``.
 
     Returns:
         ``{"warmup_step": the step left out or None, "matched": complete matches, "incomplete": other matches,
         "per_rank": {rank: {"matched": complete matches it took part in,
         "mean_late_ms", "max_late_ms", "last": matches where it was the latest (ties count for all),
-        "lost_ms": the time those matches were held back by it (its arrival minus the next latest)}},
+        "lost_ms": the time those matches were held back by it (its arrival minus the next latest),
+        "median_step_lost_ms": its lost time in the median counted step}},
         "most_often_last": rank or None, "most_time_lost": the rank with the largest ``lost_ms``, or
-        None}``. Matches of one-rank groups are complete but have no latest rank. Arriving last most
+        None, "straggler": that rank when it stands out (below), else None, "straggler_threshold_ms":
+        what its ``median_step_lost_ms`` had to exceed (None without ``most_time_lost``)}``.
+        A straggler stands out over the rank-to-rank spread of healthy steps: its median step's lost
+        time exceeds :data:`STRAGGLER_FLOOR_MS` + :data:`STRAGGLER_STEP_SHARE` x the median
+        ``train_step`` duration, and :data:`STRAGGLER_MARGIN` x the largest median of any other rank.
+        Matches of one-rank groups are complete but have no latest rank. Arriving last most
         often is noise on a quiet job; the time lost weighs it (``commdebug-otel diagnose`` also names
         the module).
 
@@ -434,12 +446,16 @@ def stragglers(spans: list[dict], step: int | None = None, include_warmup: bool 
     not when the device ran it; across hosts, clock skew adds to lateness.
     """
     warmup = None if include_warmup or step is not None else warmup_step(spans)
-    index = SpanIndex(spans) if step is not None or warmup is not None else None
-    matches = collective_matches(spans, lambda event: index is None or (
-        index.step(event["span"]) == step if step is not None else index.step(event["span"]) != warmup))
+    index = SpanIndex(spans)
+    # Collectives outside every step stay: a pipeline schedule's loss all_reduce can be one.
+    matches = collective_matches(spans, lambda event: (
+        index.step(event["span"]) == step if step is not None
+        else warmup is None or index.step(event["span"]) != warmup))
     late: dict[int, list[int]] = {rank: [] for rank in _ranks(spans)}
     last: Counter = Counter()
     lost: Counter = Counter()
+    by_step: dict[int, Counter] = defaultdict(Counter)  # rank -> step -> ns lost
+    counted: set[int | None] = set()
     complete = 0
     for events in matches.values():
         if not is_complete(events):
@@ -448,21 +464,36 @@ def stragglers(spans: list[dict], step: int | None = None, include_warmup: bool 
         arrivals = {rank: issued_ns(event) for rank, event in events.items()}
         first, latest = min(arrivals.values()), max(arrivals.values())
         ordered = sorted(arrivals.values())
+        number = index.step(next(iter(events.values()))["span"])
+        counted.add(number)
         for rank, time_ns in arrivals.items():
             late[rank].append(time_ns - first)
             if len(arrivals) > 1 and time_ns == latest:
                 last[rank] += 1
                 lost[rank] += latest - ordered[-2]
+                by_step[rank][number] += latest - ordered[-2]
+    median_lost = {rank: statistics.median([by_step[rank][number] for number in counted]) / 1e6 if counted else 0.0
+                   for rank in late}
     per_rank = {rank: {
         "matched": len(values),
         "mean_late_ms": statistics.fmean(values) / 1e6 if values else 0.0,
         "max_late_ms": max(values) / 1e6 if values else 0.0,
         "last": last[rank],
         "lost_ms": lost[rank] / 1e6,
+        "median_step_lost_ms": median_lost[rank],
     } for rank, values in late.items()}
+    most = lost.most_common(1)[0][0] if lost and lost.most_common(1)[0][1] > 0 else None
+    durations = [span["end_ns"] - span["start_ns"] for span in spans
+                 if (number := own_step(span)) is not None and number in counted]
+    threshold = None
+    if most is not None:
+        threshold = max(STRAGGLER_FLOOR_MS + STRAGGLER_STEP_SHARE * (statistics.median(durations) / 1e6 if durations
+                                                                      else 0.0),
+                        STRAGGLER_MARGIN * max((ms for rank, ms in median_lost.items() if rank != most), default=0.0))
     return {"warmup_step": warmup, "matched": complete, "incomplete": len(matches) - complete, "per_rank": per_rank,
-            "most_often_last": last.most_common(1)[0][0] if last else None,
-            "most_time_lost": lost.most_common(1)[0][0] if lost and lost.most_common(1)[0][1] > 0 else None}
+            "most_often_last": last.most_common(1)[0][0] if last else None, "most_time_lost": most,
+            "straggler": most if threshold is not None and median_lost[most] > threshold else None,
+            "straggler_threshold_ms": threshold}
 
 
 def _group_members(events: list[dict]) -> dict[str, Sequence[int] | None]:
@@ -672,10 +703,18 @@ def format_report(spans: list[dict], rank: int = 0, top: int = 10, step: int | N
                      stats["last"], f"{stats['lost_ms']:.3f}"))
     out += columns(rows)
     slowest = lag["most_time_lost"]
-    if slowest is not None:
+    rule = (f"{lag['straggler_threshold_ms']:.3f} ms: {STRAGGLER_FLOOR_MS:g} ms + {STRAGGLER_STEP_SHARE:.0%} of the "
+            f"median step, and {STRAGGLER_MARGIN:g} x any other rank's median step" if slowest is not None else "")
+    if lag["straggler"] is not None:
         stats = lag["per_rank"][slowest]
-        out.append(f"Most time lost: rank {slowest} held back the others {stats['lost_ms']:.3f} ms "
-                   f"(last in {stats['last']} of {stats['matched']}); `commdebug-otel diagnose` names the module.")
+        out.append(f"Straggler: rank {slowest} held back the others {stats['lost_ms']:.3f} ms (last in "
+                   f"{stats['last']} of {stats['matched']}; {stats['median_step_lost_ms']:.3f} ms in its median step, "
+                   f"over {rule}); `commdebug-otel diagnose` names the module.")
+    elif slowest is not None:
+        stats = lag["per_rank"][slowest]
+        out.append(f"No straggler: the most, rank {slowest}, held back the others {stats['lost_ms']:.3f} ms, "
+                   f"{stats['median_step_lost_ms']:.3f} ms in its median step, not over {rule} "
+                   "(the spread of healthy ranks).")
     out.append("Lateness = when a rank's CPU issued the collective minus the earliest rank, by each "
                "host's wall clock: across hosts, clock skew adds to it.")
 
