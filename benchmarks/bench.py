@@ -23,7 +23,10 @@ training the demo transformer of ``commdebug_otel._demo_model`` at the size in `
    series, and the traced and always-on step-time ratios, interleaved;
 7. depth (``--only depth``): per-span cost of tracing every step of a chain of 50 and of 300
    nested modules (one process), with the default file exporter and with
-   ``OTEL_TRACES_EXPORTER=none``: the ratio between the depths, and spans per second per core.
+   ``OTEL_TRACES_EXPORTER=none``: the ratio between the depths, and spans per second per core;
+8. offline (``--only offline``, ``--offline-ranks N``): wall time and peak RSS of ``commdebug-otel
+   summarize`` and ``diagnose`` on a 1,024-rank job of 20 traced steps (real spans of a real 4-rank
+   run, ranks multiplied: about 1.5 GB).
 
 It prints a results table and a PASS/FAIL line per target (docs/performance.md explains
 every number). ``--profile`` instead runs cProfile on rank 0 of a traced TP job and prints
@@ -1165,6 +1168,71 @@ def phase_depth(rounds: int, steps_per_block: int, report: dict[str, Any]) -> No
     report["depth"] = {"rounds": rounds, "steps_per_block": steps_per_block, "depths": rows, "ratio": ratios}
 
 
+OFFLINE_RANKS = 1024  # the offline phase's job: ranks (a multiple of OFFLINE_SOURCE_RANKS) of 20 traced steps
+OFFLINE_SOURCE_RANKS = 4  # ranks of the real run copied (the demo model, FSDP2 + TP on a (2, 2) mesh)
+OFFLINE_STEPS = 20
+TARGET_OFFLINE_S = 60.0
+TARGET_OFFLINE_BYTES = 1e9
+
+
+def make_offline_job(out_dir: Path, ranks: int = OFFLINE_RANKS) -> dict[str, Any]:
+    """A ``ranks``-rank job of ``OFFLINE_STEPS`` traced steps: the real spans of a real run, ranks multiplied.
+
+    Runs ``commdebug-otel demo --ranks 4`` (every step traced), then writes each of its 4 trace files
+    ``ranks / 4`` times with the rank, the world size, the process group names (each copy its own
+    groups, so collectives match within a copy as in the real run) and the trace ids (each copy its own
+    traces, shared by its ranks) changed: the same lines, bytes and span shapes a real job writes.
+    Returns ``{"bytes", "files", "source_bytes"}``.
+    """
+    import re
+
+    source = out_dir / "source"
+    source.mkdir(parents=True)
+    env = {name: value for name, value in os.environ.items() if not name.startswith("OTEL_")}
+    env.update(OTEL_PYTHON_COMMDEBUG_TRACE_EVERY="1", PYTHONPATH=str(REPO))
+    subprocess.run([sys.executable, "-m", "commdebug_otel.cli", "demo", "--ranks", str(OFFLINE_SOURCE_RANKS),
+                    "--steps", str(OFFLINE_STEPS)], cwd=source, env=env, check=True, capture_output=True)
+    (run,) = (source / "commdebug-otel-out").glob("run-*")
+    job = out_dir / "job"
+    job.mkdir()
+    written = source_bytes = 0
+    for rank in range(OFFLINE_SOURCE_RANKS):
+        text = (run / f"traces-rank{rank}.jsonl").read_text()
+        source_bytes += len(text)
+        text = text.replace(f'"torch.distributed.rank","value":{{"intValue":"{rank}"}}',
+                            '"torch.distributed.rank","value":{"intValue":"@RANK@"}')
+        text = re.sub(r'("torch\.distributed\.world_size","value":\{"intValue":")\d+"', rf'\g<1>{ranks}"', text)
+        text = re.sub(r'("torch\.process_group\.name","value":\{"stringValue":"[^"]*)"', r'\1.@COPY@"', text)
+        text = re.sub(r'("traceId":"[0-9a-f]{24})[0-9a-f]{8}"', r'\1@TRACE@"', text)
+        for copy in range(ranks // OFFLINE_SOURCE_RANKS):
+            out = (text.replace("@RANK@", str(copy * OFFLINE_SOURCE_RANKS + rank)).replace("@COPY@", str(copy))
+                   .replace("@TRACE@", f"{copy:08x}"))
+            (job / f"traces-rank{copy * OFFLINE_SOURCE_RANKS + rank}.jsonl").write_text(out)
+            written += len(out)
+    shutil.rmtree(source)
+    return {"bytes": written, "files": ranks, "source_bytes": source_bytes}
+
+
+def phase_offline(ranks: int, report: dict[str, Any]) -> None:
+    """Time and peak RSS (``/usr/bin/time -f %M``) of ``summarize`` and ``diagnose`` on a generated job."""
+    print(f"\n== offline: summarize and diagnose on a {ranks}-rank job of {OFFLINE_STEPS} traced steps", flush=True)
+    with tempfile.TemporaryDirectory(prefix="commdebug-offline-") as tmp:
+        made = make_offline_job(Path(tmp), ranks)
+        row: dict[str, Any] = {"ranks": ranks, "steps": OFFLINE_STEPS, **made}
+        print(f"generated {made['bytes'] / 1e6:,.0f} MB in {made['files']} files "
+              f"(from {made['source_bytes'] / 1e6:.1f} MB of a real 4-rank run)", flush=True)
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        for command in ("summarize", "diagnose"):
+            began = time.perf_counter()
+            done = subprocess.run(["/usr/bin/time", "-f", "%M", sys.executable, "-m", "commdebug_otel.cli", command,
+                                   str(Path(tmp) / "job")], env=env, capture_output=True, text=True)
+            wall = time.perf_counter() - began
+            peak = int(done.stderr.strip().splitlines()[-1]) * 1024 if done.stderr.strip() else 0
+            row[command] = {"wall_s": wall, "peak_rss_bytes": peak, "returncode": done.returncode}
+            print(f"  {command}: {wall:.1f} s, peak RSS {peak / 1e6:,.0f} MB (exit {done.returncode})", flush=True)
+    report["offline"] = row
+
+
 def phase_import(use_tree: bool, report: dict[str, Any]) -> None:
     print("\n== import cost with tracing disabled", flush=True)
     env = {k: v for k, v in os.environ.items() if k != "OTEL_PYTHON_COMMDEBUG_ENABLED"}
@@ -1262,6 +1330,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the workload --profile runs (default tp)")
     parser.add_argument("--only", default="overhead,always,memory,blackhole,depth,import,scale",
                         help="comma list of phases to run (default: all)")
+    parser.add_argument("--offline-ranks", type=int, default=OFFLINE_RANKS, metavar="N",
+                        help=f"ranks of the offline phase's job, a multiple of {OFFLINE_SOURCE_RANKS} "
+                             f"(default {OFFLINE_RANKS}: about 1.5 GB)")
     args = parser.parse_args(argv)
     if not args.installed:
         sys.path.insert(0, str(REPO))
@@ -1309,6 +1380,8 @@ def main(argv: list[str] | None = None) -> int:
                 phase_black_hole(rx, rounds=3 if q else 6, steps_per_block=5, report=report)
             if "depth" in phases:
                 phase_depth(rounds=12 if q else 40, steps_per_block=11, report=report)
+            if "offline" in phases:
+                phase_offline(args.offline_ranks, report)
             if "scale" in phases:
                 phase_scale(rx, (8, 1024) if q else SCALE_WORLDS, rounds=4 if q else 8, steps_per_block=5,
                             report=report, passes=1 if q else 2)
@@ -1391,6 +1464,15 @@ def print_targets(report: dict[str, Any]) -> None:
         lines.append((f"[depth {DEPTHS[-1]}] exporter none the cheapest traced step",
                       ", ".join(f"{name} {value:.3f}x" for name, value in ratios.items()) + " untraced",
                       min(ratios, key=ratios.get) == "none"))
+    if "offline" in report:
+        off = report["offline"]
+        for command in ("summarize", "diagnose"):
+            got = off[command]
+            lines.append((f"[offline {off['ranks']} ranks, {off['bytes'] / 1e9:.2f} GB] {command} <= "
+                          f"{TARGET_OFFLINE_S:.0f} s, <= {TARGET_OFFLINE_BYTES / 1e9:.0f} GB",
+                          f"{got['wall_s']:.1f} s, {got['peak_rss_bytes'] / 1e6:,.0f} MB",
+                          got["returncode"] == 0 and got["wall_s"] <= TARGET_OFFLINE_S
+                          and got["peak_rss_bytes"] <= TARGET_OFFLINE_BYTES))
     if "event_rate" in report:
         print(f"(info) span events delivered: {report['event_rate']['events_per_s']:,.0f} /s")
     for label, value, ok in lines:

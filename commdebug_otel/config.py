@@ -210,6 +210,15 @@ _parse_timeout_s = _Number(0, MAX_SHUTDOWN_TIMEOUT_S, integer=False, low_open=Tr
 
 MAX_STALL_AFTER_S = 86_400.0  # a day: past any step, below what a timer can hold
 STALL_AUTO = "auto"  # Settings.stall_after_s: a threshold from the rank's recent step times
+RECENT_STEPS = 32  # step times the auto threshold and the slow-step mark look at
+AUTO_FACTOR = 10.0  # auto threshold: this many times the median recent step time...
+AUTO_FLOOR_S = 30.0  # ...but at least this
+AUTO_FIRST_S = 300.0  # until AUTO_MIN_STEPS steps have ended (compilation, warm-up)
+AUTO_MIN_STEPS = 3
+# auto, between steps with no collective in flight (data loading, a checkpoint save, an evaluation: no peer is
+# waiting for this rank in a collective yet): at least this long. A hang there still shows on the other ranks,
+# which wait in a collective and report it at the usual threshold.
+AUTO_BETWEEN_STEPS_S = 600.0
 STALL_ACCEPTED = f"auto, off (or 0), or a number of seconds > 0 and <= {MAX_STALL_AFTER_S:g}"
 
 

@@ -42,21 +42,20 @@ from typing import Any
 import torch
 
 from . import semconv
-from .config import STALL_AUTO
+from .config import (  # the auto rule's numbers live in config: diagnose repeats the rule without torch
+    AUTO_BETWEEN_STEPS_S,
+    AUTO_FACTOR,
+    AUTO_FIRST_S,
+    AUTO_FLOOR_S,
+    AUTO_MIN_STEPS,
+    RECENT_STEPS,
+    STALL_AUTO,
+)
 from .ops import CollectiveSpec, GroupFacts, payload_tensor
 
 _logger = logging.getLogger(__name__)
 
 RING_SIZE = 64  # recent collectives kept per rank, exported with each snapshot
-RECENT_STEPS = 32  # step times the auto threshold and the slow-step mark look at
-AUTO_FACTOR = 10.0  # auto threshold: this many times the median recent step time...
-AUTO_FLOOR_S = 30.0  # ...but at least this
-AUTO_FIRST_S = 300.0  # until AUTO_MIN_STEPS steps have ended (compilation, warm-up)
-AUTO_MIN_STEPS = 3
-# auto, between steps with no collective in flight (data loading, a checkpoint save, an evaluation: no peer is
-# waiting for this rank in a collective yet): at least this long. A hang there still shows on the other ranks,
-# which wait in a collective and report it at the usual threshold.
-AUTO_BETWEEN_STEPS_S = 600.0
 SLOW_STEP_FACTOR = 2.0  # commdebug.step.slow: longer than this times the recent median...
 SLOW_AFTER_STEPS = 8  # ...once this many steps have ended
 MAX_SNAPSHOTS = 12  # per stall: at T, 2T, 4T, ... (12 reach 2048 T)

@@ -340,6 +340,14 @@ def test_step_signals_name_the_rank_the_others_wait_for(scraped):
     assert set(ages) == ranks and all(0 < age < WATCHDOG_S for age in ages.values())
 
 
+def test_completion_time_per_rank_names_the_late_rank(scraped):
+    # Where nothing blocks on the CPU (DDP's reducer waits in C++) completion times still separate the ranks:
+    # rank 0's forward all_reduce completes when rank 1 arrives, LATE_S later; rank 1's at once.
+    done = by_labels(_panel_result(scraped, "Collective completion time per rank (c10d)"), "torch_distributed_rank")
+    assert set(done) == {(str(rank),) for rank in range(WORLD_SIZE)}
+    assert done[("0",)] > 4 * done[("1",)], done
+
+
 def test_seq_panels_are_exact_per_rank_and_group(scraped):
     last = 4 + 3 * STEPS - 1  # set-up broadcasts, then three collectives per step, all on the default group
     title = "Collective seq per rank and group (issued / completed)"

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import datetime
 import json
 import statistics
 import sys
@@ -52,10 +53,20 @@ from typing import Any
 from .. import semconv
 from . import summary
 from .backends import DEADLINE_S, MAX_RESPONSE_BYTES
-from .model import P2P, SpanIndex, collective_events, collective_matches, group_size, is_snapshot, issued_ns, own_step
+from .model import (
+    P2P,
+    SpanIndex,
+    collective_events,
+    collective_matches,
+    group_size,
+    is_snapshot,
+    issued_ns,
+    own_step,
+    warmup_step,
+)
 
 __all__ = ["BETWEEN_STEPS", "NOISE_FLOOR_S", "TRAIN_STEP", "UNATTRIBUTED", "add_arguments", "desyncs", "diagnose",
-           "errors", "format_text", "missing_ranks", "run", "stalls", "stragglers"]
+           "errors", "format_text", "missing_ranks", "run", "stalls", "stragglers", "unfinished_steps", "watchdog"]
 
 #: Frames of a stuck rank's stack in the text report (the innermost; JSON has them all).
 STACK_LINES = 8
@@ -232,7 +243,8 @@ def _blame(late: dict[Label, int], others: list[dict[Label, int]]) -> tuple[Labe
     return label, round(excess[label]), extra
 
 
-def stragglers(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S) -> list[dict[str, Any]]:
+def stragglers(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S,
+               include_warmup: bool = False) -> list[dict[str, Any]]:
     """Blame the rank that arrived last at each collective, weighted by the time it held the others.
 
     Each collective event of a traced step (stall snapshots aside) is matched across ranks
@@ -256,6 +268,9 @@ def stragglers(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S) -> list[
     :data:`TRAIN_STEP`, time under no span :data:`BETWEEN_STEPS`; when L spent no more time
     anywhere, or less than ``noise_floor_s`` more in the place named, :data:`UNATTRIBUTED` (excess 0).
 
+    The first traced step (:func:`.model.warmup_step`: start-up skew and warm-up) is left out
+    unless ``include_warmup``.
+
     Returns:
         one row per blamed (rank, module, pass), largest ``lost_s`` first:
         ``{"rank", "module", "pass" ("" for the parenthesised places), "lost_s", "waited_s",
@@ -264,7 +279,8 @@ def stragglers(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S) -> list[
     """
     finished = _finished(spans)
     steps = SpanIndex(finished)
-    matches = collective_matches(finished, lambda event: steps.step(event["span"]) is not None)
+    warmup = None if include_warmup else warmup_step(finished)
+    matches = collective_matches(finished, lambda event: steps.step(event["span"]) not in (None, warmup))
     arrivals = _Arrivals(finished, steps)
     by_rank: dict[int, list[dict]] = defaultdict(list)
     for span in finished:
@@ -524,6 +540,56 @@ def stalls(spans: list[dict]) -> list[dict[str, Any]]:
     return out
 
 
+def watchdog(spans: list[dict]) -> dict[str, Any] | None:
+    """When the stall watchdog would take its first snapshot under ``OTEL_PYTHON_COMMDEBUG_STALL_AFTER=auto``
+    (the default), for a rank stuck right after its last finished step in the files.
+
+    The setting itself is not exported (a ``stalled`` span carries the threshold only once the watchdog
+    fired), so this repeats the auto rule of :mod:`commdebug_otel.stall` (its numbers from
+    :mod:`commdebug_otel.config`) on each rank's finished ``train_step`` durations in the files
+    (traced steps only: the live rank also counts untraced ones):
+    300 s while fewer than 3 steps ended, else 10 x the median of the last 32, at least 30 s.
+
+    Returns:
+        None without finished steps, else ``{"threshold_s": the largest rank's threshold (seconds),
+        "last_step_end_ns": the latest end of a rank's last step, "due_ns": the earliest time a rank's
+        first snapshot is due (its last step's end plus its threshold; a stall between steps with no
+        collective in flight waits at least 600 s)}``.
+    """
+    from ..config import AUTO_FACTOR, AUTO_FIRST_S, AUTO_FLOOR_S, AUTO_MIN_STEPS, RECENT_STEPS
+
+    by_rank: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for span in _finished(spans):
+        if own_step(span) is not None and span["end_ns"] >= span["start_ns"]:
+            by_rank[span["rank"]].append((span["end_ns"], span["end_ns"] - span["start_ns"]))
+    if not by_rank:
+        return None
+    thresholds, ends = {}, {}
+    for rank, steps in by_rank.items():
+        steps.sort()
+        recent = [duration / 1e9 for _, duration in steps[-RECENT_STEPS:]]
+        thresholds[rank] = AUTO_FIRST_S if len(recent) < AUTO_MIN_STEPS \
+            else max(AUTO_FLOOR_S, AUTO_FACTOR * statistics.median(recent))
+        ends[rank] = steps[-1][0]
+    return {"threshold_s": max(thresholds.values()), "last_step_end_ns": max(ends.values()),
+            "due_ns": min(ends[rank] + round(thresholds[rank] * 1e9) for rank in ends)}
+
+
+def _clock(ns: int) -> str:
+    return datetime.datetime.fromtimestamp(ns / 1e9, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _no_stall_text(due: dict | None) -> str:
+    text = ("no stall snapshot: the watchdog (OTEL_PYTHON_COMMDEBUG_STALL_AFTER) had not fired or is off; "
+            "a hang shows here only once it has")
+    if due is None:
+        return text
+    return (f"{text}. Under auto (the default) its threshold from the steps here is {due['threshold_s']:g} s: "
+            f"for a rank stuck after its last step in the files (the last ended {_clock(due['last_step_end_ns'])}), "
+            f"the first snapshot is due from {_clock(due['due_ns'])} (600 s when stuck between steps with no "
+            "collective in flight)")
+
+
 # -------------------------------------------------------------------- errors
 
 _STATUS_ERROR = 2  # OTLP's STATUS_CODE_ERROR
@@ -572,14 +638,86 @@ def missing_ranks(spans: list[dict]) -> list[int]:
     return sorted(set(range(world)) - {span["rank"] for span in spans})
 
 
+def _closed_at_exit(finished: list[dict], steps: SpanIndex) -> dict[tuple[int, int], dict]:
+    """``{(rank, step): innermost open span}`` of steps a rank ended at exit, not by finishing them.
+
+    At exit (a signal such as torchrun's SIGTERM, or the script ending) the tracer closes the open
+    step and exports it like a finished one; what was still open (the module the rank was stuck in,
+    a collective it waited in) is marked ``commdebug.span.unmatched``. Such a step is the rank's
+    last in the files and holds an unmatched span: killed while inside it, e.g. a hang killed before
+    the watchdog fired.
+    """
+    last: dict[int, int] = {}
+    for span in finished:
+        if (step := own_step(span)) is not None:
+            last[span["rank"]] = max(last.get(span["rank"], step), step)
+    out: dict[tuple[int, int], dict] = {}
+    for span in finished:
+        step = steps.step(span)
+        if step is None or last.get(span["rank"]) != step or span["attributes"].get(semconv.SPAN_UNMATCHED) is not True:
+            continue
+        key = (span["rank"], step)
+        if key not in out or any(item is out[key] for item in steps.ancestors(span)):  # the innermost
+            out[key] = span
+    return out
+
+
+def unfinished_steps(spans: list[dict]) -> list[dict[str, Any]]:
+    """Steps that did not finish on every rank: a hang (or a crash) cut short, not a desync.
+
+    A step is unfinished when some rank ended it at exit (:func:`_closed_at_exit`: killed while
+    inside it) or some rank's finished steps in the files all come before it (it never got there,
+    or was killed without the exit flush). Ranks there issued collectives the others never did:
+    the first such (group, seq) is where the job stopped, not ranks out of step (:func:`desyncs`
+    does not report it).
+
+    Returns:
+        ``[{"step", "closed_at_exit": {rank: {"module", "pass"}} (where it was: the innermost span
+        still open), "missing": [ranks without the step], "not_issued": [{"group", "seq" (counted
+        without send/recv), "op", "issued_by": [ranks], "not_by": [ranks]}] (the first per group)}]``,
+        by step.
+    """
+    finished = _finished(spans)
+    steps = SpanIndex(finished)
+    cut = _closed_at_exit(finished, steps)
+    by_rank: dict[int, set[int]] = defaultdict(set)
+    for span in finished:
+        if (step := own_step(span)) is not None:
+            by_rank[span["rank"]].add(step)
+    lasts = {rank: max(numbers) for rank, numbers in by_rank.items()}
+    unfinished = {step for step in set().union(*by_rank.values()) if step > min(lasts.values())}
+    unfinished |= {step for _, step in cut}
+    issued = _issued_collectives(spans)[0] if unfinished else {}
+    out = []
+    for step in sorted(unfinished):
+        missing = sorted(rank for rank, last in lasts.items() if last < step)
+        closed = {rank: span for (rank, number), span in cut.items() if number == step}
+        records = {rank: groups for (rank, number), groups in issued.items() if number == step}
+        not_issued = []
+        for group in sorted({group for groups in records.values() for group in groups}):
+            seqs = {rank: groups.get(group, {}) for rank, groups in records.items()}
+            for seq in sorted(set().union(*seqs.values())):
+                issued_by = sorted(rank for rank, found in seqs.items() if seq in found)
+                if len(issued_by) < len(seqs):
+                    not_issued.append({"group": group, "seq": seq, "op": seqs[issued_by[0]][seq]["op"],
+                                       "issued_by": issued_by,
+                                       "not_by": sorted(rank for rank in seqs if rank not in issued_by)})
+                    break
+        out.append({"step": step, "missing": missing, "not_issued": not_issued,
+                    "closed_at_exit": {rank: dict(zip(("module", "pass"), _label(span), strict=True))
+                                       for rank, span in sorted(closed.items())}})
+    return out
+
+
 def _traced_steps(spans: list[dict]) -> list[int]:
-    """Steps some rank finished and traced, without those where a rank raised.
+    """Steps every rank finished and traced, without those where a rank raised or that some rank did
+    not finish (:func:`unfinished_steps`).
 
     An untraced step that stalled is exported as its ``train_step`` alone (no child, no event): not traced.
     """
     finished = _finished(spans)
     parents = {(span["trace_id"], span["parent_span_id"]) for span in finished if span["parent_span_id"]}
-    crashed = {item["step"] for item in _raised(spans)}
+    crashed = {item["step"] for item in _raised(spans)} | {item["step"] for item in unfinished_steps(spans)}
     traced = set()
     for span in finished:
         step = own_step(span)
@@ -606,7 +744,8 @@ def _issued_collectives(spans: list[dict], raised: dict[tuple[int, int | None], 
         ``({(rank, step): {group: {seq: collective}}}, {(rank, step) whose record is whole}})``.
         Records come from finished steps and, for steps a rank never finished, its stall
         snapshots (copies of the step's spans and the ring of recent collectives); a record is
-        whole when the step finished and none of its spans dropped events. Each (rank, group,
+        whole when the step finished (not ended at exit: :func:`_closed_at_exit`) and none of its
+        spans dropped events. Each (rank, group,
         seq) is taken once, a finished step's event first; seqs are counted without
         point-to-point ops, as :func:`.model.collective_matches` counts them. Each collective:
         ``{"op", "dtype", "shape", "module", "pass", "seq" (the rank's own torch.collective.seq)}``.
@@ -618,7 +757,8 @@ def _issued_collectives(spans: list[dict], raised: dict[tuple[int, int | None], 
     finished_steps = {(span["rank"], step) for span in finished if (step := steps.step(span)) is not None}
     raised = raised or {}
     cut = {(span["rank"], steps.step(span)) for span in finished if span.get("dropped_events_count", 0)
-           or span["attributes"].get(semconv.SPAN_DROPPED_EVENTS, 0)} | set(raised)
+           or span["attributes"].get(semconv.SPAN_DROPPED_EVENTS, 0)} | set(raised) \
+        | set(_closed_at_exit(finished, steps))  # a step cut short at exit cannot say what it never issued
     seen: set[tuple[int, str, int]] = set()
     taken: list[tuple[dict, int | None]] = []
     for source, step_of in ((finished, steps), (snapshots, snapshot_steps)):
@@ -752,15 +892,18 @@ def _first_difference(group: str, step: int, by_rank: dict[int, dict[int, dict]]
 # ------------------------------------------------------------------ together
 
 
-def diagnose(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S) -> dict[str, Any]:
+def diagnose(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_warmup: bool = False) -> dict[str, Any]:
     """Everything ``diagnose`` reports, as plain data (``--format json``).
 
     Returns:
-        ``{"errors": errors(spans), "stalls": stalls(spans), "desyncs": desyncs(spans), "stragglers":
-        stragglers(spans, noise_floor_s), "pipeline_waits": summary.pipeline_waits(finished spans),
+        ``{"errors": errors(spans), "stalls": stalls(spans), "unfinished_steps": unfinished_steps(spans),
+        "desyncs": desyncs(spans), "stragglers":
+        stragglers(spans, noise_floor_s, include_warmup), "pipeline_waits": summary.pipeline_waits(finished spans),
         "ranks": [rank...], "missing_ranks": missing_ranks(spans), "steps": [finished traced step...]
-        (untraced steps exported because they stalled, and steps where a rank raised, left out),
-        "noise_floor_s": noise_floor_s, "warnings": [str]}``.
+        (untraced steps exported because they stalled, steps where a rank raised and unfinished steps left out),
+        "noise_floor_s": noise_floor_s, "warmup_step": the step left out of stragglers
+        (:func:`.model.warmup_step`; None when ``include_warmup`` or none), "watchdog": :func:`watchdog`
+        (when the first stall snapshot is due), "warnings": [str]}``.
     """
     finished = _finished(spans)
     missing = missing_ranks(spans)
@@ -772,13 +915,16 @@ def diagnose(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S) -> dict[st
     return {
         "errors": errors(spans),
         "stalls": stalls(spans),
+        "unfinished_steps": unfinished_steps(spans),
         "desyncs": desyncs(spans),
-        "stragglers": stragglers(spans, noise_floor_s),
+        "stragglers": stragglers(spans, noise_floor_s, include_warmup),
         "pipeline_waits": summary.pipeline_waits(finished),
         "ranks": sorted({span["rank"] for span in spans}),
         "missing_ranks": missing,
         "steps": _traced_steps(spans),
         "noise_floor_s": noise_floor_s,
+        "warmup_step": None if include_warmup else warmup_step(finished),
+        "watchdog": watchdog(spans),
         "warnings": warnings,
     }
 
@@ -843,7 +989,8 @@ def format_text(found: dict[str, Any], top: int = 10) -> str:
         out.append(f"  rank {error['rank']} raised in {where} at {_where(error['module'], error['pass'])}: "
                    f"{error['type']}{message}")
     out.append("")
-    out.append(f"Stalls: {len(found['stalls'])}" + ("" if found["stalls"] else " (no stall snapshots in the files)"))
+    out.append(f"Stalls: {len(found['stalls'])}"
+               + ("" if found["stalls"] else f" ({_no_stall_text(found.get('watchdog'))})"))
     for stall in found["stalls"]:
         if stall["snapshot"]:
             out.append(f"  rank {stall['rank']} {'was' if stall['ended'] else 'is'} stuck {_stall_where(stall)} "
@@ -863,6 +1010,18 @@ def format_text(found: dict[str, Any], top: int = 10) -> str:
             outer = max(0, len(stack) - STACK_LINES)
             out.append("    stack (innermost last" + (f"; {outer} outer frames in --format json):" if outer else "):"))
             out += [f"      {line}" for line in stack[outer:]]
+    unfinished = found.get("unfinished_steps", [])
+    if unfinished:
+        out += ["", f"Unfinished steps: {len(unfinished)} (not finished on every rank: the job stopped there; "
+                    "ranks that issued collectives the others never did are not out of step)"]
+    for item in unfinished:
+        parts = [f"rank {rank} ended it at exit in {_where(*where.values())} (killed while inside the step)"
+                 for rank, where in item["closed_at_exit"].items()]
+        parts += [f"rank {rank} never finished it" for rank in item["missing"]]
+        out.append(f"  step {item['step']}: " + "; ".join(parts))
+        out += [f"    rank(s) {_ranges(c['issued_by'])} issued {c['op']} (group {c['group']}, seq {c['seq']}); "
+                f"rank(s) {_ranges(c['not_by'])} never did: look at what they were doing"
+                for c in item["not_issued"]]
     out += ["", f"Desyncs: {len(found['desyncs'])}"]
     for desync in found["desyncs"]:
         out.append(f"  group {desync['group']}, step {desync['step']}, seq {desync['seq']}: ranks disagree")
@@ -873,6 +1032,9 @@ def format_text(found: dict[str, Any], top: int = 10) -> str:
                 f"the last rank to arrive, counting only the delay it added since its previous collective "
                 f"(under {found['noise_floor_s'] * 1e3:g} ms ignored), waited = rank-seconds the others waited, "
                 "excess = the time it spent in that module over the other ranks."]
+    if found.get("warmup_step") is not None:
+        out.append(f"  (step {found['warmup_step']} left out: the first traced step, start-up skew and warm-up; "
+                   "--include-warmup counts it)")
     if rows:
         table = [("rank", "module", "pass", "lost s", "waited s", "excess s", "collectives", "steps")]
         table += [(row["rank"], row["module"], row["pass"] or "-", f"{row['lost_s']:.3f}", f"{row['waited_s']:.3f}",
@@ -916,6 +1078,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--noise-floor-ms", type=float, default=NOISE_FLOOR_S * 1e3, metavar="MS",
                         help="a delay below this is not blamed on a straggler, nor on a place where it spent "
                              f"less extra time than this (default {NOISE_FLOOR_S * 1e3:g})")
+    parser.add_argument("--include-warmup", action="store_true",
+                        help="count the first traced step in the stragglers (left out by default: ranks start it "
+                             "at different times and run it cold)")
 
 
 def _load(args: argparse.Namespace) -> list[dict] | None:
@@ -961,7 +1126,7 @@ def run(args: argparse.Namespace) -> int:
     spans = _load(args)
     if spans is None:
         return 1
-    found = diagnose(spans, args.noise_floor_ms / 1e3)
+    found = diagnose(spans, args.noise_floor_ms / 1e3, args.include_warmup)
     print(json.dumps(found, indent=4) if args.format == "json" else format_text(found, args.top))
     sys.stdout.flush()
     return 0

@@ -23,7 +23,7 @@ from typing import Any
 from .. import semconv
 
 __all__ = ["P2P", "SpanIndex", "collective_events", "collective_matches", "group_size", "is_complete",
-           "is_snapshot", "issued_ns", "own_step"]
+           "is_snapshot", "issued_ns", "own_step", "warmup_step"]
 
 #: Point-to-point ops: paired by (group, sender, receiver), never matched as collectives.
 P2P = frozenset({semconv.SEND, semconv.RECV, semconv.BATCH_P2P})
@@ -33,6 +33,19 @@ def own_step(span: dict) -> int | None:
     """The ``torch.step`` of a ``train_step`` span; None for any other span."""
     value = span["attributes"].get(semconv.STEP)
     return value if span["name"] == semconv.SPAN_TRAIN_STEP and isinstance(value, int) else None
+
+
+def warmup_step(spans: list[dict]) -> int | None:
+    """The step both commands leave out of stragglers by default: the first traced step (the lowest
+    ``torch.step`` of a finished ``train_step``), when a later one is in the files; else None.
+
+    Ranks start it at different times (process start-up, loading) and run it cold (allocator,
+    autotuning, first exports), so its lateness is start-up skew, not a straggler: torchtitan's
+    healthy runs showed 0.35 to 0.63 s there; DeepSpeed's 0.40 s injected delay read 0.627 s.
+    Collectives before any step are never matched as stragglers either.
+    """
+    steps = {step for span in spans if not is_snapshot(span) and (step := own_step(span)) is not None}
+    return min(steps) if len(steps) > 1 else None
 
 
 def is_snapshot(span: dict) -> bool:

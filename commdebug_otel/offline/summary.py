@@ -44,7 +44,16 @@ from typing import Any
 from .. import semconv
 from ..report import GLOBAL, CommReport, Operation, render_json, render_table
 from .model import P2P as _P2P
-from .model import SpanIndex, collective_events, collective_matches, is_complete, is_snapshot, issued_ns, own_step
+from .model import (
+    SpanIndex,
+    collective_events,
+    collective_matches,
+    is_complete,
+    is_snapshot,
+    issued_ns,
+    own_step,
+    warmup_step,
+)
 from .otlp_json import SpanReader, ranked, spans_from_otlp_json, trace_files
 
 _log = logging.getLogger(__name__)
@@ -79,6 +88,12 @@ __all__ = [
 
 _FORWARD, _BACKWARD, _RECOMPUTE = semconv.PASS_FORWARD, semconv.PASS_BACKWARD, semconv.PASS_RECOMPUTE
 _LEGACY_FUNCTIONAL = semconv.LEGACY_FUNCTIONAL_PACKETS
+#: A rank is named the straggler only when, in its median counted step, it held the others back by more
+#: than STRAGGLER_FLOOR_MS plus STRAGGLER_STEP_SHARE of the median step time, and by more than
+#: STRAGGLER_MARGIN times the most any other rank did in its median step (how late healthy ranks get).
+STRAGGLER_FLOOR_MS = 10.0
+STRAGGLER_STEP_SHARE = 0.02
+STRAGGLER_MARGIN = 3.0
 
 
 # ------------------------------------------------------------------- loading
@@ -396,7 +411,7 @@ def rank_totals(spans: list[dict]) -> dict[int, dict[str, Any]]:
     return totals
 
 
-def stragglers(spans: list[dict], step: int | None = None) -> dict[str, Any]:
+def stragglers(spans: list[dict], step: int | None = None, include_warmup: bool = False) -> dict[str, Any]:
     """Match each collective across ranks by (process group name, seq) and measure lateness.
 
     Matching is :func:`collective_matches`'s: point-to-point ops (``send``, ``recv``,
@@ -407,26 +422,40 @@ def stragglers(spans: list[dict], step: int | None = None) -> dict[str, Any]:
     :func:`.model.issued_ns`, as ``diagnose`` measures it) minus the earliest rank's (ns), not
     when the call returned: the time the others waited for it. A match is complete when as
     many ranks as the group's size took part.
-    ``step``: only collectives of that training step (matched over all of ``spans``).
+    ``step``: only collectives of that training step (matched over all of ``spans``); without it,
+    every collective but those of the first traced step (:func:`.model.warmup_step`: start-up skew
+    and warm-up), unless ``include_warmup``.
 
     Returns:
-        ``{"matched": complete matches, "incomplete": other matches,
+        ``{"warmup_step": the step left out or None, "matched": complete matches, "incomplete": other matches,
         "per_rank": {rank: {"matched": complete matches it took part in,
         "mean_late_ms", "max_late_ms", "last": matches where it was the latest (ties count for all),
-        "lost_ms": the time those matches were held back by it (its arrival minus the next latest)}},
+        "lost_ms": the time those matches were held back by it (its arrival minus the next latest),
+        "median_step_lost_ms": its lost time in the median counted step}},
         "most_often_last": rank or None, "most_time_lost": the rank with the largest ``lost_ms``, or
-        None}``. Matches of one-rank groups are complete but have no latest rank. Arriving last most
+        None, "straggler": that rank when it stands out (below), else None, "straggler_threshold_ms":
+        what its ``median_step_lost_ms`` had to exceed (None without ``most_time_lost``)}``.
+        A straggler stands out over the rank-to-rank spread of healthy steps: its median step's lost
+        time exceeds :data:`STRAGGLER_FLOOR_MS` + :data:`STRAGGLER_STEP_SHARE` x the median
+        ``train_step`` duration, and :data:`STRAGGLER_MARGIN` x the largest median of any other rank.
+        Matches of one-rank groups are complete but have no latest rank. Arriving last most
         often is noise on a quiet job; the time lost weighs it (``commdebug-otel diagnose`` also names
         the module).
 
     The times are each host's wall clock when the CPU issued the collective,
     not when the device ran it; across hosts, clock skew adds to lateness.
     """
-    index = SpanIndex(spans) if step is not None else None
-    matches = collective_matches(spans, lambda event: index is None or index.step(event["span"]) == step)
+    warmup = None if include_warmup or step is not None else warmup_step(spans)
+    index = SpanIndex(spans)
+    # Collectives outside every step stay: a pipeline schedule's loss all_reduce can be one.
+    matches = collective_matches(spans, lambda event: (
+        index.step(event["span"]) == step if step is not None
+        else warmup is None or index.step(event["span"]) != warmup))
     late: dict[int, list[int]] = {rank: [] for rank in _ranks(spans)}
     last: Counter = Counter()
     lost: Counter = Counter()
+    by_step: dict[int, Counter] = defaultdict(Counter)  # rank -> step -> ns lost
+    counted: set[int | None] = set()
     complete = 0
     for events in matches.values():
         if not is_complete(events):
@@ -435,21 +464,36 @@ def stragglers(spans: list[dict], step: int | None = None) -> dict[str, Any]:
         arrivals = {rank: issued_ns(event) for rank, event in events.items()}
         first, latest = min(arrivals.values()), max(arrivals.values())
         ordered = sorted(arrivals.values())
+        number = index.step(next(iter(events.values()))["span"])
+        counted.add(number)
         for rank, time_ns in arrivals.items():
             late[rank].append(time_ns - first)
             if len(arrivals) > 1 and time_ns == latest:
                 last[rank] += 1
                 lost[rank] += latest - ordered[-2]
+                by_step[rank][number] += latest - ordered[-2]
+    median_lost = {rank: statistics.median([by_step[rank][number] for number in counted]) / 1e6 if counted else 0.0
+                   for rank in late}
     per_rank = {rank: {
         "matched": len(values),
         "mean_late_ms": statistics.fmean(values) / 1e6 if values else 0.0,
         "max_late_ms": max(values) / 1e6 if values else 0.0,
         "last": last[rank],
         "lost_ms": lost[rank] / 1e6,
+        "median_step_lost_ms": median_lost[rank],
     } for rank, values in late.items()}
-    return {"matched": complete, "incomplete": len(matches) - complete, "per_rank": per_rank,
-            "most_often_last": last.most_common(1)[0][0] if last else None,
-            "most_time_lost": lost.most_common(1)[0][0] if lost and lost.most_common(1)[0][1] > 0 else None}
+    most = lost.most_common(1)[0][0] if lost and lost.most_common(1)[0][1] > 0 else None
+    durations = [span["end_ns"] - span["start_ns"] for span in spans
+                 if (number := own_step(span)) is not None and number in counted]
+    threshold = None
+    if most is not None:
+        threshold = max(STRAGGLER_FLOOR_MS + STRAGGLER_STEP_SHARE * (statistics.median(durations) / 1e6 if durations
+                                                                      else 0.0),
+                        STRAGGLER_MARGIN * max((ms for rank, ms in median_lost.items() if rank != most), default=0.0))
+    return {"warmup_step": warmup, "matched": complete, "incomplete": len(matches) - complete, "per_rank": per_rank,
+            "most_often_last": last.most_common(1)[0][0] if last else None, "most_time_lost": most,
+            "straggler": most if threshold is not None and median_lost[most] > threshold else None,
+            "straggler_threshold_ms": threshold}
 
 
 def _group_members(events: list[dict]) -> dict[str, Sequence[int] | None]:
@@ -595,7 +639,8 @@ def span_warnings(spans: list[dict]) -> list[str]:
     return notes
 
 
-def report_dict(spans: list[dict], rank: int = 0, top: int = 10, step: int | None = None) -> dict[str, Any]:
+def report_dict(spans: list[dict], rank: int = 0, top: int = 10, step: int | None = None,
+                include_warmup: bool = False) -> dict[str, Any]:
     """Everything ``summarize``'s text report says, as plain data (``--format report-json``).
 
     ``step``: training step ``step`` only (:func:`step_spans`); stragglers and
@@ -617,18 +662,19 @@ def report_dict(spans: list[dict], rank: int = 0, top: int = 10, step: int | Non
         "rank": rank,
         "module_counts": module_counts(chosen, rank),
         "rank_totals": rank_totals(chosen),
-        "stragglers": stragglers(spans, step),
+        "stragglers": stragglers(spans, step, include_warmup),
         "pipeline_waits": pipeline_waits(spans, step),
         "top_collectives": top_collectives(chosen, rank, top),
     }
 
 
-def format_report(spans: list[dict], rank: int = 0, top: int = 10, step: int | None = None) -> str:
+def format_report(spans: list[dict], rank: int = 0, top: int = 10, step: int | None = None,
+                  include_warmup: bool = False) -> str:
     """``commdebug-otel summarize``'s text: module table, per-rank totals, stragglers, pipeline waits, top bytes.
 
-    ``step``: as :func:`report_dict`.
+    ``step``, ``include_warmup``: as :func:`report_dict`.
     """
-    report = report_dict(spans, rank, top, step)
+    report = report_dict(spans, rank, top, step, include_warmup)
     where = "" if step is None else f" in step {step}"
     out = [f"{report['spans']} spans{where} from {len(report['ranks'])} rank(s) in {report['files']} file(s)",
            *report["warnings"], ""]
@@ -650,16 +696,27 @@ def format_report(spans: list[dict], rank: int = 0, top: int = 10, step: int | N
     out += ["", (f"Stragglers: {lag['matched']} collectives matched across ranks by "
                  f"(process group, seq); {lag['incomplete']} seen on fewer ranks than the group size. "
                  "Send/recv are not collectives: see pipeline waits.")]
+    if lag["warmup_step"] is not None:
+        out.append(f"(step {lag['warmup_step']} left out: the first traced step, start-up skew and warm-up; "
+                   "--include-warmup counts it)")
     rows = [("rank", "matched", "mean late ms", "max late ms", "last", "lost ms")]
     for r, stats in lag["per_rank"].items():
         rows.append((r, stats["matched"], f"{stats['mean_late_ms']:.3f}", f"{stats['max_late_ms']:.3f}",
                      stats["last"], f"{stats['lost_ms']:.3f}"))
     out += columns(rows)
     slowest = lag["most_time_lost"]
-    if slowest is not None:
+    rule = (f"{lag['straggler_threshold_ms']:.3f} ms: {STRAGGLER_FLOOR_MS:g} ms + {STRAGGLER_STEP_SHARE:.0%} of the "
+            f"median step, and {STRAGGLER_MARGIN:g} x any other rank's median step" if slowest is not None else "")
+    if lag["straggler"] is not None:
         stats = lag["per_rank"][slowest]
-        out.append(f"Most time lost: rank {slowest} held back the others {stats['lost_ms']:.3f} ms "
-                   f"(last in {stats['last']} of {stats['matched']}); `commdebug-otel diagnose` names the module.")
+        out.append(f"Straggler: rank {slowest} held back the others {stats['lost_ms']:.3f} ms (last in "
+                   f"{stats['last']} of {stats['matched']}; {stats['median_step_lost_ms']:.3f} ms in its median step, "
+                   f"over {rule}); `commdebug-otel diagnose` names the module.")
+    elif slowest is not None:
+        stats = lag["per_rank"][slowest]
+        out.append(f"No straggler: the most, rank {slowest}, held back the others {stats['lost_ms']:.3f} ms, "
+                   f"{stats['median_step_lost_ms']:.3f} ms in its median step, not over {rule} "
+                   "(the spread of healthy ranks).")
     out.append("Lateness = when a rank's CPU issued the collective minus the earliest rank, by each "
                "host's wall clock: across hosts, clock skew adds to it.")
 
@@ -699,6 +756,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=("text", "json", "report-json"), default="text",
                         help="text report, CommDebugMode's generate_json_dump tree (json), or the text "
                              "report's content as JSON (report-json) (default text)")
+    parser.add_argument("--include-warmup", action="store_true",
+                        help="count the first traced step in the stragglers (left out by default: ranks start it "
+                             "at different times and run it cold)")
 
 
 def load_for_command(paths: Iterable[str], command: str, snapshots: bool = False) -> list[dict[str, Any]] | None:
@@ -752,7 +812,7 @@ def run(args: argparse.Namespace) -> int:
         chosen = spans if args.step is None else step_spans(spans, args.step)
         print(json.dumps(comm_debug_json(chosen, args.rank), indent=4))
     elif args.format == "report-json":
-        print(json.dumps(report_dict(spans, args.rank, args.top, args.step), indent=4))
+        print(json.dumps(report_dict(spans, args.rank, args.top, args.step, args.include_warmup), indent=4))
     else:
-        print(format_report(spans, args.rank, args.top, args.step))
+        print(format_report(spans, args.rank, args.top, args.step, args.include_warmup))
     return 0
