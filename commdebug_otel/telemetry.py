@@ -642,8 +642,8 @@ class Telemetry:
                 elif name == "prometheus":
                     place = ("serving", "for Prometheus to scrape")
                 elif name == "file":
-                    if not os.path.isdir(self._run_directory()):
-                        continue  # the folder could not be made: _file_path said so, naming the variable
+                    if self._file_path(kind, rank, export) is None:  # makes the folder now, whichever
+                        continue  # signal's provider starts first; if it cannot, that warning names the variable
                     place = ("writing", f"as OTLP-JSON lines to {self._run_directory()}")
                 elif name != "none":
                     place = ("exporting", f"to {name}")
