@@ -312,7 +312,8 @@ def test_a_real_pipeline_reports_its_bubble_not_stragglers(pipeline_spans):
     assert one_row["wait_ms"] >= 0.8 * expected_ms, one_row
     assert rows[0]["group_rank"] == 0 and rows[0]["recvs"] == per_microbatch
     text = summary.format_report(pipeline_spans)
-    assert "Pipeline waits: 12 send/recv pairs" in text and "Stragglers: 3 collectives matched" in text
+    # Step 0, the warm-up, is left out of stragglers by default: two of the three loss all_reduces.
+    assert "Pipeline waits: 12 send/recv pairs" in text and "Stragglers: 2 collectives matched" in text
     assert "differs from the other ranks" not in text  # stage 0 sends what stage 1 receives, and back
     text = summary.format_report(pipeline_spans, step=1)
     # Step 1's loss all_reduce after optimizer.step() is its train_step_tail's: in the step.
