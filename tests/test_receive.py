@@ -20,8 +20,9 @@ from commdebug_otel.offline.otlp_json import metrics_from_otlp_json
 from commdebug_otel.offline.receive import RunFolders
 from commdebug_otel.testing.otlp_receiver import OtlpReceiver
 
-from distributed import free_port, run_ranks
+from distributed import run_ranks
 from models import TwoBlocks
+from prometheus_server import free_port_run
 
 _CLI = [sys.executable, "-m", "commdebug_otel.cli"]
 _STEPS = 3
@@ -67,7 +68,10 @@ def _last_totals(folder):
 @pytest.fixture(scope="module")
 def received(tmp_path_factory):
     root = tmp_path_factory.mktemp("receive")
-    grpc_port, http_port = free_port(), free_port()
+    # Two distinct ports below the ephemeral range: two free_port() calls can return the same port, and the
+    # ranks' own gloo connections can take an ephemeral one before the receiver binds it.
+    grpc_port = free_port_run(2)
+    http_port = grpc_port + 1
     receiver = subprocess.Popen([*_CLI, "receive", "--grpc-port", str(grpc_port), "--http-port", str(http_port),
                                  "-o", str(root / "received")], env=_env(), cwd=root, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
