@@ -23,6 +23,7 @@ from commdebug_otel.testing.otlp_receiver import OtlpReceiver
 from distributed import run_ranks
 from models import TwoBlocks
 from prometheus_server import free_port_run
+from tools import default_signal_actions
 
 _CLI = [sys.executable, "-m", "commdebug_otel.cli"]
 _STEPS = 3
@@ -74,7 +75,7 @@ def received(tmp_path_factory):
     http_port = grpc_port + 1
     receiver = subprocess.Popen([*_CLI, "receive", "--grpc-port", str(grpc_port), "--http-port", str(http_port),
                                  "-o", str(root / "received")], env=_env(), cwd=root, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+                                stderr=subprocess.PIPE, text=True, preexec_fn=default_signal_actions)
     try:
         first = receiver.stdout.readline()
         assert first.startswith(f"receiving OTLP/gRPC on http://127.0.0.1:{grpc_port} and OTLP/HTTP on "

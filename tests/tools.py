@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 
 import pytest
 
@@ -40,3 +41,11 @@ def require_program(*names: str, package: str, env: str | None = None) -> str:
     if in_ci():
         pytest.fail(f"{message}; CI is set, so it is required")
     pytest.skip(message)
+
+
+def default_signal_actions() -> None:
+    """``preexec_fn`` for a child that must get the signals' default actions, however the tests were started: a
+    shell's background job or ``nohup`` starts them with SIGINT, SIGQUIT or SIGHUP ignored, and a child inherits
+    that (Python then installs no KeyboardInterrupt for Ctrl-C)."""
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(signum, signal.SIG_DFL)
