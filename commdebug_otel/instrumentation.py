@@ -319,12 +319,16 @@ class CommTracer:
                             ("flush", self.telemetry.force_flush if flush else None),
                             # Last: a signal during the flush still flushes and ends the process as before.
                             ("signal handlers", self.telemetry.release_signals if self._exports else None)):
-            if undo is None:
-                continue
-            try:
-                undo()
-            except Exception as error:
-                self.recorder.hook_failed(f"CommTracer.stop: {where}", error)
+            self._run_step("CommTracer.stop", where, undo)
+
+    def _run_step(self, caller: str, where: str, call: Any) -> None:
+        """One step of a teardown sequence: skipped when ``call`` is None; a failure is counted, never raised."""
+        if call is None:
+            return
+        try:
+            call()
+        except Exception as error:
+            self.recorder.hook_failed(f"{caller}: {where}", error)
 
     def _unregister_exit(self) -> None:
         atexit.unregister(self._stop_at_exit)
@@ -344,12 +348,7 @@ class CommTracer:
                             ("metrics", lambda: self.flush_metrics(bound_s)),
                             ("flush", self.telemetry.force_flush),
                             ("signal handlers", self.telemetry.release_signals if whole_job else None)):
-            if call is None:
-                continue
-            try:
-                call()
-            except Exception as error:
-                self.recorder.hook_failed(f"destroy_process_group: {where}", error)
+            self._run_step("destroy_process_group", where, call)
 
     def _remove_hooks(self) -> None:
         """Undo :meth:`start`'s hooks in mirrored order: teardown watch, optimizer hooks, dispatch mode, kernels,
