@@ -16,14 +16,9 @@ import pytest
 
 from commdebug_otel import semconv
 
+from tools import default_signal_actions
+
 SCRIPTS = pathlib.Path(__file__).parent / "scripts"
-_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
-
-
-def _default_signal_actions() -> None:
-    """The child gets the signals' default actions, however the tests were started (``nohup``, a background job)."""
-    for signum in _SIGNALS:
-        signal.signal(signum, signal.SIG_DFL)
 
 
 def _env(tmp_path: pathlib.Path, **extra: str) -> dict[str, str]:
@@ -47,7 +42,7 @@ def _signal_then_go_on(tmp_path: pathlib.Path, mode: str) -> tuple[int, str, str
 
     process = subprocess.Popen([sys.executable, str(SCRIPTS / "own_handler.py"), mode], env=_env(tmp_path),
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               preexec_fn=_default_signal_actions)
+                               preexec_fn=default_signal_actions)
     try:
         assert process.stdout.readline().strip() == "READY"
         process.send_signal(signal.SIGTERM)
@@ -86,7 +81,7 @@ def test_after_asyncio_removes_its_sigterm_handler_the_default_action_still_keep
     flush again, so SIGTERM ends the process by the signal, as without us, with the finished steps on disk."""
     process = subprocess.Popen([sys.executable, str(SCRIPTS / "own_handler.py"), "asyncio"], env=_env(tmp_path),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               preexec_fn=_default_signal_actions)
+                               preexec_fn=default_signal_actions)
     try:
         assert process.stdout.readline().strip() == "READY"
         process.send_signal(signal.SIGTERM)
@@ -122,7 +117,7 @@ for _ in range(2):
 print("OK")
 """
     done = subprocess.run([sys.executable, "-c", script], env=_env(tmp_path), capture_output=True, text=True,
-                          timeout=120, preexec_fn=_default_signal_actions)
+                          timeout=120, preexec_fn=default_signal_actions)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["OK"]
 
@@ -184,7 +179,7 @@ def test_ranks_stuck_in_teardown_holding_the_gil_end_at_sigterm_with_their_finis
                    LOCAL_RANK=str(rank), OTEL_PYTHON_COMMDEBUG_ENABLED="true")
         processes.append(subprocess.Popen([sys.executable, str(SCRIPTS / "ddp_teardown.py"), "3", "stuck"], env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                          preexec_fn=_default_signal_actions))
+                                          preexec_fn=default_signal_actions))
     try:
         for process in processes:
             assert process.stdout.readline().split() == ["DESTROYED"]

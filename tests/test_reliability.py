@@ -19,6 +19,8 @@ from commdebug_otel import CommTracer, Settings, semconv
 from commdebug_otel.config import otlp_endpoint
 from commdebug_otel.testing.otlp_receiver import OtlpReceiver
 
+from tools import default_signal_actions
+
 SCRIPTS = pathlib.Path(__file__).parent / "scripts"
 
 
@@ -449,12 +451,6 @@ def test_file_export_failures_are_counted_said_once_and_lines_stay_whole(tmp_pat
     assert oct(run.stat().st_mode & 0o777) == "0o700"
 
 
-def _default_signal_actions() -> None:
-    """The training script gets the signals' default actions, however the tests were started: a shell's
-    background job ignores SIGINT and SIGQUIT, ``nohup`` SIGHUP, and a child inherits what is ignored."""
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
-        signal.signal(signum, signal.SIG_DFL)
-
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT])
 def test_a_signal_keeps_the_finished_steps_and_ends_the_process_as_before(tmp_path, signum):
@@ -462,7 +458,7 @@ def test_a_signal_keeps_the_finished_steps_and_ends_the_process_as_before(tmp_pa
     env["OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR"] = str(tmp_path)  # files; metrics every 60 s by default
     process = subprocess.Popen([sys.executable, str(SCRIPTS / "until_signal.py"), "3"], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               preexec_fn=_default_signal_actions)
+                               preexec_fn=default_signal_actions)
     try:
         assert process.stdout.readline().strip() == "READY"
         process.send_signal(signum)
