@@ -126,6 +126,15 @@ def remove_forward_hook(module: torch.nn.Module, hook_id: int) -> None:
     module._forward_hooks_always_called.pop(hook_id, None)
 
 
+def has_forward_hook(module: torch.nn.Module, hook_id: int) -> bool:
+    """Whether ``module``'s own forward hooks (``Module._forward_hooks``) hold one under ``hook_id``."""
+    return hook_id in module._forward_hooks
+
+
+# ``Module._call_impl``'s code: a frame running it is a module call in progress (torch/nn/modules/module.py).
+MODULE_CALL_CODE = torch.nn.Module._call_impl.__code__
+
+
 def remove_global_forward_hook(handle: Any) -> None:
     """Remove a ``register_module_forward_hook(..., with_kwargs=True)`` hook completely.
 
@@ -169,6 +178,12 @@ push_mode = _push_mode
 pop_mode = _pop_mode
 
 
+def is_user_mode(mode: Any) -> bool:
+    """Whether a dispatch mode on the stack is a user's: infra modes (``FakeTensorMode``, ...) have a
+    ``TorchDispatchMode._mode_key`` and sit below the users'."""
+    return getattr(mode, "_mode_key", None) is None
+
+
 def sync_dispatch_mode_flags() -> None:
     """Recompute the process-wide "a mode is active" flags from this thread's stack.
 
@@ -202,6 +217,22 @@ def impl_name(overload: Any) -> str:
     if overload._overloadname != "default":
         name = f"{name}.{overload._overloadname}"
     return name
+
+
+def schema_argument_names(overload: Any) -> list[str]:
+    """The argument names of an ``OpOverload``'s schema (``OpOverload._schema.arguments``), in order."""
+    return [argument.name for argument in overload._schema.arguments]
+
+
+def overload_name(overload: Any) -> str:
+    """An ``OpOverload``'s overload name (``OpOverload._overloadname``): ``"default"``, ``"Tensor"``, ..."""
+    return overload._overloadname
+
+
+def import_functional_collectives() -> None:
+    """Import ``torch.distributed._functional_collectives``: it registers the functional collectives'
+    Python-side definitions. Raises whatever the import raises (a torch built without distributed)."""
+    import torch.distributed._functional_collectives  # noqa: F401
 
 
 def boxed_redispatch(overload: Any) -> Any:
@@ -358,6 +389,22 @@ def unbox_process_group(group: Any) -> Any:
     if isinstance(group, torch.ScriptObject):
         return torch.distributed.ProcessGroup.unbox(group)
     return group
+
+
+def resolve_process_group(name: str) -> Any:
+    """The live ``ProcessGroup`` registered under ``name`` (``distributed_c10d._resolve_process_group``);
+    raises where none is."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._resolve_process_group(name)
+
+
+def default_store() -> Any:
+    """The default process group's c10d ``Store`` (``distributed_c10d._get_default_store``); raises
+    where there is no default group."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
 
 
 # ------------------------------------------------------------------ device meshes

@@ -225,7 +225,7 @@ class _Completion:
 
 
 def event_attributes(collective: Collective, why: dict[str, Any] | None) -> dict[str, Any]:
-    """The span-event attributes of a traced collective (DESIGN.md's collective table).
+    """The span-event attributes of a traced collective (docs/semantic-conventions.md, "Collectives").
 
     ``why``: the attributes of the DTensor op behind it (:meth:`Why.attributes`), or None.
     """

@@ -27,7 +27,15 @@ from typing import Any
 import torch
 
 from . import semconv
-from ._torch import device_mesh_class, mesh_dim_groups, unbox_process_group
+from ._torch import (
+    device_mesh_class,
+    import_functional_collectives,
+    mesh_dim_groups,
+    overload_name,
+    resolve_process_group,
+    schema_argument_names,
+    unbox_process_group,
+)
 
 _logger = logging.getLogger(__name__)
 
@@ -153,17 +161,16 @@ def _overloads() -> Iterator[tuple[str, str, str, Any]]:
 
 def build_registry() -> dict[Any, CollectiveSpec]:
     """Map every available collective ``OpOverload`` to its :class:`CollectiveSpec`."""
-    # Importing registers the functional ops' Python-side definitions.
     try:
-        import torch.distributed._functional_collectives  # noqa: F401
+        import_functional_collectives()
     except Exception:  # pragma: no cover - torch built without distributed
         pass
     registry: dict[Any, CollectiveSpec] = {}
     for namespace, name, canonical, overload in _overloads():
-        names = [argument.name for argument in overload._schema.arguments]
+        names = schema_argument_names(overload)
         registry[overload] = CollectiveSpec(
             op=canonical,
-            overload_name=f"{namespace}.{name}.{overload._overloadname}",
+            overload_name=f"{namespace}.{name}.{overload_name(overload)}",
             namespace=namespace,
             packet_name=name,
             payload_index=_arg_index(names, _PAYLOAD_ARGS),
@@ -560,10 +567,8 @@ def _facts_of_group(group: Any, meshes: MeshDimensions) -> GroupFacts:
 
 def _facts_of_key(key: str | tuple, meshes: MeshDimensions) -> GroupFacts:
     try:
-        from torch.distributed import distributed_c10d as c10d
-
         if isinstance(key, str):
-            return _facts_of_group(c10d._resolve_process_group(key), meshes)
+            return _facts_of_group(resolve_process_group(key), meshes)
         return GroupFacts("ranks:" + ",".join(str(rank) for rank in key), len(key), "")
     except Exception:
         return GroupFacts(str(key), 0, "")

@@ -9,7 +9,7 @@ lets backward spans nest by the module tree whatever order autograd fires the
 hooks in, and keeps the per-op hot path free of OTel calls. Collectives take
 the path in ``collectives.py``.
 
-Ownership rules (DESIGN.md):
+Ownership rules (docs/architecture.md, "Ownership rules"):
 
 * forward / recompute: the innermost module running, its own hooks included;
 * backward: the module whose backward began most recently and is still open

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from . import semconv
+from ._torch import MODULE_CALL_CODE
 from .config import (  # the auto rule's numbers live in config: diagnose repeats the rule without torch
     AUTO_BETWEEN_STEPS_S,
     AUTO_FACTOR,
@@ -63,7 +64,7 @@ MAX_PENDING_WAITS = 4096  # issued collectives whose wait has not been seen (cle
 STACK_FRAMES = 32  # code locations of the training thread kept in a snapshot
 MAX_FAILURES = 3  # the watchdog stops after this many failed checks in a row
 
-_CALL_IMPL = torch.nn.Module._call_impl.__code__
+_CALL_IMPL = MODULE_CALL_CODE
 _OUR_FILES = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _BACKWARD_FRAMES = frozenset({"_engine_run_backward", "backward", "grad"})
 
