@@ -4,12 +4,12 @@ The module tracker (``tracker.py``), the dispatch mode (``mode.py``) and the
 collective kernels (``intercept.py``) only report facts here: a module pass
 began or ended, a collective or op ran. The recorder keeps light records
 (``records.py``) for the current step; when the step ends it hands them, as a
-span tree, to its span sink (``Telemetry.emit``). Building spans at the end
+span tree, to its span sink (``spans.SpanBuilder.emit``). Building spans at the end
 lets backward spans nest by the module tree whatever order autograd fires the
 hooks in, and keeps the per-op hot path free of OTel calls. Collectives take
 the path in ``collectives.py``.
 
-Ownership rules (DESIGN.md):
+Ownership rules (docs/architecture.md, "Ownership rules"):
 
 * forward / recompute: the innermost module running, its own hooks included;
 * backward: the module whose backward began most recently and is still open

@@ -2,7 +2,7 @@
 
 The recorder (``recorder.py``) fills a :class:`Step` with :class:`Record` objects
 while the step runs; when the step closes, :func:`span_tree` arranges them
-into (roots, children) and the span sink (``Telemetry.emit``) turns each into
+into (roots, children) and the span sink (``spans.SpanBuilder.emit``) turns each into
 an OTel span with :func:`span_attributes`. Nothing here touches OTel.
 """
 
@@ -329,7 +329,7 @@ def descends_from(record: Record, forward: Record | None) -> bool:
 
 # ------------------------------------------------------------------ attributes
 def span_attributes(record: Record) -> dict[str, Any]:
-    """The span attributes of a finished record (a fresh dict; DESIGN.md's module-pass table)."""
+    """The span attributes of a finished record (a fresh dict; docs/semantic-conventions.md, module spans)."""
     attributes = dict(record.attrs)
     if record.fqn:
         attributes[semconv.MODULE_FQN] = record.fqn
