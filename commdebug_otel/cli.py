@@ -1,5 +1,5 @@
 """The ``commdebug-otel`` command: ``demo``, ``run``, ``summarize``, ``diagnose``, ``perfetto``, ``report``,
-``receive``.
+``receive``, ``signature``, ``compare``.
 
 ``commdebug-otel`` alone prints the help; ``--version`` the versions of ours, torch and the OTel SDK.
 """
@@ -85,7 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
              "one self-contained HTML page: findings, per-rank step and wait time, a module x collective heat "
              "map, step timelines"),
             ("receive", "offline.receive",
-             "a local OTLP receiver (gRPC 4317, HTTP 4318) writing OTLP-JSON run folders the commands above read")):
+             "a local OTLP receiver (gRPC 4317, HTTP 4318) writing OTLP-JSON run folders the commands above read"),
+            ("signature", "offline.signature",
+             "a run's communication signature: collectives and bytes per step, per module, pass, op, group, "
+             "dtype and cause, as sorted JSON"),
+            ("compare", "offline.compare",
+             "what two signatures (or run folders) differ in: exit 0 equal, 1 different, 2 unreadable")):
         module = _optional_module(module_name)
         if module is not None:
             sub = commands.add_parser(name, help=help_text)

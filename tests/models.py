@@ -118,3 +118,37 @@ class Hooked(nn.Module):
         if keep is not None:
             keep += [h, g]  # inputs of mix (a multi-grad hook), outputs of first and second
         return self.mix(h, g)
+
+
+class ToyModel(nn.Module):
+    """pytorch/examples' tensor- and sequence-parallel example model (distributed/tensor_parallelism)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_proj = nn.Linear(10, 32)
+        self.relu = nn.ReLU()
+        self.out_proj = nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(self.relu(self.in_proj(x)))
+
+
+def toy_plan(style: str) -> dict:
+    """The examples' parallelize plans for :class:`ToyModel`.
+
+    ``tp``: tensor_parallel_example.py (in_proj ColwiseParallel, out_proj RowwiseParallel);
+    ``sp``: sequence_parallel_example.py (inputs and outputs sharded on the sequence dim 0);
+    ``tp_sp_out``: ``tp`` with one layer's style switched: out_proj's output sequence-sharded
+    (``RowwiseParallel(output_layouts=Shard(0))``).
+    """
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if style == "tp":
+        return {"in_proj": ColwiseParallel(), "out_proj": RowwiseParallel()}
+    if style == "sp":
+        return {"in_proj": ColwiseParallel(input_layouts=Shard(0)),
+                "out_proj": RowwiseParallel(output_layouts=Shard(0))}
+    if style == "tp_sp_out":
+        return {"in_proj": ColwiseParallel(), "out_proj": RowwiseParallel(output_layouts=Shard(0))}
+    raise ValueError(f"unknown style {style!r}")

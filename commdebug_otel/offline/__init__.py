@@ -23,10 +23,14 @@ Modules:
 * :mod:`.backends`: one trace by id from Jaeger's or Tempo's HTTP API (``diagnose --jaeger/--tempo``);
 * :mod:`.perfetto`: Chrome trace-event JSON for https://ui.perfetto.dev;
 * :mod:`.html_report`: ``commdebug-otel report``, one self-contained HTML page of a run;
-* :mod:`.receive`: ``commdebug-otel receive``, a local OTLP receiver writing run folders.
+* :mod:`.receive`: ``commdebug-otel receive``, a local OTLP receiver writing run folders;
+* :mod:`.signature`: ``commdebug-otel signature``, a run's communication signature (collectives and bytes per
+  step, per module, pass, op, group, dtype and cause), and the diff of two (:mod:`.compare`:
+  ``commdebug-otel compare``).
 
 Nothing here imports torch, the OTel SDK or the live tracer; importing this
 package imports none of its modules.
 """
 
-__all__ = ["backends", "diagnose", "html_report", "model", "otlp_json", "perfetto", "receive", "summary"]
+__all__ = ["backends", "compare", "diagnose", "html_report", "model", "otlp_json", "perfetto", "receive", "signature",
+           "summary"]

@@ -1,0 +1,66 @@
+"""``commdebug-otel compare BASE NEW``: what two communication signatures differ in.
+
+Each of BASE and NEW is a signature file (``commdebug-otel signature -o``, a pytest baseline) or a
+run folder / OTLP-JSON trace files, made into a signature first (:func:`.signature.load`). Exit
+status: 0 equal, 1 different, 2 a side could not be read. The text diff is
+:func:`.signature.format_diff`'s; ``--format json`` prints :func:`.signature.compare`'s dict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import signature
+
+__all__ = ["EXIT_DIFFERENT", "EXIT_EQUAL", "EXIT_UNREADABLE", "add_arguments", "run"]
+
+EXIT_EQUAL = 0
+EXIT_DIFFERENT = 1
+EXIT_UNREADABLE = 2
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``compare``'s arguments to ``parser``."""
+    parser.add_argument("base", metavar="BASE", help="signature file, run folder or OTLP-JSON trace file")
+    parser.add_argument("new", metavar="NEW", help="signature file, run folder or OTLP-JSON trace file")
+    parser.add_argument("--format", choices=("text", "json"), default="text",
+                        help="a readable diff, or the diff as JSON (default text)")
+    parser.add_argument("--count-tolerance", type=_non_negative, default=0.0, metavar="N",
+                        help="collectives per step a count may move by and still be equal (default 0)")
+    parser.add_argument("--bytes-tolerance", type=_non_negative, default=0.0, metavar="FRACTION",
+                        help="share of the base's bytes per step they may move by, e.g. 0.05 (default 0)")
+    parser.add_argument("--include-warmup", action="store_true",
+                        help="for run folders: count the first traced step too (as `signature --include-warmup`)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the diff of ``args.base`` and ``args.new``. Returns 0 equal, 1 different, 2 unreadable."""
+    documents = []
+    for path in (args.base, args.new):
+        messages: list[str] = []
+        try:
+            documents.append(signature.load(path, args.include_warmup, messages))
+        except signature.SignatureError as error:
+            print(f"commdebug-otel compare: {error}", file=sys.stderr)
+            return EXIT_UNREADABLE
+        finally:
+            for message in messages:
+                print(f"commdebug-otel compare: {message}", file=sys.stderr)
+    diff = signature.compare(*documents, count_tolerance=args.count_tolerance,
+                             bytes_tolerance=args.bytes_tolerance)
+    if args.format == "json":
+        print(json.dumps(diff, indent=2))
+    elif diff["equal"]:
+        print(f"communication equal: {len(documents[1]['entries'])} entries ({args.new} against {args.base})")
+    else:
+        print(signature.format_diff(diff, args.base, args.new))
+    return EXIT_EQUAL if diff["equal"] else EXIT_DIFFERENT

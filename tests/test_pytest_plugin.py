@@ -1,0 +1,172 @@
+"""The ``comm_signature`` fixture (pytest plugin, entry point ``pytest11``), in real inner pytest runs (pytester):
+world size 1 on gloo (eager and compiled blocks), and both ranks of a 2-rank DTensor test under torchrun."""
+
+import json
+import sys
+
+from commdebug_otel.offline import signature
+
+from distributed import free_port
+
+pytest_plugins = ["pytester"]
+
+_GROUP = '''
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+
+
+@pytest.fixture(scope="module", autouse=True)
+def group():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class Net(nn.Module):
+    def __init__(self, reduces=1):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.reduces = reduces
+
+    def forward(self, x):
+        out = self.lin(x)
+        for _ in range(self.reduces):
+            dist.all_reduce(out.detach())
+        return out
+
+
+class Compiled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        out = self.lin(x)
+        return out + funcol.all_reduce(out.detach(), "sum", dist.group.WORLD)
+'''
+
+_TESTS = '''
+
+def test_eager(comm_signature):
+    net = Net(reduces=REDUCES)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    with comm_signature("eager"):
+        for _ in range(2):
+            net(torch.ones(2, 4)).sum().backward()
+            optimizer.step()
+
+
+def test_compiled(comm_signature):
+    model = torch.compile(Compiled(), backend="aot_eager")
+    with comm_signature("compiled"):
+        model(torch.ones(3, 4)).sum().backward()
+'''
+
+
+def _entry(module, nbytes, dtype="float32", ranks=(0,), count=1, mesh_dim="", cause="", source="", target=""):
+    return {"module": module, "pass": "forward", "op": "all_reduce", "group": "0", "mesh_dim": mesh_dim,
+            "dtype": dtype, "cause": cause, "source_placements": source, "target_placements": target,
+            "count_per_step": count, "bytes_per_step": nbytes, "ranks": list(ranks)}
+
+
+def _write(pytester, reduces):
+    pytester.makepyfile(test_blocks=_GROUP + _TESTS.replace("REDUCES", str(reduces)))
+
+
+def test_update_writes_baselines_then_a_change_fails_with_the_diff(pytester):
+    _write(pytester, reduces=1)
+    result = pytester.runpytest_subprocess("--comm-update")
+    result.assert_outcomes(passed=2)
+    folder = pytester.path / "comm_signatures"
+    eager = json.loads((folder / "eager.json").read_text())
+    # Two steps of one (2, 4) float32 all_reduce in Net's forward.
+    assert eager == {"format": signature.FORMAT, "world_size": 1, "steps": 2, "entries": [_entry("Net", 32)]}
+    # The compiled block's functional all_reduce, from its compiled code (the compiled module is one span).
+    compiled = json.loads((folder / "compiled.json").read_text())
+    assert compiled["entries"] == [_entry("Compiled", 48)]
+
+    pytester.runpytest_subprocess().assert_outcomes(passed=2)
+
+    _write(pytester, reduces=2)
+    result = pytester.runpytest_subprocess()
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines([
+        f"*communication differs (this run against {folder / 'eager.json'}): 0 appeared, 0 disappeared, 1 changed",
+        "~ Net forward  all_reduce  group 0  float32: count 1 -> 2 per step, bytes 32 -> 64 per step  ranks 0",
+        "(pytest --comm-update writes this run's signature as the baseline)",
+    ])
+    assert json.loads((folder / "eager.json").read_text()) == eager  # comparing never writes
+
+    (folder / "compiled.json").unlink()
+    result = pytester.runpytest_subprocess("-k", "compiled")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([f"*comm_signature: no baseline {folder / 'compiled.json'}; run pytest "
+                                 "--comm-update to write it"])
+
+
+_TP_TEST = '''
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+
+class ToyModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.in_proj = nn.Linear(10, 32)
+        self.relu = nn.ReLU()
+        self.out_proj = nn.Linear(32, 5)
+
+    def forward(self, x):
+        return self.out_proj(self.relu(self.in_proj(x)))
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    dist.init_process_group("gloo")
+    yield init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["tp", "tp_old"])
+def test_tp(mesh, comm_signature, name):
+    model = parallelize_module(ToyModel(), mesh, {"in_proj": ColwiseParallel(), "out_proj": RowwiseParallel()})
+    with comm_signature(name):
+        model(torch.rand(4, 10)).sum().backward()
+    print(f"RANK {dist.get_rank()} CHECKED {name}.")
+'''
+
+
+def test_every_rank_of_a_dtensor_test_checks_the_jobs_signature(pytester):
+    pytester.makepyfile(test_tp=_TP_TEST)
+    folder = pytester.mkdir("comm_signatures")
+    # RowwiseParallel's output all-reduce of the (4, 5) float32 output on both ranks, with its why.
+    tp = _entry("ToyModel.out_proj", 80, ranks=(0, 1), mesh_dim="tp", cause="redistribute",
+                source="(Partial(sum),)", target="(Replicate(),)")
+    (folder / "tp.json").write_text(json.dumps({"format": signature.FORMAT, "world_size": 2, "steps": 1,
+                                                "entries": [tp]}))
+    (folder / "tp_old.json").write_text(json.dumps({"format": signature.FORMAT, "world_size": 2, "steps": 1,
+                                                    "entries": [{**tp, "count_per_step": 2}]}))
+    result = pytester.run(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                          "-m", "pytest", "-p", "no:cacheprovider", "-s", "-q", "test_tp.py", timeout=300)
+    out = result.stdout.str()
+    # Each rank's pytest: tp passes, tp_old fails with the same diff (the job's signature, gathered).
+    assert out.count("1 failed, 1 passed") == 2, out
+    assert out.count("RANK 0 CHECKED tp.") == out.count("RANK 1 CHECKED tp.") == 1, out
+    assert out.count("~ ToyModel.out_proj forward  all_reduce  group 0 (tp)  float32  cause redistribute "
+                     "(Partial(sum),) -> (Replicate(),): count 2 -> 1 per step  ranks 0-1") == 2, out

@@ -1,0 +1,240 @@
+"""Communication signatures (``commdebug-otel signature``) and their diffs (``commdebug-otel compare``):
+from real 2-rank runs of pytorch/examples' tensor- and sequence-parallel model, and from hand-built spans."""
+
+import json
+
+import pytest
+import torch
+
+from commdebug_otel import semconv
+from commdebug_otel.cli import main
+from commdebug_otel.offline import signature
+
+from distributed import run_ranks
+from models import ToyModel, toy_plan
+from otlp_files import span, write_otlp
+
+_STYLES = ("tp", "sp", "tp_sp_out")
+_STEPS = 3
+_RUNS = 3
+
+
+def _toy_job(rank, world_size, out_dirs):
+    """Each style in its own output folder: _STEPS optimizer steps of the example model, every step traced."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from commdebug_otel import CommTracer, Settings
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    for style in _STYLES:
+        torch.manual_seed(0)
+        model = parallelize_module(ToyModel(), mesh, toy_plan(style))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        tracer = CommTracer(Settings(output_dir=out_dirs[style]))
+        with tracer:
+            for _ in range(_STEPS):
+                model(torch.rand(4, 10)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        tracer.telemetry.shutdown()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Three runs of the same code: ``[{style: run folder}]``."""
+    out = []
+    for number in range(_RUNS):
+        dirs = {style: str(tmp_path_factory.mktemp(f"{style}-{number}")) for style in _STYLES}
+        run_ranks(_toy_job, 2, dirs)
+        out.append(dirs)
+    return out
+
+
+def _entry(module, pass_, op, count, nbytes, cause, source, target):
+    return {"module": module, "pass": pass_, "op": op, "group": "0", "mesh_dim": "tp", "dtype": "float32",
+            "cause": cause, "source_placements": source, "target_placements": target,
+            "count_per_step": count, "bytes_per_step": nbytes, "ranks": [0, 1]}
+
+
+_OUT_FW = "ToyModel.out_proj", "forward"
+_OUT_BW = "ToyModel.out_proj", "backward"
+_IN_FW = "ToyModel.in_proj", "forward"
+_IN_BW = "ToyModel.in_proj", "backward"
+_PARTIAL, _REPLICATE, _SHARD0 = "(Partial(sum),)", "(Replicate(),)", "(Shard(dim=0),)"
+# RowwiseParallel's output all-reduce: a (4, 5) float32 output, 80 bytes.
+_TP_ROWWISE_ALL_REDUCE = _entry(*_OUT_FW, "all_reduce", 1, 80, "redistribute", _PARTIAL, _REPLICATE)
+# out_proj's output sequence-sharded instead: reduce-scatter of the (4, 5) partial output (80 bytes in), then
+# in backward the gradient's (2, 5) shards gathered back (40 bytes).
+_SP_OUT_REDUCE_SCATTER = _entry(*_OUT_FW, "reduce_scatter", 1, 80, "redistribute", _PARTIAL, _SHARD0)
+_SP_OUT_GRAD_ALL_GATHER = _entry(*_OUT_BW, "all_gather", 1, 40, "redistribute", _SHARD0, _REPLICATE)
+_EXPECTED = {
+    "tp": [_TP_ROWWISE_ALL_REDUCE],
+    # The sequence-parallel example: each rank's (4, 10) input is a shard of an (8, 10) one: in_proj gathers it
+    # (160 bytes), out_proj reduce-scatters its (8, 5) partial output (160 bytes in) and gathers the gradient back.
+    "sp": [
+        _entry(*_IN_FW, "all_gather", 1, 160, "redistribute", _SHARD0, _REPLICATE),
+        _entry(*_OUT_BW, "all_gather", 1, 80, "redistribute", _SHARD0, _REPLICATE),
+        _entry(*_OUT_FW, "reduce_scatter", 1, 160, "redistribute", _PARTIAL, _SHARD0),
+    ],
+    "tp_sp_out": [_SP_OUT_GRAD_ALL_GATHER, _SP_OUT_REDUCE_SCATTER],
+}
+
+
+def _signature_file(path, tmp_path, name, *extra):
+    out = tmp_path / f"{name}.json"
+    assert main(["signature", str(path), "-o", str(out), *extra]) == 0
+    return out
+
+
+@pytest.mark.parametrize("style", ["tp", "sp"])
+def test_example_signatures_are_equal_over_three_runs(runs, tmp_path, style):
+    files = [_signature_file(run[style], tmp_path, f"{style}{number}") for number, run in enumerate(runs)]
+    texts = [file.read_text() for file in files]
+    assert texts[0] == texts[1] == texts[2]
+    document = json.loads(texts[0])
+    # 3 steps, the first (warm-up) left out as summarize leaves it out of stragglers.
+    assert document == {"format": signature.FORMAT, "world_size": 2, "steps": _STEPS - 1,
+                        "entries": _EXPECTED[style]}
+    assert main(["compare", str(files[0]), runs[2][style]]) == 0
+
+
+def test_include_warmup_counts_every_step(runs, tmp_path):
+    document = json.loads(_signature_file(runs[0]["tp"], tmp_path, "all", "--include-warmup").read_text())
+    assert document["steps"] == _STEPS
+    assert document["entries"] == [_TP_ROWWISE_ALL_REDUCE]
+
+
+def test_switching_one_layers_style_gives_exactly_that_diff(runs, tmp_path, capsys):
+    base = _signature_file(runs[0]["tp"], tmp_path, "base")
+    capsys.readouterr()
+    assert main(["compare", str(base), runs[1]["tp_sp_out"], "--format", "json"]) == 1
+    diff = json.loads(capsys.readouterr().out)
+    assert diff == {"equal": False, "world_size": [2, 2], "steps": [2, 2],
+                    "appeared": [_SP_OUT_GRAD_ALL_GATHER, _SP_OUT_REDUCE_SCATTER],
+                    "disappeared": [_TP_ROWWISE_ALL_REDUCE], "changed": []}
+    assert main(["compare", str(base), runs[1]["tp_sp_out"]]) == 1
+    text = capsys.readouterr().out
+    assert text.splitlines() == [
+        f"communication differs ({runs[1]['tp_sp_out']} against {base}): 2 appeared, 1 disappeared, 0 changed",
+        "+ ToyModel.out_proj backward  all_gather  group 0 (tp)  float32  cause redistribute (Shard(dim=0),) -> "
+        "(Replicate(),): 1 per step, 40 bytes per step  ranks 0-1",
+        "+ ToyModel.out_proj forward  reduce_scatter  group 0 (tp)  float32  cause redistribute (Partial(sum),) -> "
+        "(Shard(dim=0),): 1 per step, 80 bytes per step  ranks 0-1",
+        "- ToyModel.out_proj forward  all_reduce  group 0 (tp)  float32  cause redistribute (Partial(sum),) -> "
+        "(Replicate(),): 1 per step, 80 bytes per step  ranks 0-1",
+    ]
+
+
+# ------------------------------------------------------------- hand-built spans
+
+
+def _step_spans(rank, step, events, module="M.lin", pass_="forward"):
+    """A train_step and one module span under it holding ``events`` (collective attribute dicts)."""
+    root = f"s{step}"
+    return [span(rank, "train_step", root, trace=f"t{step}", world_size=2, **{semconv.STEP: step}),
+            span(rank, f"{module} {pass_}", f"m{step}", parent=root, trace=f"t{step}", world_size=2,
+                 events=[(1000 + n, attrs) for n, attrs in enumerate(events)],
+                 **{semconv.MODULE_FQN: module, semconv.MODULE_PASS: pass_})]
+
+
+def _all_reduce(nbytes, group="0", issue_s=0.001):
+    return {semconv.COLLECTIVE_OP: "all_reduce", semconv.PROCESS_GROUP_NAME: group, semconv.PROCESS_GROUP_SIZE: 2,
+            semconv.COLLECTIVE_DTYPE: "bfloat16", semconv.COLLECTIVE_BYTES: nbytes,
+            semconv.COLLECTIVE_DURATION: issue_s}
+
+
+def _job(per_step_events):
+    """Steps 0, 1, ... of ranks 0, 1, ...: ``per_step_events[step][rank]`` is that step's events on that rank."""
+    spans = []
+    for step, per_rank in enumerate(per_step_events):
+        for rank, events in enumerate(per_rank):
+            spans += _step_spans(rank, step, events)
+    return spans
+
+
+def _bare(module="M.lin", count=1, nbytes=8, ranks=(0, 1)):
+    return {"module": module, "pass": "forward", "op": "all_reduce", "group": "0", "mesh_dim": "", "dtype": "bfloat16",
+            "cause": "", "source_placements": "", "target_placements": "", "count_per_step": count,
+            "bytes_per_step": nbytes, "ranks": list(ranks)}
+
+
+def test_ranks_that_differ_get_their_own_entries_and_uneven_steps_a_fraction():
+    ar = _all_reduce
+    spans = _job([[[ar(8)], [ar(8)]],                       # warm-up step: left out
+                  [[ar(8)], [ar(16)]],
+                  [[ar(8), ar(8)], [ar(16)]]])
+    document = signature.signature_of_spans(spans)
+    assert document["steps"] == 2
+    assert document["entries"] == [_bare(count=1.5, nbytes=12, ranks=[0]), _bare(count=1, nbytes=16, ranks=[1])]
+    # The same spans in another order make the same document.
+    assert signature.signature_of_spans(list(reversed(spans))) == document
+    # Set-up collectives (outside any step) are not counted; snapshots neither.
+    extra = [span(0, "outside_step", "o", trace="o", world_size=2, events=[(5, ar(99))]),
+             span(0, "M.lin forward", "snap", trace="t1", world_size=2, events=[(6, ar(99))],
+                  **{semconv.MODULE_FQN: "M.lin", semconv.SPAN_INCOMPLETE: True})]
+    assert signature.signature_of_spans(spans + extra) == document
+
+
+def test_times_only_when_asked_and_compare_ignores_them():
+    spans = _job([[[_all_reduce(8, issue_s=0.5)], [_all_reduce(8, issue_s=0.1)]],
+                  [[_all_reduce(8, issue_s=0.2)], [_all_reduce(8, issue_s=0.3)]]])
+    plain = signature.signature_of_spans(spans, include_warmup=True)
+    timed = signature.signature_of_spans(spans, include_warmup=True, times=True)
+    assert "times" not in plain
+    assert timed["times"] == [{**{name: _bare()[name] for name in signature.KEY_FIELDS},
+                               "n": 4, "min_s": 0.1, "median_s": 0.25, "max_s": 0.5}]
+    assert signature.compare(plain, timed)["equal"] is True
+
+
+def _document(*entries, world_size=2, steps=2):
+    return {"format": signature.FORMAT, "world_size": world_size, "steps": steps, "entries": list(entries)}
+
+
+def test_compare_per_rank_with_tolerances():
+    base = _document(_bare(count=4, nbytes=100))
+    new = _document(_bare(count=5, nbytes=104, ranks=[1]), _bare(count=4, nbytes=100, ranks=[0]))
+    diff = signature.compare(base, new)
+    assert diff["changed"] == [{**{name: _bare()[name] for name in signature.KEY_FIELDS}, "ranks": [1],
+                                "base": {"count_per_step": 4, "bytes_per_step": 100},
+                                "new": {"count_per_step": 5, "bytes_per_step": 104}}]
+    assert signature.format_diff(diff).splitlines()[1] == (
+        "~ M.lin forward  all_reduce  group 0  bfloat16: count 4 -> 5 per step, bytes 100 -> 104 per step  ranks 1")
+    assert not signature.compare(base, new, count_tolerance=1)["equal"]  # bytes moved 4 %
+    assert signature.compare(base, new, count_tolerance=1, bytes_tolerance=0.04)["equal"]
+    assert not signature.compare(base, new, count_tolerance=1, bytes_tolerance=0.03)["equal"]
+    # Steps are per-step figures: a longer run is not a difference; another world size is.
+    assert signature.compare(base, _document(_bare(count=4, nbytes=100), steps=9))["equal"]
+    other = signature.compare(base, _document(_bare(count=4, nbytes=100), world_size=4))
+    assert not other["equal"] and other["world_size"] == [2, 4]
+    with pytest.raises(ValueError, match="tolerances"):
+        signature.compare(base, new, count_tolerance=-1)
+
+
+def test_cli_reads_files_and_folders_and_exits_2_when_it_cannot(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    write_otlp(_job([[[_all_reduce(8)], [_all_reduce(8)]], [[_all_reduce(8)], [_all_reduce(8)]]]),
+               run / "traces.jsonl")
+    sig = _signature_file(run, tmp_path, "sig")
+    assert json.loads(sig.read_text()) == _document(_bare(), steps=1)
+    assert main(["compare", str(sig), str(run)]) == 0
+    assert "communication equal: 1 entries" in capsys.readouterr().out
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(_document(_bare(count=2, nbytes=16))))
+    assert main(["compare", str(sig), str(other), "--count-tolerance", "1", "--bytes-tolerance", "1"]) == 0
+    assert main(["compare", str(sig), str(other)]) == 1
+    capsys.readouterr()
+    for bad, why in ((tmp_path / "missing", "no such file or folder"),
+                     (tmp_path / "not-ours.json", "format 'x', expected 'commdebug-otel.signature/1'"),
+                     (tmp_path / "broken.json", "entry 0: 'count_per_step' is not a number"),
+                     (tmp_path / "empty.jsonl", "neither a signature")):
+        if bad.name == "not-ours.json":
+            bad.write_text('{"format": "x"}')
+        elif bad.name == "broken.json":
+            bad.write_text(json.dumps(_document({**_bare(), "count_per_step": "1"})))
+        elif bad.name == "empty.jsonl":
+            bad.write_text("")
+        assert main(["compare", str(sig), str(bad)]) == 2
+        assert why in capsys.readouterr().err
+    assert main(["signature", str(tmp_path / "missing")]) == 1
