@@ -5,9 +5,10 @@ step, or one that keeps records) and hands it here:
 
 * :class:`CollectiveCounter` records its metric points, and times c10d
   collectives to completion without waiting for them;
-* :func:`event_attributes` builds the span event of a traced collective from
-  one :class:`Collective` (built only on paths that keep records: the quiet
-  path allocates nothing per collective);
+* :func:`quiet_fact` and :func:`recorded_fact` make the one
+  :class:`~commdebug_otel.core_fact.CollectiveFact` of a collective (the quiet
+  path's counts no elements and reads no reduce op or peer), which
+  ``core_fact`` renders into span events, stall-ring events and metric labels;
 * :class:`Why` holds the DTensor op whose redistribution is in progress, the
   "why" of the collectives it issues.
 """
@@ -24,49 +25,64 @@ from typing import Any
 import torch
 
 from . import _torch, semconv
-from .ops import CollectiveSpec, GroupFacts, Message, message, payload_bytes, reduce_op_name
-from .records import ATTR_MAX_CHARS, Record, dtensor_facts, mesh_facts
+from .core_fact import NOT_COUNTED, PASS_NONE, CollectiveFact, GroupFacts
+from .ops import (
+    BARRIER_DTYPE,
+    NO_TENSOR_DTYPE,
+    CollectiveSpec,
+    Message,
+    is_fake,
+    message,
+    payload,
+    reduce_op_name,
+)
+from .records import ATTR_MAX_CHARS, dtensor_facts, mesh_facts
 from .redact import describe
 
 _logger = logging.getLogger(__name__)
 
-PASS_NONE = "none"  # a collective outside any module pass (set-up, optimizer, logging)
+__all__ = ["PASS_NONE", "CollectiveCounter", "Why", "quiet_fact", "recorded_fact"]
+
+_new_fact = tuple.__new__
+_DTYPE_NAMES: dict[Any, str] = {}  # torch.dtype -> "float32": one lookup per collective on the quiet path
 
 
-class Collective:
-    """One collective that keeps records (a traced step, an observer, or module labels on metrics)."""
+def _dtype_name(dtype: Any) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
-    __slots__ = (
-        "args",
-        "dtype",
-        "duration_ns",
-        "group",
-        "message",
-        "out",
-        "owner",
-        "pass_",
-        "seq",
-        "spec",
-        "start_ns",
-    )
 
-    def __init__(self, spec: CollectiveSpec, args: tuple, group: GroupFacts, seq: int,
-                 duration_ns: int, out: Any, start_ns: int) -> None:
-        self.spec = spec
-        self.args = args
-        self.group = group
-        self.seq = seq  # per process group, how many collectives this rank issued on it before
-        self.duration_ns = duration_ns  # issue time on the CPU
-        self.out = out  # what the op returned (a c10d op's holds its Work)
-        self.start_ns = start_ns  # time.perf_counter_ns() at issue
-        self.pass_ = PASS_NONE
-        self.owner: Record | None = None
-        self.message: Message = message(spec, args, out, group.size)
+def quiet_fact(spec: CollectiveSpec, args: tuple, out: Any, group: GroupFacts, seq: int, pass_: str,
+               duration_ns: int, plain: torch.Tensor | None) -> CollectiveFact:
+    """The fact of a collective that keeps no records (untraced steps, other threads: on every step, kept short).
 
-    @property
-    def fake(self) -> bool:
-        """Fake or meta tensors: traced shapes that move no bytes."""
-        return self.message.fake
+    Its element counts are not counted (-1), its reduce op and peer not read; no owner is known.
+    ``plain``: ``ops.plain_payload(spec, args)``, which the recorder has already asked.
+    """
+    if spec.barrier:
+        dtype, shape, nbytes, fake = BARRIER_DTYPE, (0,), 0, False
+    else:
+        nbytes, first = payload(spec, args, out, plain)
+        if first is None:
+            dtype, shape, fake = NO_TENSOR_DTYPE, (0,), False
+        else:
+            dtype, shape, fake = _dtype_name(first.dtype), first.shape, plain is None and is_fake(first)
+    # tuple.__new__ itself: CollectiveFact(...) runs a Python __new__ per call, on every collective
+    return _new_fact(CollectiveFact, (spec.op, spec.overload_name, group, seq, dtype, shape, NOT_COUNTED, NOT_COUNTED,
+                                      nbytes, fake, "", NOT_COUNTED, time.time_ns(), duration_ns, "", pass_, None))
+
+
+def recorded_fact(spec: CollectiveSpec, args: tuple, group: GroupFacts, seq: int, msg: Message, time_ns: int,
+                  duration_ns: int, fqn: str, pass_: str, why: dict[str, Any] | None) -> CollectiveFact:
+    """The fact of a collective that keeps records: ``msg`` (``ops.message``), its owner's ``fqn`` and ``pass_``,
+    and ``why`` (:meth:`Why.attributes`, for traced steps), with its reduce op and peer."""
+    reduce_op = reduce_op_name(args[spec.reduce_index]) if 0 <= spec.reduce_index < len(args) else ""
+    peer = int(args[spec.peer_index]) if 0 <= spec.peer_index < len(args) else NOT_COUNTED
+    return CollectiveFact(spec.op, spec.overload_name, group, seq, msg.dtype, tuple(msg.shape), msg.input_elements,
+                          msg.output_elements, msg.nbytes, msg.fake, reduce_op, peer, time_ns, duration_ns, fqn,
+                          pass_, why)
 
 
 class CollectiveCounter:
@@ -98,45 +114,26 @@ class CollectiveCounter:
         self._untimed: set[str] = set()  # overloads whose Work has no future on this backend
         self.timed = True
 
-    def count(self, spec: CollectiveSpec, args: tuple, group: GroupFacts, pass_: str, duration_ns: int,
-              out: Any, start_ns: int, seq: int, plain: Any) -> None:
-        """The points of a collective that keeps no records: the quiet path, kept short on purpose.
-
-        ``plain``: ``ops.plain_payload(spec, args)``, which the recorder has already asked.
-        """
-        if self._metrics is None:
-            return
-        nbytes, fake = payload_bytes(spec, args, out, plain)
-        if fake:
+    def count(self, fact: CollectiveFact, spec: CollectiveSpec, out: Any, start_ns: int,
+              context: Any = None) -> None:
+        """The metric points of ``fact``; ``out`` (what the op returned) and ``start_ns`` (its
+        ``time.perf_counter_ns()`` at issue) time a c10d one to completion; ``context`` gives exemplars."""
+        if self._metrics is None or fact.fake:
             return
         rank = self._rank().rank
         timed = self.timed
-        self._metrics.collective(spec.op, pass_, group, rank, nbytes, duration_ns / 1e9 if timed else None, "",
-                                 context=None)
+        self._metrics.collective(fact.op, fact.pass_, fact.group, rank, fact.nbytes,
+                                 fact.duration_ns / 1e9 if timed else None, fact.fqn, context=context)
         if timed and not spec.functional and out is not None:
-            self._time_completion(out, spec, pass_, group, rank, "", start_ns, seq)
+            self._time_completion(out, fact, rank, start_ns)
 
-    def count_recorded(self, collective: Collective, fqn: str, context: Any) -> None:
-        """The points of a recorded collective: ``fqn`` for module labels, ``context`` for exemplars."""
-        if self._metrics is None or collective.fake:
-            return
-        spec, pass_, group = collective.spec, collective.pass_, collective.group
-        rank = self._rank().rank
-        timed = self.timed
-        self._metrics.collective(spec.op, pass_, group, rank, collective.message.nbytes,
-                                 collective.duration_ns / 1e9 if timed else None, fqn, context=context)
-        if timed and not spec.functional and collective.out is not None:
-            self._time_completion(collective.out, spec, pass_, group, rank, fqn, collective.start_ns,
-                                  collective.seq)
-
-    def _time_completion(self, out: Any, spec: CollectiveSpec, pass_: str, group: GroupFacts, rank: int,
-                         fqn: str, start_ns: int, seq: int) -> None:
+    def _time_completion(self, out: Any, fact: CollectiveFact, rank: int, start_ns: int) -> None:
         """Record issue-to-completion time when the c10d ``Work``'s future completes (never waits).
 
         Some backends' works have no future (gloo's ``_reduce_scatter_base_`` raises
         "Work::getFuture not implemented"): that overload is not timed from then on.
         """
-        if spec.overload_name in self._untimed:
+        if fact.overload in self._untimed:
             return
         work = boxed_work(out)
         if work is None:
@@ -144,14 +141,13 @@ class CollectiveCounter:
         try:
             future = _torch.work_future(work)
         except Exception as error:
-            self._untimed.add(spec.overload_name)
-            _logger.debug("commdebug-otel: %s is not timed to completion: %s", spec.overload_name, describe(error))
+            self._untimed.add(fact.overload)
+            _logger.debug("commdebug-otel: %s is not timed to completion: %s", fact.overload, describe(error))
             return
         try:
-            completion = _Completion(self, spec.op, pass_, group, rank, fqn, start_ns, seq)
-            future.add_done_callback(OnBackendThread(completion))
+            future.add_done_callback(OnBackendThread(_Completion(self, fact, rank, start_ns)))
         except Exception as error:
-            self._untimed.add(spec.overload_name)
+            self._untimed.add(fact.overload)
             self._hook_failed("completion time", error)
 
 
@@ -208,54 +204,19 @@ def wait_for_backend_callbacks(timeout_s: float) -> bool:
 class _Completion:
     """A ``Work`` future's done callback: runs on the backend's thread and must never raise."""
 
-    __slots__ = ("counter", "fqn", "group", "op", "pass_", "rank", "seq", "start_ns")
+    __slots__ = ("counter", "fact", "rank", "start_ns")
 
-    def __init__(self, counter: CollectiveCounter, op: str, pass_: str, group: GroupFacts, rank: int,
-                 fqn: str, start_ns: int, seq: int) -> None:
-        self.counter, self.op, self.pass_, self.group = counter, op, pass_, group
-        self.rank, self.fqn, self.start_ns, self.seq = rank, fqn, start_ns, seq
+    def __init__(self, counter: CollectiveCounter, fact: CollectiveFact, rank: int, start_ns: int) -> None:
+        self.counter, self.fact, self.rank, self.start_ns = counter, fact, rank, start_ns
 
     def __call__(self, _future: Any) -> None:
         try:
-            self.counter._completed(self.group.name, self.seq)
-            self.counter._metrics.completion(self.op, self.pass_, self.group, self.rank,
-                                             (time.perf_counter_ns() - self.start_ns) / 1e9, self.fqn)
+            fact = self.fact
+            self.counter._completed(fact.group.name, fact.seq)
+            self.counter._metrics.completion(fact.op, fact.pass_, fact.group, self.rank,
+                                             (time.perf_counter_ns() - self.start_ns) / 1e9, fact.fqn)
         except Exception as error:
             self.counter._hook_failed("completion time", error)
-
-
-def event_attributes(collective: Collective, why: dict[str, Any] | None) -> dict[str, Any]:
-    """The span-event attributes of a traced collective (docs/semantic-conventions.md, "Collectives").
-
-    ``why``: the attributes of the DTensor op behind it (:meth:`Why.attributes`), or None.
-    """
-    spec, group, args, msg = collective.spec, collective.group, collective.args, collective.message
-    attrs: dict[str, Any] = {
-        semconv.COLLECTIVE_OP: spec.op,
-        semconv.OP_NAME: spec.overload_name,
-        semconv.COLLECTIVE_BYTES: msg.nbytes,
-        semconv.COLLECTIVE_INPUT_ELEMENTS: msg.input_elements,
-        semconv.COLLECTIVE_OUTPUT_ELEMENTS: msg.output_elements,
-        semconv.COLLECTIVE_DTYPE: msg.dtype,
-        semconv.PROCESS_GROUP_NAME: group.name,
-        semconv.PROCESS_GROUP_SIZE: group.size,
-        semconv.COLLECTIVE_SEQ: collective.seq,
-        semconv.MODULE_PASS: collective.pass_,
-        semconv.COLLECTIVE_DURATION: collective.duration_ns / 1e9,
-    }
-    if msg.shape:  # a 0-d tensor's shape is empty: the key is left out
-        attrs[semconv.COLLECTIVE_SHAPE] = msg.shape
-    if group.dim_name:
-        attrs[semconv.DEVICE_MESH_DIM_NAME] = group.dim_name
-    if msg.fake:
-        attrs[semconv.COLLECTIVE_FAKE] = True
-    if 0 <= spec.reduce_index < len(args):
-        attrs[semconv.COLLECTIVE_REDUCE_OP] = reduce_op_name(args[spec.reduce_index])
-    if 0 <= spec.peer_index < len(args):
-        attrs[semconv.COLLECTIVE_PEER] = int(args[spec.peer_index])
-    if why:
-        attrs.update(why)
-    return attrs
 
 
 def boxed_work(out: Any) -> Any:
@@ -264,15 +225,15 @@ def boxed_work(out: Any) -> Any:
     return work if isinstance(work, torch.ScriptObject) else None
 
 
-def peer_when_received(collective: Collective, attrs: dict[str, Any],
+def peer_when_received(op: str, out: Any, attrs: dict[str, Any],
                        hook_failed: Callable[[str, BaseException], None], awaiting: dict[int, tuple]) -> None:
     """A ``recv`` from any source (``dist.recv(buf)`` without ``src``): its peer is added to ``attrs``
     once received (``Work.source_rank()``, a rank in the group), if before the step ends: when its
     ``Work`` future completes or, where the backend's work has no future (gloo), when ``Work.wait()``
     returns (``awaiting``: ``id(work) -> (work, attrs)``, which ``Recorder.waited`` reads)."""
-    if collective.spec.op != semconv.RECV or semconv.COLLECTIVE_PEER in attrs:
+    if op != semconv.RECV or semconv.COLLECTIVE_PEER in attrs:
         return
-    work = boxed_work(collective.out)
+    work = boxed_work(out)
     if work is None:
         return
     try:
@@ -430,11 +391,11 @@ class CompiledWhys:
         known = self._by_key.get(key, attrs)
         self._by_key[key] = dict(attrs) if known == attrs else None  # ambiguous: none
 
-    def lookup(self, collective: Collective) -> dict[str, Any] | None:
+    def lookup(self, spec: CollectiveSpec, group: GroupFacts, msg: Message) -> dict[str, Any] | None:
+        """The why traced for a collective of compiled code with this key, or None."""
         if not self._by_key:
             return None
-        return self._by_key.get(self._key(collective.spec, collective.group, collective.message,
-                                          _torch.in_backward()))
+        return self._by_key.get(self._key(spec, group, msg, _torch.in_backward()))
 
     @staticmethod
     def _key(spec: CollectiveSpec, group: GroupFacts, msg: Message, in_backward: bool) -> tuple:

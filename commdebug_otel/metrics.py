@@ -58,7 +58,7 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from . import semconv
 from ._sdk import exemplar_draws
-from .ops import GroupFacts
+from .core_fact import GroupFacts, group_labels, metric_labels
 from .redact import describe, valid_text
 
 # Collective issue times span microseconds (in-process) to seconds (slow ranks).
@@ -240,14 +240,9 @@ class CollectiveMetrics:
 
     def _observe_seq(self, which: int) -> list[Observation]:
         rank, _, seqs = self._progress()
-        return [Observation(entry[which], {**self._rank_labels(rank), **self._group_label(entry[0], entry[3])})
+        return [Observation(entry[which], {**self._rank_labels(rank),
+                                           **group_labels(entry[0], entry[3], self._rank_label)})
                 for entry in seqs if entry[which] >= 0]
-
-    def _group_label(self, name: str, dim_name: str) -> dict[str, Any]:
-        """Without the rank label, a mesh dimension's group is named by its dimension (as in ``_labels_of``)."""
-        if dim_name and not self._rank_label:
-            return {semconv.DEVICE_MESH_DIM_NAME: dim_name}
-        return {semconv.PROCESS_GROUP_NAME: name}
 
     def _module_label(self, fqn: str) -> str:
         return ".".join(fqn.split(".")[: self._module_depth + 1])
@@ -275,20 +270,8 @@ class CollectiveMetrics:
         module = self._module_label(fqn) if self._module_depth and fqn else ""
         key = (op, pass_, group.name, group.dim_name, rank, module)  # a mesh made later names the group
         labels = self._labels.get(key)
-        if labels is None:
-            labels = self._labels[key] = {  # names from the script made valid Unicode: OTLP strings are UTF-8
-                semconv.COLLECTIVE_OP: op,
-                semconv.MODULE_PASS: pass_,
-                semconv.PROCESS_GROUP_NAME: valid_text(group.name),
-                semconv.PROCESS_GROUP_SIZE: group.size,
-                **self._rank_labels(rank),
-            }
-            if group.dim_name:
-                labels[semconv.DEVICE_MESH_DIM_NAME] = valid_text(group.dim_name)
-                if not self._rank_label:  # the dimension names it on every rank alike
-                    del labels[semconv.PROCESS_GROUP_NAME]
-            if module:
-                labels[semconv.MODULE_FQN] = valid_text(module)
+        if labels is None:  # names from the script made valid Unicode: OTLP strings are UTF-8
+            labels = self._labels[key] = metric_labels(op, pass_, group, self._rank_labels(rank), module, valid_text)
         return labels
 
     def completion(self, op: str, pass_: str, group: GroupFacts, rank: int, duration_s: float,

@@ -36,6 +36,7 @@ from ._torch import (
     schema_argument_names,
     unbox_process_group,
 )
+from .core_fact import GroupFacts  # the resolver's answer (core_fact: no torch)
 
 _logger = logging.getLogger(__name__)
 
@@ -219,7 +220,7 @@ def _is_fake_tensor(tensor: torch.Tensor) -> bool:
     return type(tensor).__name__ == "FakeTensor"  # no import of torch._subclasses on the hot path
 
 
-def _is_fake(tensor: torch.Tensor) -> bool:
+def is_fake(tensor: torch.Tensor) -> bool:
     """FakeTensorMode or meta-device tensors: traced shapes, no real traffic."""
     return tensor.is_meta or _is_fake_tensor(tensor)
 
@@ -232,7 +233,8 @@ def compiler_traced(args: tuple) -> bool:
 
 
 # What a barrier reports, as the PyTorch profiler does (ParamCommsUtils: 0 elements of kByte).
-_BARRIER_DTYPE = "uint8"
+BARRIER_DTYPE = "uint8"
+NO_TENSOR_DTYPE = "unknown"  # an op with no tensor at all: nothing can be said but the op
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,7 +271,7 @@ def message(spec: CollectiveSpec, args: tuple, out: Any, group_size: int) -> Mes
     non-root rank its input times the group size, as the profiler records them.
     """
     if spec.barrier:
-        return Message(0, _BARRIER_DTYPE, [0], 0, 0, False)
+        return Message(0, BARRIER_DTYPE, [0], 0, 0, False)
     in_bytes, in_elements, first_in = _sizes(_arg(args, spec.payload_index))
     out_bytes, out_elements, first_out = _sizes(_output(spec, args, out))
     if spec.op == semconv.SCATTER and first_in is None:
@@ -278,14 +280,14 @@ def message(spec: CollectiveSpec, args: tuple, out: Any, group_size: int) -> Mes
         out_elements = in_elements * group_size
     first = first_in if first_in is not None else first_out
     if first is None:  # no tensor at all: nothing can be said but the op
-        return Message(0, "unknown", [0], 0, 0, False)
+        return Message(0, NO_TENSOR_DTYPE, [0], 0, 0, False)
     return Message(
         nbytes=in_bytes if first_in is not None else out_bytes,
         dtype=str(first.dtype).removeprefix("torch."),
         shape=[int(size) for size in first.shape],
         input_elements=in_elements,
         output_elements=out_elements,
-        fake=_is_fake(first),
+        fake=is_fake(first),
     )
 
 
@@ -304,34 +306,21 @@ def plain_payload(spec: CollectiveSpec, args: tuple) -> torch.Tensor | None:
     return payload
 
 
-def payload_bytes(spec: CollectiveSpec, args: tuple, out: Any, plain: torch.Tensor | None) -> tuple[int, bool]:
-    """``(nbytes, fake)`` of :func:`message`, without the rest (metrics, on every step).
+def payload(spec: CollectiveSpec, args: tuple, out: Any, plain: torch.Tensor | None
+            ) -> tuple[int, torch.Tensor | None]:
+    """``(nbytes, first tensor)`` of :func:`message`, without the rest (on every step): the bytes this rank
+    sends, else those it receives, and the first tensor it sends, else receives (None: barrier, no tensor).
 
     ``plain``: ``plain_payload(spec, args)``, which the caller has already asked.
     """
     if plain is not None:
-        return plain.nbytes, False
+        return plain.nbytes, plain
     if spec.barrier:
-        return 0, False
-    index = spec.payload_index
-    nbytes, _, first = _sizes(_arg(args, index))
+        return 0, None
+    nbytes, _, first = _sizes(_arg(args, spec.payload_index))
     if first is None:  # this rank sends nothing: what it receives
         nbytes, _, first = _sizes(_output(spec, args, out))
-    return nbytes, first is not None and _is_fake(first)
-
-
-def payload_tensor(spec: CollectiveSpec, args: tuple, out: Any) -> torch.Tensor | None:
-    """The first tensor this rank sends, else the first it receives; None (barrier, no tensor)."""
-    if spec.barrier:
-        return None
-    index = spec.payload_index
-    payload = _plain_payload(args[index]) if 0 <= index < len(args) else None
-    if payload is not None:  # the common case, on every step
-        return payload
-    _, _, first = _sizes(_arg(args, index))
-    if first is None:
-        _, _, first = _sizes(_output(spec, args, out))
-    return first
+    return nbytes, first
 
 
 def _arg(args: tuple, index: int) -> Any:
@@ -410,17 +399,6 @@ def backend_name(group: Any = None) -> str:
     config = str(dist.get_backend_config(group))
     names = {pair.split(":", 1)[-1] for pair in config.split(",") if pair}
     return names.pop() if len(names) == 1 else config
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupFacts:
-    """A process group as telemetry sees it: name, size and device-mesh dimension."""
-
-    name: str
-    size: int
-    # The device-mesh dimensions the group serves (semconv.DEVICE_MESH_DIM_NAME_SEPARATOR between several,
-    # in the order the meshes were made); "" when it serves none.
-    dim_name: str
 
 
 _UNKNOWN_GROUP = GroupFacts("unknown", 0, "")
@@ -511,12 +489,24 @@ class GroupResolver:
 
     def __init__(self, meshes: MeshDimensions = MESHES) -> None:
         self._by_key: dict[Any, GroupFacts] = {}
+        # Group name -> its mesh dimensions as last resolved (kept through a new mesh's clearing of the cache):
+        # what Progress reports per group, read on other threads.
+        self._dims: dict[str, str] = {}
         self._meshes = meshes
         self._version = meshes.version
 
     def __len__(self) -> int:
         """How many group arguments are cached."""
         return len(self._by_key)
+
+    def dim_name(self, group_name: str) -> str:
+        """The mesh dimensions the group named ``group_name`` serves, as last resolved ("" if none or not seen)."""
+        return self._dims.get(group_name, "")
+
+    def _remember(self, key: Any, facts: GroupFacts) -> GroupFacts:
+        self._by_key[key] = facts
+        self._dims[facts.name] = facts.dim_name
+        return facts
 
     def resolve(self, spec: CollectiveSpec, args: tuple) -> GroupFacts:
         if self._version != self._meshes.version:  # a new mesh may name groups seen before
@@ -534,11 +524,11 @@ class GroupResolver:
             key = _group_key(group)
             facts = self._by_key.get(key)
             if facts is None:
-                facts = self._by_key[key] = _facts_of_group(group, self._meshes)
+                facts = self._remember(key, _facts_of_group(group, self._meshes))
             return facts
         facts = self._by_key.get(key)
         if facts is None:
-            facts = self._by_key[key] = _facts_of_key(key, self._meshes)
+            facts = self._remember(key, _facts_of_key(key, self._meshes))
         return facts
 
 

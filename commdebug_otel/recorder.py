@@ -4,7 +4,7 @@ The module tracker (``tracker.py``), the dispatch mode (``mode.py``) and the
 collective kernels (``intercept.py``) only report facts here: a module pass
 began or ended, a collective or op ran. The recorder keeps light records
 (``records.py``) for the current step; when the step ends it hands them, as a
-span tree, to its span sink (``Telemetry.emit``). Building spans at the end
+span tree, to its span sink (``spans.SpanBuilder.emit``). Building spans at the end
 lets backward spans nest by the module tree whatever order autograd fires the
 hooks in, and keeps the per-op hot path free of OTel calls. Collectives take
 the path in ``collectives.py``.
@@ -43,22 +43,23 @@ from ._torch import graph_task_id, queue_engine_callback, tensor_hook_key
 from .collectives import (
     C10D_CAUSES,
     PASS_NONE,
-    Collective,
     CollectiveCounter,
     CompiledWhys,
     Why,
     _set_peer,
     dispatched_op_why,
-    event_attributes,
     peer_when_received,
+    quiet_fact,
+    recorded_fact,
 )
 from .config import Settings, TraceScope, variable
+from .core_fact import GroupFacts, event_attributes
 from .observer import RecorderObserver, SpanSink
-from .ops import CollectiveSpec, GroupResolver, compiler_traced, plain_payload
+from .ops import CollectiveSpec, GroupResolver, Message, compiler_traced, message, plain_payload
 from .records import Record, SpanKind, Step, descends_from, dtensor_facts, parameter_facts, snapshot_tree, span_tree
 from .redact import code_locations, describe
 from .stall import Progress
-from .steps import RankInfo, job_nonce, job_trace_id, outside_step_label, rank_info, settled
+from .steps import RankCache, job_nonce, job_trace_id, outside_step_label, settled
 
 __all__ = ["NO_OPTIMIZER_CYCLES", "PASS_NONE", "Recorder"]
 
@@ -107,6 +108,8 @@ class Recorder:
         # where spans go nowhere (a tracer that only counts).
         self._listening = any(_listens(observer) for observer in self._observers)
         self._exemplars: bool | None = None  # decided at the first traced step (spans.start())
+        # This process's rank facts, rank() (asked again until torch.distributed is initialized).
+        self.rank = RankCache()
         self._counter = CollectiveCounter(metrics, self.rank, self.hook_failed, self._completed)
         self._max_records = settings.max_spans_per_step  # per step part (_step_full)
         # Module records of closed steps, reused by the next: a record made anew each call lives
@@ -154,10 +157,10 @@ class Recorder:
         self._bw_callback_tasks: set[int] = set()  # graph tasks whose end is hooked (nested: reentrant checkpoints)
         self._depth = 0  # module nesting when records are skipped (untraced steps)
         self._call_counts: dict[str, int] = {}  # by span name (FQN and pass): a string key is not GC-tracked
-        self._rank: RankInfo | None = None
+        self.rank.reset()  # a forked child learns its own rank
         self._provisional_step: Step | None = None  # the open step whose trace id was drawn before settling
         # Progress on every step (stall.py); its seq counters match collectives across ranks.
-        self.progress = Progress()
+        self.progress = Progress(self._groups.dim_name)
         self._seq = self.progress.next_seq
         self.why.clear()
         self.thread_id = self._home_thread = threading.get_ident()
@@ -183,14 +186,6 @@ class Recorder:
         self._why_on = True
 
     # ----------------------------------------------------------------- queries
-    def rank(self) -> RankInfo:
-        """This process's rank facts, asked again until torch.distributed is initialized."""
-        if self._rank is None or not self._rank.distributed:
-            info = rank_info()
-            if info.distributed or self._rank is None:
-                self._rank = info
-        return self._rank
-
     @property
     def steps_taken(self) -> int:
         """How many optimizer steps have ended (``torch.step`` of the next one)."""
@@ -898,7 +893,7 @@ class Recorder:
         if not in_backward and threading.get_ident() != self.thread_id:
             # Another thread (not autograd's): the training thread's open spans are not its
             # owners, and its sequence numbers (which match collectives across ranks) stay its own.
-            self._count(spec, args, group, PASS_NONE, duration_ns, out, start_ns, -1, plain)
+            self._count(quiet_fact(spec, args, out, group, -1, PASS_NONE, duration_ns, plain), spec, out, start_ns)
             return
         seq = self._seq.get(group.name, 0)
         self._seq[group.name] = seq + 1
@@ -906,11 +901,11 @@ class Recorder:
         if (step is not None and step.quiet) or not self._keeps_records(step, in_backward):
             # An untraced step (the hot path of always-on tracing), between untraced steps,
             # or a backward outside any step: metric points only.
-            pass_ = self._pass_by_depth(in_backward)
-            self.progress.remember(spec, group, seq, args, out, "", pass_, plain)
-            self._count(spec, args, group, pass_, duration_ns, out, start_ns, seq, plain)
+            fact = quiet_fact(spec, args, out, group, seq, self._pass_by_depth(in_backward), duration_ns, plain)
+            self.progress.remember(fact, out)
+            self._count(fact, spec, out, start_ns)
             return
-        self._record_collective(Collective(spec, args, group, seq, duration_ns, out, start_ns), in_backward)
+        self._record_collective(spec, args, out, group, seq, duration_ns, start_ns, in_backward)
 
     def _keeps_records(self, step: Step | None, in_backward: bool) -> bool:
         """Whether a collective outside a quiet step is traced, observed, or module-labelled."""
@@ -922,48 +917,57 @@ class Recorder:
             traced = (self._outside or self._outside_step(time.time_ns())).traced
         return traced or self._every_event or bool(self.settings.metric_module_depth)
 
-    def _record_collective(self, collective: Collective, in_backward: bool) -> None:
-        """Metric points with module label and exemplar, the observers, then the span event."""
+    def _record_collective(self, spec: CollectiveSpec, args: tuple, out: Any, group: GroupFacts, seq: int,
+                           duration_ns: int, start_ns: int, in_backward: bool) -> None:
+        """Its fact (owner, pass, why), metric points with module label and exemplar, the observers, then
+        the span event."""
         now = time.time_ns()
-        spec = collective.spec
         owner, step = self._owner()
         if owner is not None and owner.kind is SpanKind.MODULE:
-            collective.pass_ = owner.pass_
+            pass_ = owner.pass_
         else:
-            collective.pass_ = self._pass_by_depth(in_backward)
-        self.progress.remember(spec, collective.group, collective.seq, collective.args, collective.out,
-                               owner.fqn if owner is not None else "", collective.pass_)
-        if not collective.fake:
+            pass_ = self._pass_by_depth(in_backward)
+        # Where its event goes: the owner, else (no step open) the segment between steps.
+        host, host_step = owner, step
+        if step is None and not in_backward:
+            host_step = self._outside_step(now)
+            host = host_step.root
+        traced = host_step is not None and host_step.traced and host is not None
+        msg = message(spec, args, out, group.size)
+        why = self._why(spec, group, msg, host) if traced else None
+        fact = recorded_fact(spec, args, group, seq, msg, now, duration_ns, owner.fqn if owner is not None else "",
+                             pass_, why)
+        self.progress.remember(fact, out)
+        if not fact.fake:
             context = None
             if step is not None and step.trace_id and owner is not None:
                 context = self._exemplar_context(owner, step)
-            self._counter.count_recorded(collective, owner.fqn if owner is not None else "", context)
+            self._counter.count(fact, spec, out, start_ns, context)
         for observer in self._observers:
-            observer.on_collective(spec, owner, collective.pass_)
-        if step is None:
-            if in_backward:
-                return  # a backward outside any step: counted in metrics only
-            step = self._outside_step(now)
-            owner = step.root
-        if not step.traced or owner is None:
+            observer.on_collective(spec, owner, pass_)
+        if not traced:
             return
-        why = None
+        attrs = event_attributes(fact)
+        peer_when_received(spec.op, out, attrs, self.hook_failed, self._awaiting_source)
+        self._add_event(host, spec.op, attrs, now)
+        if host_step.kind is SpanKind.STEP:
+            host_step.fingerprint(group.name, seq, spec.op, fact.dtype, msg.shape, fact.reduce_op)
+
+    def _why(self, spec: CollectiveSpec, group: GroupFacts, msg: Message, host: Record) -> dict[str, Any] | None:
+        """The "why" of a traced collective: DTensor's redistribution, the one seen when compiled code was
+        traced, or the DTensor op on the stack; None if none (or the facts failed: the event goes without)."""
         try:
+            why = None
             if spec.functional or self.why.cause in C10D_CAUSES:
                 why = self.why.attributes()
-                if why is None and owner.compiled:  # compiled code: DTensor ran when it was traced
-                    why = self._compiled_whys.lookup(collective)
+                if why is None and host.compiled:  # compiled code: DTensor ran when it was traced
+                    why = self._compiled_whys.lookup(spec, group, msg)
             if why is None:  # a DTensor op that issues collectives itself (loss_parallel's handlers)
                 why = dispatched_op_why()
-        except Exception as error:  # the event goes without its "why"
+            return why
+        except Exception as error:
             self.hook_failed("DTensor redistribution facts", error)
-        attrs = event_attributes(collective, why)
-        peer_when_received(collective, attrs, self.hook_failed, self._awaiting_source)
-        self._add_event(owner, spec.op, attrs, now)
-        if step.kind is SpanKind.STEP:
-            message = collective.message
-            step.fingerprint(collective.group.name, collective.seq, spec.op, message.dtype, message.shape,
-                             attrs.get(semconv.COLLECTIVE_REDUCE_OP, ""))
+            return None
 
     def _completed(self, group: str, seq: int) -> None:
         """A c10d ``Work`` future completed (on the backend's thread)."""

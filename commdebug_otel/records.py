@@ -2,7 +2,7 @@
 
 The recorder (``recorder.py``) fills a :class:`Step` with :class:`Record` objects
 while the step runs; when the step closes, :func:`span_tree` arranges them
-into (roots, children) and the span sink (``Telemetry.emit``) turns each into
+into (roots, children) and the span sink (``spans.SpanBuilder.emit``) turns each into
 an OTel span with :func:`span_attributes`. Nothing here touches OTel.
 """
 

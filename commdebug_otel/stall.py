@@ -52,7 +52,7 @@ from .config import (  # the auto rule's numbers live in config: diagnose repeat
     RECENT_STEPS,
     STALL_AUTO,
 )
-from .ops import CollectiveSpec, GroupFacts, payload_tensor
+from .core_fact import CollectiveFact, ring_event_attributes
 
 _logger = logging.getLogger(__name__)
 
@@ -75,14 +75,15 @@ class Progress:
     Attributes:
         next_seq: per process group name, the seq the next collective gets (the recorder's counter).
         completed: per process group name, the last seq known complete (absent: none known).
-        ring: the last :data:`RING_SIZE` collectives, as ``(op, group, seq, issued_ns, dtype, shape,
-            fqn, pass)`` (``dtype``/``shape`` None when the op has no tensor; ``fqn`` "" when unknown).
+        ring: the last :data:`RING_SIZE` collectives, as their :class:`~commdebug_otel.core_fact.CollectiveFact`.
         since_ns: ``time.time_ns()`` when the current step began, or the last one ended.
         in_step: whether a step is open.
         wait_ns: nanoseconds the training thread waited in collectives since the step began.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, dim_name: Callable[[str], str] = lambda group: "") -> None:
+        """``dim_name(group name)``: the mesh dimensions the group serves (``GroupResolver.dim_name``)."""
+        self._dim_name = dim_name
         self.next_seq: dict[str, int] = {}
         self.completed: dict[str, int] = {}
         self.ring: collections.deque = collections.deque(maxlen=RING_SIZE)
@@ -92,26 +93,15 @@ class Progress:
         self.wait_ns = 0
         self.durations: collections.deque = collections.deque(maxlen=RECENT_STEPS)
         self._pending: dict[int, tuple[str, int]] = {}  # id(functional output) -> (group, seq)
-        self._dims: dict[str, str] = {}  # process group name -> its device-mesh dimension name ("" if none)
 
-    def remember(self, spec: CollectiveSpec, group: GroupFacts, seq: int, args: tuple, out: Any,
-                 fqn: str, pass_: str, plain: torch.Tensor | None = None) -> None:
-        """A collective was issued on the training thread (every step: kept cheap).
-
-        ``plain``: ``ops.plain_payload``'s answer when the caller has it.
-        """
-        tensor = plain if plain is not None else payload_tensor(spec, args, out)
-        if self._dims.get(group.name) is not group.dim_name:  # a mesh made since names the group
-            self._dims[group.name] = group.dim_name
-        if tensor is None:
-            self.ring.append((spec.op, group, seq, time.time_ns(), None, None, fqn, pass_))
-        else:
-            self.ring.append((spec.op, group, seq, time.time_ns(), tensor.dtype, tensor.shape, fqn, pass_))
+    def remember(self, fact: CollectiveFact, out: Any) -> None:
+        """A collective was issued on the training thread (every step: kept cheap); ``out``: what the op returned."""
+        self.ring.append(fact)
         if type(out) is torch.Tensor:  # a functional collective's output: wait_tensor takes this object
             pending = self._pending
             if len(pending) >= MAX_PENDING_WAITS:
                 pending.clear()  # never waited on (compiled code waits on its own buffers): forget them
-            pending[id(out)] = (group.name, seq)
+            pending[id(out)] = (fact.group.name, fact.seq)
 
     def waited(self, handle: Any, duration_ns: int) -> None:
         """The training thread waited ``duration_ns`` on ``handle``: a ``Work`` (whose collective is not
@@ -176,32 +166,14 @@ class Progress:
 
     def seqs(self) -> list[tuple[str, int, int, str]]:
         """``(group, last issued seq, last completed seq, mesh dimension name or "")`` per process group; -1: none."""
-        return [(group, following - 1, self.completed.get(group, -1), self._dims.get(group, ""))
+        return [(group, following - 1, self.completed.get(group, -1), self._dim_name(group))
                 for group, following in list(self.next_seq.items())]
 
     def ring_events(self, now: int) -> list[tuple[str, dict[str, Any], int]]:
         """The ring as span events ``(name, attributes, time)``, each in flight or completed."""
         completed = dict(self.completed)
-        events = []
-        for op, group, seq, issued_ns, dtype, shape, fqn, pass_ in list(self.ring):
-            done = seq <= completed.get(group.name, -1)
-            attributes: dict[str, Any] = {
-                semconv.COLLECTIVE_OP: op,
-                semconv.PROCESS_GROUP_NAME: group.name,
-                semconv.PROCESS_GROUP_SIZE: group.size,
-                semconv.COLLECTIVE_SEQ: seq,
-                semconv.COLLECTIVE_STATE: semconv.STATE_COMPLETED if done else semconv.STATE_IN_FLIGHT,
-                semconv.STALL_AGE: round((now - issued_ns) / 1e9, 6),
-            }
-            if dtype is not None:
-                attributes[semconv.COLLECTIVE_DTYPE] = str(dtype).removeprefix("torch.")
-                attributes[semconv.COLLECTIVE_SHAPE] = [int(size) for size in shape]
-                attributes[semconv.COLLECTIVE_BYTES] = shape.numel() * dtype.itemsize
-            if fqn:
-                attributes[semconv.MODULE_FQN] = fqn
-                attributes[semconv.MODULE_PASS] = pass_
-            events.append((op, attributes, issued_ns))
-        return events
+        return [(fact.op, ring_event_attributes(fact, fact.seq <= completed.get(fact.group.name, -1), now),
+                 fact.time_ns) for fact in list(self.ring)]
 
 
 def training_thread_location(thread_id: int, fqn_of: Callable[[torch.nn.Module], str | None]

@@ -51,6 +51,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .. import semconv
+from ..core_fact import parse
 from . import summary
 from .backends import DEADLINE_S, MAX_RESPONSE_BYTES
 from .model import (
@@ -341,11 +342,9 @@ def stragglers(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S,
 def _collective(event: dict) -> dict[str, Any]:
     """A ring or in-flight event of a ``stalled`` span as plain data."""
     attrs = event["attributes"]
-    return {"op": str(attrs.get(semconv.COLLECTIVE_OP, event["name"])), "group": _group(attrs),
-            "seq": int(attrs.get(semconv.COLLECTIVE_SEQ, -1)), "dtype": str(attrs.get(semconv.COLLECTIVE_DTYPE, "")),
-            "shape": list(attrs.get(semconv.COLLECTIVE_SHAPE, [])),
-            "bytes": int(attrs.get(semconv.COLLECTIVE_BYTES, 0)),
-            "module": str(attrs.get(semconv.MODULE_FQN, "")), "pass": str(attrs.get(semconv.MODULE_PASS, "")),
+    fact = parse(attrs, event["name"])
+    return {"op": fact.op, "group": fact.group.name, "seq": fact.seq, "dtype": fact.dtype, "shape": list(fact.shape),
+            "bytes": fact.nbytes, "module": fact.fqn, "pass": fact.pass_,
             "age_s": float(attrs.get(semconv.STALL_AGE, 0.0))}
 
 
