@@ -92,6 +92,7 @@ def test_example_signatures_are_equal_over_three_runs(runs, tmp_path, style):
     files = [_signature_file(run[style], tmp_path, f"{style}{number}") for number, run in enumerate(runs)]
     texts = [file.read_text() for file in files]
     assert texts[0] == texts[1] == texts[2]
+    assert texts[0].count("\"ranks\": [0, 1]") == len(_EXPECTED[style])  # one line per list of ranks
     document = json.loads(texts[0])
     # 3 steps, the first (warm-up) left out as summarize leaves it out of stragglers.
     assert document == {"format": signature.FORMAT, "world_size": 2, "steps": _STEPS - 1,

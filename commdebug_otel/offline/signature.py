@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 from collections import defaultdict
@@ -432,9 +433,14 @@ def format_diff(diff: dict, base_name: str = "base", new_name: str = "new") -> s
     return "\n".join(lines)
 
 
+_INT_LIST = re.compile(r"\[\n\s+(-?\d+(?:,\n\s+-?\d+)*)\n\s+\]")
+
+
 def to_json(document: dict) -> str:
-    """A signature (or diff) as the text written to files: indented, a newline at the end."""
-    return json.dumps(document, indent=2) + "\n"
+    """A signature (or diff) as the text written to files: indented, lists of integers (ranks) on one line,
+    a newline at the end."""
+    text = json.dumps(document, indent=2)
+    return _INT_LIST.sub(lambda match: "[" + re.sub(r",\n\s+", ", ", match.group(1)) + "]", text) + "\n"
 
 
 # --------------------------------------------------------------------- CLI
