@@ -415,6 +415,23 @@ def device_mesh_class() -> type:
     return DeviceMesh
 
 
+def process_groups_state() -> tuple[int, int, int] | None:
+    """What changes when a process group is made or destroyed: (id of the default group, groups made since
+    it, groups alive), from c10d's ``_world``; None where torch has no such state.
+
+    Every ``DeviceMesh`` makes its dimensions' groups unless they span every rank (the default group)
+    or come from existing groups (``from_group``, slicing, flattening).
+    """
+    try:
+        from torch.distributed import distributed_c10d
+
+        world = distributed_c10d._world
+        default = world.default_pg
+        return (id(default) if default is not None else 0, int(world.group_count), len(world.pg_map))
+    except Exception:  # torch without torch.distributed, another c10d
+        return None
+
+
 def mesh_dim_groups(mesh: Any) -> list[tuple[str, str]]:
     """``(dimension name, process group name)`` of each dimension of ``mesh`` that has a group.
 

@@ -32,6 +32,7 @@ from ._torch import (
     import_functional_collectives,
     mesh_dim_groups,
     overload_name,
+    process_groups_state,
     resolve_process_group,
     schema_argument_names,
     unbox_process_group,
@@ -412,8 +413,14 @@ class MeshDimensions:
     the default group (``group_desc`` ``default_pg``), and flattened or sliced dimensions and
     ``DeviceMesh.from_group`` reuse groups made before. So the meshes themselves are asked: each
     ``DeviceMesh`` made while a tracer runs is registered (:meth:`add`, from a wrapper of its
-    ``__init__``), and those made before are found once, at the first question after a tracer
-    started (:meth:`scan`).
+    ``__init__``), and those made before are found at the first question after a tracer
+    started (:meth:`scan`), unless no process group was made or destroyed since the last search:
+    a search walks every object of the process (0.15 to 0.2 s at 290,000 objects on a busy 2-core
+    machine, as long as the step of benchmarks/bench.py's TP job), which a tracer started around
+    every step (the ``CommDebugMode`` drop-in used as torch's) paid on every step.
+    Known gap: a mesh made while no tracer runs over groups that all existed at the last search
+    (a second 1-D mesh over every rank, ``from_group``) is not found; its groups are named by
+    their ``group_desc``.
     Meshes are held weakly. :attr:`version` changes when a mesh is added, so that cached group
     facts are made again.
     """
@@ -422,6 +429,7 @@ class MeshDimensions:
         self._meshes: list[weakref.ref] = []
         self._seen: set[int] = set()  # id() of registered meshes that are alive
         self._scan_pending = False
+        self._scanned_state: tuple | None = None  # process_groups_state() at the last search
         self.version = 0
 
     def add(self, mesh: Any) -> None:
@@ -436,13 +444,16 @@ class MeshDimensions:
     def scan(self) -> None:
         """Register every ``DeviceMesh`` alive, at the next :meth:`dim_names` (the first collective's group):
         one pass over the collector's objects, about 0.1 s in a process that has just imported torch on a
-        busy 2-core machine, which a tracer's start need not wait for (nor a job that issues no collective)."""
-        self._scan_pending = True
+        busy 2-core machine, which a tracer's start need not wait for (nor a job that issues no collective).
+        Not even then when no process group was made or destroyed since the last search (see the class)."""
+        state = process_groups_state()
+        self._scan_pending = state is None or state != self._scanned_state
 
     def _scan(self) -> None:
         """``type() is``, not ``isinstance``: ``DeviceMesh``'s metaclass answers ``isinstance`` in Python; the
         filter runs in C (a loop in Python took 0.17 s over the 165,000 objects)."""
         self._scan_pending = False
+        self._scanned_state = process_groups_state()
         try:
             kind = device_mesh_class()
             objects = gc.get_objects()
