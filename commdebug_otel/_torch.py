@@ -407,6 +407,17 @@ def default_store() -> Any:
     return distributed_c10d._get_default_store()
 
 
+def flight_recorder_json() -> bytes | None:
+    """This process's Flight Recorder buffer, as torch dumps it in JSON (every backend's entries:
+    ``_distributed_c10d._dump_fr_trace_json``; NCCL's own ``_dump_nccl_trace_json`` where the generic one is
+    missing), or None where torch has neither. Raises what the dump raises."""
+    from torch._C import _distributed_c10d
+
+    dump = getattr(_distributed_c10d, "_dump_fr_trace_json", None) \
+        or getattr(_distributed_c10d, "_dump_nccl_trace_json", None)
+    return None if dump is None else dump()
+
+
 # ------------------------------------------------------------------ device meshes
 def device_mesh_class() -> type:
     """``torch.distributed.device_mesh.DeviceMesh``; raises where torch.distributed lacks it."""

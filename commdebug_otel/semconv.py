@@ -148,3 +148,7 @@ LEGACY_FUNCTIONAL_PACKETS = {
         "reduce_scatter_tensor_coalesced"}),
     "_c10d_functional_autograd": frozenset({"all_to_all_single"}),
 }
+
+# torch's Flight Recorder buffer, dumped in its JSON form beside a stall snapshot: <prefix><rank>.json
+# (commdebug_otel/flight_recorder.py writes it, `diagnose` finds it in the folders it reads).
+FLIGHT_RECORDER_FILE_PREFIX = "commdebug-flight-recorder-rank"

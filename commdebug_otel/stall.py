@@ -216,11 +216,14 @@ class StallWatch:
         setting: ``Settings.stall_after_s``: seconds, or ``"auto"``.
         flush: ``flush()``, exporting what the providers buffer (called on this thread, bounded).
         fqn_of: ``fqn_of(module)``, the module tracker's name of a module, or None.
+        on_snapshot: called on this thread after each snapshot, before the flush (torch's Flight Recorder dump).
     """
 
     def __init__(self, recorder: Any, setting: float | str, flush: Callable[[], Any],
-                 fqn_of: Callable[[torch.nn.Module], str | None]) -> None:
+                 fqn_of: Callable[[torch.nn.Module], str | None],
+                 on_snapshot: Callable[[], Any] = lambda: None) -> None:
         self._recorder = recorder
+        self._on_snapshot = on_snapshot
         self._setting = setting
         self._flush = flush
         self._fqn_of = fqn_of
@@ -283,5 +286,6 @@ class StallWatch:
                             "lasts; `commdebug-otel diagnose` on the traces names the rank the others wait for",
                             self._recorder.rank().rank, age_s, "step" if progress.in_step else "after step",
                             progress.step_index, f"in {where[0]} {where[1]}" if where[0] else "outside any module")
+        self._on_snapshot()
         self._flush()
         return True

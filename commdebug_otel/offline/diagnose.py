@@ -52,7 +52,7 @@ from typing import Any
 
 from .. import semconv
 from ..core_fact import parse
-from . import summary
+from . import flight_recorder, summary
 from .backends import DEADLINE_S, MAX_RESPONSE_BYTES
 from .model import (
     P2P,
@@ -891,8 +891,12 @@ def _first_difference(group: str, step: int, by_rank: dict[int, dict[int, dict]]
 # ------------------------------------------------------------------ together
 
 
-def diagnose(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_warmup: bool = False) -> dict[str, Any]:
+def diagnose(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_warmup: bool = False,
+             flight_dumps: list[dict] | None = None) -> dict[str, Any]:
     """Everything ``diagnose`` reports, as plain data (``--format json``).
+
+    ``flight_dumps``: torch's Flight Recorder dumps (:func:`.flight_recorder.read_dumps`); when given,
+    ``"flight_recorder"`` holds them joined with the spans (:func:`.flight_recorder.join`).
 
     Returns:
         ``{"errors": errors(spans), "stalls": stalls(spans), "unfinished_steps": unfinished_steps(spans),
@@ -902,7 +906,7 @@ def diagnose(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_wa
         (untraced steps exported because they stalled, steps where a rank raised and unfinished steps left out),
         "noise_floor_s": noise_floor_s, "warmup_step": the step left out of stragglers
         (:func:`.model.warmup_step`; None when ``include_warmup`` or none), "watchdog": :func:`watchdog`
-        (when the first stall snapshot is due), "warnings": [str]}``.
+        (when the first stall snapshot is due), "warnings": [str]}``, and "flight_recorder" with ``flight_dumps``.
     """
     finished = _finished(spans)
     missing = missing_ranks(spans)
@@ -911,7 +915,7 @@ def diagnose(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_wa
         world = max(int(span["resource"].get(semconv.WORLD_SIZE, 0)) for span in spans)
         warnings.append(f"warning: world size {world}, but no spans from rank(s) {_ranges(missing)}: not traced "
                         "(OTEL_PYTHON_COMMDEBUG_RANKS), their files not given, or they exported nothing")
-    return {
+    found = {
         "errors": errors(spans),
         "stalls": stalls(spans),
         "unfinished_steps": unfinished_steps(spans),
@@ -926,6 +930,9 @@ def diagnose(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_wa
         "watchdog": watchdog(spans),
         "warnings": warnings,
     }
+    if flight_dumps:
+        found["flight_recorder"] = flight_recorder.join(spans, flight_dumps)
+    return found
 
 
 def _ranges(numbers: list[int]) -> str:
@@ -1049,6 +1056,8 @@ def format_text(found: dict[str, Any], top: int = 10) -> str:
     out += ["", f"Pipeline waits: {waits['pairs']} send/recv pairs, total wait {waits['wait_ms']:.3f} ms"]
     out += [f"  rank {row['rank']} (group {row['group']}): {row['recvs']} recvs, waited {row['wait_ms']:.3f} ms, "
             f"max {row['max_wait_ms']:.3f} ms" for row in waits["per_stage"]]
+    if "flight_recorder" in found:
+        out += ["", *flight_recorder.format_text(found["flight_recorder"])]
     return "\n".join(out)
 
 
@@ -1077,6 +1086,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--noise-floor-ms", type=float, default=NOISE_FLOOR_S * 1e3, metavar="MS",
                         help="a delay below this is not blamed on a straggler, nor on a place where it spent "
                              f"less extra time than this (default {NOISE_FLOOR_S * 1e3:g})")
+    parser.add_argument("--flight-recorder", action="append", default=[], metavar="PATH",
+                        help="torch's Flight Recorder dumps (JSON; a file, or every file in a folder) to join with "
+                             "the spans; the stall snapshots' own (commdebug-flight-recorder-rank<N>.json) are "
+                             "found in the PATHs without it")
+    parser.add_argument("--flight-recorder-pickle", action="store_true",
+                        help="also read pickled dumps (torch's own files), without loading any class or function")
     parser.add_argument("--include-warmup", action="store_true",
                         help="count the first traced step in the stragglers (left out by default: ranks start it "
                              "at different times and run it cold)")
@@ -1125,7 +1140,15 @@ def run(args: argparse.Namespace) -> int:
     spans = _load(args)
     if spans is None:
         return 1
-    found = diagnose(spans, args.noise_floor_ms / 1e3, args.include_warmup)
+    try:
+        files = flight_recorder.dump_files(args.paths, args.flight_recorder)
+    except OSError as error:
+        print(f"commdebug-otel diagnose: {error}", file=sys.stderr)
+        files = []
+    dumps, messages = flight_recorder.read_dumps(files, args.flight_recorder_pickle)
+    for message in messages:
+        print(f"commdebug-otel diagnose: {message}", file=sys.stderr)
+    found = diagnose(spans, args.noise_floor_ms / 1e3, args.include_warmup, dumps or None)
     print(json.dumps(found, indent=4) if args.format == "json" else format_text(found, args.top))
     sys.stdout.flush()
     return 0
