@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from . import semconv
+from ._torch import default_store_client
 from .config import (  # the auto rule's numbers live in config: diagnose repeats the rule without torch
     AUTO_BETWEEN_STEPS_S,
     AUTO_FACTOR,
@@ -52,6 +53,7 @@ from .config import (  # the auto rule's numbers live in config: diagnose repeat
     STALL_AUTO,
 )
 from .ops import CollectiveSpec, GroupFacts, payload_tensor
+from .verdict import StoreExchange, Verdict, progress_record
 
 _logger = logging.getLogger(__name__)
 
@@ -91,6 +93,8 @@ class Progress:
         self.wait_ns = 0
         self.durations: collections.deque = collections.deque(maxlen=RECENT_STEPS)
         self._pending: dict[int, tuple[str, int]] = {}  # id(functional output) -> (group, seq)
+        # (group, seq) -> the DTensor why of a traced collective that has one (the verdict's cause): bounded.
+        self.causes: dict[tuple[str, int], str] = {}
         self._dims: dict[str, str] = {}  # process group name -> its device-mesh dimension name ("" if none)
 
     def remember(self, spec: CollectiveSpec, group: GroupFacts, seq: int, args: tuple, out: Any,
@@ -111,6 +115,17 @@ class Progress:
             if len(pending) >= MAX_PENDING_WAITS:
                 pending.clear()  # never waited on (compiled code waits on its own buffers): forget them
             pending[id(out)] = (group.name, seq)
+
+    def caused(self, group: str, seq: int, why: dict[str, Any]) -> None:
+        """Collective ``seq`` of ``group`` was issued for the DTensor why ``why`` (its event attributes)."""
+        cause = why.get(semconv.DTENSOR_CAUSE)
+        if not cause:
+            return
+        source, target = why.get(semconv.DTENSOR_SOURCE_PLACEMENTS), why.get(semconv.DTENSOR_TARGET_PLACEMENTS)
+        causes = self.causes
+        causes[(group, seq)] = f"{cause} {source} -> {target}" if source and target else str(cause)
+        if len(causes) > RING_SIZE:
+            del causes[next(iter(causes))]
 
     def waited(self, handle: Any, duration_ns: int) -> None:
         """The training thread waited ``duration_ns`` on ``handle``: a ``Work`` (whose collective is not
@@ -243,14 +258,19 @@ class StallWatch:
         setting: ``Settings.stall_after_s``: seconds, or ``"auto"``.
         flush: ``flush()``, exporting what the providers buffer (called on this thread, bounded).
         fqn_of: ``fqn_of(module)``, the module tracker's name of a module, or None.
+        exchange: the cross-rank verdict's store exchange (verdict.py); by default one through the
+            job's c10d store, exporting with ``recorder.stall_verdict``. Its store calls run on this
+            thread only.
     """
 
     def __init__(self, recorder: Any, setting: float | str, flush: Callable[[], Any],
-                 fqn_of: Callable[[torch.nn.Module], str | None]) -> None:
+                 fqn_of: Callable[[torch.nn.Module], str | None], exchange: StoreExchange | None = None) -> None:
         self._recorder = recorder
         self._setting = setting
         self._flush = flush
         self._fqn_of = fqn_of
+        self.exchange = exchange if exchange is not None else StoreExchange(
+            lambda: recorder.rank(), lambda: recorder.job_id(), self._export_verdict, default_store_client)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._stall_since = 0  # since_ns of the stall being reported
@@ -275,6 +295,7 @@ class StallWatch:
 
     def _run(self) -> None:
         failures = 0
+        exchange = self.exchange
         while not self._stop.wait(self._poll_s()):
             try:
                 self.check()
@@ -283,7 +304,26 @@ class StallWatch:
                 self._recorder.hook_failed("stall watchdog", error)
                 failures += 1
                 if failures >= MAX_FAILURES:
-                    return  # gives up: training goes on unwatched
+                    break  # gives up: training goes on unwatched
+            exchange.heartbeat()  # (the exchange's calls never raise: a failure turns it off)
+            exchange.poll()
+        exchange.stop()  # on this thread too: its keys go with the tracer
+
+    def _export_verdict(self, verdict: Verdict, start_ns: int) -> None:
+        """The exchange formed a verdict on this rank: its span, then the flush."""
+        if self._recorder.stall_verdict(verdict.step, start_ns, time.time_ns(), verdict.attributes()):
+            self._flush()
+
+    def _publish(self, now: int, age_s: float, snapshot: int, where: tuple[str, str, list[str]]) -> None:
+        """This rank's record for the cross-rank verdict (verdict.py), before its own snapshot is exported."""
+        if not self.exchange.ready():
+            return
+        progress = self._recorder.progress
+        in_step = progress.in_step
+        step = progress.step_index if in_step else self._recorder.steps_taken
+        record = progress_record(self._recorder.rank().rank, step, now, age_s, snapshot, in_step, where,
+                                 progress.seqs(), progress.ring, dict(progress.causes))
+        self.exchange.publish(record, progress.since_ns)
 
     def check(self, now: int | None = None) -> bool:
         """Export a snapshot if one is due now. True if one was exported."""
@@ -293,12 +333,14 @@ class StallWatch:
         threshold_s = progress.threshold_s(self._setting)
         age_s = (now - since) / 1e9
         if age_s < threshold_s:
+            self.exchange.ended()  # a stall being reported is over: its record goes (nothing if none)
             return False
         if since != self._stall_since:
             self._stall_since, self._snapshots, self._due_s = since, 0, threshold_s
         if age_s < self._due_s or self._snapshots >= MAX_SNAPSHOTS:
             return False
         where = training_thread_location(self._recorder.thread_id, self._fqn_of)
+        self._publish(now, age_s, self._snapshots + 1, where)
         if not self._recorder.stall_snapshot(now, age_s, threshold_s, self._snapshots + 1, where):
             return False
         self._snapshots += 1  # only once exported: a failed snapshot is tried again at the next poll
