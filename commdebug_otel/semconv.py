@@ -66,6 +66,7 @@ VERDICT_SEQ = "commdebug.verdict.seq"
 VERDICT_OP = "commdebug.verdict.op"
 VERDICT_MODULE = "commdebug.verdict.module"
 VERDICT_WAITING_MODULE = "commdebug.verdict.waiting_module"
+VERDICT_STACK = "commdebug.verdict.stack"  # the first behind rank's training thread, innermost last
 VERDICT_CAUSE = "commdebug.verdict.cause"
 VERDICT_SUMMARY = "commdebug.verdict.summary"
 VERDICT_WORLD_SIZE = "commdebug.verdict.world_size"

@@ -109,6 +109,7 @@ class Verdict:
 
     ``behind``: ranks that did not reach the collective the others wait in (``missing``: ranks that
     published nothing); ``waiting``: ranks waiting in it; ``seq`` -1 and ``op`` "" when not known;
+    ``stack``: the first behind rank's training thread's code locations, innermost last (none for ``missing``);
     ``dead``/``silent``: of the ranks that published nothing, those whose process is gone, and those
     alive but silent (holding the GIL, or stopped), where the forming rank could tell.
     """
@@ -127,6 +128,7 @@ class Verdict:
     summary: str
     world_size: int
     reported: int
+    stack: tuple[str, ...] = ()
     dead: tuple[int, ...] = ()
     silent: tuple[int, ...] = ()
 
@@ -149,6 +151,8 @@ class Verdict:
                 attrs[name] = value
         if self.seq >= 0:
             attrs[semconv.VERDICT_SEQ] = self.seq
+        if self.stack:
+            attrs[semconv.VERDICT_STACK] = list(self.stack)
         if self.dead:
             attrs[semconv.VERDICT_DEAD_RANKS] = list(self.dead)
         if self.silent:
@@ -263,7 +267,8 @@ def form_verdict(records: dict[int, dict], world_size: int, step: int,
                    + f" ({len(records)} of {world_size} ranks reported)")
         return Verdict(KIND_DESYNC, behind=tuple(behind), waiting=tuple(waiting), group=group, mesh_dim=dim,
                        seq=seq, op=op, module=theirs[2] if theirs else "", waiting_module=mine[2] if mine else "",
-                       cause=mine[4] if mine else "", summary=summary, **common)
+                       cause=mine[4] if mine else "", summary=summary, stack=tuple(records[behind[0]]["stack"]),
+                       **common)
 
     behind, group = _behind(records)
     if behind:
@@ -297,7 +302,8 @@ def form_verdict(records: dict[int, dict], world_size: int, step: int,
                    f"{'it is' if len(behind) == 1 else 'they are'} in {' / '.join(places)}; "
                    f"{others} {_wait(waiting)} in it (step {step}, {len(records)} of {world_size} ranks reported)")
         return Verdict(KIND_HANG, behind=tuple(behind), waiting=tuple(waiting), group=group, mesh_dim=dim, seq=seq,
-                       op=op, module=module, waiting_module=waiting_module, cause=cause, summary=summary, **common)
+                       op=op, module=module, waiting_module=waiting_module, cause=cause, summary=summary,
+                       stack=tuple(records[behind[0]]["stack"]), **common)
     states = []
     if dead:
         states.append(f"{ranks_text(dead)}: process gone")
@@ -480,7 +486,7 @@ class StoreExchange:
         verdict = form_verdict(records, info.world_size, self._step, absent)
         if verdict is None:
             return
-        said = dataclasses.astuple(dataclasses.replace(verdict, summary="", reported=0))
+        said = dataclasses.astuple(dataclasses.replace(verdict, summary="", reported=0, stack=()))
         if said == self._last:
             return  # repeated only when it changes
         self._last = said

@@ -193,6 +193,8 @@ def test_a_rank_stuck_in_a_module_is_named_with_the_collective_the_others_wait_i
         semconv.VERDICT_GROUP: "0", semconv.VERDICT_SEQ: seq, semconv.VERDICT_OP: "all_reduce",
         semconv.VERDICT_MODULE: "Net.layers.1", semconv.VERDICT_WAITING_MODULE: "Net.layers.1",
         semconv.STEP: STUCK_STEP, semconv.VERDICT_WORLD_SIZE: world_size, semconv.VERDICT_REPORTED_RANKS: world_size}
+    assert attrs[semconv.VERDICT_STACK][-1].endswith("in forward")  # the stuck line: Layer.forward's sleep
+    assert "test_verdict.py" in attrs[semconv.VERDICT_STACK][-1]
     assert attrs[semconv.VERDICT_SUMMARY] == (
         f"rank 2 never entered all_reduce #{seq} on group 0, issued by Net.layers.1; it is in Net.layers.1 "
         f"forward; {ranks_text(waiting)} wait in it (step {STUCK_STEP}, {world_size} of {world_size} ranks reported)")
@@ -480,3 +482,29 @@ def test_one_process_never_asks_for_a_store():
     exchange.heartbeat()
     exchange.poll()
     assert recorder.snapshots == [1] and connects == [] and exchange.on
+
+
+def test_the_verdict_is_exported_again_only_when_it_changes():
+    """Rank 2's record comes late: first rank 2 is missing, then (at rank 0's next snapshot) rank 2 is behind."""
+    import torch.distributed as dist
+
+    from commdebug_otel.verdict import StoreExchange
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    exported = []
+    exchanges = [StoreExchange(lambda rank=rank: _info(rank, 3), lambda: "job-2", lambda v, s: exported.append(v),
+                               lambda timeout_s: store, wait_s=0.0) for rank in range(3)]
+    waiting = {"groups": {"0": (4, 3, "", 3)}, "ring": [("all_reduce", "0", 4, "A")]}
+    for snapshot in (1, 2):
+        for rank in (0, 1):
+            exchanges[rank].publish(_record(rank, **waiting) | {"snapshot": snapshot}, since_ns=1)
+        exchanges[0].poll()
+    assert [(v.kind, v.behind) for v in exported] == [("missing", (2,))]  # said once, not again unchanged
+    exchanges[2].publish(_record(2, module="B", groups={"0": (3, 3, "", 3)}), since_ns=1)
+    exchanges[0].publish(_record(0, **waiting) | {"snapshot": 3}, since_ns=1)
+    exchanges[0].poll()
+    assert [(v.kind, v.behind, v.module) for v in exported] == [("missing", (2,), ""), ("hang", (2,), "B")]
+    for exchange in exchanges:
+        exchange.stop()
+    assert store.num_keys() == 0
