@@ -501,3 +501,29 @@ def dtensor_op_on_stack(max_frames: int = 24) -> tuple[Any, Any] | None:
         frame = frame.f_back
         max_frames -= 1
     return None
+
+
+# ------------------------------------------------------------------ the job's c10d store
+def default_store_client(timeout_s: float) -> Any:
+    """A connection of this thread's own to the default process group's c10d store, or None.
+
+    ``Store.clone()`` is torch's way to use one store from several threads (a new client of the
+    same server, with the same key prefix), so a training thread blocked in a store call never
+    holds ours up; its timeout (``timeout_s`` seconds) is its own. A store that cannot be cloned
+    (``HashStore``, ``FileStore``) is returned as it is, with its timeout untouched: the caller
+    then makes only calls that do not wait for a key. None when there is no default group.
+    Raises what torch raises when the store cannot be reached.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    try:
+        own = store.clone()
+    except (RuntimeError, NotImplementedError):  # "not implemented" for stores without clients
+        return store
+    own.set_timeout(datetime.timedelta(seconds=timeout_s))
+    return own

@@ -1035,6 +1035,30 @@ class Recorder:
         self._emit_tree(roots, children, step.trace_id, step)
         return True
 
+    def job_id(self) -> str:
+        """The job nonce every rank agrees on (``steps.job_nonce``, through the store); ask once settled."""
+        if self._nonce is None:
+            self._nonce = job_nonce()
+        return self._nonce
+
+    def stall_verdict(self, step_index: int, start_ns: int, now: int, attrs: dict[str, Any]) -> bool:
+        """Export the cross-rank verdict (verdict.py) from the watchdog's thread: a ``stall_verdict`` root
+        span in step ``step_index``'s trace (trace scope ``job``; else a trace of its own) from ``start_ns``
+        (the earliest stall's start) to ``now``. True if handed to the span sink."""
+        if self._spans is None or not self.active:
+            return False
+        verdict = Record(SpanKind.MODULE, semconv.SPAN_STALL_VERDICT, start_ns)
+        verdict.end_ns = now
+        verdict.attrs.update(attrs)
+        step = self._step
+        if step is not None and step.kind is SpanKind.STEP and step.index == step_index and step.trace_id:
+            trace_id = step.trace_id  # the stalled step's own (its snapshot set it)
+        else:
+            same = Step(step_index, True, Record(SpanKind.STEP, semconv.SPAN_TRAIN_STEP, start_ns), SpanKind.STEP)
+            trace_id = self._trace_id(same)
+        self._spans.emit([verdict], {}, trace_id)
+        return True
+
     # ------------------------------------------------------------------ ops
     def op_event(self, func: Any, args: tuple, is_dtensor: bool) -> None:
         """An op ran at detail ``dtensor`` or above: an event named after the overload."""
