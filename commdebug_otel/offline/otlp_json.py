@@ -266,7 +266,10 @@ def _str(value: Any, what: str) -> str:
 
 def _int(value: Any, what: str, bounds: tuple[int, int] = _INT64) -> int:
     """An integer written as a JSON number or a decimal string (as OTLP-JSON writes 64-bit ones)."""
-    if isinstance(value, int) and not isinstance(value, bool):
+    kind = type(value)
+    if kind is str and len(value) < 19 and value.isdigit() and value.isascii():  # the usual case, fast
+        number = int(value)
+    elif kind is int or (isinstance(value, int) and not isinstance(value, bool)):
         number = value
     elif isinstance(value, float) and value.is_integer():
         number = int(value)
@@ -364,10 +367,29 @@ for _name, _kind in (("stringValue", lambda text, depth: _str(text, "a stringVal
 
 def _attributes(key_values: Any, depth: int = 0) -> dict[str, Any]:
     out = {}
+    fast = depth <= MAX_VALUE_DEPTH
     for item in _list(key_values, "attributes"):
+        # The usual shapes inline (most of a file's bytes are attributes); anything else is checked in full.
+        if fast and type(item) is dict:
+            key, value = item.get("key"), item.get("value")
+            if type(key) is str and type(value) is dict and len(value) == 1:
+                (kind, inner), = value.items()
+                if kind == "stringValue" and type(inner) is str:
+                    out[key] = inner
+                    continue
+                if kind == "intValue" and type(inner) is str and len(inner) < 19 and inner.isdigit() \
+                        and inner.isascii():
+                    out[key] = int(inner)
+                    continue
+                if kind == "doubleValue" and type(inner) is float and -_HUGE < inner < _HUGE:
+                    out[key] = inner
+                    continue
         item = _object(item, "an attribute")
         out[_str(item.get("key"), "an attribute key")] = _any_value(item.get("value", {}), depth)
     return out
+
+
+_HUGE = float("inf")
 
 
 def _seconds(value: Any, what: str) -> float:
@@ -429,9 +451,23 @@ ATTRIBUTE_TYPES: dict[str, Callable[[Any, str], Any]] = {
 }
 
 
+#: Per checked attribute, the values its check keeps as they are: (exact type, low, high); None bounds: any.
+_KEPT: dict[str, tuple[type, Any, Any]] = {
+    **{key: (int, *_INT64) for key, check in ATTRIBUTE_TYPES.items() if check is _int},
+    semconv.COLLECTIVE_PEER: (int, 0, MAX_RANKS - 1), semconv.PROCESS_GROUP_SIZE: (int, 1, MAX_RANKS),
+    semconv.RANK: (int, 0, MAX_RANKS - 1), semconv.WORLD_SIZE: (int, 0, MAX_RANKS),
+    **{key: (float, -1e9, 1e9) for key, check in ATTRIBUTE_TYPES.items() if check is _seconds},
+    **{key: (str, None, None) for key, check in ATTRIBUTE_TYPES.items() if check is _text},
+}
+
+
 def _checked(attributes: dict[str, Any]) -> dict[str, Any]:
     for key in attributes.keys() & ATTRIBUTE_TYPES.keys():
-        attributes[key] = ATTRIBUTE_TYPES[key](attributes[key], f"attribute {key}")
+        value = attributes[key]
+        kept = _KEPT.get(key)
+        if kept is not None and type(value) is kept[0] and (kept[1] is None or kept[1] <= value <= kept[2]):
+            continue  # already what the check would make of it
+        attributes[key] = ATTRIBUTE_TYPES[key](value, f"attribute {key}")
     return attributes
 
 
