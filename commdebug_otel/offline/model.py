@@ -217,9 +217,20 @@ def _collective_events(spans: list[dict], rank: int | None) -> list[dict[str, An
             if semconv.COLLECTIVE_OP in event["attributes"]:
                 found.append((event["time_ns"], order, number, event, span))
     found.sort()  # (time, order, number) are never equal: the dicts are never compared
-    out = [{"rank": span["rank"], "time_ns": time_ns, "name": event["name"], "attributes": event["attributes"],
-            "span": span} for time_ns, _, _, event, span in found]
-    return out
+    return [_Collective(span["rank"], time_ns, event["name"], event["attributes"], span).__dict__
+            for time_ns, _, _, event, span in found]
+
+
+class _Collective:
+    """A collective event's fields: the ``__dict__`` of each is a plain dict, which CPython keeps in about
+    half the memory when all got the same keys in the same order (a 1,024-rank job has half a million)."""
+
+    def __init__(self, rank: int, time_ns: int, name: str, attributes: dict, span: dict) -> None:
+        self.rank = rank
+        self.time_ns = time_ns
+        self.name = name
+        self.attributes = attributes
+        self.span = span
 
 
 def collective_matches(spans: list[dict], keep: Callable[[dict], bool] | None = None

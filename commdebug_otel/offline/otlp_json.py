@@ -876,7 +876,12 @@ def _compact(span: dict) -> dict:
     for number, event in enumerate(events):
         event["attributes"] = _fields(event["attributes"])
         events[number] = _EventFields(event).__dict__
+    if not events:
+        span["events"] = _NO_EVENTS  # most spans (modules without collectives)
     return _SpanFields(span).__dict__
+
+
+_NO_EVENTS: list = []
 
 
 def _cpus() -> int:
