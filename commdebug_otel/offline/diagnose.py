@@ -46,6 +46,7 @@ import datetime
 import json
 import statistics
 import sys
+from array import array
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -60,9 +61,12 @@ from .model import (
     collective_events,
     collective_matches,
     group_size,
+    index_of,
     is_snapshot,
     issued_ns,
+    once,
     own_step,
+    reusing,
     warmup_step,
 )
 
@@ -89,8 +93,9 @@ def _finished(spans: list[dict]) -> list[dict]:
     """The finished spans (no stall snapshot), a ``train_step_tail`` read as a root between steps, as the
     ``outside_step`` segments it replaced were: it runs after its ``train_step`` ended (a child clipped to its
     parent would vanish from the timeline), and the straggler windows count collectives of steps only."""
-    return [{**span, "parent_span_id": ""} if span["name"] == semconv.SPAN_TRAIN_STEP_TAIL else span
-            for span in spans if not is_snapshot(span)]
+    return once("finished", spans, lambda: [
+        {**span, "parent_span_id": ""} if span["name"] == semconv.SPAN_TRAIN_STEP_TAIL else span
+        for span in spans if not is_snapshot(span)])
 
 
 def _label(span: dict) -> Label:
@@ -140,19 +145,22 @@ class _Timeline:
                         pieces.append((cursor, end, _label(span)))
                     stack.pop()
         pieces.sort()
-        self._pieces = pieces
-        self._starts = [piece[0] for piece in pieces]
+        # Columns, each label once: a 1,024-rank job cuts into millions of pieces.
+        labels: dict[Label, Label] = {}
+        self._starts = array("Q", [piece[0] for piece in pieces])
+        self._ends = array("Q", [piece[1] for piece in pieces])
+        self._labels = [labels.setdefault(piece[2], piece[2]) for piece in pieces]
 
     def self_times(self, start: int, end: int) -> dict[Label, int]:
         """ns of ``[start, end)`` owned by each span label; time under no span is :data:`BETWEEN_STEPS`."""
         out: dict[Label, int] = defaultdict(int)
         covered = 0
-        i = max(bisect.bisect_right(self._starts, start) - 1, 0)
-        while i < len(self._pieces) and self._pieces[i][0] < end:
-            piece_start, piece_end, label = self._pieces[i]
-            overlap = min(piece_end, end) - max(piece_start, start)
+        starts, ends = self._starts, self._ends
+        i = max(bisect.bisect_right(starts, start) - 1, 0)
+        while i < len(starts) and starts[i] < end:
+            overlap = min(ends[i], end) - max(starts[i], start)
             if overlap > 0:
-                out[label] += overlap
+                out[self._labels[i]] += overlap
                 covered += overlap
             i += 1
         if end - start > covered:
@@ -279,7 +287,7 @@ def stragglers(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S,
         over the others' median, summed)}``; seconds as floats.
     """
     finished = _finished(spans)
-    steps = SpanIndex(finished)
+    steps = index_of(finished)
     warmup = None if include_warmup else warmup_step(finished)
     matches = collective_matches(finished, lambda event: steps.step(event["span"]) not in (None, warmup))
     arrivals = _Arrivals(finished, steps)
@@ -596,8 +604,12 @@ _STATUS_ERROR = 2  # OTLP's STATUS_CODE_ERROR
 
 def _raised(spans: list[dict]) -> list[dict[str, Any]]:
     """Each (rank, step)'s first exception, from its innermost span that raised, with ``_time_ns``."""
+    return once("raised", spans, lambda: _raised_in(spans))
+
+
+def _raised_in(spans: list[dict]) -> list[dict[str, Any]]:
     finished = _finished(spans)
-    steps = SpanIndex(finished)
+    steps = index_of(finished)
     first: dict[tuple[int, int | None], tuple[tuple[int, int], dict]] = {}
     for span in finished:
         event = next((event for event in span["events"] if event["name"] == "exception"), None)
@@ -646,6 +658,10 @@ def _closed_at_exit(finished: list[dict], steps: SpanIndex) -> dict[tuple[int, i
     last in the files and holds an unmatched span: killed while inside it, e.g. a hang killed before
     the watchdog fired.
     """
+    return once("closed_at_exit", finished, lambda: _closed_in(finished, steps))
+
+
+def _closed_in(finished: list[dict], steps: SpanIndex) -> dict[tuple[int, int], dict]:
     last: dict[int, int] = {}
     for span in finished:
         if (step := own_step(span)) is not None:
@@ -676,8 +692,12 @@ def unfinished_steps(spans: list[dict]) -> list[dict[str, Any]]:
         without send/recv), "op", "issued_by": [ranks], "not_by": [ranks]}] (the first per group)}]``,
         by step.
     """
+    return once("unfinished_steps", spans, lambda: _unfinished_in(spans))
+
+
+def _unfinished_in(spans: list[dict]) -> list[dict[str, Any]]:
     finished = _finished(spans)
-    steps = SpanIndex(finished)
+    steps = index_of(finished)
     cut = _closed_at_exit(finished, steps)
     by_rank: dict[int, set[int]] = defaultdict(set)
     for span in finished:
@@ -751,7 +771,7 @@ def _issued_collectives(spans: list[dict], raised: dict[tuple[int, int | None], 
     """
     finished = _finished(spans)
     snapshots = [span for span in spans if is_snapshot(span)]
-    steps = SpanIndex(finished)
+    steps = index_of(finished)
     snapshot_steps = SpanIndex(snapshots)
     finished_steps = {(span["rank"], step) for span in finished if (step := steps.step(span)) is not None}
     raised = raised or {}
@@ -1137,18 +1157,19 @@ def run(args: argparse.Namespace) -> int:
 
     Returns 0, or 1 when there are no spans or a trace cannot be read (said on stderr).
     """
-    spans = _load(args)
-    if spans is None:
-        return 1
-    try:
-        files = flight_recorder.dump_files(args.paths, args.flight_recorder)
-    except OSError as error:
-        print(f"commdebug-otel diagnose: {error}", file=sys.stderr)
-        files = []
-    dumps, messages = flight_recorder.read_dumps(files, args.flight_recorder_pickle)
-    for message in messages:
-        print(f"commdebug-otel diagnose: {message}", file=sys.stderr)
-    found = diagnose(spans, args.noise_floor_ms / 1e3, args.include_warmup, dumps or None)
+    with reusing():  # the views share one span index, one list of collectives...
+        spans = _load(args)
+        if spans is None:
+            return 1
+        try:
+            files = flight_recorder.dump_files(args.paths, args.flight_recorder)
+        except OSError as error:
+            print(f"commdebug-otel diagnose: {error}", file=sys.stderr)
+            files = []
+        dumps, messages = flight_recorder.read_dumps(files, args.flight_recorder_pickle)
+        for message in messages:
+            print(f"commdebug-otel diagnose: {message}", file=sys.stderr)
+        found = diagnose(spans, args.noise_floor_ms / 1e3, args.include_warmup, dumps or None)
     print(json.dumps(found, indent=4) if args.format == "json" else format_text(found, args.top))
     sys.stdout.flush()
     return 0
