@@ -52,6 +52,7 @@ from .config import (  # the auto rule's numbers live in config: diagnose repeat
     STALL_AUTO,
 )
 from .core_fact import CollectiveFact, ring_event_attributes
+from .core_protocols import StallSource
 
 _logger = logging.getLogger(__name__)
 
@@ -217,7 +218,7 @@ class StallWatch:
         fqn_of: ``fqn_of(module)``, the module tracker's name of a module, or None.
     """
 
-    def __init__(self, recorder: Any, setting: float | str, flush: Callable[[], Any],
+    def __init__(self, recorder: StallSource, setting: float | str, flush: Callable[[], Any],
                  fqn_of: Callable[[torch.nn.Module], str | None]) -> None:
         self._recorder = recorder
         self._setting = setting
