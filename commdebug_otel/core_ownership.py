@@ -130,7 +130,7 @@ class ModuleOwnership:
             self.depth += 1
             return None
         if len(step.records) >= self._max_records:  # the one compare a recorded call pays for the bound
-            step = self._host.current_step_full(step, now, in_backward)
+            step = self._host.step_full(step, now, in_backward)
             if step is None:
                 self.depth += 1
                 return None
@@ -218,7 +218,7 @@ class ModuleOwnership:
             return
         step = self._host.current_step
         if step is not None and len(step.records) >= self._max_records:
-            if self._host.current_step_full(step, now, in_backward=True) is None:
+            if self._host.step_full(step, now, in_backward=True) is None:
                 forward.graph_task = task  # the call's other outputs are not counted again
                 return
         record = self._pool.module_record(f"{forward.fqn} {semconv.PASS_BACKWARD}", now)
@@ -305,17 +305,18 @@ class ModuleOwnership:
 
     def owner(self) -> tuple[Record | None, Step | None]:
         """The record that owns what runs now (ownership rules above), or the step's root; and the open step."""
+        step = self._host.current_step
         if self.fwd_stack:
             owner = self.fwd_stack[-1]
         elif self.open_bw:
             owner = self.open_bw[-1]
-        elif self._host.current_step is not None:
-            return self._host.current_step.root, self._host.current_step
+        elif step is not None:
+            return step.root, step
         else:
             return None, None
         while owner.hidden and owner.parent is not None:
             owner = owner.parent if owner.fwd is None else owner.fwd.parent or owner.parent
-        return owner, self._host.current_step
+        return owner, step
 
     def pass_by_depth(self, in_backward: bool) -> str:
         """The pass when no module record owns the collective (untraced steps keep only the depth)."""
