@@ -71,6 +71,7 @@ import torch
 
 from . import _torch
 from .collectives import DISTRIBUTE_TENSOR, FULL_TENSOR
+from .core_protocols import CollectiveSubscriber
 from .ops import MESHES, CollectiveSpec
 from .redact import describe
 
@@ -93,7 +94,7 @@ class CollectiveInterceptor:
 
     def __init__(self, registry: dict[Any, CollectiveSpec]) -> None:
         self._registry = registry
-        self._subscribers: tuple = ()
+        self._subscribers: tuple[CollectiveSubscriber, ...] = ()
         self._libraries: list[torch.library.Library] = []
         self._lock = threading.Lock()
         self._local = _InProgress()
@@ -109,7 +110,7 @@ class CollectiveInterceptor:
         """True while DTensor redistributions tell subscribers their op (see the module docstring)."""
         return self._original_redistribute is not None
 
-    def subscribe(self, recorder: Any) -> bool:
+    def subscribe(self, recorder: CollectiveSubscriber) -> bool:
         """Start reporting collectives to ``recorder``. False if the kernels could not be registered."""
         with self._lock:
             if not self._libraries and not self._install():
@@ -123,7 +124,7 @@ class CollectiveInterceptor:
                 self._wait_patch.apply(True)
             return True
 
-    def unsubscribe(self, recorder: Any) -> None:
+    def unsubscribe(self, recorder: CollectiveSubscriber) -> None:
         """Stop reporting to ``recorder``.
 
         The kernels stay registered for the life of the process: deregistering a
@@ -138,12 +139,12 @@ class CollectiveInterceptor:
             if not self._subscribers:
                 self._watch_meshes(False)
 
-    def want_why(self, recorder: Any, wanted: bool) -> None:
+    def want_why(self, recorder: CollectiveSubscriber, wanted: bool) -> None:
         """Whether ``recorder`` may record the DTensor op behind a collective now (a traced step, set-up)."""
         with self._lock:
             self._want_why(recorder, wanted)
 
-    def _want_why(self, recorder: Any, wanted: bool) -> None:
+    def _want_why(self, recorder: CollectiveSubscriber, wanted: bool) -> None:
         if wanted:
             self._wanting_why.add(id(recorder))
         else:

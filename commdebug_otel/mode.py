@@ -29,8 +29,8 @@ from ._torch import (
     sync_dispatch_mode_flags,
 )
 from .config import Detail
+from .core_protocols import OpSubscriber
 from .ops import build_registry
-from .recorder import Recorder
 from .report import op_listed
 
 COLLECTIVES = build_registry()
@@ -59,7 +59,7 @@ class CollectiveDispatchMode(TorchDispatchMode):
 
     supports_higher_order_operators = True
 
-    def __init__(self, recorder: Recorder, detail: Detail, collectives: bool = False) -> None:
+    def __init__(self, recorder: OpSubscriber, detail: Detail, collectives: bool = False) -> None:
         super().__init__()
         self._recorder = recorder
         self._why = recorder.why  # the recorder's one "why", cleared in place, never replaced

@@ -25,39 +25,25 @@ Ownership rules (docs/architecture.md, "Ownership rules"):
 
 from __future__ import annotations
 
-import functools
 import logging
-import sys
 import threading
 import time
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
-from torch.compiler import is_compiling
 
 from . import ids, semconv
-from ._torch import graph_task_id, queue_engine_callback, tensor_hook_key
-from .collectives import (
-    C10D_CAUSES,
-    PASS_NONE,
-    CollectiveCounter,
-    CompiledWhys,
-    Why,
-    _set_peer,
-    dispatched_op_why,
-    peer_when_received,
-    quiet_fact,
-    recorded_fact,
-)
+from ._torch import graph_task_id, tensor_hook_key
 from .config import Settings, TraceScope, variable
-from .core_fact import GroupFacts, event_attributes
+from .core_collective_path import CollectivePath
+from .core_fact import PASS_NONE
+from .core_failures import Failures
+from .core_ownership import NO_OPTIMIZER_CYCLES, ModuleOwnership
+from .core_record_pool import RecordPool
 from .observer import RecorderObserver, SpanSink
-from .ops import CollectiveSpec, GroupResolver, Message, compiler_traced, message, plain_payload
-from .records import Record, SpanKind, Step, descends_from, dtensor_facts, parameter_facts, snapshot_tree, span_tree
-from .redact import code_locations, describe
+from .ops import CollectiveSpec
+from .records import Record, SpanKind, Step, snapshot_tree, span_tree
 from .stall import Progress
 from .steps import RankCache, job_nonce, job_trace_id, outside_step_label, settled
 
@@ -65,14 +51,8 @@ __all__ = ["NO_OPTIMIZER_CYCLES", "PASS_NONE", "Recorder"]
 
 _logger = logging.getLogger(__name__)
 
-# Before any optimizer.step() is seen, a step ends at the top-level forward after
-# this many completed backward passes (scripts that never step an optimizer).
-NO_OPTIMIZER_CYCLES = 8
 # Finished traced steps of a thread that borrows the training thread's role, kept until it trains.
 MAX_HELD_STEPS = 64
-_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
-# Raised by torch.utils.checkpoint to stop a recompute early: control flow, not a failure.
-_CONTROL_FLOW_ERRORS = frozenset({"_StopRecomputationError"})
 
 
 class Recorder:
@@ -102,33 +82,28 @@ class Recorder:
         self.settings = settings
         self._spans = spans
         self._metrics = metrics
-        self._observers = tuple(observers)
-        self._every_event = any(observer.wants_every_event for observer in self._observers)
+        self.observers = tuple(observers)
+        self.every_event = any(observer.wants_every_event for observer in self.observers)
         # An observer told of collectives, ops or first calls: sampled steps keep records for it even
         # where spans go nowhere (a tracer that only counts).
-        self._listening = any(_listens(observer) for observer in self._observers)
+        self._listening = any(_listens(observer) for observer in self.observers)
         self._exemplars: bool | None = None  # decided at the first traced step (spans.start())
         # This process's rank facts, rank() (asked again until torch.distributed is initialized).
         self.rank = RankCache()
-        self._counter = CollectiveCounter(metrics, self.rank, self.hook_failed, self._completed)
-        self._max_records = settings.max_spans_per_step  # per step part (_step_full)
-        # Module records of closed steps, reused by the next: a record made anew each call lives
-        # through the step's collections and is promoted to the oldest generation, whose full
-        # collections then come sooner (docs/performance.md). Only where nothing outside keeps them:
-        # a span sink that says so, no observer handed records.
-        self._spare: list[Record] | None = (
-            [] if spans is not None and not getattr(spans, "keeps_records", True) and not self._listening else None)
-        self._count = self._counter.count  # the quiet path's one call
-        self._groups = GroupResolver()
+        self._failures = Failures(metrics)
+        self._max_records = settings.max_spans_per_step  # per step part (step_full)
+        # Module records of closed steps are reused where nothing outside keeps them: a span sink
+        # that says so, no observer handed records (core_record_pool.py).
+        self._pool = RecordPool(spans is not None and not getattr(spans, "keeps_records", True)
+                                and not self._listening)
+        self._path = CollectivePath(self, metrics, self._failures)
+        self._ownership = ModuleOwnership(self, settings, self.observers, self._pool, self._failures)
         self._next_step = 0
         self._next_inference = 0
-        self._seen_optimizer = False
-        self._params_seen: weakref.WeakSet = weakref.WeakSet()
+        self.seen_optimizer = False
         self._nonce: str | None = None
         self._provisional_nonce: str | None = None  # this rank's own, until the process group exists
-        self._failed: set[str] = set()
-        self.why = Why()
-        self._compiled_whys = CompiledWhys()
+        self.why = self._path.why
         self._why_on = True  # what the observers were last told (why_wanted)
         self.active = True
         # Called once, at the first module call that opens a step; True: stop recording (a data worker).
@@ -147,22 +122,13 @@ class Recorder:
         self._tail_of: tuple | None = None
         # Collectives are timed (issue time; c10d ones to completion, a backend-thread callback
         # each) on the steps trace_every picks and one in completion_every, and between steps.
-        self._counter.timed = True
-        self._fwd_stack: list[Record] = []
-        self._open_bw: list[Record] = []  # open backward records, most recently begun last
-        self._bw_hint: tuple[Record | None, int] = (None, 0)  # the last record _begin_backward inserted, and where
-        self._last_exemplar: tuple = (None, 0, 0, None)  # (owner, its span id, trace id, context)
-        self._awaiting_source: dict[int, tuple] = {}  # recv from any source, not yet waited (gloo)
-        self._copying = threading.RLock()  # a stall snapshot copying the step's records (a fork may copy it held)
-        self._bw_callback_tasks: set[int] = set()  # graph tasks whose end is hooked (nested: reentrant checkpoints)
-        self._depth = 0  # module nesting when records are skipped (untraced steps)
-        self._call_counts: dict[str, int] = {}  # by span name (FQN and pass): a string key is not GC-tracked
+        self._path.reset()
+        self._pool.reset_after_fork()
+        self._ownership.reset()
         self.rank.reset()  # a forked child learns its own rank
         self._provisional_step: Step | None = None  # the open step whose trace id was drawn before settling
         # Progress on every step (stall.py); its seq counters match collectives across ranks.
-        self.progress = Progress(self._groups.dim_name)
-        self._seq = self.progress.next_seq
-        self.why.clear()
+        self.progress = Progress(self._path.groups.dim_name)
         self.thread_id = self._home_thread = threading.get_ident()
         # Another thread holds the role provisionally (it called a module first) until it trains:
         # its finished steps wait in _held, and the starting thread's first module call takes the
@@ -202,14 +168,11 @@ class Recorder:
         return {
             "step records": len(step.records) if step is not None else 0,
             "step hooks": len(step.hooks) + len(step.tensor_hooks) // 2 if step is not None else 0,
-            "open forward records": len(self._fwd_stack),
-            "open backward records": len(self._open_bw),
-            "call counts": len(self._call_counts),
-            "sequenced groups": len(self._seq),
-            "modules seen": len(self._params_seen),
-            "resolved groups": len(self._groups),
-            "recvs awaiting their source": len(self._awaiting_source),
-            "spare records": len(self._spare or ()),
+            **self._ownership.state_sizes(),
+            "sequenced groups": len(self.progress.next_seq),
+            "resolved groups": len(self._path.groups),
+            "recvs awaiting their source": len(self._path.awaiting_source),
+            "spare records": len(self._pool),
         }
 
     def _traces_this_rank(self) -> bool:
@@ -219,7 +182,7 @@ class Recorder:
             return False
         self._exemplars_on()  # starts the tracer provider: where spans go is known from then on
         try:
-            return self._every_event or self._listening or self._spans.exporting
+            return self.every_event or self._listening or self._spans.exporting
         except Exception as error:
             self.hook_failed("telemetry start", error)
             return False
@@ -227,20 +190,11 @@ class Recorder:
     # ---------------------------------------------------------------- failures
     def hook_failed(self, where: str, error: BaseException) -> None:
         """Log a hook failure once per place, count it, and go on. Never raises."""
-        try:
-            if self._metrics is not None:
-                self._metrics.dropped(semconv.DROPPED_KIND_HOOK_ERROR, 1)
-        except Exception:  # the metrics themselves are broken: logging is all that is left
-            pass
-        if where not in self._failed:
-            self._failed.add(where)
-            # Type, redacted message and code locations: never a tensor value (redact.py).
-            _logger.warning("commdebug-otel: %s failed (%s); telemetry continues, training is "
-                            "unaffected\n%s", where, describe(error), code_locations(error))
+        self._failures.hook_failed(where, error)
 
     # --------------------------------------------------------------- observers
     def _tell_traced(self, traced: bool) -> None:
-        for observer in self._observers:
+        for observer in self.observers:
             try:
                 observer.traced_step_changed(traced)
             except Exception as error:
@@ -249,14 +203,14 @@ class Recorder:
     def _want_why(self, wanted: bool) -> None:
         if wanted != self._why_on:
             self._why_on = wanted
-            for observer in self._observers:
+            for observer in self.observers:
                 try:
                     observer.why_wanted(wanted)
                 except Exception as error:
                     self.hook_failed("DTensor redistribution watch", error)
 
     # ------------------------------------------------------------------ steps
-    def _open_step(self, now: int, inference: bool = False) -> Step:
+    def open_step(self, now: int, inference: bool = False) -> Step:
         if self._outside is not None:
             self._close(self._outside, now)
             self._outside = None
@@ -271,14 +225,14 @@ class Recorder:
         step = self._step = Step(index, traced, root, SpanKind.STEP)
         self.progress.step_began(now, index)
         # The same steps on every rank (sampled, not traced): their histograms compare.
-        self._counter.timed = sampled or index % self.settings.completion_every == 0
+        self._path.counter.timed = sampled or index % self.settings.completion_every == 0
         step.inference = inference
-        self._call_counts.clear()
+        self._ownership.step_opened()
         if traced and self._exemplars_on():
             step.trace_id = self._trace_id(step) or ids.trace_id()
             if self._nonce is None and self.settings.trace_scope is TraceScope.JOB:
                 self._provisional_step = step  # opened before the process group: its id is made again at the end
-        step.quiet = not (traced or self._every_event or self.settings.metric_module_depth)
+        step.quiet = not (traced or self.every_event or self.settings.metric_module_depth)
         self._tell_traced(traced)  # every opening: a mode left on by a close inside backward goes now
         self._want_why(traced)
         return step
@@ -292,23 +246,12 @@ class Recorder:
                 self.hook_failed("telemetry start", error)
         return self._exemplars
 
-    def _exemplar_context(self, owner: Record, step: Step) -> Any:
-        """An OTel context naming ``owner``'s future span, so metric points get exemplars.
+    @property
+    def current_step(self) -> Step | None:
+        """The open step (or step part), None between steps."""
+        return self._step
 
-        The last one is kept: a module's collectives come one after another (a reused record
-        gets a new span id, so the id is compared too).
-        """
-        last = self._last_exemplar
-        if owner.span_id and last[0] is owner and last[1] == owner.span_id and last[2] == step.trace_id:
-            return last[3]
-        if not owner.span_id:
-            owner.span_id = ids.span_id()
-        context = set_span_in_context(NonRecordingSpan(SpanContext(
-            step.trace_id, owner.span_id, is_remote=False, trace_flags=_SAMPLED)))
-        self._last_exemplar = (owner, owner.span_id, step.trace_id, context)
-        return context
-
-    def _outside_step(self, now: int) -> Step:
+    def outside_step(self, now: int) -> Step:
         """The segment that holds collectives while no step is open: a ``train_step_tail`` of the
         training step that closed last, in its trace and under its ``train_step``, or before the
         first step an ``outside_step`` root."""
@@ -341,11 +284,11 @@ class Recorder:
             if step is None or not step.backward_done:
                 return  # no backward on the borrowing thread: not training (an EMA update), it ends nothing
             self._settle_thread()
-        self._seen_optimizer = True
+        self.seen_optimizer = True
         if step is not None and step.had_module:
-            self._close_step(time.time_ns())
+            self.close_step(time.time_ns())
 
-    def _close_step(self, now: int, inference: bool = False) -> None:
+    def close_step(self, now: int, inference: bool = False) -> None:
         step = self._step
         if step is None:
             return
@@ -365,7 +308,7 @@ class Recorder:
         self._want_why(step.traced)  # between steps as the step before (_outside_step)
         # Between steps, always: their few collectives (logging every k steps, checkpoints) would
         # otherwise never be timed where k is a multiple of completion_every.
-        self._counter.timed = True
+        self._path.counter.timed = True
 
     def _tail_facts(self, step: Step) -> tuple:
         """``(index, traced, trace id, train_step span id, trace block)`` of a closing training step, for
@@ -388,7 +331,7 @@ class Recorder:
         if self._metrics is not None:
             try:
                 # Traced: the points' exemplars name this step's train_step span.
-                context = self._exemplar_context(step.root, step) if step.traced and step.trace_id else None
+                context = self._path.exemplar_context(step.root, step) if step.traced and step.trace_id else None
                 self._metrics.step(duration_s, wait_s, context)
             except Exception as error:
                 self.hook_failed("metrics", error)
@@ -417,17 +360,8 @@ class Recorder:
 
     def _close(self, step: Step, now: int, mode_stays: bool = False) -> None:
         # A forward still running (the step cut inside a call): its record stays the tracker's.
-        reuse = self._spare is not None and not self._fwd_stack
-        for record in reversed(self._fwd_stack):
-            if record.end_ns == 0:
-                record.end_ns, record.unmatched = now, True
-        self._fwd_stack.clear()
-        self._depth = 0
-        _end_backward_records(self._open_bw, now)
-        self._open_bw.clear()
-        self._bw_hint = (None, 0)
-        self._last_exemplar = (None, 0, 0, None)
-        self._awaiting_source.clear()
+        reuse = not self._ownership.close(now) and self._pool.reuses
+        self._path.step_closed()
         step.root.end_ns = now
         if self._metrics is not None:
             try:
@@ -452,11 +386,11 @@ class Recorder:
                 self._held.append(step)
                 if len(self._held) > MAX_HELD_STEPS:  # bounded: the oldest goes, counted
                     oldest = self._held.pop(0)
-                    self._count_dropped(semconv.DROPPED_KIND_OTHER_THREAD, len(oldest.records) + 1)
-                    self._release(oldest, False)
+                    self._failures.count_dropped(semconv.DROPPED_KIND_OTHER_THREAD, len(oldest.records) + 1)
+                    self._pool.release(oldest, False)
                 return
             self._emit(step)
-        self._release(step, reuse)
+        self._pool.release(step, reuse)
 
     def _emit(self, step: Step) -> None:
         try:
@@ -466,30 +400,6 @@ class Recorder:
         except Exception as error:
             self.hook_failed("building spans", error)
 
-    def _release(self, step: Step, reuse: bool) -> None:
-        """Unlink a closed step's records (its spans are built or dropped); reuse them where ``reuse``."""
-        # Not while a stall snapshot copies them (the watchdog's thread): then they are not reused.
-        # Never waited for: the training thread goes on.
-        reuse = reuse and self._copying.acquire(blocking=False)
-        try:
-            for record in step.records:  # nothing outlives the step through these links
-                record.parent = record.fwd = record.open_bw = record.handling = record.last_bw = None
-                record.prev_bw = record.call_args = None  # call_args: a call whose forward hook never came
-                record.events = ()
-                if reuse:  # nothing of the step kept alive by a spare record (an error's traceback, its frames)
-                    record.error = None  # (its children list is emptied when it is reused: Record.reset)
-                else:  # the sink may keep the children lists it was given; the hook refers to the record
-                    record.kids = record.end_hook = None
-            step.root.kids = None
-            if reuse:  # at most as many spare as this step used
-                spare = self._spare
-                spare.extend(step.records)
-                del spare[len(step.records):]
-        finally:
-            if reuse:
-                self._copying.release()
-        step.records.clear()
-
     def _emit_tree(self, roots: list[Record], children: dict[int, list[Record]], trace_id: int | None,
                    step: Step) -> None:
         """Hand ``step``'s span tree to the sink, under its parent span when it has one (a tail)."""
@@ -498,7 +408,7 @@ class Recorder:
         else:
             self._spans.emit(roots, children, trace_id)
 
-    def _step_full(self, step: Step, now: int, in_backward: bool) -> Step | None:
+    def step_full(self, step: Step, now: int, in_backward: bool) -> Step | None:
         """``step`` holds ``max_spans_per_step`` records: cut it, go on, or record no more of this pass.
 
         At a top-level forward (no pass open) the step so far is closed and exported as
@@ -509,13 +419,13 @@ class Recorder:
         up to twice the bound, past which it is not recorded (returns None). Cuts and
         passes not recorded are counted on traced steps, and said once.
         """
-        top_level = not self._fwd_stack and self._depth == 0 and not in_backward
+        top_level = self._ownership.idle and not in_backward
         if not top_level and len(step.records) < 2 * self._max_records:
             return step
         if step.traced:
-            self._count_dropped(semconv.DROPPED_KIND_STEP_SPLIT if top_level else semconv.DROPPED_KIND_STEP_FULL)
-            if variable("max_spans_per_step") not in self._failed:
-                self._failed.add(variable("max_spans_per_step"))
+            self._failures.count_dropped(
+                semconv.DROPPED_KIND_STEP_SPLIT if top_level else semconv.DROPPED_KIND_STEP_FULL)
+            if self._failures.first(variable("max_spans_per_step")):
                 _logger.warning(
                     "commdebug-otel: step %d reached %s=%d module-pass spans (forward passes with grad "
                     "that never reach optimizer.step(), e.g. evaluation without torch.no_grad()); it is "
@@ -534,13 +444,6 @@ class Recorder:
         part.trace_id, part.inference, part.quiet = step.trace_id, step.inference, step.quiet
         part.had_module, part.backward_done = step.had_module, step.backward_done
         return part
-
-    def _count_dropped(self, kind: str, count: int = 1) -> None:
-        if self._metrics is not None:
-            try:
-                self._metrics.dropped(kind, count)
-            except Exception as error:
-                self.hook_failed("metrics", error)
 
     def _trace_id(self, step: Step) -> int | None:
         if self.settings.trace_scope is not TraceScope.JOB:
@@ -565,8 +468,8 @@ class Recorder:
         """Close whatever is open (at exit or uninstrument) so every started span ends."""
         now = time.time_ns()
         if self._step is not None:
-            inference = not self._seen_optimizer and not self._step.backward_done
-            self._close_step(now, inference=inference)
+            inference = not self.seen_optimizer and not self._step.backward_done
+            self.close_step(now, inference=inference)
         if self._outside is not None:
             outside, self._outside = self._outside, None
             self._close(outside, now)
@@ -595,7 +498,7 @@ class Recorder:
         if ident == self._home_thread and self._borrowed is not None:
             self._take_back(time.time_ns())
             return True
-        if self._seen_optimizer or self._step is not None or self._fwd_stack or self._depth:
+        if self.seen_optimizer or self._step is not None or not self._ownership.idle:
             return False
         if ident != self._home_thread:
             self._borrowed = (self._next_step, self._next_inference)
@@ -614,7 +517,7 @@ class Recorder:
         held, self._held = self._held, []
         for step in held:
             self._emit(step)
-            self._release(step, False)
+            self._pool.release(step, False)
 
     def _take_back(self, now: int) -> None:
         """The starting thread calls a module while another thread borrows the role, untrained: the
@@ -627,7 +530,7 @@ class Recorder:
         self._step = self._outside = None
         for step in self._held:
             dropped += len(step.records) + 1
-            self._release(step, False)
+            self._pool.release(step, False)
         self._held = []
         self._next_step, self._next_inference = self._borrowed
         self._borrowed = None
@@ -635,353 +538,57 @@ class Recorder:
         self.thread_id = self._home_thread
         self.thread_changes += 1
         if dropped:
-            self._count_dropped(semconv.DROPPED_KIND_OTHER_THREAD, dropped)
+            self._failures.count_dropped(semconv.DROPPED_KIND_OTHER_THREAD, dropped)
 
     def module_pre(self, module: torch.nn.Module, fqn: str, args: tuple,
                    compiled: bool = False) -> Record | None:
-        """A module's forward (or recompute) begins. Returns its record, or None when not recorded.
-
-        ``compiled``: the call runs ``module``'s compiled code (``torch.compile``), which holds
-        its collectives; the modules inside it get no records.
-        """
-        now = time.time_ns()
-        self.why.clear()
-        in_backward = graph_task_id() != -1
-        step = self._step
-        if step is None:
-            check = self.first_call
-            if check is not None:
-                self.first_call = None
-                if check():
-                    return None
-            # A top-level forward without grad (inference, evaluation between steps) is its own root.
-            step = self._open_step(now, inference=not in_backward and not torch.is_grad_enabled())
-        elif (not self._fwd_stack and self._depth == 0 and not in_backward
-              and not self._seen_optimizer and step.backward_done >= NO_OPTIMIZER_CYCLES):
-            # No optimizer.step() seen yet: bound the step (gradient accumulation of up to
-            # NO_OPTIMIZER_CYCLES micro-batches before the first optimizer step stays whole).
-            self._close_step(now)
-            step = self._open_step(now)
-        step.had_module = True
-        if not (step.traced or self.settings.metric_module_depth > 0):
-            self._depth += 1
-            return None
-        if len(step.records) >= self._max_records:  # the one compare a recorded call pays for the bound
-            step = self._step_full(step, now, in_backward)
-            if step is None:
-                self._depth += 1
-                return None
-        pass_ = semconv.PASS_RECOMPUTE if in_backward else semconv.PASS_FORWARD
-        record = self._module_record(f"{fqn} {pass_}", now)
-        record.fqn = fqn
-        record.pass_ = pass_
-        record.module_type = f"{type(module).__module__}.{type(module).__qualname__}"
-        record.call_index = self._next_call_index(record.name)
-        record.hidden = self._hidden(fqn)
-        handled = sys.exc_info()[1]
-        if handled is not None:  # called inside an ``except`` block (a fallback, a retry)
-            record.handling = (handled, handled.__traceback__)
-        record.compiled = compiled
-        if self._fwd_stack:
-            record.parent = self._fwd_stack[-1]
-        elif in_backward and self._open_bw:
-            record.parent = self._open_bw[-1]
-        else:
-            record.parent = step.root
-        record.depth = record.parent.depth + 1
-        if module not in self._params_seen:
-            self._params_seen.add(module)
-            record.params = parameter_facts(module)
-            callers = tuple(self._fwd_stack)
-            for observer in self._observers:
-                observer.on_first_call(module, fqn, callers)
-        self._fwd_stack.append(record)
-        step.records.append(record)
-        return record
-
-    def _module_record(self, name: str, now: int) -> Record:
-        """A fresh module record: a closed step's, reset, when one is spare."""
-        spare = self._spare
-        if not spare:
-            return Record(SpanKind.MODULE, name, now)
-        record = spare.pop()
-        record.reset(SpanKind.MODULE, name, now)
-        return record
-
-    def _next_call_index(self, name: str) -> int:
-        """The calls of the span name ``name`` (``"{fqn} {pass}"``) so far this step (then one more)."""
-        index = self._call_counts.get(name, 0)
-        self._call_counts[name] = index + 1
-        return index
-
-    def _hidden(self, fqn: str) -> bool:
-        include, exclude = self.settings.module_include, self.settings.module_exclude
-        if not include and not exclude:
-            return False
-        from fnmatch import fnmatchcase
-
-        if include and not any(fnmatchcase(fqn, pattern) for pattern in include):
-            return True
-        return any(fnmatchcase(fqn, pattern) for pattern in exclude)
+        """A module's forward (or recompute) begins: :meth:`ModuleOwnership.module_pre
+        <commdebug_otel.core_ownership.ModuleOwnership.module_pre>`. Returns its record, or None."""
+        return self._ownership.module_pre(module, fqn, args, compiled)
 
     def module_post(self, module: torch.nn.Module, record: Record | None) -> None:
         """A module's forward ended (its own forward hooks included)."""
-        now = time.time_ns()
-        self.why.clear()
-        if record is None:
-            self._depth = max(0, self._depth - 1)
-        else:
-            stack = self._fwd_stack
-            while stack:
-                top = stack.pop()
-                top.end_ns = now
-                if top is record:
-                    break
-                top.unmatched = True  # a pre-hook whose post-hook never came
-            error = sys.exc_info()[1]
-            if error is not None and type(error).__name__ not in _CONTROL_FLOW_ERRORS:
-                # Only the call's own exception: not one that its caller was already handling
-                # when the call began (a raise through the call gives it a new traceback head).
-                handled = record.handling
-                if handled is None or error is not handled[0] or error.__traceback__ is not handled[1]:
-                    record.error = error
-            record.handling = None
-        step = self._step
-        if step is not None and step.inference and not self._fwd_stack and self._depth == 0:
-            self._close_step(now)
+        self._ownership.module_post(module, record)
 
-    # --------------------------------------------------------------- backward
     def backward_began(self, forward: Record) -> None:
         """Gradients w.r.t. a module call's outputs are ready: its backward begins."""
-        now = time.time_ns()
-        task = graph_task_id()
-        if forward.last_bw is not None and forward.last_bw.graph_task == task:
-            return  # another output of the call, or one hooked twice (before and after its own hooks)
-        if forward.graph_task == task:
-            # A forward record's own graph_task marks "no backward recorded for this call in
-            # this pass": its input gradients were computed already (an output that passes an
-            # input through in a way the tracker cannot see), or the step was full.
-            return
-        step = self._step
-        if step is not None and len(step.records) >= self._max_records:
-            if self._step_full(step, now, in_backward=True) is None:
-                forward.graph_task = task  # the call's other outputs are not counted again
-                return
-        record = self._module_record(f"{forward.fqn} {semconv.PASS_BACKWARD}", now)
-        record.fqn, record.module_type, record.compiled = forward.fqn, forward.module_type, forward.compiled
-        record.pass_ = semconv.PASS_BACKWARD
-        record.fwd, record.graph_task, record.hidden = forward, task, forward.hidden
-        record.depth = forward.depth
-        record.call_index = self._next_call_index(record.name)
-        forward.open_bw = record
-        record.prev_bw, forward.last_bw = forward.last_bw, record
-        self._begin_backward(record)
-        if step is not None:
-            step.records.append(record)
-        if task not in self._bw_callback_tasks:
-            self._bw_callback_tasks.add(task)
-            queue_engine_callback(functools.partial(self.backward_done, task))
-
-    def _begin_backward(self, record: Record) -> None:
-        """Open ``record``; if a descendant's hook fired first, the descendant stays most recent.
-
-        A module and its last child share the output tensor, and the child's hook,
-        registered first, fires first: the parent's backward did not begin "after" it.
-        """
-        open_bw = self._open_bw
-        index = len(open_bw)
-        # The last record inserted, if it still stands where it went and descends from this one
-        # (a chain of modules sharing one output: hooks fire innermost first): everything above
-        # it descends from it, so the search starts below it. Deep chains cost O(1) per record.
-        hint, at = self._bw_hint
-        if at < index and open_bw[at] is hint and descends_from(hint, record.fwd):
-            index = at
-        while index > 0 and descends_from(open_bw[index - 1], record.fwd):
-            index -= 1
-        open_bw.insert(index, record)
-        self._bw_hint = (record, index)
+        self._ownership.backward_began(forward)
 
     def backward_ended(self, forward: Record) -> None:
         """Gradients w.r.t. a module call's inputs are computed: its backward ends."""
-        record = forward.open_bw
-        if record is None:
-            # Input gradients before any output gradient: nothing of this call runs later in
-            # this pass, so a late output hook must not open a backward that never ends.
-            forward.graph_task = graph_task_id()
-        else:
-            forward.open_bw = None
-            record.end_ns = time.time_ns()
-            open_bw = self._open_bw
-            for index in range(len(open_bw) - 1, -1, -1):  # the most recent end first, usually
-                if open_bw[index] is record:
-                    del open_bw[index]
-                    break
+        self._ownership.backward_ended(forward)
 
-    def backward_done(self, task: int) -> None:
-        """The autograd engine finished computing backward pass ``task`` (an engine final callback).
+    def backward_pass_done(self) -> None:
+        """An outermost autograd pass of the open step finished (a borrowing thread that trains keeps the role)."""
+        step = self._step
+        if step is not None:
+            step.backward_done += 1
+            if self._borrowed is not None:
+                self._settle_thread()  # the borrowing thread trains
 
-        Gradient computation is over, so every module's backward of that pass but the
-        outermost ones ends here. The outermost stay open for one more round
-        of final callbacks: callbacks queued later (FSDP2's root post-backward
-        reduce-scatter) are booked to the root module's backward. Another pass's
-        records stay open: a reentrant checkpoint's backward runs inside the pass
-        that called it.
-        """
-        try:
-            now = time.time_ns()
-            mine = [r for r in self._open_bw if r.graph_task == task]
-            inner = {id(r) for r in mine if any(descends_from(r, other.fwd) for other in mine if other is not r)}
-            _end_backward_records([r for r in mine if id(r) in inner], now)
-            self._open_bw[:] = [r for r in self._open_bw if id(r) not in inner]
-            self._bw_hint = (None, 0)
-            queue_engine_callback(functools.partial(self._backward_finally, task))
-        except Exception as error:
-            self.hook_failed("backward end", error)
+    def owner(self) -> tuple[Record | None, Step | None]:
+        """The record that owns what runs now (the ownership rules), or the step's root; and the open step."""
+        return self._ownership.owner()
 
-    def _backward_finally(self, task: int) -> None:
-        try:
-            _end_backward_records([r for r in self._open_bw if r.graph_task == task], time.time_ns())
-            self._open_bw[:] = [r for r in self._open_bw if r.graph_task != task]
-            self._bw_hint = (None, 0)
-            self._bw_callback_tasks.discard(task)
-            if self._step is not None and not self._bw_callback_tasks:  # not a pass nested in another
-                self._step.backward_done += 1
-                if self._borrowed is not None:
-                    self._settle_thread()  # the borrowing thread trains
-        except Exception as error:
-            self.hook_failed("backward end", error)
-
-    # ------------------------------------------------------------- ownership
-    def _owner(self) -> tuple[Record | None, Step | None]:
-        if self._fwd_stack:
-            owner = self._fwd_stack[-1]
-        elif self._open_bw:
-            owner = self._open_bw[-1]
-        elif self._step is not None:
-            return self._step.root, self._step
-        else:
-            return None, None
-        while owner.hidden and owner.parent is not None:
-            owner = owner.parent if owner.fwd is None else owner.fwd.parent or owner.parent
-        return owner, self._step
-
-    def _pass_by_depth(self, in_backward: bool) -> str:
+    def pass_by_depth(self, in_backward: bool) -> str:
         """The pass when no module record owns the collective (untraced steps keep only the depth)."""
-        if in_backward:
-            return semconv.PASS_RECOMPUTE if self._depth else semconv.PASS_BACKWARD
-        return semconv.PASS_FORWARD if self._depth else PASS_NONE
+        return self._ownership.pass_by_depth(in_backward)
 
     # ------------------------------------------------------------- collectives
     def collective(self, spec: CollectiveSpec, args: tuple, duration_ns: int, out: Any = None,
                    start_ns: int = 0) -> None:
-        """A collective was issued (``duration_ns``: issue time on the CPU, in nanoseconds).
-
-        ``out`` is what the op returned: for c10d ops it holds the ``Work``,
-        whose future times completion without blocking (``start_ns`` is the
-        ``time.perf_counter_ns()`` at issue). Three paths, cheapest first:
-        another thread's and a quiet step's collectives are metric points
-        only; the rest keep records (:meth:`_record_collective`).
-        """
-        plain = plain_payload(spec, args)  # one eager tensor, the usual case: never traced by torch.compile
-        if is_compiling() or (plain is None and compiler_traced(args)):
-            # Run on fake tensors while torch.compile builds a graph (dynamo, or AOTAutograd's backward):
-            # the compiled code issues the real one. Its "why" is known only now: kept for it.
-            self._compiled_whys.trace(spec, self._groups.resolve(spec, args), args, out, self.why)
-            return
-        group = self._groups.resolve(spec, args)
-        in_backward = graph_task_id() != -1
-        if not in_backward and threading.get_ident() != self.thread_id:
-            # Another thread (not autograd's): the training thread's open spans are not its
-            # owners, and its sequence numbers (which match collectives across ranks) stay its own.
-            self._count(quiet_fact(spec, args, out, group, -1, PASS_NONE, duration_ns, plain), spec, out, start_ns)
-            return
-        seq = self._seq.get(group.name, 0)
-        self._seq[group.name] = seq + 1
-        step = self._step
-        if (step is not None and step.quiet) or not self._keeps_records(step, in_backward):
-            # An untraced step (the hot path of always-on tracing), between untraced steps,
-            # or a backward outside any step: metric points only.
-            fact = quiet_fact(spec, args, out, group, seq, self._pass_by_depth(in_backward), duration_ns, plain)
-            self.progress.remember(fact, out)
-            self._count(fact, spec, out, start_ns)
-            return
-        self._record_collective(spec, args, out, group, seq, duration_ns, start_ns, in_backward)
-
-    def _keeps_records(self, step: Step | None, in_backward: bool) -> bool:
-        """Whether a collective outside a quiet step is traced, observed, or module-labelled."""
-        if step is not None:
-            traced = step.traced
-        elif in_backward:
-            traced = False  # a backward outside any step: counted in metrics only
-        else:
-            traced = (self._outside or self._outside_step(time.time_ns())).traced
-        return traced or self._every_event or bool(self.settings.metric_module_depth)
-
-    def _record_collective(self, spec: CollectiveSpec, args: tuple, out: Any, group: GroupFacts, seq: int,
-                           duration_ns: int, start_ns: int, in_backward: bool) -> None:
-        """Its fact (owner, pass, why), metric points with module label and exemplar, the observers, then
-        the span event."""
-        now = time.time_ns()
-        owner, step = self._owner()
-        if owner is not None and owner.kind is SpanKind.MODULE:
-            pass_ = owner.pass_
-        else:
-            pass_ = self._pass_by_depth(in_backward)
-        # Where its event goes: the owner, else (no step open) the segment between steps.
-        host, host_step = owner, step
-        if step is None and not in_backward:
-            host_step = self._outside_step(now)
-            host = host_step.root
-        traced = host_step is not None and host_step.traced and host is not None
-        msg = message(spec, args, out, group.size)
-        why = self._why(spec, group, msg, host) if traced else None
-        fact = recorded_fact(spec, args, group, seq, msg, now, duration_ns, owner.fqn if owner is not None else "",
-                             pass_, why)
-        self.progress.remember(fact, out)
-        if not fact.fake:
-            context = None
-            if step is not None and step.trace_id and owner is not None:
-                context = self._exemplar_context(owner, step)
-            self._counter.count(fact, spec, out, start_ns, context)
-        for observer in self._observers:
-            observer.on_collective(spec, owner, pass_)
-        if not traced:
-            return
-        attrs = event_attributes(fact)
-        peer_when_received(spec.op, out, attrs, self.hook_failed, self._awaiting_source)
-        self._add_event(host, spec.op, attrs, now)
-        if host_step.kind is SpanKind.STEP:
-            host_step.fingerprint(group.name, seq, spec.op, fact.dtype, msg.shape, fact.reduce_op)
-
-    def _why(self, spec: CollectiveSpec, group: GroupFacts, msg: Message, host: Record) -> dict[str, Any] | None:
-        """The "why" of a traced collective: DTensor's redistribution, the one seen when compiled code was
-        traced, or the DTensor op on the stack; None if none (or the facts failed: the event goes without)."""
-        try:
-            why = None
-            if spec.functional or self.why.cause in C10D_CAUSES:
-                why = self.why.attributes()
-                if why is None and host.compiled:  # compiled code: DTensor ran when it was traced
-                    why = self._compiled_whys.lookup(spec, group, msg)
-            if why is None:  # a DTensor op that issues collectives itself (loss_parallel's handlers)
-                why = dispatched_op_why()
-            return why
-        except Exception as error:
-            self.hook_failed("DTensor redistribution facts", error)
-            return None
-
-    def _completed(self, group: str, seq: int) -> None:
-        """A c10d ``Work`` future completed (on the backend's thread)."""
-        if seq >= 0:
-            self.progress.complete(group, seq)
+        """A collective was issued: :meth:`CollectivePath.collective <commdebug_otel.core_collective_path.
+        CollectivePath.collective>` (``duration_ns``: its issue time on the CPU; ``out``: what the op returned;
+        ``start_ns``: ``time.perf_counter_ns()`` at issue)."""
+        self._path.collective(spec, args, duration_ns, out, start_ns)
 
     def waited(self, handle: Any, duration_ns: int) -> None:
         """A thread waited ``duration_ns`` on a collective (``Work.wait()``, or ``wait_tensor`` on its output)."""
-        if threading.get_ident() == self.thread_id or graph_task_id() != -1:
-            self.progress.waited(handle, duration_ns)
-        if self._awaiting_source:
-            found = self._awaiting_source.pop(id(handle), None)
-            if found is not None:
-                _set_peer(*found, self.hook_failed)
+        self._path.waited(handle, duration_ns)
+
+    def op_event(self, func: Any, args: tuple, is_dtensor: bool) -> None:
+        """An op ran at detail ``dtensor`` or above: an event named after the overload."""
+        self._path.op_event(func, args, is_dtensor)
 
     # ------------------------------------------------------------------ stalls
     def stall_snapshot(self, now: int, age_s: float, threshold_s: float, snapshot: int,
@@ -997,9 +604,9 @@ class Recorder:
         progress = self.progress
         module, pass_, stack = where
         if not module:  # no module on the Python stack (a backward pass): the open record, if traced
-            open_records = self._fwd_stack or self._open_bw
-            if open_records:
-                module, pass_ = open_records[-1].fqn, open_records[-1].pass_
+            record = self._ownership.innermost_open()
+            if record is not None:
+                module, pass_ = record.fqn, record.pass_
         stalled = Record(SpanKind.MODULE, semconv.SPAN_STALLED, progress.since_ns)
         stalled.end_ns = now
         seqs = progress.seqs()
@@ -1028,7 +635,7 @@ class Recorder:
         step.stalled = snapshot
         if not step.trace_id:  # the step's export at its end joins the snapshot's trace
             step.trace_id = self._trace_id(step) or ids.trace_id()
-        with self._copying:  # the training thread may close the step meanwhile: no record is reused mid-copy
+        with self._pool.copying:  # the training thread may close the step meanwhile: no record is reused mid-copy
             roots, children, root = snapshot_tree(step, list(step.records), now, snapshot)
         root.attrs[semconv.STEP_STALLED] = snapshot
         children.setdefault(id(root), []).append(stalled)
@@ -1059,55 +666,9 @@ class Recorder:
         self._spans.emit([verdict], {}, trace_id)
         return True
 
-    # ------------------------------------------------------------------ ops
-    def op_event(self, func: Any, args: tuple, is_dtensor: bool) -> None:
-        """An op ran at detail ``dtensor`` or above: an event named after the overload."""
-        owner, step = self._owner()
-        for observer in self._observers:
-            observer.on_op(func, args, is_dtensor, owner)
-        if step is None or not step.traced or owner is None:
-            return
-        for observer in self._observers:
-            if not observer.op_event_wanted(func, is_dtensor):
-                return
-        name = str(func)
-        attrs: dict[str, Any] = {semconv.OP_NAME: name}
-        if is_dtensor:
-            attrs.update(dtensor_facts(args))
-        else:
-            shapes = [str(list(arg.shape)) for arg in args if isinstance(arg, torch.Tensor)]
-            if shapes:  # never an empty array: ops on tensor lists (_foreach_*) have no top-level tensor
-                attrs[semconv.OP_INPUT_SHAPES] = shapes
-        self._add_event(owner, name, attrs, time.time_ns())
-
-    def _add_event(self, owner: Record, name: str, attrs: dict, now: int) -> None:
-        events = owner.events
-        if len(events) < self.settings.max_events_per_span:
-            if events:
-                events.append((name, attrs, now))
-            else:
-                owner.events = [(name, attrs, now)]
-            return
-        owner.dropped_events += 1
-        self._count_dropped(semconv.DROPPED_KIND_EVENT)
-        if owner.dropped_events == 1 and variable("max_events_per_span") not in self._failed:
-            self._failed.add(variable("max_events_per_span"))
-            _logger.warning("commdebug-otel: span %r reached %s=%d events; later ones are dropped, counted on the "
-                            "span (%s) and in %s (kind %s)", owner.name, variable("max_events_per_span"),
-                            self.settings.max_events_per_span, semconv.SPAN_DROPPED_EVENTS, semconv.METRIC_DROPPED,
-                            semconv.DROPPED_KIND_EVENT)
-
 
 def _listens(observer: RecorderObserver) -> bool:
     """Whether ``observer`` overrides a callback that reports what records carry."""
     kind = type(observer)
     return any(getattr(kind, name) is not getattr(RecorderObserver, name)
                for name in ("on_collective", "on_op", "on_first_call"))
-
-
-def _end_backward_records(records: list[Record], now: int) -> None:
-    for record in records:
-        record.end_ns = now
-        record.unmatched = record.fwd is not None and record.fwd.input_hooked
-        if record.fwd is not None:
-            record.fwd.open_bw = None

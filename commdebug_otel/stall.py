@@ -53,6 +53,7 @@ from .config import (  # the auto rule's numbers live in config: diagnose repeat
     STALL_AUTO,
 )
 from .core_fact import CollectiveFact, ring_event_attributes
+from .core_protocols import StallSource
 from .verdict import StoreExchange, Verdict, progress_record
 
 _logger = logging.getLogger(__name__)
@@ -223,7 +224,7 @@ class StallWatch:
             thread only.
     """
 
-    def __init__(self, recorder: Any, setting: float | str, flush: Callable[[], Any],
+    def __init__(self, recorder: StallSource, setting: float | str, flush: Callable[[], Any],
                  fqn_of: Callable[[torch.nn.Module], str | None],
                  on_snapshot: Callable[[], Any] = lambda: None, exchange: StoreExchange | None = None) -> None:
         self._recorder = recorder

@@ -70,7 +70,7 @@ from ._torch import (
     run_tensor_hook_first,
     set_compiled_call,
 )
-from .recorder import Recorder
+from .core_protocols import ModuleHooks
 from .records import Record
 
 
@@ -191,9 +191,9 @@ _HOOKED_PASSES = frozenset({semconv.PASS_FORWARD, semconv.PASS_RECOMPUTE})
 
 
 class ModuleTracker:
-    """Installs and removes the module hooks that feed a :class:`Recorder`."""
+    """Installs and removes the module hooks that feed a recorder (``core_protocols.ModuleHooks``)."""
 
-    def __init__(self, recorder: Recorder) -> None:
+    def __init__(self, recorder: ModuleHooks) -> None:
         self._recorder = recorder
         self._began = _BackwardBegan(recorder)  # every record's backward-begin hook calls it
         self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -572,7 +572,7 @@ class _BackwardBegan:
 
     __slots__ = ("recorder",)
 
-    def __init__(self, recorder: Recorder) -> None:
+    def __init__(self, recorder: ModuleHooks) -> None:
         self.recorder = recorder
 
     def __call__(self, record: Record) -> None:
@@ -590,7 +590,7 @@ class _BackwardEnd:
     __slots__ = ("record", "recorder")
     __torch_unserializable__ = True  # pickling a tensor that holds it warns of nothing (torch's unserializable_hook)
 
-    def __init__(self, recorder: Recorder, record: Record) -> None:
+    def __init__(self, recorder: ModuleHooks, record: Record) -> None:
         self.recorder, self.record = recorder, record
 
     def __call__(self, _grads: Any) -> None:

@@ -263,7 +263,7 @@ def test_untraced_steps_keep_bounded_state_and_count_nothing(telemetry, tracer_f
         for _ in range(1000):
             model(torch.ones(1, 4)).sum()
             sizes.add(tuple(sorted(tracer.state_sizes().items())))
-        depth_now = tracer.recorder._depth
+        depth_now = tracer.recorder._ownership.depth
     records = {dict(size)["step records"] for size in sizes}
     assert max(records) == (100 if depth else 0) and depth_now == 0
     assert {dict(size)["calls in flight"] for size in sizes} == {0}

@@ -45,12 +45,14 @@ def test_ring_events_gauges_and_span_events_tell_the_same_collective(telemetry, 
     [span_event] = telemetry.one("MeshAllReduce forward").events
     event = dict(span_event.attributes)
     assert name == span_event.name == "all_reduce"
-    assert event[semconv.DEVICE_MESH_DIM_NAME] == "tp"  # the ring dropped it before
+    # (a one-rank mesh uses the default group: meshes of earlier tests that are still alive name it too)
+    dims = event[semconv.DEVICE_MESH_DIM_NAME]
+    assert "tp" in dims.split(",")  # the ring dropped it before
     # (the SDK keeps arrays as tuples; the ring's attributes are handed to it at the snapshot)
     assert {key: _tuple(ring.get(key)) for key in SHARED} == {key: event.get(key) for key in SHARED}
     assert ring[semconv.MODULE_FQN] == "MeshAllReduce"
     # The progress gauges' mesh dimension comes from the group resolver, as the events'.
-    assert [(group, issued, dim) for group, issued, _, dim in seqs] == [(event[semconv.PROCESS_GROUP_NAME], 0, "tp")]
+    assert [(group, dim) for group, _, _, dim in seqs] == [(event[semconv.PROCESS_GROUP_NAME], dims)]
 
 
 def test_the_offline_reader_parses_back_what_the_event_says():

@@ -166,8 +166,10 @@ def receiver():
 
 
 def _one_verdict(receiver: OtlpReceiver, capfd) -> dict:
-    verdicts = _verdicts(receiver)
-    assert len(verdicts) == 1, [v["attributes"] for v in verdicts]
+    """The one verdict of the stuck step (with STALL_AFTER at 2 s, a loaded machine's slow start-up may stall
+    step 0 for real: its verdicts are right but not this test's)."""
+    verdicts = [v for v in _verdicts(receiver) if v["attributes"].get(semconv.STEP) == STUCK_STEP]
+    assert len(verdicts) == 1, [v["attributes"] for v in _verdicts(receiver)]
     verdict = verdicts[0]
     attrs = verdict["attributes"]
     assert verdict["resource"][semconv.RANK] == min(attrs[semconv.VERDICT_WAITING_RANKS])  # the lowest that published
