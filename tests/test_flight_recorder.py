@@ -128,6 +128,67 @@ def test_diagnose_joins_the_waiting_ranks_fr_entry_with_its_module_step_and_dten
             ) in text.stdout, text.stdout
 
 
+class Sync(nn.Module):
+    """All-reduces a copy of its output on ``group``; with ``skew`` rank 1 broadcasts instead (a desync)."""
+
+    def __init__(self, group) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.group = group
+        self.skew = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.lin(x)
+        out = x.detach().clone()
+        if self.skew and torch.distributed.get_rank() == 1:
+            torch.distributed.broadcast(out, 0, group=self.group)
+        else:
+            torch.distributed.all_reduce(out, group=self.group)
+        return x
+
+
+def _train_into_a_desync(rank: int, world_size: int) -> str:
+    import datetime
+
+    from commdebug_otel import CommTracer
+
+    group = torch.distributed.new_group([0, 1], timeout=datetime.timedelta(seconds=DESYNC_TIMEOUT_S))
+    model = nn.Sequential()
+    model.add_module("sync", Sync(group))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with CommTracer():
+        for step in range(2):
+            model.sync.skew = step == 1
+            try:
+                model(torch.ones(2, 8)).sum().backward()
+            except RuntimeError:  # gloo's timeout (or the peer's connection closed by it)
+                return "raised"
+            optimizer.step()
+            optimizer.zero_grad()
+    return ""
+
+
+DESYNC_TIMEOUT_S = 6
+
+
+def test_a_desync_names_each_ranks_fr_op_at_the_same_seq_with_its_module(tmp_path):
+    """rank 0 all-reduces where rank 1 broadcasts: both hang in gloo until the group's timeout, the
+    snapshots dump FR on both, and diagnose reads the two ops at FR seq 2 of group 1, each in Sequential.sync."""
+    env = {"OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR": str(tmp_path), "OTEL_PYTHON_COMMDEBUG_STALL_AFTER": str(STALL_AFTER_S),
+           "TORCH_FR_BUFFER_SIZE": "64"}
+    raised = run_ranks(_train_into_a_desync, 2, env=env)
+    assert raised == ["raised", "raised"]
+    [run] = tmp_path.glob("run-*")
+    done = _diagnose(str(run), "--format", "json")
+    assert done.returncode == 0, done.stderr
+    [desync] = json.loads(done.stdout)["flight_recorder"]["desyncs"]
+    assert (desync["group"], desync["fr_seq"]) == ("1", 2)
+    sides = {rank: (entry["fr_op"], entry["seq"], entry["our_op"], entry["module"])
+             for rank, entry in desync["ranks"].items()}
+    assert sides == {"0": ("gloo:all_reduce", 1, "all_reduce", "Sequential.sync"),
+                     "1": ("gloo:broadcast", 1, "broadcast", "Sequential.sync")}
+
+
 # ----------------------------------------------------------------- hand-made dumps
 
 
