@@ -315,3 +315,34 @@ def test_dump_path_follows_torch_fr_dump_temp_file(tmp_path):
     assert live.enabled({"TORCH_FR_BUFFER_SIZE": "2000"}) and live.enabled({"TORCH_NCCL_TRACE_BUFFER_SIZE": "5"})
     assert not live.enabled({}) and not live.enabled({"TORCH_FR_BUFFER_SIZE": "0"})
     assert not live.enabled({"TORCH_FR_BUFFER_SIZE": "lots"})
+
+
+def test_the_dump_goes_to_torch_fr_dump_temp_files_folder_and_a_failure_is_said_once(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(live, "_failed", False)
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "16")
+    monkeypatch.setenv(live.DUMP_PREFIX_VARIABLE, str(tmp_path / "dumps" / "nccl_trace_rank_"))
+    path = live.dump_beside_snapshot(2, lambda: pytest.fail("the run folder is not asked"))
+    assert path == str(tmp_path / "dumps" / "commdebug-flight-recorder-rank2.json")
+    assert json.loads(open(path).read())["version"]  # torch's JSON (no "entries" key: nothing recorded here)
+    assert os.listdir(tmp_path / "dumps") == ["commdebug-flight-recorder-rank2.json"]  # nothing left aside
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv(live.DUMP_PREFIX_VARIABLE, str(tmp_path / "file" / "under" / "x_"))
+    assert live.dump_beside_snapshot(2, str) is None
+    assert live.dump_beside_snapshot(2, str) is None  # given up: not tried, not said again
+    [message] = [record.getMessage() for record in caplog.records]
+    assert "could not write torch's Flight Recorder dump" in message and "the snapshots go on" in message
+
+
+def test_a_dump_of_an_empty_buffer_is_read(tmp_path):
+    path = tmp_path / "commdebug-flight-recorder-rank1.json"
+    path.write_text('{"comm_lib_version":"","nccl_comm_state":{},"pg_config":{},"pg_status":{},"version":"2.10"}')
+    dumps, messages = flight_recorder.read_dumps([str(path)])
+    assert messages == [] and [(dump["rank"], dump["entries"]) for dump in dumps] == [(1, [])]
+
+
+def test_no_dump_without_the_flight_recorder(tmp_path, monkeypatch):
+    monkeypatch.setattr(live, "_failed", False)
+    for name in (*live.BUFFER_VARIABLES, live.DUMP_PREFIX_VARIABLE):
+        monkeypatch.delenv(name, raising=False)
+    assert live.dump_beside_snapshot(0, lambda: str(tmp_path)) is None
+    assert os.listdir(tmp_path) == []

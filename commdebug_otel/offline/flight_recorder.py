@@ -163,13 +163,15 @@ def _read_one(path: str, allow_pickle: bool) -> dict[str, Any]:
             raise ValueError("not a regular file (not read)")
         data = handle.read(MAX_DUMP_BYTES + 1)
     dump = _decode(data, allow_pickle)
-    if not isinstance(dump, dict) or not isinstance(dump.get("entries"), list):
+    # torch leaves "entries" out of an empty buffer's dump (its "version" is there).
+    raw_entries = dump.get("entries", [] if "version" in dump else None) if isinstance(dump, dict) else None
+    if not isinstance(raw_entries, list):
         raise ValueError("no Flight Recorder entries (an object with an \"entries\" list)")
     named = _RANK_IN_NAME.search(os.path.basename(path))
     rank = _int(dump.get("rank")) if named is None else int(named.group(1)) if len(named.group(1)) < 10 else -1
     if rank is None or not 0 <= rank < 1 << 31:
         raise ValueError("no rank: its name does not end in the rank (torch's <prefix><rank>)")
-    entries = [_entry(raw) for raw in dump["entries"]]
+    entries = [_entry(raw) for raw in raw_entries]
     status = dump.get("pg_status")
     pg_status = {}
     if isinstance(status, dict):
