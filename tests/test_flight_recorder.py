@@ -308,25 +308,35 @@ def test_the_offset_is_learned_when_our_tracer_started_after_collectives(tmp_pat
     assert found["joined"] == 2 and found["disagree"] == []
 
 
-def test_dump_path_follows_torch_fr_dump_temp_file(tmp_path):
-    assert live.dump_path(3, str(tmp_path), {}) == str(tmp_path / "commdebug-flight-recorder-rank3.json")
-    environ = {live.DUMP_PREFIX_VARIABLE: str(tmp_path / "dumps" / "nccl_trace_rank_")}
-    assert live.dump_path(3, "/elsewhere", environ) == str(tmp_path / "dumps" / "commdebug-flight-recorder-rank3.json")
+def test_where_the_dump_goes(tmp_path):
+    """The dump prefix's folder (TORCH_FR_DUMP_TEMP_FILE, or NCCL's older name), else the run folder."""
+    ours = "commdebug-flight-recorder-rank3.json"
+    for name in live.DUMP_PREFIX_VARIABLES:
+        assert live.dump_path(3, "/elsewhere", {name: str(tmp_path / "dumps" / "trace_")}) == str(
+            tmp_path / "dumps" / ours)
+    assert live.dump_path(3, str(tmp_path), {"TORCH_FR_BUFFER_SIZE": "2000"}) == str(tmp_path / ours)
+
+
+def test_only_a_job_that_asks_for_the_flight_recorder_gets_its_dumps():
+    """torch records by default, but a run that never named Flight Recorder gets no files of it."""
+    assert not live.enabled({})
     assert live.enabled({"TORCH_FR_BUFFER_SIZE": "2000"}) and live.enabled({"TORCH_NCCL_TRACE_BUFFER_SIZE": "5"})
-    assert not live.enabled({}) and not live.enabled({"TORCH_FR_BUFFER_SIZE": "0"})
-    assert not live.enabled({"TORCH_FR_BUFFER_SIZE": "lots"})
+    assert live.enabled({"TORCH_FR_DUMP_TEMP_FILE": "/tmp/trace_"})  # the size left at torch's default
+    assert not live.enabled({"TORCH_FR_BUFFER_SIZE": "0"}) and not live.enabled({"TORCH_FR_BUFFER_SIZE": "lots"})
+    assert not live.enabled({"TORCH_FR_BUFFER_SIZE": "0", "TORCH_NCCL_TRACE_BUFFER_SIZE": "5"})  # the first wins
+    assert not live.enabled({"TORCH_FR_BUFFER_SIZE": "0", "TORCH_FR_DUMP_TEMP_FILE": "/tmp/trace_"})  # off
 
 
 def test_the_dump_goes_to_torch_fr_dump_temp_files_folder_and_a_failure_is_said_once(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(live, "_failed", False)
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "16")
-    monkeypatch.setenv(live.DUMP_PREFIX_VARIABLE, str(tmp_path / "dumps" / "nccl_trace_rank_"))
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", str(tmp_path / "dumps" / "nccl_trace_rank_"))
     path = live.dump_beside_snapshot(2, lambda: pytest.fail("the run folder is not asked"))
     assert path == str(tmp_path / "dumps" / "commdebug-flight-recorder-rank2.json")
     assert json.loads(open(path).read())["version"]  # torch's JSON (no "entries" key: nothing recorded here)
     assert os.listdir(tmp_path / "dumps") == ["commdebug-flight-recorder-rank2.json"]  # nothing left aside
     (tmp_path / "file").write_text("")
-    monkeypatch.setenv(live.DUMP_PREFIX_VARIABLE, str(tmp_path / "file" / "under" / "x_"))
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", str(tmp_path / "file" / "under" / "x_"))
     assert live.dump_beside_snapshot(2, str) is None
     assert live.dump_beside_snapshot(2, str) is None  # given up: not tried, not said again
     [message] = [record.getMessage() for record in caplog.records]
@@ -340,9 +350,11 @@ def test_a_dump_of_an_empty_buffer_is_read(tmp_path):
     assert messages == [] and [(dump["rank"], dump["entries"]) for dump in dumps] == [(1, [])]
 
 
-def test_no_dump_without_the_flight_recorder(tmp_path, monkeypatch):
+def test_no_dump_unless_asked_for(tmp_path, monkeypatch):
     monkeypatch.setattr(live, "_failed", False)
-    for name in (*live.BUFFER_VARIABLES, live.DUMP_PREFIX_VARIABLE):
+    for name in (*live.BUFFER_VARIABLES, *live.DUMP_PREFIX_VARIABLES):
         monkeypatch.delenv(name, raising=False)
+    assert live.dump_beside_snapshot(0, lambda: str(tmp_path)) is None
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")
     assert live.dump_beside_snapshot(0, lambda: str(tmp_path)) is None
     assert os.listdir(tmp_path) == []

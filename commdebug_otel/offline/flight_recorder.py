@@ -1,6 +1,6 @@
 """torch's Flight Recorder dumps joined with our spans: what FR knows, plus module, pass, step and DTensor why.
 
-torch's Flight Recorder (``TORCH_FR_BUFFER_SIZE``) keeps, per rank, the last collectives each process
+torch's Flight Recorder (on by default; ``TORCH_FR_BUFFER_SIZE``) keeps, per rank, the last collectives each process
 group issued: op (``profiling_name``, ``"nccl:all_reduce"``), ``collective_seq_id`` (1, 2, ... per
 group; point-to-point ops count in ``p2p_seq_id`` instead), sizes, dtypes, state and whether it
 finished (``retired``), and per group the last seq enqueued and completed (``pg_status``). It knows
