@@ -26,7 +26,10 @@ training the demo transformer of ``commdebug_otel._demo_model`` at the size in `
    ``OTEL_TRACES_EXPORTER=none``: the ratio between the depths, and spans per second per core;
 8. offline (``--only offline``, ``--offline-ranks N``): wall time and peak RSS of ``commdebug-otel
    summarize`` and ``diagnose`` on a 1,024-rank job of 20 traced steps (real spans of a real 4-rank
-   run, ranks multiplied: about 1.5 GB).
+   run, ranks multiplied: about 1.5 GB);
+9. drop-in (``--only dropin``): torch's ``CommDebugMode`` and our ``commdebug_otel.CommDebugMode``
+   side by side, each a fresh one entered around every step (outside the timer), against
+   uninstrumented steps, interleaved (the overhead phase's three workloads; TP only with ``--quick``).
 
 It prints a results table and a PASS/FAIL line per target (docs/performance.md explains
 every number). ``--profile`` instead runs cProfile on rank 0 of a traced TP job and prints
@@ -100,6 +103,8 @@ OVERHEAD_WORKLOADS = ("tp", "fsdp_tp", "demo")
 CONFIGS = ("uninstrumented", "torch CommDebugMode", "ours traced (every step)",
            "ours always-on (1 in 100)", "ours detail=all", "ref: empty TorchDispatchMode")
 BASELINE = CONFIGS[0]
+DROPIN = "ours CommDebugMode (drop-in)"
+DROPIN_CONFIGS = (BASELINE, CONFIGS[1], DROPIN)
 TRACED_SERVICE = "traced"  # the overhead phase's every-step tracer, as its spans name their service
 
 
@@ -429,6 +434,25 @@ def _torch_block() -> Block:
     return Block(enter, lambda mode: mode.__exit__(None, None, None), per_step=True)
 
 
+def _dropin_block() -> Block:
+    """Our ``commdebug_otel.CommDebugMode``, used as :func:`_torch_block` uses torch's: a fresh one per step.
+
+    Its collective kernels are deregistered after each step, as after every tracer block.
+    """
+    from commdebug_otel import CommDebugMode
+
+    def enter() -> Any:
+        mode = CommDebugMode()
+        mode.__enter__()
+        return mode
+
+    def exit_(mode: Any) -> None:
+        mode.__exit__(None, None, None)
+        _remove_collective_kernels()
+
+    return Block(enter, exit_, per_step=True)
+
+
 def _empty_mode_block() -> Block:
     """The floor of a dispatch-mode design: a TorchDispatchMode that only redispatches."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -511,6 +535,17 @@ def overhead_worker(rank: int, world_size: int, workload: str, rounds: int, step
         "steps_taken": {name: tracer.recorder.steps_taken for name, tracer in tracers.items()},
         "services": {name: tracer.bench_service for name, tracer in tracers.items()},
     }
+
+
+def dropin_worker(rank: int, world_size: int, workload: str, rounds: int, steps_per_block: int,
+                  log_path: str) -> dict[str, Any]:
+    """Uninstrumented, torch's CommDebugMode and ours, interleaved (:func:`_run_interleaved`)."""
+    job = Job(workload)
+    for _ in range(3):  # first steps ever: allocator, DTensor caches, gloo pairs
+        job.timed_step()
+    blocks = {BASELINE: Block(lambda: None, lambda _: None), CONFIGS[1]: _torch_block(), DROPIN: _dropin_block()}
+    os.environ["OTEL_SERVICE_NAME"] = "dropin"
+    return {"times": _run_interleaved(job, blocks, rounds, steps_per_block, warmup_blocks=1)}
 
 
 class DepthJob:
@@ -907,6 +942,31 @@ def phase_overhead(rx, workload: str, world_size: int, rounds: int, steps_per_bl
     report[f"overhead_{workload}"] = {"ranks": world_size, "rounds": rounds,
                                       "steps_per_block": steps_per_block, "configs": rows,
                                       "traced": traced}
+
+
+def phase_dropin(rx, workload: str, world_size: int, rounds: int, steps_per_block: int,
+                 report: dict[str, Any]) -> None:
+    print(f"\n== CommDebugMode drop-in vs torch's: {workload}, {world_size} ranks, {rounds} rounds x "
+          f"{steps_per_block} steps per config, a fresh mode per step (first step of each block discarded)",
+          flush=True)
+    began = time.perf_counter()
+    results = run_ranks(dropin_worker, world_size, child_env(rx.grpc_endpoint), workload=workload,
+                        rounds=rounds, steps_per_block=steps_per_block)
+    per_rank = [result["times"] for result in results]
+    rows = {}
+    print(f"{'configuration':28} {'step ms':>8} {'ratio':>7} {'IQR':>15} {'min..max':>15}")
+    for name in DROPIN_CONFIGS:
+        stats = summarize(per_round_ratios(per_rank, name))
+        stats["step_ms"] = step_ms(per_rank, name)
+        rows[name] = stats
+        print(f"{name:28} {stats['step_ms']:8.2f} {stats['median']:7.3f} "
+              f"{stats['q1']:7.3f}..{stats['q3']:<7.3f} {stats['min']:7.3f}..{stats['max']:<7.3f}")
+    ours_vs_torch = pooled_ratio(slowest_rank_steps(per_rank, DROPIN), slowest_rank_steps(per_rank, CONFIGS[1]))
+    print(f"ours / torch's, pooled: {ours_vs_torch['median']:.3f} (95% CI {ours_vs_torch['ci_low']:.3f}.."
+          f"{ours_vs_torch['ci_high']:.3f})")
+    print(f"({time.perf_counter() - began:.0f} s)", flush=True)
+    report[f"dropin_{workload}"] = {"ranks": world_size, "rounds": rounds, "steps_per_block": steps_per_block,
+                                    "configs": rows, "ours_vs_torch": ours_vs_torch}
 
 
 def phase_always_on(rx, workload: str, world_size: int, rounds: int, steps_per_block: int,
@@ -1328,7 +1388,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="only cProfile rank 0 of a traced TP job and print our hot spots")
     parser.add_argument("--profile-workload", default="tp", choices=("tp", "demo"),
                         help="the workload --profile runs (default tp)")
-    parser.add_argument("--only", default="overhead,always,memory,blackhole,depth,import,scale",
+    parser.add_argument("--only", default="overhead,dropin,always,memory,blackhole,depth,import,scale",
                         help="comma list of phases to run (default: all)")
     parser.add_argument("--offline-ranks", type=int, default=OFFLINE_RANKS, metavar="N",
                         help=f"ranks of the offline phase's job, a multiple of {OFFLINE_SOURCE_RANKS} "
@@ -1369,6 +1429,11 @@ def main(argv: list[str] | None = None) -> int:
                 if not q:
                     phase_overhead(rx, "fsdp_tp", 4, rounds=12, steps_per_block=4, report=report)
                 phase_overhead(rx, "demo", 2, rounds=10 if q else 40, steps_per_block=5, report=report)
+            if "dropin" in phases:
+                phase_dropin(rx, "tp", 2, rounds=6 if q else 24, steps_per_block=5, report=report)
+                if not q:
+                    phase_dropin(rx, "fsdp_tp", 4, rounds=12, steps_per_block=4, report=report)
+                    phase_dropin(rx, "demo", 2, rounds=24, steps_per_block=5, report=report)
             if "always" in phases:
                 phase_always_on(rx, "tp", 2, rounds=80 if q else 100, steps_per_block=6, report=report)
                 if not q:
@@ -1412,6 +1477,12 @@ def print_targets(report: dict[str, Any]) -> None:
                           f"{ours * 100:+.1f}% vs {theirs * 100:+.1f}% (limit {theirs / 3 * 100:+.1f}%; "
                           f"{rate:,.0f} spans/s/core)",
                           theirs > 0 and ours <= theirs * TARGET_TRACED_VS_TORCH))
+        dropin = report.get(f"dropin_{workload}")
+        if dropin is not None:
+            ours, theirs = dropin["configs"][DROPIN]["median"], dropin["configs"][CONFIGS[1]]["median"]
+            lines.append((f"[{workload}] CommDebugMode drop-in costs at most torch's",
+                          f"{ours:.3f}x vs {theirs:.3f}x (pooled ours/torch {dropin['ours_vs_torch']['median']:.3f})",
+                          ours <= theirs))
         always = report.get(f"always_on_{workload}")
         if always is not None:
             lines.append((f"[{workload}] always-on (1 in 100) <= {TARGET_ALWAYS_ON:.2f}x",

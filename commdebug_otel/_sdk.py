@@ -9,6 +9,7 @@ still exported, only our shortcuts or counts are lost.
 from __future__ import annotations
 
 import collections
+from types import SimpleNamespace
 from typing import Any
 
 
@@ -149,3 +150,78 @@ def jitter_from(exporter: Any, rng: Any) -> bool:
             module.random = rng
             return True
     return False
+
+
+# ------------------------------------------------------------------ exporters' private parts
+# Loggers of the exporters' and SDK's private modules (a logger's name is its module's path): what
+# export_guard folds or guards.
+HTTP_EXPORTER_LOGGER = "opentelemetry.exporter.otlp.proto.http._common"  # the OTLP/HTTP exporters' retries
+BATCH_PROCESSOR_LOGGER = "opentelemetry.sdk._shared_internal"  # the batch processors' "Queue full"
+
+
+def otlp_proto_encoding() -> SimpleNamespace:
+    """The OTLP protobuf exporter's private encoding helpers, under public names.
+
+    ``encode_attributes``, ``encode_instrumentation_scope``, ``encode_key_value``, ``encode_resource``,
+    ``encode_span_id``, ``encode_trace_id`` (``opentelemetry.exporter.otlp.proto.common._internal``) and
+    ``SPAN_KIND_MAP``, ``encode_parent_id``, ``encode_status``, ``encode_trace_state``, ``span_flags``
+    (its ``trace_encoder``). Raises ImportError where an exporter version keeps them elsewhere.
+    """
+    from opentelemetry.exporter.otlp.proto.common import _internal as common
+    from opentelemetry.exporter.otlp.proto.common._internal import trace_encoder
+
+    try:
+        return SimpleNamespace(
+            encode_attributes=common._encode_attributes,
+            encode_instrumentation_scope=common._encode_instrumentation_scope,
+            encode_key_value=common._encode_key_value, encode_resource=common._encode_resource,
+            encode_span_id=common._encode_span_id, encode_trace_id=common._encode_trace_id,
+            SPAN_KIND_MAP=trace_encoder._SPAN_KIND_MAP, encode_parent_id=trace_encoder._encode_parent_id,
+            encode_status=trace_encoder._encode_status, encode_trace_state=trace_encoder._encode_trace_state,
+            span_flags=trace_encoder._span_flags)
+    except AttributeError as error:
+        raise ImportError(str(error)) from error
+
+
+def otlp_json_encoding() -> SimpleNamespace:
+    """The OTLP-JSON exporter's private encoding helpers, under public names.
+
+    ``encode_key_value``, ``encode_attributes``, ``encode_instrumentation_scope``, ``encode_resource``
+    (``opentelemetry.exporter.otlp.json.common._internal``), ``SPAN_KIND_MAP``, ``encode_span``,
+    ``encode_status``, ``span_flags`` (its ``trace_encoder``) and ``encode_float``
+    (``opentelemetry.proto_json._json_codec``). Raises ImportError or AttributeError where an exporter
+    version keeps them elsewhere.
+    """
+    from opentelemetry.exporter.otlp.json.common import _internal as common
+    from opentelemetry.exporter.otlp.json.common._internal import trace_encoder
+    from opentelemetry.proto_json._json_codec import encode_float
+
+    return SimpleNamespace(
+        encode_key_value=common._encode_key_value, encode_attributes=common._encode_attributes,
+        encode_instrumentation_scope=common._encode_instrumentation_scope, encode_resource=common._encode_resource,
+        SPAN_KIND_MAP=trace_encoder._SPAN_KIND_MAP, encode_span=trace_encoder._encode_span,
+        encode_status=trace_encoder._encode_status, span_flags=trace_encoder._span_flags, encode_float=encode_float)
+
+
+def translate_data_with(exporter_class: type, translate: Any) -> None:
+    """Have an OTLP/gRPC exporter class (a subclass of the SDK's) build each request with
+    ``translate(self, data)``: the SDK's seam for it, ``OTLPExporterMixin._translate_data``."""
+    exporter_class._translate_data = translate
+
+
+def json_file_encoder(exporter: Any) -> tuple[Any, Any] | None:
+    """``(holder, stream)`` of the SDK's OTLP-JSON file exporter, or None where its shape differs.
+
+    It encodes with ``holder._encode`` (``exporter._exporter``) and dumps what that returns to
+    ``stream``; :func:`replace_json_file_encoder` puts another encoder there.
+    """
+    holder = getattr(exporter, "_exporter", None)
+    stream = getattr(holder, "_stream", None)
+    if callable(getattr(holder, "_encode", None)) and callable(getattr(stream, "write", None)):
+        return holder, stream
+    return None
+
+
+def replace_json_file_encoder(holder: Any, encode: Any) -> None:
+    """Put ``encode`` where :func:`json_file_encoder` found the exporter's own."""
+    holder._encode = encode

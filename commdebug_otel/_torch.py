@@ -126,6 +126,15 @@ def remove_forward_hook(module: torch.nn.Module, hook_id: int) -> None:
     module._forward_hooks_always_called.pop(hook_id, None)
 
 
+def has_forward_hook(module: torch.nn.Module, hook_id: int) -> bool:
+    """Whether ``module``'s own forward hooks (``Module._forward_hooks``) hold one under ``hook_id``."""
+    return hook_id in module._forward_hooks
+
+
+# ``Module._call_impl``'s code: a frame running it is a module call in progress (torch/nn/modules/module.py).
+MODULE_CALL_CODE = torch.nn.Module._call_impl.__code__
+
+
 def remove_global_forward_hook(handle: Any) -> None:
     """Remove a ``register_module_forward_hook(..., with_kwargs=True)`` hook completely.
 
@@ -169,6 +178,12 @@ push_mode = _push_mode
 pop_mode = _pop_mode
 
 
+def is_user_mode(mode: Any) -> bool:
+    """Whether a dispatch mode on the stack is a user's: infra modes (``FakeTensorMode``, ...) have a
+    ``TorchDispatchMode._mode_key`` and sit below the users'."""
+    return getattr(mode, "_mode_key", None) is None
+
+
 def sync_dispatch_mode_flags() -> None:
     """Recompute the process-wide "a mode is active" flags from this thread's stack.
 
@@ -202,6 +217,22 @@ def impl_name(overload: Any) -> str:
     if overload._overloadname != "default":
         name = f"{name}.{overload._overloadname}"
     return name
+
+
+def schema_argument_names(overload: Any) -> list[str]:
+    """The argument names of an ``OpOverload``'s schema (``OpOverload._schema.arguments``), in order."""
+    return [argument.name for argument in overload._schema.arguments]
+
+
+def overload_name(overload: Any) -> str:
+    """An ``OpOverload``'s overload name (``OpOverload._overloadname``): ``"default"``, ``"Tensor"``, ..."""
+    return overload._overloadname
+
+
+def import_functional_collectives() -> None:
+    """Import ``torch.distributed._functional_collectives``: it registers the functional collectives'
+    Python-side definitions. Raises whatever the import raises (a torch built without distributed)."""
+    import torch.distributed._functional_collectives  # noqa: F401
 
 
 def boxed_redispatch(overload: Any) -> Any:
@@ -360,12 +391,56 @@ def unbox_process_group(group: Any) -> Any:
     return group
 
 
+def resolve_process_group(name: str) -> Any:
+    """The live ``ProcessGroup`` registered under ``name`` (``distributed_c10d._resolve_process_group``);
+    raises where none is."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._resolve_process_group(name)
+
+
+def default_store() -> Any:
+    """The default process group's c10d ``Store`` (``distributed_c10d._get_default_store``); raises
+    where there is no default group."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def flight_recorder_json() -> bytes | None:
+    """This process's Flight Recorder buffer, as torch dumps it in JSON (every backend's entries:
+    ``_distributed_c10d._dump_fr_trace_json``; NCCL's own ``_dump_nccl_trace_json`` where the generic one is
+    missing), or None where torch has neither. Raises what the dump raises."""
+    from torch._C import _distributed_c10d
+
+    dump = getattr(_distributed_c10d, "_dump_fr_trace_json", None) \
+        or getattr(_distributed_c10d, "_dump_nccl_trace_json", None)
+    return None if dump is None else dump()
+
+
 # ------------------------------------------------------------------ device meshes
 def device_mesh_class() -> type:
     """``torch.distributed.device_mesh.DeviceMesh``; raises where torch.distributed lacks it."""
     from torch.distributed.device_mesh import DeviceMesh
 
     return DeviceMesh
+
+
+def process_groups_state() -> tuple[int, int, int] | None:
+    """What changes when a process group is made or destroyed: (id of the default group, groups made since
+    it, groups alive), from c10d's ``_world``; None where torch has no such state.
+
+    Every ``DeviceMesh`` makes its dimensions' groups unless they span every rank (the default group)
+    or come from existing groups (``from_group``, slicing, flattening).
+    """
+    try:
+        from torch.distributed import distributed_c10d
+
+        world = distributed_c10d._world
+        default = world.default_pg
+        return (id(default) if default is not None else 0, int(world.group_count), len(world.pg_map))
+    except Exception:  # torch without torch.distributed, another c10d
+        return None
 
 
 def mesh_dim_groups(mesh: Any) -> list[tuple[str, str]]:
@@ -426,3 +501,29 @@ def dtensor_op_on_stack(max_frames: int = 24) -> tuple[Any, Any] | None:
         frame = frame.f_back
         max_frames -= 1
     return None
+
+
+# ------------------------------------------------------------------ the job's c10d store
+def default_store_client(timeout_s: float) -> Any:
+    """A connection of this thread's own to the default process group's c10d store, or None.
+
+    ``Store.clone()`` is torch's way to use one store from several threads (a new client of the
+    same server, with the same key prefix), so a training thread blocked in a store call never
+    holds ours up; its timeout (``timeout_s`` seconds) is its own. A store that cannot be cloned
+    (``HashStore``, ``FileStore``) is returned as it is, with its timeout untouched: the caller
+    then makes only calls that do not wait for a key. None when there is no default group.
+    Raises what torch raises when the store cannot be reached.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    try:
+        own = store.clone()
+    except (RuntimeError, NotImplementedError):  # "not implemented" for stores without clients
+        return store
+    own.set_timeout(datetime.timedelta(seconds=timeout_s))
+    return own

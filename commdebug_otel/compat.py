@@ -74,6 +74,10 @@ def _legacy_packets() -> dict[Any, Any]:
     return mapping
 
 
+# id(OpOverload) -> (it, str(it)): asked twice per op; OpOverload's __str__ and __hash__ run in Python.
+_OP_NAMES: dict[int, tuple[Any, str]] = {}
+
+
 def _record_fqn(record: Record) -> str:
     return record.fqn
 
@@ -103,7 +107,7 @@ class _DropInObserver(RecorderObserver):
         self._mode._note_op(func, args, is_dtensor, owner)
 
     def op_event_wanted(self, func: Any, is_dtensor: bool) -> bool:
-        return op_listed(self._detail, str(func), is_dtensor)
+        return op_listed(self._detail, self._mode._op_name(func), is_dtensor)
 
 
 class CommDebugMode:
@@ -224,13 +228,21 @@ class CommDebugMode:
                         for name, param in module.named_parameters(recurse=False)
                         if hasattr(param.data, "placements")])
 
+    @staticmethod
+    def _op_name(func: Any) -> str:
+        """``str(func)``, kept per op for every drop-in (an overload lives as long as the process; each is held)."""
+        known = _OP_NAMES.get(id(func))
+        if known is None:
+            known = _OP_NAMES[id(func)] = (func, str(func))
+        return known[1]
+
     def _note_op(self, func: Any, args: tuple, is_dtensor: bool, owner: Record | None) -> None:
         if self._in_hook:
             return
         if is_dtensor:
-            self._add_op(str(func), *dtensor_inputs(args), owner)
+            self._add_op(self._op_name(func), *dtensor_inputs(args), owner)
         else:
-            self._add_op(str(func), [], [], None, owner)
+            self._add_op(self._op_name(func), [], [], None, owner)
 
     def _op_owner(self, owner: Record | None) -> Record | None:
         """The record an op is listed under: torch's rule, which differs from ours in backward.

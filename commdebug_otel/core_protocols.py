@@ -88,6 +88,10 @@ class StallSource(FailureSink, Protocol):
     def stall_snapshot(self, now: int, age_s: float, threshold_s: float, snapshot: int,
                        where: tuple[str, str, list[str]]) -> bool: ...
 
+    def job_id(self) -> str: ...
+
+    def stall_verdict(self, step_index: int, start_ns: int, now: int, attrs: dict[str, Any]) -> bool: ...
+
 
 class CollectiveHost(FailureSink, Protocol):
     """What the collective path (``core_collective_path.CollectivePath``) asks of the steps and module owners."""

@@ -416,3 +416,20 @@ class StepLifecycle:
         children.setdefault(id(root), []).append(stalled)
         self._emit_tree(roots, children, step.trace_id, step)
         return True
+
+    def job_id(self) -> str:
+        return self._trace_ids.job_id()
+
+    def stall_verdict(self, step_index: int, start_ns: int, now: int, attrs: dict[str, Any]) -> bool:
+        """Export the cross-rank verdict (``Recorder.stall_verdict``): in the stalled step's trace."""
+        verdict = Record(SpanKind.MODULE, semconv.SPAN_STALL_VERDICT, start_ns)
+        verdict.end_ns = now
+        verdict.attrs.update(attrs)
+        step = self._step
+        if step is not None and step.kind is SpanKind.STEP and step.index == step_index and step.trace_id:
+            trace_id = step.trace_id  # the stalled step's own (its snapshot set it)
+        else:
+            same = Step(step_index, True, Record(SpanKind.STEP, semconv.SPAN_TRAIN_STEP, start_ns), SpanKind.STEP)
+            trace_id = self._trace_id(same)
+        self._spans.emit([verdict], {}, trace_id)
+        return True

@@ -29,6 +29,12 @@ class StepTraceIds:
         self.nonce: str | None = None  # the job's, once agreed
         self._provisional_nonce: str | None = None  # this rank's own, until the process group exists
 
+    def job_id(self) -> str:
+        """The job nonce every rank agrees on (``steps.job_nonce``, through the store); ask once settled."""
+        if self.nonce is None:
+            self.nonce = job_nonce()
+        return self.nonce
+
     @property
     def job_scoped(self) -> bool:
         return self._settings.trace_scope is TraceScope.JOB

@@ -25,10 +25,10 @@ and no young garbage collection (``benchmarks/encoding.py``).
 The OTLP/gRPC and file span exporters built by :mod:`commdebug_otel.telemetry` use them. Not
 done here: the OTLP/HTTP exporter still encodes with the SDK's code (no seam).
 
-This module is the one door to the exporter packages' private encoding helpers
-(``opentelemetry.exporter.otlp.proto.common._internal``, ``...otlp.json.common._internal``):
-if they cannot be imported (another SDK version), :func:`encode_spans` is the SDK's public one
-and :func:`encode_spans_json` dumps the SDK's dict.
+This module is the one user of the exporter packages' private encoding helpers
+(``opentelemetry.exporter.otlp.proto.common._internal``, ``...otlp.json.common._internal``),
+which :mod:`commdebug_otel._sdk` fetches: if they cannot be imported (another SDK version),
+:func:`encode_spans` is the SDK's public one and :func:`encode_spans_json` dumps the SDK's dict.
 """
 
 from __future__ import annotations
@@ -149,21 +149,14 @@ def _grouped(spans: Sequence[Any], encode: Any) -> dict[Any, dict[Any, list]]:
 
 
 try:
-    from opentelemetry.exporter.otlp.proto.common._internal import (
-        _encode_attributes,
-        _encode_instrumentation_scope,
-        _encode_key_value,
-        _encode_resource,
-        _encode_span_id,
-        _encode_trace_id,
-    )
-    from opentelemetry.exporter.otlp.proto.common._internal.trace_encoder import (
-        _SPAN_KIND_MAP,
-        _encode_parent_id,
-        _encode_status,
-        _encode_trace_state,
-        _span_flags,
-    )
+    from ._sdk import otlp_proto_encoding
+
+    _pb = otlp_proto_encoding()
+    _encode_attributes, _encode_instrumentation_scope = _pb.encode_attributes, _pb.encode_instrumentation_scope
+    _encode_key_value, _encode_resource = _pb.encode_key_value, _pb.encode_resource
+    _encode_span_id, _encode_trace_id = _pb.encode_span_id, _pb.encode_trace_id
+    _SPAN_KIND_MAP, _encode_parent_id = _pb.SPAN_KIND_MAP, _pb.encode_parent_id
+    _encode_status, _encode_trace_state, _span_flags = _pb.encode_status, _pb.encode_trace_state, _pb.span_flags
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans as _sdk_encode_spans
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
     from opentelemetry.proto.trace.v1.trace_pb2 import Span as PBSpan
@@ -328,14 +321,13 @@ else:
 
 
 try:
-    from opentelemetry.exporter.otlp.json.common import _internal as _json_common
-    from opentelemetry.exporter.otlp.json.common._internal import trace_encoder as _json_trace
-    from opentelemetry.proto_json._json_codec import encode_float as _json_float
+    from ._sdk import otlp_json_encoding
 
-    _json_key_value, _json_attributes = _json_common._encode_key_value, _json_common._encode_attributes
-    _json_scope, _json_resource = _json_common._encode_instrumentation_scope, _json_common._encode_resource
-    _JSON_KINDS, _json_span = _json_trace._SPAN_KIND_MAP, _json_trace._encode_span
-    _json_status, _json_flags = _json_trace._encode_status, _json_trace._span_flags
+    _js = otlp_json_encoding()
+    _json_key_value, _json_attributes = _js.encode_key_value, _js.encode_attributes
+    _json_scope, _json_resource = _js.encode_instrumentation_scope, _js.encode_resource
+    _JSON_KINDS, _json_span, _json_float = _js.SPAN_KIND_MAP, _js.encode_span, _js.encode_float
+    _json_status, _json_flags = _js.encode_status, _js.span_flags
 except (ImportError, AttributeError):  # another exporter version: the SDK's own dict
     def encode_spans_json(spans: Sequence[Any]) -> str | None:
         """The SDK file exporter's OTLP-JSON line for ``spans``, without its newline (None when there are none)."""

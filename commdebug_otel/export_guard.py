@@ -35,7 +35,13 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
 from . import semconv
-from ._sdk import batch_queue, exporter_preferences, replace_batch_queue
+from ._sdk import (
+    BATCH_PROCESSOR_LOGGER,
+    HTTP_EXPORTER_LOGGER,
+    batch_queue,
+    exporter_preferences,
+    replace_batch_queue,
+)
 from .redact import describe, hide_credentials, valid_text
 
 _logger = logging.getLogger(__name__)
@@ -45,7 +51,7 @@ _EXPORTER_LOGGERS = (
     "opentelemetry.exporter.otlp.json.file.trace_exporter",  # a traceback per failed file write
     "opentelemetry.exporter.otlp.json.file.metric_exporter",
     "opentelemetry.exporter.otlp.proto.grpc.exporter",
-    "opentelemetry.exporter.otlp.proto.http._common",
+    HTTP_EXPORTER_LOGGER,
     "opentelemetry.exporter.otlp.proto.http.trace_exporter",
     "opentelemetry.exporter.otlp.proto.http.metric_exporter",
 )
@@ -120,7 +126,7 @@ class _SdkLogGuard(logging.Filter):
 
 _HEADER_LOGGER = "opentelemetry.util.re"  # parse_env_headers logs a malformed entry verbatim
 _RESOURCE_LOGGER = "opentelemetry.sdk.resources"
-_SDK_LOGGERS = ("opentelemetry.sdk._shared_internal", _HEADER_LOGGER, _RESOURCE_LOGGER)
+_SDK_LOGGERS = (BATCH_PROCESSOR_LOGGER, _HEADER_LOGGER, _RESOURCE_LOGGER)
 
 
 def fold_exporter_logs() -> None:

@@ -26,6 +26,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from ._torch import in_backward
 from .collectives import wait_for_backend_callbacks
 from .config import Detail, Settings
+from .flight_recorder import dump_beside_snapshot
 from .intercept import interceptor
 from .metrics import LazyCollectiveMetrics
 from .mode import COLLECTIVES, CollectiveDispatchMode, enter_below_user_modes, exit_from_stack, on_stack
@@ -200,7 +201,8 @@ class CommTracer:
             self._optimizer_step_post_hook)
         if self.settings.stall_after_s is not None and self._exports:
             self._stall_watch = StallWatch(self.recorder, self.settings.stall_after_s,
-                                           self.telemetry.flush_from_watchdog, self._tracker.known_fqn)
+                                           self.telemetry.flush_from_watchdog, self._tracker.known_fqn,
+                                           self._dump_flight_recorder)
             self._stall_watch.start()
         atexit.register(self._stop_at_exit)
         self.telemetry.before_shutdown.append(self._stop_at_exit)
@@ -217,6 +219,10 @@ class CommTracer:
 
             multiprocessing.util.register_after_fork(self, CommTracer._flush_before_mp_exit)  # weak too
         return self
+
+    def _dump_flight_recorder(self) -> None:
+        """torch's Flight Recorder buffer beside a stall snapshot (:mod:`.flight_recorder`), if it records."""
+        dump_beside_snapshot(self.recorder.rank().rank, self.telemetry.run_directory)
 
     def _refuse(self) -> None:
         global _said_refused

@@ -23,6 +23,7 @@ from ._torch import (
     HigherOrderOperator,
     TorchDispatchMode,
     dispatch_mode_stack,
+    is_user_mode,
     pop_mode,
     push_mode,
     sync_dispatch_mode_flags,
@@ -114,7 +115,7 @@ class CollectiveDispatchMode(TorchDispatchMode):
 
 def _user_modes_above_infra() -> int:
     """How many modes on this thread's stack are user modes (infra modes, e.g. FakeTensorMode, sit below them)."""
-    return sum(1 for mode in dispatch_mode_stack() if getattr(mode, "_mode_key", None) is None)
+    return sum(1 for mode in dispatch_mode_stack() if is_user_mode(mode))
 
 
 def on_stack(mode: TorchDispatchMode) -> bool:

@@ -27,7 +27,16 @@ from typing import Any
 import torch
 
 from . import semconv
-from ._torch import device_mesh_class, mesh_dim_groups, unbox_process_group
+from ._torch import (
+    device_mesh_class,
+    import_functional_collectives,
+    mesh_dim_groups,
+    overload_name,
+    process_groups_state,
+    resolve_process_group,
+    schema_argument_names,
+    unbox_process_group,
+)
 from .core_fact import GroupFacts  # the resolver's answer (core_fact: no torch)
 
 _logger = logging.getLogger(__name__)
@@ -154,17 +163,16 @@ def _overloads() -> Iterator[tuple[str, str, str, Any]]:
 
 def build_registry() -> dict[Any, CollectiveSpec]:
     """Map every available collective ``OpOverload`` to its :class:`CollectiveSpec`."""
-    # Importing registers the functional ops' Python-side definitions.
     try:
-        import torch.distributed._functional_collectives  # noqa: F401
+        import_functional_collectives()
     except Exception:  # pragma: no cover - torch built without distributed
         pass
     registry: dict[Any, CollectiveSpec] = {}
     for namespace, name, canonical, overload in _overloads():
-        names = [argument.name for argument in overload._schema.arguments]
+        names = schema_argument_names(overload)
         registry[overload] = CollectiveSpec(
             op=canonical,
-            overload_name=f"{namespace}.{name}.{overload._overloadname}",
+            overload_name=f"{namespace}.{name}.{overload_name(overload)}",
             namespace=namespace,
             packet_name=name,
             payload_index=_arg_index(names, _PAYLOAD_ARGS),
@@ -405,8 +413,14 @@ class MeshDimensions:
     the default group (``group_desc`` ``default_pg``), and flattened or sliced dimensions and
     ``DeviceMesh.from_group`` reuse groups made before. So the meshes themselves are asked: each
     ``DeviceMesh`` made while a tracer runs is registered (:meth:`add`, from a wrapper of its
-    ``__init__``), and those made before are found once, at the first question after a tracer
-    started (:meth:`scan`).
+    ``__init__``), and those made before are found at the first question after a tracer
+    started (:meth:`scan`), unless no process group was made or destroyed since the last search:
+    a search walks every object of the process (0.15 to 0.2 s at 290,000 objects on a busy 2-core
+    machine, as long as the step of benchmarks/bench.py's TP job), which a tracer started around
+    every step (the ``CommDebugMode`` drop-in used as torch's) paid on every step.
+    Known gap: a mesh made while no tracer runs over groups that all existed at the last search
+    (a second 1-D mesh over every rank, ``from_group``) is not found; its groups are named by
+    their ``group_desc``.
     Meshes are held weakly. :attr:`version` changes when a mesh is added, so that cached group
     facts are made again.
     """
@@ -415,6 +429,7 @@ class MeshDimensions:
         self._meshes: list[weakref.ref] = []
         self._seen: set[int] = set()  # id() of registered meshes that are alive
         self._scan_pending = False
+        self._scanned_state: tuple | None = None  # process_groups_state() at the last search
         self.version = 0
 
     def add(self, mesh: Any) -> None:
@@ -429,13 +444,16 @@ class MeshDimensions:
     def scan(self) -> None:
         """Register every ``DeviceMesh`` alive, at the next :meth:`dim_names` (the first collective's group):
         one pass over the collector's objects, about 0.1 s in a process that has just imported torch on a
-        busy 2-core machine, which a tracer's start need not wait for (nor a job that issues no collective)."""
-        self._scan_pending = True
+        busy 2-core machine, which a tracer's start need not wait for (nor a job that issues no collective).
+        Not even then when no process group was made or destroyed since the last search (see the class)."""
+        state = process_groups_state()
+        self._scan_pending = state is None or state != self._scanned_state
 
     def _scan(self) -> None:
         """``type() is``, not ``isinstance``: ``DeviceMesh``'s metaclass answers ``isinstance`` in Python; the
         filter runs in C (a loop in Python took 0.17 s over the 165,000 objects)."""
         self._scan_pending = False
+        self._scanned_state = process_groups_state()
         try:
             kind = device_mesh_class()
             objects = gc.get_objects()
@@ -550,10 +568,8 @@ def _facts_of_group(group: Any, meshes: MeshDimensions) -> GroupFacts:
 
 def _facts_of_key(key: str | tuple, meshes: MeshDimensions) -> GroupFacts:
     try:
-        from torch.distributed import distributed_c10d as c10d
-
         if isinstance(key, str):
-            return _facts_of_group(c10d._resolve_process_group(key), meshes)
+            return _facts_of_group(resolve_process_group(key), meshes)
         return GroupFacts("ranks:" + ",".join(str(rank) for rank in key), len(key), "")
     except Exception:
         return GroupFacts(str(key), 0, "")

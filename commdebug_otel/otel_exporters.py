@@ -62,6 +62,10 @@ class Exporters:
             return None
         return os.path.join(directory, f"{signal}-rank{rank.rank}.jsonl")
 
+    def run_directory(self) -> str:
+        """``OUTPUT_DIR/run-<job id>``, the folder the run's OTLP-JSON files go to (not made here)."""
+        return self._run_directory()
+
     def _run_directory(self) -> str:
         """``OUTPUT_DIR/run-<job id>``, the folder the run's OTLP-JSON files go to (not made here)."""
         if self.file_directory is None:

@@ -97,16 +97,25 @@ class CommSignature:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(signature.to_json(found), encoding="utf-8")
             return
+        shown = _shown(path)
         if not path.exists():
-            pytest.fail(f"comm_signature: no baseline {path}; run pytest --comm-update to write it", pytrace=False)
+            pytest.fail(f"comm_signature: no baseline {shown}; run pytest --comm-update to write it", pytrace=False)
         try:
             base = signature.load(path)
         except signature.SignatureError as error:
             pytest.fail(f"comm_signature: {error}", pytrace=False)
         diff = signature.compare(base, found, count_tolerance=count_tolerance, bytes_tolerance=bytes_tolerance)
         if not diff["equal"]:
-            pytest.fail(signature.format_diff(diff, str(path), "this run") +
+            pytest.fail(signature.format_diff(diff, shown, "this run") +
                         "\n(pytest --comm-update writes this run's signature as the baseline)", pytrace=False)
+
+
+def _shown(path: Path) -> str:
+    """``path`` as a message shows it: relative to the working folder when it lies below it."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def _rank() -> int:

@@ -190,6 +190,18 @@ class Recorder:
             return False
         return self._steps.stall_snapshot(now, age_s, threshold_s, snapshot, where)
 
+    def job_id(self) -> str:
+        """The job nonce every rank agrees on (``steps.job_nonce``, through the store); ask once settled."""
+        return self._steps.job_id()
+
+    def stall_verdict(self, step_index: int, start_ns: int, now: int, attrs: dict[str, Any]) -> bool:
+        """Export the cross-rank verdict (verdict.py) from the watchdog's thread: a ``stall_verdict`` root
+        span in step ``step_index``'s trace (trace scope ``job``; else a trace of its own) from ``start_ns``
+        (the earliest stall's start) to ``now``. True if handed to the span sink."""
+        if self._spans is None or not self.active:
+            return False
+        return self._steps.stall_verdict(step_index, start_ns, now, attrs)
+
 
 def _listens(observer: RecorderObserver) -> bool:
     """Whether ``observer`` overrides a callback that reports what records carry."""

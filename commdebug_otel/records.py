@@ -329,7 +329,7 @@ def descends_from(record: Record, forward: Record | None) -> bool:
 
 # ------------------------------------------------------------------ attributes
 def span_attributes(record: Record) -> dict[str, Any]:
-    """The span attributes of a finished record (a fresh dict; docs/semantic-conventions.md, module spans)."""
+    """The span attributes of a finished record (a fresh dict; docs/semantic-conventions.md, "Span attributes")."""
     attributes = dict(record.attrs)
     if record.fqn:
         attributes[semconv.MODULE_FQN] = record.fqn

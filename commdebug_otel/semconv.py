@@ -52,6 +52,28 @@ STALL_COMPLETED_SEQ = "commdebug.stall.completed_seq"
 COLLECTIVE_STATE = "commdebug.collective.state"  # on a snapshot's ring events
 STATE_IN_FLIGHT = "in_flight"
 STATE_COMPLETED = "completed"
+# The cross-rank stall verdict (verdict.py): one span, exported by one rank, in the stalled step's trace.
+SPAN_STALL_VERDICT = "stall_verdict"
+VERDICT_KIND = "commdebug.verdict.kind"  # hang | desync | missing
+VERDICT_KIND_HANG = "hang"
+VERDICT_KIND_DESYNC = "desync"
+VERDICT_KIND_MISSING = "missing"
+VERDICT_BEHIND_RANKS = "commdebug.verdict.behind_ranks"
+VERDICT_WAITING_RANKS = "commdebug.verdict.waiting_ranks"
+VERDICT_GROUP = "commdebug.verdict.group"
+VERDICT_MESH_DIM = "commdebug.verdict.mesh_dim"
+VERDICT_SEQ = "commdebug.verdict.seq"
+VERDICT_OP = "commdebug.verdict.op"
+VERDICT_MODULE = "commdebug.verdict.module"
+VERDICT_WAITING_MODULE = "commdebug.verdict.waiting_module"
+VERDICT_STACK = "commdebug.verdict.stack"  # the first behind rank's training thread, innermost last
+VERDICT_CAUSE = "commdebug.verdict.cause"
+VERDICT_SUMMARY = "commdebug.verdict.summary"
+VERDICT_WORLD_SIZE = "commdebug.verdict.world_size"
+VERDICT_REPORTED_RANKS = "commdebug.verdict.reported_ranks"
+# Of the ranks that published nothing: process gone / alive but silent (told on the forming rank's host only).
+VERDICT_DEAD_RANKS = "commdebug.verdict.dead_ranks"
+VERDICT_SILENT_RANKS = "commdebug.verdict.silent_ranks"
 # Trace scope job, a job of more than RANKS_PER_TRACE ranks: the trace block (rank // RANKS_PER_TRACE) whose
 # trace holds this train_step or outside_step.
 TRACE_BLOCK = "commdebug.trace.block"
@@ -148,3 +170,7 @@ LEGACY_FUNCTIONAL_PACKETS = {
         "reduce_scatter_tensor_coalesced"}),
     "_c10d_functional_autograd": frozenset({"all_to_all_single"}),
 }
+
+# torch's Flight Recorder buffer, dumped in its JSON form beside a stall snapshot: <prefix><rank>.json
+# (commdebug_otel/flight_recorder.py writes it, `diagnose` finds it in the folders it reads).
+FLIGHT_RECORDER_FILE_PREFIX = "commdebug-flight-recorder-rank"

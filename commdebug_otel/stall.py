@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from . import semconv
+from ._torch import MODULE_CALL_CODE, default_store_client
 from .config import (  # the auto rule's numbers live in config: diagnose repeats the rule without torch
     AUTO_BETWEEN_STEPS_S,
     AUTO_FACTOR,
@@ -53,6 +54,7 @@ from .config import (  # the auto rule's numbers live in config: diagnose repeat
 )
 from .core_fact import CollectiveFact, ring_event_attributes
 from .core_protocols import StallSource
+from .verdict import StoreExchange, Verdict, progress_record
 
 _logger = logging.getLogger(__name__)
 
@@ -64,7 +66,7 @@ MAX_PENDING_WAITS = 4096  # issued collectives whose wait has not been seen (cle
 STACK_FRAMES = 32  # code locations of the training thread kept in a snapshot
 MAX_FAILURES = 3  # the watchdog stops after this many failed checks in a row
 
-_CALL_IMPL = torch.nn.Module._call_impl.__code__
+_CALL_IMPL = MODULE_CALL_CODE
 _OUR_FILES = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _BACKWARD_FRAMES = frozenset({"_engine_run_backward", "backward", "grad"})
 
@@ -216,14 +218,22 @@ class StallWatch:
         setting: ``Settings.stall_after_s``: seconds, or ``"auto"``.
         flush: ``flush()``, exporting what the providers buffer (called on this thread, bounded).
         fqn_of: ``fqn_of(module)``, the module tracker's name of a module, or None.
+        on_snapshot: called on this thread after each snapshot, before the flush (torch's Flight Recorder dump).
+        exchange: the cross-rank verdict's store exchange (verdict.py); by default one through the
+            job's c10d store, exporting with ``recorder.stall_verdict``. Its store calls run on this
+            thread only.
     """
 
     def __init__(self, recorder: StallSource, setting: float | str, flush: Callable[[], Any],
-                 fqn_of: Callable[[torch.nn.Module], str | None]) -> None:
+                 fqn_of: Callable[[torch.nn.Module], str | None],
+                 on_snapshot: Callable[[], Any] = lambda: None, exchange: StoreExchange | None = None) -> None:
         self._recorder = recorder
+        self._on_snapshot = on_snapshot
         self._setting = setting
         self._flush = flush
         self._fqn_of = fqn_of
+        self.exchange = exchange if exchange is not None else StoreExchange(
+            lambda: recorder.rank(), lambda: recorder.job_id(), self._export_verdict, default_store_client)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._stall_since = 0  # since_ns of the stall being reported
@@ -248,6 +258,7 @@ class StallWatch:
 
     def _run(self) -> None:
         failures = 0
+        exchange = self.exchange
         while not self._stop.wait(self._poll_s()):
             try:
                 self.check()
@@ -256,7 +267,26 @@ class StallWatch:
                 self._recorder.hook_failed("stall watchdog", error)
                 failures += 1
                 if failures >= MAX_FAILURES:
-                    return  # gives up: training goes on unwatched
+                    break  # gives up: training goes on unwatched
+            exchange.heartbeat()  # (the exchange's calls never raise: a failure turns it off)
+            exchange.poll()
+        exchange.stop()  # on this thread too: its keys go with the tracer
+
+    def _export_verdict(self, verdict: Verdict, start_ns: int) -> None:
+        """The exchange formed a verdict on this rank: its span, then the flush."""
+        if self._recorder.stall_verdict(verdict.step, start_ns, time.time_ns(), verdict.attributes()):
+            self._flush()
+
+    def _publish(self, now: int, age_s: float, snapshot: int, where: tuple[str, str, list[str]]) -> None:
+        """This rank's record for the cross-rank verdict (verdict.py), before its own snapshot is exported."""
+        if not self.exchange.ready():
+            return
+        progress = self._recorder.progress
+        in_step = progress.in_step
+        step = progress.step_index if in_step else self._recorder.steps_taken
+        record = progress_record(self._recorder.rank().rank, step, now, age_s, snapshot, in_step, where,
+                                 progress.seqs(), progress.ring)
+        self.exchange.publish(record, progress.since_ns)
 
     def check(self, now: int | None = None) -> bool:
         """Export a snapshot if one is due now. True if one was exported."""
@@ -266,12 +296,14 @@ class StallWatch:
         threshold_s = progress.threshold_s(self._setting)
         age_s = (now - since) / 1e9
         if age_s < threshold_s:
+            self.exchange.ended()  # a stall being reported is over: its record goes (nothing if none)
             return False
         if since != self._stall_since:
             self._stall_since, self._snapshots, self._due_s = since, 0, threshold_s
         if age_s < self._due_s or self._snapshots >= MAX_SNAPSHOTS:
             return False
         where = training_thread_location(self._recorder.thread_id, self._fqn_of)
+        self._publish(now, age_s, self._snapshots + 1, where)
         if not self._recorder.stall_snapshot(now, age_s, threshold_s, self._snapshots + 1, where):
             return False
         self._snapshots += 1  # only once exported: a failed snapshot is tried again at the next poll
@@ -283,5 +315,6 @@ class StallWatch:
                             "lasts; `commdebug-otel diagnose` on the traces names the rank the others wait for",
                             self._recorder.rank().rank, age_s, "step" if progress.in_step else "after step",
                             progress.step_index, f"in {where[0]} {where[1]}" if where[0] else "outside any module")
+        self._on_snapshot()
         self._flush()
         return True

@@ -40,6 +40,7 @@ import secrets
 import time
 from collections.abc import Mapping
 
+from ._torch import default_store
 from .config import RankEnv
 from .ops import backend_name
 
@@ -130,7 +131,7 @@ def job_nonce() -> str:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            store = dist.distributed_c10d._get_default_store()
+            store = default_store()
             agreed = store.compare_set(NONCE_KEY, "", mine)
             return agreed.decode() if isinstance(agreed, bytes) else str(agreed)
     except Exception as error:  # e.g. a store without compare_set

@@ -54,7 +54,13 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
 
 from . import semconv
-from ._sdk import batch_queue, own_random_views
+from ._sdk import (
+    batch_queue,
+    json_file_encoder,
+    own_random_views,
+    replace_json_file_encoder,
+    translate_data_with,
+)
 from .config import ExportEnv, Settings
 from .export_guard import (
     CountingBatchSpanProcessor,
@@ -137,7 +143,7 @@ def _memoized_encoding(exporter: type) -> type:
             self._encoded = (spans, request) if size <= limit else None
             return size
 
-        def _translate_data(self, data: Any) -> Any:
+        def encode_request(self, data: Any) -> Any:
             encoded = self._encoded
             return encoded[1] if encoded is not None and encoded[0] is data else encoding.encode_spans(data)
 
@@ -147,6 +153,7 @@ def _memoized_encoding(exporter: type) -> type:
             finally:
                 self._encoded = None  # retries are over: the request is not kept past its export
 
+    translate_data_with(MemoizedSpanExporter, MemoizedSpanExporter.encode_request)
     MemoizedSpanExporter.__qualname__ = MemoizedSpanExporter.__name__ = f"Memoized{exporter.__name__}"
     return MemoizedSpanExporter
 
@@ -165,15 +172,16 @@ def _memoized_json_encoding(exporter: type) -> type:
     class MemoizedFileSpanExporter(exporter):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            inner = getattr(self, "_exporter", None)
-            stream = getattr(inner, "_stream", None)
-            if callable(getattr(inner, "_encode", None)) and callable(getattr(stream, "write", None)):
+            found = json_file_encoder(self)
+            if found is not None:
+                holder, stream = found
+
                 def write_line(spans: Any) -> None:
                     line = encode_spans_json(spans)
                     if line is not None and not getattr(stream, "closed", False):  # closed: the exporter says so
                         stream.write(line + "\n")  # the exporter then flushes the stream
 
-                inner._encode = write_line
+                replace_json_file_encoder(holder, write_line)
 
     MemoizedFileSpanExporter.__qualname__ = MemoizedFileSpanExporter.__name__ = f"Memoized{exporter.__name__}"
     return MemoizedFileSpanExporter
@@ -507,6 +515,10 @@ class Telemetry:
     @property
     def _span_guards(self) -> list[SizedSpanExporter]:
         return self._exporters.span_guards
+
+    def run_directory(self) -> str:
+        """``OUTPUT_DIR/run-<job id>``, the folder the run's OTLP-JSON files go to (not made here)."""
+        return self._exporters.run_directory()
 
     def reset_after_fork(self) -> None:
         """In a forked child: forget the parent's providers (their rank and pid are the parent's)."""

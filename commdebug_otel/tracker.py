@@ -59,6 +59,7 @@ from ._torch import (
     add_forward_hook_last,
     compiled_call,
     compiled_original,
+    has_forward_hook,
     in_compiled_autograd,
     mark_unserializable,
     new_hook_id,
@@ -251,7 +252,7 @@ class ModuleTracker:
 
     def state_sizes(self) -> dict[str, int]:
         """How many entries each piece of per-run state holds, by name (for leak checks)."""
-        hooked = {id(module) for module in self._calls if self._end_hook_id in module._forward_hooks}
+        hooked = {id(module) for module in self._calls if has_forward_hook(module, self._end_hook_id)}
         return {"named modules": len(self._names), "module hooks": len(hooked),
                 "calls in flight": len(self._calls), "compiled calls wrapped": len(self._wrapped)}
 

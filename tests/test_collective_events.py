@@ -343,3 +343,31 @@ def test_metric_points_beyond_the_pending_bound_are_dropped_and_counted(
     # Step 0 is traced, so each all_reduce is also timed to completion: 3 points and 3 completions dropped.
     assert telemetry.metric_points(semconv.METRIC_DROPPED) == [
         ({semconv.DROPPED_KIND: semconv.DROPPED_KIND_METRIC, semconv.RANK: 0}, 6)]
+
+
+def test_meshes_are_searched_again_only_after_process_groups_changed(telemetry, tracer_factory, single_rank_group,
+                                                                     monkeypatch):
+    """Each tracer's start searched every object of the process for device meshes (0.15-0.2 s at 290,000
+    objects: a step of benchmarks/bench.py's TP job, paid on every step by a CommDebugMode drop-in entered per
+    step). A search now follows only a change of process groups; the meshes found keep naming their groups."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from commdebug_otel.ops import MESHES
+
+    searches = []
+    search = MESHES._scan
+    monkeypatch.setattr(MESHES, "_scan", lambda: searches.append(1) or search())
+    dist.new_group([0])  # a change since any earlier search
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))  # made while no tracer runs
+
+    def traced_all_reduce():
+        with tracer_factory():
+            funcol.all_reduce(torch.ones(2), "sum", mesh).wait()
+        return telemetry.spans()[-1].events[-1].attributes[semconv.DEVICE_MESH_DIM_NAME]
+
+    dims = [traced_all_reduce() for _ in range(3)]
+    assert len(searches) == 1
+    assert dims[0] == dims[1] == dims[2] and "tp" in dims[0].split(",")
+    dist.new_group([0])
+    assert "tp" in traced_all_reduce().split(",")
+    assert len(searches) == 2

@@ -14,7 +14,7 @@ import torch
 from commdebug_otel import semconv
 from commdebug_otel.config import Detail
 from commdebug_otel.demo import format_counts
-from commdebug_otel.offline import perfetto, summary
+from commdebug_otel.offline import diagnose, model, otlp_json, perfetto, summary
 from commdebug_otel.report import GLOBAL, CommReport, Operation, module_chain, op_listed, render_json, render_table
 
 from distributed import run_ranks
@@ -225,6 +225,24 @@ def test_collector_file_exporter_output_and_folders(demo_run, demo_spans, tmp_pa
         len(ss["spans"]) for rs in first["resourceSpans"] for ss in rs["scopeSpans"])
     with pytest.raises(FileNotFoundError):
         summary.load_spans([tmp_path / "missing"])
+
+
+def test_views_read_apart_and_computed_once_equal_those_read_and_computed_afresh(demo_run, demo_spans):
+    """Issue 29 item 3: a large job's files are read by one process per CPU, and within a command's run
+    (``model.reusing``) the views share one span index and list of collectives: the same answers."""
+    reader = otlp_json.SpanReader([demo_run[0]], workers=2, shared=True)
+    apart = sorted(reader, key=lambda span: (span["rank"], span["start_ns"]))
+    assert apart == demo_spans and reader.messages == [] and reader.duplicates == 0
+
+    def views(spans):
+        return json.loads(json.dumps([summary.report_dict(spans, 0), summary.report_dict(spans, 1, step=1),
+                                      summary.step_spans(spans, 0), diagnose.diagnose(spans),
+                                      diagnose.diagnose(spans, include_warmup=True)]))
+
+    fresh = views(demo_spans)
+    with model.reusing():
+        assert views(apart) == fresh
+        assert views(apart) == fresh  # the second time from what the first computed
 
 
 def test_packet_names_follow_comm_debug_mode():

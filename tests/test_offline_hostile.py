@@ -263,6 +263,29 @@ def test_spans_read_twice_count_once(tmp_path, capsys):
     assert results["summarize"][1].startswith("4 spans from 1 rank(s) in 1 file(s)\n")
 
 
+def test_files_read_by_worker_processes_give_the_same_spans_messages_and_counts(tmp_path):
+    """Issue 29 item 3: files read one per worker process, a large job's way, are read as one after the other."""
+    other = "1" * 32
+    (tmp_path / "a.jsonl").write_text("\n".join([_good(0), "{cut", _good(1), _good(0)]) + "\n")
+    (tmp_path / "b.jsonl").write_text("\n".join([_line([_span(1, trace=other, name="train_step",
+                                                             attributes=[_attr(semconv.STEP, intValue="0")])]),
+                                                 _line([_span(2, parent=1, trace=other)], rank=1)]) + "\n")
+    (tmp_path / "c.jsonl").write_text((tmp_path / "a.jsonl").read_text())  # a copy: every span read again
+    (tmp_path / "d.jsonl").write_bytes(gzip.compress(b"{}\n"))
+    os.mkfifo(tmp_path / "e.jsonl")
+    (tmp_path / "f.jsonl").write_text(_good(2) + "\n")
+
+    def read(**options):
+        reader = otlp_json.SpanReader([tmp_path], **options)
+        spans = list(reader)
+        return spans, reader.messages, reader.duplicates, reader.skipped_lines, reader.files
+
+    one_by_one = read(workers=1)
+    assert len(one_by_one[0]) == 8 and one_by_one[2:4] == (8, 2)
+    assert read(workers=2) == one_by_one
+    assert read(workers=3, shared=True) == one_by_one
+
+
 def test_a_linked_run_folder_is_read_and_a_link_loop_ends(tmp_path, capsys):
     real = tmp_path / "elsewhere" / "run-1"
     real.mkdir(parents=True)

@@ -100,7 +100,7 @@ def test_update_writes_baselines_then_a_change_fails_with_the_diff(pytester):
     result = pytester.runpytest_subprocess()
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines([
-        f"*communication differs (this run against {folder / 'eager.json'}): 0 appeared, 0 disappeared, 1 changed",
+        "*communication differs (this run against comm_signatures/eager.json): 0 appeared, 0 disappeared, 1 changed",
         "~ Net forward  all_reduce  group 0  float32: count 1 -> 2 per step, bytes 32 -> 64 per step  ranks 0",
         "(pytest --comm-update writes this run's signature as the baseline)",
     ])
@@ -109,7 +109,7 @@ def test_update_writes_baselines_then_a_change_fails_with_the_diff(pytester):
     (folder / "compiled.json").unlink()
     result = pytester.runpytest_subprocess("-k", "compiled")
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines([f"*comm_signature: no baseline {folder / 'compiled.json'}; run pytest "
+    result.stdout.fnmatch_lines(["*comm_signature: no baseline comm_signatures/compiled.json; run pytest "
                                  "--comm-update to write it"])
 
 

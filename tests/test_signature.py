@@ -92,6 +92,7 @@ def test_example_signatures_are_equal_over_three_runs(runs, tmp_path, style):
     files = [_signature_file(run[style], tmp_path, f"{style}{number}") for number, run in enumerate(runs)]
     texts = [file.read_text() for file in files]
     assert texts[0] == texts[1] == texts[2]
+    assert texts[0].count("\"ranks\": [0, 1]") == len(_EXPECTED[style])  # one line per list of ranks
     document = json.loads(texts[0])
     # 3 steps, the first (warm-up) left out as summarize leaves it out of stragglers.
     assert document == {"format": signature.FORMAT, "world_size": 2, "steps": _STEPS - 1,
@@ -238,3 +239,14 @@ def test_cli_reads_files_and_folders_and_exits_2_when_it_cannot(tmp_path, capsys
         assert main(["compare", str(sig), str(bad)]) == 2
         assert why in capsys.readouterr().err
     assert main(["signature", str(tmp_path / "missing")]) == 1
+
+
+def test_a_large_file_is_read_as_spans_not_loaded_whole(tmp_path, monkeypatch):
+    run = tmp_path / "traces.jsonl"
+    write_otlp(_job([[[_all_reduce(8)], [_all_reduce(8)]]]), run)
+    sig = tmp_path / "sig.json"
+    sig.write_text(signature.to_json(_document(_bare(), steps=1)))
+    monkeypatch.setattr(signature, "MAX_SIGNATURE_BYTES", 16)
+    assert signature.load(run, include_warmup=True) == _document(_bare(), steps=1)
+    with pytest.raises(signature.SignatureError, match="neither a signature"):
+        signature.load(sig)  # over the limit: only spans are looked for

@@ -46,13 +46,14 @@ import datetime
 import json
 import statistics
 import sys
+from array import array
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
 from .. import semconv
 from ..core_fact import parse
-from . import summary
+from . import flight_recorder, summary
 from .backends import DEADLINE_S, MAX_RESPONSE_BYTES
 from .model import (
     P2P,
@@ -60,9 +61,12 @@ from .model import (
     collective_events,
     collective_matches,
     group_size,
+    index_of,
     is_snapshot,
     issued_ns,
+    once,
     own_step,
+    reusing,
     warmup_step,
 )
 
@@ -89,8 +93,9 @@ def _finished(spans: list[dict]) -> list[dict]:
     """The finished spans (no stall snapshot), a ``train_step_tail`` read as a root between steps, as the
     ``outside_step`` segments it replaced were: it runs after its ``train_step`` ended (a child clipped to its
     parent would vanish from the timeline), and the straggler windows count collectives of steps only."""
-    return [{**span, "parent_span_id": ""} if span["name"] == semconv.SPAN_TRAIN_STEP_TAIL else span
-            for span in spans if not is_snapshot(span)]
+    return once("finished", spans, lambda: [
+        {**span, "parent_span_id": ""} if span["name"] == semconv.SPAN_TRAIN_STEP_TAIL else span
+        for span in spans if not is_snapshot(span)])
 
 
 def _label(span: dict) -> Label:
@@ -140,19 +145,22 @@ class _Timeline:
                         pieces.append((cursor, end, _label(span)))
                     stack.pop()
         pieces.sort()
-        self._pieces = pieces
-        self._starts = [piece[0] for piece in pieces]
+        # Columns, each label once: a 1,024-rank job cuts into millions of pieces.
+        labels: dict[Label, Label] = {}
+        self._starts = array("Q", [piece[0] for piece in pieces])
+        self._ends = array("Q", [piece[1] for piece in pieces])
+        self._labels = [labels.setdefault(piece[2], piece[2]) for piece in pieces]
 
     def self_times(self, start: int, end: int) -> dict[Label, int]:
         """ns of ``[start, end)`` owned by each span label; time under no span is :data:`BETWEEN_STEPS`."""
         out: dict[Label, int] = defaultdict(int)
         covered = 0
-        i = max(bisect.bisect_right(self._starts, start) - 1, 0)
-        while i < len(self._pieces) and self._pieces[i][0] < end:
-            piece_start, piece_end, label = self._pieces[i]
-            overlap = min(piece_end, end) - max(piece_start, start)
+        starts, ends = self._starts, self._ends
+        i = max(bisect.bisect_right(starts, start) - 1, 0)
+        while i < len(starts) and starts[i] < end:
+            overlap = min(ends[i], end) - max(starts[i], start)
             if overlap > 0:
-                out[label] += overlap
+                out[self._labels[i]] += overlap
                 covered += overlap
             i += 1
         if end - start > covered:
@@ -279,7 +287,7 @@ def stragglers(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S,
         over the others' median, summed)}``; seconds as floats.
     """
     finished = _finished(spans)
-    steps = SpanIndex(finished)
+    steps = index_of(finished)
     warmup = None if include_warmup else warmup_step(finished)
     matches = collective_matches(finished, lambda event: steps.step(event["span"]) not in (None, warmup))
     arrivals = _Arrivals(finished, steps)
@@ -596,8 +604,12 @@ _STATUS_ERROR = 2  # OTLP's STATUS_CODE_ERROR
 
 def _raised(spans: list[dict]) -> list[dict[str, Any]]:
     """Each (rank, step)'s first exception, from its innermost span that raised, with ``_time_ns``."""
+    return once("raised", spans, lambda: _raised_in(spans))
+
+
+def _raised_in(spans: list[dict]) -> list[dict[str, Any]]:
     finished = _finished(spans)
-    steps = SpanIndex(finished)
+    steps = index_of(finished)
     first: dict[tuple[int, int | None], tuple[tuple[int, int], dict]] = {}
     for span in finished:
         event = next((event for event in span["events"] if event["name"] == "exception"), None)
@@ -646,6 +658,10 @@ def _closed_at_exit(finished: list[dict], steps: SpanIndex) -> dict[tuple[int, i
     last in the files and holds an unmatched span: killed while inside it, e.g. a hang killed before
     the watchdog fired.
     """
+    return once("closed_at_exit", finished, lambda: _closed_in(finished, steps))
+
+
+def _closed_in(finished: list[dict], steps: SpanIndex) -> dict[tuple[int, int], dict]:
     last: dict[int, int] = {}
     for span in finished:
         if (step := own_step(span)) is not None:
@@ -676,8 +692,12 @@ def unfinished_steps(spans: list[dict]) -> list[dict[str, Any]]:
         without send/recv), "op", "issued_by": [ranks], "not_by": [ranks]}] (the first per group)}]``,
         by step.
     """
+    return once("unfinished_steps", spans, lambda: _unfinished_in(spans))
+
+
+def _unfinished_in(spans: list[dict]) -> list[dict[str, Any]]:
     finished = _finished(spans)
-    steps = SpanIndex(finished)
+    steps = index_of(finished)
     cut = _closed_at_exit(finished, steps)
     by_rank: dict[int, set[int]] = defaultdict(set)
     for span in finished:
@@ -751,7 +771,7 @@ def _issued_collectives(spans: list[dict], raised: dict[tuple[int, int | None], 
     """
     finished = _finished(spans)
     snapshots = [span for span in spans if is_snapshot(span)]
-    steps = SpanIndex(finished)
+    steps = index_of(finished)
     snapshot_steps = SpanIndex(snapshots)
     finished_steps = {(span["rank"], step) for span in finished if (step := steps.step(span)) is not None}
     raised = raised or {}
@@ -891,8 +911,12 @@ def _first_difference(group: str, step: int, by_rank: dict[int, dict[int, dict]]
 # ------------------------------------------------------------------ together
 
 
-def diagnose(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_warmup: bool = False) -> dict[str, Any]:
+def diagnose(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_warmup: bool = False,
+             flight_dumps: list[dict] | None = None) -> dict[str, Any]:
     """Everything ``diagnose`` reports, as plain data (``--format json``).
+
+    ``flight_dumps``: torch's Flight Recorder dumps (:func:`.flight_recorder.read_dumps`); when given,
+    ``"flight_recorder"`` holds them joined with the spans (:func:`.flight_recorder.join`).
 
     Returns:
         ``{"errors": errors(spans), "stalls": stalls(spans), "unfinished_steps": unfinished_steps(spans),
@@ -902,7 +926,7 @@ def diagnose(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_wa
         (untraced steps exported because they stalled, steps where a rank raised and unfinished steps left out),
         "noise_floor_s": noise_floor_s, "warmup_step": the step left out of stragglers
         (:func:`.model.warmup_step`; None when ``include_warmup`` or none), "watchdog": :func:`watchdog`
-        (when the first stall snapshot is due), "warnings": [str]}``.
+        (when the first stall snapshot is due), "warnings": [str]}``, and "flight_recorder" with ``flight_dumps``.
     """
     finished = _finished(spans)
     missing = missing_ranks(spans)
@@ -911,7 +935,7 @@ def diagnose(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_wa
         world = max(int(span["resource"].get(semconv.WORLD_SIZE, 0)) for span in spans)
         warnings.append(f"warning: world size {world}, but no spans from rank(s) {_ranges(missing)}: not traced "
                         "(OTEL_PYTHON_COMMDEBUG_RANKS), their files not given, or they exported nothing")
-    return {
+    found = {
         "errors": errors(spans),
         "stalls": stalls(spans),
         "unfinished_steps": unfinished_steps(spans),
@@ -926,6 +950,9 @@ def diagnose(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_wa
         "watchdog": watchdog(spans),
         "warnings": warnings,
     }
+    if flight_dumps:
+        found["flight_recorder"] = flight_recorder.join(spans, flight_dumps)
+    return found
 
 
 def _ranges(numbers: list[int]) -> str:
@@ -1049,6 +1076,8 @@ def format_text(found: dict[str, Any], top: int = 10) -> str:
     out += ["", f"Pipeline waits: {waits['pairs']} send/recv pairs, total wait {waits['wait_ms']:.3f} ms"]
     out += [f"  rank {row['rank']} (group {row['group']}): {row['recvs']} recvs, waited {row['wait_ms']:.3f} ms, "
             f"max {row['max_wait_ms']:.3f} ms" for row in waits["per_stage"]]
+    if "flight_recorder" in found:
+        out += ["", *flight_recorder.format_text(found["flight_recorder"])]
     return "\n".join(out)
 
 
@@ -1077,6 +1106,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--noise-floor-ms", type=float, default=NOISE_FLOOR_S * 1e3, metavar="MS",
                         help="a delay below this is not blamed on a straggler, nor on a place where it spent "
                              f"less extra time than this (default {NOISE_FLOOR_S * 1e3:g})")
+    parser.add_argument("--flight-recorder", action="append", default=[], metavar="PATH",
+                        help="torch's Flight Recorder dumps (JSON; a file, or every file in a folder) to join with "
+                             "the spans; the stall snapshots' own (commdebug-flight-recorder-rank<N>.json) are "
+                             "found in the PATHs without it")
+    parser.add_argument("--flight-recorder-pickle", action="store_true",
+                        help="also read pickled dumps (torch's own files), without loading any class or function")
     parser.add_argument("--include-warmup", action="store_true",
                         help="count the first traced step in the stragglers (left out by default: ranks start it "
                              "at different times and run it cold)")
@@ -1122,10 +1157,19 @@ def run(args: argparse.Namespace) -> int:
 
     Returns 0, or 1 when there are no spans or a trace cannot be read (said on stderr).
     """
-    spans = _load(args)
-    if spans is None:
-        return 1
-    found = diagnose(spans, args.noise_floor_ms / 1e3, args.include_warmup)
+    with reusing():  # the views share one span index, one list of collectives...
+        spans = _load(args)
+        if spans is None:
+            return 1
+        try:
+            files = flight_recorder.dump_files(args.paths, args.flight_recorder)
+        except OSError as error:
+            print(f"commdebug-otel diagnose: {error}", file=sys.stderr)
+            files = []
+        dumps, messages = flight_recorder.read_dumps(files, args.flight_recorder_pickle)
+        for message in messages:
+            print(f"commdebug-otel diagnose: {message}", file=sys.stderr)
+        found = diagnose(spans, args.noise_floor_ms / 1e3, args.include_warmup, dumps or None)
     print(json.dumps(found, indent=4) if args.format == "json" else format_text(found, args.top))
     sys.stdout.flush()
     return 0

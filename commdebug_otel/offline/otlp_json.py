@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import itertools
 import json
 import math
 import os
 import re
 import stat
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -210,6 +211,8 @@ MAX_RANKS = 1 << 20
 #: The deepest nesting of attribute values (arrays and key-value lists in arrays) read.
 MAX_VALUE_DEPTH = 16
 _CHUNK = 1 << 20
+#: Files holding at least this many bytes in all are read by one process per CPU (``SpanReader(workers=None)``).
+PARALLEL_MIN_BYTES = 32 << 20
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 _UINT64 = (0, (1 << 64) - 1)
 _HEX = re.compile(r"[0-9a-fA-F]+\Z")
@@ -266,7 +269,10 @@ def _str(value: Any, what: str) -> str:
 
 def _int(value: Any, what: str, bounds: tuple[int, int] = _INT64) -> int:
     """An integer written as a JSON number or a decimal string (as OTLP-JSON writes 64-bit ones)."""
-    if isinstance(value, int) and not isinstance(value, bool):
+    kind = type(value)
+    if kind is str and len(value) < 19 and value.isdigit() and value.isascii():  # the usual case, fast
+        number = int(value)
+    elif kind is int or (isinstance(value, int) and not isinstance(value, bool)):
         number = value
     elif isinstance(value, float) and value.is_integer():
         number = int(value)
@@ -364,10 +370,36 @@ for _name, _kind in (("stringValue", lambda text, depth: _str(text, "a stringVal
 
 def _attributes(key_values: Any, depth: int = 0) -> dict[str, Any]:
     out = {}
+    fast = depth <= MAX_VALUE_DEPTH
     for item in _list(key_values, "attributes"):
+        # The usual shapes inline (most of a file's bytes are attributes); anything else is checked in full.
+        if fast and type(item) is dict:
+            key, value = item.get("key"), item.get("value")
+            if type(key) is str and type(value) is dict and len(value) == 1:
+                (kind, inner), = value.items()
+                key = _share(key, key)
+                if kind == "stringValue" and type(inner) is str:
+                    out[key] = _share(inner, inner)
+                    continue
+                if kind == "intValue" and type(inner) is str and len(inner) < 19 and inner.isdigit() \
+                        and inner.isascii():
+                    out[key] = int(inner)
+                    continue
+                if kind == "doubleValue" and type(inner) is float and -_HUGE < inner < _HUGE:
+                    out[key] = inner
+                    continue
         item = _object(item, "an attribute")
         out[_str(item.get("key"), "an attribute key")] = _any_value(item.get("value", {}), depth)
     return out
+
+
+_HUGE = float("inf")
+#: One copy of each attribute key, span name, trace id and short attribute text read (json.loads makes a new
+#: string for each): a file's thousands of spans repeat a few hundred of them. Emptied when it grows past
+#: _SHARED_MAX (cleared between lines only), so it stays bounded whatever the input.
+_SHARED: dict[str, str] = {}
+_SHARED_MAX = 1 << 16
+_share = _SHARED.setdefault
 
 
 def _seconds(value: Any, what: str) -> float:
@@ -429,9 +461,23 @@ ATTRIBUTE_TYPES: dict[str, Callable[[Any, str], Any]] = {
 }
 
 
+#: Per checked attribute, the values its check keeps as they are: (exact type, low, high); None bounds: any.
+_KEPT: dict[str, tuple[type, Any, Any]] = {
+    **{key: (int, *_INT64) for key, check in ATTRIBUTE_TYPES.items() if check is _int},
+    semconv.COLLECTIVE_PEER: (int, 0, MAX_RANKS - 1), semconv.PROCESS_GROUP_SIZE: (int, 1, MAX_RANKS),
+    semconv.RANK: (int, 0, MAX_RANKS - 1), semconv.WORLD_SIZE: (int, 0, MAX_RANKS),
+    **{key: (float, -1e9, 1e9) for key, check in ATTRIBUTE_TYPES.items() if check is _seconds},
+    **{key: (str, None, None) for key, check in ATTRIBUTE_TYPES.items() if check is _text},
+}
+
+
 def _checked(attributes: dict[str, Any]) -> dict[str, Any]:
     for key in attributes.keys() & ATTRIBUTE_TYPES.keys():
-        attributes[key] = ATTRIBUTE_TYPES[key](attributes[key], f"attribute {key}")
+        value = attributes[key]
+        kept = _KEPT.get(key)
+        if kept is not None and type(value) is kept[0] and (kept[1] is None or kept[1] <= value <= kept[2]):
+            continue  # already what the check would make of it
+        attributes[key] = ATTRIBUTE_TYPES[key](value, f"attribute {key}")
     return attributes
 
 
@@ -452,8 +498,8 @@ def _span(s: Any, resource: dict, scope: str, hex_ids: bool) -> dict[str, Any]:
     s = _object(s, "a span")
     status = _object(s.get("status"), "a span's status")
     return {
-        "name": _str(s.get("name"), "a span's name"),
-        "trace_id": _id(_get(s, "traceId"), "traceId", 16, hex_ids, True),
+        "name": _share(name := _str(s.get("name"), "a span's name"), name),
+        "trace_id": _share(trace := _id(_get(s, "traceId"), "traceId", 16, hex_ids, True), trace),
         "span_id": _id(_get(s, "spanId"), "spanId", 8, hex_ids, True),
         "parent_span_id": _id(_get(s, "parentSpanId"), "parentSpanId", 8, hex_ids, False),
         "kind": _enum(s.get("kind"), _SPAN_KINDS, "a span's kind"),
@@ -474,7 +520,7 @@ def _span(s: Any, resource: dict, scope: str, hex_ids: bool) -> dict[str, Any]:
 
 def _event(event: Any) -> dict[str, Any]:
     event = _object(event, "an event")
-    return {"name": _str(event.get("name"), "an event's name"),
+    return {"name": _share(name := _str(event.get("name"), "an event's name"), name),
             "time_ns": _int(_get(event, "timeUnixNano") or 0, "an event's timeUnixNano", _UINT64),
             "attributes": _checked(_attributes(event.get("attributes")))}
 
@@ -558,15 +604,24 @@ class SpanReader:
 
     Memory: one line (at most ``max_line_bytes``) and one 24-byte key per span yielded.
 
+    ``workers``: read that many files at once, each in a process of its own (None: one per CPU when the
+    files hold over :data:`PARALLEL_MIN_BYTES`; with one file, or 1, the files are read here, one after
+    the other). The spans, messages and counts are the same, in the same order. ``shared``: spans whose
+    attributes are equal (the same module in every step) share one attribute dict (less memory: do not
+    change a span's attributes).
+
     Raises:
         FileNotFoundError: a path does not exist (when iteration begins).
     """
 
     def __init__(self, paths: Iterable[str | os.PathLike], max_line_bytes: int = MAX_LINE_BYTES,
-                 hex_ids: bool = True) -> None:
+                 hex_ids: bool = True, workers: int | None = 1, shared: bool = False) -> None:
         self.paths = list(paths)
         self.max_line_bytes = max_line_bytes
         self.hex_ids = hex_ids
+        self.workers = workers
+        self.shared = shared
+        self._shared_values: dict[Any, Any] = {}
         #: One line per file or folder with something skipped: ``skipped N lines in FILE: why``.
         self.messages: list[str] = []
         #: Spans read again (the same trace and span id): a file given twice, a linked copy, repeated lines.
@@ -578,8 +633,42 @@ class SpanReader:
         self._seen: set[bytes] = set()
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        for path in trace_files(self.paths, self.messages):
-            yield from self._file(path)
+        files = trace_files(self.paths, self.messages)
+        workers = self.workers
+        if workers is None:
+            workers = _cpus() if sum(map(_size, files)) >= PARALLEL_MIN_BYTES else 1
+        if workers < 2 or len(files) < 2:
+            for path in files:
+                for span in self._file(path):
+                    yield _compact(span) if self.shared else span
+            return
+        for path, (spans, messages, duplicates, skipped) in self._read_apart(files, workers):
+            self.messages += messages
+            self.duplicates += duplicates
+            self.skipped_lines += skipped
+            for span in spans:
+                if self._new(span):
+                    self.files.add(path)
+                    yield _compact(span) if self.shared else span
+
+    def _read_apart(self, files: list[str], workers: int) -> Iterator[tuple[str, tuple]]:
+        """``(path, _read_file(...))`` of each file in order, read by ``workers`` processes; at most two
+        files' spans per worker wait here, so memory does not grow with the files."""
+        import concurrent.futures
+        import multiprocessing
+
+        methods = multiprocessing.get_all_start_methods()
+        context = multiprocessing.get_context("fork" if "fork" in methods else None)
+        with concurrent.futures.ProcessPoolExecutor(min(workers, len(files)), mp_context=context) as pool:
+            def submit(path: str) -> tuple[str, Any]:
+                return path, pool.submit(_read_file, path, self.max_line_bytes, self.hex_ids, self.shared)
+
+            ahead = iter(files)
+            pending = deque(map(submit, itertools.islice(ahead, 2 * workers)))
+            while pending:
+                path, future = pending.popleft()
+                pending.extend(map(submit, itertools.islice(ahead, 1)))
+                yield path, future.result()
 
     def _file(self, path: str) -> Iterator[dict[str, Any]]:
         try:
@@ -620,6 +709,8 @@ class SpanReader:
                                 if self._new(span):
                                     span["rank"] = span["resource"].get(semconv.RANK, 0)
                                     span["file"] = path
+                                    if self.shared:
+                                        self._share_values(span)
                                     spans += 1
                                     yield span
                             continue
@@ -643,6 +734,31 @@ class SpanReader:
                 self.messages.append(f"skipped {total} line{'s' if total != 1 else ''} in {path}: {reasons}"
                                      + (f"; {more} more for other reasons" if more else ""))
 
+    def _share_values(self, span: dict) -> None:
+        """Make equal values one object: parent ids, integers past the few Python keeps once, lists
+        of plain values (shapes), and the attribute dicts of spans (a module's, step after step)."""
+        shared = self._shared_values
+        if len(shared) > _SHARED_MAX:
+            shared.clear()
+        parent = span["parent_span_id"]
+        span["parent_span_id"] = shared.setdefault(parent, parent)
+        for attributes in (span["attributes"], *[event["attributes"] for event in span["events"]]):
+            for key, value in attributes.items():
+                kind = type(value)
+                if kind is int and not -5 <= value <= 256:
+                    attributes[key] = shared.setdefault((int, value), value)
+                elif kind is list:
+                    try:  # the types too: 1, 1.0 and True are equal
+                        attributes[key] = shared.setdefault((list, *map(type, value), *value), value)
+                    except TypeError:  # a list holding a list or dict
+                        pass
+        attributes = span["attributes"]
+        try:
+            span["attributes"] = shared.setdefault(
+                (dict, *attributes, *map(type, attributes.values()), *attributes.values()), attributes)
+        except TypeError:  # a list value: not shared
+            pass
+
     def _new(self, span: dict) -> bool:
         key = bytes.fromhex(span["trace_id"] + span["span_id"])  # 24 bytes: checked hex
         if key in self._seen:
@@ -662,6 +778,8 @@ class SpanReader:
             raise BadData("JSON nested too deep") from None
         if not isinstance(obj, dict) or ("resourceSpans" not in obj and "resource_spans" not in obj):
             return []  # metrics, logs, other JSON
+        if len(_SHARED) > _SHARED_MAX:
+            _SHARED.clear()
         return _decode_traces(obj, self.hex_ids)
 
     def _lines(self, handle: Any, size: int) -> Iterator[tuple[int, bytes | None]]:
@@ -718,6 +836,75 @@ class SpanReader:
         text = handle.read(self.max_line_bytes + 1)
         handle.seek(position)
         return text if len(text) <= self.max_line_bytes and _is_json(text) else None
+
+
+class _Fields:
+    """Holds a dict's items as attributes: the ``__dict__`` of each instance is a plain dict, and CPython
+    keeps those that got the same keys in the same order in about half the memory (one shared key table)."""
+
+    def __init__(self, items: dict) -> None:
+        for key, value in items.items():
+            setattr(self, key, value)
+
+
+class _SpanFields(_Fields):
+    pass
+
+
+class _EventFields(_Fields):
+    pass
+
+
+_ATTRIBUTE_FIELDS: dict[tuple, type] = {}  # one class per list of keys (an op's events all have the same)
+
+
+def _fields(items: dict) -> dict:
+    """``items`` in less memory, as :class:`_Fields` keeps it (as it is past 256 lists of keys)."""
+    keys = tuple(items)
+    kind = _ATTRIBUTE_FIELDS.get(keys)
+    if kind is None:
+        if len(_ATTRIBUTE_FIELDS) >= 256:
+            return items
+        kind = _ATTRIBUTE_FIELDS[keys] = type("_AttributeFields", (_Fields,), {})
+    return kind(items).__dict__
+
+
+def _compact(span: dict) -> dict:
+    """An equal span dict, with its events and their attributes, in less memory: pickling (from a worker)
+    undoes it, so it is done here. A span's own attributes are left as they are: modules share theirs."""
+    events = span["events"]
+    for number, event in enumerate(events):
+        event["attributes"] = _fields(event["attributes"])
+        events[number] = _EventFields(event).__dict__
+    if not events:
+        span["events"] = _NO_EVENTS  # most spans (modules without collectives)
+    return _SpanFields(span).__dict__
+
+
+_NO_EVENTS: list = []
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
+
+
+def _read_file(path: str, max_line_bytes: int, hex_ids: bool, shared: bool) -> tuple[list, list, int, int]:
+    """One file as :class:`SpanReader` reads it, in a worker process: ``(spans, messages, duplicates,
+    skipped lines)``, spans each once within the file."""
+    reader = SpanReader([], max_line_bytes, hex_ids, 1, shared)
+    spans = list(reader._file(path))
+    return spans, reader.messages, reader.duplicates, reader.skipped_lines
 
 
 def _is_json(text: bytes) -> bool:

@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 from collections import defaultdict
@@ -62,14 +63,16 @@ from .. import semconv
 from .model import SpanIndex, collective_events, is_snapshot, warmup_step
 from .otlp_json import SpanReader
 
-__all__ = ["FORMAT", "KEY_FIELDS", "SignatureError", "Tally", "build", "compare", "diff_is_empty", "format_diff",
-           "load", "read_spans", "signature_of_spans", "tally_spans", "to_json"]
+__all__ = ["FORMAT", "KEY_FIELDS", "MAX_SIGNATURE_BYTES", "SignatureError", "Tally", "build", "compare",
+           "format_diff", "load", "read_spans", "signature_of_spans", "tally_spans", "to_json"]
 
 FORMAT = "commdebug-otel.signature/1"
 #: The fields that identify an entry, in sort order.
 KEY_FIELDS = ("module", "pass", "op", "group", "mesh_dim", "dtype", "cause", "source_placements",
               "target_placements")
 PASS_NONE = "none"
+#: A file larger than this is read as spans only (a run's OTLP-JSON), never loaded whole as one signature.
+MAX_SIGNATURE_BYTES = 64 << 20
 _DECIMALS = 6
 
 Key = tuple[str, ...]
@@ -290,7 +293,7 @@ def load(path: str | os.PathLike, include_warmup: bool = False, messages: list[s
         SignatureError: the path does not exist, is another format's JSON, or holds no spans.
     """
     path = os.fspath(path)
-    if os.path.isfile(path):
+    if os.path.isfile(path) and os.path.getsize(path) <= MAX_SIGNATURE_BYTES:
         try:
             with open(path, encoding="utf-8") as handle:
                 document = json.load(handle)
@@ -385,11 +388,6 @@ def compare(base: dict, new: dict, count_tolerance: float = 0.0, bytes_tolerance
     return {"equal": diff.pop("equal"), **diff}
 
 
-def diff_is_empty(diff: dict) -> bool:
-    """Whether :func:`compare` found the two signatures equal."""
-    return bool(diff["equal"])
-
-
 def _where(row: dict) -> str:
     """``ToyModel.out_proj forward  all_reduce  group 0 (tp)  float32``, then the why where there is one."""
     group = f"group {row['group'] or '?'}" + (f" ({row['mesh_dim']})" if row["mesh_dim"] else "")
@@ -432,9 +430,14 @@ def format_diff(diff: dict, base_name: str = "base", new_name: str = "new") -> s
     return "\n".join(lines)
 
 
+_INT_LIST = re.compile(r"\[\n\s+(-?\d+(?:,\n\s+-?\d+)*)\n\s+\]")
+
+
 def to_json(document: dict) -> str:
-    """A signature (or diff) as the text written to files: indented, a newline at the end."""
-    return json.dumps(document, indent=2) + "\n"
+    """A signature (or diff) as the text written to files: indented, lists of integers (ranks) on one line,
+    a newline at the end."""
+    text = json.dumps(document, indent=2)
+    return _INT_LIST.sub(lambda match: "[" + re.sub(r",\n\s+", ", ", match.group(1)) + "]", text) + "\n"
 
 
 # --------------------------------------------------------------------- CLI

@@ -48,10 +48,12 @@ from .model import (
     SpanIndex,
     collective_events,
     collective_matches,
+    index_of,
     is_complete,
     is_snapshot,
     issued_ns,
     own_step,
+    reusing,
     warmup_step,
 )
 from .otlp_json import SpanReader, ranked, spans_from_otlp_json, trace_files
@@ -174,7 +176,7 @@ def step_spans(spans: list[dict], step: int) -> list[dict]:
     spans with the same ``torch.step``: all are kept. ``outside_step`` spans and
     inference roots belong to no step. Order is kept; ``[]`` when no rank has that step.
     """
-    index = SpanIndex(spans)
+    index = index_of(spans)
     return [span for span in spans if index.step(span) == step]
 
 
@@ -446,7 +448,7 @@ def stragglers(spans: list[dict], step: int | None = None, include_warmup: bool 
     not when the device ran it; across hosts, clock skew adds to lateness.
     """
     warmup = None if include_warmup or step is not None else warmup_step(spans)
-    index = SpanIndex(spans)
+    index = index_of(spans)
     # Collectives outside every step stay: a pipeline schedule's loss all_reduce can be one.
     matches = collective_matches(spans, lambda event: (
         index.step(event["span"]) == step if step is not None
@@ -544,7 +546,7 @@ def pipeline_waits(spans: list[dict], step: int | None = None) -> dict[str, Any]
     """
     events = collective_events(spans)
     members = _group_members(events)
-    index = SpanIndex(spans) if step is not None else None
+    index = index_of(spans) if step is not None else None
 
     def in_step(event: dict, partner: dict | None = None) -> bool:
         if index is None:
@@ -765,10 +767,12 @@ def load_for_command(paths: Iterable[str], command: str, snapshots: bool = False
     """``load_spans(paths)``, or None after telling the user (on stderr) why there is nothing to read.
 
     What the reader skipped (unreadable files, lines, spans read twice) is said on stderr first, one
-    line per file. ``snapshots``: keep the spans of stall snapshots (``diagnose``); otherwise they
+    line per file. Large inputs are read by one process per CPU (:class:`.otlp_json.SpanReader`).
+    ``snapshots``: keep the spans of stall snapshots (``diagnose``); otherwise they
     are left out, so a step that stalled is counted once, and the user is told how many were left out.
     """
-    reader = SpanReader(paths)
+    # The analyses only read spans: modules repeated step after step can share their attributes.
+    reader = SpanReader(paths, workers=None, shared=command in ("summarize", "diagnose"))
     try:
         spans = load_spans(paths, reader)
     except FileNotFoundError as error:
@@ -796,6 +800,11 @@ def run(args: argparse.Namespace) -> int:
 
     Nothing to show: no spans, no spans of ``--rank``, or no ``train_step`` ``--step`` (said on stderr).
     """
+    with reusing():  # the views share one span index, one list of collectives
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     spans = load_for_command(args.paths, "summarize")
     if spans is None:
         return 1

@@ -27,7 +27,7 @@ import gzip
 from collections.abc import Iterable
 from typing import Any
 
-from opentelemetry.exporter.otlp.proto.common._internal.metrics_encoder import encode_metrics
+from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
 
 from ..encoding import encode_spans
 

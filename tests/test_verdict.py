@@ -1,0 +1,524 @@
+"""The live cross-rank stall verdict: real gloo ranks, the job's own c10d store, a real OTLP receiver."""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from commdebug_otel import semconv
+from commdebug_otel.core_fact import CollectiveFact, GroupFacts
+from commdebug_otel.testing.otlp_receiver import OtlpReceiver
+from commdebug_otel.verdict import form_verdict, progress_record, ranks_text
+from tests.distributed import free_port
+
+STALL_AFTER_S = 2.0
+STUCK_STEP = 2
+STUCK_S = 16.0  # a stuck rank's sleep: the verdict comes well before it ends
+PG_TIMEOUT_S = 20  # gloo gives up on a collective that never completes (desync, a dead peer) after this
+JOB_DEADLINE_S = 150  # the whole job, start-up on a loaded machine included
+PER_STEP = 2  # forward all-reduces per step (one per layer), on the default group
+
+
+class Layer(nn.Module):
+    """All-reduces its output; its forward can be told to sleep before the all-reduce (a stuck module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.sleep_s = 0.0
+        self.odd = False  # issue a broadcast where the other ranks all-reduce (a desync)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        out = self.lin(x)
+        if self.odd:
+            torch.distributed.broadcast(out.detach(), src=0)
+        else:
+            torch.distributed.all_reduce(out.detach())
+        return out
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Layer(), Layer()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _die_keeping_sockets(pid_file: str) -> None:
+    """Exit at once, as a crashed rank does, but leave its sockets open (a child holds them): gloo's peers then
+    wait as NCCL's do for a dead rank, instead of seeing the connection close."""
+    child = os.fork()
+    if child == 0:
+        time.sleep(PG_TIMEOUT_S + 30)
+        os._exit(0)
+    with open(pid_file, "w") as handle:
+        handle.write(str(child))
+    os._exit(3)
+
+
+def _hold_the_gil(seconds: int) -> None:
+    """Sleep in C without releasing the GIL (``PyDLL`` calls keep it): the watchdog thread cannot run."""
+    ctypes.PyDLL(None).sleep(seconds)
+
+
+def _job(rank: int, world_size: int, port: int, env: dict, scenario: str, odd_rank: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    from commdebug_otel import CommTracer
+
+    outcome = "finished"
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+        torch.manual_seed(0)
+        model = Net()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        with CommTracer():
+            for step in range(4):
+                mine = rank == odd_rank and step == STUCK_STEP
+                if mine and scenario == "between":
+                    time.sleep(STUCK_S)  # before the step's first forward: between steps
+                if mine and scenario == "killed":
+                    _die_keeping_sockets(os.path.join(out_dir, "child.pid"))
+                if mine and scenario == "gil":
+                    _hold_the_gil(int(STUCK_S))
+                model.layers[1].sleep_s = STUCK_S if mine and scenario == "module" else 0.0
+                model.layers[1].odd = mine and scenario == "desync"
+                model(torch.ones(2, 8)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    except Exception as error:  # gloo's timeout ends a job that can never finish (desync, a dead peer)
+        outcome = f"raised {type(error).__name__}"
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
+        json.dump({"outcome": outcome}, handle)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # a peer still hung in gloo's teardown must not hold this one
+
+
+def run_job(scenario: str, world_size: int, odd_rank: int, receiver: OtlpReceiver) -> dict:
+    """Run the 4-step job on ``world_size`` gloo ranks with ``odd_rank`` misbehaving at step 2; return what
+    each rank said (``{rank: outcome}``, ranks that died absent) and when the job started."""
+    import torch.multiprocessing as mp
+
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.http_endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+           "OTEL_PYTHON_COMMDEBUG_STALL_AFTER": str(STALL_AFTER_S), "OTEL_METRIC_EXPORT_INTERVAL": "60000"}
+    with tempfile.TemporaryDirectory() as out_dir:
+        context = mp.start_processes(_job, args=(world_size, free_port(), env, scenario, odd_rank, out_dir),
+                                     nprocs=world_size, join=False, start_method="spawn")
+        deadline = time.monotonic() + JOB_DEADLINE_S
+        try:
+            while not context.join(timeout=1) and time.monotonic() < deadline:
+                pass
+        except Exception:  # a rank that died (os._exit(3)): the others go on
+            while time.monotonic() < deadline and any(p.is_alive() for p in context.processes):
+                time.sleep(0.5)
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            child = os.path.join(out_dir, "child.pid")
+            if os.path.exists(child):
+                try:
+                    os.kill(int(open(child).read()), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        outcomes = {}
+        for rank in range(world_size):
+            path = os.path.join(out_dir, f"rank{rank}.json")
+            if os.path.exists(path):
+                outcomes[rank] = json.load(open(path))["outcome"]
+        return outcomes
+
+
+def _verdicts(receiver: OtlpReceiver) -> list[dict]:
+    return [span for span in receiver.spans() if span["name"] == semconv.SPAN_STALL_VERDICT]
+
+
+def _stalled_step_trace(receiver: OtlpReceiver) -> set[str]:
+    return {span["trace_id"] for span in receiver.spans() if span["name"] == "train_step"
+            and span["attributes"].get(semconv.STEP) == STUCK_STEP}
+
+
+@pytest.fixture
+def receiver():
+    with OtlpReceiver() as rx:
+        yield rx
+
+
+def _one_verdict(receiver: OtlpReceiver, capfd) -> dict:
+    """The one verdict of the stuck step (with STALL_AFTER at 2 s, a loaded machine's slow start-up may stall
+    step 0 for real: its verdicts are right but not this test's)."""
+    verdicts = [v for v in _verdicts(receiver) if v["attributes"].get(semconv.STEP) == STUCK_STEP]
+    assert len(verdicts) == 1, [v["attributes"] for v in _verdicts(receiver)]
+    verdict = verdicts[0]
+    attrs = verdict["attributes"]
+    assert verdict["resource"][semconv.RANK] == min(attrs[semconv.VERDICT_WAITING_RANKS])  # the lowest that published
+    assert verdict["trace_id"] in _stalled_step_trace(receiver)  # in the stalled step's trace
+    err = capfd.readouterr().err
+    assert err.count(f"commdebug-otel: stall verdict: {attrs[semconv.VERDICT_SUMMARY]}\n") == 1
+    return attrs
+
+
+@pytest.mark.parametrize("world_size", [4, 8])
+def test_a_rank_stuck_in_a_module_is_named_with_the_collective_the_others_wait_in(receiver, capfd, world_size):
+    outcomes = run_job("module", world_size, 2, receiver)
+    assert outcomes == dict.fromkeys(range(world_size), "finished")
+    attrs = _one_verdict(receiver, capfd)
+    _latency_s(receiver)
+    seq = STUCK_STEP * PER_STEP + 1  # layers.1's all-reduce of the stuck step
+    waiting = [rank for rank in range(world_size) if rank != 2]
+    assert {key: attrs[key] for key in (semconv.VERDICT_KIND, semconv.VERDICT_BEHIND_RANKS,
+                                        semconv.VERDICT_WAITING_RANKS, semconv.VERDICT_GROUP, semconv.VERDICT_SEQ,
+                                        semconv.VERDICT_OP, semconv.VERDICT_MODULE, semconv.VERDICT_WAITING_MODULE,
+                                        semconv.STEP, semconv.VERDICT_WORLD_SIZE,
+                                        semconv.VERDICT_REPORTED_RANKS)} == {
+        semconv.VERDICT_KIND: "hang", semconv.VERDICT_BEHIND_RANKS: [2], semconv.VERDICT_WAITING_RANKS: waiting,
+        semconv.VERDICT_GROUP: "0", semconv.VERDICT_SEQ: seq, semconv.VERDICT_OP: "all_reduce",
+        semconv.VERDICT_MODULE: "Net.layers.1", semconv.VERDICT_WAITING_MODULE: "Net.layers.1",
+        semconv.STEP: STUCK_STEP, semconv.VERDICT_WORLD_SIZE: world_size, semconv.VERDICT_REPORTED_RANKS: world_size}
+    assert attrs[semconv.VERDICT_STACK][-1].endswith("in forward")  # the stuck line: Layer.forward's sleep
+    assert "test_verdict.py" in attrs[semconv.VERDICT_STACK][-1]
+    assert attrs[semconv.VERDICT_SUMMARY] == (
+        f"rank 2 never entered all_reduce #{seq} on group 0, issued by Net.layers.1; it is in Net.layers.1 "
+        f"forward; {ranks_text(waiting)} wait in it (step {STUCK_STEP}, {world_size} of {world_size} ranks reported)")
+
+
+def _latency_s(receiver: OtlpReceiver) -> float:
+    """Seconds from STALL_AFTER (after the earliest stall's start) to the verdict's arrival (reported, not
+    asserted: a busy machine may take longer)."""
+    from commdebug_otel.offline.otlp_json import span_dicts
+
+    for request in receiver.requests("traces"):
+        for span in span_dicts(request.request, "http"):
+            if span["name"] == semconv.SPAN_STALL_VERDICT:
+                latency = request.received_at - span["start_ns"] / 1e9 - STALL_AFTER_S
+                print(f"verdict {latency:.1f} s after STALL_AFTER")
+                return latency
+    return float("nan")
+
+
+def test_a_rank_stuck_between_steps_is_named_between_steps(receiver, capfd):
+    outcomes = run_job("between", 4, 1, receiver)
+    assert outcomes == dict.fromkeys(range(4), "finished")
+    attrs = _one_verdict(receiver, capfd)
+    _latency_s(receiver)
+    seq = STUCK_STEP * PER_STEP  # layers.0's all-reduce: the first of the step rank 1 never began
+    assert (attrs[semconv.VERDICT_KIND], attrs[semconv.VERDICT_BEHIND_RANKS], attrs[semconv.VERDICT_WAITING_RANKS],
+            attrs[semconv.VERDICT_SEQ], attrs[semconv.VERDICT_OP], attrs[semconv.VERDICT_MODULE],
+            attrs[semconv.VERDICT_WAITING_MODULE], attrs[semconv.STEP]) == (
+        "hang", [1], [0, 2, 3], seq, "all_reduce", "(between steps)", "Net.layers.0", STUCK_STEP)
+    assert attrs[semconv.VERDICT_SUMMARY].startswith(
+        f"rank 1 never entered all_reduce #{seq} on group 0, issued by Net.layers.0; it is in (between steps); ")
+
+
+@pytest.mark.parametrize("scenario, state", [("killed", "dead"), ("gil", "silent")])
+def test_a_rank_that_publishes_nothing_is_missing_dead_or_silent(receiver, capfd, scenario, state):
+    """Rank 3 exits (its sockets held open, so its peers hang as NCCL's would), or holds the GIL in C (its
+    watchdog cannot run): the others wait in layers.0's all-reduce; rank 3 wrote its alive key at start."""
+    outcomes = run_job(scenario, 4, 3, receiver)
+    assert 3 not in outcomes if scenario == "killed" else outcomes[3] == "finished"
+    attrs = _one_verdict(receiver, capfd)
+    _latency_s(receiver)
+    seq = STUCK_STEP * PER_STEP
+    key = semconv.VERDICT_DEAD_RANKS if state == "dead" else semconv.VERDICT_SILENT_RANKS
+    other = semconv.VERDICT_SILENT_RANKS if state == "dead" else semconv.VERDICT_DEAD_RANKS
+    assert (attrs[semconv.VERDICT_KIND], attrs[semconv.VERDICT_BEHIND_RANKS], attrs[key], other in attrs,
+            attrs[semconv.VERDICT_WAITING_RANKS], attrs[semconv.VERDICT_SEQ], attrs[semconv.VERDICT_OP],
+            attrs[semconv.VERDICT_WAITING_MODULE], attrs[semconv.VERDICT_REPORTED_RANKS]) == (
+        "missing", [3], [3], False, [0, 1, 2], seq, "all_reduce", "Net.layers.0", 3)
+    said = "process gone" if state == "dead" else "process alive but silent (holding the GIL, or stopped)"
+    assert attrs[semconv.VERDICT_SUMMARY] == (
+        f"rank 3 published nothing (rank 3: {said}); ranks 0-2 wait in all_reduce #{seq} on group 0, issued by "
+        f"Net.layers.0 (step {STUCK_STEP}, 3 of 4 ranks reported)")
+
+
+def test_two_ranks_issuing_different_collectives_at_one_seq_are_a_desync(receiver, capfd):
+    outcomes = run_job("desync", 4, 1, receiver)
+    assert len(outcomes) == 4 and all(outcome.startswith("raised") for outcome in outcomes.values())  # gloo gives up
+    attrs = _one_verdict(receiver, capfd)
+    _latency_s(receiver)
+    seq = STUCK_STEP * PER_STEP + 1
+    assert (attrs[semconv.VERDICT_KIND], attrs[semconv.VERDICT_BEHIND_RANKS], attrs[semconv.VERDICT_WAITING_RANKS],
+            attrs[semconv.VERDICT_SEQ], attrs[semconv.VERDICT_OP], attrs[semconv.VERDICT_MODULE],
+            attrs[semconv.VERDICT_WAITING_MODULE]) == (
+        "desync", [1], [0, 2, 3], seq, "all_reduce", "Net.layers.1", "Net.layers.1")
+    assert attrs[semconv.VERDICT_SUMMARY] == (
+        f"desync at #{seq} on group 0 in step {STUCK_STEP}: ranks 0,2-3 issued all_reduce from Net.layers.1; "
+        "rank 1 issued broadcast from Net.layers.1 (4 of 4 ranks reported)")
+
+
+# ------------------------------------------------------------------ records and verdicts, by hand
+def _record(rank: int, step: int = 5, between: bool = False, module: str = "M", groups: dict | None = None,
+            ring: list | None = None, causes: dict | None = None, world: dict | None = None) -> dict:
+    """A rank's record through progress_record: ``groups`` {name: (issued, completed, mesh dim, size)},
+    ``ring`` [(op, group, seq, module)]."""
+    groups = groups or {"0": (9, 9, "", 4)}
+    facts = {name: GroupFacts(name, size, dim) for name, (_, _, dim, size) in groups.items()}
+    causes = causes or {}
+    entries = [CollectiveFact(op, op, facts[group], seq, "float32", (4,), 4, 4, 16, False, "", -1, 0, 0, fqn,
+                              "forward", _why(causes.get((group, seq))))
+               for op, group, seq, fqn in ring or []]
+    seqs = [(name, issued, completed, dim) for name, (issued, completed, dim, _) in groups.items()]
+    return progress_record(rank, step, 10**18, 31.0, 1, not between, (module, "forward", ["a.py:1 in f"]), seqs,
+                           entries)
+
+
+def _why(cause: str | None) -> dict | None:
+    """The why attributes that ``cause_text`` writes as ``cause``: ``"op source -> target"``."""
+    if cause is None:
+        return None
+    op, _, placements = cause.partition(" ")
+    source, _, target = placements.partition(" -> ")
+    return {semconv.DTENSOR_CAUSE: op, semconv.DTENSOR_SOURCE_PLACEMENTS: source,
+            semconv.DTENSOR_TARGET_PLACEMENTS: target}
+
+
+def test_a_record_keeps_the_first_and_last_collectives_in_flight_and_their_why():
+    ring = [("all_gather", "3", seq, "layers.12.attention") for seq in range(100, 140)]
+    record = _record(5, groups={"3": (139, 99, "dp_shard", 1024)}, ring=ring,
+                     causes={("3", 100): "aten.mm.default (Shard(dim=0),) -> (Replicate(),)"})
+    group = record["groups"]["3"]
+    assert [entry[0] for entry in group["in_flight"]] == [*range(100, 108), *range(132, 140)]
+    assert group["in_flight"][0] == [100, "all_gather", "layers.12.attention", "forward",
+                                     "aten.mm.default (Shard(dim=0),) -> (Replicate(),)"]
+    assert (group["issued"], group["completed"], group["mesh_dim"], group["size"]) == (139, 99, "dp_shard", 1024)
+    assert json.loads(json.dumps(record)) == record  # plain JSON
+
+
+def test_a_rank_behind_on_one_group_but_ahead_on_another_only_waits_down_the_chain():
+    """Rank 1 is behind rank 3 on group 1 but waits on group 0 for rank 2, which is behind there: rank 2 is blamed."""
+    records = {
+        0: _record(0, groups={"0": (4, 3, "", 3)}, ring=[("all_reduce", "0", 4, "A")]),
+        1: _record(1, groups={"0": (4, 3, "", 3), "1": (6, 6, "tp", 2)}, ring=[("all_reduce", "0", 4, "A")]),
+        2: _record(2, module="B", groups={"0": (3, 3, "", 3)}),
+        3: _record(3, groups={"1": (7, 6, "tp", 2)}, ring=[("all_gather", "1", 7, "C")]),
+    }
+    verdict = form_verdict(records, 4, 5)
+    assert (verdict.kind, verdict.behind, verdict.waiting, verdict.group, verdict.seq, verdict.op, verdict.module,
+            verdict.waiting_module) == ("hang", (2,), (0, 1), "0", 4, "all_reduce", "B", "A")
+
+
+def test_a_missing_rank_on_another_host_is_not_known_dead_or_silent_and_many_ranks_are_counted():
+    records = {rank: _record(rank, groups={"0": (7, 6, "", 1024)}, ring=[("all_reduce", "0", 7, "L")])
+               for rank in range(1024) if rank != 37}
+    verdict = form_verdict(records, 1024, 5, {37: "unknown"})
+    assert (verdict.kind, verdict.behind, len(verdict.waiting), verdict.dead, verdict.silent) == (
+        "missing", (37,), 1023, (), ())
+    assert verdict.summary == ("rank 37 published nothing (rank 37: dead or holding the GIL, not known from here); "
+                               "the other 1,023 ranks wait in all_reduce #7 on group 0, issued by L "
+                               "(step 5, 1023 of 1024 ranks reported)")
+
+
+def test_no_verdict_when_every_rank_waits_in_the_same_collective_or_none_waits():
+    same = {rank: _record(rank, ring=[("all_reduce", "0", 9, "L")], groups={"0": (9, 8, "", 2)}) for rank in (0, 1)}
+    idle = {rank: _record(rank) for rank in (0, 1)}
+    assert form_verdict(same, 2, 5) is None and form_verdict(idle, 2, 5) is None
+
+
+# ------------------------------------------------------------------ the exchange through a store
+def _info(rank: int, world_size: int, distributed: bool = True):
+    from commdebug_otel.steps import RankInfo
+
+    return RankInfo(rank=rank, world_size=world_size, local_rank=rank, node_rank=0, run_id="none", backend="gloo",
+                    distributed=distributed)
+
+
+class CountingStore:
+    """A store proxy counting calls, and bytes written and read (keys and values)."""
+
+    def __init__(self, store) -> None:
+        self.store, self.calls, self.bytes = store, 0, 0
+
+    def __getattr__(self, name):
+        method = getattr(self.store, name)
+
+        def call(*args):
+            self.calls += 1
+            self.bytes += sum(len(arg) for arg in args if isinstance(arg, (str, bytes)))
+            self.bytes += sum(len(item) for arg in args if isinstance(arg, list) for item in arg)
+            out = method(*args)
+            self.bytes += len(out) if isinstance(out, (str, bytes)) else sum(
+                len(item) for item in out) if isinstance(out, list) else 0
+            return out
+        return call
+
+
+def test_1024_simulated_ranks_through_a_real_tcp_store_give_one_verdict_and_leave_no_key():
+    """Keys, bytes and time to form the verdict for 1,024 ranks' records (printed: docs/performance.md)."""
+    import torch.distributed as dist
+
+    from commdebug_otel.verdict import StoreExchange
+
+    world = 1024
+    server = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=30))
+    store = CountingStore(server)
+    exported = []
+    base_keys = server.num_keys()
+    exchanges = [StoreExchange(lambda rank=rank: _info(rank, world), lambda: "job-1", lambda v, s: exported.append(v),
+                               lambda timeout_s: store, wait_s=60.0) for rank in range(world)]
+    assert all(exchange.ready() for exchange in exchanges)  # each rank's alive key
+    groups = {"0": (811, 811, "", world), "3": (811, 810, "dp_shard", 32), "5": (40, 40, "tp", 8)}
+    ring = [("all_gather", "3", 811, "Transformer.layers.12.attention")] + [
+        ("reduce_scatter", "0", seq, "Transformer.layers.11") for seq in range(748, 811)]
+    cause = {("3", 812): "aten.mm.default (Shard(dim=0),) -> (Replicate(),)"}
+    records = []
+    for rank in range(world):
+        if rank == 37:
+            records.append(_record(rank, module="Transformer.layers.12", groups=groups, ring=ring))
+        else:
+            ahead = dict(groups, **{"3": (812, 810, "dp_shard", 32)})
+            records.append(_record(rank, groups=ahead, ring=[*ring, ("all_gather", "3", 812,
+                                                                      "Transformer.layers.12.attention")],
+                                   causes=cause))
+    calls, sent = store.calls, store.bytes
+    began = time.perf_counter()
+    for exchange, record in zip(exchanges, records):
+        exchange.publish(record, since_ns=1)
+    published_s = time.perf_counter() - began
+    publish_calls, publish_bytes = store.calls - calls, store.bytes - sent
+    keys = server.num_keys() - base_keys
+    for exchange in exchanges[1:]:
+        exchange.poll()  # not the leader: one read each, then nothing
+    calls, sent = store.calls, store.bytes
+    began = time.perf_counter()
+    exchanges[0].poll()
+    formed_s = time.perf_counter() - began
+    print(f"\n{world} ranks: {keys} keys ({world} alive keys among them), {publish_calls} calls and "
+          f"{publish_bytes / 1e6:.2f} MB to publish ({published_s:.2f} s, one client in turn), largest record "
+          f"{max(len(json.dumps(r)) for r in records)} B; the leader read {store.bytes - sent} B in "
+          f"{store.calls - calls} calls and formed the verdict in {formed_s:.3f} s")
+    assert len(exported) == 1 and exchanges[0].exported == 1
+    verdict = exported[0]
+    assert (verdict.kind, verdict.behind, verdict.group, verdict.mesh_dim, verdict.seq, verdict.op, verdict.module,
+            verdict.waiting_module, verdict.cause, verdict.reported) == (
+        "hang", (37,), "3", "dp_shard", 812, "all_gather", "Transformer.layers.12",
+        "Transformer.layers.12.attention", "aten.mm.default (Shard(dim=0),) -> (Replicate(),)", world)
+    assert verdict.summary == (
+        "rank 37 never entered all_gather #812 on group 3 (dp_shard), issued by Transformer.layers.12.attention for "
+        "aten.mm.default (Shard(dim=0),) -> (Replicate(),); it is in Transformer.layers.12 forward; the other 1,023 "
+        "ranks wait in it (step 5, 1024 of 1024 ranks reported)")
+    assert keys == 2 * world + 3  # alive and record keys; index, count, leader
+    for exchange in exchanges:
+        exchange.ended()
+    assert server.num_keys() - base_keys == world  # the alive keys only
+    for exchange in exchanges:
+        exchange.stop()
+    assert server.num_keys() == base_keys
+
+
+class _StalledRecorder:
+    """What StallWatch reads of a recorder, stalled for 10 s in step 3 (a fake: no process group)."""
+
+    def __init__(self, world_size: int, distributed: bool) -> None:
+        from commdebug_otel.stall import Progress
+
+        self.thread_id = -1
+        self.progress = Progress()
+        self.progress.step_began(self.progress.since_ns - 10 * 10**9, 3)
+        self.info = _info(0, world_size, distributed)
+        self.snapshots = []
+        self.steps_taken = 3
+
+    def rank(self):
+        return self.info
+
+    def job_id(self):
+        return "job-1"
+
+    def stall_snapshot(self, now, age_s, threshold_s, snapshot, where):
+        self.snapshots.append(snapshot)
+        return True
+
+
+class _BrokenStore:
+    def __getattr__(self, name):
+        def call(*args):
+            raise RuntimeError("connection reset")
+        return call
+
+
+@pytest.mark.parametrize("failure", ["connect", "calls"])
+def test_a_store_that_fails_costs_one_message_and_the_snapshots_go_on(caplog, failure):
+    from commdebug_otel.stall import StallWatch
+    from commdebug_otel.verdict import StoreExchange
+
+    recorder = _StalledRecorder(2, True)
+    connects = []
+
+    def connect(timeout_s):
+        connects.append(timeout_s)
+        if failure == "connect":
+            raise RuntimeError("store unreachable")
+        return _BrokenStore()
+
+    exchange = StoreExchange(recorder.rank, recorder.job_id, lambda v, s: None, connect)
+    watch = StallWatch(recorder, 1.0, lambda: None, lambda module: None, exchange=exchange)
+    start = recorder.progress.since_ns
+    for second in range(10, 40):
+        watch.check(start + second * 10**9)
+        exchange.heartbeat()
+        exchange.poll()
+    assert recorder.snapshots == [1, 2]  # at 10 s and 20 s, as without the exchange
+    said = [r.getMessage() for r in caplog.records if "cross-rank stall verdict is off" in r.getMessage()]
+    assert len(said) == 1 and len(connects) == 1 and not exchange.on
+
+
+def test_one_process_never_asks_for_a_store():
+    from commdebug_otel.stall import StallWatch
+    from commdebug_otel.verdict import StoreExchange
+
+    recorder = _StalledRecorder(1, False)
+    connects = []
+    exchange = StoreExchange(recorder.rank, recorder.job_id, lambda v, s: None, connects.append)
+    watch = StallWatch(recorder, 1.0, lambda: None, lambda module: None, exchange=exchange)
+    watch.check(recorder.progress.since_ns + 10 * 10**9)
+    exchange.heartbeat()
+    exchange.poll()
+    assert recorder.snapshots == [1] and connects == [] and exchange.on
+
+
+def test_the_verdict_is_exported_again_only_when_it_changes():
+    """Rank 2's record comes late: first rank 2 is missing, then (at rank 0's next snapshot) rank 2 is behind."""
+    import torch.distributed as dist
+
+    from commdebug_otel.verdict import StoreExchange
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    exported = []
+    exchanges = [StoreExchange(lambda rank=rank: _info(rank, 3), lambda: "job-2", lambda v, s: exported.append(v),
+                               lambda timeout_s: store, wait_s=0.0) for rank in range(3)]
+    waiting = {"groups": {"0": (4, 3, "", 3)}, "ring": [("all_reduce", "0", 4, "A")]}
+    for snapshot in (1, 2):
+        for rank in (0, 1):
+            exchanges[rank].publish(_record(rank, **waiting) | {"snapshot": snapshot}, since_ns=1)
+        exchanges[0].poll()
+    assert [(v.kind, v.behind) for v in exported] == [("missing", (2,))]  # said once, not again unchanged
+    exchanges[2].publish(_record(2, module="B", groups={"0": (3, 3, "", 3)}), since_ns=1)
+    exchanges[0].publish(_record(0, **waiting) | {"snapshot": 3}, since_ns=1)
+    exchanges[0].poll()
+    assert [(v.kind, v.behind, v.module) for v in exported] == [("missing", (2,), ""), ("hang", (2,), "B")]
+    for exchange in exchanges:
+        exchange.stop()
+    assert store.num_keys() == 0
