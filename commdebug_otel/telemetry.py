@@ -34,11 +34,9 @@ import atexit
 import functools
 import logging
 import os
-import signal
 import socket
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -58,23 +56,22 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, Tra
 from . import semconv
 from ._sdk import (
     batch_queue,
-    jitter_from,
     json_file_encoder,
     own_random_views,
     replace_json_file_encoder,
     translate_data_with,
 )
-from .config import ExportEnv, Settings, variable
+from .config import ExportEnv, Settings
 from .export_guard import (
     CountingBatchSpanProcessor,
-    CountingMetricExporter,
     SizedSpanExporter,
-    WholeLineFile,
     claim_warning,
     fold_exporter_logs,
 )
 from .ids import RNG as OWN_RNG
 from .metrics import dropped_counter
+from .otel_exporters import Exporters
+from .otel_signals import SignalFlush, _SignalRescue  # noqa: F401  (_SignalRescue: tests read its grace)
 from .redact import describe, hide_credentials
 from .spans import SpanBuilder, StepIdGenerator, TracerSetup, attach_id_generator
 from .steps import RankCache, RankInfo, settled
@@ -257,15 +254,14 @@ class Telemetry:
         self._meter = None
         self._tracer_setup: TracerSetup | None = None
         self._own_span_processors: list[Any] = []
-        self._span_guards: list[SizedSpanExporter] = []  # our span exporters' guards (unsent spans at exit)
+        # The exporters each signal's provider gets, where they write, and that tracing is on (said once).
+        self._exporters = Exporters(settings, self.count_dropped)
         self._lock = threading.Lock()
         # The recorder's span sink: finished records become spans on this telemetry's tracer.
         self.spans = SpanBuilder(self.tracer_setup, self._settings.exception_messages)
         self._atexit = False
-        self._said_where = False  # that tracing is on, and where it sends, was said (once per process)
-        self._signal_rescue: _SignalRescue | None = None
-        self._signals_held = False  # hold_signals() ran and release_signals() has not
-        self._chained: dict[int, tuple[Any, Any]] = {}  # signum -> (our handler, the one it calls)
+        # SIGTERM/SIGHUP/SIGQUIT: flush, then the signal's own action (armed once our providers exist).
+        self._signals = SignalFlush(self._exit, lambda: self.force_flush(), lambda: self._atexit)
         self.disabled = ExportEnv.from_env(environ).sdk_disabled
         # The variables as our own providers last read them when they started (None before).
         self.export_env: ExportEnv | None = None
@@ -276,8 +272,6 @@ class Telemetry:
         self._stalled = False
         # Called at exit before the providers shut down: tracers end their open spans there.
         self.before_shutdown: list[Any] = []
-        self.endpoints: list[str] = []  # OTLP endpoints in use, for warnings
-        self.file_directory: str | None = None  # where the embedded default writes, once known
         self._settle_state()
 
     def _settle_state(self) -> None:
@@ -432,8 +426,8 @@ class Telemetry:
                                                  max_export_batch_size=batch,
                                                  schedule_delay_millis=export.sdk_millis(OTEL_BSP_SCHEDULE_DELAY),
                                                  export_timeout_millis=export.sdk_millis(OTEL_BSP_EXPORT_TIMEOUT))
-                      for exporter in self._exporters("traces", rank, export)]
-        self._say_where(rank, export)
+                      for exporter in self._exporters.make("traces", rank, export)]
+        self._exporters.say_where(rank, export)
         for processor in processors:
             provider.add_span_processor(processor)
         self._own_tracer_provider = provider
@@ -454,13 +448,13 @@ class Telemetry:
             PeriodicExportingMetricReader(exporter,
                                           export_interval_millis=export.sdk_millis(OTEL_METRIC_EXPORT_INTERVAL),
                                           export_timeout_millis=export.sdk_millis(OTEL_METRIC_EXPORT_TIMEOUT))
-            for exporter in self._exporters("metrics", rank, export)
+            for exporter in self._exporters.make("metrics", rank, export)
         ]
         if "prometheus" in export.exporter_names("metrics"):
             reader = _prometheus_reader(rank, export)
             if reader is not None:
                 readers.append(reader)
-        self._say_where(rank, export)
+        self._exporters.say_where(rank, export)
         # Exemplar sampling draws from our own random source: the script's random numbers stay its own.
         provider = MeterProvider(resource=build_resource(rank, export), metric_readers=readers,
                                  shutdown_on_exit=False, views=own_random_views(OWN_RNG))
@@ -475,122 +469,21 @@ class Telemetry:
             self.hold_signals()
 
     def hold_signals(self) -> None:
-        """Flush on SIGTERM, SIGHUP and SIGQUIT, then hand the signal to the handler that was there.
-
-        torchrun sends SIGTERM to every worker when a peer fails or the job is
-        restarted, and forwards SIGHUP and SIGQUIT it receives
-        (``torch.distributed.elastic``'s termination handler); their default
-        action kills the process without atexit, and every finished step and
-        metric point still buffered would be lost (SIGINT's KeyboardInterrupt
-        exits through atexit). Only the main thread can set
-        handlers: elsewhere this does nothing. An ignored signal stays ignored.
-        Does nothing before our own providers exist (nothing of ours to flush).
-        A handler the script (or a library) installs later replaces ours and
-        runs alone: :meth:`keep_signals` never wraps it, and the rescue thread
-        leaves that signal alone. Undone by :meth:`release_signals`.
-        """
-        if not self._atexit or threading.current_thread() is not threading.main_thread():
-            return
-        self._signals_held = True
-        for signum in _FLUSH_SIGNALS:
-            try:
-                previous = signal.getsignal(signum)
-                if previous is None or previous == signal.SIG_IGN or self._ours(signum, previous):
-                    continue  # set outside Python, ignored (leave it), or ours already
-                self._chain(signum, previous)
-            except (ValueError, OSError) as error:  # an embedded interpreter, a restricted platform
-                _logger.debug("commdebug-otel: no flush on signal %s: %s", signum, describe(error))
-        self._take_wakeup_fd()
+        """Flush on SIGTERM, SIGHUP and SIGQUIT, then hand the signal on (``otel_signals.SignalFlush.hold``).
+        Does nothing before our own providers exist (nothing of ours to flush)."""
+        self._signals.hold()
 
     def keep_signals(self) -> None:
-        """At a step boundary on the main thread: chain our flush again where a signal's handler was reset
-        to the default (asyncio's ``remove_signal_handler`` sets ``SIG_DFL`` and clears the wakeup fd).
-
-        A handler of the script's is left as it is. Cheap (a few ``signal.getsignal`` calls); never raises.
-        """
-        if not self._signals_held or threading.current_thread() is not threading.main_thread():
-            return
-        try:
-            reset = False
-            for signum in self._chained:
-                current = signal.getsignal(signum)
-                if current == signal.SIG_DFL:
-                    self._chain(signum, current)
-                    reset = True
-            if reset:
-                self._take_wakeup_fd()
-        except (ValueError, OSError) as error:
-            _logger.debug("commdebug-otel: signal handlers not kept: %s", describe(error))
+        """At a step boundary on the main thread: our flush again where a handler was reset to the default."""
+        self._signals.keep()
 
     def release_signals(self) -> None:
-        """Undo :meth:`hold_signals`: each signal whose handler is still ours gets back the one we found, and
-        the wakeup fd, if still ours, is given back. Main thread only (elsewhere does nothing); never raises."""
-        if not self._signals_held or threading.current_thread() is not threading.main_thread():
-            return
-        self._signals_held = False
-        for signum, (handler, previous) in list(self._chained.items()):
-            try:
-                if signal.getsignal(signum) is handler:
-                    signal.signal(signum, previous)
-            except (ValueError, OSError) as error:
-                _logger.debug("commdebug-otel: signal %s not restored: %s", signum, describe(error))
-        self._chained.clear()
-        rescue, self._signal_rescue = self._signal_rescue, None
-        if rescue is not None:
-            rescue.uninstall()
-
-    def _chain(self, signum: int, previous: Any) -> None:
-        handler = functools.partial(self._on_signal, previous)
-        signal.signal(signum, handler)
-        self._chained[signum] = (handler, previous)
-
-    def _ours(self, signum: int, handler: Any) -> bool:
-        chained = self._chained.get(signum)
-        return chained is not None and chained[0] is handler
-
-    def _take_wakeup_fd(self) -> None:
-        """Start the rescue thread (or give it the wakeup fd again) when a deadly signal's handler is ours."""
-        if not any(self.rescues(signum) for signum in self._chained):
-            return
-        if self._signal_rescue is None:
-            self._signal_rescue = _SignalRescue(self).install()
-        else:
-            self._signal_rescue.retake()
+        """Undo :meth:`hold_signals` (main thread only; never raises)."""
+        self._signals.release()
 
     def rescues(self, signum: int) -> bool:
-        """Whether the rescue thread may end the process for ``signum`` now: the handler in force (read from
-        any thread) is still ours, over the default action. A handler installed since is the script's to run."""
-        chained = self._chained.get(signum)
-        if chained is None or chained[1] != signal.SIG_DFL:
-            return False
-        try:
-            return signal.getsignal(signum) is chained[0]
-        except (ValueError, OSError):
-            return False
-
-    def _on_signal(self, previous: Any, signum: int, frame: Any) -> None:
-        """Export what is finished within the budget, then do what ``previous`` would have done.
-
-        Called by a handler installed since (one that calls the handler it found, as Lightning's
-        does), ours is no longer the handler in force: it flushes and calls ``previous`` if that is a
-        function, and never ends the process (without us that handler would have found the default
-        action, and called nothing).
-        """
-        dying = previous == signal.SIG_DFL and self._ours(signum, signal.getsignal(signum))
-        if dying and self._signal_rescue is not None and not self._signal_rescue.claim():
-            return  # the rescue thread is flushing and will end the process by the signal
-        try:
-            if dying:
-                self._exit()  # tracers end their open spans; one bounded flush and shutdown
-            else:
-                self.force_flush()  # the previous handler decides; training may go on
-        except Exception as error:  # the signal must still be delivered
-            _logger.debug("commdebug-otel: flush on signal %s failed: %s", signum, describe(error))
-        if dying:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)  # the process ends as it would have, by the signal
-        elif callable(previous):
-            previous(signum, frame)
+        """Whether the rescue thread may end the process for ``signum`` now (``SignalFlush.rescues``)."""
+        return self._signals.rescues(signum)
 
     def _exit(self) -> None:
         try:
@@ -608,119 +501,24 @@ class Telemetry:
         self.release_signals()
 
     # ------------------------------------------------------------- exporters
-    def _file_path(self, signal: str, rank: RankInfo, export: ExportEnv) -> str | None:
-        """``OUTPUT_DIR/run-<job id>/<signal>-rank<N>.jsonl``: one folder per run, shared by its ranks.
+    # The exporters' own state (otel_exporters.Exporters), read here by name.
+    @property
+    def endpoints(self) -> list[str]:
+        """OTLP endpoints in use, for warnings."""
+        return self._exporters.endpoints
 
-        None (said once, naming the variable) when the folder cannot be made.
-        """
-        directory = self._run_directory()
-        try:
-            os.makedirs(directory, mode=0o700, exist_ok=True)  # owner only: the files name hosts and modules
-        except OSError as error:
-            if claim_warning(f"output folder {directory}"):
-                _logger.warning("commdebug-otel: cannot write OTLP-JSON files to %s "
-                                "(OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR=%s): %s; spans and metrics that would go "
-                                "there are not exported, training continues", directory,
-                                self._settings.output_dir, describe(error, values=False))
-            return None
-        return os.path.join(directory, f"{signal}-rank{rank.rank}.jsonl")
+    @property
+    def file_directory(self) -> str | None:
+        """Where the embedded default writes (``OUTPUT_DIR/run-<job id>``), once known."""
+        return self._exporters.file_directory
+
+    @property
+    def _span_guards(self) -> list[SizedSpanExporter]:
+        return self._exporters.span_guards
 
     def run_directory(self) -> str:
         """``OUTPUT_DIR/run-<job id>``, the folder the run's OTLP-JSON files go to (not made here)."""
-        return self._run_directory()
-
-    def _run_directory(self) -> str:
-        """``OUTPUT_DIR/run-<job id>``, the folder the run's OTLP-JSON files go to (not made here)."""
-        if self.file_directory is None:
-            from .steps import job_nonce
-
-            self.file_directory = os.path.join(
-                os.path.abspath(os.path.expanduser(self._settings.output_dir)), f"run-{job_nonce()}")
-        return self.file_directory
-
-    def _say_where(self, rank: RankInfo, export: ExportEnv) -> None:
-        """Once per process, as its first provider starts: that tracing is on and where each signal goes, in
-        one line (WARNING on local rank 0, so once per job on each node; DEBUG elsewhere); and a second when
-        ``RANKS`` names ranks the job does not have."""
-        if self._said_where:
-            return
-        self._said_where = True
-        log = _logger.warning if rank.local_rank == 0 else _logger.debug
-        places: dict[tuple[str, str], list[str]] = {}  # (verb, where) -> signals, in the order first named
-        for kind in ("traces", "metrics"):
-            for name in export.exporter_names(kind):
-                if name == "otlp":
-                    place = ("sending", f"as OTLP ({export.otlp_protocol(kind)}) to "
-                                        f"{hide_credentials(export.otlp_endpoint(kind))}")
-                elif name == "prometheus":
-                    place = ("serving", "for Prometheus to scrape")
-                elif name == "file":
-                    if self._file_path(kind, rank, export) is None:  # makes the folder now, whichever
-                        continue  # signal's provider starts first; if it cannot, that warning names the variable
-                    place = ("writing", f"as OTLP-JSON lines to {self._run_directory()}")
-                elif name != "none":
-                    place = ("exporting", f"to {name}")
-                else:
-                    continue
-                places.setdefault(place, []).append(kind)
-        files = places.get(("writing", f"as OTLP-JSON lines to {self.file_directory}"), [])
-        unset = [kind for kind in files if not (export.endpoint or export.signal(kind).endpoint)]
-        why = ""
-        if unset:
-            variables = " or ".join(f"OTEL_EXPORTER_OTLP_{kind.upper()}_ENDPOINT" for kind in unset)
-            why = (f" (no OTLP endpoint for {' and '.join(unset)}: set OTEL_EXPORTER_OTLP_ENDPOINT or {variables} "
-                   "to send to a collector)")
-        # Files last: the hint about an endpoint is theirs.
-        said = [f"{verb} {' and '.join(kinds)} {where}"
-                for (verb, where), kinds in sorted(places.items(), key=lambda item: item[0][0] == "writing")]
-        spans_from = "" if self._settings.ranks is None else \
-            f", spans from rank(s) {','.join(map(str, sorted(self._settings.ranks)))} only"
-        if said or (not places and all(export.exporter_names(kind) == ["none"] for kind in ("traces", "metrics"))):
-            log("commdebug-otel: tracing is on (%d rank(s)%s): %s%s", rank.world_size, spans_from,
-                "; ".join(said) or "exporting nothing (OTEL_TRACES_EXPORTER and OTEL_METRICS_EXPORTER are none)",
-                why)
-        outside = self._settings.ranks_outside(rank.world_size)
-        if outside:
-            (_logger.warning if rank.rank == 0 else _logger.debug)(
-                "commdebug-otel: %s names rank(s) %s, outside this job's %d rank(s) (0-%d): they trace nothing",
-                variable("ranks"), ",".join(map(str, outside)), rank.world_size, rank.world_size - 1)
-
-    def _exporters(self, signal: str, rank: RankInfo, export: ExportEnv) -> list[Any]:
-        """The exporters ``OTEL_{signal}_EXPORTER`` names (after the embedded default)."""
-        exporters: list[Any] = []
-        for name in export.exporter_names(signal):
-            if name == "otlp":
-                fold_exporter_logs()
-                endpoint = export.otlp_endpoint(signal)
-                self.endpoints.append(endpoint)
-                transport = "http" if export.otlp_protocol(signal).startswith("http") else "grpc"
-                arguments = _exporter_arguments(export, signal, transport)
-                if signal == "traces":
-                    inner = _exporter_class(signal, transport)(endpoint=endpoint, **arguments)
-                    exporter = SizedSpanExporter(inner, endpoint, self.count_dropped)
-                else:
-                    inner = _exporter_class(signal, transport)(
-                        endpoint=endpoint, max_export_batch_size=METRIC_EXPORT_BATCH_POINTS, **arguments)
-                    exporter = CountingMetricExporter(inner, endpoint, self.count_dropped)
-                jitter_from(inner, OWN_RNG)  # retries after a failed export: not the script's random numbers
-                exporters.append(exporter)
-            elif name == "file":
-                fold_exporter_logs()
-                path = self._file_path(signal, rank, export)
-                if path is None:
-                    continue
-                guard = SizedSpanExporter if signal == "traces" else CountingMetricExporter
-                extra = {"max_request_bytes": None} if signal == "traces" else {}
-                exporters.append(guard(_exporter_class(signal, "file")(stream=WholeLineFile(path)),
-                                       path, self.count_dropped, **extra))
-            elif name == "console":
-                exporters.append(_exporter_class(signal, "console")())
-            elif name != "none" and not (signal == "metrics" and name == "prometheus"):
-                extra = ", prometheus" if signal == "metrics" else ""
-                _logger.warning("commdebug-otel: ignoring OTEL_%s_EXPORTER value %r: "
-                                "expected otlp%s, file, console or none", signal.upper(), name, extra)
-        self._span_guards.extend(exporter for exporter in exporters if isinstance(exporter, SizedSpanExporter))
-        return exporters
+        return self._exporters.run_directory()
 
     def reset_after_fork(self) -> None:
         """In a forked child: forget the parent's providers (their rank and pid are the parent's)."""
@@ -730,7 +528,7 @@ class Telemetry:
             self._rank.reset()
         self._own_tracer_provider = self._own_meter_provider = None
         self._own_span_processors = []
-        self._span_guards = []
+        self._exporters.span_guards = []
         self._lock = threading.Lock()
         self._settle_state()
 
@@ -875,139 +673,6 @@ def _exporter_arguments(export: ExportEnv, signal: str, transport: str) -> dict[
             from opentelemetry.exporter.otlp.proto.http import Compression
         arguments["compression"] = Compression.NoCompression
     return arguments
-
-
-class _SignalRescue:
-    """Ends the process by a deadly signal when the main thread cannot run its Python handler.
-
-    Python runs signal handlers on the main thread, between bytecodes: a rank blocked in
-    a native wait (a collective waiting for a stuck peer, gloo or NCCL) would run our
-    flush-then-die handler only when the wait returns, at the process group's timeout,
-    where without us the default action kills it at once. Python's C-level handler also
-    writes the signal's number to the wakeup fd: this thread reads it and, if the main
-    thread has not begun the handler within ``GRACE_S``, flushes (within the shutdown
-    budget) and ends the process by the signal itself, but only while the handler in
-    force is still ours over the default action (:meth:`Telemetry.rescues`): a handler
-    the script installed since runs alone, and the process lives if it says so. Not
-    installed when the wakeup fd is someone else's (asyncio); a forked child drops it
-    (its signals are its own).
-    """
-
-    GRACE_S = 0.5
-
-    def __init__(self, telemetry: Telemetry) -> None:
-        self._telemetry = telemetry
-        self._claimed = threading.Lock()
-        self._reader: socket.socket | None = None
-        self._writer: socket.socket | None = None
-
-    def install(self) -> _SignalRescue | None:
-        """Take the wakeup fd and start the thread; None where the fd is taken or cannot be set."""
-        try:
-            reader, writer = socket.socketpair()
-            writer.setblocking(False)
-            self._writer = writer
-            if not self.retake():
-                reader.close()
-                writer.close()
-                return None
-        except (ValueError, OSError) as error:
-            _logger.debug("commdebug-otel: no signal rescue thread: %s", describe(error))
-            return None
-        self._reader = reader
-        _RESCUES.add(self)
-        _forget_rescues_in_children()
-        threading.Thread(target=self._run, args=(reader,), name="commdebug-otel-signals", daemon=True).start()
-        return self
-
-    def retake(self) -> bool:
-        """Make our socket the wakeup fd if nobody's is (asyncio gives it back as -1); False if it is someone
-        else's (left to them)."""
-        try:
-            previous = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
-            if previous not in (-1, self._writer.fileno()):  # someone else's (an event loop): theirs again
-                signal.set_wakeup_fd(previous)
-                return False
-        except (ValueError, OSError) as error:
-            _logger.debug("commdebug-otel: wakeup fd not taken: %s", describe(error))
-            return False
-        return True
-
-    def uninstall(self) -> None:
-        """Give the wakeup fd back (if still ours) and end the thread (main thread only)."""
-        _RESCUES.discard(self)
-        self._forget()
-        writer, self._writer = self._writer, None
-        if writer is not None:
-            writer.close()  # the reader sees the end and the thread returns
-
-    def claim(self) -> bool:
-        """Whoever claims first flushes and ends the process: the main thread's handler or this thread."""
-        return self._claimed.acquire(blocking=False)
-
-    def _forget(self) -> None:
-        try:
-            current = signal.set_wakeup_fd(-1)
-            if self._writer is None or current != self._writer.fileno():
-                signal.set_wakeup_fd(current)  # someone else's by now: theirs again
-        except (ValueError, OSError):
-            pass
-
-    def _run(self, reader: socket.socket) -> None:
-        with reader:
-            while True:
-                try:
-                    data = reader.recv(64)
-                except OSError:
-                    return
-                if not data:
-                    return
-                for signum in data:
-                    if self._telemetry.rescues(signum):
-                        self._rescue(signum)
-
-    def _rescue(self, signum: int) -> None:
-        time.sleep(self.GRACE_S)  # a main thread that is running Python takes it itself
-        # A handler installed meanwhile (or the one the main thread ran) is the script's: it decides.
-        if not self._telemetry.rescues(signum) or not self.claim():
-            return
-        try:
-            self._telemetry._exit()
-        except Exception as error:
-            _logger.debug("commdebug-otel: flush on signal %s failed: %s", signum, describe(error))
-        _die_by(signum)
-
-
-_RESCUES: weakref.WeakSet = weakref.WeakSet()  # installed rescue threads' owners
-
-
-def _forget_in_child() -> None:
-    for rescue in list(_RESCUES):
-        rescue._forget()
-
-
-@functools.cache
-def _forget_rescues_in_children() -> None:
-    """One at-fork hook per process (hooks cannot be unregistered): a forked child's signals are its own."""
-    os.register_at_fork(after_in_child=_forget_in_child)
-
-
-def _die_by(signum: int) -> None:
-    """End the process by ``signum``'s default action, from any thread (Python's signal.signal is main-only)."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
-    libc.signal(signum, None)  # SIG_DFL
-    os.kill(os.getpid(), signum)
-    time.sleep(1.0)  # delivery is asynchronous
-    os._exit(128 + signum)
-
-
-# SIGHUP and SIGQUIT do not exist on Windows. SIGINT is left alone: its default handler raises
-# KeyboardInterrupt, the interpreter's exit then runs our atexit flush, and libraries that look for
-# that handler (asyncio.run installs its own only over it) must find it.
-_FLUSH_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name))
 
 
 def _start_bounded(what: str, call: Callable[[], Any] | None) -> threading.Thread | None:
