@@ -74,6 +74,30 @@ _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _CONTROL_FLOW_ERRORS = frozenset({"_StopRecomputationError"})
 
 
+def one_role_holder(attribute: str | None = None) -> Any:
+    """Decorate a hook that reads or changes which thread trains (``Recorder.tracks_thread``).
+
+    ``attribute``: the hook's object attribute that holds its :class:`Recorder` (None: the object
+    is the recorder). Until the role is fixed (the training thread's first optimizer step:
+    ``Recorder.role_fixed``), the hook runs whole under the recorder's ``role_lock``: a thread
+    that checked the role cannot see it move mid-hook (the starting thread taking it back while a
+    side thread records). After that no lock: the role never moves again, and other threads' hooks
+    only read it. Traced by torch.compile: no lock (the hook returns at once there).
+    """
+    def decorate(hook: Any) -> Any:
+        @functools.wraps(hook)
+        def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if is_compiling():  # first: nothing of ours may become a guard of the compiled graph
+                return hook(self, *args, **kwargs)
+            recorder = self if attribute is None else getattr(self, attribute)
+            if recorder.role_fixed:
+                return hook(self, *args, **kwargs)
+            with recorder.role_lock:
+                return hook(self, *args, **kwargs)
+        return guarded
+    return decorate
+
+
 class Recorder:
     """Owns open spans, step boundaries and the collective sequence numbers.
 
@@ -120,6 +144,7 @@ class Recorder:
         self._next_step = 0
         self._next_inference = 0
         self._seen_optimizer = False
+        self.role_fixed = False  # the training thread's optimizer stepped: the role never moves again
         self._params_seen: weakref.WeakSet = weakref.WeakSet()
         self._nonce: str | None = None
         self._provisional_nonce: str | None = None  # this rank's own, until the process group exists
@@ -151,6 +176,7 @@ class Recorder:
         self._last_exemplar: tuple = (None, 0, 0, None)  # (owner, its span id, trace id, context)
         self._awaiting_source: dict[int, tuple] = {}  # recv from any source, not yet waited (gloo)
         self._copying = threading.RLock()  # a stall snapshot copying the step's records (a fork may copy it held)
+        self.role_lock = threading.RLock()  # one_role_holder: until role_fixed (a fork may copy it held)
         self._bw_callback_tasks: set[int] = set()  # graph tasks whose end is hooked (nested: reentrant checkpoints)
         self._depth = 0  # module nesting when records are skipped (untraced steps)
         self._call_counts: dict[str, int] = {}  # by span name (FQN and pass): a string key is not GC-tracked
@@ -333,6 +359,7 @@ class Recorder:
                 outside.trace_id, outside.parent_span_id = trace_id, span_id
         return self._outside
 
+    @one_role_holder()
     def optimizer_step_done(self) -> None:
         """``optimizer.step()`` returned: the step ends (if a module ran since the last one).
 
@@ -346,7 +373,7 @@ class Recorder:
             if step is None or not step.backward_done:
                 return  # no backward on the borrowing thread: not training (an EMA update), it ends nothing
             self._settle_thread()
-        self._seen_optimizer = True
+        self._seen_optimizer = self.role_fixed = True
         if step is not None and step.had_module:
             self._close_step(time.time_ns())
 
@@ -585,12 +612,14 @@ class Recorder:
         The training thread is the one that trains. The tracer's starting thread holds
         the role; another thread may borrow it (if ``claim``) before the first optimizer
         step, when no step and no module call is open (a script that trains on a thread
-        other than the tracer's), and keeps it once a backward pass of its own step ends
-        (:meth:`_settle_thread`). Until then its finished steps are held, not exported:
+        other than the tracer's), and keeps it once it trains: an optimizer step after a
+        backward of its own, or ``NO_OPTIMIZER_CYCLES`` backward passes (:meth:`_settle_thread`).
+        Until then its finished steps are held, not exported:
         if the starting thread calls a module first, it takes the role back and the
         borrower's steps are dropped (counted as ``other_thread``). So a side thread
         (inference, EMA, evaluation) that happens to call first never takes the training
         thread's steps; once the role is settled, other threads' calls are ignored.
+        Callers run under :func:`one_role_holder`: the answer holds through their hook.
         """
         ident = threading.get_ident()
         if ident == self.thread_id or graph_task_id() != -1:
@@ -822,6 +851,7 @@ class Recorder:
                     del open_bw[index]
                     break
 
+    @one_role_holder()
     def backward_done(self, task: int) -> None:
         """The autograd engine finished computing backward pass ``task`` (an engine final callback).
 
@@ -843,6 +873,7 @@ class Recorder:
         except Exception as error:
             self.hook_failed("backward end", error)
 
+    @one_role_holder()
     def _backward_finally(self, task: int) -> None:
         try:
             _end_backward_records([r for r in self._open_bw if r.graph_task == task], time.time_ns())
@@ -851,8 +882,10 @@ class Recorder:
             self._bw_callback_tasks.discard(task)
             if self._step is not None and not self._bw_callback_tasks:  # not a pass nested in another
                 self._step.backward_done += 1
-                if self._borrowed is not None:
-                    self._settle_thread()  # the borrowing thread trains
+                if self._borrowed is not None and self._step.backward_done >= NO_OPTIMIZER_CYCLES:
+                    # The borrowing thread trains without an optimizer. One backward is not training
+                    # (a saliency map on a serving thread): an optimizer step after it settles the role.
+                    self._settle_thread()
         except Exception as error:
             self.hook_failed("backward end", error)
 
@@ -877,6 +910,7 @@ class Recorder:
         return semconv.PASS_FORWARD if self._depth else PASS_NONE
 
     # ------------------------------------------------------------- collectives
+    @one_role_holder()
     def collective(self, spec: CollectiveSpec, args: tuple, duration_ns: int, out: Any = None,
                    start_ns: int = 0) -> None:
         """A collective was issued (``duration_ns``: issue time on the CPU, in nanoseconds).
