@@ -78,22 +78,22 @@ def one_role_holder(attribute: str | None = None) -> Any:
     """Decorate a hook that reads or changes which thread trains (``Recorder.tracks_thread``).
 
     ``attribute``: the hook's object attribute that holds its :class:`Recorder` (None: the object
-    is the recorder). Until the role is fixed (the training thread's first optimizer step:
-    ``Recorder.role_fixed``), the hook runs whole under the recorder's ``role_lock``: a thread
-    that checked the role cannot see it move mid-hook (the starting thread taking it back while a
-    side thread records). After that no lock: the role never moves again, and other threads' hooks
-    only read it. Traced by torch.compile: no lock (the hook returns at once there).
+    is the recorder). Until the role is fixed (the training thread's first optimizer step, or
+    ``NO_OPTIMIZER_CYCLES`` backward passes in a step: ``Recorder.role_fixed``), the hook runs
+    whole under the recorder's ``role_lock``: a thread that checked the role cannot see it move
+    mid-hook (the starting thread taking it back while a side thread records). After that no
+    lock: the role never moves again, and other threads' hooks only read it. Hooks that
+    torch.compile may trace check that first, outside the decorated method (what it reads would
+    become guards of the compiled graph).
     """
     def decorate(hook: Any) -> Any:
         @functools.wraps(hook)
-        def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if is_compiling():  # first: nothing of ours may become a guard of the compiled graph
-                return hook(self, *args, **kwargs)
+        def guarded(self: Any, *args: Any) -> Any:  # positional only: no dict made per call
             recorder = self if attribute is None else getattr(self, attribute)
             if recorder.role_fixed:
-                return hook(self, *args, **kwargs)
+                return hook(self, *args)
             with recorder.role_lock:
-                return hook(self, *args, **kwargs)
+                return hook(self, *args)
         return guarded
     return decorate
 
@@ -144,7 +144,9 @@ class Recorder:
         self._next_step = 0
         self._next_inference = 0
         self._seen_optimizer = False
-        self.role_fixed = False  # the training thread's optimizer stepped: the role never moves again
+        # The training thread's optimizer stepped (or it ran NO_OPTIMIZER_CYCLES backward passes in a
+        # step): the role never moves again.
+        self.role_fixed = False
         self._params_seen: weakref.WeakSet = weakref.WeakSet()
         self._nonce: str | None = None
         self._provisional_nonce: str | None = None  # this rank's own, until the process group exists
@@ -629,7 +631,7 @@ class Recorder:
         if ident == self._home_thread and self._borrowed is not None:
             self._take_back(time.time_ns())
             return True
-        if self._seen_optimizer or self._step is not None or self._fwd_stack or self._depth:
+        if self.role_fixed or self._step is not None or self._fwd_stack or self._depth:
             return False
         if ident != self._home_thread:
             self._borrowed = (self._next_step, self._next_inference)
@@ -785,6 +787,7 @@ class Recorder:
             self._close_step(now)
 
     # --------------------------------------------------------------- backward
+    @one_role_holder()
     def backward_began(self, forward: Record) -> None:
         """Gradients w.r.t. a module call's outputs are ready: its backward begins."""
         now = time.time_ns()
@@ -835,6 +838,7 @@ class Recorder:
         open_bw.insert(index, record)
         self._bw_hint = (record, index)
 
+    @one_role_holder()
     def backward_ended(self, forward: Record) -> None:
         """Gradients w.r.t. a module call's inputs are computed: its backward ends."""
         record = forward.open_bw
@@ -882,10 +886,13 @@ class Recorder:
             self._bw_callback_tasks.discard(task)
             if self._step is not None and not self._bw_callback_tasks:  # not a pass nested in another
                 self._step.backward_done += 1
-                if self._borrowed is not None and self._step.backward_done >= NO_OPTIMIZER_CYCLES:
-                    # The borrowing thread trains without an optimizer. One backward is not training
-                    # (a saliency map on a serving thread): an optimizer step after it settles the role.
-                    self._settle_thread()
+                if self._step.backward_done >= NO_OPTIMIZER_CYCLES and not self.role_fixed:
+                    # This thread trains without an optimizer (a borrower: settled): it keeps the role,
+                    # and the hooks take no lock from now on. One backward is not training (a saliency
+                    # map on a serving thread): an optimizer step after it settles the role.
+                    if self._borrowed is not None:
+                        self._settle_thread()
+                    self.role_fixed = True
         except Exception as error:
             self.hook_failed("backward end", error)
 
