@@ -206,6 +206,7 @@ class ModuleOwnership:
             self._host.close_step(now)
 
     # --------------------------------------------------------------- backward
+    @one_role_holder(lambda ownership: ownership._host.role)
     def backward_began(self, forward: Record) -> None:
         """Gradients w.r.t. a module call's outputs are ready: its backward begins."""
         now = time.time_ns()
@@ -256,6 +257,7 @@ class ModuleOwnership:
         open_bw.insert(index, record)
         self._bw_hint = (record, index)
 
+    @one_role_holder(lambda ownership: ownership._host.role)
     def backward_ended(self, forward: Record) -> None:
         """Gradients w.r.t. a module call's inputs are computed: its backward ends."""
         record = forward.open_bw

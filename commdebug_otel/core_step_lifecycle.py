@@ -156,10 +156,14 @@ class StepLifecycle:
         step = self._step
         if step is not None:
             step.backward_done += 1
-            if self.role.borrowing and step.backward_done >= NO_OPTIMIZER_CYCLES:
-                # The borrowing thread trains without an optimizer. One backward is not training
-                # (a saliency map on a serving thread): an optimizer step after it settles the role.
-                self.role.settle()
+            role = self.role
+            if step.backward_done >= NO_OPTIMIZER_CYCLES and not role.fixed:
+                # This thread trains without an optimizer (a borrower: settled): it keeps the role, and
+                # the hooks take no lock from now on. One backward is not training (a saliency map on
+                # a serving thread): an optimizer step after it settles the role.
+                if role.borrowing:
+                    role.settle()
+                role.fixed = True
 
     # ------------------------------------------------------------------ steps
     def _traces_this_rank(self) -> bool:

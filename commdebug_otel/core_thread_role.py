@@ -17,8 +17,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from torch.compiler import is_compiling
-
 from . import semconv
 from ._torch import graph_task_id
 from .core_failures import Failures
@@ -51,7 +49,8 @@ class ThreadRole:
         self._borrowed: tuple[int, int] | None = None
         self._held: list[Step] = []
         self.changes = 0
-        # The training thread's optimizer stepped: the role never moves again (one_role_holder's locks end).
+        # The training thread's optimizer stepped (or it ran NO_OPTIMIZER_CYCLES backward passes in a step):
+        # the role never moves again, and one_role_holder's locks end.
         self.fixed = False
         self.lock = threading.RLock()  # one_role_holder's, until fixed (a fork may copy it held: made anew)
 
@@ -78,7 +77,7 @@ class ThreadRole:
         if ident == self._home_thread and self._borrowed is not None:
             self.take_back(time.time_ns())
             return True
-        if not self._steps.idle:
+        if self.fixed or not self._steps.idle:
             return False
         if ident != self._home_thread:
             self._borrowed = self._steps.counters
@@ -128,20 +127,19 @@ def one_role_holder(role_of: Callable[[Any], ThreadRole]) -> Callable[[Any], Any
     """Decorate a hook method that reads or changes which thread trains (:meth:`ThreadRole.tracks_thread`).
 
     ``role_of(self)``: the hook's :class:`ThreadRole`. Until the role is fixed (the training thread's first
-    optimizer step), the hook runs whole under the role's lock: a thread that checked the role cannot see
-    it move mid-hook (the starting thread taking it back while a side thread records). After that no
-    lock: the role never moves again, and other threads' hooks only read it. Traced by torch.compile: no
-    lock (nothing of ours may become a guard of the compiled graph; the hook returns at once there).
+    optimizer step, or ``NO_OPTIMIZER_CYCLES`` backward passes in a step), the hook runs whole under the
+    role's lock: a thread that checked the role cannot see it move mid-hook (the starting thread taking it
+    back while a side thread records). After that no lock: the role never moves again, and other threads'
+    hooks only read it. Hooks that torch.compile may trace check that first, outside the decorated method
+    (what it reads would become guards of the compiled graph).
     """
     def decorate(hook: Any) -> Any:
         @functools.wraps(hook)
-        def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if is_compiling():
-                return hook(self, *args, **kwargs)
+        def guarded(self: Any, *args: Any) -> Any:  # positional only: no dict made per call
             role = role_of(self)
             if role.fixed:
-                return hook(self, *args, **kwargs)
+                return hook(self, *args)
             with role.lock:
-                return hook(self, *args, **kwargs)
+                return hook(self, *args)
         return guarded
     return decorate

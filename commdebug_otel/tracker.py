@@ -189,9 +189,9 @@ def _hooked_inputs(grads: list) -> list:
 # backward runs through the recomputed graph (non-reentrant checkpointing never backpropagates
 # through it: those hooks never fire and go with the step).
 _HOOKED_PASSES = frozenset({semconv.PASS_FORWARD, semconv.PASS_RECOMPUTE})
-# Hooks that check which thread trains and then record: the check and the records hold together.
+# Hooks that check which thread trains and then record: the check and the records hold together. Called
+# only outside compiled code (after _compiled()).
 _tracker_hook = one_role_holder(lambda tracker: tracker._recorder.role)
-_record_hook = one_role_holder(lambda hook: hook.recorder.role)
 
 
 class ModuleTracker:
@@ -292,13 +292,13 @@ class ModuleTracker:
             set_compiled_call(module, wrapper)
 
     # The hooks. Each one swallows its own failure: training must never see it.
-    @_tracker_hook
     def _pre_hook(self, module: torch.nn.Module, args: tuple) -> None:
-        if _compiled():
-            return
+        if not _compiled() and self._recorder.active:
+            self._pre(module, args)
+
+    @_tracker_hook
+    def _pre(self, module: torch.nn.Module, args: tuple) -> None:
         recorder = self._recorder
-        if not recorder.active:
-            return
         try:
             if not recorder.tracks_thread():
                 return  # another thread's call (inference, EMA): never part of the training step
@@ -433,7 +433,6 @@ class ModuleTracker:
         self._remove_global_hooks()
         self._suspended = True
 
-    @_tracker_hook
     def _early_post_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """Global forward hooks run before the module's own: hook the raw outputs first.
 
@@ -443,10 +442,13 @@ class ModuleTracker:
         (which the global pre-hook does not see) are known here: an output that
         passes one through is not hooked either.
         """
-        if _compiled():
-            return
+        if not _compiled() and self._recorder.active:
+            self._early_post(module, kwargs, output)
+
+    @_tracker_hook
+    def _early_post(self, module: torch.nn.Module, kwargs: dict, output: Any) -> None:
         recorder = self._recorder
-        if not recorder.active or not self._calls:
+        if not self._calls:
             return
         try:
             if not recorder.tracks_thread(claim=False):
@@ -588,7 +590,6 @@ class _BackwardBegan:
     def __init__(self, recorder: ModuleHooks) -> None:
         self.recorder = recorder
 
-    @_record_hook
     def __call__(self, record: Record) -> None:
         if _compiled() or not self.recorder.active:
             return
@@ -607,7 +608,6 @@ class _BackwardEnd:
     def __init__(self, recorder: ModuleHooks, record: Record) -> None:
         self.recorder, self.record = recorder, record
 
-    @_record_hook
     def __call__(self, _grads: Any) -> None:
         record = self.record  # None: replaced by a hook over more inputs (keyword inputs)
         if record is None or _compiled() or not self.recorder.active:
