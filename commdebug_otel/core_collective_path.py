@@ -37,6 +37,7 @@ from .config import variable
 from .core_fact import GroupFacts, event_attributes
 from .core_failures import Failures
 from .core_protocols import CollectiveHost
+from .core_thread_role import one_role_holder
 from .ops import CollectiveSpec, GroupResolver, Message, compiler_traced, message, plain_payload
 from .records import Record, SpanKind, Step, dtensor_facts
 
@@ -82,6 +83,7 @@ class CollectivePath:
         self._last_exemplar = (None, 0, 0, None)
         self.awaiting_source.clear()
 
+    @one_role_holder(lambda path: path._host.role)
     def collective(self, spec: CollectiveSpec, args: tuple, duration_ns: int, out: Any = None,
                    start_ns: int = 0) -> None:
         """A collective was issued (``duration_ns``: issue time on the CPU, in nanoseconds).

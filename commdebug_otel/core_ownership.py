@@ -30,6 +30,7 @@ from .core_fact import PASS_NONE
 from .core_failures import Failures
 from .core_protocols import OwnershipHost
 from .core_record_pool import RecordPool
+from .core_thread_role import one_role_holder
 from .observer import RecorderObserver
 from .records import Record, Step, descends_from, parameter_facts
 
@@ -271,6 +272,7 @@ class ModuleOwnership:
                     del open_bw[index]
                     break
 
+    @one_role_holder(lambda ownership: ownership._host.role)
     def backward_done(self, task: int) -> None:
         """The autograd engine finished computing backward pass ``task`` (an engine final callback).
 
@@ -292,6 +294,7 @@ class ModuleOwnership:
         except Exception as error:
             self._failures.hook_failed("backward end", error)
 
+    @one_role_holder(lambda ownership: ownership._host.role)
     def _backward_finally(self, task: int) -> None:
         try:
             _end_backward_records([r for r in self.open_bw if r.graph_task == task], time.time_ns())

@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # type names only: this module imports nothing of the recorde
 
     from .collectives import Why
     from .config import Settings
+    from .core_thread_role import ThreadRole
     from .observer import RecorderObserver
     from .ops import CollectiveSpec
     from .records import Record, Step
@@ -57,6 +58,7 @@ class ModuleHooks(FailureSink, Protocol):
 
     active: bool
     thread_changes: int  # how often the training thread's role changed hands
+    role: ThreadRole  # its lock holds the role still through a hook (core_thread_role.one_role_holder)
 
     @property
     def step_open(self) -> bool: ...
@@ -82,6 +84,7 @@ class StallSource(FailureSink, Protocol):
 
     progress: Progress
     thread_id: int
+    role: ThreadRole  # its lock holds the role still through a hook (core_thread_role.one_role_holder)
 
     def rank(self) -> RankInfo: ...
 
@@ -124,6 +127,7 @@ class OwnershipHost(Protocol):
     why: Why
     first_call: Any  # called once at the first module call that opens a step; True: stop recording
     seen_optimizer: bool
+    role: ThreadRole  # its lock holds the role still through a hook (core_thread_role.one_role_holder)
 
     @property
     def current_step(self) -> Step | None: ...

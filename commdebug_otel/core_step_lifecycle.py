@@ -25,11 +25,11 @@ from ._torch import graph_task_id
 from .config import Settings, variable
 from .core_collective_path import CollectivePath
 from .core_failures import Failures
-from .core_ownership import ModuleOwnership
+from .core_ownership import NO_OPTIMIZER_CYCLES, ModuleOwnership
 from .core_record_pool import RecordPool
 from .core_stall_snapshot import stalled_record
 from .core_step_signals import keep_hook, remove_hooks, step_signals
-from .core_thread_role import ThreadRole
+from .core_thread_role import ThreadRole, one_role_holder
 from .core_trace_ids import StepTraceIds
 from .observer import RecorderObserver, SpanSink
 from .records import Record, SpanKind, Step, snapshot_tree, span_tree
@@ -156,8 +156,10 @@ class StepLifecycle:
         step = self._step
         if step is not None:
             step.backward_done += 1
-            if self.role.borrowing:
-                self.role.settle()  # the borrowing thread trains
+            if self.role.borrowing and step.backward_done >= NO_OPTIMIZER_CYCLES:
+                # The borrowing thread trains without an optimizer. One backward is not training
+                # (a saliency map on a serving thread): an optimizer step after it settles the role.
+                self.role.settle()
 
     # ------------------------------------------------------------------ steps
     def _traces_this_rank(self) -> bool:
@@ -250,6 +252,7 @@ class StepLifecycle:
                 outside.trace_id, outside.parent_span_id = trace_id, span_id
         return self._outside
 
+    @one_role_holder(lambda steps: steps.role)
     def optimizer_step_done(self) -> None:
         """``optimizer.step()`` returned: the step ends (if a module ran since the last one).
 
@@ -264,7 +267,7 @@ class StepLifecycle:
             if step is None or not step.backward_done:
                 return  # no backward on the borrowing thread: not training (an EMA update), it ends nothing
             role.settle()
-        self.seen_optimizer = True
+        self.seen_optimizer = role.fixed = True
         if step is not None and step.had_module:
             self.close_step(time.time_ns())
 

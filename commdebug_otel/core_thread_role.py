@@ -11,8 +11,13 @@ steps; once the role is settled, other threads' calls are ignored.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
+
+from torch.compiler import is_compiling
 
 from . import semconv
 from ._torch import graph_task_id
@@ -46,6 +51,9 @@ class ThreadRole:
         self._borrowed: tuple[int, int] | None = None
         self._held: list[Step] = []
         self.changes = 0
+        # The training thread's optimizer stepped: the role never moves again (one_role_holder's locks end).
+        self.fixed = False
+        self.lock = threading.RLock()  # one_role_holder's, until fixed (a fork may copy it held: made anew)
 
     def activate(self) -> None:
         """The tracer starts: this thread trains."""
@@ -114,3 +122,26 @@ class ThreadRole:
         self.changes += 1
         if dropped:
             self._failures.count_dropped(semconv.DROPPED_KIND_OTHER_THREAD, dropped)
+
+
+def one_role_holder(role_of: Callable[[Any], ThreadRole]) -> Callable[[Any], Any]:
+    """Decorate a hook method that reads or changes which thread trains (:meth:`ThreadRole.tracks_thread`).
+
+    ``role_of(self)``: the hook's :class:`ThreadRole`. Until the role is fixed (the training thread's first
+    optimizer step), the hook runs whole under the role's lock: a thread that checked the role cannot see
+    it move mid-hook (the starting thread taking it back while a side thread records). After that no
+    lock: the role never moves again, and other threads' hooks only read it. Traced by torch.compile: no
+    lock (nothing of ours may become a guard of the compiled graph; the hook returns at once there).
+    """
+    def decorate(hook: Any) -> Any:
+        @functools.wraps(hook)
+        def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if is_compiling():
+                return hook(self, *args, **kwargs)
+            role = role_of(self)
+            if role.fixed:
+                return hook(self, *args, **kwargs)
+            with role.lock:
+                return hook(self, *args, **kwargs)
+        return guarded
+    return decorate

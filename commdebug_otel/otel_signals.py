@@ -124,6 +124,15 @@ class SignalFlush:
         else:
             self._signal_rescue.retake()
 
+    def handlers_lost(self) -> bool:
+        """Whether a signal we hold has its default action again (asyncio's ``remove_signal_handler`` or
+        ``loop.close()``, ``signal.signal(SIGTERM, SIG_DFL)``) and is not chained yet (:meth:`keep`, at the
+        next optimizer step on the main thread). Read from any thread; never raises."""
+        try:
+            return any(signal.getsignal(signum) == signal.SIG_DFL for signum in list(self._chained))
+        except (ValueError, OSError):
+            return False
+
     def rescues(self, signum: int) -> bool:
         """Whether the rescue thread may end the process for ``signum`` now: the handler in force (read from
         any thread) is still ours, over the default action. A handler installed since is the script's to run."""
@@ -173,10 +182,12 @@ class _SignalRescue:
     force is still ours over the default action (:meth:`SignalFlush.rescues`): a handler
     the script installed since runs alone, and the process lives if it says so. Not
     installed when the wakeup fd is someone else's (asyncio); a forked child drops it
-    (its signals are its own).
+    (its signals are its own). Every ``WATCH_S`` it also looks for a handler reset to the
+    default action (:meth:`_flush_if_lost`).
     """
 
     GRACE_S = 0.5
+    WATCH_S = 1.0  # how often it looks for a handler reset to the default action (_flush_if_lost)
 
     def __init__(self, signals: SignalFlush) -> None:
         self._signals = signals
@@ -237,10 +248,15 @@ class _SignalRescue:
             pass
 
     def _run(self, reader: socket.socket) -> None:
+        reader.settimeout(self.WATCH_S)
+        flushed = False  # since the handler in force was found back to the default action
         with reader:
             while True:
                 try:
                     data = reader.recv(64)
+                except TimeoutError:
+                    flushed = self._flush_if_lost(flushed)
+                    continue
                 except OSError:
                     return
                 if not data:
@@ -248,6 +264,20 @@ class _SignalRescue:
                 for signum in data:
                     if self._signals.rescues(signum):
                         self._rescue(signum)
+
+    def _flush_if_lost(self, flushed: bool) -> bool:
+        """A signal's handler went back to the default action after the last step (an event loop removed
+        its handler, also at ``loop.close()``): the signal now ends the process at once, with no Python of
+        ours, and nothing on the main thread chains our flush until its next step. What is finished is
+        exported now, once per such reset. Returns whether the handlers are still lost and flushed."""
+        if not self._signals.handlers_lost():
+            return False
+        if not flushed:
+            try:
+                self._signals._flush()
+            except Exception as error:
+                _logger.debug("commdebug-otel: flush after a signal handler reset failed: %s", describe(error))
+        return True
 
     def _rescue(self, signum: int) -> None:
         time.sleep(self.GRACE_S)  # a main thread that is running Python takes it itself

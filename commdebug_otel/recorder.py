@@ -90,6 +90,7 @@ class Recorder:
         self.optimizer_step_done = steps.optimizer_step_done
         self.finish = steps.finish
         self.tracks_thread = steps.role.tracks_thread
+        self.role = steps.role  # the hooks hold it still while they record (core_thread_role.one_role_holder)
         self.hook_failed = self._failures.hook_failed
 
     # Bound methods set in __init__ (typed here for readers and checkers).

@@ -71,6 +71,7 @@ from ._torch import (
     set_compiled_call,
 )
 from .core_protocols import ModuleHooks
+from .core_thread_role import one_role_holder
 from .records import Record
 
 
@@ -188,6 +189,9 @@ def _hooked_inputs(grads: list) -> list:
 # backward runs through the recomputed graph (non-reentrant checkpointing never backpropagates
 # through it: those hooks never fire and go with the step).
 _HOOKED_PASSES = frozenset({semconv.PASS_FORWARD, semconv.PASS_RECOMPUTE})
+# Hooks that check which thread trains and then record: the check and the records hold together.
+_tracker_hook = one_role_holder(lambda tracker: tracker._recorder.role)
+_record_hook = one_role_holder(lambda hook: hook.recorder.role)
 
 
 class ModuleTracker:
@@ -249,6 +253,7 @@ class ModuleTracker:
         self._calls.clear()
         self._call_records.clear()
         self._call_compiled.clear()
+        self._call_nested.clear()
 
     def state_sizes(self) -> dict[str, int]:
         """How many entries each piece of per-run state holds, by name (for leak checks)."""
@@ -287,6 +292,7 @@ class ModuleTracker:
             set_compiled_call(module, wrapper)
 
     # The hooks. Each one swallows its own failure: training must never see it.
+    @_tracker_hook
     def _pre_hook(self, module: torch.nn.Module, args: tuple) -> None:
         if _compiled():
             return
@@ -352,17 +358,7 @@ class ModuleTracker:
 
     def _run_compiled(self, module: torch.nn.Module, call: Any, args: tuple, kwargs: dict) -> Any:
         """``module.compile()``'s call, as one span: the hooks inside it are compiled code."""
-        began = False
-        try:
-            if self._recorder.tracks_thread():  # not another thread's
-                if self._recorder.thread_changes != self._thread_changes:
-                    self._new_thread()
-                if not (self._call_compiled and self._call_compiled[-1]):  # not inside another compiled call
-                    self._begin(module, args, module)
-                    began = True
-        except Exception as error:
-            self._recorder.hook_failed("module forward pre-hook", error)
-        if not began:
+        if not self._begin_compiled(module, args):
             return call(*args, **kwargs)
         try:
             output = call(*args, **kwargs)
@@ -371,6 +367,21 @@ class ModuleTracker:
             raise
         self._end(module, output, True)
         return output
+
+    @_tracker_hook
+    def _begin_compiled(self, module: torch.nn.Module, args: tuple) -> bool:
+        """:meth:`_run_compiled`'s call begins; whether it is recorded (False: another thread's, or inside
+        another compiled call)."""
+        try:
+            if self._recorder.tracks_thread():  # not another thread's
+                if self._recorder.thread_changes != self._thread_changes:
+                    self._new_thread()
+                if not (self._call_compiled and self._call_compiled[-1]):  # not inside another compiled call
+                    self._begin(module, args, module)
+                    return True
+        except Exception as error:
+            self._recorder.hook_failed("module forward pre-hook", error)
+        return False
 
     def _hook_backward_end(self, record: Record, inputs: list) -> None:
         """Hook the end of ``record``'s backward: all gradients w.r.t. ``inputs`` (non-leaf tensors) computed."""
@@ -422,6 +433,7 @@ class ModuleTracker:
         self._remove_global_hooks()
         self._suspended = True
 
+    @_tracker_hook
     def _early_post_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """Global forward hooks run before the module's own: hook the raw outputs first.
 
@@ -477,6 +489,7 @@ class ModuleTracker:
         if not _compiled():
             self._end(module, output)
 
+    @_tracker_hook
     def _end(self, module: torch.nn.Module, output: Any, in_place_compiled: bool = False) -> None:
         """A call ended; ``in_place_compiled``: the module's own hooks ran inside its compiled call."""
         recorder = self._recorder
@@ -575,6 +588,7 @@ class _BackwardBegan:
     def __init__(self, recorder: ModuleHooks) -> None:
         self.recorder = recorder
 
+    @_record_hook
     def __call__(self, record: Record) -> None:
         if _compiled() or not self.recorder.active:
             return
@@ -593,6 +607,7 @@ class _BackwardEnd:
     def __init__(self, recorder: ModuleHooks, record: Record) -> None:
         self.recorder, self.record = recorder, record
 
+    @_record_hook
     def __call__(self, _grads: Any) -> None:
         record = self.record  # None: replaced by a hook over more inputs (keyword inputs)
         if record is None or _compiled() or not self.recorder.active:

@@ -128,6 +128,67 @@ def test_diagnose_joins_the_waiting_ranks_fr_entry_with_its_module_step_and_dten
             ) in text.stdout, text.stdout
 
 
+class Sync(nn.Module):
+    """All-reduces a copy of its output on ``group``; with ``skew`` rank 1 broadcasts instead (a desync)."""
+
+    def __init__(self, group) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.group = group
+        self.skew = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.lin(x)
+        out = x.detach().clone()
+        if self.skew and torch.distributed.get_rank() == 1:
+            torch.distributed.broadcast(out, 0, group=self.group)
+        else:
+            torch.distributed.all_reduce(out, group=self.group)
+        return x
+
+
+def _train_into_a_desync(rank: int, world_size: int) -> str:
+    import datetime
+
+    from commdebug_otel import CommTracer
+
+    group = torch.distributed.new_group([0, 1], timeout=datetime.timedelta(seconds=DESYNC_TIMEOUT_S))
+    model = nn.Sequential()
+    model.add_module("sync", Sync(group))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with CommTracer():
+        for step in range(2):
+            model.sync.skew = step == 1
+            try:
+                model(torch.ones(2, 8)).sum().backward()
+            except RuntimeError:  # gloo's timeout (or the peer's connection closed by it)
+                return "raised"
+            optimizer.step()
+            optimizer.zero_grad()
+    return ""
+
+
+DESYNC_TIMEOUT_S = 6
+
+
+def test_a_desync_names_each_ranks_fr_op_at_the_same_seq_with_its_module(tmp_path):
+    """rank 0 all-reduces where rank 1 broadcasts: both hang in gloo until the group's timeout, the
+    snapshots dump FR on both, and diagnose reads the two ops at FR seq 2 of group 1, each in Sequential.sync."""
+    env = {"OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR": str(tmp_path), "OTEL_PYTHON_COMMDEBUG_STALL_AFTER": str(STALL_AFTER_S),
+           "TORCH_FR_BUFFER_SIZE": "64"}
+    raised = run_ranks(_train_into_a_desync, 2, env=env)
+    assert raised == ["raised", "raised"]
+    [run] = tmp_path.glob("run-*")
+    done = _diagnose(str(run), "--format", "json")
+    assert done.returncode == 0, done.stderr
+    [desync] = json.loads(done.stdout)["flight_recorder"]["desyncs"]
+    assert (desync["group"], desync["fr_seq"]) == ("1", 2)
+    sides = {rank: (entry["fr_op"], entry["seq"], entry["our_op"], entry["module"])
+             for rank, entry in desync["ranks"].items()}
+    assert sides == {"0": ("gloo:all_reduce", 1, "all_reduce", "Sequential.sync"),
+                     "1": ("gloo:broadcast", 1, "broadcast", "Sequential.sync")}
+
+
 # ----------------------------------------------------------------- hand-made dumps
 
 
@@ -247,10 +308,53 @@ def test_the_offset_is_learned_when_our_tracer_started_after_collectives(tmp_pat
     assert found["joined"] == 2 and found["disagree"] == []
 
 
-def test_dump_path_follows_torch_fr_dump_temp_file(tmp_path):
-    assert live.dump_path(3, str(tmp_path), {}) == str(tmp_path / "commdebug-flight-recorder-rank3.json")
-    environ = {live.DUMP_PREFIX_VARIABLE: str(tmp_path / "dumps" / "nccl_trace_rank_")}
-    assert live.dump_path(3, "/elsewhere", environ) == str(tmp_path / "dumps" / "commdebug-flight-recorder-rank3.json")
+def test_where_the_dump_goes(tmp_path):
+    """The dump prefix's folder (TORCH_FR_DUMP_TEMP_FILE, or NCCL's older name), else the run folder."""
+    ours = "commdebug-flight-recorder-rank3.json"
+    for name in live.DUMP_PREFIX_VARIABLES:
+        assert live.dump_path(3, "/elsewhere", {name: str(tmp_path / "dumps" / "trace_")}) == str(
+            tmp_path / "dumps" / ours)
+    assert live.dump_path(3, str(tmp_path), {"TORCH_FR_BUFFER_SIZE": "2000"}) == str(tmp_path / ours)
+
+
+def test_only_a_job_that_asks_for_the_flight_recorder_gets_its_dumps():
+    """torch records by default, but a run that never named Flight Recorder gets no files of it."""
+    assert not live.enabled({})
     assert live.enabled({"TORCH_FR_BUFFER_SIZE": "2000"}) and live.enabled({"TORCH_NCCL_TRACE_BUFFER_SIZE": "5"})
-    assert not live.enabled({}) and not live.enabled({"TORCH_FR_BUFFER_SIZE": "0"})
-    assert not live.enabled({"TORCH_FR_BUFFER_SIZE": "lots"})
+    assert live.enabled({"TORCH_FR_DUMP_TEMP_FILE": "/tmp/trace_"})  # the size left at torch's default
+    assert not live.enabled({"TORCH_FR_BUFFER_SIZE": "0"}) and not live.enabled({"TORCH_FR_BUFFER_SIZE": "lots"})
+    assert not live.enabled({"TORCH_FR_BUFFER_SIZE": "0", "TORCH_NCCL_TRACE_BUFFER_SIZE": "5"})  # the first wins
+    assert not live.enabled({"TORCH_FR_BUFFER_SIZE": "0", "TORCH_FR_DUMP_TEMP_FILE": "/tmp/trace_"})  # off
+
+
+def test_the_dump_goes_to_torch_fr_dump_temp_files_folder_and_a_failure_is_said_once(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(live, "_failed", False)
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "16")
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", str(tmp_path / "dumps" / "nccl_trace_rank_"))
+    path = live.dump_beside_snapshot(2, lambda: pytest.fail("the run folder is not asked"))
+    assert path == str(tmp_path / "dumps" / "commdebug-flight-recorder-rank2.json")
+    assert json.loads(open(path).read())["version"]  # torch's JSON (no "entries" key: nothing recorded here)
+    assert os.listdir(tmp_path / "dumps") == ["commdebug-flight-recorder-rank2.json"]  # nothing left aside
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", str(tmp_path / "file" / "under" / "x_"))
+    assert live.dump_beside_snapshot(2, str) is None
+    assert live.dump_beside_snapshot(2, str) is None  # given up: not tried, not said again
+    [message] = [record.getMessage() for record in caplog.records]
+    assert "could not write torch's Flight Recorder dump" in message and "the snapshots go on" in message
+
+
+def test_a_dump_of_an_empty_buffer_is_read(tmp_path):
+    path = tmp_path / "commdebug-flight-recorder-rank1.json"
+    path.write_text('{"comm_lib_version":"","nccl_comm_state":{},"pg_config":{},"pg_status":{},"version":"2.10"}')
+    dumps, messages = flight_recorder.read_dumps([str(path)])
+    assert messages == [] and [(dump["rank"], dump["entries"]) for dump in dumps] == [(1, [])]
+
+
+def test_no_dump_unless_asked_for(tmp_path, monkeypatch):
+    monkeypatch.setattr(live, "_failed", False)
+    for name in (*live.BUFFER_VARIABLES, *live.DUMP_PREFIX_VARIABLES):
+        monkeypatch.delenv(name, raising=False)
+    assert live.dump_beside_snapshot(0, lambda: str(tmp_path)) is None
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")
+    assert live.dump_beside_snapshot(0, lambda: str(tmp_path)) is None
+    assert os.listdir(tmp_path) == []

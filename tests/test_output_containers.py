@@ -74,6 +74,21 @@ class Plain:
         self.parts = {"hidden": [hidden]}
 
 
+try:
+    import attrs
+except ImportError:  # optional: its kinds are left out
+    attrs = None
+else:
+    @attrs.define  # slots
+    class AttrsOutput:
+        hidden: torch.Tensor
+        steps: int = 1
+
+    @attrs.frozen(slots=False)  # a __dict__, frozen
+    class AttrsFrozen:
+        inner: AttrsOutput
+
+
 # kind -> (wrap the module's output, take its tensor back out)
 KINDS = {
     "dataclass": (lambda h: Output(h), lambda o: o.hidden),
@@ -85,6 +100,9 @@ KINDS = {
     "plain object": (lambda h: Plain(h), lambda o: o.parts["hidden"][0]),
     "distribution": (lambda h: torch.distributions.Normal(h, 1.0), lambda o: o.mean),
 }
+if attrs is not None:
+    KINDS["attrs class"] = (lambda h: AttrsOutput(h), lambda o: o.hidden)
+    KINDS["frozen attrs class in an attrs class"] = (lambda h: AttrsFrozen(AttrsOutput(h)), lambda o: o.inner.hidden)
 
 
 class Reduces(nn.Module):

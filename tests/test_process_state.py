@@ -92,6 +92,33 @@ def test_after_asyncio_removes_its_sigterm_handler_the_default_action_still_keep
     assert _steps_on_disk(tmp_path) == [0, 1, 2, 3, 4]
 
 
+def test_an_ignored_sigterm_after_an_event_loops_handler_stays_ignored(tmp_path):
+    returncode, stdout, stderr = _signal_then_go_on(tmp_path, "asyncio_ignored")
+    assert returncode == 0, stderr
+    assert stdout.split() == ["DONE"]
+    assert _steps_on_disk(tmp_path) == [0, 1, 2, 3, 4, 5, 6]
+
+
+def test_after_asyncio_removes_its_sigterm_handler_after_the_last_step_the_finished_steps_are_flushed(tmp_path):
+    """No step boundary follows the reset to ``SIG_DFL`` (which would chain our flush again): the rescue thread
+    sees the reset and flushes what is finished, so a SIGTERM that then ends the process at once loses none."""
+    process = subprocess.Popen([sys.executable, str(SCRIPTS / "own_handler.py"), "asyncio_last"],
+                               env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=default_signal_actions)
+    try:
+        assert process.stdout.readline().strip() == "READY"
+        for _ in range(600):  # the flush comes within about a second (longer on a loaded machine)
+            if list(tmp_path.glob("run-*/traces*")) and _steps_on_disk(tmp_path):
+                break
+            time.sleep(0.1)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == -signal.SIGTERM, stderr
+    assert _steps_on_disk(tmp_path) == [0, 1, 2, 3, 4]
+
+
 def test_stop_gives_the_signal_handlers_and_the_wakeup_fd_back(tmp_path):
     """What a ``CommTracer`` found is what it leaves: handlers (where still ours) and the wakeup fd."""
     script = """

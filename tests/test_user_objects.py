@@ -205,6 +205,37 @@ def test_pickles_made_while_traced_load_without_the_package_and_hold_nothing_of_
     assert [s.attributes[semconv.STEP] for s in telemetry.by_name("train_step")] == [0, 1]
 
 
+@pytest.mark.parametrize("library", ["cloudpickle", "dill"])
+def test_other_picklers_made_while_traced_hold_nothing_of_ours(telemetry, tracer_factory, library):
+    """cloudpickle and dill (Ray's, multiprocessing helpers') pickle more than pickle does (functions, closures,
+    classes by value): between steps, inside a step and from inside a module's own call, nothing of ours."""
+    pickler = pytest.importorskip(library)
+    model = Hooked()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mid_call = []
+
+    class PicklesItself(SavesItself):  # a local class: both pickle it by value
+        def forward(self, x):
+            out = self.lin(x)
+            self.into.append(pickler.dumps(self))
+            return out
+
+    saver = PicklesItself(mid_call)
+    with tracer_factory():
+        _step(model, optimizer)
+        blobs = [pickler.dumps(model)]  # (dill cannot pickle an optimizer, traced or not)
+        kept = []
+        out = model(torch.ones(2, 4), keep=kept)
+        blobs += [pickler.dumps(model), pickler.dumps([model.position.table, out, *kept])]
+        saver(torch.ones(1, 4))
+        out.sum().backward()
+        optimizer.step()
+    blobs += mid_call
+    assert len(blobs) == 4
+    assert not any(b"commdebug" in blob for blob in blobs)
+    assert _hooks(pickler.loads(blobs[1])) == _hooks(Hooked())  # pickled inside a step
+
+
 def test_copies_made_while_traced_hold_nothing_of_ours(telemetry, tracer_factory):
     model = Hooked()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -1,6 +1,6 @@
 """torch's Flight Recorder dumps joined with our spans: what FR knows, plus module, pass, step and DTensor why.
 
-torch's Flight Recorder (``TORCH_FR_BUFFER_SIZE``) keeps, per rank, the last collectives each process
+torch's Flight Recorder (on by default; ``TORCH_FR_BUFFER_SIZE``) keeps, per rank, the last collectives each process
 group issued: op (``profiling_name``, ``"nccl:all_reduce"``), ``collective_seq_id`` (1, 2, ... per
 group; point-to-point ops count in ``p2p_seq_id`` instead), sizes, dtypes, state and whether it
 finished (``retired``), and per group the last seq enqueued and completed (``pg_status``). It knows
@@ -163,13 +163,15 @@ def _read_one(path: str, allow_pickle: bool) -> dict[str, Any]:
             raise ValueError("not a regular file (not read)")
         data = handle.read(MAX_DUMP_BYTES + 1)
     dump = _decode(data, allow_pickle)
-    if not isinstance(dump, dict) or not isinstance(dump.get("entries"), list):
+    # torch leaves "entries" out of an empty buffer's dump (its "version" is there).
+    raw_entries = dump.get("entries", [] if "version" in dump else None) if isinstance(dump, dict) else None
+    if not isinstance(raw_entries, list):
         raise ValueError("no Flight Recorder entries (an object with an \"entries\" list)")
     named = _RANK_IN_NAME.search(os.path.basename(path))
     rank = _int(dump.get("rank")) if named is None else int(named.group(1)) if len(named.group(1)) < 10 else -1
     if rank is None or not 0 <= rank < 1 << 31:
         raise ValueError("no rank: its name does not end in the rank (torch's <prefix><rank>)")
-    entries = [_entry(raw) for raw in dump["entries"]]
+    entries = [_entry(raw) for raw in raw_entries]
     status = dump.get("pg_status")
     pg_status = {}
     if isinstance(status, dict):
@@ -268,7 +270,9 @@ def join(spans: list[dict], dumps: list[dict[str, Any]]) -> dict[str, Any]:
 
     Returns:
         ``{"dumps": [{"rank", "file", "entries" (count), "pg_status"}], "entries": n, "joined": n,
-        "pending": [entry...] (FR entries not retired: issued, not known finished, oldest first),
+        "desyncs": [{"group", "fr_seq", "ranks": {rank: entry}}] (per group, the first FR seq where ranks'
+        dumps hold different ops), "pending": [entry...] (FR entries not retired: issued, not known
+        finished, oldest first),
         "disagree": [entry...] (joined, but FR's op is not ours: a desync, or a numbering this join
         cannot follow), "last": [entry...] (each rank and group's last entry)}``; entries as
         :func:`read_dumps` makes them, plus ``rank``, ``seq`` (ours, or None) and, where joined, the
@@ -310,12 +314,27 @@ def join(spans: list[dict], dumps: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "dumps": [{"rank": d["rank"], "file": d["file"], "entries": len(d["entries"]), "pg_status": d["pg_status"]}
                   for d in sorted(dumps, key=lambda d: (d["rank"], d["file"]))],
-        "entries": len(out_entries), "joined": joined,
+        "entries": len(out_entries), "joined": joined, "desyncs": _desyncs(out_entries),
         "pending": sorted((e for e in out_entries if not e["retired"]),
                           key=lambda e: (e["time_created_ns"], e["rank"])),
         "disagree": [e for e in out_entries if e.get("agrees") is False],
         "last": [last[key] for key in sorted(last)],
     }
+
+
+def _desyncs(entries: list[dict]) -> list[dict[str, Any]]:
+    """Per process group, the first FR seq at which ranks' dumps hold different ops (point-to-point left out):
+    ``[{"group", "fr_seq", "ranks": {rank: entry}}]``, by group."""
+    by_seq: dict[tuple[str, int], dict[int, dict]] = defaultdict(dict)
+    for entry in entries:
+        if not entry["is_p2p"]:
+            by_seq[(entry["group"], entry["fr_seq"])].setdefault(entry["rank"], entry)
+    first: dict[str, tuple[int, dict[int, dict]]] = {}
+    for (group, seq), ranks in by_seq.items():
+        if len({entry["fr_op"] for entry in ranks.values()}) > 1 and (group not in first or seq < first[group][0]):
+            first[group] = (seq, ranks)
+    return [{"group": group, "fr_seq": seq, "ranks": {rank: ranks[rank] for rank in sorted(ranks)}}
+            for group, (seq, ranks) in sorted(first.items())]
 
 
 # Our canonical op names: an FR op outside them (a backend's own name) is not called a disagreement.
@@ -342,6 +361,9 @@ def format_text(found: dict[str, Any]) -> list[str]:
             behind = [rank for rank, seq in sorted(by_rank.items()) if seq == low]
             out.append(f"  group {group}: rank(s) {', '.join(map(str, behind[:16]))}"
                        f"{' ...' if len(behind) > 16 else ''} enqueued FR seq {low}, others up to {high}")
+    for desync in found["desyncs"]:
+        out.append(f"  desync on group {desync['group']} at FR seq {desync['fr_seq']}: ranks issued different ops")
+        out += [f"    {_entry_text(entry)}" for entry in list(desync["ranks"].values())[:TEXT_ROWS]]
     for title, entries in (("not finished (FR: not retired)", found["pending"]),
                            ("FR's op differs from ours at the same seq (a desync, or numbering this join cannot "
                             "follow)", found["disagree"])):

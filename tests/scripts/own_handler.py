@@ -10,7 +10,9 @@ MODE is how the script handles SIGTERM once tracing started:
 * ``chained``: a handler that calls the one it found when that is a function (Lightning's SignalConnector);
 * ``ignored``: ``SIG_IGN`` after three traced steps;
 * ``asyncio``: an event loop adds and removes a SIGTERM handler (``SIG_DFL`` again, the wakeup fd cleared),
-  two more steps, then READY: the default action ends the process (no line is read).
+  two more steps, then READY: the default action ends the process (no line is read);
+* ``asyncio_last``: the same after the last step (no step boundary follows), then READY, and no line is read;
+* ``asyncio_ignored``: the same, then ``SIG_IGN`` after three traced steps.
 
 The handler prints ``HANDLED <signum>``.
 """
@@ -27,6 +29,14 @@ from commdebug_otel import CommTracer
 
 def handler(signum, frame):
     print("HANDLED", signum, flush=True)
+
+
+def add_and_remove_a_handler():
+    loop = asyncio.new_event_loop()
+    loop.add_signal_handler(signal.SIGTERM, print, "never")
+    loop.run_until_complete(asyncio.sleep(0))
+    loop.remove_signal_handler(signal.SIGTERM)
+    loop.close()
 
 
 def main():
@@ -60,14 +70,15 @@ def main():
         elif mode == "ignored":
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         elif mode == "asyncio":
-            loop = asyncio.new_event_loop()
-            loop.add_signal_handler(signal.SIGTERM, print, "never")
-            loop.run_until_complete(asyncio.sleep(0))
-            loop.remove_signal_handler(signal.SIGTERM)
-            loop.close()
+            add_and_remove_a_handler()
+        elif mode == "asyncio_ignored":
+            add_and_remove_a_handler()
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
     steps(2)
+    if mode == "asyncio_last":
+        add_and_remove_a_handler()
     print("READY", flush=True)
-    if mode == "asyncio":
+    if mode in ("asyncio", "asyncio_last"):
         time.sleep(120)
     sys.stdin.readline()  # the parent sent the signal and waited past the rescue's grace
     steps(2)
