@@ -387,7 +387,7 @@ def test_a_snapshot_copies_the_stuck_steps_records_even_if_the_step_ends_meanwhi
     the training thread does not wait for the copy)."""
     import threading
 
-    from commdebug_otel import recorder as recorder_module
+    from commdebug_otel import core_step_lifecycle as lifecycle_module  # where a snapshot copies the records
 
     class Net(nn.Module):
         def __init__(self):
@@ -399,14 +399,14 @@ def test_a_snapshot_copies_the_stuck_steps_records_even_if_the_step_ends_meanwhi
 
     stuck, other = Net(), nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     optimizer = torch.optim.SGD([*stuck.parameters(), *other.parameters()], lr=0.1)
-    copying, real_copy = threading.Event(), recorder_module.snapshot_tree
+    copying, real_copy = threading.Event(), lifecycle_module.snapshot_tree
 
     def slow_copy(*args):
         copying.set()
         time.sleep(0.5)  # the training thread goes on meanwhile
         return real_copy(*args)
 
-    monkeypatch.setattr(recorder_module, "snapshot_tree", slow_copy)
+    monkeypatch.setattr(lifecycle_module, "snapshot_tree", slow_copy)
     with tracer_factory() as tracer:
         stuck(torch.ones(2, 4)).sum().backward()
         optimizer.step()  # step 0: its records are spare for the next steps
