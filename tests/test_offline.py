@@ -18,6 +18,7 @@ from commdebug_otel.offline import diagnose, model, otlp_json, perfetto, summary
 from commdebug_otel.report import GLOBAL, CommReport, Operation, module_chain, op_listed, render_json, render_table
 
 from distributed import run_ranks
+from otlp_files import span as otlp_span
 
 _STEPS = 2
 
@@ -243,6 +244,22 @@ def test_views_read_apart_and_computed_once_equal_those_read_and_computed_afresh
     with model.reusing():
         assert views(apart) == fresh
         assert views(apart) == fresh  # the second time from what the first computed
+
+
+def test_span_warnings_name_mixed_runs_and_dropped_events_per_rank():
+    """Each (rank, resource) is looked at once (issue 29 item 3): the warnings are still per rank, exact."""
+    def one(rank, span_id, pid, **attributes):
+        found = otlp_span(rank, "m", span_id, **attributes)
+        found["resource"] = {**found["resource"], "host.name": "h", "process.pid": pid}
+        return found
+
+    spans = [one(0, "a", 1), one(0, "b", 1), one(0, "c", 2), one(1, "d", 3, **{semconv.SPAN_DROPPED_EVENTS: 2}),
+             one(1, "e", 3) | {"dropped_events_count": 3}, one(2, "f", 4), one(2, "g", 4)]
+    spans[1]["resource"] = dict(spans[0]["resource"])  # the same process in another line
+    assert summary.span_warnings(spans) == [
+        "warning: rank 0 has spans from 2 processes: several runs are mixed; pass one run's folder",
+        "warning: rank 1 dropped 5 events over the per-span cap (OTEL_PYTHON_COMMDEBUG_MAX_EVENTS_PER_SPAN); "
+        "counts here miss them"]
 
 
 def test_packet_names_follow_comm_debug_mode():

@@ -286,6 +286,28 @@ def test_files_read_by_worker_processes_give_the_same_spans_messages_and_counts(
     assert read(workers=3, shared=True) == one_by_one
 
 
+_READ_FILE = otlp_json._read_file
+_PARENT = os.getpid()
+
+
+def _dies_in_a_worker(path, *args):
+    """``otlp_json._read_file``, but a worker process reading rank 2's file dies."""
+    if os.getpid() != _PARENT and path.endswith("rank2.jsonl"):
+        os._exit(9)
+    return _READ_FILE(path, *args)
+
+
+def test_a_worker_process_that_dies_leaves_its_files_to_the_reader(tmp_path, monkeypatch):
+    """A worker killed (the OOM killer, a signal) does not lose its files: they are read in the command's process."""
+    for step in range(4):
+        (tmp_path / f"traces-rank{step}.jsonl").write_text(_good(step) + "\n")
+    expected = list(otlp_json.SpanReader([tmp_path], workers=1))
+    monkeypatch.setattr(otlp_json, "_read_file", _dies_in_a_worker)  # forked workers inherit it
+    monkeypatch.setattr(sys.modules[__name__], "_PARENT", os.getpid())
+    reader = otlp_json.SpanReader([tmp_path], workers=2)
+    assert list(reader) == expected and reader.messages == [] and len(reader.files) == 4
+
+
 def test_a_linked_run_folder_is_read_and_a_link_loop_ends(tmp_path, capsys):
     real = tmp_path / "elsewhere" / "run-1"
     real.mkdir(parents=True)

@@ -653,22 +653,31 @@ class SpanReader:
 
     def _read_apart(self, files: list[str], workers: int) -> Iterator[tuple[str, tuple]]:
         """``(path, _read_file(...))`` of each file in order, read by ``workers`` processes; at most two
-        files' spans per worker wait here, so memory does not grow with the files."""
-        import concurrent.futures
+        files' spans per worker wait here, so memory does not grow with the files. Where processes
+        cannot be started, or one dies, the files not yet read are read here."""
         import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+        from concurrent.futures.process import BrokenProcessPool
 
         methods = multiprocessing.get_all_start_methods()
         context = multiprocessing.get_context("fork" if "fork" in methods else None)
-        with concurrent.futures.ProcessPoolExecutor(min(workers, len(files)), mp_context=context) as pool:
-            def submit(path: str) -> tuple[str, Any]:
-                return path, pool.submit(_read_file, path, self.max_line_bytes, self.hex_ids, self.shared)
+        done = 0
+        try:
+            with ProcessPoolExecutor(min(workers, len(files)), mp_context=context) as pool:
+                def submit(path: str) -> tuple[str, Any]:
+                    return path, pool.submit(_read_file, path, self.max_line_bytes, self.hex_ids, self.shared)
 
-            ahead = iter(files)
-            pending = deque(map(submit, itertools.islice(ahead, 2 * workers)))
-            while pending:
-                path, future = pending.popleft()
-                pending.extend(map(submit, itertools.islice(ahead, 1)))
-                yield path, future.result()
+                ahead = iter(files)
+                pending = deque(map(submit, itertools.islice(ahead, 2 * workers)))
+                while pending:
+                    path, future = pending.popleft()
+                    pending.extend(map(submit, itertools.islice(ahead, 1)))
+                    result = future.result()
+                    done += 1
+                    yield path, result
+        except (OSError, BrokenProcessPool):
+            for path in files[done:]:
+                yield path, _read_file(path, self.max_line_bytes, self.hex_ids, self.shared)
 
     def _file(self, path: str) -> Iterator[dict[str, Any]]:
         try:

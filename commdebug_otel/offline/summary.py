@@ -625,11 +625,14 @@ def span_warnings(spans: list[dict]) -> list[str]:
     notes = []
     processes: dict[int, set] = defaultdict(set)
     dropped: Counter = Counter()
+    resources: dict[tuple[int, int], dict] = {}  # each (rank, resource) once: a file's spans share a few
     for span in spans:
-        resource = span["resource"]
-        processes[span["rank"]].add((str(resource.get("host.name")), str(resource.get("process.pid"))))
-        dropped[span["rank"]] += int(span["attributes"].get(semconv.SPAN_DROPPED_EVENTS, 0))
-        dropped[span["rank"]] += span.get("dropped_events_count", 0)
+        resources[(span["rank"], id(span["resource"]))] = span["resource"]
+        lost = int(span["attributes"].get(semconv.SPAN_DROPPED_EVENTS, 0)) + span.get("dropped_events_count", 0)
+        if lost:
+            dropped[span["rank"]] += lost
+    for (rank, _), resource in resources.items():
+        processes[rank].add((str(resource.get("host.name")), str(resource.get("process.pid"))))
     for rank, seen in sorted(processes.items()):
         if len(seen) > 1:
             notes.append(f"warning: rank {rank} has spans from {len(seen)} processes: "
