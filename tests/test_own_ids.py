@@ -107,19 +107,49 @@ json.dump([random.random(), float(torch.rand(1))], sys.stdout)
 """
 
 
-def test_the_environment_start_leaves_the_random_numbers_alone(tmp_path):
+# numpy's and torch's global generators seeded, a shuffling DataLoader with two worker processes (each seeded
+# from torch's generator, and numpy used inside them): the batch order, the workers' draws and the losses.
+DATA_LOADER = """
+import json, random, sys
+import numpy as np, torch
+from torch.utils.data import DataLoader, Dataset
+class Noisy(Dataset):
+    def __len__(self):
+        return 24
+    def __getitem__(self, index):
+        return torch.tensor([float(index), float(np.random.rand()), random.random()])
+if __name__ == "__main__":
+    np.random.seed(7)
+    random.seed(7)
+    torch.manual_seed(7)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    seen = []
+    for batch in DataLoader(Noisy(), batch_size=8, shuffle=True, num_workers=2):
+        seen.append(batch.tolist())
+        loss = model(batch).sum()
+        loss.backward()
+        optimizer.step()
+    seen.append([float(loss), float(np.random.rand()), random.random(), float(torch.rand(1))])
+    json.dump(seen, sys.stdout)
+"""
+
+
+@pytest.mark.parametrize(("script", "steps"), [(ENV_STARTED, 3), (DATA_LOADER, 3)], ids=["plain", "data loader"])
+def test_the_environment_start_leaves_the_random_numbers_alone(tmp_path, script, steps):
     bootstrap = pathlib.Path(__file__).parents[1] / "commdebug_otel" / "_bootstrap"
     results = []
     for enabled in ("", "true"):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "PYTHONPATH"))}
         env.update(OTEL_PYTHON_COMMDEBUG_ENABLED=enabled, OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR=str(tmp_path),
                    PYTHONPATH=os.pathsep.join([str(bootstrap), str(bootstrap.parents[1])]))
-        result = subprocess.run([sys.executable, "-c", ENV_STARTED], cwd=tmp_path, env=env, capture_output=True,
+        (tmp_path / "script.py").write_text(script)  # a file: spawn-started workers import it
+        result = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, env=env, capture_output=True,
                                 text=True, timeout=180)
         assert result.returncode == 0, result.stderr[-3000:]
         results.append(json.loads(result.stdout))
     [traces] = tmp_path.glob("run-*/traces-rank0.jsonl")
-    assert [span["name"] for span in _spans(traces)].count("train_step") == 3  # traced indeed
+    assert [span["name"] for span in _spans(traces)].count("train_step") == steps  # traced indeed
     assert results[0] == results[1]
 
 
