@@ -1033,10 +1033,11 @@ class Recorder:
         self._emit_tree(roots, children, step.trace_id, step)
         return True
 
-    def job_id(self) -> str:
-        """The job nonce every rank agrees on (``steps.job_nonce``, through the store); ask once settled."""
+    def job_id(self, store: Any = None) -> str:
+        """The job nonce every rank agrees on (``steps.job_nonce``, through ``store``: the default group's, or a
+        thread's own clone of it); ask once settled."""
         if self._nonce is None:
-            self._nonce = job_nonce()
+            self._nonce = job_nonce(store)
         return self._nonce
 
     def stall_verdict(self, step_index: int, start_ns: int, now: int, attrs: dict[str, Any]) -> bool:
