@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import itertools
 import json
 import os
 import signal
@@ -541,10 +542,13 @@ def test_a_verdict_that_changes_while_the_stall_lasts_is_exported_again(receiver
     said = [(v["attributes"][semconv.VERDICT_SEQ], v["attributes"][semconv.VERDICT_MODULE],
              v["attributes"][semconv.VERDICT_WAITING_MODULE]) for v in verdicts]
     seq = STUCK_STEP * PER_STEP
-    assert said == [(seq, "Net.layers.0", "Net.layers.0"), (seq + 1, "Net.layers.1", "Net.layers.1")]
+    # First and last; between them a record sampled as the rank moved on (its place read just before it issued
+    # seq 4, its seqs just after, on a loaded machine) may give one more, corrected at the next snapshot.
+    assert said[0] == (seq, "Net.layers.0", "Net.layers.0") and said[-1] == (seq + 1, "Net.layers.1", "Net.layers.1")
+    assert len(said) <= 3 and all(a != b for a, b in itertools.pairwise(said))  # said again only when it changed
     assert len({v["trace_id"] for v in verdicts}) == 1
     err = capfd.readouterr().err
-    assert [err.count(v["attributes"][semconv.VERDICT_SUMMARY]) for v in verdicts] == [1, 1]
+    assert [err.count(v["attributes"][semconv.VERDICT_SUMMARY]) for v in verdicts] == [1] * len(verdicts)
 
 
 def test_a_lower_rank_that_publishes_late_does_not_say_the_same_verdict_again():
