@@ -424,8 +424,8 @@ class StepLifecycle:
         self._emit_tree(roots, children, step.trace_id, step)
         return True
 
-    def job_id(self) -> str:
-        return self._trace_ids.job_id()
+    def job_id(self, store: Any = None) -> str:
+        return self._trace_ids.job_id(store)
 
     def stall_verdict(self, step_index: int, start_ns: int, now: int, attrs: dict[str, Any]) -> bool:
         """Export the cross-rank verdict (``Recorder.stall_verdict``): in the stalled step's trace."""

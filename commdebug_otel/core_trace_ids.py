@@ -8,6 +8,7 @@ stands in (a step opened before ``init_process_group`` is given the job's id aga
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from . import semconv
 from .config import Settings, TraceScope
@@ -29,10 +30,11 @@ class StepTraceIds:
         self.nonce: str | None = None  # the job's, once agreed
         self._provisional_nonce: str | None = None  # this rank's own, until the process group exists
 
-    def job_id(self) -> str:
-        """The job nonce every rank agrees on (``steps.job_nonce``, through the store); ask once settled."""
+    def job_id(self, store: Any = None) -> str:
+        """The job nonce every rank agrees on (``steps.job_nonce``, through ``store``: the default group's, or a
+        thread's own clone of it); ask once settled."""
         if self.nonce is None:
-            self.nonce = job_nonce()
+            self.nonce = job_nonce(store)
         return self.nonce
 
     @property

@@ -191,9 +191,10 @@ class Recorder:
             return False
         return self._steps.stall_snapshot(now, age_s, threshold_s, snapshot, where)
 
-    def job_id(self) -> str:
-        """The job nonce every rank agrees on (``steps.job_nonce``, through the store); ask once settled."""
-        return self._steps.job_id()
+    def job_id(self, store: Any = None) -> str:
+        """The job nonce every rank agrees on (``steps.job_nonce``, through ``store``: the default group's, or a
+        thread's own clone of it); ask once settled."""
+        return self._steps.job_id(store)
 
     def stall_verdict(self, step_index: int, start_ns: int, now: int, attrs: dict[str, Any]) -> bool:
         """Export the cross-rank verdict (verdict.py) from the watchdog's thread: a ``stall_verdict`` root

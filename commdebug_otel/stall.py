@@ -233,7 +233,7 @@ class StallWatch:
         self._flush = flush
         self._fqn_of = fqn_of
         self.exchange = exchange if exchange is not None else StoreExchange(
-            lambda: recorder.rank(), lambda: recorder.job_id(), self._export_verdict, default_store_client)
+            lambda: recorder.rank(), lambda store: recorder.job_id(store), self._export_verdict, default_store_client)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._stall_since = 0  # since_ns of the stall being reported

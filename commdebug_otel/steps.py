@@ -39,6 +39,7 @@ import logging
 import secrets
 import time
 from collections.abc import Mapping
+from typing import Any
 
 from ._torch import default_store
 from .config import RankEnv
@@ -121,17 +122,19 @@ class RankCache:
         self._info = None
 
 
-def job_nonce() -> str:
+def job_nonce(store: Any = None) -> str:
     """An id shared by every rank of this job (one store round trip), or local if not distributed.
 
     ``YYYYmmdd-HHMMSS-<8 hex>``: the start time of the first rank to ask, then random bits.
+    ``store``: the default group's store or a clone of it (a thread's own connection); None: the default group's.
     """
     mine = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(4)  # sorts by start time
     try:
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
+        if store is None and dist.is_available() and dist.is_initialized():
             store = default_store()
+        if store is not None:
             agreed = store.compare_set(NONCE_KEY, "", mine)
             return agreed.decode() if isinstance(agreed, bytes) else str(agreed)
     except Exception as error:  # e.g. a store without compare_set

@@ -11,11 +11,16 @@ ever issued. Keys live under one prefix per job (the agreed job nonce) and step:
   which the rank forming the verdict tells apart on its own host;
 * ``.../<step>/r/<rank>``: the record, rewritten at each snapshot of the stall;
 * ``.../<step>/index`` (ranks appended), ``count``, ``leader`` (the lowest
-  publishing rank, by ``compare_set``) and ``left`` (cleanup).
+  publishing rank, by ``compare_set``), ``round/<n>`` (ranks that published
+  their n-th snapshot's record), ``said`` (the last verdict exported, so a lower
+  rank that publishes late and takes over does not say it again) and ``left``
+  (cleanup).
 
 The lowest rank that published forms the verdict (:func:`form_verdict`) once
 every rank published or :data:`VERDICT_WAIT_S` after its own record, whichever
-comes first, and again at each later snapshot; it exports a ``stall_verdict``
+comes first, and again at each of its later snapshots once every rank that
+published has published that round too, or :data:`VERDICT_WAIT_S` after its own
+(so records of one round are read together); it exports a ``stall_verdict``
 span in the stalled step's trace and one stderr line only when the verdict
 changed. Each rank deletes its record when its stall ends (or its tracer
 stops); the last one out deletes the step's shared keys.
@@ -25,10 +30,11 @@ short timeout (:data:`STORE_TIMEOUT_S`): a store that fails costs one message
 and the exchange is off for the job; the per-rank snapshots go on as before. A
 job of one process, or one without a default group, has no exchange at all.
 
-Store traffic per verdict: each stalled rank makes 4 calls the first time
-(set, append, add, compare_set) and one set per later snapshot; the leader reads
-the count once per watchdog poll while it waits, then the index and every
-record in one ``multi_get``. Nothing happens on healthy steps.
+Store traffic per verdict: each stalled rank makes 5 calls the first time
+(set, append, add, compare_set, add), a set and an add per later snapshot, and
+one read of the leader key after each; the leader reads the round's count once
+per watchdog poll while it waits, then the index and every record in one
+``multi_get``. Nothing happens on healthy steps.
 """
 
 from __future__ import annotations
@@ -50,10 +56,11 @@ _logger = logging.getLogger(__name__)
 KEY_ROOT = "commdebug_otel/verdict"
 RECORD_FORMAT = 1
 STORE_TIMEOUT_S = 5.0  # each store call of the watchdog thread, at most
-VERDICT_WAIT_S = 3.0  # the leader waits this long after its own record for the other ranks' records
+VERDICT_WAIT_S = 4.0  # the leader waits this long after its own record for the other ranks' records
 IN_FLIGHT_KEPT = 8  # per process group: the first and the last this many collectives in flight
 STACK_KEPT = 8  # the training thread's innermost code locations in a record
 MAX_RANKS_LISTED = 8  # the summary sentence lists at most this many ranks one by one
+MAX_ROUNDS = 12  # snapshots per stall (stall.MAX_SNAPSHOTS): a round key each
 
 BETWEEN_STEPS = "(between steps)"
 KIND_HANG = semconv.VERDICT_KIND_HANG
@@ -284,6 +291,8 @@ def form_verdict(records: dict[int, dict], world_size: int, step: int,
         seq = max(records[rank]["groups"][group]["issued"] for rank in behind) + 1
         waiting = [rank for rank in published if rank not in behind and group in records[rank]["groups"]
                    and records[rank]["groups"][group]["issued"] >= seq]
+        if any(records[rank]["groups"][group]["completed"] >= seq for rank in waiting):
+            return None  # a waiting rank knows it complete: the behind rank's record is older (said next round)
     else:
         idle = [rank for rank in published if not any(f["in_flight"] for f in records[rank]["groups"].values())]
         busy = [records[rank] for rank in published if rank not in idle]
@@ -309,7 +318,9 @@ def form_verdict(records: dict[int, dict], world_size: int, step: int,
         places = sorted({_where(records[rank]) + _pass(records[rank]) for rank in behind})
         summary = (f"{ranks_text(behind)} never entered {what}{issued}{because}; "
                    f"{'it is' if len(behind) == 1 else 'they are'} in {' / '.join(places)}; "
-                   f"{others} {_wait(waiting)} in it (step {step}, {len(records)} of {world_size} ranks reported)")
+                   f"{others} {_wait(waiting)} in it"
+                   + (f"; {ranks_text(missing)} published nothing" if missing else "")
+                   + f" (step {step}, {len(records)} of {world_size} ranks reported)")
         return Verdict(KIND_HANG, behind=tuple(behind), waiting=tuple(waiting), group=group, mesh_dim=dim, seq=seq,
                        op=op, module=module, waiting_module=waiting_module, cause=cause, summary=summary,
                        stack=tuple(records[behind[0]]["stack"]), **common)
@@ -317,7 +328,8 @@ def form_verdict(records: dict[int, dict], world_size: int, step: int,
     if dead:
         states.append(f"{ranks_text(dead)}: process gone")
     if silent:
-        states.append(f"{ranks_text(silent)}: process alive but silent (holding the GIL, or stopped)")
+        states.append(f"{ranks_text(silent)}: process alive but silent (holding the GIL, stopped, "
+                      "or not yet at its own stall threshold)")
     unknown = [rank for rank in missing if rank not in dead and rank not in silent]
     if unknown:
         states.append(f"{ranks_text(unknown)}: dead or holding the GIL, not known from here")
@@ -370,7 +382,7 @@ class StoreExchange:
 
     Args:
         rank_of: ``() -> RankInfo``: the rank and world size (settled once the default group exists).
-        job_id: ``() -> str``: the job nonce every rank agrees on.
+        job_id: ``(store) -> str``: the job nonce every rank agrees on, agreed through ``store`` if not yet.
         export: ``export(verdict, start_ns)``: the ``stall_verdict`` span and the flush (the recorder's).
         connect: ``(timeout_s) -> store or None``: a client of the job's store for this thread
             (``_torch.default_store_client``).
@@ -380,7 +392,7 @@ class StoreExchange:
     off for the rest of the job.
     """
 
-    def __init__(self, rank_of: Callable[[], Any], job_id: Callable[[], str],
+    def __init__(self, rank_of: Callable[[], Any], job_id: Callable[[Any], str],
                  export: Callable[[Verdict, int], Any], connect: Callable[[float], Any],
                  wait_s: float = VERDICT_WAIT_S) -> None:
         self._rank_of = rank_of
@@ -395,7 +407,9 @@ class StoreExchange:
         self._step = -1
         self._since_ns = 0
         self._decide_at = 0.0  # monotonic time the leader forms the verdict ("0": not pending)
-        self._last: tuple | None = None  # what the last exported verdict said
+        self._first_round = False  # the first snapshot of the stall: decided early once every rank published
+        self._round = 0  # this rank's snapshot number in the stall (the others' of the same number are awaited)
+        self._last: str | None = None  # what the last verdict exported for this stall said
         self.exported = 0  # verdicts exported (tests)
 
     @property
@@ -416,7 +430,7 @@ class StoreExchange:
             store = self._connect(STORE_TIMEOUT_S)
             if store is None:
                 return False
-            self._root = f"{KEY_ROOT}/{self._job_id()}/"
+            self._root = f"{KEY_ROOT}/{self._job_id(store)}/"
             store.set(f"{self._root}alive/{info.rank}",
                       json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time_ns": time.time_ns()}))
             self._store = store
@@ -454,7 +468,11 @@ class StoreExchange:
                 store.append(f"{prefix}index", f"{rank},")
                 store.add(f"{prefix}count", 1)
                 self._elect(prefix, rank)
-            self._decide_at = time.monotonic() + (self._wait_s if first else 0.0)
+            round_ = min(int(record["snapshot"]), MAX_ROUNDS)
+            if first or round_ != self._round:  # (a snapshot that failed to export is published again)
+                self._round = round_
+                store.add(f"{prefix}round/{round_}", 1)  # ranks whose record of this round is in
+            self._decide_at, self._first_round = time.monotonic() + self._wait_s, first
         except Exception as error:
             self._fail("publishing this rank's stall record", error)
 
@@ -477,9 +495,11 @@ class StoreExchange:
             if _text(store.get(f"{prefix}leader")) != str(info.rank):
                 self._decide_at = 0.0  # a lower rank published: it decides
                 return
-            count = int(store.add(f"{prefix}count", 0))
-            if count < info.world_size and time.monotonic() < self._decide_at:
-                return
+            if time.monotonic() < self._decide_at:
+                # Early once every rank has published this round (the first: every rank of the job).
+                expected = info.world_size if self._first_round else int(store.add(f"{prefix}count", 0))
+                if int(store.add(f"{prefix}round/{self._round}", 0)) < expected:
+                    return
             self._decide_at = 0.0
             ranks = sorted({int(part) for part in _text(store.get(f"{prefix}index")).split(",") if part})
             values = store.multi_get([f"{prefix}r/{rank}" for rank in ranks]) if ranks else []
@@ -489,16 +509,18 @@ class StoreExchange:
                 if record.get("format") == RECORD_FORMAT:
                     records[int(record["rank"])] = record
             absent = self._absent(set(range(info.world_size)) - set(records))
+            verdict = form_verdict(records, info.world_size, self._step, absent)
+            if verdict is None:
+                return
+            said = repr(dataclasses.astuple(dataclasses.replace(verdict, summary="", reported=0, stack=())))
+            if said == self._last or (store.check([f"{prefix}said"]) and _text(store.get(f"{prefix}said")) == said):
+                self._last = said
+                return  # repeated only when it changes (also when another rank said it: a lower one came late)
+            self._last = said
+            store.set(f"{prefix}said", said)
         except Exception as error:
             self._fail("forming the stall verdict from the ranks' records", error)
             return
-        verdict = form_verdict(records, info.world_size, self._step, absent)
-        if verdict is None:
-            return
-        said = dataclasses.astuple(dataclasses.replace(verdict, summary="", reported=0, stack=()))
-        if said == self._last:
-            return  # repeated only when it changes
-        self._last = said
         start_ns = min(record["time_ns"] - round(record["age_s"] * 1e9) for record in records.values())
         _logger.warning("commdebug-otel: stall verdict: %s", verdict.summary)
         self.exported += 1
@@ -519,14 +541,15 @@ class StoreExchange:
     def ended(self) -> None:
         """The stall is over (or the tracer stops): delete this rank's record; the last out deletes the rest."""
         prefix, self._prefix, self._decide_at, self._last = self._prefix, "", 0.0, None
-        self._step, self._since_ns = -1, 0
+        self._step, self._since_ns, self._round = -1, 0, 0
         if not prefix or self._store is None:
             return
         try:
             store, rank = self._store, self._rank_of().rank
             store.delete_key(f"{prefix}r/{rank}")
             if int(store.add(f"{prefix}left", 1)) >= int(store.add(f"{prefix}count", 0)):
-                for name in ("index", "count", "leader", "left"):
+                for name in ("index", "count", "leader", "left", "said",
+                             *(f"round/{n}" for n in range(1, MAX_ROUNDS + 1))):
                     store.delete_key(f"{prefix}{name}")
         except Exception as error:
             self._fail("deleting this rank's stall record", error)
