@@ -241,6 +241,17 @@ def test_cli_reads_files_and_folders_and_exits_2_when_it_cannot(tmp_path, capsys
     assert main(["signature", str(tmp_path / "missing")]) == 1
 
 
+@pytest.mark.parametrize("content", [b"garbage\n", b"\x00\xff\xfe", b"[1, 2\n{\"a\": 1}\n"])
+def test_compare_says_one_line_about_a_garbage_file(tmp_path, capsys, content):
+    garbage = tmp_path / "garbage.json"
+    garbage.write_bytes(content)
+    sig = tmp_path / "sig.json"
+    sig.write_text(json.dumps(_document(_bare())))
+    assert main(["compare", str(sig), str(garbage)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"commdebug-otel compare: {garbage}: neither a signature"), err
+
+
 def test_a_large_file_is_read_as_spans_not_loaded_whole(tmp_path, monkeypatch):
     run = tmp_path / "traces.jsonl"
     write_otlp(_job([[[_all_reduce(8)], [_all_reduce(8)]]]), run)

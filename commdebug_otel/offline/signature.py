@@ -290,7 +290,8 @@ def load(path: str | os.PathLike, include_warmup: bool = False, messages: list[s
         messages: what the span reader skipped is appended to it.
 
     Raises:
-        SignatureError: the path does not exist, is another format's JSON, or holds no spans.
+        SignatureError: the path does not exist, is another format's JSON, or holds no spans (then
+            what the reader skipped is in its message, not in ``messages``).
     """
     path = os.fspath(path)
     if os.path.isfile(path) and os.path.getsize(path) <= MAX_SIGNATURE_BYTES:
@@ -303,12 +304,17 @@ def load(path: str | os.PathLike, include_warmup: bool = False, messages: list[s
             return _checked(document, path)
         if isinstance(document, dict) and "format" in document:
             raise SignatureError(f"{path}: format {document['format']!r}, expected {FORMAT!r}")
+    skipped: list[str] = []
     try:
-        spans = read_spans([path], messages)
+        spans = read_spans([path], skipped)
     except FileNotFoundError:
         raise SignatureError(f"{path}: no such file or folder") from None
     if not spans:
-        raise SignatureError(f"{path}: neither a signature ({FORMAT}) nor OTLP-JSON spans")
+        # One message: what the reader skipped is the why of it, not a second warning.
+        why = f" ({skipped[0]}{' ...' if len(skipped) > 1 else ''})" if skipped else ""
+        raise SignatureError(f"{path}: neither a signature ({FORMAT}) nor OTLP-JSON spans{why}")
+    if messages is not None:
+        messages.extend(skipped)
     return signature_of_spans(spans, include_warmup)
 
 
