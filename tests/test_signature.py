@@ -241,6 +241,14 @@ def test_cli_reads_files_and_folders_and_exits_2_when_it_cannot(tmp_path, capsys
     assert main(["signature", str(tmp_path / "missing")]) == 1
 
 
+@pytest.mark.parametrize("option, value", [("--count-tolerance", "-1"), ("--bytes-tolerance", "x"),
+                                           ("--bytes-tolerance", "nan")])
+def test_compare_says_what_a_tolerance_accepts(tmp_path, capsys, option, value):
+    with pytest.raises(SystemExit) as exit_:
+        main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), option, value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err == f"commdebug-otel compare: error: argument {option}: expected a number >= 0, got {value!r}"
 @pytest.mark.parametrize("content", [b"garbage\n", b"\x00\xff\xfe", b"[1, 2\n{\"a\": 1}\n"])
 def test_compare_says_one_line_about_a_garbage_file(tmp_path, capsys, content):
     garbage = tmp_path / "garbage.json"
