@@ -249,6 +249,27 @@ def test_compare_says_what_a_tolerance_accepts(tmp_path, capsys, option, value):
     assert exit_.value.code == 2
     err = capsys.readouterr().err.splitlines()[-1]
     assert err == f"commdebug-otel compare: error: argument {option}: expected a number >= 0, got {value!r}"
+
+
+def test_a_folder_of_several_runs_is_refused_not_added_up(tmp_path, capsys):
+    out = tmp_path / "commdebug-otel-out"
+    for number in (1, 2):
+        spans = _job([[[_all_reduce(8)], [_all_reduce(8)]], [[_all_reduce(8)], [_all_reduce(8)]]])
+        for one in spans:
+            one["resource"] = {**one["resource"], "host.name": "h", "process.pid": 100 * number + one["rank"]}
+            one["trace_id"] = f"r{number}{one['trace_id']}"
+        (out / f"run-{number}").mkdir(parents=True)
+        write_otlp(spans, out / f"run-{number}" / "traces.jsonl")
+    sig = _signature_file(out / "run-1", tmp_path, "sig")
+    assert main(["compare", str(sig), str(out / "run-2")]) == 0
+    capsys.readouterr()
+    assert main(["compare", str(sig), str(out)]) == 2
+    why = "rank 0 has spans from 2 processes: several runs are mixed; pass one run's folder"
+    assert capsys.readouterr().err == f"commdebug-otel compare: {out}: {why}\n"
+    assert main(["signature", str(out)]) == 1
+    assert capsys.readouterr().err == f"commdebug-otel signature: {why}\n"
+
+
 @pytest.mark.parametrize("content", [b"garbage\n", b"\x00\xff\xfe", b"[1, 2\n{\"a\": 1}\n"])
 def test_compare_says_one_line_about_a_garbage_file(tmp_path, capsys, content):
     garbage = tmp_path / "garbage.json"
