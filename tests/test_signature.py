@@ -279,6 +279,9 @@ def test_compare_says_one_line_about_a_garbage_file(tmp_path, capsys, content):
     assert main(["compare", str(sig), str(garbage)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"commdebug-otel compare: {garbage}: neither a signature"), err
+    assert main(["signature", str(garbage)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("commdebug-otel signature: no spans found"), err
 
 
 def test_a_large_file_is_read_as_spans_not_loaded_whole(tmp_path, monkeypatch):

@@ -491,15 +491,17 @@ def run(args: argparse.Namespace) -> int:
     except FileNotFoundError as error:
         print(f"commdebug-otel signature: {error}", file=sys.stderr)
         return 1
-    for message in messages:
-        print(f"commdebug-otel signature: {message}", file=sys.stderr)
     if not spans:
-        print("commdebug-otel signature: no spans found (expected OTLP-JSON trace files)", file=sys.stderr)
+        # One message: what the reader skipped is why there are none (as load() says it).
+        why = f"; {messages[0]}{' ...' if len(messages) > 1 else ''}" if messages else ""
+        print(f"commdebug-otel signature: no spans found (expected OTLP-JSON trace files{why})", file=sys.stderr)
         return 1
     mixed = mixed_runs(spans)
     if mixed:
         print(f"commdebug-otel signature: {mixed}", file=sys.stderr)
         return 1
+    for message in messages:
+        print(f"commdebug-otel signature: {message}", file=sys.stderr)
     text = to_json(signature_of_spans(spans, args.include_warmup, args.times))
     if args.output is None:
         sys.stdout.write(text)
