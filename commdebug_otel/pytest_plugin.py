@@ -79,13 +79,16 @@ class CommSignature:
             gather: as :class:`commdebug_otel.testing.signatures.SignatureRecording`.
 
         Raises:
-            ValueError: a bad name. The test fails (``pytest.fail``) when the signature differs
-            from the baseline, or there is none.
+            ValueError: a bad name, or a tolerance below 0 (before the block runs). The test fails
+            (``pytest.fail``) when the signature differs from the baseline, or there is none.
         """
         from .offline import signature
         from .testing.signatures import record_signature
 
         path = self.baseline(name)
+        for option, value in (("count_tolerance", count_tolerance), ("bytes_tolerance", bytes_tolerance)):
+            if not value >= 0:  # NaN too; said before the block, and in --comm-update runs as well
+                raise ValueError(f"comm_signature: {option} must be a number >= 0, got {value!r}")
         with record_signature(gather=gather) as recording:
             yield self
         found = recording.signature

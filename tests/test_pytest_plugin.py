@@ -4,7 +4,10 @@ world size 1 on gloo (eager and compiled blocks), and both ranks of a 2-rank DTe
 import json
 import sys
 
+import pytest
+
 from commdebug_otel.offline import signature
+from commdebug_otel.pytest_plugin import CommSignature
 
 from distributed import free_port
 
@@ -170,3 +173,13 @@ def test_every_rank_of_a_dtensor_test_checks_the_jobs_signature(pytester):
     assert out.count("RANK 0 CHECKED tp.") == out.count("RANK 1 CHECKED tp.") == 1, out
     assert out.count("~ ToyModel.out_proj forward  all_reduce  group 0 (tp)  float32  cause redistribute "
                      "(Partial(sum),) -> (Replicate(),): count 2 -> 1 per step  ranks 0-1") == 2, out
+
+
+@pytest.mark.parametrize("update", [False, True])
+@pytest.mark.parametrize("option, value", [("count_tolerance", -1), ("bytes_tolerance", float("nan"))])
+def test_a_bad_tolerance_is_said_before_the_block_runs(tmp_path, update, option, value):
+    ran = []
+    with pytest.raises(ValueError, match=f"^comm_signature: {option} must be a number >= 0, got {value!r}$"):
+        with CommSignature(tmp_path, update)("name", **{option: value}):
+            ran.append(True)
+    assert ran == [] and not list(tmp_path.iterdir())

@@ -241,6 +241,49 @@ def test_cli_reads_files_and_folders_and_exits_2_when_it_cannot(tmp_path, capsys
     assert main(["signature", str(tmp_path / "missing")]) == 1
 
 
+@pytest.mark.parametrize("option, value", [("--count-tolerance", "-1"), ("--bytes-tolerance", "x"),
+                                           ("--bytes-tolerance", "nan")])
+def test_compare_says_what_a_tolerance_accepts(tmp_path, capsys, option, value):
+    with pytest.raises(SystemExit) as exit_:
+        main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), option, value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err == f"commdebug-otel compare: error: argument {option}: expected a number >= 0, got {value!r}"
+
+
+def test_a_folder_of_several_runs_is_refused_not_added_up(tmp_path, capsys):
+    out = tmp_path / "commdebug-otel-out"
+    for number in (1, 2):
+        spans = _job([[[_all_reduce(8)], [_all_reduce(8)]], [[_all_reduce(8)], [_all_reduce(8)]]])
+        for one in spans:
+            one["resource"] = {**one["resource"], "host.name": "h", "process.pid": 100 * number + one["rank"]}
+            one["trace_id"] = f"r{number}{one['trace_id']}"
+        (out / f"run-{number}").mkdir(parents=True)
+        write_otlp(spans, out / f"run-{number}" / "traces.jsonl")
+    sig = _signature_file(out / "run-1", tmp_path, "sig")
+    assert main(["compare", str(sig), str(out / "run-2")]) == 0
+    capsys.readouterr()
+    assert main(["compare", str(sig), str(out)]) == 2
+    why = "rank 0 has spans from 2 processes: several runs are mixed; pass one run's folder"
+    assert capsys.readouterr().err == f"commdebug-otel compare: {out}: {why}\n"
+    assert main(["signature", str(out)]) == 1
+    assert capsys.readouterr().err == f"commdebug-otel signature: {why}\n"
+
+
+@pytest.mark.parametrize("content", [b"garbage\n", b"\x00\xff\xfe", b"[1, 2\n{\"a\": 1}\n"])
+def test_compare_says_one_line_about_a_garbage_file(tmp_path, capsys, content):
+    garbage = tmp_path / "garbage.json"
+    garbage.write_bytes(content)
+    sig = tmp_path / "sig.json"
+    sig.write_text(json.dumps(_document(_bare())))
+    assert main(["compare", str(sig), str(garbage)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"commdebug-otel compare: {garbage}: neither a signature"), err
+    assert main(["signature", str(garbage)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("commdebug-otel signature: no spans found"), err
+
+
 def test_a_large_file_is_read_as_spans_not_loaded_whole(tmp_path, monkeypatch):
     run = tmp_path / "traces.jsonl"
     write_otlp(_job([[[_all_reduce(8)], [_all_reduce(8)]]]), run)

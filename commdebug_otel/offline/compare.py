@@ -22,9 +22,12 @@ EXIT_UNREADABLE = 2
 
 
 def _non_negative(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")  # argparse would name this function in its message
     if not value >= 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
     return value
 
 

@@ -255,6 +255,21 @@ def read_spans(paths: Iterable[str | os.PathLike], messages: list[str] | None = 
     return spans
 
 
+def mixed_runs(spans: list[dict]) -> str | None:
+    """Why ``spans`` hold several runs (a rank's spans from more than one process), or None.
+
+    Steps are told apart by number, so a second run's steps would add to the first's counts.
+    """
+    processes: dict[int, set[tuple[str, str]]] = defaultdict(set)
+    for span in spans:
+        resource = span["resource"]
+        processes[span["rank"]].add((str(resource.get("host.name")), str(resource.get("process.pid"))))
+    rank, seen = max(processes.items(), key=lambda item: (len(item[1]), -item[0]), default=(0, set()))
+    if len(seen) < 2:
+        return None
+    return f"rank {rank} has spans from {len(seen)} processes: several runs are mixed; pass one run's folder"
+
+
 def _is_signature(document: Any) -> bool:
     return isinstance(document, dict) and document.get("format") == FORMAT
 
@@ -290,7 +305,9 @@ def load(path: str | os.PathLike, include_warmup: bool = False, messages: list[s
         messages: what the span reader skipped is appended to it.
 
     Raises:
-        SignatureError: the path does not exist, is another format's JSON, or holds no spans.
+        SignatureError: the path does not exist, is another format's JSON, holds spans of several runs
+            (:func:`mixed_runs`), or holds no spans (then
+            what the reader skipped is in its message, not in ``messages``).
     """
     path = os.fspath(path)
     if os.path.isfile(path) and os.path.getsize(path) <= MAX_SIGNATURE_BYTES:
@@ -303,12 +320,20 @@ def load(path: str | os.PathLike, include_warmup: bool = False, messages: list[s
             return _checked(document, path)
         if isinstance(document, dict) and "format" in document:
             raise SignatureError(f"{path}: format {document['format']!r}, expected {FORMAT!r}")
+    skipped: list[str] = []
     try:
-        spans = read_spans([path], messages)
+        spans = read_spans([path], skipped)
     except FileNotFoundError:
         raise SignatureError(f"{path}: no such file or folder") from None
     if not spans:
-        raise SignatureError(f"{path}: neither a signature ({FORMAT}) nor OTLP-JSON spans")
+        # One message: what the reader skipped is the why of it, not a second warning.
+        why = f" ({skipped[0]}{' ...' if len(skipped) > 1 else ''})" if skipped else ""
+        raise SignatureError(f"{path}: neither a signature ({FORMAT}) nor OTLP-JSON spans{why}")
+    mixed = mixed_runs(spans)
+    if mixed:
+        raise SignatureError(f"{path}: {mixed}")
+    if messages is not None:
+        messages.extend(skipped)
     return signature_of_spans(spans, include_warmup)
 
 
@@ -458,18 +483,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Write the signature of ``args.paths``. Returns 0, or 1 when there is nothing to read (said on stderr)."""
+    """Write the signature of ``args.paths``. Returns 0, or 1 when there is nothing to read or the spans are of
+    several runs (said on stderr)."""
     messages: list[str] = []
     try:
         spans = read_spans(args.paths, messages)
     except FileNotFoundError as error:
         print(f"commdebug-otel signature: {error}", file=sys.stderr)
         return 1
+    if not spans:
+        # One message: what the reader skipped is why there are none (as load() says it).
+        why = f"; {messages[0]}{' ...' if len(messages) > 1 else ''}" if messages else ""
+        print(f"commdebug-otel signature: no spans found (expected OTLP-JSON trace files{why})", file=sys.stderr)
+        return 1
+    mixed = mixed_runs(spans)
+    if mixed:
+        print(f"commdebug-otel signature: {mixed}", file=sys.stderr)
+        return 1
     for message in messages:
         print(f"commdebug-otel signature: {message}", file=sys.stderr)
-    if not spans:
-        print("commdebug-otel signature: no spans found (expected OTLP-JSON trace files)", file=sys.stderr)
-        return 1
     text = to_json(signature_of_spans(spans, args.include_warmup, args.times))
     if args.output is None:
         sys.stdout.write(text)
