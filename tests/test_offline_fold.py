@@ -8,7 +8,7 @@ import pytest
 
 from commdebug_otel import semconv
 from commdebug_otel.cli import main
-from commdebug_otel.offline import otlp_json, summary
+from commdebug_otel.offline import model, otlp_json, summary
 
 from otlp_files import span, write_otlp
 
@@ -79,12 +79,18 @@ def test_fold_keeps_what_summarize_reads_and_counts_the_rest(job):
     reader = otlp_json.SpanReader([job], fold=summary._Needs(0))
     spans = list(reader)
     assert not reader.unfoldable and reader.duplicates == 0
-    # rank 0 whole; on the others model.a and its leaf are counted into the model span of their step
-    assert len(spans) == _STEPS * 5 + (_RANKS - 1) * _STEPS * 3
+    # rank 0 whole; on the others model, model.a and its leaf are counted into the train_step of their
+    # step, and model.b (its collective) is a root that knows its step
+    assert len(spans) == _STEPS * 5 + (_RANKS - 1) * _STEPS * 2
     assert sum(1 + span["folded"] for span in spans) == _RANKS * _STEPS * 5
     assert sorted((span["rank"], span["name"]) for span in spans if span["folded"]) == [
-        (rank, "model forward") for rank in range(1, _RANKS) for _ in range(_STEPS)]
-    assert {span["folded"] for span in spans if span["folded"]} == {2}
+        (rank, semconv.SPAN_TRAIN_STEP) for rank in range(1, _RANKS) for _ in range(_STEPS)]
+    assert {span["folded"] for span in spans if span["folded"]} == {3}
+    assert sorted((span["rank"], span["root_step"]) for span in spans if span["name"] == "model.b forward") == [
+        (rank, (step,)) for rank in range(_RANKS) for step in range(_STEPS)]
+    index = model.SpanIndex(spans)
+    assert [index.step(span) for span in spans if span["name"] == "model.b forward"] == [
+        step for _ in range(_RANKS) for step in range(_STEPS)]
     apart = otlp_json.SpanReader([job], workers=2, fold=summary._Needs(0))
     assert list(apart) == spans and not apart.unfoldable
 

@@ -611,11 +611,14 @@ class SpanReader:
     change a span's attributes).
 
     ``fold(span) -> bool``: what a command reads (picklable, for the workers). Each file's spans are
-    reduced, where it is read, to those ``fold`` accepts, their ancestors, the roots (spans whose parent
-    is not in the file) and the first span of each (rank, host, process); every other span is counted
-    into ``"folded"`` (an int each span yielded gets) of the nearest ancestor kept, which is in the same
+    reduced, where it is read, to those ``fold`` accepts, the roots (spans whose parent is not in the
+    file), the first span of each (rank, host, process), and the ancestors of these where the tree's root
+    has a parent id (another file may hold the rest of the trace); every other span is counted into
+    ``"folded"`` (an int each span yielded gets) of the nearest ancestor kept, which is in the same
     training step (never a stall snapshot's span: a command may leave those out), and its key is kept for
-    finding duplicates. A file whose parent links form a loop is not reduced (where the loop is cut
+    finding duplicates. Each span yielded gets ``"root_step"``: ``(own_step(root),)`` of its tree's root
+    when that root has no parent id, else ``()``; :class:`.model.SpanIndex` takes it as the step of a
+    span whose parent was folded. A file whose parent links form a loop is not reduced (where the loop is cut
     depends on every file). When reducing could change what the views see (a span read twice across
     files, or a span of another file whose parent was folded), :attr:`unfoldable` is True after the
     iteration: read again without ``fold``.
@@ -954,7 +957,7 @@ def _read_file(path: str, max_line_bytes: int, hex_ids: bool, shared: bool,
 def _fold(spans: list[dict], keep: Callable[[dict], bool]) -> tuple[list[dict], list[bytes], list[bytes]]:
     """One file's spans reduced as :class:`SpanReader`'s ``fold`` says: ``(spans kept, each with "folded",
     keys (trace id + span id, 24 bytes) of the spans folded, keys of the parents of roots with a parent id)``."""
-    from .model import is_snapshot
+    from .model import is_snapshot, own_step
 
     by_id = {(span["rank"], span["trace_id"], span["span_id"]): span for span in spans}
     parent: dict[int, dict] = {}
@@ -970,6 +973,16 @@ def _fold(spans: list[dict], keep: Callable[[dict], bool]) -> tuple[list[dict], 
         else:
             parent[id(span)] = found
             children[id(found)].append(span)
+    top: dict[int, dict] = {}  # id(span) -> the root of its tree in this file
+    stack = list(roots)
+    while stack:
+        span = stack.pop()
+        top[id(span)] = top.get(id(parent.get(id(span))), span)
+        stack.extend(children.get(id(span), ()))
+    if len(top) < len(spans):  # parent links form a loop: where it is cut depends on every file
+        for span in spans:
+            span["folded"], span["root_step"] = 0, ()
+        return spans, [], parents
     kept = {id(root) for root in roots}
     processes = set()
     for span in spans:
@@ -978,17 +991,16 @@ def _fold(spans: list[dict], keep: Callable[[dict], bool]) -> tuple[list[dict], 
         if process in processes and not keep(span):
             continue
         processes.add(process)
+        settled = _true_root(top[id(span)])
         node: dict | None = span
-        while node is not None and id(node) not in kept:
+        while node is not None and id(node) not in kept:  # ancestors only where another file may add some
             kept.add(id(node))
-            node = parent.get(id(node))
+            node = None if settled else parent.get(id(node))
     folded: Counter = Counter()
     keys = []
-    reached = 0
     stack = [(root, root) for root in roots]
     while stack:
         span, anchor = stack.pop()
-        reached += 1
         if id(span) in kept or is_snapshot(anchor):
             kept.add(id(span))
             anchor = span
@@ -996,12 +1008,18 @@ def _fold(spans: list[dict], keep: Callable[[dict], bool]) -> tuple[list[dict], 
             folded[id(anchor)] += 1
             keys.append(bytes.fromhex(span["trace_id"] + span["span_id"]))
         stack.extend([(child, anchor) for child in children.get(id(span), ())])
-    if reached < len(spans):  # parent links form a loop: keep every span
-        kept, folded, keys = {id(span) for span in spans}, Counter(), []
     out = [span for span in spans if id(span) in kept]
+    root_steps: dict = {}
     for span in out:
+        step = own_step(top[id(span)])
         span["folded"] = folded[id(span)]
+        span["root_step"] = root_steps.setdefault(step, (step,)) if _true_root(top[id(span)]) else ()
     return out, keys, parents
+
+
+def _true_root(span: dict) -> bool:
+    """A span with no parent in any file: no parent id, or its own."""
+    return not span["parent_span_id"] or span["parent_span_id"] == span["span_id"]
 
 
 def _is_json(text: bytes) -> bool:
