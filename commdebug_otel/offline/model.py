@@ -91,6 +91,13 @@ def warmup_step(spans: list[dict]) -> int | None:
     return min(steps) if len(steps) > 1 else None
 
 
+def _root_step(span: dict) -> int | None:
+    """The step of a span under no other: the ``root_step`` a folding reader gave it (its parents folded
+    away, :class:`.otlp_json.SpanReader`), else its own."""
+    known = span.get("root_step")
+    return known[0] if known else own_step(span)
+
+
 def is_snapshot(span: dict) -> bool:
     """A span of a stall snapshot: the ``stalled`` span, or a copy of a step's spans so far
     (the step's own export, if it ever ended, has them all again)."""
@@ -147,7 +154,7 @@ class SpanIndex:
     def _walk_down(self, roots: list[dict]) -> None:
         """The step of every span under ``roots``, each root's own."""
         steps, children = self._steps, self._children
-        stack = [(root, own_step(root)) for root in roots]
+        stack = [(root, _root_step(root)) for root in roots]
         while stack:
             span, step = stack.pop()
             steps[id(span)] = step

@@ -25,7 +25,7 @@ import math
 import os
 import re
 import stat
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -610,13 +610,28 @@ class SpanReader:
     attributes are equal (the same module in every step) share one attribute dict (less memory: do not
     change a span's attributes).
 
+    ``fold(span) -> bool``: what a command reads (picklable, for the workers). Each file's spans are
+    reduced, where it is read, to those ``fold`` accepts, the roots (spans whose parent is not in the
+    file), the first span of each (rank, host, process), and the ancestors of these where the tree's root
+    has a parent id (another file may hold the rest of the trace); every other span is counted into
+    ``"folded"`` (an int each span yielded gets) of the nearest ancestor kept, which is in the same
+    training step (never a stall snapshot's span: a command may leave those out), and its key is kept for
+    finding duplicates. Each span yielded gets ``"root_step"``: ``(own_step(root),)`` of its tree's root
+    when that root has no parent id, else ``()``; :class:`.model.SpanIndex` takes it as the step of a
+    span whose parent was folded. A file whose parent links form a loop is not reduced (where the loop is cut
+    depends on every file). When reducing could change what the views see (a span read twice across
+    files, or a span of another file whose parent was folded), :attr:`unfoldable` is True after the
+    iteration: read again without ``fold``.
+
     Raises:
         FileNotFoundError: a path does not exist (when iteration begins).
     """
 
     def __init__(self, paths: Iterable[str | os.PathLike], max_line_bytes: int = MAX_LINE_BYTES,
-                 hex_ids: bool = True, workers: int | None = 1, shared: bool = False) -> None:
+                 hex_ids: bool = True, workers: int | None = 1, shared: bool = False,
+                 fold: Callable[[dict], bool] | None = None) -> None:
         self.paths = list(paths)
+        self.fold = fold
         self.max_line_bytes = max_line_bytes
         self.hex_ids = hex_ids
         self.workers = workers
@@ -630,26 +645,41 @@ class SpanReader:
         self.skipped_lines = 0
         #: Files that held at least one span.
         self.files: set[str] = set()
+        #: With ``fold``: the spans yielded may not stand for the files (see the class docstring).
+        self.unfoldable = False
         self._seen: set[bytes] = set()
+        self._folded: set[bytes] = set()  # keys of spans folded (with fold), apart from those yielded
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         files = trace_files(self.paths, self.messages)
         workers = self.workers
         if workers is None:
             workers = _cpus() if sum(map(_size, files)) >= PARALLEL_MIN_BYTES else 1
-        if workers < 2 or len(files) < 2:
+        apart = workers >= 2 and len(files) >= 2
+        if not apart and self.fold is None:
             for path in files:
                 for span in self._file(path):
                     yield _compact(span) if self.shared else span
             return
-        for path, (spans, messages, duplicates, skipped) in self._read_apart(files, workers):
+        read = self._read_apart(files, workers) if apart else (
+            (path, _read_file(path, self.max_line_bytes, self.hex_ids, self.shared, self.fold)) for path in files)
+        orphans: list[bytes] = []
+        for path, (spans, messages, duplicates, skipped, folded, parents) in read:
             self.messages += messages
             self.duplicates += duplicates
             self.skipped_lines += skipped
+            for key in folded:
+                if key in self._seen or key in self._folded:  # its count is in a span of this file already
+                    self.duplicates += 1
+                    self.unfoldable = True
+                self._folded.add(key)
+            orphans += parents
             for span in spans:
                 if self._new(span):
                     self.files.add(path)
                     yield _compact(span) if self.shared else span
+        if any(key in self._folded for key in orphans):
+            self.unfoldable = True
 
     def _read_apart(self, files: list[str], workers: int) -> Iterator[tuple[str, tuple]]:
         """``(path, _read_file(...))`` of each file in order, read by ``workers`` processes; at most two
@@ -665,7 +695,8 @@ class SpanReader:
         try:
             with ProcessPoolExecutor(min(workers, len(files)), mp_context=context) as pool:
                 def submit(path: str) -> tuple[str, Any]:
-                    return path, pool.submit(_read_file, path, self.max_line_bytes, self.hex_ids, self.shared)
+                    return path, pool.submit(_read_file, path, self.max_line_bytes, self.hex_ids, self.shared,
+                                             self.fold)
 
                 ahead = iter(files)
                 pending = deque(map(submit, itertools.islice(ahead, 2 * workers)))
@@ -677,7 +708,7 @@ class SpanReader:
                     yield path, result
         except (OSError, BrokenProcessPool):
             for path in files[done:]:
-                yield path, _read_file(path, self.max_line_bytes, self.hex_ids, self.shared)
+                yield path, _read_file(path, self.max_line_bytes, self.hex_ids, self.shared, self.fold)
 
     def _file(self, path: str) -> Iterator[dict[str, Any]]:
         try:
@@ -770,8 +801,9 @@ class SpanReader:
 
     def _new(self, span: dict) -> bool:
         key = bytes.fromhex(span["trace_id"] + span["span_id"])  # 24 bytes: checked hex
-        if key in self._seen:
+        if key in self._seen or key in self._folded:
             self.duplicates += 1
+            self.unfoldable |= key in self._folded  # the copy read first was folded
             return False
         self._seen.add(key)
         return True
@@ -908,12 +940,86 @@ def _size(path: str) -> int:
         return 0
 
 
-def _read_file(path: str, max_line_bytes: int, hex_ids: bool, shared: bool) -> tuple[list, list, int, int]:
+def _read_file(path: str, max_line_bytes: int, hex_ids: bool, shared: bool,
+               fold: Callable[[dict], bool] | None = None) -> tuple[list, list, int, int, list, list]:
     """One file as :class:`SpanReader` reads it, in a worker process: ``(spans, messages, duplicates,
-    skipped lines)``, spans each once within the file."""
+    skipped lines, keys of the spans folded, keys of the parents of roots not in the file)``, spans each
+    once within the file (with ``fold``, reduced: :func:`_fold`)."""
     reader = SpanReader([], max_line_bytes, hex_ids, 1, shared)
     spans = list(reader._file(path))
-    return spans, reader.messages, reader.duplicates, reader.skipped_lines
+    folded: list[bytes] = []
+    parents: list[bytes] = []
+    if fold is not None:
+        spans, folded, parents = _fold(spans, fold)
+    return spans, reader.messages, reader.duplicates, reader.skipped_lines, folded, parents
+
+
+def _fold(spans: list[dict], keep: Callable[[dict], bool]) -> tuple[list[dict], list[bytes], list[bytes]]:
+    """One file's spans reduced as :class:`SpanReader`'s ``fold`` says: ``(spans kept, each with "folded",
+    keys (trace id + span id, 24 bytes) of the spans folded, keys of the parents of roots with a parent id)``."""
+    from .model import is_snapshot, own_step
+
+    by_id = {(span["rank"], span["trace_id"], span["span_id"]): span for span in spans}
+    parent: dict[int, dict] = {}
+    children: dict[int, list[dict]] = defaultdict(list)
+    roots, parents = [], []
+    for span in spans:
+        parent_id = span["parent_span_id"]
+        found = by_id.get((span["rank"], span["trace_id"], parent_id)) if parent_id else None
+        if found is None or found is span:
+            roots.append(span)
+            if found is None and parent_id:  # its parent may be in another file
+                parents.append(bytes.fromhex(span["trace_id"] + parent_id))
+        else:
+            parent[id(span)] = found
+            children[id(found)].append(span)
+    top: dict[int, dict] = {}  # id(span) -> the root of its tree in this file
+    stack = list(roots)
+    while stack:
+        span = stack.pop()
+        top[id(span)] = top.get(id(parent.get(id(span))), span)
+        stack.extend(children.get(id(span), ()))
+    if len(top) < len(spans):  # parent links form a loop: where it is cut depends on every file
+        for span in spans:
+            span["folded"], span["root_step"] = 0, ()
+        return spans, [], parents
+    kept = {id(root) for root in roots}
+    processes = set()
+    for span in spans:
+        resource = span["resource"]
+        process = (span["rank"], str(resource.get("host.name")), str(resource.get("process.pid")))
+        if process in processes and not keep(span):
+            continue
+        processes.add(process)
+        settled = _true_root(top[id(span)])
+        node: dict | None = span
+        while node is not None and id(node) not in kept:  # ancestors only where another file may add some
+            kept.add(id(node))
+            node = None if settled else parent.get(id(node))
+    folded: Counter = Counter()
+    keys = []
+    stack = [(root, root) for root in roots]
+    while stack:
+        span, anchor = stack.pop()
+        if id(span) in kept or is_snapshot(anchor):
+            kept.add(id(span))
+            anchor = span
+        else:
+            folded[id(anchor)] += 1
+            keys.append(bytes.fromhex(span["trace_id"] + span["span_id"]))
+        stack.extend([(child, anchor) for child in children.get(id(span), ())])
+    out = [span for span in spans if id(span) in kept]
+    root_steps: dict = {}
+    for span in out:
+        step = own_step(top[id(span)])
+        span["folded"] = folded[id(span)]
+        span["root_step"] = root_steps.setdefault(step, (step,)) if _true_root(top[id(span)]) else ()
+    return out, keys, parents
+
+
+def _true_root(span: dict) -> bool:
+    """A span with no parent in any file: no parent id, or its own."""
+    return not span["parent_span_id"] or span["parent_span_id"] == span["span_id"]
 
 
 def _is_json(text: bytes) -> bool:

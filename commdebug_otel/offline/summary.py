@@ -38,7 +38,7 @@ import os
 import statistics
 import sys
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from .. import semconv
@@ -659,7 +659,7 @@ def report_dict(spans: list[dict], rank: int = 0, top: int = 10, step: int | Non
     """
     chosen = spans if step is None else step_spans(spans, step)
     return {
-        "spans": len(chosen),
+        "spans": sum(1 + span.get("folded", 0) for span in chosen),
         "step": step,
         "ranks": _ranks(chosen),
         "files": len({span["file"] for span in chosen if "file" in span}),
@@ -766,18 +766,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "at different times and run it cold)")
 
 
-def load_for_command(paths: Iterable[str], command: str, snapshots: bool = False) -> list[dict[str, Any]] | None:
+def load_for_command(paths: Iterable[str], command: str, snapshots: bool = False,
+                     fold: Callable[[dict], bool] | None = None) -> list[dict[str, Any]] | None:
     """``load_spans(paths)``, or None after telling the user (on stderr) why there is nothing to read.
 
     What the reader skipped (unreadable files, lines, spans read twice) is said on stderr first, one
     line per file. Large inputs are read by one process per CPU (:class:`.otlp_json.SpanReader`).
     ``snapshots``: keep the spans of stall snapshots (``diagnose``); otherwise they
     are left out, so a step that stalled is counted once, and the user is told how many were left out.
+    ``fold``: what the command reads of a span (:class:`.otlp_json.SpanReader`'s ``fold``); where reducing
+    the files could change an answer, they are read again whole.
     """
     # The analyses only read spans: modules repeated step after step can share their attributes.
-    reader = SpanReader(paths, workers=None, shared=command in ("summarize", "diagnose"))
+    shared = command in ("summarize", "diagnose")
+    reader = SpanReader(paths, workers=None, shared=shared, fold=fold)
     try:
         spans = load_spans(paths, reader)
+        if reader.unfoldable:
+            spans = []
+            reader = SpanReader(paths, workers=None, shared=shared)
+            spans = load_spans(paths, reader)
     except FileNotFoundError as error:
         print(f"commdebug-otel {command}: {error}", file=sys.stderr)
         return None
@@ -798,6 +806,22 @@ def load_for_command(paths: Iterable[str], command: str, snapshots: bool = False
     return spans
 
 
+class _Needs:
+    """What ``summarize`` reads of a span, as :class:`.otlp_json.SpanReader`'s ``fold``: every span of
+    ``rank`` (the module table), spans with collective events (totals, stragglers, pipeline waits; the
+    others are counted), ``train_step`` spans, stall snapshots (counted as left out) and spans that
+    dropped events (warned about). Picklable: the reader's worker processes call it."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def __call__(self, span: dict) -> bool:
+        attributes = span["attributes"]
+        return (span["rank"] == self.rank or span["name"] == semconv.SPAN_TRAIN_STEP or is_snapshot(span)
+                or semconv.SPAN_DROPPED_EVENTS in attributes or bool(span.get("dropped_events_count"))
+                or any(semconv.COLLECTIVE_OP in event["attributes"] for event in span["events"]))
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the report (or JSON) for ``args.paths``. Returns 0, or 1 when there is nothing to show.
 
@@ -808,7 +832,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    spans = load_for_command(args.paths, "summarize")
+    spans = load_for_command(args.paths, "summarize", fold=_Needs(args.rank))
     if spans is None:
         return 1
     ranks = _ranks(spans)

@@ -1,0 +1,129 @@
+"""Issue 29 item 3: ``summarize`` reduces each file, where it is read, to what its views read (the
+reader's ``fold``), and prints the same as reading every span; where reducing could change an answer
+(a trace split across files, spans read twice), it reads the files again whole."""
+
+import shutil
+
+import pytest
+
+from commdebug_otel import semconv
+from commdebug_otel.cli import main
+from commdebug_otel.offline import model, otlp_json, summary
+
+from otlp_files import span, write_otlp
+
+_STEPS = 3
+_RANKS = 4
+
+
+def _collective(time_ns, seq, late=0):
+    return (time_ns + late, {semconv.COLLECTIVE_OP: "all_reduce", semconv.COLLECTIVE_SEQ: seq,
+                             semconv.PROCESS_GROUP_NAME: "0", semconv.PROCESS_GROUP_SIZE: _RANKS,
+                             semconv.COLLECTIVE_BYTES: 1024, semconv.COLLECTIVE_DURATION: 0.001})
+
+
+def _rank_spans(rank):
+    """Per step: train_step > model > (layer.a: no collective > leaf, layer.b: one all_reduce); rank 2 late."""
+    spans = []
+    for step in range(_STEPS):
+        base = step * 10**9
+        ids = {name: f"{name}{step}" for name in ("s", "m", "a", "l", "b")}
+        late = 5_000_000 if rank == 2 else 0
+        spans += [
+            span(rank, semconv.SPAN_TRAIN_STEP, ids["s"], start=base, end=base + 9 * 10**8,
+                 **{semconv.STEP: step}),
+            span(rank, "model forward", ids["m"], ids["s"], start=base + 1, end=base + 8 * 10**8,
+                 **{semconv.MODULE_FQN: "model", semconv.MODULE_PASS: "forward"}),
+            span(rank, "model.a forward", ids["a"], ids["m"], start=base + 2, end=base + 10**8,
+                 **{semconv.MODULE_FQN: "model.a", semconv.MODULE_PASS: "forward"}),
+            span(rank, "model.a.leaf forward", ids["l"], ids["a"], start=base + 3, end=base + 10**7,
+                 **{semconv.MODULE_FQN: "model.a.leaf", semconv.MODULE_PASS: "forward"}),
+            span(rank, "model.b forward", ids["b"], ids["m"], start=base + 2 * 10**8, end=base + 3 * 10**8,
+                 events=[_collective(base + 25 * 10**7, step, late)],
+                 **{semconv.MODULE_FQN: "model.b", semconv.MODULE_PASS: "forward"}),
+        ]
+    return spans
+
+
+@pytest.fixture
+def job(tmp_path):
+    folder = tmp_path / "job"
+    folder.mkdir()
+    for rank in range(_RANKS):
+        write_otlp(_rank_spans(rank), folder / f"traces-rank{rank}.jsonl")
+    return folder
+
+
+def _summarize(capsys, *argv):
+    assert main(["summarize", *map(str, argv)]) == 0
+    return capsys.readouterr()
+
+
+def _unfolded(capsys, monkeypatch, *argv):
+    """What summarize prints when it reads every span (no fold)."""
+    with monkeypatch.context() as patch:
+        patch.setattr(summary, "_Needs", lambda rank: None)
+        return _summarize(capsys, *argv)
+
+
+@pytest.mark.parametrize("argv", [(), ("--rank", 1), ("--step", 1), ("--format", "report-json"),
+                                  ("--format", "json", "--step", 2, "--rank", 3)])
+def test_folded_files_give_the_same_answers(job, capsys, monkeypatch, argv):
+    folded = _summarize(capsys, job, *argv)
+    assert folded == _unfolded(capsys, monkeypatch, job, *argv)
+    if not argv:
+        assert folded.out.startswith(f"{_STEPS * 5 * _RANKS} spans from {_RANKS} rank(s) in {_RANKS} file(s)")
+
+
+def test_fold_keeps_what_summarize_reads_and_counts_the_rest(job):
+    reader = otlp_json.SpanReader([job], fold=summary._Needs(0))
+    spans = list(reader)
+    assert not reader.unfoldable and reader.duplicates == 0
+    # rank 0 whole; on the others model, model.a and its leaf are counted into the train_step of their
+    # step, and model.b (its collective) is a root that knows its step
+    assert len(spans) == _STEPS * 5 + (_RANKS - 1) * _STEPS * 2
+    assert sum(1 + span["folded"] for span in spans) == _RANKS * _STEPS * 5
+    assert sorted((span["rank"], span["name"]) for span in spans if span["folded"]) == [
+        (rank, semconv.SPAN_TRAIN_STEP) for rank in range(1, _RANKS) for _ in range(_STEPS)]
+    assert {span["folded"] for span in spans if span["folded"]} == {3}
+    assert sorted((span["rank"], span["root_step"]) for span in spans if span["name"] == "model.b forward") == [
+        (rank, (step,)) for rank in range(_RANKS) for step in range(_STEPS)]
+    index = model.SpanIndex(spans)
+    assert [index.step(span) for span in spans if span["name"] == "model.b forward"] == [
+        step for _ in range(_RANKS) for step in range(_STEPS)]
+    apart = otlp_json.SpanReader([job], workers=2, fold=summary._Needs(0))
+    assert list(apart) == spans and not apart.unfoldable
+
+
+def test_a_trace_split_across_files_is_read_again_whole(job, capsys, monkeypatch):
+    """Rank 1's model.b spans in a file of their own: their parents are folded in the other file, so
+    reading reduced files would lose their steps; the files are read again whole."""
+    spans = _rank_spans(1)
+    (job / "traces-rank1.jsonl").unlink()
+    write_otlp([s for s in spans if s["name"] != "model.b forward"], job / "traces-rank1.jsonl")
+    write_otlp([s for s in spans if s["name"] == "model.b forward"], job / "traces-rank1-b.jsonl")
+    reader = otlp_json.SpanReader([job], fold=summary._Needs(0))
+    list(reader)
+    assert reader.unfoldable
+    assert _summarize(capsys, job) == _unfolded(capsys, monkeypatch, job)
+
+
+def test_spans_read_twice_are_counted_once_when_folded(job, capsys, monkeypatch):
+    shutil.copy(job / "traces-rank2.jsonl", job / "traces-copy.jsonl")
+    reader = otlp_json.SpanReader([job], fold=summary._Needs(0))
+    list(reader)
+    assert reader.unfoldable and reader.duplicates == _STEPS * 5
+    folded = _summarize(capsys, job)
+    assert folded == _unfolded(capsys, monkeypatch, job)
+    assert f"{_STEPS * 5} spans read more than once" in folded.err
+
+
+def test_a_parent_loop_in_a_file_is_not_folded(tmp_path):
+    spans = _rank_spans(1)
+    for one in spans:
+        if one["name"] == "model forward":
+            one["parent_span_id"] = one["span_id"].replace("m", "l")  # model <- model.a.leaf: a loop
+    write_otlp(spans, tmp_path / "traces-rank1.jsonl")
+    reader = otlp_json.SpanReader([tmp_path], fold=summary._Needs(0))
+    kept = list(reader)
+    assert len(kept) == len(spans) and {span["folded"] for span in kept} == {0}
