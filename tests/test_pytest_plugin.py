@@ -166,7 +166,7 @@ def test_every_rank_of_a_dtensor_test_checks_the_jobs_signature(pytester):
                                                     "entries": [{**tp, "count_per_step": 2}]}))
     result = pytester.run(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                          "-m", "pytest", "-p", "no:cacheprovider", "-s", "-q", "test_tp.py", timeout=300)
+                          "-m", "pytest", "-p", "no:cacheprovider", "-s", "-q", "-rN", "test_tp.py", timeout=300)
     out = result.stdout.str()
     # Each rank's pytest: tp passes, tp_old fails with the same diff (the job's signature, gathered).
     assert out.count("1 failed, 1 passed") == 2, out

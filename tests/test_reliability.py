@@ -347,12 +347,12 @@ def test_endpoint_with_signal_path_reaches_a_receiver_over_http(tmp_path):
 
 def test_failing_hook_is_logged_once_counted_and_training_goes_on(telemetry, tracer_factory,
                                                                    single_rank_group, caplog, monkeypatch):
-    from commdebug_otel.recorder import Recorder
+    from commdebug_otel.core_collective_path import CollectivePath
 
     def broken(self, *args):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(Recorder, "collective", broken)
+    monkeypatch.setattr(CollectivePath, "collective", broken)
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with caplog.at_level(logging.WARNING), tracer_factory():

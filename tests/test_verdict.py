@@ -93,7 +93,13 @@ def _job(rank: int, world_size: int, port: int, env: dict, scenario: str, odd_ra
         torch.manual_seed(0)
         model = Net()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        with CommTracer():
+        with CommTracer() as tracer:
+            if scenario in ("killed", "gil"):
+                # The watchdog writes this rank's alive key at its first look after the process group exists;
+                # a rank gone before that is "unknown" (documented): let it look first on a loaded machine.
+                exchange, deadline = tracer._stall_watch.exchange, time.monotonic() + 30
+                while exchange._store is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
             for step in range(4):
                 mine = rank == odd_rank and step == STUCK_STEP
                 if mine and scenario == "between":
