@@ -903,6 +903,20 @@ def summarize(ratios: list[float]) -> dict[str, float]:
             "min": min(ratios), "max": max(ratios), "n": len(ratios)}
 
 
+def config_rows(per_rank: list, names) -> dict[str, dict[str, float]]:
+    """Each configuration's step-time ratio to the untraced one (median, quartiles, range) and step time
+    in ms, printed as a table; ``per_rank``: each rank's ``times``."""
+    rows = {}
+    print(f"{'configuration':28} {'step ms':>8} {'ratio':>7} {'IQR':>15} {'min..max':>15}")
+    for name in names:
+        stats = summarize(per_round_ratios(per_rank, name))
+        stats["step_ms"] = step_ms(per_rank, name)
+        rows[name] = stats
+        print(f"{name:28} {stats['step_ms']:8.2f} {stats['median']:7.3f} "
+              f"{stats['q1']:7.3f}..{stats['q3']:<7.3f} {stats['min']:7.3f}..{stats['max']:<7.3f}")
+    return rows
+
+
 # ================================================================ the phases
 def phase_overhead(rx, workload: str, world_size: int, rounds: int, steps_per_block: int,
                    report: dict[str, Any]) -> None:
@@ -913,14 +927,7 @@ def phase_overhead(rx, workload: str, world_size: int, rounds: int, steps_per_bl
     results = run_ranks(overhead_worker, world_size, child_env(rx.grpc_endpoint), workload=workload,
                         rounds=rounds, steps_per_block=steps_per_block)
     per_rank = [result["times"] for result in results]
-    rows = {}
-    print(f"{'configuration':28} {'step ms':>8} {'ratio':>7} {'IQR':>15} {'min..max':>15}")
-    for name in CONFIGS:
-        stats = summarize(per_round_ratios(per_rank, name))
-        stats["step_ms"] = step_ms(per_rank, name)
-        rows[name] = stats
-        print(f"{name:28} {stats['step_ms']:8.2f} {stats['median']:7.3f} "
-              f"{stats['q1']:7.3f}..{stats['q3']:<7.3f} {stats['min']:7.3f}..{stats['max']:<7.3f}")
+    rows = config_rows(per_rank, CONFIGS)
     # Which steps did each of our tracers trace? (start/stop/start keeps counting steps)
     traced = {}
     for name, service in results[0]["services"].items():
@@ -953,14 +960,7 @@ def phase_dropin(rx, workload: str, world_size: int, rounds: int, steps_per_bloc
     results = run_ranks(dropin_worker, world_size, child_env(rx.grpc_endpoint), workload=workload,
                         rounds=rounds, steps_per_block=steps_per_block)
     per_rank = [result["times"] for result in results]
-    rows = {}
-    print(f"{'configuration':28} {'step ms':>8} {'ratio':>7} {'IQR':>15} {'min..max':>15}")
-    for name in DROPIN_CONFIGS:
-        stats = summarize(per_round_ratios(per_rank, name))
-        stats["step_ms"] = step_ms(per_rank, name)
-        rows[name] = stats
-        print(f"{name:28} {stats['step_ms']:8.2f} {stats['median']:7.3f} "
-              f"{stats['q1']:7.3f}..{stats['q3']:<7.3f} {stats['min']:7.3f}..{stats['max']:<7.3f}")
+    rows = config_rows(per_rank, DROPIN_CONFIGS)
     ours_vs_torch = pooled_ratio(slowest_rank_steps(per_rank, DROPIN), slowest_rank_steps(per_rank, CONFIGS[1]))
     print(f"ours / torch's, pooled: {ours_vs_torch['median']:.3f} (95% CI {ours_vs_torch['ci_low']:.3f}.."
           f"{ours_vs_torch['ci_high']:.3f})")
