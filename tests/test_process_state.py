@@ -76,19 +76,27 @@ def test_an_ignored_sigterm_stays_ignored(tmp_path):
     assert _steps_on_disk(tmp_path) == [0, 1, 2, 3, 4, 5, 6]
 
 
-def test_after_asyncio_removes_its_sigterm_handler_the_default_action_still_keeps_finished_steps(tmp_path):
-    """``loop.remove_signal_handler`` sets ``SIG_DFL`` and clears the wakeup fd: the next step boundary chains our
-    flush again, so SIGTERM ends the process by the signal, as without us, with the finished steps on disk."""
-    process = subprocess.Popen([sys.executable, str(SCRIPTS / "own_handler.py"), "asyncio"], env=_env(tmp_path),
+def _sigterm_when_ready(tmp_path, mode: str, before=lambda: None) -> tuple[int, str]:
+    """Run own_handler.py ``mode``; once it says READY (and ``before()`` returned), send SIGTERM. Returns its
+    exit status and stderr."""
+    process = subprocess.Popen([sys.executable, str(SCRIPTS / "own_handler.py"), mode], env=_env(tmp_path),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                preexec_fn=default_signal_actions)
     try:
         assert process.stdout.readline().strip() == "READY"
+        before()
         process.send_signal(signal.SIGTERM)
         _, stderr = process.communicate(timeout=120)
     finally:
         process.kill()
-    assert process.returncode == -signal.SIGTERM, stderr
+    return process.returncode, stderr
+
+
+def test_after_asyncio_removes_its_sigterm_handler_the_default_action_still_keeps_finished_steps(tmp_path):
+    """``loop.remove_signal_handler`` sets ``SIG_DFL`` and clears the wakeup fd: the next step boundary chains our
+    flush again, so SIGTERM ends the process by the signal, as without us, with the finished steps on disk."""
+    returncode, stderr = _sigterm_when_ready(tmp_path, "asyncio")
+    assert returncode == -signal.SIGTERM, stderr
     assert _steps_on_disk(tmp_path) == [0, 1, 2, 3, 4]
 
 
@@ -102,20 +110,14 @@ def test_an_ignored_sigterm_after_an_event_loops_handler_stays_ignored(tmp_path)
 def test_after_asyncio_removes_its_sigterm_handler_after_the_last_step_the_finished_steps_are_flushed(tmp_path):
     """No step boundary follows the reset to ``SIG_DFL`` (which would chain our flush again): the rescue thread
     sees the reset and flushes what is finished, so a SIGTERM that then ends the process at once loses none."""
-    process = subprocess.Popen([sys.executable, str(SCRIPTS / "own_handler.py"), "asyncio_last"],
-                               env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               preexec_fn=default_signal_actions)
-    try:
-        assert process.stdout.readline().strip() == "READY"
+    def flushed() -> None:
         for _ in range(600):  # the flush comes within about a second (longer on a loaded machine)
             if list(tmp_path.glob("run-*/traces*")) and _steps_on_disk(tmp_path):
-                break
+                return
             time.sleep(0.1)
-        process.send_signal(signal.SIGTERM)
-        _, stderr = process.communicate(timeout=120)
-    finally:
-        process.kill()
-    assert process.returncode == -signal.SIGTERM, stderr
+
+    returncode, stderr = _sigterm_when_ready(tmp_path, "asyncio_last", flushed)
+    assert returncode == -signal.SIGTERM, stderr
     assert _steps_on_disk(tmp_path) == [0, 1, 2, 3, 4]
 
 
