@@ -409,8 +409,8 @@ def _remove_collective_kernels() -> None:
     thread may be inside one); each pass-through still boxes its arguments into Python.
     Here nothing else runs between blocks, and the next ``start()`` registers them again.
     """
-    from commdebug_otel.intercept import interceptor
-    from commdebug_otel.mode import COLLECTIVES
+    from commdebug_otel.capture.intercept import interceptor
+    from commdebug_otel.capture.mode import COLLECTIVES
 
     kernels = interceptor(COLLECTIVES)
     if not kernels._subscribers:
@@ -651,9 +651,9 @@ def _wire_run(world_size: int) -> tuple[Job, dict[str, Any]]:
     """Set-up and 3 steps traced with the default settings into in-memory telemetry, with this
     rank's real resource; what one rank sends, as the OTLP exporters encode it."""
     from commdebug_otel import CommTracer, Settings, semconv
-    from commdebug_otel.metrics import DURATION_BUCKETS_S, STEP_BUCKETS_S
-    from commdebug_otel.steps import rank_info, trace_block
-    from commdebug_otel.telemetry import build_resource
+    from commdebug_otel.core.steps import rank_info, trace_block
+    from commdebug_otel.otel.metrics import DURATION_BUCKETS_S, STEP_BUCKETS_S
+    from commdebug_otel.otel.telemetry import build_resource
     from commdebug_otel.testing import InMemoryTelemetry
     from commdebug_otel.testing.wire import metric_series, metric_wire, trace_wire
 
@@ -797,7 +797,7 @@ def black_hole_worker(rank: int, world_size: int, rounds: int, steps_per_block: 
     # How long would CommTracer.stop()'s flush block with the collector black-holed?
     flush_s: float | None = None
     if rank == 0:
-        from commdebug_otel.telemetry import Telemetry
+        from commdebug_otel.otel.telemetry import Telemetry
 
         done = threading.Event()
         began = time.perf_counter()

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Span encoding cost: the SDK's encoders against ``commdebug_otel.encoding``'s (protobuf and OTLP-JSON).
+"""Span encoding cost: the SDK's encoders against ``commdebug_otel.otel.encoding``'s (protobuf and OTLP-JSON).
 
 Run from the repository root (about 30 seconds)::
 
@@ -47,8 +47,8 @@ def traced_steps(steps: int, plain_resource: bool = False) -> list[list]:
     import bench
 
     from commdebug_otel import CommTracer, Settings
-    from commdebug_otel.steps import rank_info
-    from commdebug_otel.telemetry import build_resource
+    from commdebug_otel.core.steps import rank_info
+    from commdebug_otel.otel.telemetry import build_resource
     from commdebug_otel.testing import InMemoryTelemetry
 
     torch.set_num_threads(1)
@@ -108,9 +108,9 @@ def main() -> int:
     from opentelemetry.exporter.otlp.json.common.trace_encoder import encode_spans as sdk_json
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans as sdk_encode
 
-    from commdebug_otel import encoding
-    from commdebug_otel.encoding import encode_spans as our_encode
-    from commdebug_otel.encoding import encode_spans_json as our_json
+    from commdebug_otel.otel import encoding
+    from commdebug_otel.otel.encoding import encode_spans as our_encode
+    from commdebug_otel.otel.encoding import encode_spans_json as our_json
 
     steps = traced_steps(3 + args.steps)
     for spans in steps[:3]:
@@ -141,7 +141,7 @@ def main() -> int:
     print("encode_spans + SerializeToString, us per span:")
     print(f"  SDK's, plain Resource (its hash per span):           {plain:5.1f}")
     print(f"  SDK's, build_resource's Resource (OTLP/HTTP's now):  {sdk:5.1f} ({sdk / plain:.0%})")
-    print(f"  commdebug_otel.encoding's (OTLP/gRPC's now):         {ours:5.1f} ({ours / plain:.0%})")
+    print(f"  commdebug_otel.otel.encoding's (OTLP/gRPC's now):         {ours:5.1f} ({ours / plain:.0%})")
     sdk = per_span_us(sdk_json, timed, serialize=json_line)
     ours = per_span_us(our_json, timed, rewarm, serialize=json_line)  # the line is the text itself
     rewarm()
@@ -149,7 +149,7 @@ def main() -> int:
     print("OTLP-JSON file exporter's line (the SDK's: encode, json.dumps; ours: the text), us per span; young "
           "collections per 1,000 spans:")
     print(f"  SDK's (opentelemetry-exporter-otlp-json-common):     {sdk:5.1f}  {sdk_gc:5.1f}")
-    print(f"  commdebug_otel.encoding's (the file exporter's now): {ours:5.1f}  {ours_gc:5.1f} "
+    print(f"  commdebug_otel.otel.encoding's (the file exporter's now): {ours:5.1f}  {ours_gc:5.1f} "
           f"({ours / sdk:.0%} of the time)")
     return 0
 

@@ -33,7 +33,7 @@ first use.
 
 from __future__ import annotations
 
-from .version import __version__
+from commdebug_otel.version import __version__
 
 # Not typing.TYPE_CHECKING: importing typing (with re and enum) would be most of this
 # package's import cost while tracing is disabled (docs/performance.md).
@@ -42,7 +42,7 @@ TYPE_CHECKING = False
 __all__ = ["CommDebugMode", "CommTracer", "Detail", "Settings", "TraceScope", "__version__"]
 
 _LAZY = {
-    "CommDebugMode": "compat",
+    "CommDebugMode": "compat.debug_mode",
     "CommTracer": "instrumentation",
     "Detail": "config",
     "Settings": "config",
@@ -52,9 +52,9 @@ _LAZY = {
 if TYPE_CHECKING:
     from typing import Any
 
-    from .compat import CommDebugMode
-    from .config import Detail, Settings, TraceScope
-    from .instrumentation import CommTracer
+    from commdebug_otel.compat.debug_mode import CommDebugMode
+    from commdebug_otel.config import Detail, Settings, TraceScope
+    from commdebug_otel.instrumentation import CommTracer
 
 
 def __getattr__(name: str) -> Any:

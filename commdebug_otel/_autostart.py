@@ -30,12 +30,12 @@ def maybe_start() -> None:
     ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` lists ``commdebug``, or this is a torchrun launcher
     (the instrumentor's no-op). Never raises: a failure logs one warning and the program runs on."""
     try:
-        from . import config
+        from commdebug_otel import config
 
         config.warn_unknown_variables()
         if not config.read_option("enabled") or config.instrumentation_disabled():
             return
-        from .instrumentor import instrument
+        from commdebug_otel.instrumentor import instrument
 
         instrument()
     except Exception as error:  # start-up must never break the user's program

@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-from .config import OPTIONS, Detail, Option, run_environment
+from commdebug_otel.config import OPTIONS, Detail, Option, run_environment
 
 
 def _positive(text: str) -> int:
@@ -103,7 +103,7 @@ def _version() -> str:
     """``commdebug-otel X (torch Y, opentelemetry-sdk Z)``, from the installed metadata (torch is not imported)."""
     from importlib import metadata
 
-    from .version import __version__
+    from commdebug_otel.version import __version__
 
     def installed(name: str) -> str:
         try:
@@ -155,7 +155,7 @@ EXIT_PIPE_CLOSED = 141
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command_name == "demo":
-        from .demo import demo_refusal, run_demo
+        from commdebug_otel.demo import demo_refusal, run_demo
 
         refusal = demo_refusal(args.ranks)
         if refusal:

@@ -9,7 +9,7 @@ every other module can be tested from a plain dict:
   Explicit arguments (``Settings(detail=...)``) beat the environment; bad
   explicit arguments raise ``ValueError`` at once.
 * :class:`ExportEnv` (``ExportEnv.from_env()``): the standard ``OTEL_*``
-  variables that our own SDK set-up (``telemetry.py``) reads, named through the
+  variables that our own SDK set-up (``otel/telemetry.py``) reads, named through the
   SDK's constants, with the exporter and endpoint rules (``otlp_endpoint``).
   The SDK's exporters still read their headers, certificates, compression and
   timeouts themselves.
@@ -84,7 +84,8 @@ from opentelemetry.sdk.environment_variables import (
     OTEL_SPAN_LINK_COUNT_LIMIT,
 )
 
-from .redact import hide_credentials
+from commdebug_otel.core.redact import hide_credentials
+from commdebug_otel.detail import Detail
 
 _logger = logging.getLogger(__name__)
 
@@ -111,19 +112,6 @@ def job_log(logger: logging.Logger, environ: Mapping[str, str] | None = None) ->
     The same configuration reaches every rank; saying it once per job is enough.
     """
     return logger.warning if RankEnv.from_env(environ).rank == 0 else logger.debug
-
-
-class Detail(enum.IntEnum):
-    """What becomes a span event, mirroring CommDebugMode's ``noise_level`` 0-3."""
-
-    COLLECTIVES = 0  # collectives only
-    DTENSOR = 1  # + DTensor ops other than trivial ones
-    OPS = 2  # + all non-trivial ops
-    ALL = 3  # + trivial ops
-
-    @property
-    def label(self) -> str:
-        return self.name.lower()
 
 
 class TraceScope(enum.Enum):

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-from .config import Detail, ExportEnv, Settings
+from commdebug_otel.config import Detail, ExportEnv, Settings
 
 _DEMO_BATCH = 4
 _DEMO_HEADS = 4  # _demo_model.ModelArgs.n_heads
@@ -46,8 +46,8 @@ def _worker(rank: int, world_size: int, port: int, steps: int, settings: Setting
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from . import _demo_model as demo_model
-    from .compat import CommDebugMode
+    from commdebug_otel import _demo_model as demo_model
+    from commdebug_otel.compat.debug_mode import CommDebugMode
 
     def say(text: str) -> None:
         if rank == 0:

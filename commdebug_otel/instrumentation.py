@@ -4,7 +4,7 @@ Every side effect of :meth:`CommTracer.start` has its undo in :meth:`CommTracer.
 in mirrored order: the optimizer-step hook, the dispatch mode, the collective
 kernels, the module hooks.
 
-Collectives are counted by dispatcher kernels (``intercept.py``) that cost
+Collectives are counted by dispatcher kernels (``capture/intercept.py``) that cost
 nothing per op, and DTensor's redistribution step names the op behind them.
 The dispatch mode, which every op pays for, is needed only for op events
 (detail ``dtensor`` and up), and then only while a traced step is open.
@@ -23,18 +23,24 @@ from typing import Any
 
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ._torch import in_backward
-from .collectives import wait_for_backend_callbacks
-from .config import Detail, Settings
-from .flight_recorder import dump_beside_snapshot
-from .intercept import interceptor
-from .metrics import LazyCollectiveMetrics
-from .mode import COLLECTIVES, CollectiveDispatchMode, enter_below_user_modes, exit_from_stack, on_stack
-from .observer import RecorderObserver
-from .recorder import Recorder
-from .stall import StallWatch
-from .telemetry import Telemetry
-from .tracker import ModuleTracker
+from commdebug_otel.capture._torch import in_backward
+from commdebug_otel.capture.intercept import interceptor
+from commdebug_otel.capture.mode import (
+    COLLECTIVES,
+    CollectiveDispatchMode,
+    enter_below_user_modes,
+    exit_from_stack,
+    on_stack,
+)
+from commdebug_otel.capture.observer import RecorderObserver
+from commdebug_otel.capture.tracker import ModuleTracker
+from commdebug_otel.config import Detail, Settings
+from commdebug_otel.core.collectives import wait_for_backend_callbacks
+from commdebug_otel.core.recorder import Recorder
+from commdebug_otel.otel.metrics import LazyCollectiveMetrics
+from commdebug_otel.otel.telemetry import Telemetry
+from commdebug_otel.stall.flight_recorder import dump_beside_snapshot
+from commdebug_otel.stall.watchdog import StallWatch
 
 _logger = logging.getLogger(__name__)
 
@@ -90,11 +96,11 @@ class CommTracer:
     Args:
         settings: :class:`Settings`; default ``Settings.from_env()``.
         tracer_provider: an OTel ``TracerProvider``; default: our own SDK set-up
-            from the standard ``OTEL_*`` variables (see ``telemetry.py``).
+            from the standard ``OTEL_*`` variables (see ``otel/telemetry.py``).
         meter_provider: an OTel ``MeterProvider``; same default.
         telemetry: a ``Telemetry`` to use instead (its providers, exporters and
             span building), e.g. a private one that :meth:`stop` does not share.
-        observer: a :class:`~commdebug_otel.observer.RecorderObserver` told
+        observer: a :class:`~commdebug_otel.capture.observer.RecorderObserver` told
             what the recorder sees (the ``CommDebugMode`` drop-in's counts).
         exports: False for a tracer that only feeds ``observer`` and exports
             nothing (the drop-in inside a running tracer).
@@ -253,7 +259,7 @@ class CommTracer:
         """
         import multiprocessing.util
 
-        from .instrumentor import is_data_worker
+        from commdebug_otel.instrumentor import is_data_worker
 
         if is_data_worker():
             self._stay_silent()
@@ -271,7 +277,7 @@ class CommTracer:
         (a spawn child whose target was not known when tracing started), stay silent. True if so."""
         from torch.utils.data import get_worker_info
 
-        from .instrumentor import is_data_worker
+        from commdebug_otel.instrumentor import is_data_worker
 
         if get_worker_info() is None and not is_data_worker():
             return False
@@ -308,7 +314,7 @@ class CommTracer:
         self._started = False
         _STARTED.discard(self)
         _EXPORTING.discard(self)
-        # Flushing: what waits for the process group goes out with what is known now (telemetry.py).
+        # Flushing: what waits for the process group goes out with what is known now (otel/telemetry.py).
         settle = getattr(self.telemetry, "settle_now", None) if flush else None
         for where, undo in (("exit handlers", self._unregister_exit),
                             ("telemetry", settle),

@@ -82,8 +82,8 @@ class CommSignature:
             ValueError: a bad name, or a tolerance below 0 (before the block runs). The test fails
             (``pytest.fail``) when the signature differs from the baseline, or there is none.
         """
-        from .offline import signature
-        from .testing.signatures import record_signature
+        from commdebug_otel.offline import signature
+        from commdebug_otel.testing.signatures import record_signature
 
         path = self.baseline(name)
         for option, value in (("count_tolerance", count_tolerance), ("bytes_tolerance", bytes_tolerance)):

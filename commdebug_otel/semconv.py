@@ -36,7 +36,7 @@ STEP_COLLECTIVE_FINGERPRINTS = "torch.step.collective_fingerprints"  # hash of t
 STEP_COLLECTIVE_COUNTS = "torch.step.collective_counts"
 STEP_COLLECTIVE_FIRST_SEQ = "torch.step.collective_first_seq"
 
-# Stall snapshots (stall.py).
+# Stall snapshots (stall/watchdog.py).
 SPAN_STALLED = "stalled"
 SPAN_INCOMPLETE = "commdebug.span.incomplete"  # still open at the snapshot: ended there
 STALL_SNAPSHOT = "commdebug.stall.snapshot"  # on every span of a snapshot: 1, 2, ... while the stall lasts
@@ -52,7 +52,7 @@ STALL_COMPLETED_SEQ = "commdebug.stall.completed_seq"
 COLLECTIVE_STATE = "commdebug.collective.state"  # on a snapshot's ring events
 STATE_IN_FLIGHT = "in_flight"
 STATE_COMPLETED = "completed"
-# The cross-rank stall verdict (verdict.py): one span, exported by one rank, in the stalled step's trace.
+# The cross-rank stall verdict (stall/verdict.py): one span, exported by one rank, in the stalled step's trace.
 SPAN_STALL_VERDICT = "stall_verdict"
 VERDICT_KIND = "commdebug.verdict.kind"  # hang | desync | missing
 VERDICT_KIND_HANG = "hang"
@@ -172,5 +172,5 @@ LEGACY_FUNCTIONAL_PACKETS = {
 }
 
 # torch's Flight Recorder buffer, dumped in its JSON form beside a stall snapshot: <prefix><rank>.json
-# (commdebug_otel/flight_recorder.py writes it, `diagnose` finds it in the folders it reads).
+# (commdebug_otel/stall/flight_recorder.py writes it, `diagnose` finds it in the folders it reads).
 FLIGHT_RECORDER_FILE_PREFIX = "commdebug-flight-recorder-rank"

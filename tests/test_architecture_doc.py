@@ -65,6 +65,6 @@ def test_every_question_has_a_path():
 
 def test_the_check_catches_a_name_that_is_gone(tmp_path):
     """The parse is not vacuous: a function that does not exist is reported."""
-    tree = ast.parse((PACKAGE / "recorder.py").read_text(encoding="utf-8"))
+    tree = ast.parse((PACKAGE / "core/recorder.py").read_text(encoding="utf-8"))
     names = _names(tree)
     assert "Recorder.stall_snapshot" in names and "Recorder.emit" not in names

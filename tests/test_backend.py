@@ -13,9 +13,9 @@ def _backends(rank, world_size):
     """The backend as seen by our resource, for groups made without naming a backend."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from commdebug_otel.ops import backend_name
-    from commdebug_otel.steps import rank_info
-    from commdebug_otel.telemetry import build_resource
+    from commdebug_otel.capture.ops import backend_name
+    from commdebug_otel.core.steps import rank_info
+    from commdebug_otel.otel.telemetry import build_resource
 
     seen = {"named": (str(dist.get_backend()), rank_info().backend)}
     dist.destroy_process_group()
@@ -39,7 +39,7 @@ def test_backend_is_resolved_per_device_when_torch_says_undefined():
 
 
 def test_several_backends_are_listed_per_device(monkeypatch):
-    from commdebug_otel.ops import backend_name
+    from commdebug_otel.capture.ops import backend_name
 
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "undefined")
     monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:nccl")

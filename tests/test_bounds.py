@@ -212,7 +212,7 @@ def test_a_cut_removes_the_tensor_hooks_of_the_part_before_it(telemetry, tracer_
     tracer = tracer_factory(max_spans_per_step=10)
     model = Block()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with tracer, caplog.at_level(logging.WARNING, logger="commdebug_otel.recorder"):
+    with tracer, caplog.at_level(logging.WARNING, logger="commdebug_otel.core.recorder"):
         model(torch.ones(1, 4)).sum().backward()
         optimizer.step()
         kept = [model(torch.ones(1, 4)) for _ in range(2)]  # 10 records: the next forward cuts

@@ -155,7 +155,7 @@ def test_metrics_of_a_step_that_never_ends_are_recorded(telemetry, tracer_factor
     """A rank stuck in a hung collective never reaches its flush: the idle worker records what is pending."""
     import time
 
-    from commdebug_otel.metrics import IDLE_TAKE_S
+    from commdebug_otel.otel.metrics import IDLE_TAKE_S
 
     with tracer_factory(trace_every=10**6):
         model = AllReduceLinear()
@@ -325,7 +325,7 @@ def test_untraced_step_runs_no_module_hook_inside_the_outermost_call(telemetry, 
 
 def test_metric_points_beyond_the_pending_bound_are_dropped_and_counted(
         telemetry, tracer_factory, single_rank_group, monkeypatch):
-    from commdebug_otel import metrics
+    from commdebug_otel.otel import metrics
 
     monkeypatch.setattr(metrics, "MAX_PENDING_POINTS", 2)  # the worker takes points at the step end only
 
@@ -352,7 +352,7 @@ def test_meshes_are_searched_again_only_after_process_groups_changed(telemetry, 
     step). A search now follows only a change of process groups; the meshes found keep naming their groups."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from commdebug_otel.ops import MESHES
+    from commdebug_otel.capture.ops import MESHES
 
     searches = []
     search = MESHES._scan

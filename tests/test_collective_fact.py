@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from commdebug_otel import semconv
-from commdebug_otel.core_fact import CollectiveFact, GroupFacts, event_attributes, parse
+from commdebug_otel.core.fact import CollectiveFact, GroupFacts, event_attributes, parse
 
 # What a stall-ring event says of a collective, beside its state and age: the same as its span event.
 SHARED = (semconv.COLLECTIVE_OP, semconv.PROCESS_GROUP_NAME, semconv.PROCESS_GROUP_SIZE, semconv.COLLECTIVE_SEQ,

@@ -20,8 +20,8 @@ from commdebug_otel.config import (
     read_option,
     run_environment,
 )
+from commdebug_otel.core.steps import rank_info
 from commdebug_otel.demo import describe_destination
-from commdebug_otel.steps import rank_info
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 

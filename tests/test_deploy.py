@@ -17,7 +17,7 @@ import yaml
 
 from commdebug_otel import semconv
 from commdebug_otel.config import OPTIONS
-from commdebug_otel.telemetry import MAX_ATTRIBUTE_CHARS
+from commdebug_otel.otel.telemetry import MAX_ATTRIBUTE_CHARS
 
 import collector_schema as schema
 import grafana_dashboard as dash

@@ -1,4 +1,4 @@
-"""commdebug_otel.encoding gives the SDK's OTLP requests byte for byte (protobuf, and the OTLP-JSON file
+"""commdebug_otel.otel.encoding gives the SDK's OTLP requests byte for byte (protobuf, and the OTLP-JSON file
 exporter's lines), with a bounded memo."""
 
 import importlib.util
@@ -18,8 +18,8 @@ from opentelemetry.sdk.util import BoundedList
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
-from commdebug_otel import encoding
-from commdebug_otel.encoding import MEMO_ENTRIES, encode_spans, encode_spans_json
+from commdebug_otel.otel import encoding
+from commdebug_otel.otel.encoding import MEMO_ENTRIES, encode_spans, encode_spans_json
 
 # Every attribute value type, and values Python finds equal (True == 1 == 1.0, 0.0 == -0.0,
 # (1,) == (True,)) under one key across spans: each must keep its own encoding.
@@ -201,7 +201,7 @@ def test_memo_stays_within_its_cap(memo):
 def test_file_exporter_writes_the_sdks_lines_with_our_encoder():
     from opentelemetry.exporter.otlp.json.file import FileSpanExporter
 
-    from commdebug_otel.telemetry import _exporter_class
+    from commdebug_otel.otel.telemetry import _exporter_class
 
     exporter_class = _exporter_class("traces", "file")
     assert issubclass(exporter_class, FileSpanExporter) and exporter_class is _exporter_class("traces", "file")
@@ -217,7 +217,7 @@ def test_file_exporter_writes_the_sdks_lines_with_our_encoder():
 def test_grpc_exporter_translates_with_our_encoder():
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-    from commdebug_otel.telemetry import _exporter_class
+    from commdebug_otel.otel.telemetry import _exporter_class
 
     exporter_class = _exporter_class("traces", "grpc")
     assert issubclass(exporter_class, OTLPSpanExporter) and exporter_class is _exporter_class("traces", "grpc")
@@ -231,8 +231,8 @@ def test_grpc_exporter_translates_with_our_encoder():
 
 
 def test_built_resource_hashes_once_and_compares_as_the_sdks():
-    from commdebug_otel.steps import RankInfo
-    from commdebug_otel.telemetry import build_resource
+    from commdebug_otel.core.steps import RankInfo
+    from commdebug_otel.otel.telemetry import build_resource
 
     resource = build_resource(RankInfo(0, 2, 0, 0, "run", "gloo", True))
     plain = Resource(dict(resource.attributes), resource.schema_url)
@@ -275,8 +275,8 @@ def _traced_demo_steps(result):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from commdebug_otel import CommTracer, Settings, _demo_model
-    from commdebug_otel.steps import rank_info
-    from commdebug_otel.telemetry import build_resource
+    from commdebug_otel.core.steps import rank_info
+    from commdebug_otel.otel.telemetry import build_resource
     from commdebug_otel.testing import InMemoryTelemetry
 
     torch.set_num_threads(1)
@@ -399,8 +399,8 @@ def test_a_huge_string_is_not_kept_in_the_long_text_memo():
 def test_the_file_exporter_writes_nothing_to_a_closed_stream():
     import tempfile
 
-    from commdebug_otel.export_guard import WholeLineFile
-    from commdebug_otel.telemetry import _exporter_class
+    from commdebug_otel.otel.export_guard import WholeLineFile
+    from commdebug_otel.otel.telemetry import _exporter_class
 
     with tempfile.TemporaryDirectory() as directory:
         stream = WholeLineFile(f"{directory}/traces.jsonl")
@@ -495,7 +495,7 @@ def test_surrogates_reach_the_protobuf_encoders_as_valid_strings(telemetry, trac
 def test_file_lines_are_valid_utf8_whatever_reaches_them(tmp_path):
     """The files' last guard (a resource attribute from the environment, a metric the SDK encodes): a lone
     surrogate, escaped by json.dumps or raw, becomes U+FFFD; pairs and escaped backslashes stay."""
-    from commdebug_otel.export_guard import WholeLineFile, valid_json
+    from commdebug_otel.otel.export_guard import WholeLineFile, valid_json
 
     values = ["a\udc80", "\ud83d\ude00", "x\\udc80", "é\ud800", "\ud83d"]
     written = WholeLineFile(str(tmp_path / "out.jsonl"))

@@ -105,8 +105,8 @@ def test_direct_spans_match_the_sdk_span_path_on_the_wire(monkeypatch, single_ra
     import torch
 
     from commdebug_otel import CommTracer, Settings
-    from commdebug_otel import spans as spans_module
-    from commdebug_otel import telemetry as telemetry_module
+    from commdebug_otel.otel import spans as spans_module
+    from commdebug_otel.otel import telemetry as telemetry_module
     from commdebug_otel.testing import InMemoryTelemetry
 
     class Failing(torch.nn.Module):
@@ -203,7 +203,7 @@ def test_exporter_none_builds_no_records_and_keeps_metrics(monkeypatch, tmp_path
     import torch
 
     from commdebug_otel import CommTracer, Settings
-    from commdebug_otel import spans as spans_module
+    from commdebug_otel.otel import spans as spans_module
     from commdebug_otel.testing import InMemoryTelemetry
 
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
@@ -250,7 +250,7 @@ def test_direct_path_keeps_attributes_as_bounded_attributes_does():
     """``_plain`` against the SDK's own ``BoundedAttributes`` on every kind of value it accepts."""
     from opentelemetry.attributes import BoundedAttributes
 
-    from commdebug_otel.spans import _plain
+    from commdebug_otel.otel.spans import _plain
 
     values = {"short": "abc", "long": "x" * 20, "int": 3, "float": 0.5, "bool": True, "empty": [],
               "strings": ["ab", "y" * 15, "c"], "one long": ("z" * 30,), "kept": ("a", "b"), "ints": [1, 2, 3],

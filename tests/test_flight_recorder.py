@@ -20,10 +20,10 @@ import pytest
 import torch
 from torch import nn
 
-from commdebug_otel import flight_recorder as live
 from commdebug_otel import semconv
 from commdebug_otel.cli import main
 from commdebug_otel.offline import flight_recorder
+from commdebug_otel.stall import flight_recorder as live
 from tests.distributed import run_ranks
 from tests.models import AllReduceLinear
 

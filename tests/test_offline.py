@@ -12,10 +12,18 @@ import pytest
 import torch
 
 from commdebug_otel import semconv
+from commdebug_otel.compat.report import (
+    GLOBAL,
+    CommReport,
+    Operation,
+    module_chain,
+    op_listed,
+    render_json,
+    render_table,
+)
 from commdebug_otel.config import Detail
 from commdebug_otel.demo import format_counts
 from commdebug_otel.offline import diagnose, model, otlp_json, perfetto, summary
-from commdebug_otel.report import GLOBAL, CommReport, Operation, module_chain, op_listed, render_json, render_table
 
 from distributed import run_ranks
 from otlp_files import span as otlp_span
@@ -360,7 +368,7 @@ def test_a_cut_last_line_loses_only_that_line(tmp_path, caplog):
 
 def test_offline_tools_do_not_import_torch():
     code = ("import sys, commdebug_otel.offline.summary, commdebug_otel.offline.perfetto, "
-            "commdebug_otel.report; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+            "commdebug_otel.compat.report; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout == "[]\n"
 

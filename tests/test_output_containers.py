@@ -186,7 +186,7 @@ def test_a_backward_ends_when_the_gradient_of_an_input_in_a_container_is_compute
 
 
 def test_the_walk_is_bounded_on_cycles_and_huge_graphs(telemetry, tracer_factory):
-    from commdebug_otel.tracker import _MAX_CONTAINERS, _grad_tensors, _TooLarge
+    from commdebug_otel.capture.tracker import _MAX_CONTAINERS, _grad_tensors, _TooLarge
 
     cycle = Plain(torch.ones(1, requires_grad=True))
     cycle.parts["self"] = cycle
@@ -210,7 +210,7 @@ class Odd:
 
 
 def test_an_object_that_raises_when_looked_into_is_skipped():
-    from commdebug_otel.tracker import _grad_tensors
+    from commdebug_otel.capture.tracker import _grad_tensors
 
     hidden = torch.ones(1, requires_grad=True)
     assert _grad_tensors((Odd(), hidden), []) == [hidden]

@@ -198,8 +198,8 @@ def test_ranks_seeded_alike_get_distinct_span_ids_in_the_shared_step_trace(provi
 
 
 def test_a_forked_child_draws_ids_of_its_own():
-    from commdebug_otel import ids
-    from commdebug_otel.spans import OwnIdGenerator, StepIdGenerator
+    from commdebug_otel.core import ids
+    from commdebug_otel.otel.spans import OwnIdGenerator, StepIdGenerator
 
     ids.span_id()  # the parent has drawn before forking
     read, write = os.pipe()
@@ -225,7 +225,7 @@ def test_a_user_chosen_id_generator_keeps_making_the_ids():
     the SDK's stock one, which draws from the global random, is replaced for our spans."""
     from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 
-    from commdebug_otel.spans import OwnIdGenerator, StepIdGenerator
+    from commdebug_otel.otel.spans import OwnIdGenerator, StepIdGenerator
 
     class Counting(IdGenerator):
         def generate_span_id(self):
@@ -252,7 +252,7 @@ def test_export_retries_leave_the_random_numbers_alone(protocol):
     from opentelemetry.trace import SpanContext
 
     from commdebug_otel import Settings
-    from commdebug_otel.telemetry import Telemetry
+    from commdebug_otel.otel.telemetry import Telemetry
 
     environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1", "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
                "OTEL_EXPORTER_OTLP_TIMEOUT": "1", "OTEL_METRICS_EXPORTER": "none"}

@@ -1,7 +1,7 @@
 """torch's and OpenTelemetry's private names are touched in two modules only (as test_lint.py holds ruff).
 
-``commdebug_otel/_torch.py`` holds every use of torch's private modules and attributes and
-``commdebug_otel/_sdk.py`` every use of OpenTelemetry's: a release that moves one breaks those
+``commdebug_otel/capture/_torch.py`` holds every use of torch's private modules and attributes and
+``commdebug_otel/otel/_sdk.py`` every use of OpenTelemetry's: a release that moves one breaks those
 files only, and each touch there has a name that says what it is for and where the library keeps
 it. Everything else in ``commdebug_otel/`` goes through them or the public APIs. "Private" is a
 dotted-name segment that starts with ``_`` (not a ``__dunder__``) under ``torch`` or
@@ -21,7 +21,7 @@ import re
 import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "commdebug_otel"
-ALLOWED = {"_torch.py", "_sdk.py"}
+ALLOWED = {"capture/_torch.py", "otel/_sdk.py"}
 ROOTS = ("torch", "opentelemetry")
 _PRIVATE_PATH = re.compile(r"^(?:torch|opentelemetry)(?:\.\w+)*\._")
 
@@ -146,24 +146,26 @@ def foreign_private_attributes(source: str, own: set[str]) -> list[str]:
 
 
 def _checked_files() -> list[pathlib.Path]:
-    return [path for path in sorted(PACKAGE.rglob("*.py")) if not (path.parent == PACKAGE and path.name in ALLOWED)]
+    return [path for path in sorted(PACKAGE.rglob("*.py")) if path.relative_to(PACKAGE).as_posix() not in ALLOWED]
 
 
 def test_no_foreign_private_attribute_outside_the_two_modules():
     """An attribute the package never defines, read or written on some object, is a library's: torch's
-    and the SDK's belong in _torch.py/_sdk.py (a name the package also uses for its own attribute
+    and the SDK's belong in capture/_torch.py and otel/_sdk.py (a name the package also uses for its own attribute
     passes unseen: this check is a net, the import-based one the rule)."""
     files = _checked_files()
     own = _own_names([ast.parse(path.read_text()) for path in files])
     touches = [f"{path.relative_to(PACKAGE.parent)}:{touch}" for path in files
                for touch in foreign_private_attributes(path.read_text(), own)]
-    assert not touches, "another library's private attributes outside _torch.py/_sdk.py:\n" + "\n".join(touches)
+    assert not touches, ("another library's private attributes outside capture/_torch.py and otel/_sdk.py:\n"
+                         + "\n".join(touches))
 
 
 def test_private_torch_and_opentelemetry_only_in_their_two_modules():
     touches = [f"{path.relative_to(PACKAGE.parent)}:{touch}" for path in _checked_files()
                for touch in private_touches(path.read_text(), str(path))]
-    assert not touches, "private torch/OpenTelemetry names outside _torch.py/_sdk.py:\n" + "\n".join(touches)
+    assert not touches, ("private torch/OpenTelemetry names outside capture/_torch.py and otel/_sdk.py:\n"
+                         + "\n".join(touches))
 
 
 @pytest.mark.parametrize("source", [

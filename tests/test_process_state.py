@@ -38,7 +38,7 @@ def _steps_on_disk(tmp_path: pathlib.Path) -> list[int]:
 
 def _signal_then_go_on(tmp_path: pathlib.Path, mode: str) -> tuple[int, str, str]:
     """Run own_handler.py MODE, send SIGTERM once it is READY, wait past the rescue thread's grace, let it go on."""
-    from commdebug_otel.telemetry import _SignalRescue
+    from commdebug_otel.otel.telemetry import _SignalRescue
 
     process = subprocess.Popen([sys.executable, str(SCRIPTS / "own_handler.py"), mode], env=_env(tmp_path),
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

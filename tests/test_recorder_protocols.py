@@ -1,4 +1,4 @@
-"""Each caller of the recorder holds it as a typed Protocol (core_protocols.py), and the Recorder satisfies each."""
+"""Each caller of the recorder holds it as a typed Protocol (protocols.py), and the Recorder satisfies each."""
 
 from __future__ import annotations
 
@@ -7,17 +7,19 @@ import typing
 
 import pytest
 
-from commdebug_otel import core_protocols, intercept, mode, stall, tracker
+from commdebug_otel.capture import intercept, mode, tracker
 from commdebug_otel.config import Settings
-from commdebug_otel.core_collective_path import CollectivePath
-from commdebug_otel.core_ownership import ModuleOwnership
-from commdebug_otel.core_thread_role import ThreadRole
-from commdebug_otel.recorder import Recorder
+from commdebug_otel.core import protocols
+from commdebug_otel.core.collective_path import CollectivePath
+from commdebug_otel.core.ownership import ModuleOwnership
+from commdebug_otel.core.recorder import Recorder
+from commdebug_otel.core.thread_role import ThreadRole
+from commdebug_otel.stall import watchdog as stall
 
 # The callers' protocols are the recorder's; the parts' are the step lifecycle's.
-PROTOCOLS = [core_protocols.CollectiveSubscriber, core_protocols.OpSubscriber, core_protocols.ModuleHooks,
-             core_protocols.StallSource]
-PART_PROTOCOLS = [core_protocols.CollectiveHost, core_protocols.OwnershipHost, core_protocols.ThreadRoleHost]
+PROTOCOLS = [protocols.CollectiveSubscriber, protocols.OpSubscriber, protocols.ModuleHooks,
+             protocols.StallSource]
+PART_PROTOCOLS = [protocols.CollectiveHost, protocols.OwnershipHost, protocols.ThreadRoleHost]
 
 
 def _members(protocol: type) -> dict[str, object]:
@@ -47,13 +49,13 @@ def test_the_recorder_has_everything_each_protocol_declares(protocol):
 
 def test_callers_hold_the_recorder_as_a_protocol_not_any():
     hints = {
-        intercept.CollectiveInterceptor.subscribe: core_protocols.CollectiveSubscriber,
-        mode.CollectiveDispatchMode.__init__: core_protocols.OpSubscriber,
-        tracker.ModuleTracker.__init__: core_protocols.ModuleHooks,
-        stall.StallWatch.__init__: core_protocols.StallSource,
-        CollectivePath.__init__: core_protocols.CollectiveHost,
-        ModuleOwnership.__init__: core_protocols.OwnershipHost,
-        ThreadRole.__init__: core_protocols.ThreadRoleHost,
+        intercept.CollectiveInterceptor.subscribe: protocols.CollectiveSubscriber,
+        mode.CollectiveDispatchMode.__init__: protocols.OpSubscriber,
+        tracker.ModuleTracker.__init__: protocols.ModuleHooks,
+        stall.StallWatch.__init__: protocols.StallSource,
+        CollectivePath.__init__: protocols.CollectiveHost,
+        ModuleOwnership.__init__: protocols.OwnershipHost,
+        ThreadRole.__init__: protocols.ThreadRoleHost,
     }
     for function, protocol in hints.items():
         names = {"recorder", "host", "steps"}

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from commdebug_otel import CommTracer, Settings, semconv
-from commdebug_otel.collectives import Why
-from commdebug_otel.observer import RecorderObserver
-from commdebug_otel.recorder import Recorder
-from commdebug_otel.tracker import ModuleTracker
+from commdebug_otel.capture.observer import RecorderObserver
+from commdebug_otel.capture.tracker import ModuleTracker
+from commdebug_otel.core.collectives import Why
+from commdebug_otel.core.recorder import Recorder
 
 
 def test_why_scope_restores_what_was_there_and_local_op_ends_it():

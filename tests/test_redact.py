@@ -4,7 +4,13 @@ import errno
 
 import pytest
 
-from commdebug_otel.redact import MAX_MESSAGE_CHARS, describe, exception_attributes, hide_credentials, redact_message
+from commdebug_otel.core.redact import (
+    MAX_MESSAGE_CHARS,
+    describe,
+    exception_attributes,
+    hide_credentials,
+    redact_message,
+)
 
 
 @pytest.mark.parametrize("message, exported", [

@@ -141,7 +141,7 @@ def test_oversized_batches_are_split_under_the_grpc_limit(tmp_path, monkeypatch,
                     torch.distributed.all_reduce(x)
                 return x
 
-        from commdebug_otel.telemetry import Telemetry
+        from commdebug_otel.otel.telemetry import Telemetry
 
         settings = Settings(max_events_per_span=2000, shutdown_timeout_s=20)
         tracer = CommTracer(settings, telemetry=Telemetry(settings))  # a private SDK set-up
@@ -200,7 +200,7 @@ def test_cardinality_overflow_is_counted_and_said_once(caplog):
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, PeriodicExportingMetricReader
 
-    from commdebug_otel.export_guard import CountingMetricExporter
+    from commdebug_otel.otel.export_guard import CountingMetricExporter
 
     class Keep(MetricExporter):
         def export(self, metrics_data, timeout_millis=10_000, **kwargs):
@@ -237,9 +237,9 @@ def test_grpc_batches_are_encoded_once_sized_exactly_and_split_when_over(monkeyp
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from commdebug_otel import encoding
-    from commdebug_otel.export_guard import SizedSpanExporter
-    from commdebug_otel.telemetry import _memoized_encoding
+    from commdebug_otel.otel import encoding
+    from commdebug_otel.otel.export_guard import SizedSpanExporter
+    from commdebug_otel.otel.telemetry import _memoized_encoding
 
     memory = InMemorySpanExporter()
     provider = TracerProvider()
@@ -285,7 +285,7 @@ def test_span_size_bound_is_never_below_the_encoded_size():
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
     from opentelemetry.trace import Link, SpanContext, Status, StatusCode, TraceState
 
-    from commdebug_otel.export_guard import SizedSpanExporter, span_bytes_bound
+    from commdebug_otel.otel.export_guard import SizedSpanExporter, span_bytes_bound
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
@@ -347,7 +347,7 @@ def test_endpoint_with_signal_path_reaches_a_receiver_over_http(tmp_path):
 
 def test_failing_hook_is_logged_once_counted_and_training_goes_on(telemetry, tracer_factory,
                                                                    single_rank_group, caplog, monkeypatch):
-    from commdebug_otel.core_collective_path import CollectivePath
+    from commdebug_otel.core.collective_path import CollectivePath
 
     def broken(self, *args):
         raise RuntimeError("injected")
@@ -371,7 +371,7 @@ def test_failing_hook_is_logged_once_counted_and_training_goes_on(telemetry, tra
 def test_failing_exporter_is_counted(single_rank_group, monkeypatch):
     from opentelemetry.sdk.trace.export import SpanExporter
 
-    from commdebug_otel.export_guard import SizedSpanExporter
+    from commdebug_otel.otel.export_guard import SizedSpanExporter
     from commdebug_otel.testing import InMemoryTelemetry
 
     class Broken(SpanExporter):
@@ -392,7 +392,7 @@ def test_shared_telemetry_counts_each_drop_once_and_keeps_no_tracer_alive(tmp_pa
     import gc
     import weakref
 
-    from commdebug_otel.telemetry import Telemetry
+    from commdebug_otel.otel.telemetry import Telemetry
     from commdebug_otel.testing import InMemoryTelemetry
 
     settings = Settings(output_dir=str(tmp_path))
@@ -539,7 +539,7 @@ def test_full_export_queue_drops_are_counted_and_memory_is_bounded():
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-    from commdebug_otel.export_guard import CountingBatchSpanProcessor
+    from commdebug_otel.otel.export_guard import CountingBatchSpanProcessor
 
     release = threading.Event()
     exported = []
@@ -568,7 +568,7 @@ def test_full_export_queue_drops_are_counted_and_memory_is_bounded():
 
 def test_exported_files_hold_no_tensor_values_and_bounded_strings(tmp_path, monkeypatch, single_rank_group):
     from commdebug_otel import Detail
-    from commdebug_otel.telemetry import Telemetry
+    from commdebug_otel.otel.telemetry import Telemetry
 
     monkeypatch.setenv("OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR", str(tmp_path))
     sentinel = 8675.309

@@ -6,10 +6,10 @@ import traceback
 import pytest
 
 from commdebug_otel import Settings, semconv
+from commdebug_otel.capture.ops import GroupFacts
 from commdebug_otel.config import DEFAULT_RANKS_PER_TRACE, METRIC_RANK_LABEL_AUTO_MAX_WORLD, MetricRankLabel
-from commdebug_otel.metrics import CollectiveMetrics
-from commdebug_otel.ops import GroupFacts
-from commdebug_otel.steps import RankInfo, job_trace_id, step_trace_id, trace_block
+from commdebug_otel.core.steps import RankInfo, job_trace_id, step_trace_id, trace_block
+from commdebug_otel.otel.metrics import CollectiveMetrics
 from commdebug_otel.testing import InMemoryTelemetry
 
 TEMPO_MAX_BYTES_PER_TRACE = 5_000_000

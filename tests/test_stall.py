@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from commdebug_otel import semconv
-from commdebug_otel.config import Settings
-from commdebug_otel.stall import AUTO_BETWEEN_STEPS_S, AUTO_FIRST_S, AUTO_FLOOR_S, Progress, StallWatch
+from commdebug_otel.config import AUTO_BETWEEN_STEPS_S, AUTO_FIRST_S, AUTO_FLOOR_S, Settings
+from commdebug_otel.core.progress import Progress
+from commdebug_otel.stall.watchdog import StallWatch
 from commdebug_otel.testing.otlp_receiver import OtlpReceiver
 from tests.distributed import run_ranks
 from tests.models import AllReduceLinear
@@ -297,7 +298,7 @@ def test_snapshots_back_off_while_one_stall_lasts():
             return True
 
         def rank(self):
-            from commdebug_otel.steps import RankInfo
+            from commdebug_otel.core.steps import RankInfo
 
             return RankInfo(rank=0, world_size=1, local_rank=0, node_rank=0, run_id="none", backend="gloo",
                             distributed=False)
@@ -387,7 +388,7 @@ def test_a_snapshot_copies_the_stuck_steps_records_even_if_the_step_ends_meanwhi
     the training thread does not wait for the copy)."""
     import threading
 
-    from commdebug_otel import core_step_lifecycle as lifecycle_module  # where a snapshot copies the records
+    from commdebug_otel.core import step_lifecycle as lifecycle_module  # where a snapshot copies the records
 
     class Net(nn.Module):
         def __init__(self):

@@ -17,7 +17,7 @@ import torch
 from test_module_spans import BACKWARD_TREE, FORWARD_TREE
 
 from commdebug_otel import semconv
-from commdebug_otel.recorder import NO_OPTIMIZER_CYCLES
+from commdebug_otel.core.recorder import NO_OPTIMIZER_CYCLES
 
 from models import AllReduceLinear, TwoBlocks
 

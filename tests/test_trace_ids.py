@@ -10,7 +10,7 @@ def _segments(rank, world_size, scope, ranks_per_trace=8):
     import torch.distributed as dist
 
     from commdebug_otel import CommTracer, Settings
-    from commdebug_otel.steps import NONCE_KEY
+    from commdebug_otel.core.steps import NONCE_KEY
     from commdebug_otel.testing import InMemoryTelemetry
 
     torch.manual_seed(0)
@@ -44,7 +44,7 @@ _SEGMENTS = ("outside_step", "train_step", "train_step_tail")
 
 
 def test_outside_step_segments_share_a_trace_id_on_every_rank():
-    from commdebug_otel.steps import step_trace_id
+    from commdebug_otel.core.steps import step_trace_id
 
     results = run_ranks(_segments, 2, "job")
     assert all(block is None for result in results for _, _, block in result["roots"])  # 2 ranks: one trace
@@ -83,7 +83,7 @@ def test_rank_scope_keeps_outside_step_traces_apart():
 def test_job_scope_cuts_a_larger_job_into_trace_blocks():
     """4 ranks, 2 per trace: ranks 0-1 share a trace per step and segment, ranks 2-3 another; each root names its
     block and keeps torch.step, so a step is found across blocks."""
-    from commdebug_otel.steps import step_trace_id
+    from commdebug_otel.core.steps import step_trace_id
 
     results = run_ranks(_segments, 4, "job", 2)
     nonce = results[0]["nonce"]

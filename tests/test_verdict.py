@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from commdebug_otel import semconv
-from commdebug_otel.core_fact import CollectiveFact, GroupFacts
+from commdebug_otel.core.fact import CollectiveFact, GroupFacts
+from commdebug_otel.stall.verdict import form_verdict, progress_record, ranks_text
 from commdebug_otel.testing.otlp_receiver import OtlpReceiver
-from commdebug_otel.verdict import form_verdict, progress_record, ranks_text
 from tests.distributed import free_port
 
 STALL_AFTER_S = 2.0
@@ -366,7 +366,7 @@ def test_no_verdict_when_every_rank_waits_in_the_same_collective_or_none_waits()
 
 # ------------------------------------------------------------------ the exchange through a store
 def _info(rank: int, world_size: int, distributed: bool = True):
-    from commdebug_otel.steps import RankInfo
+    from commdebug_otel.core.steps import RankInfo
 
     return RankInfo(rank=rank, world_size=world_size, local_rank=rank, node_rank=0, run_id="none", backend="gloo",
                     distributed=distributed)
@@ -396,7 +396,7 @@ def test_1024_simulated_ranks_through_a_real_tcp_store_give_one_verdict_and_leav
     """Keys, bytes and time to form the verdict for 1,024 ranks' records (printed: docs/performance.md)."""
     import torch.distributed as dist
 
-    from commdebug_otel.verdict import StoreExchange
+    from commdebug_otel.stall.verdict import StoreExchange
 
     world = 1024
     server = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
@@ -461,7 +461,7 @@ class _StalledRecorder:
     """What StallWatch reads of a recorder, stalled for 10 s in step 3 (a fake: no process group)."""
 
     def __init__(self, world_size: int, distributed: bool) -> None:
-        from commdebug_otel.stall import Progress
+        from commdebug_otel.core.progress import Progress
 
         self.thread_id = -1
         self.progress = Progress()
@@ -490,8 +490,8 @@ class _BrokenStore:
 
 @pytest.mark.parametrize("failure", ["connect", "calls"])
 def test_a_store_that_fails_costs_one_message_and_the_snapshots_go_on(caplog, failure):
-    from commdebug_otel.stall import StallWatch
-    from commdebug_otel.verdict import StoreExchange
+    from commdebug_otel.stall.verdict import StoreExchange
+    from commdebug_otel.stall.watchdog import StallWatch
 
     recorder = _StalledRecorder(2, True)
     connects = []
@@ -515,8 +515,8 @@ def test_a_store_that_fails_costs_one_message_and_the_snapshots_go_on(caplog, fa
 
 
 def test_one_process_never_asks_for_a_store():
-    from commdebug_otel.stall import StallWatch
-    from commdebug_otel.verdict import StoreExchange
+    from commdebug_otel.stall.verdict import StoreExchange
+    from commdebug_otel.stall.watchdog import StallWatch
 
     recorder = _StalledRecorder(1, False)
     connects = []
@@ -532,7 +532,7 @@ def test_the_verdict_is_exported_again_only_when_it_changes():
     """Rank 2's record comes late: first rank 2 is missing, then (at rank 0's next snapshot) rank 2 is behind."""
     import torch.distributed as dist
 
-    from commdebug_otel.verdict import StoreExchange
+    from commdebug_otel.stall.verdict import StoreExchange
 
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=30))
@@ -577,7 +577,7 @@ def test_a_lower_rank_that_publishes_late_does_not_say_the_same_verdict_again():
     """Rank 1 says rank 2 is behind on group 1; rank 0 (not in group 1) comes late and takes over: same verdict."""
     import torch.distributed as dist
 
-    from commdebug_otel.verdict import StoreExchange
+    from commdebug_otel.stall.verdict import StoreExchange
 
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=30))

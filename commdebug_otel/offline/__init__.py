@@ -17,7 +17,7 @@ Modules:
 * :mod:`.model`: the span model the views share: span index (loops broken, no recursion),
   steps, collective matching across ranks, a collective's arrival (issue time);
 * :mod:`.summary`: per-module collective counts (torch ``CommDebugMode``'s table and JSON tree,
-  rendered by :mod:`commdebug_otel.report`), per-rank totals, stragglers, top collectives;
+  rendered by :mod:`commdebug_otel.compat.report`), per-rank totals, stragglers, top collectives;
 * :mod:`.diagnose`: stuck ranks (stall snapshots), desyncs, stragglers blamed with the module
   that held them back;
 * :mod:`.backends`: one trace by id from Jaeger's or Tempo's HTTP API (``diagnose --jaeger/--tempo``);

@@ -41,7 +41,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from .otlp_json import BadData, ranked, spans_from_otlp_json
+from commdebug_otel.offline.otlp_json import BadData, ranked, spans_from_otlp_json
 
 __all__ = ["BACKENDS", "DEADLINE_S", "MAX_REDIRECTS", "MAX_RESPONSE_BYTES", "BackendError", "fetch_trace",
            "redact_url", "trace_url"]

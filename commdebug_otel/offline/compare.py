@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from . import signature
+from commdebug_otel.offline import signature
 
 __all__ = ["EXIT_DIFFERENT", "EXIT_EQUAL", "EXIT_UNREADABLE", "add_arguments", "run"]
 

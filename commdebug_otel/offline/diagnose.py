@@ -51,11 +51,11 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-from .. import semconv
-from ..core_fact import parse
-from . import flight_recorder, summary
-from .backends import DEADLINE_S, MAX_RESPONSE_BYTES
-from .model import (
+from commdebug_otel import semconv
+from commdebug_otel.core.fact import parse
+from commdebug_otel.offline import flight_recorder, summary
+from commdebug_otel.offline.backends import DEADLINE_S, MAX_RESPONSE_BYTES
+from commdebug_otel.offline.model import (
     P2P,
     SpanIndex,
     collective_events,
@@ -552,7 +552,7 @@ def watchdog(spans: list[dict]) -> dict[str, Any] | None:
     (the default), for a rank stuck right after its last finished step in the files.
 
     The setting itself is not exported (a ``stalled`` span carries the threshold only once the watchdog
-    fired), so this repeats the auto rule of :mod:`commdebug_otel.stall` (its numbers from
+    fired), so this repeats the auto rule of :mod:`commdebug_otel.stall.watchdog` (its numbers from
     :mod:`commdebug_otel.config`) on each rank's finished ``train_step`` durations in the files
     (traced steps only: the live rank also counts untraced ones):
     300 s while fewer than 3 steps ended, else 10 x the median of the last 32, at least 30 s.
@@ -563,7 +563,7 @@ def watchdog(spans: list[dict]) -> dict[str, Any] | None:
         first snapshot is due (its last step's end plus its threshold; a stall between steps with no
         collective in flight waits at least 600 s)}``.
     """
-    from ..config import AUTO_FACTOR, AUTO_FIRST_S, AUTO_FLOOR_S, AUTO_MIN_STEPS, RECENT_STEPS
+    from commdebug_otel.config import AUTO_FACTOR, AUTO_FIRST_S, AUTO_FLOOR_S, AUTO_MIN_STEPS, RECENT_STEPS
 
     by_rank: dict[int, list[tuple[int, int]]] = defaultdict(list)
     for span in _finished(spans):
@@ -1119,7 +1119,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _load(args: argparse.Namespace) -> list[dict] | None:
     """The spans of ``args.paths`` and of each ``--trace-id`` from the backend; None after saying why not."""
-    from .backends import BackendError, fetch_trace
+    from commdebug_otel.offline.backends import BackendError, fetch_trace
 
     backend = "jaeger" if args.jaeger else "tempo" if args.tempo else None
     if backend is None and (args.trace_id or not args.paths):

@@ -28,8 +28,8 @@ import stat
 from collections import Counter, defaultdict
 from typing import Any
 
-from .. import semconv
-from .model import SpanIndex, collective_events, is_snapshot, issued_ns
+from commdebug_otel import semconv
+from commdebug_otel.offline.model import SpanIndex, collective_events, is_snapshot, issued_ns
 
 __all__ = ["MAX_DUMP_BYTES", "dump_files", "join", "read_dumps"]
 

@@ -28,8 +28,8 @@ import sys
 from collections import Counter, defaultdict
 from typing import Any
 
-from .. import semconv
-from . import diagnose, summary
+from commdebug_otel import semconv
+from commdebug_otel.offline import diagnose, summary
 
 DEFAULT_TIMELINES = 5
 MAX_SPANS_PER_RANK = 3000  # per step on a timeline; more are left out (and said)

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any, TypeVar
 
-from .. import semconv
+from commdebug_otel import semconv
 
 __all__ = ["P2P", "SpanIndex", "collective_events", "collective_matches", "group_size", "index_of", "is_complete",
            "is_snapshot", "issued_ns", "once", "own_step", "reusing", "warmup_step"]

@@ -33,7 +33,7 @@ from google.protobuf import json_format
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2 as _mpb
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as _tpb
 
-from .. import semconv
+from commdebug_otel import semconv
 
 __all__ = ["ATTRIBUTE_TYPES", "MAX_LINE_BYTES", "MAX_RANKS", "BadData", "SpanReader", "decode_any_value",
            "metric_dicts", "metrics_from_otlp_json", "parse_otlp_json", "ranked", "read_spans", "span_dicts",
@@ -957,7 +957,7 @@ def _read_file(path: str, max_line_bytes: int, hex_ids: bool, shared: bool,
 def _fold(spans: list[dict], keep: Callable[[dict], bool]) -> tuple[list[dict], list[bytes], list[bytes]]:
     """One file's spans reduced as :class:`SpanReader`'s ``fold`` says: ``(spans kept, each with "folded",
     keys (trace id + span id, 24 bytes) of the spans folded, keys of the parents of roots with a parent id)``."""
-    from .model import is_snapshot, own_step
+    from commdebug_otel.offline.model import is_snapshot, own_step
 
     by_id = {(span["rank"], span["trace_id"], span["span_id"]): span for span in spans}
     parent: dict[int, dict] = {}

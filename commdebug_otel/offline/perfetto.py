@@ -33,9 +33,9 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
-from .. import semconv
-from .model import SpanIndex
-from .summary import load_for_command
+from commdebug_otel import semconv
+from commdebug_otel.offline.model import SpanIndex
+from commdebug_otel.offline.summary import load_for_command
 
 __all__ = ["add_arguments", "chrome_trace", "run", "write_chrome_trace"]
 

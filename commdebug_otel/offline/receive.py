@@ -27,8 +27,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from .. import semconv
-from .otlp_json import decode_any_value, to_otlp_json
+from commdebug_otel import semconv
+from commdebug_otel.offline.otlp_json import decode_any_value, to_otlp_json
 
 DEFAULT_GRPC_PORT = 4317
 DEFAULT_HTTP_PORT = 4318
@@ -126,7 +126,7 @@ class RunFolders:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``receive``'s arguments to ``parser``."""
-    from ..config import read_option
+    from commdebug_otel.config import read_option
 
     parser.add_argument("--grpc-port", type=int, default=DEFAULT_GRPC_PORT,
                         help=f"OTLP/gRPC port (default {DEFAULT_GRPC_PORT}; 0 = any free port)")
@@ -146,7 +146,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Receive until Ctrl-C or SIGTERM. Returns 0, or 1 when a port cannot be bound."""
-    from ..testing.otlp_receiver import OtlpReceiver
+    from commdebug_otel.testing.otlp_receiver import OtlpReceiver
 
     folders = RunFolders(args.output_dir)
     receiver = OtlpReceiver(host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,

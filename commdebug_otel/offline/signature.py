@@ -59,9 +59,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import semconv
-from .model import SpanIndex, collective_events, is_snapshot, warmup_step
-from .otlp_json import SpanReader
+from commdebug_otel import semconv
+from commdebug_otel.offline.model import SpanIndex, collective_events, is_snapshot, warmup_step
+from commdebug_otel.offline.otlp_json import SpanReader
 
 __all__ = ["FORMAT", "KEY_FIELDS", "MAX_SIGNATURE_BYTES", "SignatureError", "Tally", "build", "compare",
            "format_diff", "load", "read_spans", "signature_of_spans", "tally_spans", "to_json"]

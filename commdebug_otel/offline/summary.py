@@ -41,10 +41,10 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from .. import semconv
-from ..report import GLOBAL, CommReport, Operation, render_json, render_table
-from .model import P2P as _P2P
-from .model import (
+from commdebug_otel import semconv
+from commdebug_otel.compat.report import GLOBAL, CommReport, Operation, render_json, render_table
+from commdebug_otel.offline.model import P2P as _P2P
+from commdebug_otel.offline.model import (
     SpanIndex,
     collective_events,
     collective_matches,
@@ -56,7 +56,7 @@ from .model import (
     reusing,
     warmup_step,
 )
-from .otlp_json import SpanReader, ranked, spans_from_otlp_json, trace_files
+from commdebug_otel.offline.otlp_json import SpanReader, ranked, spans_from_otlp_json, trace_files
 
 _log = logging.getLogger(__name__)
 
@@ -304,7 +304,7 @@ def _module_order(spans: list[dict], index: SpanIndex) -> tuple[list[str], dict[
 
 
 def comm_report(spans: list[dict], rank: int = 0) -> CommReport:
-    """CommDebugMode's report model (:class:`commdebug_otel.report.CommReport`) for ``rank``, from spans alone.
+    """CommDebugMode's report model (:class:`commdebug_otel.compat.report.CommReport`) for ``rank``, from spans alone.
 
     Modules in first-forward order with their call depth, forward parent,
     type and DTensor parameters (span attributes); collective counts with
@@ -351,7 +351,7 @@ def format_table(spans: list[dict], rank: int = 0) -> str:
 def comm_debug_json(spans: list[dict], rank: int = 0) -> dict[str, Any]:
     """CommDebugMode's ``generate_json_dump`` tree for ``rank``, as a dict.
 
-    As :func:`commdebug_otel.report.render_json` at noise level 3 (the files
+    As :func:`commdebug_otel.compat.report.render_json` at noise level 3 (the files
     hold the ops their detail level let through): ``fqn``, ``module_type``,
     ``parameters`` (``[name, placements]`` for DTensor parameters),
     ``children`` (nodes, in forward order; a module called several times is

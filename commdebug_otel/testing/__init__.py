@@ -27,9 +27,9 @@ from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from .._sdk import own_random_views
-from ..ids import RNG as OWN_RNG
-from ..spans import OwnIdGenerator
+from commdebug_otel.core.ids import RNG as OWN_RNG
+from commdebug_otel.otel._sdk import own_random_views
+from commdebug_otel.otel.spans import OwnIdGenerator
 
 __all__ = ["InMemoryTelemetry"]
 

@@ -11,7 +11,7 @@ Usage::
     metrics = metric_wire(telemetry.metric_reader.get_metrics_data())
 
 The encoders are the ones the OTLP exporters call (``opentelemetry.exporter.otlp.proto.common``'s
-for metrics; for spans :func:`commdebug_otel.encoding.encode_spans`, the OTLP/gRPC exporter's,
+for metrics; for spans :func:`commdebug_otel.otel.encoding.encode_spans`, the OTLP/gRPC exporter's,
 which gives the same bytes as the SDK's that OTLP/HTTP calls), so ``raw`` is the protobuf body of one
 request holding exactly those spans (or that metric export), and ``gzip`` the same body
 compressed as with ``OTEL_EXPORTER_OTLP_COMPRESSION=gzip``. The Python OTLP exporters
@@ -29,7 +29,7 @@ from typing import Any
 
 from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
 
-from ..encoding import encode_spans
+from commdebug_otel.otel.encoding import encode_spans
 
 __all__ = ["WireBytes", "metric_series", "metric_wire", "trace_wire"]
 

@@ -43,7 +43,7 @@ def main(steps: int, then: str) -> None:
 
 if __name__ == "__main__":
     if sys.argv[2:] == ["slow-callbacks"]:
-        from commdebug_otel import collectives
+        from commdebug_otel.core import collectives
 
         completed = collectives._Completion.__call__
 

@@ -1,0 +1,199 @@
+"""One collective, once: the fact every output renders, and the one place its names are written and read.
+
+A :class:`CollectiveFact` is made once per collective the training thread issues
+(``collectives.quiet_fact`` on every step, ``collectives.recorded_fact`` where
+records are kept) and never changed. Everything that tells of a collective renders
+it here, so the names on the wire (docs/semantic-conventions.md) are written in one
+place: the span event (:func:`event_attributes`), the stall ring's events
+(:func:`ring_event_attributes`), and the metric labels (:func:`metric_labels`,
+:func:`group_labels`). The offline reader parses an event back with :func:`parse`.
+
+No torch and no OpenTelemetry here: the offline commands import it, and a compiled
+or C++ fast path would fill the same record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+from commdebug_otel import semconv
+
+PASS_NONE = "none"  # a collective outside any module pass (set-up, optimizer, logging)
+NOT_COUNTED = -1  # an element count, seq or peer not known (untraced steps count no elements)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupFacts:
+    """A process group as telemetry sees it: name, size and device-mesh dimension."""
+
+    name: str
+    size: int
+    # The device-mesh dimensions the group serves (semconv.DEVICE_MESH_DIM_NAME_SEPARATOR between several,
+    # in the order the meshes were made); "" when it serves none.
+    dim_name: str
+
+
+class CollectiveFact(NamedTuple):
+    """One collective on this rank, without any tensor value. Immutable; made once per collective.
+
+    Attributes:
+        op: canonical op (``all_gather``; the event's name).
+        overload: the dispatcher overload (``_c10d_functional.all_gather_into_tensor.default``).
+        group: its process group (name, size, mesh dimensions).
+        seq: collectives this rank issued on the group before this one; -1 on another thread.
+        dtype: dtype of the first input tensor, else of the first output tensor (``uint8`` for barrier,
+            ``unknown`` for an op with no tensor at all); never empty.
+        shape: that tensor's shape (``(0,)`` for barrier; empty for a 0-d tensor or no tensor).
+        input_elements, output_elements: the profiler's ``in_msg_nelems``/``out_msg_nelems``;
+            -1 (:data:`NOT_COUNTED`) on steps that keep no records.
+        nbytes: bytes this rank sends (else receives); 0 for barrier.
+        fake: FakeTensor or meta-device payload: no traffic.
+        reduce_op: ``sum``...; "" where the op has none.
+        peer: send's destination, recv's source (a rank in the group); -1 where unknown or none.
+        time_ns: ``time.time_ns()`` when the op returned (its issue ended): the event's time.
+        duration_ns: CPU time spent issuing it, in nanoseconds.
+        fqn: the owning module's FQN ("" when none is known: untraced steps, no module).
+        pass_: ``forward``, ``backward``, ``recompute`` or ``none``.
+        why: the DTensor "why" attributes (``torch.dtensor.*``, ``torch.device_mesh.*``), or None.
+    """
+
+    op: str
+    overload: str
+    group: GroupFacts
+    seq: int
+    dtype: str
+    shape: tuple
+    input_elements: int
+    output_elements: int
+    nbytes: int
+    fake: bool
+    reduce_op: str
+    peer: int
+    time_ns: int
+    duration_ns: int
+    fqn: str
+    pass_: str
+    why: Mapping[str, Any] | None
+
+
+def event_attributes(fact: CollectiveFact) -> dict[str, Any]:
+    """The span-event attributes of a traced collective (docs/semantic-conventions.md, "Collective events").
+
+    A fresh dict: a recv from any source gets its peer added once received.
+    """
+    group = fact.group
+    attrs: dict[str, Any] = {
+        semconv.COLLECTIVE_OP: fact.op,
+        semconv.OP_NAME: fact.overload,
+        semconv.COLLECTIVE_BYTES: fact.nbytes,
+        semconv.COLLECTIVE_INPUT_ELEMENTS: fact.input_elements,
+        semconv.COLLECTIVE_OUTPUT_ELEMENTS: fact.output_elements,
+        semconv.COLLECTIVE_DTYPE: fact.dtype,
+        semconv.PROCESS_GROUP_NAME: group.name,
+        semconv.PROCESS_GROUP_SIZE: group.size,
+        semconv.COLLECTIVE_SEQ: fact.seq,
+        semconv.MODULE_PASS: fact.pass_,
+        semconv.COLLECTIVE_DURATION: fact.duration_ns / 1e9,
+    }
+    if fact.shape:  # a 0-d tensor's shape is empty: the key is left out
+        attrs[semconv.COLLECTIVE_SHAPE] = list(fact.shape)
+    if group.dim_name:
+        attrs[semconv.DEVICE_MESH_DIM_NAME] = group.dim_name
+    if fact.fake:
+        attrs[semconv.COLLECTIVE_FAKE] = True
+    if fact.reduce_op:
+        attrs[semconv.COLLECTIVE_REDUCE_OP] = fact.reduce_op
+    if fact.peer >= 0:
+        attrs[semconv.COLLECTIVE_PEER] = fact.peer
+    if fact.why:
+        attrs.update(fact.why)
+    return attrs
+
+
+def ring_event_attributes(fact: CollectiveFact, completed: bool, now_ns: int) -> dict[str, Any]:
+    """The attributes of a ``stalled`` span's ring event: ``completed`` or in flight, ``now_ns`` the snapshot's
+    ``time.time_ns()`` (the age is counted from the fact's time)."""
+    group = fact.group
+    attrs: dict[str, Any] = {
+        semconv.COLLECTIVE_OP: fact.op,
+        semconv.PROCESS_GROUP_NAME: group.name,
+        semconv.PROCESS_GROUP_SIZE: group.size,
+        semconv.COLLECTIVE_SEQ: fact.seq,
+        semconv.COLLECTIVE_STATE: semconv.STATE_COMPLETED if completed else semconv.STATE_IN_FLIGHT,
+        semconv.STALL_AGE: round((now_ns - fact.time_ns) / 1e9, 6),
+    }
+    if group.dim_name:
+        attrs[semconv.DEVICE_MESH_DIM_NAME] = group.dim_name
+    attrs[semconv.COLLECTIVE_DTYPE] = fact.dtype
+    if fact.shape:  # as on the span event: an empty array is never exported
+        attrs[semconv.COLLECTIVE_SHAPE] = list(fact.shape)
+    attrs[semconv.COLLECTIVE_BYTES] = fact.nbytes
+    if fact.fqn:
+        attrs[semconv.MODULE_FQN] = fact.fqn
+        attrs[semconv.MODULE_PASS] = fact.pass_
+    return attrs
+
+
+def group_labels(name: str, dim_name: str, rank_label: bool) -> dict[str, Any]:
+    """How a metric point names its process group (collective points and the progress gauges alike): by
+    name, or, without the rank label, a mesh dimension's group by its dimension (the same on every rank)."""
+    if dim_name and not rank_label:
+        return {semconv.DEVICE_MESH_DIM_NAME: dim_name}
+    return {semconv.PROCESS_GROUP_NAME: name}
+
+
+def metric_labels(op: str, pass_: str, group: GroupFacts, rank_labels: Mapping[str, Any], module: str,
+                  text: Callable[[str], str] = str) -> dict[str, Any]:
+    """The labels of a collective's metric points (``torch.collective.*``).
+
+    ``rank_labels``: the rank label, or none (``metric_rank_label``); ``module``: the module label
+    ("" for none); ``text`` makes the script's names valid Unicode (``redact.valid_text``).
+    """
+    dim_name = text(group.dim_name) if group.dim_name else ""
+    labels: dict[str, Any] = {semconv.COLLECTIVE_OP: op, semconv.MODULE_PASS: pass_,
+                              **group_labels(text(group.name), dim_name, bool(rank_labels)),
+                              semconv.PROCESS_GROUP_SIZE: group.size, **rank_labels}
+    if dim_name:
+        labels[semconv.DEVICE_MESH_DIM_NAME] = dim_name
+    if module:
+        labels[semconv.MODULE_FQN] = text(module)
+    return labels
+
+
+def parse(attrs: Mapping[str, Any], name: str = "") -> CollectiveFact | None:
+    """The fact an exported collective event (span or ring) tells, from its attributes as read back
+    (``offline.otlp_json``); None when the event is not a collective's. ``name``: the event's name, the op
+    where the attribute is missing. What an event leaves out reads as unknown: ``""``, ``()``, -1."""
+    op = attrs.get(semconv.COLLECTIVE_OP, name)
+    if not op:
+        return None
+    why = {key: value for key, value in attrs.items() if key in WHY_ATTRIBUTES}
+    return CollectiveFact(
+        op=str(op),
+        overload=str(attrs.get(semconv.OP_NAME, "")),
+        group=GroupFacts(str(attrs.get(semconv.PROCESS_GROUP_NAME, "")), int(attrs.get(semconv.PROCESS_GROUP_SIZE, 0)),
+                         str(attrs.get(semconv.DEVICE_MESH_DIM_NAME, ""))),
+        seq=int(attrs.get(semconv.COLLECTIVE_SEQ, NOT_COUNTED)),
+        dtype=str(attrs.get(semconv.COLLECTIVE_DTYPE, "")),
+        shape=tuple(attrs.get(semconv.COLLECTIVE_SHAPE, ())),
+        input_elements=int(attrs.get(semconv.COLLECTIVE_INPUT_ELEMENTS, NOT_COUNTED)),
+        output_elements=int(attrs.get(semconv.COLLECTIVE_OUTPUT_ELEMENTS, NOT_COUNTED)),
+        nbytes=int(attrs.get(semconv.COLLECTIVE_BYTES, 0)),
+        fake=attrs.get(semconv.COLLECTIVE_FAKE) is True,
+        reduce_op=str(attrs.get(semconv.COLLECTIVE_REDUCE_OP, "")),
+        peer=int(attrs.get(semconv.COLLECTIVE_PEER, NOT_COUNTED)),
+        time_ns=0,
+        duration_ns=round(float(attrs.get(semconv.COLLECTIVE_DURATION, 0.0)) * 1e9),
+        fqn=str(attrs.get(semconv.MODULE_FQN, "")),
+        pass_=str(attrs.get(semconv.MODULE_PASS, "")),
+        why=why or None,
+    )
+
+
+# The "why" of a collective (collectives.Why): read back into CollectiveFact.why.
+WHY_ATTRIBUTES = frozenset({
+    semconv.DTENSOR_OP, semconv.DTENSOR_CAUSE, semconv.DTENSOR_INPUT_PLACEMENTS, semconv.DTENSOR_SOURCE_PLACEMENTS,
+    semconv.DTENSOR_TARGET_PLACEMENTS, semconv.DEVICE_MESH_SHAPE, semconv.DEVICE_MESH_DIM_NAMES,
+})

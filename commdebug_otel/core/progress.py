@@ -1,0 +1,151 @@
+"""One rank's progress, :class:`Progress`, is what the recorder keeps on every step, traced or not, at
+about Flight Recorder's cost (one tuple per collective in a bounded ring):
+
+* the recent collectives (op, process group, seq, dtype, shape, issuing module, issue time);
+* per process group, the last seq issued and the last known completed: a
+  collective is known complete when the training thread's wait on it returned
+  (``Work.wait``, ``wait_tensor``), when its c10d ``Work`` future completed (the
+  steps timed to completion), or when its step ended;
+* when the current step began (or, between steps, when the last one ended),
+  the time the training thread spent waiting in collectives, the recent step times.
+
+Under ``auto``, time between steps with no collective in flight (data loading,
+checkpoints, evaluation) is held to a much larger floor than a step
+(:data:`AUTO_BETWEEN_STEPS_S`): a hang shows as a collective in flight on the
+ranks that wait, and those report it at the step threshold.
+
+The watchdog (``stall/watchdog.py``) reads it from its own thread; the metric reader reads its seqs.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from commdebug_otel.config import (  # the auto rule's numbers live in config: diagnose repeats the rule without torch
+    AUTO_BETWEEN_STEPS_S,
+    AUTO_FACTOR,
+    AUTO_FIRST_S,
+    AUTO_FLOOR_S,
+    AUTO_MIN_STEPS,
+    RECENT_STEPS,
+    STALL_AUTO,
+)
+from commdebug_otel.core.fact import CollectiveFact, ring_event_attributes
+
+RING_SIZE = 64  # recent collectives kept per rank, exported with each snapshot
+SLOW_STEP_FACTOR = 2.0  # commdebug.step.slow: longer than this times the recent median...
+SLOW_AFTER_STEPS = 8  # ...once this many steps have ended
+MAX_PENDING_WAITS = 4096  # issued collectives whose wait has not been seen (cleared at each step end)
+
+
+class Progress:
+    """One rank's progress: written by the training thread, read by the watchdog and the metric reader.
+
+    Attributes:
+        next_seq: per process group name, the seq the next collective gets (the recorder's counter).
+        completed: per process group name, the last seq known complete (absent: none known).
+        ring: the last :data:`RING_SIZE` collectives, as their :class:`~commdebug_otel.core.fact.CollectiveFact`.
+        since_ns: ``time.time_ns()`` when the current step began, or the last one ended.
+        in_step: whether a step is open.
+        wait_ns: nanoseconds the training thread waited in collectives since the step began.
+    """
+
+    def __init__(self, dim_name: Callable[[str], str] = lambda group: "") -> None:
+        """``dim_name(group name)``: the mesh dimensions the group serves (``GroupResolver.dim_name``)."""
+        self._dim_name = dim_name
+        self.next_seq: dict[str, int] = {}
+        self.completed: dict[str, int] = {}
+        self.ring: collections.deque = collections.deque(maxlen=RING_SIZE)
+        self.since_ns = time.time_ns()
+        self.in_step = False
+        self.step_index = 0
+        self.wait_ns = 0
+        self.durations: collections.deque = collections.deque(maxlen=RECENT_STEPS)
+        self._pending: dict[int, tuple[str, int]] = {}  # id(functional output) -> (group, seq)
+
+    def remember(self, fact: CollectiveFact, out: Any) -> None:
+        """A collective was issued on the training thread (every step: kept cheap); ``out``: what the op returned."""
+        self.ring.append(fact)
+        if type(out) is torch.Tensor:  # a functional collective's output: wait_tensor takes this object
+            pending = self._pending
+            if len(pending) >= MAX_PENDING_WAITS:
+                pending.clear()  # never waited on (compiled code waits on its own buffers): forget them
+            pending[id(out)] = (fact.group.name, fact.seq)
+
+    def waited(self, handle: Any, duration_ns: int) -> None:
+        """The training thread waited ``duration_ns`` on ``handle``: a ``Work`` (whose collective is not
+        known here: c10d ones are known complete from their future, on timed steps) or a functional
+        collective's output (``wait_tensor``: that collective is complete)."""
+        self.wait_ns += duration_ns
+        found = self._pending.pop(id(handle), None)
+        if found is not None:
+            self.complete(*found)
+
+    def complete(self, group: str, seq: int) -> None:
+        """Collective ``seq`` of ``group`` is known complete (and so, in order, every earlier one)."""
+        if seq > self.completed.get(group, -1):
+            self.completed[group] = seq
+
+    def step_began(self, now: int, index: int) -> None:
+        self.since_ns, self.in_step, self.step_index, self.wait_ns = now, True, index, 0
+
+    def step_ended(self, now: int, training: bool) -> tuple[float, bool]:
+        """The step ended: its collectives are complete. Returns its duration in seconds, and whether
+        it was slow for this rank (``commdebug.step.slow``, training steps)."""
+        duration_s = (now - self.since_ns) / 1e9
+        slow = False
+        if training:
+            slow = self.slow(duration_s)
+            self.durations.append(duration_s)
+        for group, following in self.next_seq.items():
+            self.complete(group, following - 1)
+        self._pending.clear()
+        self.since_ns, self.in_step = now, False
+        return duration_s, slow
+
+    def slow(self, duration_s: float) -> bool:
+        """Whether a step of ``duration_s`` is slow for this rank (``commdebug.step.slow``)."""
+        recent = self.durations
+        return len(recent) > SLOW_AFTER_STEPS and duration_s > SLOW_STEP_FACTOR * statistics.median(recent)
+
+    def threshold_s(self, setting: float | str) -> float:
+        """The stall threshold in seconds: ``setting``, or the auto rule (see the config option).
+
+        Under auto, time between steps (or before the first) with no collective in flight counts
+        against at least :data:`AUTO_BETWEEN_STEPS_S`: a planned pause is not a stall.
+        """
+        if setting != STALL_AUTO:
+            return float(setting)
+        recent = list(self.durations)
+        if len(recent) < AUTO_MIN_STEPS:
+            threshold = AUTO_FIRST_S
+        else:
+            threshold = max(AUTO_FLOOR_S, AUTO_FACTOR * statistics.median(recent))
+        if not self.in_step and not self.in_flight():
+            return max(threshold, AUTO_BETWEEN_STEPS_S)
+        return threshold
+
+    def in_flight(self) -> bool:
+        """Whether a collective this rank issued is not known complete (a peer may be what it waits for)."""
+        completed = self.completed
+        return any(following - 1 > completed.get(group, -1) for group, following in list(self.next_seq.items()))
+
+    def age_s(self, now: int | None = None) -> float:
+        return ((now or time.time_ns()) - self.since_ns) / 1e9
+
+    def seqs(self) -> list[tuple[str, int, int, str]]:
+        """``(group, last issued seq, last completed seq, mesh dimension name or "")`` per process group; -1: none."""
+        return [(group, following - 1, self.completed.get(group, -1), self._dim_name(group))
+                for group, following in list(self.next_seq.items())]
+
+    def ring_events(self, now: int) -> list[tuple[str, dict[str, Any], int]]:
+        """The ring as span events ``(name, attributes, time)``, each in flight or completed."""
+        completed = dict(self.completed)
+        return [(fact.op, ring_event_attributes(fact, fact.seq <= completed.get(fact.group.name, -1), now),
+                 fact.time_ns) for fact in list(self.ring)]

@@ -1,0 +1,169 @@
+"""What each caller of the recorder may call on it: one typed ``Protocol`` per caller.
+
+The module hooks (``capture/tracker.py``), the collective kernels (``capture/intercept.py``), the dispatch
+mode (``capture/mode.py``) and the stall watchdog (``stall/watchdog.py``) each hold the recorder as the
+protocol below, never as ``Any`` nor as the whole ``Recorder``: what they may ask of it is
+written here, and a type checker holds them to it. ``recorder.Recorder`` satisfies all of them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:  # type names only: this module imports nothing of the recorder's at run time
+    import torch
+
+    from commdebug_otel.capture.observer import RecorderObserver
+    from commdebug_otel.capture.ops import CollectiveSpec
+    from commdebug_otel.config import Settings
+    from commdebug_otel.core.collectives import Why
+    from commdebug_otel.core.progress import Progress
+    from commdebug_otel.core.records import Record, Step
+    from commdebug_otel.core.steps import RankInfo
+    from commdebug_otel.core.thread_role import ThreadRole
+
+
+class FailureSink(Protocol):
+    """Where a hook that failed says so: logged once per place, counted, never raised."""
+
+    def hook_failed(self, where: str, error: BaseException) -> None: ...
+
+
+class CollectiveSubscriber(FailureSink, Protocol):
+    """What the collective kernels (``intercept.CollectiveInterceptor``) tell a recorder."""
+
+    why: Why  # the DTensor "why" its wrappers set (only the training thread's, or autograd's)
+    thread_id: int  # the training thread
+
+    def collective(self, spec: CollectiveSpec, args: tuple, duration_ns: int, out: Any = None,
+                   start_ns: int = 0) -> None: ...
+
+    def waited(self, handle: Any, duration_ns: int) -> None: ...
+
+
+class OpSubscriber(FailureSink, Protocol):
+    """What the dispatch mode (``mode.CollectiveDispatchMode``) tells a recorder."""
+
+    why: Why
+    active: bool
+
+    def collective(self, spec: CollectiveSpec, args: tuple, duration_ns: int, out: Any = None,
+                   start_ns: int = 0) -> None: ...
+
+    def op_event(self, func: Any, args: tuple, is_dtensor: bool) -> None: ...
+
+
+class ModuleHooks(FailureSink, Protocol):
+    """What the module tracker (``tracker.ModuleTracker``) tells a recorder, and asks of it."""
+
+    active: bool
+    thread_changes: int  # how often the training thread's role changed hands
+    role: ThreadRole  # its lock holds the role still through a hook (thread_role.one_role_holder)
+
+    @property
+    def step_open(self) -> bool: ...
+
+    @property
+    def thread_settled(self) -> bool: ...
+
+    def tracks_thread(self, claim: bool = True) -> bool: ...
+
+    def module_pre(self, module: torch.nn.Module, fqn: str, args: tuple, compiled: bool = False) -> Record | None: ...
+
+    def module_post(self, module: torch.nn.Module, record: Record | None) -> None: ...
+
+    def backward_began(self, forward: Record) -> None: ...
+
+    def backward_ended(self, forward: Record) -> None: ...
+
+    def keep_hook(self, handle: Any) -> None: ...
+
+
+class StallSource(FailureSink, Protocol):
+    """What the stall watchdog (``stall.StallWatch``) reads of a recorder, and asks it to export."""
+
+    progress: Progress
+    thread_id: int
+    role: ThreadRole  # its lock holds the role still through a hook (thread_role.one_role_holder)
+
+    def rank(self) -> RankInfo: ...
+
+    def stall_snapshot(self, now: int, age_s: float, threshold_s: float, snapshot: int,
+                       where: tuple[str, str, list[str]]) -> bool: ...
+
+    def job_id(self, store: Any = None) -> str: ...
+
+    def stall_verdict(self, step_index: int, start_ns: int, now: int, attrs: dict[str, Any]) -> bool: ...
+
+
+class CollectiveHost(FailureSink, Protocol):
+    """What the collective path (``collective_path.CollectivePath``) asks of the steps and module owners."""
+
+    settings: Settings
+    observers: tuple[RecorderObserver, ...]
+    every_event: bool  # an observer wants every event: records are kept on every step
+    progress: Progress
+    thread_id: int
+
+    def rank(self) -> RankInfo: ...
+
+    @property
+    def current_step(self) -> Step | None: ...
+
+    def outside_step(self, now: int) -> Step:
+        """The open segment between steps, made if none is open."""
+        ...
+
+    def owner(self) -> tuple[Record | None, Step | None]:
+        """The record that owns what runs now (or the step's root), and the open step."""
+        ...
+
+    def pass_by_depth(self, in_backward: bool) -> str: ...
+
+
+class OwnershipHost(Protocol):
+    """What module and backward ownership (``ownership.ModuleOwnership``) asks of the step lifecycle."""
+
+    why: Why
+    first_call: Any  # called once at the first module call that opens a step; True: stop recording
+    seen_optimizer: bool
+    role: ThreadRole  # its lock holds the role still through a hook (thread_role.one_role_holder)
+
+    @property
+    def current_step(self) -> Step | None: ...
+
+    def open_step(self, now: int, inference: bool = False) -> Step: ...
+
+    def close_step(self, now: int, inference: bool = False) -> None: ...
+
+    def step_full(self, step: Step, now: int, in_backward: bool) -> Step | None:
+        """``step`` holds ``max_spans_per_step`` records: the step part to record in, or None (not recorded)."""
+        ...
+
+    def backward_pass_done(self) -> None:
+        """An outermost autograd pass of the open step finished."""
+        ...
+
+
+class ThreadRoleHost(Protocol):
+    """What the training thread's role (``thread_role.ThreadRole``) asks of the step lifecycle."""
+
+    @property
+    def idle(self) -> bool:
+        """No optimizer step seen yet, no step and no module call open: another thread may borrow the role."""
+        ...
+
+    @property
+    def counters(self) -> tuple[int, int]:
+        """The next training and inference step numbers."""
+        ...
+
+    def export(self, step: Step) -> None: ...
+
+    def drop_open(self, now: int) -> None:
+        """Close the open step and segment (held by the role, not exported)."""
+        ...
+
+    def restore(self, counters: tuple[int, int] | None) -> None:
+        """Give the step numbers back (the borrower's steps are dropped)."""
+        ...

@@ -1,0 +1,323 @@
+"""Our flush on SIGTERM, SIGHUP and SIGQUIT: the process lifecycle's signals, apart from the providers.
+
+``telemetry.Telemetry`` holds one :class:`SignalFlush` and arms it once its own providers exist
+(nothing of ours to flush before); ``instrumentation.CommTracer`` gives the handlers back when a tracer
+stops or the default group is destroyed. The rescue thread (:class:`_SignalRescue`) ends a process whose
+main thread is stuck in a native wait, as the default action would have.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from commdebug_otel.core.redact import describe
+
+_logger = logging.getLogger("commdebug_otel.otel.telemetry")  # the telemetry's own log, as before the split
+
+
+class SignalFlush:
+    """Flush-then-die handlers chained over the signals' own.
+
+    Args:
+        exit: ``exit()``: tracers end their open spans, one bounded flush and shutdown (the atexit path).
+        flush: ``flush()``: a bounded flush, training going on.
+        armed: ``armed()``: whether our own providers exist (nothing to flush before).
+    """
+
+    def __init__(self, exit: Callable[[], None], flush: Callable[[], None], armed: Callable[[], bool]) -> None:
+        self._exit = exit
+        self._flush = flush
+        self._armed = armed
+        self._signal_rescue: _SignalRescue | None = None
+        self._signals_held = False  # hold() ran and release() has not
+        self._chained: dict[int, tuple[Any, Any]] = {}  # signum -> (our handler, the one it calls)
+
+    def hold(self) -> None:
+        """Flush on SIGTERM, SIGHUP and SIGQUIT, then hand the signal to the handler that was there.
+
+        torchrun sends SIGTERM to every worker when a peer fails or the job is
+        restarted, and forwards SIGHUP and SIGQUIT it receives
+        (``torch.distributed.elastic``'s termination handler); their default
+        action kills the process without atexit, and every finished step and
+        metric point still buffered would be lost (SIGINT's KeyboardInterrupt
+        exits through atexit). Only the main thread can set
+        handlers: elsewhere this does nothing. An ignored signal stays ignored.
+        Does nothing before our own providers exist (nothing of ours to flush).
+        A handler the script (or a library) installs later replaces ours and
+        runs alone: :meth:`keep` never wraps it, and the rescue thread
+        leaves that signal alone. Undone by :meth:`release`.
+        """
+        if not self._armed() or threading.current_thread() is not threading.main_thread():
+            return
+        self._signals_held = True
+        for signum in _FLUSH_SIGNALS:
+            try:
+                previous = signal.getsignal(signum)
+                if previous is None or previous == signal.SIG_IGN or self._ours(signum, previous):
+                    continue  # set outside Python, ignored (leave it), or ours already
+                self._chain(signum, previous)
+            except (ValueError, OSError) as error:  # an embedded interpreter, a restricted platform
+                _logger.debug("commdebug-otel: no flush on signal %s: %s", signum, describe(error))
+        self._take_wakeup_fd()
+
+    def keep(self) -> None:
+        """At a step boundary on the main thread: chain our flush again where a signal's handler was reset
+        to the default (asyncio's ``remove_signal_handler`` sets ``SIG_DFL`` and clears the wakeup fd).
+
+        A handler of the script's is left as it is. Cheap (a few ``signal.getsignal`` calls); never raises.
+        """
+        if not self._signals_held or threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            reset = False
+            for signum in self._chained:
+                current = signal.getsignal(signum)
+                if current == signal.SIG_DFL:
+                    self._chain(signum, current)
+                    reset = True
+            if reset:
+                self._take_wakeup_fd()
+        except (ValueError, OSError) as error:
+            _logger.debug("commdebug-otel: signal handlers not kept: %s", describe(error))
+
+    def release(self) -> None:
+        """Undo :meth:`hold`: each signal whose handler is still ours gets back the one we found, and
+        the wakeup fd, if still ours, is given back. Main thread only (elsewhere does nothing); never raises."""
+        if not self._signals_held or threading.current_thread() is not threading.main_thread():
+            return
+        self._signals_held = False
+        for signum, (handler, previous) in list(self._chained.items()):
+            try:
+                if signal.getsignal(signum) is handler:
+                    signal.signal(signum, previous)
+            except (ValueError, OSError) as error:
+                _logger.debug("commdebug-otel: signal %s not restored: %s", signum, describe(error))
+        self._chained.clear()
+        rescue, self._signal_rescue = self._signal_rescue, None
+        if rescue is not None:
+            rescue.uninstall()
+
+    def _chain(self, signum: int, previous: Any) -> None:
+        handler = functools.partial(self._on_signal, previous)
+        signal.signal(signum, handler)
+        self._chained[signum] = (handler, previous)
+
+    def _ours(self, signum: int, handler: Any) -> bool:
+        chained = self._chained.get(signum)
+        return chained is not None and chained[0] is handler
+
+    def _take_wakeup_fd(self) -> None:
+        """Start the rescue thread (or give it the wakeup fd again) when a deadly signal's handler is ours."""
+        if not any(self.rescues(signum) for signum in self._chained):
+            return
+        if self._signal_rescue is None:
+            self._signal_rescue = _SignalRescue(self).install()
+        else:
+            self._signal_rescue.retake()
+
+    def handlers_lost(self) -> bool:
+        """Whether a signal we hold has its default action again (asyncio's ``remove_signal_handler`` or
+        ``loop.close()``, ``signal.signal(SIGTERM, SIG_DFL)``) and is not chained yet (:meth:`keep`, at the
+        next optimizer step on the main thread). Read from any thread; never raises."""
+        try:
+            return any(signal.getsignal(signum) == signal.SIG_DFL for signum in list(self._chained))
+        except (ValueError, OSError):
+            return False
+
+    def rescues(self, signum: int) -> bool:
+        """Whether the rescue thread may end the process for ``signum`` now: the handler in force (read from
+        any thread) is still ours, over the default action. A handler installed since is the script's to run."""
+        chained = self._chained.get(signum)
+        if chained is None or chained[1] != signal.SIG_DFL:
+            return False
+        try:
+            return signal.getsignal(signum) is chained[0]
+        except (ValueError, OSError):
+            return False
+
+    def _on_signal(self, previous: Any, signum: int, frame: Any) -> None:
+        """Export what is finished within the budget, then do what ``previous`` would have done.
+
+        Called by a handler installed since (one that calls the handler it found, as Lightning's
+        does), ours is no longer the handler in force: it flushes and calls ``previous`` if that is a
+        function, and never ends the process (without us that handler would have found the default
+        action, and called nothing).
+        """
+        dying = previous == signal.SIG_DFL and self._ours(signum, signal.getsignal(signum))
+        if dying and self._signal_rescue is not None and not self._signal_rescue.claim():
+            return  # the rescue thread is flushing and will end the process by the signal
+        try:
+            if dying:
+                self._exit()  # tracers end their open spans; one bounded flush and shutdown
+            else:
+                self._flush()  # the previous handler decides; training may go on
+        except Exception as error:  # the signal must still be delivered
+            _logger.debug("commdebug-otel: flush on signal %s failed: %s", signum, describe(error))
+        if dying:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)  # the process ends as it would have, by the signal
+        elif callable(previous):
+            previous(signum, frame)
+
+
+class _SignalRescue:
+    """Ends the process by a deadly signal when the main thread cannot run its Python handler.
+
+    Python runs signal handlers on the main thread, between bytecodes: a rank blocked in
+    a native wait (a collective waiting for a stuck peer, gloo or NCCL) would run our
+    flush-then-die handler only when the wait returns, at the process group's timeout,
+    where without us the default action kills it at once. Python's C-level handler also
+    writes the signal's number to the wakeup fd: this thread reads it and, if the main
+    thread has not begun the handler within ``GRACE_S``, flushes (within the shutdown
+    budget) and ends the process by the signal itself, but only while the handler in
+    force is still ours over the default action (:meth:`SignalFlush.rescues`): a handler
+    the script installed since runs alone, and the process lives if it says so. Not
+    installed when the wakeup fd is someone else's (asyncio); a forked child drops it
+    (its signals are its own). Every ``WATCH_S`` it also looks for a handler reset to the
+    default action (:meth:`_flush_if_lost`).
+    """
+
+    GRACE_S = 0.5
+    WATCH_S = 1.0  # how often it looks for a handler reset to the default action (_flush_if_lost)
+
+    def __init__(self, signals: SignalFlush) -> None:
+        self._signals = signals
+        self._claimed = threading.Lock()
+        self._reader: socket.socket | None = None
+        self._writer: socket.socket | None = None
+
+    def install(self) -> _SignalRescue | None:
+        """Take the wakeup fd and start the thread; None where the fd is taken or cannot be set."""
+        try:
+            reader, writer = socket.socketpair()
+            writer.setblocking(False)
+            self._writer = writer
+            if not self.retake():
+                reader.close()
+                writer.close()
+                return None
+        except (ValueError, OSError) as error:
+            _logger.debug("commdebug-otel: no signal rescue thread: %s", describe(error))
+            return None
+        self._reader = reader
+        _RESCUES.add(self)
+        _forget_rescues_in_children()
+        threading.Thread(target=self._run, args=(reader,), name="commdebug-otel-signals", daemon=True).start()
+        return self
+
+    def retake(self) -> bool:
+        """Make our socket the wakeup fd if nobody's is (asyncio gives it back as -1); False if it is someone
+        else's (left to them)."""
+        try:
+            previous = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
+            if previous not in (-1, self._writer.fileno()):  # someone else's (an event loop): theirs again
+                signal.set_wakeup_fd(previous)
+                return False
+        except (ValueError, OSError) as error:
+            _logger.debug("commdebug-otel: wakeup fd not taken: %s", describe(error))
+            return False
+        return True
+
+    def uninstall(self) -> None:
+        """Give the wakeup fd back (if still ours) and end the thread (main thread only)."""
+        _RESCUES.discard(self)
+        self._forget()
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()  # the reader sees the end and the thread returns
+
+    def claim(self) -> bool:
+        """Whoever claims first flushes and ends the process: the main thread's handler or this thread."""
+        return self._claimed.acquire(blocking=False)
+
+    def _forget(self) -> None:
+        try:
+            current = signal.set_wakeup_fd(-1)
+            if self._writer is None or current != self._writer.fileno():
+                signal.set_wakeup_fd(current)  # someone else's by now: theirs again
+        except (ValueError, OSError):
+            pass
+
+    def _run(self, reader: socket.socket) -> None:
+        reader.settimeout(self.WATCH_S)
+        flushed = False  # since the handler in force was found back to the default action
+        with reader:
+            while True:
+                try:
+                    data = reader.recv(64)
+                except TimeoutError:
+                    flushed = self._flush_if_lost(flushed)
+                    continue
+                except OSError:
+                    return
+                if not data:
+                    return
+                for signum in data:
+                    if self._signals.rescues(signum):
+                        self._rescue(signum)
+
+    def _flush_if_lost(self, flushed: bool) -> bool:
+        """A signal's handler went back to the default action after the last step (an event loop removed
+        its handler, also at ``loop.close()``): the signal now ends the process at once, with no Python of
+        ours, and nothing on the main thread chains our flush until its next step. What is finished is
+        exported now, once per such reset. Returns whether the handlers are still lost and flushed."""
+        if not self._signals.handlers_lost():
+            return False
+        if not flushed:
+            try:
+                self._signals._flush()
+            except Exception as error:
+                _logger.debug("commdebug-otel: flush after a signal handler reset failed: %s", describe(error))
+        return True
+
+    def _rescue(self, signum: int) -> None:
+        time.sleep(self.GRACE_S)  # a main thread that is running Python takes it itself
+        # A handler installed meanwhile (or the one the main thread ran) is the script's: it decides.
+        if not self._signals.rescues(signum) or not self.claim():
+            return
+        try:
+            self._signals._exit()
+        except Exception as error:
+            _logger.debug("commdebug-otel: flush on signal %s failed: %s", signum, describe(error))
+        _die_by(signum)
+
+
+_RESCUES: weakref.WeakSet = weakref.WeakSet()  # installed rescue threads' owners
+
+
+def _forget_in_child() -> None:
+    for rescue in list(_RESCUES):
+        rescue._forget()
+
+
+@functools.cache
+def _forget_rescues_in_children() -> None:
+    """One at-fork hook per process (hooks cannot be unregistered): a forked child's signals are its own."""
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def _die_by(signum: int) -> None:
+    """End the process by ``signum``'s default action, from any thread (Python's signal.signal is main-only)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+    libc.signal(signum, None)  # SIG_DFL
+    os.kill(os.getpid(), signum)
+    time.sleep(1.0)  # delivery is asynchronous
+    os._exit(128 + signum)
+
+
+# SIGHUP and SIGQUIT do not exist on Windows. SIGINT is left alone: its default handler raises
+# KeyboardInterrupt, the interpreter's exit then runs our atexit flush, and libraries that look for
+# that handler (asyncio.run installs its own only over it) must find it.
+_FLUSH_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name))

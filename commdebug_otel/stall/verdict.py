@@ -1,0 +1,569 @@
+"""The live cross-rank verdict of a stall: who is stuck, in what, and who waits for it.
+
+When a rank's stall snapshot fires (``stall.StallWatch``), its watchdog thread
+publishes one small JSON record (:func:`progress_record`) in the job's own c10d
+store: the store keeps answering while collectives hang, and no collective is
+ever issued. Keys live under one prefix per job (the agreed job nonce) and step:
+
+* ``commdebug_otel/verdict/<nonce>/alive/<rank>``: written once per job, at the
+  watchdog's first look after the default group exists (host and pid): a rank
+  that never publishes a record but wrote this is alive-but-silent or dead,
+  which the rank forming the verdict tells apart on its own host;
+* ``.../<step>/r/<rank>``: the record, rewritten at each snapshot of the stall;
+* ``.../<step>/index`` (ranks appended), ``count``, ``leader`` (the lowest
+  publishing rank, by ``compare_set``), ``round/<n>`` (ranks that published
+  their n-th snapshot's record), ``said`` (the last verdict exported, so a lower
+  rank that publishes late and takes over does not say it again) and ``left``
+  (cleanup).
+
+The lowest rank that published forms the verdict (:func:`form_verdict`) once
+every rank published or :data:`VERDICT_WAIT_S` after its own record, whichever
+comes first, and again at each of its later snapshots once every rank that
+published has published that round too, or :data:`VERDICT_WAIT_S` after its own
+(so records of one round are read together); it exports a ``stall_verdict``
+span in the stalled step's trace and one stderr line only when the verdict
+changed. Each rank deletes its record when its stall ends (or its tracer
+stops); the last one out deletes the step's shared keys.
+
+Store calls run on the watchdog thread only, through a client of its own with a
+short timeout (:data:`STORE_TIMEOUT_S`): a store that fails costs one message
+and the exchange is off for the job; the per-rank snapshots go on as before. A
+job of one process, or one without a default group, has no exchange at all.
+
+Store traffic per verdict: each stalled rank makes 5 calls the first time
+(set, append, add, compare_set, add), a set and an add per later snapshot, and
+one read of the leader key after each; the leader reads the round's count once
+per watchdog poll while it waits, then the index and every record in one
+``multi_get``. Nothing happens on healthy steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from commdebug_otel import semconv
+from commdebug_otel.core.fact import CollectiveFact
+
+_logger = logging.getLogger(__name__)
+
+KEY_ROOT = "commdebug_otel/verdict"
+RECORD_FORMAT = 1
+STORE_TIMEOUT_S = 5.0  # each store call of the watchdog thread, at most
+VERDICT_WAIT_S = 4.0  # the leader waits this long after its own record for the other ranks' records
+IN_FLIGHT_KEPT = 8  # per process group: the first and the last this many collectives in flight
+STACK_KEPT = 8  # the training thread's innermost code locations in a record
+MAX_RANKS_LISTED = 8  # the summary sentence lists at most this many ranks one by one
+MAX_ROUNDS = 12  # snapshots per stall (stall.MAX_SNAPSHOTS): a round key each
+
+BETWEEN_STEPS = "(between steps)"
+KIND_HANG = semconv.VERDICT_KIND_HANG
+KIND_DESYNC = semconv.VERDICT_KIND_DESYNC
+KIND_MISSING = semconv.VERDICT_KIND_MISSING
+
+
+# ------------------------------------------------------------------ the record
+def progress_record(rank: int, step: int, now_ns: int, age_s: float, snapshot: int, in_step: bool,
+                    where: tuple[str, str, list[str]], seqs: Iterable[tuple[str, int, int, str]],
+                    ring: Iterable[CollectiveFact]) -> dict[str, Any]:
+    """One rank's published record: plain JSON data, a few hundred bytes per process group.
+
+    Args:
+        rank, step: this rank, and the step it is stalled in (between steps: the next one).
+        now_ns, age_s, snapshot: the snapshot's time (ns since the epoch), the stall's age in
+            seconds, and its number in this stall (1, 2, ...).
+        in_step: whether a step is open (else the rank is between steps).
+        where: ``(module FQN, pass, code locations innermost last)`` of the training thread.
+        seqs: ``Progress.seqs()``: ``(group, last issued seq, last completed seq, mesh dimension)``.
+        ring: ``Progress.ring``, the recent collectives' facts (a traced one's carries its DTensor why).
+
+    Returns:
+        ``{"format", "rank", "step", "time_ns", "age_s", "snapshot", "between_steps", "module",
+        "pass", "stack", "groups": {name: {"issued", "completed", "mesh_dim", "size",
+        "in_flight": [[seq, op, module, pass, cause], ...]}}}``; in flight: the collectives of the
+        group after its last known completed one, the first and last :data:`IN_FLIGHT_KEPT`.
+    """
+    module, pass_, stack = where
+    groups: dict[str, dict[str, Any]] = {}
+    for name, issued, completed, dim in seqs:
+        groups[name] = {"issued": issued, "completed": completed, "mesh_dim": dim, "size": 0, "in_flight": []}
+    for fact in list(ring):
+        entry = groups.get(fact.group.name)
+        if entry is None:
+            continue
+        entry["size"] = fact.group.size
+        if fact.seq > entry["completed"]:
+            entry["in_flight"].append([fact.seq, fact.op, fact.fqn, fact.pass_, cause_text(fact.why)])
+    for entry in groups.values():
+        flying = entry["in_flight"]
+        if len(flying) > 2 * IN_FLIGHT_KEPT:
+            entry["in_flight"] = flying[:IN_FLIGHT_KEPT] + flying[-IN_FLIGHT_KEPT:]
+    return {"format": RECORD_FORMAT, "rank": rank, "step": step, "time_ns": now_ns, "age_s": round(age_s, 3),
+            "snapshot": snapshot, "between_steps": not in_step, "module": module, "pass": pass_,
+            "stack": stack[-STACK_KEPT:], "groups": groups}
+
+
+def cause_text(why: Mapping[str, Any] | None) -> str:
+    """A collective's DTensor why in a few words (``aten.mm.default (Shard(dim=0),) -> (Replicate(),)``); "" if none."""
+    cause = why.get(semconv.DTENSOR_CAUSE) if why else None
+    if not cause:
+        return ""
+    source, target = why.get(semconv.DTENSOR_SOURCE_PLACEMENTS), why.get(semconv.DTENSOR_TARGET_PLACEMENTS)
+    return f"{cause} {source} -> {target}" if source and target else str(cause)
+
+
+# ------------------------------------------------------------------ the verdict
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What the ranks' records say together. Field names follow the ``commdebug.verdict.*`` attributes.
+
+    ``behind``: ranks that did not reach the collective the others wait in (``missing``: ranks that
+    published nothing); ``waiting``: ranks waiting in it; ``seq`` -1 and ``op`` "" when not known;
+    ``stack``: the first behind rank's training thread's code locations, innermost last (none for ``missing``);
+    ``dead``/``silent``: of the ranks that published nothing, those whose process is gone, and those
+    alive but silent (holding the GIL, or stopped), where the forming rank could tell.
+    """
+
+    kind: str
+    step: int
+    behind: tuple[int, ...]
+    waiting: tuple[int, ...]
+    group: str
+    mesh_dim: str
+    seq: int
+    op: str
+    module: str
+    waiting_module: str
+    cause: str
+    summary: str
+    world_size: int
+    reported: int
+    stack: tuple[str, ...] = ()
+    dead: tuple[int, ...] = ()
+    silent: tuple[int, ...] = ()
+
+    def attributes(self) -> dict[str, Any]:
+        """The ``stall_verdict`` span's attributes (no empty value, never None)."""
+        attrs: dict[str, Any] = {
+            semconv.STEP: self.step,
+            semconv.VERDICT_KIND: self.kind,
+            semconv.VERDICT_BEHIND_RANKS: list(self.behind),
+            semconv.VERDICT_WAITING_RANKS: list(self.waiting),
+            semconv.VERDICT_SUMMARY: self.summary,
+            semconv.VERDICT_WORLD_SIZE: self.world_size,
+            semconv.VERDICT_REPORTED_RANKS: self.reported,
+        }
+        for name, value in ((semconv.VERDICT_GROUP, self.group), (semconv.VERDICT_MESH_DIM, self.mesh_dim),
+                            (semconv.VERDICT_OP, self.op), (semconv.VERDICT_MODULE, self.module),
+                            (semconv.VERDICT_WAITING_MODULE, self.waiting_module),
+                            (semconv.VERDICT_CAUSE, self.cause)):
+            if value:
+                attrs[name] = value
+        if self.seq >= 0:
+            attrs[semconv.VERDICT_SEQ] = self.seq
+        if self.stack:
+            attrs[semconv.VERDICT_STACK] = list(self.stack)
+        if self.dead:
+            attrs[semconv.VERDICT_DEAD_RANKS] = list(self.dead)
+        if self.silent:
+            attrs[semconv.VERDICT_SILENT_RANKS] = list(self.silent)
+        return attrs
+
+
+def ranks_text(ranks: Iterable[int], others_of: int = 0) -> str:
+    """``rank 3``, ``ranks 0-2,5``; ``the other N ranks`` when they are all but ``others_of`` of many."""
+    ranks = sorted(ranks)
+    if others_of and len(ranks) > MAX_RANKS_LISTED and len(ranks) == others_of:
+        return f"the other {len(ranks):,} ranks"
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return ("rank " if len(ranks) == 1 else "ranks ") + text
+
+
+def _where(record: dict) -> str:
+    if record["between_steps"]:
+        return BETWEEN_STEPS
+    return record["module"] or semconv.SPAN_TRAIN_STEP
+
+
+def _entry(record: dict, group: str, seq: int) -> list | None:
+    for entry in record["groups"].get(group, {}).get("in_flight", ()):
+        if entry[0] == seq:
+            return entry
+    return None
+
+
+def _first_in_flight(records: list[dict]) -> tuple[str, int] | None:
+    """The lowest (group, seq) any of ``records`` has in flight (group order: by name)."""
+    found = sorted((group, entry[0]) for record in records for group, facts in record["groups"].items()
+                   for entry in facts["in_flight"])
+    return found[0] if found else None
+
+
+def _behind(records: dict[int, dict]) -> tuple[list[int], str]:
+    """Ranks behind on a group where others issued more, and not ahead on any (diagnose's rule); the group."""
+    behind: dict[int, str] = {}
+    ahead: set[int] = set()
+    for group in sorted({group for record in records.values() for group in record["groups"]}):
+        issued = {rank: record["groups"][group]["issued"] for rank, record in records.items()
+                  if group in record["groups"]}
+        low = min(issued.values())
+        if len(issued) < 2 or max(issued.values()) == low:
+            continue
+        for rank, seq in issued.items():
+            if seq == low:
+                behind.setdefault(rank, group)
+            else:
+                ahead.add(rank)
+    ranks = sorted(rank for rank in behind if rank not in ahead) or sorted(behind)
+    return ranks, behind[ranks[0]] if ranks else ""
+
+
+def _desync(records: dict[int, dict]) -> tuple[str, int, dict[str, list[int]]] | None:
+    """The lowest (group, seq) that ranks have in flight as different collectives: {op: ranks}."""
+    ops: dict[tuple[str, int], dict[str, list[int]]] = {}
+    for rank, record in sorted(records.items()):
+        for group, facts in record["groups"].items():
+            for entry in facts["in_flight"]:
+                ops.setdefault((group, entry[0]), {}).setdefault(entry[1], []).append(rank)
+    split = sorted(key for key, by_op in ops.items() if len(by_op) > 1)
+    if not split:
+        return None
+    group, seq = split[0]
+    return group, seq, ops[(group, seq)]
+
+
+def form_verdict(records: dict[int, dict], world_size: int, step: int,
+                 absent: dict[int, str] | None = None) -> Verdict | None:
+    """The cross-rank verdict from the published records, or None when nothing is to blame.
+
+    Args:
+        records: ``{rank: progress_record(...)}`` of the ranks that published.
+        world_size: ranks in the job (ranks ``0 .. world_size - 1`` are expected).
+        step: the stalled step (the records' key).
+        absent: for ranks that published nothing, what is known: ``"dead"`` (its process is gone),
+            ``"silent"`` (alive: holding the GIL, or stopped), anything else unknown.
+
+    Kinds, first that applies: ``desync`` (ranks have different collectives in flight at the same
+    (group, seq): the larger side waits, the other is behind); ``hang`` (ranks behind on a process
+    group where the others issued more, and not ahead anywhere; else ranks with nothing in flight
+    while others wait in a collective); ``missing`` (ranks that published nothing while the others
+    wait in a collective).
+    """
+    absent = absent or {}
+    missing = sorted(set(range(world_size)) - set(records))
+    dead = tuple(rank for rank in missing if absent.get(rank) == "dead")
+    silent = tuple(rank for rank in missing if absent.get(rank) == "silent")
+    common = {"step": step, "world_size": world_size, "reported": len(records), "dead": dead, "silent": silent}
+    published = sorted(records)
+
+    split = _desync(records)
+    if split is not None:
+        group, seq, by_op = split
+        sides = sorted(by_op.items(), key=lambda item: (-len(item[1]), item[1][0]))
+        op, waiting = sides[0]
+        behind = sorted(rank for _, ranks in sides[1:] for rank in ranks)
+        theirs = _entry(records[behind[0]], group, seq)
+        mine = _entry(records[waiting[0]], group, seq)
+        dim = records[waiting[0]]["groups"][group]["mesh_dim"]
+        parts = [f"{ranks_text(ranks)} issued {name}{_from(_entry(records[ranks[0]], group, seq))}"
+                 for name, ranks in sides]
+        summary = (f"desync at {_at(group, dim, seq)} in step {step}: " + "; ".join(parts)
+                   + f" ({len(records)} of {world_size} ranks reported)")
+        return Verdict(KIND_DESYNC, behind=tuple(behind), waiting=tuple(waiting), group=group, mesh_dim=dim,
+                       seq=seq, op=op, module=theirs[2] if theirs else "", waiting_module=mine[2] if mine else "",
+                       cause=mine[4] if mine else "", summary=summary, stack=tuple(records[behind[0]]["stack"]),
+                       **common)
+
+    behind, group = _behind(records)
+    if behind:
+        seq = max(records[rank]["groups"][group]["issued"] for rank in behind) + 1
+        waiting = [rank for rank in published if rank not in behind and group in records[rank]["groups"]
+                   and records[rank]["groups"][group]["issued"] >= seq]
+        if any(records[rank]["groups"][group]["completed"] >= seq for rank in waiting):
+            return None  # a waiting rank knows it complete: the behind rank's record is older (said next round)
+    else:
+        idle = [rank for rank in published if not any(f["in_flight"] for f in records[rank]["groups"].values())]
+        busy = [records[rank] for rank in published if rank not in idle]
+        first = _first_in_flight(busy)
+        if first is None:
+            return None  # nobody waits in a collective: not a communication stall
+        group, seq = first
+        waiting = [record["rank"] for record in busy if _entry(record, group, seq) is not None]
+        behind = idle if (idle and not missing) else []
+        if not behind and not missing:
+            return None  # every rank waits in the same collective: nobody to blame from here
+    waiter = next((records[rank] for rank in waiting if _entry(records[rank], group, seq) is not None), None)
+    entry = _entry(waiter, group, seq) if waiter is not None else None
+    op, waiting_module, cause = (entry[1], entry[2] or _where(waiter), entry[4]) if entry else ("", "", "")
+    facts = records[(waiting or behind)[0]]["groups"].get(group, {})
+    dim = facts.get("mesh_dim", "")
+    what = f"{op or 'the collective'} {_at(group, dim, seq)}"
+    issued = f", issued by {waiting_module}" if waiting_module else ""
+    because = f" for {cause}" if cause else ""
+    others = ranks_text(waiting, world_size - len(behind or missing))
+    if behind:
+        module = _where(records[behind[0]])
+        places = sorted({_where(records[rank]) + _pass(records[rank]) for rank in behind})
+        summary = (f"{ranks_text(behind)} never entered {what}{issued}{because}; "
+                   f"{'it is' if len(behind) == 1 else 'they are'} in {' / '.join(places)}; "
+                   f"{others} {_wait(waiting)} in it"
+                   + (f"; {ranks_text(missing)} published nothing" if missing else "")
+                   + f" (step {step}, {len(records)} of {world_size} ranks reported)")
+        return Verdict(KIND_HANG, behind=tuple(behind), waiting=tuple(waiting), group=group, mesh_dim=dim, seq=seq,
+                       op=op, module=module, waiting_module=waiting_module, cause=cause, summary=summary,
+                       stack=tuple(records[behind[0]]["stack"]), **common)
+    states = []
+    if dead:
+        states.append(f"{ranks_text(dead)}: process gone")
+    if silent:
+        states.append(f"{ranks_text(silent)}: process alive but silent (holding the GIL, stopped, "
+                      "or not yet at its own stall threshold)")
+    unknown = [rank for rank in missing if rank not in dead and rank not in silent]
+    if unknown:
+        states.append(f"{ranks_text(unknown)}: dead or holding the GIL, not known from here")
+    summary = (f"{ranks_text(missing)} published nothing ({'; '.join(states)}); {others} {_wait(waiting)} in {what}"
+               f"{issued}{because} (step {step}, {len(records)} of {world_size} ranks reported)")
+    return Verdict(KIND_MISSING, behind=tuple(missing), waiting=tuple(waiting), group=group, mesh_dim=dim, seq=seq,
+                   op=op, module="", waiting_module=waiting_module, cause=cause, summary=summary, **common)
+
+
+def _wait(ranks: list[int]) -> str:
+    return "waits" if len(ranks) == 1 else "wait"
+
+
+def _at(group: str, dim: str, seq: int) -> str:
+    return f"#{seq} on group {group}" + (f" ({dim})" if dim else "")
+
+
+def _pass(record: dict) -> str:
+    return f" {record['pass']}" if record["pass"] and not record["between_steps"] else ""
+
+
+def _from(entry: list | None) -> str:
+    if not entry or not entry[2]:
+        return ""
+    return f" from {entry[2]}" + (f" for {entry[4]}" if entry[4] else "")
+
+
+def process_state(host: str, pid: int) -> str:
+    """``dead``, ``silent`` (alive, or stopped) or ``unknown`` (another host) for a rank's process."""
+    if host != socket.gethostname() or pid <= 0:
+        return "unknown"
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return "dead"
+    except OSError:  # another user's process: it exists
+        return "silent"
+    try:  # a zombie is gone too (its parent has not reaped it yet)
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
+            if handle.read().rsplit(")", 1)[-1].split()[0] in ("Z", "X"):
+                return "dead"
+    except OSError:
+        pass
+    return "silent"
+
+
+# ------------------------------------------------------------------ the exchange
+class StoreExchange:
+    """One rank's side of the exchange through the job's c10d store. Used by the watchdog thread only.
+
+    Args:
+        rank_of: ``() -> RankInfo``: the rank and world size (settled once the default group exists).
+        job_id: ``(store) -> str``: the job nonce every rank agrees on, agreed through ``store`` if not yet.
+        export: ``export(verdict, start_ns)``: the ``stall_verdict`` span and the flush (the recorder's).
+        connect: ``(timeout_s) -> store or None``: a client of the job's store for this thread
+            (``_torch.default_store_client``).
+        wait_s: how long the leader waits for the other ranks' records after its own.
+
+    No method raises: a failed store call says so once (``logging.WARNING``) and the exchange is
+    off for the rest of the job.
+    """
+
+    def __init__(self, rank_of: Callable[[], Any], job_id: Callable[[Any], str],
+                 export: Callable[[Verdict, int], Any], connect: Callable[[float], Any],
+                 wait_s: float = VERDICT_WAIT_S) -> None:
+        self._rank_of = rank_of
+        self._job_id = job_id
+        self._export = export
+        self._connect = connect
+        self._wait_s = wait_s
+        self._store: Any = None
+        self._root = ""
+        self._off = False
+        self._prefix = ""  # the stall being reported: its step's prefix ("" none)
+        self._step = -1
+        self._since_ns = 0
+        self._decide_at = 0.0  # monotonic time the leader forms the verdict ("0": not pending)
+        self._first_round = False  # the first snapshot of the stall: decided early once every rank published
+        self._round = 0  # this rank's snapshot number in the stall (the others' of the same number are awaited)
+        self._last: str | None = None  # what the last verdict exported for this stall said
+        self.exported = 0  # verdicts exported (tests)
+
+    @property
+    def on(self) -> bool:
+        return not self._off
+
+    def ready(self) -> bool:
+        """Whether the exchange is connected: once the default group exists in a job of several ranks, it
+        connects (a client of its own) and writes this rank's alive key, the first time it is asked."""
+        if self._off:
+            return False
+        if self._store is not None:
+            return True
+        try:
+            info = self._rank_of()
+            if not info.distributed or info.world_size <= 1:
+                return False
+            store = self._connect(STORE_TIMEOUT_S)
+            if store is None:
+                return False
+            self._root = f"{KEY_ROOT}/{self._job_id(store)}/"
+            store.set(f"{self._root}alive/{info.rank}",
+                      json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time_ns": time.time_ns()}))
+            self._store = store
+        except Exception as error:
+            self._fail("connecting to the job's c10d store", error)
+            return False
+        return True
+
+    def _fail(self, what: str, error: BaseException) -> None:
+        self._off = True
+        self._store = None
+        _logger.warning("commdebug-otel: the cross-rank stall verdict is off for this rank: %s failed (%s: %s); "
+                        "the per-rank stall snapshots go on", what, type(error).__name__, error)
+
+    def heartbeat(self) -> None:
+        """At each watchdog poll: connect and write the alive key once the default group exists (cheap after)."""
+        self.ready()
+
+    def publish(self, record: dict[str, Any], since_ns: int) -> None:
+        """Publish this rank's ``record`` (:func:`progress_record`) for the stall that began at ``since_ns``."""
+        if not self.ready():
+            return
+        rank, step = record["rank"], record["step"]
+        if since_ns != self._since_ns or step != self._step:
+            self.ended()  # a new stall: the previous one's record goes
+            if self._off:
+                return
+        try:
+            store = self._store
+            first = not self._prefix
+            prefix = f"{self._root}{step}/"
+            store.set(f"{prefix}r/{rank}", json.dumps(record, separators=(",", ":")))
+            if first:
+                self._prefix, self._step, self._since_ns = prefix, step, since_ns
+                store.append(f"{prefix}index", f"{rank},")
+                store.add(f"{prefix}count", 1)
+                self._elect(prefix, rank)
+            round_ = min(int(record["snapshot"]), MAX_ROUNDS)
+            if first or round_ != self._round:  # (a snapshot that failed to export is published again)
+                self._round = round_
+                store.add(f"{prefix}round/{round_}", 1)  # ranks whose record of this round is in
+            self._decide_at, self._first_round = time.monotonic() + self._wait_s, first
+        except Exception as error:
+            self._fail("publishing this rank's stall record", error)
+
+    def _elect(self, prefix: str, rank: int) -> None:
+        """Make ``leader`` the lowest publishing rank (``compare_set`` until it is at most ``rank``)."""
+        store, key, expected = self._store, f"{prefix}leader", ""
+        for _ in range(64):  # each round another rank lowered it: bounded by the ranks racing
+            current = _text(store.compare_set(key, expected, str(rank)))
+            if current == str(rank) or (current and int(current) < rank):
+                return
+            expected = current
+
+    def poll(self) -> None:
+        """At each watchdog poll: the leader forms the verdict when it is due. Cheap when nothing is pending."""
+        if not self._decide_at or self._off or self._store is None:
+            return
+        try:
+            store, prefix = self._store, self._prefix
+            info = self._rank_of()
+            if _text(store.get(f"{prefix}leader")) != str(info.rank):
+                self._decide_at = 0.0  # a lower rank published: it decides
+                return
+            if time.monotonic() < self._decide_at:
+                # Early once every rank has published this round (the first: every rank of the job).
+                expected = info.world_size if self._first_round else int(store.add(f"{prefix}count", 0))
+                if int(store.add(f"{prefix}round/{self._round}", 0)) < expected:
+                    return
+            self._decide_at = 0.0
+            ranks = sorted({int(part) for part in _text(store.get(f"{prefix}index")).split(",") if part})
+            values = store.multi_get([f"{prefix}r/{rank}" for rank in ranks]) if ranks else []
+            records = {}
+            for value in values:
+                record = json.loads(_text(value))
+                if record.get("format") == RECORD_FORMAT:
+                    records[int(record["rank"])] = record
+            absent = self._absent(set(range(info.world_size)) - set(records))
+            verdict = form_verdict(records, info.world_size, self._step, absent)
+            if verdict is None:
+                return
+            said = repr(dataclasses.astuple(dataclasses.replace(verdict, summary="", reported=0, stack=())))
+            if said == self._last or (store.check([f"{prefix}said"]) and _text(store.get(f"{prefix}said")) == said):
+                self._last = said
+                return  # repeated only when it changes (also when another rank said it: a lower one came late)
+            self._last = said
+            store.set(f"{prefix}said", said)
+        except Exception as error:
+            self._fail("forming the stall verdict from the ranks' records", error)
+            return
+        start_ns = min(record["time_ns"] - round(record["age_s"] * 1e9) for record in records.values())
+        _logger.warning("commdebug-otel: stall verdict: %s", verdict.summary)
+        self.exported += 1
+        self._export(verdict, start_ns)
+
+    def _absent(self, ranks: set[int]) -> dict[int, str]:
+        """What is known of ranks that published nothing, from their alive keys (one check each)."""
+        out = {}
+        for rank in sorted(ranks):
+            key = f"{self._root}alive/{rank}"
+            if not self._store.check([key]):
+                out[rank] = "unknown"  # never reached its watchdog's first look: not started, or gone early
+                continue
+            facts = json.loads(_text(self._store.get(key)))
+            out[rank] = process_state(str(facts.get("host", "")), int(facts.get("pid", 0)))
+        return out
+
+    def ended(self) -> None:
+        """The stall is over (or the tracer stops): delete this rank's record; the last out deletes the rest."""
+        prefix, self._prefix, self._decide_at, self._last = self._prefix, "", 0.0, None
+        self._step, self._since_ns, self._round = -1, 0, 0
+        if not prefix or self._store is None:
+            return
+        try:
+            store, rank = self._store, self._rank_of().rank
+            store.delete_key(f"{prefix}r/{rank}")
+            if int(store.add(f"{prefix}left", 1)) >= int(store.add(f"{prefix}count", 0)):
+                for name in ("index", "count", "leader", "left", "said",
+                             *(f"round/{n}" for n in range(1, MAX_ROUNDS + 1))):
+                    store.delete_key(f"{prefix}{name}")
+        except Exception as error:
+            self._fail("deleting this rank's stall record", error)
+
+    def stop(self) -> None:
+        """The tracer stops: the stall's keys and this rank's alive key go."""
+        self.ended()
+        if self._store is not None:
+            try:
+                self._store.delete_key(f"{self._root}alive/{self._rank_of().rank}")
+            except Exception as error:  # the store may be gone with the job
+                _logger.debug("commdebug-otel: could not delete the alive key: %s", error)
+        self._store = None
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

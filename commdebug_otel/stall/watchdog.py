@@ -1,0 +1,184 @@
+"""Where a rank is, and where it is stuck: progress on every step, stall snapshots off the training thread.
+
+:class:`~commdebug_otel.core.progress.Progress` (``core/progress.py``) is what the recorder keeps on every
+step; the watchdog reads it.
+
+:class:`StallWatch` is a daemon thread per rank that reads it. When the step (or
+the gap between steps) has lasted ``OTEL_PYTHON_COMMDEBUG_STALL_AFTER`` seconds,
+it has the recorder export a snapshot at once (:meth:`Recorder.stall_snapshot`):
+the step's spans so far, open ones ended at the snapshot and marked
+``commdebug.span.incomplete``, and a ``stalled`` span holding the ring, each
+collective marked in flight or completed; then it flushes traces and metrics.
+It repeats at twice the age each time while the stall lasts. Collectives complete
+in issue order on a process group, so "in flight" is every collective of a group
+after its last known completed one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from commdebug_otel import semconv
+from commdebug_otel.capture._torch import MODULE_CALL_CODE, default_store_client
+from commdebug_otel.core.protocols import StallSource
+from commdebug_otel.stall.verdict import StoreExchange, Verdict, progress_record
+
+_logger = logging.getLogger(__name__)
+
+MAX_SNAPSHOTS = 12  # per stall: at T, 2T, 4T, ... (12 reach 2048 T)
+STACK_FRAMES = 32  # code locations of the training thread kept in a snapshot
+MAX_FAILURES = 3  # the watchdog stops after this many failed checks in a row
+
+_CALL_IMPL = MODULE_CALL_CODE
+_OUR_FILES = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_BACKWARD_FRAMES = frozenset({"_engine_run_backward", "backward", "grad"})
+
+
+def training_thread_location(thread_id: int, fqn_of: Callable[[torch.nn.Module], str | None]
+                             ) -> tuple[str, str, list[str]]:
+    """``(module FQN, pass, code locations)`` of what the training thread runs now.
+
+    The module is the innermost ``nn.Module`` call on its Python stack (FQN from
+    ``fqn_of``, else the class name): a forward, or a recompute inside backward.
+    With no module call inside a backward pass the pass is ``backward`` and the
+    FQN empty (autograd runs module backward in C++). Code locations are
+    ``file:line in function``, innermost last: never a value.
+    """
+    frame = sys._current_frames().get(thread_id)
+    stack: list[str] = []
+    module, pass_ = "", ""
+    while frame is not None:
+        code = frame.f_code
+        if len(stack) < STACK_FRAMES and not code.co_filename.startswith(_OUR_FILES):  # not our wait wrapper
+            stack.append(f"{code.co_filename}:{frame.f_lineno} in {code.co_name}")
+        if code is _CALL_IMPL and not module:
+            instance = frame.f_locals.get("self")
+            if isinstance(instance, torch.nn.Module):
+                module = fqn_of(instance) or type(instance).__name__
+                pass_ = semconv.PASS_FORWARD
+        elif code.co_name in _BACKWARD_FRAMES and "autograd" in code.co_filename:
+            if pass_ == semconv.PASS_FORWARD:
+                pass_ = semconv.PASS_RECOMPUTE
+            elif not pass_:
+                pass_ = semconv.PASS_BACKWARD
+        frame = frame.f_back
+    stack.reverse()
+    return module, pass_, stack
+
+
+class StallWatch:
+    """A daemon thread that has the recorder export a snapshot when this rank stops making progress.
+
+    Args:
+        recorder: the rank's ``Recorder`` (``progress``, ``thread_id``, ``stall_snapshot``, ``hook_failed``).
+        setting: ``Settings.stall_after_s``: seconds, or ``"auto"``.
+        flush: ``flush()``, exporting what the providers buffer (called on this thread, bounded).
+        fqn_of: ``fqn_of(module)``, the module tracker's name of a module, or None.
+        on_snapshot: called on this thread after each snapshot, before the flush (torch's Flight Recorder dump).
+        exchange: the cross-rank verdict's store exchange (stall/verdict.py); by default one through the
+            job's c10d store, exporting with ``recorder.stall_verdict``. Its store calls run on this
+            thread only.
+    """
+
+    def __init__(self, recorder: StallSource, setting: float | str, flush: Callable[[], Any],
+                 fqn_of: Callable[[torch.nn.Module], str | None],
+                 on_snapshot: Callable[[], Any] = lambda: None, exchange: StoreExchange | None = None) -> None:
+        self._recorder = recorder
+        self._on_snapshot = on_snapshot
+        self._setting = setting
+        self._flush = flush
+        self._fqn_of = fqn_of
+        self.exchange = exchange if exchange is not None else StoreExchange(
+            lambda: recorder.rank(), lambda store: recorder.job_id(store), self._export_verdict, default_store_client)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stall_since = 0  # since_ns of the stall being reported
+        self._due_s = 0.0
+        self._snapshots = 0
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="commdebug-otel-stall-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 1.0) -> None:
+        """Stop watching: the thread wakes at once and ends; waited for at most ``timeout_s``
+        (a snapshot being exported then finishes on its own)."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
+
+    def _poll_s(self) -> float:
+        return min(1.0, max(0.05, self._recorder.progress.threshold_s(self._setting) / 4))
+
+    def _run(self) -> None:
+        failures = 0
+        exchange = self.exchange
+        while not self._stop.wait(self._poll_s()):
+            try:
+                self.check()
+                failures = 0
+            except Exception as error:  # said once; a snapshot racing the step's end may fail now and then
+                self._recorder.hook_failed("stall watchdog", error)
+                failures += 1
+                if failures >= MAX_FAILURES:
+                    break  # gives up: training goes on unwatched
+            exchange.heartbeat()  # (the exchange's calls never raise: a failure turns it off)
+            exchange.poll()
+        exchange.stop()  # on this thread too: its keys go with the tracer
+
+    def _export_verdict(self, verdict: Verdict, start_ns: int) -> None:
+        """The exchange formed a verdict on this rank: its span, then the flush."""
+        if self._recorder.stall_verdict(verdict.step, start_ns, time.time_ns(), verdict.attributes()):
+            self._flush()
+
+    def _publish(self, now: int, age_s: float, snapshot: int, where: tuple[str, str, list[str]]) -> None:
+        """This rank's record for the cross-rank verdict (stall/verdict.py), before its own snapshot is exported."""
+        if not self.exchange.ready():
+            return
+        progress = self._recorder.progress
+        in_step = progress.in_step
+        step = progress.step_index if in_step else self._recorder.steps_taken
+        record = progress_record(self._recorder.rank().rank, step, now, age_s, snapshot, in_step, where,
+                                 progress.seqs(), progress.ring)
+        self.exchange.publish(record, progress.since_ns)
+
+    def check(self, now: int | None = None) -> bool:
+        """Export a snapshot if one is due now. True if one was exported."""
+        progress = self._recorder.progress
+        now = now or time.time_ns()
+        since = progress.since_ns
+        threshold_s = progress.threshold_s(self._setting)
+        age_s = (now - since) / 1e9
+        if age_s < threshold_s:
+            self.exchange.ended()  # a stall being reported is over: its record goes (nothing if none)
+            return False
+        if since != self._stall_since:
+            self._stall_since, self._snapshots, self._due_s = since, 0, threshold_s
+        if age_s < self._due_s or self._snapshots >= MAX_SNAPSHOTS:
+            return False
+        where = training_thread_location(self._recorder.thread_id, self._fqn_of)
+        self._publish(now, age_s, self._snapshots + 1, where)
+        if not self._recorder.stall_snapshot(now, age_s, threshold_s, self._snapshots + 1, where):
+            return False
+        self._snapshots += 1  # only once exported: a failed snapshot is tried again at the next poll
+        self._due_s = max(age_s, threshold_s) * 2
+        if self._snapshots == 1:
+            # Every rank of a hung job says this (the ones waiting too): diagnose tells which one is behind.
+            _logger.warning("commdebug-otel: rank %d made no progress for %.1f s (%s %s, %s); a stall snapshot "
+                            "(span `stalled`) was exported with the metrics, again at twice the age while it "
+                            "lasts; `commdebug-otel diagnose` on the traces names the rank the others wait for",
+                            self._recorder.rank().rank, age_s, "step" if progress.in_step else "after step",
+                            progress.step_index, f"in {where[0]} {where[1]}" if where[0] else "outside any module")
+        self._on_snapshot()
+        self._flush()
+        return True

@@ -1,0 +1,100 @@
+"""The package's layers are its folders (docs/architecture.md), and the imports keep to them.
+
+Read from the source (every import statement, at any depth, ``TYPE_CHECKING`` ones too), and for the
+modules that promise to load neither torch nor the SDK, from a fresh interpreter's ``sys.modules``.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "commdebug_otel"
+LAYERS = ("capture", "core", "stall", "otel", "compat", "offline", "testing")
+# Command line and start-up: nothing under them imports these (compat's drop-in builds a CommTracer).
+TOP = {"cli", "demo", "instrumentation", "instrumentor", "_autostart", "pytest_plugin", "_demo_model"}
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """Every absolute module name ``path`` imports (``from a.b import c`` gives ``a.b`` and ``a.b.c``)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: relative import (the layer belongs in every import line)"
+            found.add(node.module or "")
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _layer_imports(layer: str) -> dict[str, set[str]]:
+    return {str(path.relative_to(PACKAGE)): _imports(path) for path in sorted((PACKAGE / layer).rglob("*.py"))}
+
+
+def _offending(layer: str, forbidden) -> list[str]:
+    return [f"{path}: {name}" for path, names in _layer_imports(layer).items()
+            for name in sorted(names) if forbidden(name)]
+
+
+def _under(name: str, *prefixes: str) -> bool:
+    return any(name == prefix or name.startswith(prefix + ".") for prefix in prefixes)
+
+
+@pytest.mark.parametrize("layer", ["capture", "core", "stall", "compat"])
+def test_the_torch_side_names_no_opentelemetry(layer):
+    """Spans, contexts and metric points are the OTel side's (``otel/``), reached through the recorder's sink."""
+    assert _offending(layer, lambda name: _under(name, "opentelemetry", "commdebug_otel.otel")) == []
+
+
+def test_the_otel_side_names_no_torch():
+    assert _offending("otel", lambda name: _under(name, "torch", "commdebug_otel.capture")) == []
+
+
+@pytest.mark.parametrize("layer", ["capture", "core", "stall", "otel", "compat", "offline"])
+def test_no_layer_imports_the_command_line_or_start_up(layer):
+    allowed = {"compat/debug_mode.py": {"commdebug_otel.instrumentation"}}  # the drop-in is a CommTracer
+    found = [f"{path}: {name}" for path, names in _layer_imports(layer).items() for name in sorted(names)
+             if any(_under(name, f"commdebug_otel.{top}") for top in TOP)
+             and name not in allowed.get(path, set()) and not name.startswith("commdebug_otel.instrumentation.")]
+    assert found == []
+
+
+def test_the_offline_tools_name_no_live_layer():
+    """The offline commands read files: the report model, the fact's names and the settings' rules only."""
+    live = ("torch", "commdebug_otel.capture", "commdebug_otel.stall", "commdebug_otel.otel",
+            "commdebug_otel.compat.debug_mode", "commdebug_otel.instrumentation")
+    core = {"commdebug_otel.core.fact"}  # parse: the one reader of the fact's names
+    found = _offending("offline", lambda name: _under(name, *live) or (
+        _under(name, "commdebug_otel.core") and not any(_under(name, allowed) for allowed in core)))
+    assert found == []
+
+
+def test_every_layer_folder_is_a_documented_package():
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    for layer in LAYERS:
+        assert (PACKAGE / layer / "__init__.py").is_file()
+        assert f"`{layer}/`" in doc
+    stray = sorted(path.name for path in PACKAGE.glob("*.py")
+                   if path.stem not in TOP | {"__init__", "config", "semconv", "detail", "version"})
+    assert stray == []
+
+
+@pytest.mark.parametrize(("module", "absent"), [
+    ("commdebug_otel.compat.report", ("torch", "opentelemetry", "commdebug_otel.config")),
+    ("commdebug_otel.detail", ("torch", "opentelemetry", "commdebug_otel.config")),
+    ("commdebug_otel.core.fact", ("torch", "opentelemetry")),
+    ("commdebug_otel.offline.diagnose", ("torch", "opentelemetry.sdk.trace", "opentelemetry.sdk.metrics")),
+])
+def test_what_a_module_loads(module, absent):
+    """A fresh interpreter that imports ``module`` holds none of ``absent`` (nor anything under them)."""
+    code = f"import json, sys; import {module}; print(json.dumps(sorted(sys.modules)))"
+    loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                       check=True).stdout)
+    assert [name for name in loaded if _under(name, *absent)] == []
