@@ -1,6 +1,6 @@
 """Settings: the one module that reads environment variables.
 
-Three frozen views, each built from a mapping (default ``os.environ``), so that
+Four frozen views, each built from a mapping (default ``os.environ``), so that
 every other module can be tested from a plain dict:
 
 * :class:`Settings` (``Settings.from_env()``): our ``OTEL_PYTHON_COMMDEBUG_*``
@@ -16,6 +16,9 @@ every other module can be tested from a plain dict:
 * :class:`RankEnv` (``RankEnv.from_env()``): torchrun's ``RANK``,
   ``LOCAL_RANK``, ``WORLD_SIZE``, ``GROUP_RANK``/``NODE_RANK`` and
   ``TORCHELASTIC_RUN_ID``.
+* :class:`FlightRecorderEnv` (``FlightRecorderEnv.from_env()``): torch's Flight
+  Recorder size and dump prefix (``TORCH_FR_BUFFER_SIZE``, ``TORCH_FR_DUMP_TEMP_FILE``
+  and NCCL's older names), for ``stall/flight_recorder.py``.
 
 A bad value never raises: it logs one warning naming the variable, the value and
 the accepted values, and the default is used, so training goes on.
@@ -23,7 +26,8 @@ the accepted values, and the default is used, so training goes on.
 Booleans: ours (``OTEL_PYTHON_COMMDEBUG_*``) accept true/1/yes/on and
 false/0/no/off (:func:`parse_bool`); the standard ``OTEL_*`` ones are true only
 for ``true`` (:func:`otel_flag`), exactly as the SDK, which reads them too, so
-that we and the SDK never disagree about them.
+that we and the SDK never disagree about them; any value but true, false or empty
+is said once (the SDK says nothing).
 """
 
 from __future__ import annotations
@@ -274,9 +278,16 @@ def parse_bool(text: str) -> bool:
     raise ValueError(text)
 
 
-def otel_flag(text: str | None) -> bool:
-    """A standard ``OTEL_*`` boolean as the SDK reads it: ``true`` (any case) is true, anything else false."""
-    return (text or "").strip().lower() == "true"
+def otel_flag(text: str | None, variable: str | None = None) -> bool:
+    """A standard ``OTEL_*`` boolean as the SDK reads it: ``true`` (any case) is true, anything else false.
+
+    ``variable``: where ``text`` came from; a value other than true, false or empty (``1``, ``yes``) is
+    then said once, as the OpenTelemetry specification asks, since the SDK takes it as false without a word.
+    """
+    value = (text or "").strip().lower()
+    if variable is not None and value not in ("", "true", "false"):
+        _warn_endpoint_once(variable, text or "", "is not true or false; taken as false, as OpenTelemetry reads it")
+    return value == "true"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -613,8 +624,9 @@ PROTOCOLS = ("grpc", "http/protobuf")
 DEFAULT_PROMETHEUS_PORT = 9464  # OTel's
 
 
-def _flag_or_none(text: str | None) -> bool | None:
-    return None if text is None else otel_flag(text)
+def _flag_or_none(environ: Mapping[str, str], variable: str) -> bool | None:
+    text = environ.get(variable)
+    return None if text is None else otel_flag(text, variable)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -661,14 +673,15 @@ class ExportEnv:
         signals = {}
         for signal, (exporter, protocol, endpoint, insecure) in _SIGNAL_VARIABLES.items():
             signals[signal] = SignalEnv(environ.get(exporter), environ.get(protocol), environ.get(endpoint),
-                                        _flag_or_none(environ.get(insecure)))
+                                        _flag_or_none(environ, insecure))
         return cls(
             **signals,
             protocol=environ.get(OTEL_EXPORTER_OTLP_PROTOCOL),
             endpoint=environ.get(OTEL_EXPORTER_OTLP_ENDPOINT),
-            insecure=_flag_or_none(environ.get(OTEL_EXPORTER_OTLP_INSECURE)),
-            sdk_disabled=otel_flag(environ.get(OTEL_SDK_DISABLED)),
-            sdk_internal_metrics=otel_flag(environ.get(OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED)),
+            insecure=_flag_or_none(environ, OTEL_EXPORTER_OTLP_INSECURE),
+            sdk_disabled=otel_flag(environ.get(OTEL_SDK_DISABLED), OTEL_SDK_DISABLED),
+            sdk_internal_metrics=otel_flag(environ.get(OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED),
+                                           OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED),
             batch_size_set=bool(environ.get(OTEL_BSP_MAX_EXPORT_BATCH_SIZE)),
             service_name_set=bool(environ.get(OTEL_SERVICE_NAME))
             or "service.name" in environ.get(OTEL_RESOURCE_ATTRIBUTES, ""),
@@ -935,6 +948,49 @@ def _rank_int(environ: Mapping[str, str], name: str, default: int | None = None)
         _logger.warning("commdebug-otel: ignoring %s=%r: expected an integer >= 0; using %s",
                         name, raw, "the default" if default is None else default)
     return default
+
+
+# ------------------------------------------------------------------ torch's Flight Recorder variables
+#: torch's variables that size the Flight Recorder's buffer (0: off; the first set wins, as in c10d).
+FR_BUFFER_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+#: torch's variables for the prefix of its own dump files (``<prefix><rank>``, pickled).
+FR_DUMP_PREFIX_VARIABLES = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+
+
+@dataclasses.dataclass(frozen=True)
+class FlightRecorderEnv:
+    """torch's Flight Recorder variables, as ``stall/flight_recorder.py`` uses them (the first set of each
+    pair wins, as in c10d).
+
+    ``buffer_size``: entries per process; None when no size variable is set; 0 (off) for a value that is
+    not an integer >= 0, said once (torch's own reading of such a value differs: ``abc`` stops gloo's
+    process group from starting in torch 2.13, ``-5`` records). ``dump_prefix``: torch's dump prefix, or None.
+    """
+
+    buffer_size: int | None = None
+    dump_prefix: str | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> FlightRecorderEnv:
+        """Read the variables from ``environ`` (default ``os.environ``). Never raises."""
+        environ = _environ(environ)
+        size = None
+        name = next((name for name in FR_BUFFER_VARIABLES if environ.get(name)), None)
+        if name is not None:
+            size = _sdk_number(environ[name], 0, sys.maxsize)
+            if size is None:
+                _warn_endpoint_once(name, environ[name], "is not an integer >= 0 (Flight Recorder entries per "
+                                                         "process; 0: off): stall snapshots get no Flight "
+                                                         "Recorder dump")
+                size = 0
+        prefix = next((environ[name] for name in FR_DUMP_PREFIX_VARIABLES if environ.get(name)), None)
+        return cls(size, prefix)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the job asked for the Flight Recorder: a size above 0, or a dump prefix with the size
+        left at torch's default."""
+        return self.buffer_size > 0 if self.buffer_size is not None else self.dump_prefix is not None
 
 
 _import_sdk_trace_despite_its_variable()

@@ -40,6 +40,7 @@ from commdebug_otel.core.recorder import Recorder
 from commdebug_otel.otel.metrics import LazyCollectiveMetrics
 from commdebug_otel.otel.telemetry import Telemetry
 from commdebug_otel.stall.flight_recorder import dump_beside_snapshot
+from commdebug_otel.stall.flight_recorder import enabled as flight_recorder_enabled
 from commdebug_otel.stall.watchdog import StallWatch
 
 _logger = logging.getLogger(__name__)
@@ -206,6 +207,7 @@ class CommTracer:
         self._optimizer_handle = register_optimizer_step_post_hook(
             self._optimizer_step_post_hook)
         if self.settings.stall_after_s is not None and self._exports:
+            flight_recorder_enabled()  # a bad buffer size is said at start, not at the first stall
             self._stall_watch = StallWatch(self.recorder, self.settings.stall_after_s,
                                            self.telemetry.flush_from_watchdog, self._tracker.known_fqn,
                                            self._dump_flight_recorder)

@@ -120,6 +120,23 @@ def test_standard_variables_from_a_plain_dict():
     assert not (empty.sdk_disabled or empty.batch_size_set or empty.service_name_set)
 
 
+def test_a_standard_boolean_that_is_neither_true_nor_false_is_said_once_and_is_false(caplog):
+    """The SDK takes ``OTEL_SDK_DISABLED=1`` as false without a word; the OTel specification asks for a warning."""
+    environ = {"OTEL_SDK_DISABLED": "on", "OTEL_EXPORTER_OTLP_INSECURE": "yes",
+               "OTEL_EXPORTER_OTLP_METRICS_INSECURE": "False", "OTEL_EXPORTER_OTLP_TRACES_INSECURE": "TRUE",
+               "OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED": "enabled"}
+    with caplog.at_level(logging.WARNING, logger="commdebug_otel.config"):
+        export = ExportEnv.from_env(environ)
+        assert ExportEnv.from_env(environ) == export
+    assert (export.sdk_disabled, export.insecure, export.sdk_internal_metrics) == (False, False, False)
+    assert (export.traces.insecure, export.metrics.insecure) == (True, False)
+    reason = "is not true or false; taken as false, as OpenTelemetry reads it"
+    assert sorted(record.getMessage() for record in caplog.records) == [
+        f"commdebug-otel: OTEL_EXPORTER_OTLP_INSECURE=yes {reason}",
+        f"commdebug-otel: OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED=enabled {reason}",
+        f"commdebug-otel: OTEL_SDK_DISABLED=on {reason}"]
+
+
 def test_the_signal_insecure_variable_beats_the_generic_one_as_in_the_sdk(caplog):
     def warned(environ):
         caplog.clear()

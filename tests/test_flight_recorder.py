@@ -10,6 +10,7 @@ and that a pickle is read only when asked for, and then without loading any clas
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import subprocess
@@ -325,6 +326,33 @@ def test_only_a_job_that_asks_for_the_flight_recorder_gets_its_dumps():
     assert not live.enabled({"TORCH_FR_BUFFER_SIZE": "0"}) and not live.enabled({"TORCH_FR_BUFFER_SIZE": "lots"})
     assert not live.enabled({"TORCH_FR_BUFFER_SIZE": "0", "TORCH_NCCL_TRACE_BUFFER_SIZE": "5"})  # the first wins
     assert not live.enabled({"TORCH_FR_BUFFER_SIZE": "0", "TORCH_FR_DUMP_TEMP_FILE": "/tmp/trace_"})  # off
+
+
+@pytest.mark.parametrize(("name", "value"), [("TORCH_FR_BUFFER_SIZE", "abc"), ("TORCH_FR_BUFFER_SIZE", "-5"),
+                                           ("TORCH_NCCL_TRACE_BUFFER_SIZE", "12abc")])
+def test_a_bad_buffer_size_is_said_once_with_the_accepted_values_and_means_no_dump(name, value, caplog):
+    """torch reads these sizes its own way (``abc`` stops gloo's process group starting, ``-5`` records):
+    we name the variable once and write no dump, as for 0."""
+    environ = {name: value, "TORCH_FR_DUMP_TEMP_FILE": "/tmp/trace_"}
+    with caplog.at_level(logging.WARNING, logger="commdebug_otel.config"):
+        assert not live.enabled(environ) and not live.enabled(environ)
+    assert [record.getMessage() for record in caplog.records] == [
+        f"commdebug-otel: {name}={value} is not an integer >= 0 (Flight Recorder entries per process; 0: off): "
+        "stall snapshots get no Flight Recorder dump"]
+
+
+def test_a_bad_buffer_size_is_said_when_tracing_starts_and_training_goes_on(tmp_path):
+    """Said as the watchdog starts, not at the first stall (which may never come)."""
+    code = ("import torch\nfrom commdebug_otel import CommTracer\nmodel = torch.nn.Linear(2, 2)\n"
+            "with CommTracer():\n    model(torch.ones(1, 2)).sum().backward()\nprint('trained')\n")
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "TORCH_FR", "TORCH_NCCL"))}
+    env.update(OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR=str(tmp_path), OTEL_PYTHON_COMMDEBUG_STALL_AFTER="60",
+               TORCH_FR_BUFFER_SIZE="lots")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+    assert (done.returncode, done.stdout) == (0, "trained\n"), done.stderr
+    assert [line for line in done.stderr.splitlines() if "TORCH_FR_BUFFER_SIZE" in line] == [
+        "commdebug-otel: TORCH_FR_BUFFER_SIZE=lots is not an integer >= 0 (Flight Recorder entries per process; "
+        "0: off): stall snapshots get no Flight Recorder dump"]
 
 
 def test_the_dump_goes_to_torch_fr_dump_temp_files_folder_and_a_failure_is_said_once(tmp_path, monkeypatch, caplog):

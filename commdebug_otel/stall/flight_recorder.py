@@ -22,39 +22,27 @@ from collections.abc import Callable, Mapping
 
 from commdebug_otel import semconv
 from commdebug_otel.capture._torch import flight_recorder_json
+from commdebug_otel.config import FR_BUFFER_VARIABLES, FR_DUMP_PREFIX_VARIABLES, FlightRecorderEnv
 from commdebug_otel.core.redact import describe
 
 _logger = logging.getLogger(__name__)
 
-#: torch's variables that size the Flight Recorder's buffer (0: off; the first set wins, as in c10d).
-BUFFER_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
-#: torch's variables for the prefix of its own dump files (``<prefix><rank>``, pickled): ours go to its folder.
-DUMP_PREFIX_VARIABLES = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+BUFFER_VARIABLES = FR_BUFFER_VARIABLES  # read in config.py, as every variable
+DUMP_PREFIX_VARIABLES = FR_DUMP_PREFIX_VARIABLES
 FILE_PREFIX = semconv.FLIGHT_RECORDER_FILE_PREFIX
 
 _failed = False
 
 
-def _first(environ: Mapping[str, str], names: tuple[str, ...]) -> str | None:
-    return next((environ[name] for name in names if environ.get(name)), None)
-
-
 def enabled(environ: Mapping[str, str] | None = None) -> bool:
     """Whether the job asked for torch's Flight Recorder: a buffer size above 0, or a dump prefix with the
-    size left at torch's default."""
-    environ = os.environ if environ is None else environ
-    text = _first(environ, BUFFER_VARIABLES)
-    if text is None:
-        return _first(environ, DUMP_PREFIX_VARIABLES) is not None
-    try:
-        return int(text) > 0
-    except ValueError:
-        return False  # not a size torch reads
+    size left at torch's default. A size that is not an integer >= 0 is said once and means no."""
+    return FlightRecorderEnv.from_env(environ).enabled
 
 
 def dump_path(rank: int, run_folder: str, environ: Mapping[str, str] | None = None) -> str:
     """Where rank ``rank``'s dump goes: the dump prefix's folder if set, else ``run_folder``."""
-    prefix = _first(os.environ if environ is None else environ, DUMP_PREFIX_VARIABLES)
+    prefix = FlightRecorderEnv.from_env(environ).dump_prefix
     folder = os.path.dirname(os.path.abspath(os.path.expanduser(prefix))) if prefix else run_folder
     return os.path.join(folder, f"{FILE_PREFIX}{rank}.json")
 
@@ -71,7 +59,7 @@ def dump_beside_snapshot(rank: int, run_folder: Callable[[], str]) -> str | None
     if _failed or not enabled():
         return None
     try:
-        path = dump_path(rank, "" if _first(os.environ, DUMP_PREFIX_VARIABLES) else run_folder())
+        path = dump_path(rank, "" if FlightRecorderEnv.from_env().dump_prefix else run_folder())
         data = flight_recorder_json()
         if data is None:
             raise RuntimeError("this torch has no JSON Flight Recorder dump")
