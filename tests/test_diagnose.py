@@ -767,7 +767,7 @@ def test_the_command_line_and_no_torch(tmp_path):
     empty.mkdir()
     out = subprocess.run([sys.executable, "-m", "commdebug_otel.cli", "diagnose", str(empty)], capture_output=True,
                          text=True, env=checkout_env(), timeout=120)
-    assert out.returncode == 1
+    assert out.returncode == 2
     assert out.stderr == "commdebug-otel diagnose: no spans found (expected OTLP-JSON trace files)\n"
 
 
@@ -833,18 +833,18 @@ def test_backend_errors_are_one_line(trace_server, capsys):
     url, _, _ = trace_server
     missing = "0" * 32
     assert _diagnose_cli(["--tempo", url, "--trace-id", missing], capsys) == (
-        1, "", f"commdebug-otel diagnose: {url}/api/v2/traces/{missing}: HTTP 404 Not Found\n")
+        2, "", f"commdebug-otel diagnose: {url}/api/v2/traces/{missing}: HTTP 404 Not Found\n")
     assert _diagnose_cli(["--jaeger", url, "--trace-id", "xyz"], capsys) == (
-        1, "", "commdebug-otel diagnose: a trace id is 32 hex digits, got 'xyz'\n")
+        2, "", "commdebug-otel diagnose: a trace id is 32 hex digits, got 'xyz'\n")
     assert _diagnose_cli(["--jaeger", url], capsys) == (
-        1, "", "commdebug-otel diagnose: --jaeger needs --trace-id ID\n")
+        2, "", "commdebug-otel diagnose: --jaeger needs --trace-id ID\n")
     assert _diagnose_cli([], capsys) == (
-        1, "", "commdebug-otel diagnose: give PATH..., or --jaeger URL / --tempo URL with --trace-id ID\n")
+        2, "", "commdebug-otel diagnose: give PATH..., or --jaeger URL / --tempo URL with --trace-id ID\n")
     with socket.socket() as sock:  # a port where nothing listens
         sock.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
     code, _, err = _diagnose_cli(["--jaeger", closed, "--trace-id", _TRACE_ID], capsys)
-    assert code == 1 and err.startswith(f"commdebug-otel diagnose: {closed}/api/v3/traces/{_TRACE_ID}: ")
+    assert code == 2 and err.startswith(f"commdebug-otel diagnose: {closed}/api/v3/traces/{_TRACE_ID}: ")
 
 
 def test_send_and_recv_outside_the_step_do_not_shift_the_seqs():

@@ -345,7 +345,7 @@ def test_no_spans_is_an_error(tmp_path, capsys):
     output = str(tmp_path / "t.json")
     for module, argv in ((summary, [str(tmp_path)]), (perfetto, [str(tmp_path), "-o", output])):
         code, out = _cli(module, argv, capsys)
-        assert code == 1 and "no spans found" in out.err
+        assert code == 2 and "no spans found" in out.err
 
 
 def test_a_cut_last_line_loses_only_that_line(tmp_path, caplog):

@@ -212,6 +212,39 @@ def test_an_unreadable_file_is_skipped(tmp_path, capsys):
     assert results["summarize"][2] == f"commdebug-otel summarize: skipped {locked}: Permission denied\n"
 
 
+READERS = ("summarize", "diagnose", "perfetto", "report", "signature", "compare")
+
+
+@pytest.mark.parametrize("command", READERS)
+@pytest.mark.parametrize("case", ["missing", "empty folder", "garbage folder"])
+def test_unreadable_input_exits_2_in_every_command(command, case, tmp_path, capsys):
+    """As ``compare``'s help says (2 unreadable), for every command that reads files: docs/offline.md, "Exit
+    status"."""
+    path = tmp_path / "input"
+    if case != "missing":
+        path.mkdir()
+    if case == "garbage folder":
+        (path / "traces-rank0.jsonl").write_bytes(b"not json {\n\x00\xff\n")
+        (path / "spans.json").write_text('{"resourceSpans": "no"}')
+    argv = {"compare": [str(path), str(path)], "perfetto": [str(path), "-o", str(tmp_path / "t.json")],
+            "report": [str(path), "-o", str(tmp_path / "r.html")]}.get(command, [str(path)])
+    assert main([command, *argv]) == 2
+    err = capsys.readouterr().err.splitlines()
+    why = "no such file or folder" if case == "missing" else "no spans found" if command != "compare" else "neither"
+    assert err[-1].startswith(f"commdebug-otel {command}: ") and why in err[-1], err
+    assert not list(tmp_path.glob("[tr].*"))  # no output written
+
+
+@pytest.mark.parametrize("command", ["perfetto", "report", "signature"])
+def test_an_output_that_cannot_be_written_exits_1_with_one_line(command, tmp_path, capsys):
+    (tmp_path / "traces-rank0.jsonl").write_text(_good(0) + "\n")
+    (tmp_path / "file").write_text("")
+    output = tmp_path / "file" / "under"
+    assert main([command, str(tmp_path), "-o", str(output)]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"commdebug-otel {command}: cannot write {output}: Not a directory")
+
+
 @pytest.mark.parametrize("command", COMMANDS)
 def test_a_fifo_named_jsonl_is_not_opened(command, tmp_path):
     (tmp_path / "good.jsonl").write_text(_good(0) + "\n")
@@ -225,7 +258,7 @@ def test_a_fifo_named_jsonl_is_not_opened(command, tmp_path):
     # Given by name, too.
     out = subprocess.run([sys.executable, "-m", "commdebug_otel.cli", command, str(tmp_path / "pipe.jsonl"), *extra],
                          capture_output=True, text=True, env=checkout_env(), timeout=120)
-    assert out.returncode == 1
+    assert out.returncode == 2
     assert out.stderr.splitlines()[-1] == f"commdebug-otel {command}: no spans found (expected OTLP-JSON trace files)"
 
 
@@ -434,17 +467,17 @@ def _diagnose(capsys, *argv):
 def test_a_dripping_server_is_cut_off_at_the_deadline(bad_server, capsys):
     url, _ = bad_server
     status, _, err = _diagnose(capsys, "--jaeger", url + "/drip", "--trace-id", _TRACE_ID, "--backend-timeout", "1.5")
-    assert (status, err) == (1, f"commdebug-otel diagnose: {url}/drip/api/v3/traces/{_TRACE_ID}: no whole answer "
+    assert (status, err) == (2, f"commdebug-otel diagnose: {url}/drip/api/v3/traces/{_TRACE_ID}: no whole answer "
                                 "within 1.5 s (diagnose --backend-timeout raises it)\n")
 
 
 def test_an_answer_over_the_limit_is_not_read(bad_server, capsys):
     url, _ = bad_server
     status, _, err = _diagnose(capsys, "--tempo", url + "/flood", "--trace-id", _TRACE_ID, "--backend-max-mib", "1")
-    assert (status, err) == (1, f"commdebug-otel diagnose: {url}/flood/api/v2/traces/{_TRACE_ID}: the answer is over "
+    assert (status, err) == (2, f"commdebug-otel diagnose: {url}/flood/api/v2/traces/{_TRACE_ID}: the answer is over "
                                 "the limit of 1048576 bytes (diagnose --backend-max-mib raises it)\n")
     status, _, err = _diagnose(capsys, "--tempo", url + "/big", "--trace-id", _TRACE_ID)
-    assert (status, err) == (1, f"commdebug-otel diagnose: {url}/big/api/v2/traces/{_TRACE_ID}: the answer is "
+    assert (status, err) == (2, f"commdebug-otel diagnose: {url}/big/api/v2/traces/{_TRACE_ID}: the answer is "
                                 f"{2 << 30} bytes, over the limit of {512 << 20} "
                                 "(diagnose --backend-max-mib raises it)\n")
 
@@ -453,7 +486,7 @@ def test_a_redirect_loop_says_so(bad_server, capsys):
     url, _ = bad_server
     status, _, err = _diagnose(capsys, "--jaeger", url + "/loop?token=abc", "--trace-id", _TRACE_ID)
     target = f"{url}/loop/api/v3/traces/{_TRACE_ID}?token=***"
-    assert status == 1
+    assert status == 2
     assert err == f"commdebug-otel diagnose: {target}: HTTP 302: a redirect loop: {target} -> {target}\n"
     assert "abc" not in err
 
@@ -472,7 +505,7 @@ def test_credentials_are_sent_and_never_printed(bad_server, capsys):
     assert {span["file"] for span in spans} == {f"http://***@{host}/creds/api/v3/traces/{_TRACE_ID}?token=***"}
     status, out, err = _diagnose(capsys, "--jaeger", f"http://me:wrong@{host}/creds?token=hunter2", "--trace-id",
                                  _TRACE_ID)
-    assert (status, err) == (1, f"commdebug-otel diagnose: http://***@{host}/creds/api/v3/traces/{_TRACE_ID}"
+    assert (status, err) == (2, f"commdebug-otel diagnose: http://***@{host}/creds/api/v3/traces/{_TRACE_ID}"
                                 "?token=***: HTTP 401 Unauthorized\n")
 
 

@@ -238,7 +238,7 @@ def test_cli_reads_files_and_folders_and_exits_2_when_it_cannot(tmp_path, capsys
             bad.write_text("")
         assert main(["compare", str(sig), str(bad)]) == 2
         assert why in capsys.readouterr().err
-    assert main(["signature", str(tmp_path / "missing")]) == 1
+    assert main(["signature", str(tmp_path / "missing")]) == 2  # as compare
 
 
 @pytest.mark.parametrize("option, value", [("--count-tolerance", "-1"), ("--bytes-tolerance", "x"),
@@ -266,7 +266,7 @@ def test_a_folder_of_several_runs_is_refused_not_added_up(tmp_path, capsys):
     assert main(["compare", str(sig), str(out)]) == 2
     why = "rank 0 has spans from 2 processes: several runs are mixed; pass one run's folder"
     assert capsys.readouterr().err == f"commdebug-otel compare: {out}: {why}\n"
-    assert main(["signature", str(out)]) == 1
+    assert main(["signature", str(out)]) == 2
     assert capsys.readouterr().err == f"commdebug-otel signature: {why}\n"
 
 
@@ -279,7 +279,7 @@ def test_compare_says_one_line_about_a_garbage_file(tmp_path, capsys, content):
     assert main(["compare", str(sig), str(garbage)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"commdebug-otel compare: {garbage}: neither a signature"), err
-    assert main(["signature", str(garbage)]) == 1
+    assert main(["signature", str(garbage)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("commdebug-otel signature: no spans found"), err
 

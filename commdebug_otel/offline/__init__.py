@@ -28,9 +28,21 @@ Modules:
   step, per module, pass, op, group, dtype and cause), and the diff of two (:mod:`.compare`:
   ``commdebug-otel compare``).
 
+Exit statuses of the commands that read files (docs/offline.md, "Exit status"): :data:`EXIT_DONE`,
+:data:`EXIT_NOT_THERE` (the input was read but holds nothing of what was asked, or the output cannot be
+written; ``compare``: the two differ) and :data:`EXIT_UNREADABLE` (the input gives nothing to read, or the
+command line names none, as argparse's own usage errors).
+
 Nothing here imports torch, the OTel SDK or the live tracer; importing this
 package imports none of its modules.
 """
 
-__all__ = ["backends", "compare", "diagnose", "html_report", "model", "otlp_json", "perfetto", "receive", "signature",
-           "summary"]
+__all__ = ["EXIT_DONE", "EXIT_NOT_THERE", "EXIT_UNREADABLE", "backends", "compare", "diagnose", "html_report",
+           "model", "otlp_json", "perfetto", "receive", "signature", "summary"]
+
+EXIT_DONE = 0
+#: ``summarize --rank``/``--step`` not in the files, an output file that cannot be written (``compare``: different).
+EXIT_NOT_THERE = 1
+#: A missing path, no spans found (an empty folder, only garbage), spans of several runs mixed, a trace not
+#: fetched from Jaeger/Tempo, or no input named: what argparse returns for a usage error too.
+EXIT_UNREADABLE = 2

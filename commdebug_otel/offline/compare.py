@@ -12,13 +12,12 @@ import argparse
 import json
 import sys
 
-from commdebug_otel.offline import signature
+from commdebug_otel.offline import EXIT_DONE, EXIT_UNREADABLE, signature
 
 __all__ = ["EXIT_DIFFERENT", "EXIT_EQUAL", "EXIT_UNREADABLE", "add_arguments", "run"]
 
-EXIT_EQUAL = 0
+EXIT_EQUAL = EXIT_DONE
 EXIT_DIFFERENT = 1
-EXIT_UNREADABLE = 2
 
 
 def _non_negative(text: str) -> float:

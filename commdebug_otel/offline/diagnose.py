@@ -53,7 +53,7 @@ from typing import Any
 
 from commdebug_otel import semconv
 from commdebug_otel.core.fact import parse
-from commdebug_otel.offline import flight_recorder, summary
+from commdebug_otel.offline import EXIT_DONE, EXIT_UNREADABLE, flight_recorder, summary
 from commdebug_otel.offline.backends import DEADLINE_S, MAX_RESPONSE_BYTES
 from commdebug_otel.offline.model import (
     P2P,
@@ -1155,12 +1155,13 @@ def _load(args: argparse.Namespace) -> list[dict] | None:
 def run(args: argparse.Namespace) -> int:
     """Print the diagnosis of ``args.paths`` and of ``--trace-id`` from ``--jaeger``/``--tempo``.
 
-    Returns 0, or 1 when there are no spans or a trace cannot be read (said on stderr).
+    Returns :data:`.EXIT_DONE`, or :data:`.EXIT_UNREADABLE` when there are no spans, a trace cannot be
+    fetched or no input is named (said on stderr).
     """
     with reusing():  # the views share one span index, one list of collectives...
         spans = _load(args)
         if spans is None:
-            return 1
+            return EXIT_UNREADABLE
         try:
             files = flight_recorder.dump_files(args.paths, args.flight_recorder)
         except OSError as error:
@@ -1172,4 +1173,4 @@ def run(args: argparse.Namespace) -> int:
         found = diagnose(spans, args.noise_floor_ms / 1e3, args.include_warmup, dumps or None)
     print(json.dumps(found, indent=4) if args.format == "json" else format_text(found, args.top))
     sys.stdout.flush()
-    return 0
+    return EXIT_DONE

@@ -29,7 +29,7 @@ from collections import Counter, defaultdict
 from typing import Any
 
 from commdebug_otel import semconv
-from commdebug_otel.offline import diagnose, summary
+from commdebug_otel.offline import EXIT_DONE, EXIT_NOT_THERE, EXIT_UNREADABLE, diagnose, summary
 
 DEFAULT_TIMELINES = 5
 MAX_SPANS_PER_RANK = 3000  # per step on a timeline; more are left out (and said)
@@ -224,16 +224,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Write ``args.output``. Returns 0, or 1 when there is nothing to show or it cannot be written."""
+    """Write ``args.output``. Returns :data:`.EXIT_DONE`; :data:`.EXIT_UNREADABLE` when there is nothing to show,
+    :data:`.EXIT_NOT_THERE` when the page cannot be written (said on stderr)."""
     spans = summary.load_for_command(args.paths, "report", snapshots=True)
     if spans is None:
-        return 1
+        return EXIT_UNREADABLE
     page = render(spans, args.step)
     try:
         with open(args.output, "w", encoding="utf-8") as handle:
             handle.write(page)
     except OSError as error:
         print(f"commdebug-otel report: cannot write {args.output}: {error.strerror}", file=sys.stderr)
-        return 1
+        return EXIT_NOT_THERE
     print(f"wrote {args.output} ({len(page) / 1024:.0f} KiB): open it in a browser; it needs no network")
-    return 0
+    return EXIT_DONE

@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from commdebug_otel import semconv
+from commdebug_otel.offline import EXIT_DONE, EXIT_NOT_THERE, EXIT_UNREADABLE
 from commdebug_otel.offline.model import SpanIndex
 from commdebug_otel.offline.summary import load_for_command
 
@@ -140,15 +141,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Convert ``args.paths`` to ``args.output``. Returns 0, or 1 when there is nothing to convert."""
+    """Convert ``args.paths`` to ``args.output``. Returns :data:`.EXIT_DONE`; :data:`.EXIT_UNREADABLE` when there
+    is nothing to convert, :data:`.EXIT_NOT_THERE` when the output cannot be written (said on stderr)."""
     spans = load_for_command(args.paths, "perfetto")
     if spans is None:
-        return 1
+        return EXIT_UNREADABLE
     try:
         counts = write_chrome_trace(spans, args.output)
     except OSError as error:
         print(f"commdebug-otel perfetto: cannot write {args.output}: {error.strerror}", file=sys.stderr)
-        return 1
+        return EXIT_NOT_THERE
     print(f"wrote {args.output}: {counts['slices']} slices and {counts['instants']} instant events "
           f"on {counts['ranks']} rank(s); open it in https://ui.perfetto.dev")
-    return 0
+    return EXIT_DONE

@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from commdebug_otel import semconv
+from commdebug_otel.offline import EXIT_DONE, EXIT_NOT_THERE, EXIT_UNREADABLE
 from commdebug_otel.offline.model import SpanIndex, collective_events, is_snapshot, warmup_step
 from commdebug_otel.offline.otlp_json import SpanReader
 
@@ -483,29 +484,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Write the signature of ``args.paths``. Returns 0, or 1 when there is nothing to read or the spans are of
-    several runs (said on stderr)."""
+    """Write the signature of ``args.paths``. Returns :data:`.EXIT_DONE`; :data:`.EXIT_UNREADABLE` when there is
+    nothing to read or the spans are of several runs (as ``compare``), :data:`.EXIT_NOT_THERE` when ``--output``
+    cannot be written (each said on stderr)."""
     messages: list[str] = []
     try:
         spans = read_spans(args.paths, messages)
     except FileNotFoundError as error:
         print(f"commdebug-otel signature: {error}", file=sys.stderr)
-        return 1
+        return EXIT_UNREADABLE
     if not spans:
         # One message: what the reader skipped is why there are none (as load() says it).
         why = f"; {messages[0]}{' ...' if len(messages) > 1 else ''}" if messages else ""
         print(f"commdebug-otel signature: no spans found (expected OTLP-JSON trace files{why})", file=sys.stderr)
-        return 1
+        return EXIT_UNREADABLE
     mixed = mixed_runs(spans)
     if mixed:
         print(f"commdebug-otel signature: {mixed}", file=sys.stderr)
-        return 1
+        return EXIT_UNREADABLE
     for message in messages:
         print(f"commdebug-otel signature: {message}", file=sys.stderr)
     text = to_json(signature_of_spans(spans, args.include_warmup, args.times))
     if args.output is None:
         sys.stdout.write(text)
-    else:
+        return EXIT_DONE
+    try:
         with open(args.output, "w", encoding="utf-8") as handle:
             handle.write(text)
-    return 0
+    except OSError as error:
+        print(f"commdebug-otel signature: cannot write {args.output}: {error.strerror}", file=sys.stderr)
+        return EXIT_NOT_THERE
+    return EXIT_DONE

@@ -43,6 +43,7 @@ from typing import Any
 
 from commdebug_otel import semconv
 from commdebug_otel.compat.report import GLOBAL, CommReport, Operation, render_json, render_table
+from commdebug_otel.offline import EXIT_DONE, EXIT_NOT_THERE, EXIT_UNREADABLE
 from commdebug_otel.offline.model import P2P as _P2P
 from commdebug_otel.offline.model import (
     SpanIndex,
@@ -823,10 +824,9 @@ class _Needs:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the report (or JSON) for ``args.paths``. Returns 0, or 1 when there is nothing to show.
-
-    Nothing to show: no spans, no spans of ``--rank``, or no ``train_step`` ``--step`` (said on stderr).
-    """
+    """Print the report (or JSON) for ``args.paths``. Returns :data:`.EXIT_DONE`; :data:`.EXIT_UNREADABLE` when
+    there are no spans to read, :data:`.EXIT_NOT_THERE` when none is of ``--rank`` or no ``train_step`` is
+    ``--step`` (each said on stderr)."""
     with reusing():  # the views share one span index, one list of collectives
         return _run(args)
 
@@ -834,16 +834,16 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     spans = load_for_command(args.paths, "summarize", fold=_Needs(args.rank))
     if spans is None:
-        return 1
+        return EXIT_UNREADABLE
     ranks = _ranks(spans)
     if args.rank not in ranks:
         print(f"commdebug-otel summarize: no spans for rank {args.rank}; ranks present: "
               f"{', '.join(map(str, ranks))}", file=sys.stderr)
-        return 1
+        return EXIT_NOT_THERE
     if args.step is not None and args.step not in steps_present(spans):
         print(f"commdebug-otel summarize: no train_step {args.step} in the files; steps present: "
               f"{', '.join(map(str, steps_present(spans))) or 'none'}", file=sys.stderr)
-        return 1
+        return EXIT_NOT_THERE
     if args.format == "json":
         chosen = spans if args.step is None else step_spans(spans, args.step)
         print(json.dumps(comm_debug_json(chosen, args.rank), indent=4))
@@ -851,4 +851,4 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(report_dict(spans, args.rank, args.top, args.step, args.include_warmup), indent=4))
     else:
         print(format_report(spans, args.rank, args.top, args.step, args.include_warmup))
-    return 0
+    return EXIT_DONE
