@@ -37,8 +37,10 @@ Nothing here imports torch, the OTel SDK or the live tracer; importing this
 package imports none of its modules.
 """
 
+import sys
+
 __all__ = ["EXIT_DONE", "EXIT_NOT_THERE", "EXIT_UNREADABLE", "backends", "compare", "diagnose", "html_report",
-           "model", "otlp_json", "perfetto", "receive", "signature", "summary"]
+           "model", "otlp_json", "perfetto", "receive", "signature", "summary", "write_output"]
 
 EXIT_DONE = 0
 #: ``summarize --rank``/``--step`` not in the files, an output file that cannot be written (``compare``: different).
@@ -46,3 +48,15 @@ EXIT_NOT_THERE = 1
 #: A missing path, no spans found (an empty folder, only garbage), spans of several runs mixed, a trace not
 #: fetched from Jaeger/Tempo, or no input named: what argparse returns for a usage error too.
 EXIT_UNREADABLE = 2
+
+
+def write_output(command: str, path: str, text: str) -> int:
+    """Write ``text`` to ``path`` (UTF-8) for ``commdebug-otel command``: :data:`EXIT_DONE`, or
+    :data:`EXIT_NOT_THERE` after one line on stderr when it cannot be written."""
+    try:
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text)
+    except OSError as error:
+        print(f"commdebug-otel {command}: cannot write {path}: {error.strerror}", file=sys.stderr)
+        return EXIT_NOT_THERE
+    return EXIT_DONE

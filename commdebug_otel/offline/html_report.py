@@ -24,12 +24,11 @@ import argparse
 import html
 import json
 import math
-import sys
 from collections import Counter, defaultdict
 from typing import Any
 
 from commdebug_otel import semconv
-from commdebug_otel.offline import EXIT_DONE, EXIT_NOT_THERE, EXIT_UNREADABLE, diagnose, summary
+from commdebug_otel.offline import EXIT_DONE, EXIT_NOT_THERE, EXIT_UNREADABLE, diagnose, summary, write_output
 
 DEFAULT_TIMELINES = 5
 MAX_SPANS_PER_RANK = 3000  # per step on a timeline; more are left out (and said)
@@ -230,11 +229,7 @@ def run(args: argparse.Namespace) -> int:
     if spans is None:
         return EXIT_UNREADABLE
     page = render(spans, args.step)
-    try:
-        with open(args.output, "w", encoding="utf-8") as handle:
-            handle.write(page)
-    except OSError as error:
-        print(f"commdebug-otel report: cannot write {args.output}: {error.strerror}", file=sys.stderr)
+    if write_output("report", args.output, page) != EXIT_DONE:
         return EXIT_NOT_THERE
     print(f"wrote {args.output} ({len(page) / 1024:.0f} KiB): open it in a browser; it needs no network")
     return EXIT_DONE

@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from commdebug_otel import semconv
-from commdebug_otel.offline import EXIT_DONE, EXIT_NOT_THERE, EXIT_UNREADABLE
+from commdebug_otel.offline import EXIT_DONE, EXIT_UNREADABLE, write_output
 from commdebug_otel.offline.model import SpanIndex, collective_events, is_snapshot, warmup_step
 from commdebug_otel.offline.otlp_json import SpanReader
 
@@ -508,10 +508,4 @@ def run(args: argparse.Namespace) -> int:
     if args.output is None:
         sys.stdout.write(text)
         return EXIT_DONE
-    try:
-        with open(args.output, "w", encoding="utf-8") as handle:
-            handle.write(text)
-    except OSError as error:
-        print(f"commdebug-otel signature: cannot write {args.output}: {error.strerror}", file=sys.stderr)
-        return EXIT_NOT_THERE
-    return EXIT_DONE
+    return write_output("signature", args.output, text)
