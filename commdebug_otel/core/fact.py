@@ -78,29 +78,35 @@ class CollectiveFact(NamedTuple):
     why: Mapping[str, Any] | None
 
 
+def _named(fact: CollectiveFact) -> dict[str, Any]:
+    """What a collective's span event and its ring event both say of it: op, group, seq, dtype, shape, bytes."""
+    group = fact.group
+    attrs: dict[str, Any] = {
+        semconv.COLLECTIVE_OP: fact.op,
+        semconv.PROCESS_GROUP_NAME: group.name,
+        semconv.PROCESS_GROUP_SIZE: group.size,
+        semconv.COLLECTIVE_SEQ: fact.seq,
+        semconv.COLLECTIVE_DTYPE: fact.dtype,
+        semconv.COLLECTIVE_BYTES: fact.nbytes,
+    }
+    if fact.shape:  # a 0-d tensor's shape is empty: the key is left out (an empty array is never exported)
+        attrs[semconv.COLLECTIVE_SHAPE] = list(fact.shape)
+    if group.dim_name:
+        attrs[semconv.DEVICE_MESH_DIM_NAME] = group.dim_name
+    return attrs
+
+
 def event_attributes(fact: CollectiveFact) -> dict[str, Any]:
     """The span-event attributes of a traced collective (docs/semantic-conventions.md, "Collective events").
 
     A fresh dict: a recv from any source gets its peer added once received.
     """
-    group = fact.group
-    attrs: dict[str, Any] = {
-        semconv.COLLECTIVE_OP: fact.op,
-        semconv.OP_NAME: fact.overload,
-        semconv.COLLECTIVE_BYTES: fact.nbytes,
-        semconv.COLLECTIVE_INPUT_ELEMENTS: fact.input_elements,
-        semconv.COLLECTIVE_OUTPUT_ELEMENTS: fact.output_elements,
-        semconv.COLLECTIVE_DTYPE: fact.dtype,
-        semconv.PROCESS_GROUP_NAME: group.name,
-        semconv.PROCESS_GROUP_SIZE: group.size,
-        semconv.COLLECTIVE_SEQ: fact.seq,
-        semconv.MODULE_PASS: fact.pass_,
-        semconv.COLLECTIVE_DURATION: fact.duration_ns / 1e9,
-    }
-    if fact.shape:  # a 0-d tensor's shape is empty: the key is left out
-        attrs[semconv.COLLECTIVE_SHAPE] = list(fact.shape)
-    if group.dim_name:
-        attrs[semconv.DEVICE_MESH_DIM_NAME] = group.dim_name
+    attrs = _named(fact)
+    attrs[semconv.OP_NAME] = fact.overload
+    attrs[semconv.COLLECTIVE_INPUT_ELEMENTS] = fact.input_elements
+    attrs[semconv.COLLECTIVE_OUTPUT_ELEMENTS] = fact.output_elements
+    attrs[semconv.MODULE_PASS] = fact.pass_
+    attrs[semconv.COLLECTIVE_DURATION] = fact.duration_ns / 1e9
     if fact.fake:
         attrs[semconv.COLLECTIVE_FAKE] = True
     if fact.reduce_op:
@@ -115,21 +121,9 @@ def event_attributes(fact: CollectiveFact) -> dict[str, Any]:
 def ring_event_attributes(fact: CollectiveFact, completed: bool, now_ns: int) -> dict[str, Any]:
     """The attributes of a ``stalled`` span's ring event: ``completed`` or in flight, ``now_ns`` the snapshot's
     ``time.time_ns()`` (the age is counted from the fact's time)."""
-    group = fact.group
-    attrs: dict[str, Any] = {
-        semconv.COLLECTIVE_OP: fact.op,
-        semconv.PROCESS_GROUP_NAME: group.name,
-        semconv.PROCESS_GROUP_SIZE: group.size,
-        semconv.COLLECTIVE_SEQ: fact.seq,
-        semconv.COLLECTIVE_STATE: semconv.STATE_COMPLETED if completed else semconv.STATE_IN_FLIGHT,
-        semconv.STALL_AGE: round((now_ns - fact.time_ns) / 1e9, 6),
-    }
-    if group.dim_name:
-        attrs[semconv.DEVICE_MESH_DIM_NAME] = group.dim_name
-    attrs[semconv.COLLECTIVE_DTYPE] = fact.dtype
-    if fact.shape:  # as on the span event: an empty array is never exported
-        attrs[semconv.COLLECTIVE_SHAPE] = list(fact.shape)
-    attrs[semconv.COLLECTIVE_BYTES] = fact.nbytes
+    attrs = _named(fact)
+    attrs[semconv.COLLECTIVE_STATE] = semconv.STATE_COMPLETED if completed else semconv.STATE_IN_FLIGHT
+    attrs[semconv.STALL_AGE] = round((now_ns - fact.time_ns) / 1e9, 6)
     if fact.fqn:
         attrs[semconv.MODULE_FQN] = fact.fqn
         attrs[semconv.MODULE_PASS] = fact.pass_
