@@ -2,6 +2,7 @@
 loads pickles of them where commdebug_otel cannot be imported)."""
 
 import pickle
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -44,6 +45,19 @@ class MaybeBoom(nn.Module):
     def forward(self, x: torch.Tensor, explode: bool = False) -> torch.Tensor:
         x = self.lin(x)
         return self.boom(x) if explode else x
+
+
+class Net(nn.Module):
+    """``layers`` (default: two ``layer()``) as ``Net.layers.0``, ``Net.layers.1``, ..., called in turn."""
+
+    def __init__(self, layer: Callable[[], nn.Module] = Block, layers: Iterable[nn.Module] | None = None) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers if layers is not None else [layer(), layer()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
 
 
 class AllReduceLinear(nn.Module):

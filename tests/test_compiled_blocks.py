@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from commdebug_otel import semconv
 
 from distributed import run_ranks
-from models import Block
+from models import Block, Net
 
 
 @pytest.fixture(autouse=True)
@@ -36,17 +36,6 @@ class ReduceBlock(Block):
 
 
 REDUCE_BLOCK = f"{__name__}.ReduceBlock"
-
-
-class Net(nn.Module):
-    def __init__(self, block: type = Block) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([block(), block()])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 
 def train(model, steps=2):

@@ -26,7 +26,7 @@ from commdebug_otel.cli import main
 from commdebug_otel.offline import flight_recorder
 from commdebug_otel.stall import flight_recorder as live
 from tests.distributed import run_ranks
-from tests.models import AllReduceLinear
+from tests.models import AllReduceLinear, Net
 
 from otlp_files import span as otlp_span
 from otlp_files import write_otlp
@@ -53,24 +53,13 @@ class Gather(nn.Module):
         return DTensor.from_local(x, self.mesh, [Shard(0)]).redistribute(self.mesh, [Replicate()]).to_local()
 
 
-class Net(nn.Module):
-    def __init__(self, mesh) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([AllReduceLinear(8), Gather(mesh)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
 def _train_with_one_rank_stuck(rank: int, world_size: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from commdebug_otel import CommTracer
 
     torch.manual_seed(0)
-    model = Net(init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",)))
+    model = Net(layers=[AllReduceLinear(8), Gather(init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",)))])
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     with CommTracer():
         for step in range(STEPS):

@@ -14,7 +14,7 @@ from commdebug_otel.core.progress import Progress
 from commdebug_otel.stall.watchdog import StallWatch
 from commdebug_otel.testing.otlp_receiver import OtlpReceiver
 from tests.distributed import run_ranks
-from tests.models import AllReduceLinear
+from tests.models import AllReduceLinear, Net
 
 STEPS = 4
 STUCK_STEP = 2
@@ -36,22 +36,11 @@ class Layer(nn.Module):
         return self.proj(x)
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([Layer(), Layer()])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
 def _train_with_one_rank_stuck(rank: int, world_size: int) -> dict:
     from commdebug_otel import CommTracer
 
     torch.manual_seed(0)
-    model = Net()
+    model = Net(Layer)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     resumed = 0.0
     with CommTracer():

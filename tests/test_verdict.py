@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import functools
 import itertools
 import json
 import os
@@ -20,6 +21,7 @@ from commdebug_otel import semconv
 from commdebug_otel.core.fact import CollectiveFact, GroupFacts
 from commdebug_otel.stall.verdict import form_verdict, progress_record, ranks_text
 from commdebug_otel.testing.otlp_receiver import OtlpReceiver
+from tests import models
 from tests.distributed import free_port
 
 STALL_AFTER_S = 2.0
@@ -50,15 +52,7 @@ class Layer(nn.Module):
         return out
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([Layer(), Layer()])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
+Net = functools.partial(models.Net, Layer)  # Net.layers.0 and .1
 
 
 def _die_keeping_sockets(pid_file: str) -> None:
