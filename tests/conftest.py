@@ -1,5 +1,4 @@
 import os
-import socket
 
 import pytest
 import torch
@@ -34,10 +33,7 @@ def tracer_factory(telemetry):
 @pytest.fixture(scope="session")
 def single_rank_group():
     """A real one-rank gloo process group in the test process, for collectives without spawning."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True)
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)  # port 0: the store binds a free one
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     yield dist.group.WORLD
     dist.destroy_process_group()

@@ -75,12 +75,9 @@ def test_a_tracer_inside_the_drop_in_does_nothing(telemetry, single_rank_group):
 
 
 _SCRIPT = """
-import socket, torch, torch.distributed as dist
+import torch, torch.distributed as dist
 from commdebug_otel import CommDebugMode, CommTracer
-with socket.socket() as sock:
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", port, 1, is_master=True), rank=0, world_size=1)
+dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", 0, 1, is_master=True), rank=0, world_size=1)
 model = torch.nn.Linear(4, 4)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 with CommTracer():  # tracing also started from the environment

@@ -14,8 +14,6 @@ from distributed import free_port
 pytest_plugins = ["pytester"]
 
 _GROUP = '''
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -25,10 +23,7 @@ from torch import nn
 
 @pytest.fixture(scope="module", autouse=True)
 def group():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True)
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)  # port 0: the store binds a free one
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     yield
     dist.destroy_process_group()

@@ -157,13 +157,10 @@ def test_oversized_batches_are_split_under_the_grpc_limit(tmp_path, monkeypatch,
 
 
 _MANY_LABELS_SCRIPT = """
-import socket, sys, torch, torch.distributed as dist
+import sys, torch, torch.distributed as dist
 from commdebug_otel import CommTracer
 
-with socket.socket() as sock:
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", port, 1, is_master=True), rank=0, world_size=1)
+dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", 0, 1, is_master=True), rank=0, world_size=1)
 
 
 class Reduce(torch.nn.Module):

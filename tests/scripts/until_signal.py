@@ -6,7 +6,6 @@ usage: until_signal.py STEPS [native]
 waits for a stuck peer), where Python cannot run signal handlers.
 """
 
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -18,10 +17,7 @@ from commdebug_otel import CommTracer
 
 
 def main():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True)
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)  # port 0: the store binds a free one
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
