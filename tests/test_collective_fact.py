@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from commdebug_otel import semconv
-from commdebug_otel.core.fact import CollectiveFact, GroupFacts, event_attributes, parse
+from commdebug_otel.core.fact import CollectiveFact, GroupFacts, event_attributes, parse, ranges_text
 
 # What a stall-ring event says of a collective, beside its state and age: the same as its span event.
 SHARED = (semconv.COLLECTIVE_OP, semconv.PROCESS_GROUP_NAME, semconv.PROCESS_GROUP_SIZE, semconv.COLLECTIVE_SEQ,
@@ -68,3 +68,9 @@ def test_the_offline_reader_parses_back_what_the_event_says():
     assert parse(attributes) == fact._replace(fqn="")
     assert parse({**attributes, semconv.MODULE_FQN: "Model.layers.0"}) == fact
     assert parse({}, "") is None
+
+
+def test_ranks_and_steps_read_as_ranges():
+    """One rule for the verdict's ranks and the offline commands' ranks and steps."""
+    assert ranges_text([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8" and ranges_text([3, 4], ", ") == "3-4"
+    assert ranges_text([]) == "" and ranges_text([9]) == "9"

@@ -15,7 +15,7 @@ or C++ fast path would fill the same record.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 from commdebug_otel import semconv
@@ -128,6 +128,18 @@ def ring_event_attributes(fact: CollectiveFact, completed: bool, now_ns: int) ->
         attrs[semconv.MODULE_FQN] = fact.fqn
         attrs[semconv.MODULE_PASS] = fact.pass_
     return attrs
+
+
+def ranges_text(numbers: Iterable[int], separator: str = ",") -> str:
+    """``[5, 0, 1, 2, 7, 8]`` -> ``0-2,5,7-8`` (sorted; ``""`` when empty): ranks and steps as the verdict and
+    the offline commands list them."""
+    runs: list[list[int]] = []
+    for number in sorted(numbers):
+        if runs and number == runs[-1][1] + 1:
+            runs[-1][1] = number
+        else:
+            runs.append([number, number])
+    return separator.join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def group_labels(name: str, dim_name: str, rank_label: bool) -> dict[str, Any]:

@@ -52,7 +52,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from commdebug_otel import semconv
-from commdebug_otel.core.fact import parse
+from commdebug_otel.core.fact import parse, ranges_text
 from commdebug_otel.offline import EXIT_DONE, EXIT_UNREADABLE, flight_recorder, summary
 from commdebug_otel.offline.backends import DEADLINE_S, MAX_RESPONSE_BYTES
 from commdebug_otel.offline.model import (
@@ -957,13 +957,7 @@ def diagnose(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_wa
 
 def _ranges(numbers: list[int]) -> str:
     """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"``; ``"none"`` when empty."""
-    runs: list[list[int]] = []
-    for n in numbers:
-        if runs and n == runs[-1][1] + 1:
-            runs[-1][1] = n
-        else:
-            runs.append([n, n])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "none"
+    return ranges_text(numbers, ", ") or "none"
 
 
 def _where(module: str, pass_: str) -> str:

@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from commdebug_otel import semconv
+from commdebug_otel.core.fact import ranges_text
 from commdebug_otel.offline import EXIT_DONE, EXIT_UNREADABLE, write_output
 from commdebug_otel.offline.model import SpanIndex, collective_events, is_snapshot, warmup_step
 from commdebug_otel.offline.otlp_json import SpanReader
@@ -178,17 +179,6 @@ def _per_step(total: int, steps: int) -> int | float:
     if steps <= 0 or total % steps == 0:
         return total // max(steps, 1)
     return round(total / steps, _DECIMALS)
-
-
-def _ranks_text(ranks: Iterable[int]) -> str:
-    """``0-3,6`` for [0, 1, 2, 3, 6]."""
-    runs: list[list[int]] = []
-    for rank in sorted(ranks):
-        if runs and rank == runs[-1][1] + 1:
-            runs[-1][1] = rank
-        else:
-            runs.append([rank, rank])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def build(tallies: Mapping[int, Tally], world_size: int | None = None, times: bool = False) -> dict[str, Any]:
@@ -444,7 +434,7 @@ def format_diff(diff: dict, base_name: str = "base", new_name: str = "new") -> s
     for sign, name in (("+", "appeared"), ("-", "disappeared")):
         for row in diff[name]:
             lines.append(f"{sign} {_where(row)}: {_figure(row['count_per_step'])} per step, "
-                         f"{_figure(row['bytes_per_step'])} bytes per step  ranks {_ranks_text(row['ranks'])}")
+                         f"{_figure(row['bytes_per_step'])} bytes per step  ranks {ranges_text(row['ranks'])}")
     for row in diff["changed"]:
         old, now = row["base"], row["new"]
         parts = []
@@ -452,7 +442,7 @@ def format_diff(diff: dict, base_name: str = "base", new_name: str = "new") -> s
             parts.append(f"count {_figure(old['count_per_step'])} -> {_figure(now['count_per_step'])} per step")
         if old["bytes_per_step"] != now["bytes_per_step"]:
             parts.append(f"bytes {_figure(old['bytes_per_step'])} -> {_figure(now['bytes_per_step'])} per step")
-        lines.append(f"~ {_where(row)}: {', '.join(parts)}  ranks {_ranks_text(row['ranks'])}")
+        lines.append(f"~ {_where(row)}: {', '.join(parts)}  ranks {ranges_text(row['ranks'])}")
     return "\n".join(lines)
 
 

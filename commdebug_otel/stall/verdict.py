@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from commdebug_otel import semconv
-from commdebug_otel.core.fact import CollectiveFact
+from commdebug_otel.core.fact import CollectiveFact, ranges_text
 
 _logger = logging.getLogger(__name__)
 
@@ -181,14 +181,7 @@ def ranks_text(ranks: Iterable[int], others_of: int = 0) -> str:
     ranks = sorted(ranks)
     if others_of and len(ranks) > MAX_RANKS_LISTED and len(ranks) == others_of:
         return f"the other {len(ranks):,} ranks"
-    runs: list[list[int]] = []
-    for rank in ranks:
-        if runs and rank == runs[-1][1] + 1:
-            runs[-1][1] = rank
-        else:
-            runs.append([rank, rank])
-    text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-    return ("rank " if len(ranks) == 1 else "ranks ") + text
+    return ("rank " if len(ranks) == 1 else "ranks ") + ranges_text(ranks)
 
 
 def _where(record: dict) -> str:
