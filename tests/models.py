@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 class Block(nn.Module):
@@ -45,6 +46,20 @@ class MaybeBoom(nn.Module):
     def forward(self, x: torch.Tensor, explode: bool = False) -> torch.Tensor:
         x = self.lin(x)
         return self.boom(x) if explode else x
+
+
+class Checkpointed(nn.Module):
+    """``head(checkpoint(block, x))``: the block (default a ``Block``) runs again in backward; ``reentrant``:
+    torch's older, reentrant checkpoint."""
+
+    def __init__(self, block: nn.Module | None = None, reentrant: bool = False) -> None:
+        super().__init__()
+        self.block = block if block is not None else Block()
+        self.head = nn.Linear(4, 4)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(checkpoint(self.block, x, use_reentrant=self.reentrant))
 
 
 class Net(nn.Module):

@@ -7,11 +7,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from commdebug_otel import semconv
 
-from models import Block
+from models import Block, Checkpointed
 
 
 def step(model, optimizer, x, **backward_kwargs):
@@ -96,25 +95,15 @@ def test_backward_twice_on_one_graph(telemetry, tracer_factory):
     assert [telemetry.parent_name(s) for s in telemetry.by_name("Block.a backward")] == ["Block backward"] * 2
 
 
-class Reentrant(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.block = Block()
-        self.head = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.head(checkpoint(self.block, x, use_reentrant=True))
-
-
 def test_reentrant_checkpoint_on_a_plain_model(telemetry, tracer_factory):
-    model = Reentrant()
+    model = Checkpointed(reentrant=True)
     with tracer_factory():
         step(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.ones(1, 4, requires_grad=True))
-    recompute = telemetry.one("Reentrant.block recompute")
-    assert telemetry.parent_name(recompute) == "Reentrant backward"
-    assert [telemetry.parent_name(s) for s in telemetry.by_name("Reentrant.block.a recompute")] == [
-        "Reentrant.block recompute"]
-    assert len(telemetry.by_name("Reentrant.block forward")) == 1
+    recompute = telemetry.one("Checkpointed.block recompute")
+    assert telemetry.parent_name(recompute) == "Checkpointed backward"
+    assert [telemetry.parent_name(s) for s in telemetry.by_name("Checkpointed.block.a recompute")] == [
+        "Checkpointed.block recompute"]
+    assert len(telemetry.by_name("Checkpointed.block forward")) == 1
     assert not any(semconv.SPAN_UNMATCHED in s.attributes for s in telemetry.spans())
 
 
@@ -261,21 +250,11 @@ class _AllReducingBlock(nn.Module):
         return self.b(self.a(x))
 
 
-class _ReentrantNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.block = _AllReducingBlock()
-        self.head = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.head(checkpoint(self.block, x, use_reentrant=True))
-
-
 def _reentrant_counts(rank, world_size):
     from test_distributed import _torch_nonzero, counted_by_both
 
     torch.manual_seed(0)
-    model = _ReentrantNet()
+    model = Checkpointed(_AllReducingBlock(), reentrant=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def step():
@@ -291,8 +270,8 @@ def test_reentrant_checkpoint_books_inner_backward_collectives_as_commdebugmode_
 
     for result in run_ranks(_reentrant_counts, 2):
         assert result["ours"] == result["torch"]
-        assert result["ours"]["_ReentrantNet.block.b"] == {"backward": {"c10d.allreduce_": 1}}
+        assert result["ours"]["Checkpointed.block.b"] == {"backward": {"c10d.allreduce_": 1}}
         backward = [(depth, name) for depth, name in result["tree"] if name.endswith("backward")]
-        assert backward == [(1, "_ReentrantNet backward"), (2, "_ReentrantNet.head backward"),
-                            (2, "_ReentrantNet.block backward"), (3, "_ReentrantNet.block.b backward"),
-                            (3, "_ReentrantNet.block.a backward")]
+        assert backward == [(1, "Checkpointed backward"), (2, "Checkpointed.head backward"),
+                            (2, "Checkpointed.block backward"), (3, "Checkpointed.block.b backward"),
+                            (3, "Checkpointed.block.a backward")]

@@ -4,11 +4,10 @@ import time
 
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from commdebug_otel import semconv
 
-from models import Block, Boom, MaybeBoom, TwoBlocks
+from models import Block, Boom, Checkpointed, MaybeBoom, TwoBlocks
 
 FORWARD_TREE = [
     (1, "TwoBlocks forward"),
@@ -120,16 +119,6 @@ def test_forward_error_marks_span_and_next_step_is_clean(telemetry, tracer_facto
         (1, "MaybeBoom forward"), (2, "MaybeBoom.lin forward"),
         (1, "MaybeBoom backward"), (2, "MaybeBoom.lin backward"),
     ]
-
-
-class Checkpointed(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.block = Block()
-        self.head = torch.nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.head(checkpoint(self.block, x, use_reentrant=False))
 
 
 def test_checkpoint_recompute_sits_under_the_backward_that_caused_it(telemetry, tracer_factory):
