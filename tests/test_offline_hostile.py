@@ -114,6 +114,9 @@ _BAD_LINES = {
                                  "attribute commdebug.stall.age_s 1e+300 is out of range"),
     "a span without a trace id": (_line([{k: v for k, v in _span(9).items() if k != "traceId"}]),
                                   "a span has no traceId"),
+    # A JSON number, not a decimal string: orjson would make it a float (the message's number is json's, exact).
+    "a huge int as a JSON number": (_line([_span(11) | {"endTimeUnixNano": 10**30}]),
+                                    "endTimeUnixNano 1000000000000000000000000000000 is out of range"),
 }
 
 
@@ -127,6 +130,15 @@ def test_one_bad_line_among_good_ones_loses_only_that_line(case, tmp_path, capsy
     for command, (status, _, err) in results.items():
         assert status == 0, err
         assert err == f"commdebug-otel {command}: skipped 1 line in {path}: line 2: {why}\n"
+
+
+@pytest.mark.parametrize("case", ["a huge int as a JSON number", "NaN", "Infinity", "NUL bytes",
+                                  "JSON nested 200,000 deep"])
+def test_a_bad_line_reads_the_same_without_orjson(case, tmp_path, capsys, monkeypatch):
+    # orjson decodes when installed (a dependency); the stdlib's json stands in for it, and reads what it refuses.
+    assert otlp_json._orjson is not None
+    monkeypatch.setattr(otlp_json, "_orjson", None)
+    test_one_bad_line_among_good_ones_loses_only_that_line(case, tmp_path, capsys)
 
 
 def test_every_bad_line_is_counted_in_one_message_per_file(tmp_path, capsys):

@@ -35,6 +35,11 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as _tpb
 
 from commdebug_otel import semconv
 
+try:  # faster than json; json reads what it refuses (see SpanReader._decode)
+    import orjson as _orjson
+except ImportError:  # pragma: no cover - a dependency, but the stdlib reads the same
+    _orjson = None
+
 __all__ = ["ATTRIBUTE_TYPES", "MAX_LINE_BYTES", "MAX_RANKS", "BadData", "SpanReader", "decode_any_value",
            "metric_dicts", "metrics_from_otlp_json", "parse_otlp_json", "ranked", "read_spans", "span_dicts",
            "spans_from_otlp_json", "to_otlp_json", "trace_files"]
@@ -811,12 +816,23 @@ class SpanReader:
     def _decode(self, line: bytes) -> list[dict[str, Any]]:
         if b"\\u" in line and _LONE_SURROGATE.search(line):
             line = _LONE_SURROGATE.sub(rb"\\ufffd", line)
+        if _orjson is not None:
+            # orjson refuses some of what json reads (invalid UTF-8, NaN, 1e400, nesting past 1,024) and makes a
+            # float of an integer past 64 bits (always out of range here): a line it refuses, or whose spans fail
+            # the checks, is read again by json, so what is skipped and said is json's.
+            try:
+                return self._spans_of(_orjson.loads(line))
+            except (_orjson.JSONDecodeError, BadData):
+                pass
         try:
             obj = json.loads(line.decode("utf-8", "replace"))
         except json.JSONDecodeError as error:
             raise BadData(f"not JSON ({error.msg})") from None
         except RecursionError:
             raise BadData("JSON nested too deep") from None
+        return self._spans_of(obj)
+
+    def _spans_of(self, obj: Any) -> list[dict[str, Any]]:
         if not isinstance(obj, dict) or ("resourceSpans" not in obj and "resource_spans" not in obj):
             return []  # metrics, logs, other JSON
         if len(_SHARED) > _SHARED_MAX:
@@ -945,12 +961,16 @@ def _read_file(path: str, max_line_bytes: int, hex_ids: bool, shared: bool,
     """One file as :class:`SpanReader` reads it, in a worker process: ``(spans, messages, duplicates,
     skipped lines, keys of the spans folded, keys of the parents of roots not in the file)``, spans each
     once within the file (with ``fold``, reduced: :func:`_fold`)."""
-    reader = SpanReader([], max_line_bytes, hex_ids, 1, shared)
+    # With fold, equal values are made one object in the spans kept only (most are folded: no need).
+    reader = SpanReader([], max_line_bytes, hex_ids, 1, shared and fold is None)
     spans = list(reader._file(path))
     folded: list[bytes] = []
     parents: list[bytes] = []
     if fold is not None:
         spans, folded, parents = _fold(spans, fold)
+        if shared:
+            for span in spans:
+                reader._share_values(span)
     return spans, reader.messages, reader.duplicates, reader.skipped_lines, folded, parents
 
 
@@ -1023,6 +1043,12 @@ def _true_root(span: dict) -> bool:
 
 
 def _is_json(text: bytes) -> bool:
+    if _orjson is not None:
+        try:
+            _orjson.loads(text)
+            return True
+        except _orjson.JSONDecodeError:
+            pass  # json may read it (see SpanReader._decode)
     try:
         json.loads(text.decode("utf-8", "replace"))
     except (json.JSONDecodeError, RecursionError):
