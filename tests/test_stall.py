@@ -377,7 +377,7 @@ def test_a_snapshot_copies_the_stuck_steps_records_even_if_the_step_ends_meanwhi
     the training thread does not wait for the copy)."""
     import threading
 
-    from commdebug_otel.core import step_lifecycle as lifecycle_module  # where a snapshot copies the records
+    from commdebug_otel.core import step_export as lifecycle_module  # where a snapshot copies the records
 
     class Net(nn.Module):
         def __init__(self):

@@ -145,6 +145,27 @@ class OwnershipHost(Protocol):
         ...
 
 
+class ExportHost(Protocol):
+    """What the exports (``step_export.StepExport``) read of the step lifecycle."""
+
+    progress: Progress
+
+    @property
+    def steps_taken(self) -> int: ...
+
+    @property
+    def current_step(self) -> Step | None: ...
+
+    @property
+    def open_segment(self) -> Step | None:
+        """The open step, else the open segment between steps, else None."""
+        ...
+
+    def innermost_open(self) -> Record | None:
+        """The innermost open forward record, else the most recent open backward one, else None."""
+        ...
+
+
 class ThreadRoleHost(Protocol):
     """What the training thread's role (``thread_role.ThreadRole``) asks of the step lifecycle."""
 

@@ -189,12 +189,12 @@ class Recorder:
         """
         if self._spans is None or not self.active:
             return False
-        return self._steps.stall_snapshot(now, age_s, threshold_s, snapshot, where)
+        return self._steps.exports.stall_snapshot(now, age_s, threshold_s, snapshot, where)
 
     def job_id(self, store: Any = None) -> str:
         """The job nonce every rank agrees on (``steps.job_nonce``, through ``store``: the default group's, or a
         thread's own clone of it); ask once settled."""
-        return self._steps.job_id(store)
+        return self._steps.exports.job_id(store)
 
     def stall_verdict(self, step_index: int, start_ns: int, now: int, attrs: dict[str, Any]) -> bool:
         """Export the cross-rank verdict (stall/verdict.py) from the watchdog's thread: a ``stall_verdict`` root
@@ -202,7 +202,7 @@ class Recorder:
         (the earliest stall's start) to ``now``. True if handed to the span sink."""
         if self._spans is None or not self.active:
             return False
-        return self._steps.stall_verdict(step_index, start_ns, now, attrs)
+        return self._steps.exports.stall_verdict(step_index, start_ns, now, attrs)
 
 
 def _listens(observer: RecorderObserver) -> bool:

@@ -10,7 +10,7 @@ step that closed last, or before the first step to an ``outside_step`` root. A s
 
 The parts it drives: module ownership (``ownership``), the collective path
 (``collective_path``), the record pool, the training thread's role (``thread_role``),
-trace ids (``trace_ids``); ``recorder.Recorder`` is the facade the hooks call.
+the exports and trace ids (``step_export``); ``recorder.Recorder`` is the facade the hooks call.
 """
 
 from __future__ import annotations
@@ -30,12 +30,11 @@ from commdebug_otel.core.failures import Failures
 from commdebug_otel.core.ownership import NO_OPTIMIZER_CYCLES, ModuleOwnership
 from commdebug_otel.core.progress import Progress
 from commdebug_otel.core.record_pool import RecordPool
-from commdebug_otel.core.records import Record, SpanKind, Step, snapshot_tree, span_tree
-from commdebug_otel.core.stall_snapshot import stalled_record
+from commdebug_otel.core.records import Record, SpanKind, Step
+from commdebug_otel.core.step_export import StepExport
 from commdebug_otel.core.step_signals import keep_hook, remove_hooks, step_signals
 from commdebug_otel.core.steps import RankCache, settled
 from commdebug_otel.core.thread_role import ThreadRole, one_role_holder
-from commdebug_otel.core.trace_ids import StepTraceIds
 
 _logger = logging.getLogger("commdebug_otel.core.recorder")
 
@@ -53,7 +52,8 @@ class StepLifecycle:
         rank: this process's rank facts (``steps.RankCache``).
 
     Attributes:
-        ownership, path, role: the parts (module ownership, the collective path, the thread's role).
+        ownership, path, role, exports: the parts (module ownership, the collective path, the thread's
+            role, the exports to the span sink).
         first_call: called once, at the first module call that opens a step; True: stop recording.
         seen_optimizer: whether an ``optimizer.step()`` has ended a step.
     """
@@ -72,11 +72,14 @@ class StepLifecycle:
         self._failures = failures
         self._pool = pool
         self._max_records = settings.max_spans_per_step  # per step part (step_full)
-        self._trace_ids = StepTraceIds(settings, rank)
+        self.exports = StepExport(self, settings, spans, rank, failures, pool)
+        self._trace_id = self.exports.trace_id
+        self.export = self.exports.export  # the thread role's too (a held step, exported once it trains)
         self.path = self._path = CollectivePath(self, metrics, failures)
         self.why = self._path.why  # the one "why", cleared in place, never replaced
         self.ownership = ModuleOwnership(self, settings, observers, pool, failures)
         self.role = ThreadRole(self, pool, failures)
+        self.innermost_open = self.ownership.innermost_open  # (the exports' stall snapshots)
         self._next_step = 0
         self._next_inference = 0
         self.seen_optimizer = False
@@ -92,7 +95,7 @@ class StepLifecycle:
         # all_reduce after optimizer.step()) follow it; set-up before the first step is traced.
         self._after_traced = True
         # The training step that closed last, until the next one opens (its collectives meanwhile go
-        # to its train_step_tail): _tail_facts; None before the first step.
+        # to its train_step_tail): StepExport.tail_facts; None before the first step.
         self._tail_of: tuple | None = None
         # Collectives are timed (issue time; c10d ones to completion, a backend-thread callback
         # each) on the steps trace_every picks and one in completion_every, and between steps.
@@ -216,7 +219,7 @@ class StepLifecycle:
         self.ownership.step_opened()
         if traced and self._exemplars_on():
             step.trace_id = self._trace_id(step) or ids.trace_id()
-            if self._trace_ids.nonce is None and self._trace_ids.job_scoped:
+            if self.exports.trace_ids.nonce is None and self.exports.trace_ids.job_scoped:
                 self._provisional_step = step  # opened before the process group: its id is made again at the end
         step.quiet = not (traced or self.every_event or self.settings.metric_module_depth)
         self.tell_traced(traced)  # every opening: a mode left on by a close inside backward goes now
@@ -236,6 +239,11 @@ class StepLifecycle:
     def current_step(self) -> Step | None:
         """The open step (or step part), None between steps."""
         return self._step
+
+    @property
+    def open_segment(self) -> Step | None:
+        """The open step, else the open segment between steps, else None."""
+        return self._step or self._outside
 
     def outside_step(self, now: int) -> Step:
         """The segment that holds collectives while no step is open: a ``train_step_tail`` of the
@@ -290,24 +298,13 @@ class StepLifecycle:
         if inference or step.inference:
             step.kind = SpanKind.INFERENCE  # no train_step span: each top-level forward is a root
         else:
-            self._tail_of = self._tail_facts(step)
+            self._tail_of = self.exports.tail_facts(step)
         step_signals(step, now, self.progress, self._metrics, self._path.exemplar_context, self._failures.hook_failed)
         self._close(step, now)
         self.want_why(step.traced)  # between steps as the step before (_outside_step)
         # Between steps, always: their few collectives (logging every k steps, checkpoints) would
         # otherwise never be timed where k is a multiple of completion_every.
         self._path.counter.timed = True
-
-    def _tail_facts(self, step: Step) -> tuple:
-        """``(index, traced, trace id, train_step span id, trace block)`` of a closing training step, for
-        its ``train_step_tail``: the ids are chosen now (a traced step's) so that the tail can join them."""
-        if step.traced:
-            if not step.trace_id:
-                step.trace_id = self._trace_id(step) or ids.trace_id()
-            if not step.root.span_id:
-                step.root.span_id = ids.span_id()
-        return (step.index, step.traced, step.trace_id, step.root.span_id,
-                step.root.attrs.get(semconv.TRACE_BLOCK))
 
     def _close(self, step: Step, now: int, mode_stays: bool = False) -> None:
         # A forward still running (the step cut inside a call): its record stays the tracker's.
@@ -331,23 +328,6 @@ class StepLifecycle:
                 return
             self.export(step)
         self._pool.release(step, reuse)
-
-    def export(self, step: Step) -> None:
-        """Build ``step``'s spans and hand them to the span sink (an untraced step that stalled: its root)."""
-        try:
-            # An untraced step that stalled: its train_step alone (its snapshots hold the rest).
-            roots, children = span_tree(step) if step.traced else ([step.root], {})
-            self._emit_tree(roots, children, step.trace_id or self._trace_id(step), step)
-        except Exception as error:
-            self._failures.hook_failed("building spans", error)
-
-    def _emit_tree(self, roots: list[Record], children: dict[int, list[Record]], trace_id: int | None,
-                   step: Step) -> None:
-        """Hand ``step``'s span tree to the sink, under its parent span when it has one (a tail)."""
-        if step.parent_span_id:
-            self._spans.emit(roots, children, trace_id, parent_span_id=step.parent_span_id)
-        else:
-            self._spans.emit(roots, children, trace_id)
 
     def step_full(self, step: Step, now: int, in_backward: bool) -> Step | None:
         """``step`` holds ``max_spans_per_step`` records: cut it, go on, or record no more of this pass.
@@ -386,9 +366,6 @@ class StepLifecycle:
         part.had_module, part.backward_done = step.had_module, step.backward_done
         return part
 
-    def _trace_id(self, step: Step) -> int | None:
-        return self._trace_ids.trace_id(step, self._next_step)
-
     def finish(self) -> None:
         """Close whatever is open (at exit or uninstrument) so every started span ends."""
         now = time.time_ns()
@@ -401,43 +378,3 @@ class StepLifecycle:
         if self.role.borrowing:  # no other thread came to train: the borrower's steps are the run's
             self.role.settle()
 
-
-    def stall_snapshot(self, now: int, age_s: float, threshold_s: float, snapshot: int,
-                       where: tuple[str, str, list[str]]) -> bool:
-        """Export what this rank is doing now (``Recorder.stall_snapshot``). True if exported.
-
-        The step's records are copied, never changed: the training thread may still be running it.
-        """
-        stalled = stalled_record(self.progress, where, self.ownership.innermost_open(), now, age_s, threshold_s,
-                                 snapshot, self._next_step, self.settings.max_events_per_span)
-        step = self._step or self._outside
-        if step is None:  # between steps, no collective since the last one: the stalled span alone
-            gap = Step(-1, True, Record(SpanKind.OUTSIDE_STEP, semconv.SPAN_OUTSIDE_STEP, now), SpanKind.OUTSIDE_STEP)
-            self._spans.emit([stalled], {}, self._trace_id(gap))
-            return True
-        step.stalled = snapshot
-        if not step.trace_id:  # the step's export at its end joins the snapshot's trace
-            step.trace_id = self._trace_id(step) or ids.trace_id()
-        with self._pool.copying:  # the training thread may close the step meanwhile: no record is reused mid-copy
-            roots, children, root = snapshot_tree(step, list(step.records), now, snapshot)
-        root.attrs[semconv.STEP_STALLED] = snapshot
-        children.setdefault(id(root), []).append(stalled)
-        self._emit_tree(roots, children, step.trace_id, step)
-        return True
-
-    def job_id(self, store: Any = None) -> str:
-        return self._trace_ids.job_id(store)
-
-    def stall_verdict(self, step_index: int, start_ns: int, now: int, attrs: dict[str, Any]) -> bool:
-        """Export the cross-rank verdict (``Recorder.stall_verdict``): in the stalled step's trace."""
-        verdict = Record(SpanKind.MODULE, semconv.SPAN_STALL_VERDICT, start_ns)
-        verdict.end_ns = now
-        verdict.attrs.update(attrs)
-        step = self._step
-        if step is not None and step.kind is SpanKind.STEP and step.index == step_index and step.trace_id:
-            trace_id = step.trace_id  # the stalled step's own (its snapshot set it)
-        else:
-            same = Step(step_index, True, Record(SpanKind.STEP, semconv.SPAN_TRAIN_STEP, start_ns), SpanKind.STEP)
-            trace_id = self._trace_id(same)
-        self._spans.emit([verdict], {}, trace_id)
-        return True

@@ -1,4 +1,4 @@
-"""The only module that touches the OpenTelemetry SDK: resource, providers, exporters, shutdown.
+"""The SDK set-up: resource, providers, exporters (how they end: ``process_exit.py``).
 
 Exporter choice follows the standard variables:
 
@@ -30,13 +30,11 @@ flushing signal, what is held is exported with what is known by then.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import logging
 import os
 import socket
 import threading
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -56,7 +54,7 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, Tra
 from commdebug_otel import semconv
 from commdebug_otel.config import ExportEnv, Settings
 from commdebug_otel.core.ids import RNG as OWN_RNG
-from commdebug_otel.core.redact import describe, hide_credentials
+from commdebug_otel.core.redact import describe
 from commdebug_otel.core.steps import RankCache, RankInfo, settled
 from commdebug_otel.otel._sdk import (
     batch_queue,
@@ -65,15 +63,11 @@ from commdebug_otel.otel._sdk import (
     replace_json_file_encoder,
     translate_data_with,
 )
-from commdebug_otel.otel.export_guard import (
-    CountingBatchSpanProcessor,
-    SizedSpanExporter,
-    claim_warning,
-    fold_exporter_logs,
-)
+from commdebug_otel.otel.export_guard import CountingBatchSpanProcessor, SizedSpanExporter, fold_exporter_logs
 from commdebug_otel.otel.exporters import Exporters
 from commdebug_otel.otel.metrics import dropped_counter
-from commdebug_otel.otel.signals import SignalFlush, _SignalRescue  # noqa: F401  (_SignalRescue: tests read its grace)
+from commdebug_otel.otel.process_exit import ProcessExit
+from commdebug_otel.otel.signals import _SignalRescue  # noqa: F401  (tests read its grace)
 from commdebug_otel.otel.spans import SpanBuilder, StepIdGenerator, TracerSetup, attach_id_generator
 from commdebug_otel.version import __version__
 
@@ -259,19 +253,15 @@ class Telemetry:
         self._lock = threading.Lock()
         # The recorder's span sink: finished records become spans on this telemetry's tracer.
         self.spans = SpanBuilder(self.tracer_setup, self._settings.exception_messages)
-        self._atexit = False
-        # SIGTERM/SIGHUP/SIGQUIT: flush, then the signal's own action (armed once our providers exist).
-        self._signals = SignalFlush(self._exit, lambda: self.force_flush(), lambda: self._atexit)
+        # At exit and on a flushing signal, within the flush-and-shutdown budget (registered once our providers exist).
+        self._exit_path = ProcessExit(self, settings.shutdown_timeout_s)
+        self._signals = self._exit_path.signals
+        # Called at exit before the providers shut down: tracers end their open spans there.
+        self.before_shutdown: list[Any] = self._exit_path.before_shutdown
         self.disabled = ExportEnv.from_env(environ).sdk_disabled
         # The variables as our own providers last read them when they started (None before).
         self.export_env: ExportEnv | None = None
         self._dropped: Any = None  # the commdebug.telemetry.dropped counter, made at the first drop
-        # The flush-and-shutdown budget: seconds spent, when the last wait ended, whether one ran out.
-        self._spent_s = 0.0
-        self._last_wait_end = float("-inf")
-        self._stalled = False
-        # Called at exit before the providers shut down: tracers end their open spans there.
-        self.before_shutdown: list[Any] = []
         self._settle_state()
 
     def _settle_state(self) -> None:
@@ -369,24 +359,8 @@ class Telemetry:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        spans = pending[1].take()
         provider = self._own_tracer_provider
-        processors = self._own_span_processors if provider is not None else []
-        if not processors:
-            if spans and provider is not None:  # OTEL_TRACES_EXPORTER=none: nothing is dropped
-                return
-            if spans:
-                self.count_dropped(semconv.DROPPED_KIND_SPAN, len(spans))
-            return
-        resource = provider.resource
-        for span in spans:
-            settled_span = ReadableSpan(
-                name=span.name, context=span.context, parent=span.parent, resource=resource,
-                attributes=span.attributes, events=span.events, links=span.links, kind=span.kind,
-                status=span.status, start_time=span.start_time, end_time=span.end_time,
-                instrumentation_scope=span.instrumentation_scope)
-            for processor in processors:
-                processor.on_end(settled_span)
+        pending[1].hand_over(provider, self._own_span_processors if provider is not None else [])
 
     def meter(self) -> otel_metrics.Meter:
         if self._meter is None:
@@ -432,7 +406,7 @@ class Telemetry:
             provider.add_span_processor(processor)
         self._own_tracer_provider = provider
         self._own_span_processors = processors
-        self._register_atexit()
+        self._exit_path.register()
         return provider
 
     def _span_limits(self, export: ExportEnv) -> SpanLimits:
@@ -459,14 +433,8 @@ class Telemetry:
         provider = MeterProvider(resource=build_resource(rank, export), metric_readers=readers,
                                  shutdown_on_exit=False, views=own_random_views(OWN_RNG))
         self._own_meter_provider = provider
-        self._register_atexit()
+        self._exit_path.register()
         return provider
-
-    def _register_atexit(self) -> None:
-        if not self._atexit:
-            self._atexit = True
-            atexit.register(self._exit)
-            self.hold_signals()
 
     def hold_signals(self) -> None:
         """Flush on SIGTERM, SIGHUP and SIGQUIT, then hand the signal on (``signals.SignalFlush.hold``).
@@ -484,21 +452,6 @@ class Telemetry:
     def rescues(self, signum: int) -> bool:
         """Whether the rescue thread may end the process for ``signum`` now (``SignalFlush.rescues``)."""
         return self._signals.rescues(signum)
-
-    def _exit(self) -> None:
-        try:
-            self.settle_now()  # first: the tracers' last spans and points then go straight to the providers
-        except Exception as error:
-            _logger.debug("commdebug-otel: starting telemetry at exit failed: %s", describe(error))
-        for finish in list(self.before_shutdown):
-            try:
-                finish()
-            except Exception as error:
-                _logger.debug("commdebug-otel: closing spans at exit failed: %s", describe(error))
-        self.shutdown()
-        # Nothing left to flush: a hang in the teardown that follows (the interpreter's, the process group's,
-        # where our threads cannot run) ends at SIGTERM as without us.
-        self.release_signals()
 
     # ------------------------------------------------------------- exporters
     # The exporters' own state (exporters.Exporters), read here by name.
@@ -523,7 +476,7 @@ class Telemetry:
     def reset_after_fork(self) -> None:
         """In a forked child: forget the parent's providers (their rank and pid are the parent's)."""
         self._tracer = self._meter = self._tracer_setup = self._dropped = None
-        self._spent_s, self._last_wait_end, self._stalled = 0.0, float("-inf"), False
+        self._exit_path.reset()
         if isinstance(self._rank, RankCache):
             self._rank.reset()
         self._own_tracer_provider = self._own_meter_provider = None
@@ -557,7 +510,7 @@ class Telemetry:
         self.settle_now()
         timeout_ms = int(self._settings.shutdown_timeout_s * 1000)
         traces, metrics = self._own_tracer_provider, self._own_meter_provider
-        self._bounded("flush", None if traces is None else lambda: traces.force_flush(timeout_ms),
+        self._exit_path.bounded("flush", None if traces is None else lambda: traces.force_flush(timeout_ms),
                       None if metrics is None else lambda: metrics.force_flush(timeout_ms))
 
     def flush_from_watchdog(self, timeout_s: float = STALL_FLUSH_TIMEOUT_S) -> None:
@@ -575,61 +528,17 @@ class Telemetry:
     def shutdown(self) -> None:
         """Flush and shut our providers down, traces and metrics together, within the budget.
 
-        The budget is ``shutdown_timeout_s`` for a flush (``CommTracer.stop``) and
-        the shutdown at exit that follows it, together. The providers' calls run
-        in daemon threads joined with what is left, so an unreachable or
-        black-holed collector costs at most that and never blocks exit; once a
-        call has run out of time, later ones are not waited for at all, and one
-        warning says so. Metrics go after spans (spans dropped at exit are
-        counted in them), but a quarter of the budget (at most 1 s) is theirs
-        whatever the spans do: a dead trace endpoint does not cost the metrics,
-        and the spans still unsent then are counted as dropped (the same goes
-        for ``force_flush``: a collector that answers later gets them, counted
-        all the same). Injected providers are left to their owner.
+        The budget is ``shutdown_timeout_s`` for a flush (``CommTracer.stop``) and the shutdown at
+        exit that follows it, together (``process_exit.ProcessExit.bounded``: never blocks exit, one
+        warning, spans still unsent counted as dropped). Injected providers are left to their owner.
         """
         traces, metrics = self._own_tracer_provider, self._own_meter_provider
         self._own_tracer_provider = self._own_meter_provider = None
         timeout_ms = self._settings.shutdown_timeout_s * 1000
-        self._bounded("shutdown", None if traces is None else traces.shutdown,
+        self._exit_path.bounded("shutdown", None if traces is None else traces.shutdown,
                       None if metrics is None else lambda: metrics.shutdown(timeout_millis=timeout_ms))
 
-    def _bounded(self, what: str, span_call: Callable[[], Any] | None,
-                 metric_call: Callable[[], Any] | None) -> None:
-        """Run the calls off this thread; wait at most what is left of the budget, nothing once one stalled."""
-        if span_call is None and metric_call is None:
-            return
-        budget_s = self._settings.shutdown_timeout_s
-        now = time.monotonic()
-        if now - self._last_wait_end > budget_s:
-            self._spent_s = 0.0  # a flush long ago (an earlier `with` block) is not part of this exit
-        left_s = 0.0 if self._stalled else max(0.0, budget_s - self._spent_s)
-        spans = _start_bounded(what, span_call)
-        if spans is not None:
-            spans.join(left_s - min(1.0, left_s / 4) if metric_call is not None else left_s)
-        unsent = 0
-        if spans is not None and spans.is_alive() and not self._stalled:
-            unsent = self._count_unsent_spans()  # counted once: later waits are not waited for
-        points = _start_bounded(what, metric_call)
-        if points is not None:
-            points.join(max(0.0, left_s - (time.monotonic() - now)))
-        if spans is not None:
-            spans.join(max(0.0, left_s - (time.monotonic() - now)))
-        finished = not any(worker is not None and worker.is_alive() for worker in (spans, points))
-        self._last_wait_end = time.monotonic()
-        self._spent_s += self._last_wait_end - now
-        if finished or self._stalled:
-            return
-        self._stalled = True
-        unnamed = [endpoint for endpoint in dict.fromkeys(self.endpoints) if claim_warning(endpoint)]
-        where = f" to {', '.join(hide_credentials(endpoint) for endpoint in unnamed)}" if unnamed else ""
-        counted = f" ({unsent} spans counted as dropped)" if unsent else ""
-        # One warning per process: where the endpoint's own warning came first, this one is detail.
-        log = _logger.warning if unnamed or not self.endpoints else _logger.info
-        log("commdebug-otel: telemetry %s did not finish within %.1f s "
-            "(OTEL_PYTHON_COMMDEBUG_SHUTDOWN_TIMEOUT, for flush and shutdown together); "
-            "unsent telemetry%s is dropped%s", what, budget_s, where, counted)
-
-    def _count_unsent_spans(self) -> int:
+    def count_unsent_spans(self) -> int:
         """Count the spans still queued in our processors as dropped (before the last metrics go). Never raises."""
         unsent = sum(guard.abandon() for guard in self._span_guards)
         for processor in self._own_span_processors:
@@ -643,7 +552,7 @@ class Telemetry:
 
 class _HeldSpans(SpanProcessor):
     """The provisional provider's processor: keeps finished spans (at most ``MAX_HELD_SPANS``, the rest
-    counted as dropped) until :meth:`Telemetry._hand_over_held` takes them. Starts no thread."""
+    counted as dropped) until our own provider starts (:meth:`hand_over`). Starts no thread."""
 
     def __init__(self, count_dropped: Callable[[str, int], None]) -> None:
         self._spans: list[ReadableSpan] = []
@@ -655,9 +564,23 @@ class _HeldSpans(SpanProcessor):
         else:
             self._count_dropped(semconv.DROPPED_KIND_SPAN, 1)
 
-    def take(self) -> list[ReadableSpan]:
+    def hand_over(self, provider: TracerProvider | None, processors: list[Any]) -> None:
+        """The spans held go to our own ``provider``'s ``processors``, with its resource (its rank, its
+        backend); none: they are counted as dropped (``OTEL_TRACES_EXPORTER=none``: nothing is dropped)."""
         spans, self._spans = self._spans, []
-        return spans
+        if not processors:
+            if spans and provider is None:
+                self._count_dropped(semconv.DROPPED_KIND_SPAN, len(spans))
+            return
+        resource = provider.resource
+        for span in spans:
+            settled_span = ReadableSpan(
+                name=span.name, context=span.context, parent=span.parent, resource=resource,
+                attributes=span.attributes, events=span.events, links=span.links, kind=span.kind,
+                status=span.status, start_time=span.start_time, end_time=span.end_time,
+                instrumentation_scope=span.instrumentation_scope)
+            for processor in processors:
+                processor.on_end(settled_span)
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return True
@@ -673,22 +596,6 @@ def _exporter_arguments(export: ExportEnv, signal: str, transport: str) -> dict[
             from opentelemetry.exporter.otlp.proto.http import Compression
         arguments["compression"] = Compression.NoCompression
     return arguments
-
-
-def _start_bounded(what: str, call: Callable[[], Any] | None) -> threading.Thread | None:
-    """Run ``call`` in a daemon thread (None when there is no call); the caller joins it."""
-    if call is None:
-        return None
-
-    def run() -> None:
-        try:
-            call()
-        except Exception as error:  # exporter failures are counted by the guards
-            _logger.debug("commdebug-otel: telemetry %s failed: %s", what, describe(error))
-
-    worker = threading.Thread(target=run, name=f"commdebug-otel-{what}", daemon=True)
-    worker.start()
-    return worker
 
 
 def _pull_reader_class() -> type:
