@@ -9,7 +9,7 @@ it has the recorder export a snapshot at once (:meth:`Recorder.stall_snapshot`):
 the step's spans so far, open ones ended at the snapshot and marked
 ``commdebug.span.incomplete``, and a ``stalled`` span holding the ring, each
 collective marked in flight or completed; then it flushes traces and metrics.
-It repeats at twice the age each time while the stall lasts. Collectives complete
+It repeats at 2T, 4T, 8T... (T the threshold) while the stall lasts. Collectives complete
 in issue order on a process group, so "in flight" is every collective of a group
 after its last known completed one.
 """
@@ -72,6 +72,20 @@ def training_thread_location(thread_id: int, fqn_of: Callable[[torch.nn.Module],
         frame = frame.f_back
     stack.reverse()
     return module, pass_, stack
+
+
+def next_due_s(age_s: float, threshold_s: float) -> float:
+    """The stall age (seconds) of the next snapshot after one taken at ``age_s``: the first of
+    ``2T, 4T, 8T, ...`` (``T`` = ``threshold_s`` > 0) past ``age_s``.
+
+    On this fixed grid a late poll (a loaded machine) does not push every later snapshot back, and
+    the ranks of one stall take their n-th snapshot together, so the verdict's rounds read records
+    sampled at the same time (twice the age drifted apart: 2.4, 4.8, 9.6, 19.2 s at T = 2 s).
+    """
+    due = threshold_s * 2
+    while due <= age_s:
+        due *= 2
+    return due
 
 
 class StallWatch:
@@ -171,12 +185,13 @@ class StallWatch:
         if not self._recorder.stall_snapshot(now, age_s, threshold_s, self._snapshots + 1, where):
             return False
         self._snapshots += 1  # only once exported: a failed snapshot is tried again at the next poll
-        self._due_s = max(age_s, threshold_s) * 2
+        self._due_s = next_due_s(age_s, threshold_s)
         if self._snapshots == 1:
             # Every rank of a hung job says this (the ones waiting too): diagnose tells which one is behind.
             _logger.warning("commdebug-otel: rank %d made no progress for %.1f s (%s %s, %s); a stall snapshot "
-                            "(span `stalled`) was exported with the metrics, again at twice the age while it "
-                            "lasts; `commdebug-otel diagnose` on the traces names the rank the others wait for",
+                            "(span `stalled`) was exported with the metrics, again at 2, 4, 8... times the "
+                            "threshold while it lasts; `commdebug-otel diagnose` on the traces names the rank the "
+                            "others wait for",
                             self._recorder.rank().rank, age_s, "step" if progress.in_step else "after step",
                             progress.step_index, f"in {where[0]} {where[1]}" if where[0] else "outside any module")
         self._on_snapshot()
