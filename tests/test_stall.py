@@ -494,3 +494,37 @@ def test_auto_reports_a_wait_in_a_collective_between_steps_but_not_a_planned_pau
     [(between_steps, states)] = waiting["stalled"]
     assert between_steps is True and states[-1] == semconv.STATE_IN_FLIGHT
 
+
+@pytest.mark.parametrize("in_step, steps_taken, where, expected", [
+    (False, 0, ("", "", []), "before step 0, outside any module"),  # before the first optimizer step
+    (False, 3, ("", "", []), "between step 2 and step 3, outside any module"),
+    (True, 3, ("Net.layers.1", "forward", []), "in step 3 at Net.layers.1 forward"),
+])
+def test_the_stall_line_and_diagnose_say_the_same_place(monkeypatch, caplog, in_step, steps_taken, where, expected):
+    """The stderr line of a stall's first snapshot names the place as diagnose does for the same ``stalled`` span
+    (it said "after step 0" for a stall before the first optimizer step, where diagnose says "before step 0")."""
+    from commdebug_otel.core.stall_snapshot import stalled_record
+    from commdebug_otel.offline.diagnose import _stall_where
+    from commdebug_otel.stall import watchdog
+
+    progress = Progress()
+    if in_step:
+        progress.step_began(progress.since_ns, steps_taken)
+    elif steps_taken:  # step 2 ended: step 3 has not begun
+        progress.step_began(progress.since_ns, steps_taken - 1)
+        progress.step_ended(progress.since_ns, training=True)
+    spans = []
+
+    def snapshot(now, age_s, threshold_s, number, where):
+        spans.append(stalled_record(progress, where, None, now, age_s, threshold_s, number, steps_taken, 64))
+
+    monkeypatch.setattr(watchdog, "training_thread_location", lambda thread_id, fqn_of: where)
+    watch = StallWatch(_OneProcessRecorder(snapshot, progress, steps_taken), 2.0, lambda: None, lambda module: None)
+    with caplog.at_level("WARNING", logger=watchdog.__name__):
+        assert watch.check(progress.since_ns + 3 * 10**9)
+    [message] = [record.getMessage() for record in caplog.records]
+    assert message.startswith(f"commdebug-otel: rank 0 made no progress for 3.0 s ({expected}); a stall snapshot ")
+    attrs = spans[0].attrs
+    stall = {"between_steps": attrs.get(semconv.STALL_BETWEEN_STEPS, False), "step": attrs[semconv.STEP],
+             "module": attrs[semconv.STALL_MODULE], "pass": attrs[semconv.STALL_PASS]}
+    assert _stall_where(stall) == expected.removesuffix(", outside any module")

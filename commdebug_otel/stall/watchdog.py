@@ -28,6 +28,7 @@ import torch
 
 from commdebug_otel import semconv
 from commdebug_otel.capture._torch import MODULE_CALL_CODE, default_store_client
+from commdebug_otel.core.fact import stall_step_text
 from commdebug_otel.core.protocols import StallSource
 from commdebug_otel.stall.verdict import StoreExchange, Verdict, progress_record
 
@@ -161,10 +162,14 @@ class StallWatch:
             return
         progress = self._recorder.progress
         in_step = progress.in_step
-        step = progress.step_index if in_step else self._recorder.steps_taken
-        record = progress_record(self._recorder.rank().rank, step, now, age_s, snapshot, in_step, where,
+        record = progress_record(self._recorder.rank().rank, self._step(), now, age_s, snapshot, in_step, where,
                                  progress.seqs(), progress.ring)
         self.exchange.publish(record, progress.since_ns)
+
+    def _step(self) -> int:
+        """The stalled step (the ``stalled`` span's ``torch.step``): the open one, or between steps the next."""
+        progress = self._recorder.progress
+        return progress.step_index if progress.in_step else self._recorder.steps_taken
 
     def check(self, now: int | None = None) -> bool:
         """Export a snapshot if one is due now. True if one was exported."""
@@ -188,12 +193,13 @@ class StallWatch:
         self._due_s = next_due_s(age_s, threshold_s)
         if self._snapshots == 1:
             # Every rank of a hung job says this (the ones waiting too): diagnose tells which one is behind.
-            _logger.warning("commdebug-otel: rank %d made no progress for %.1f s (%s %s, %s); a stall snapshot "
+            # The place as diagnose words it (core/fact.py): "in step 2 at M forward", "before step 0, ...".
+            place = stall_step_text(not progress.in_step, self._step())
+            _logger.warning("commdebug-otel: rank %d made no progress for %.1f s (%s%s); a stall snapshot "
                             "(span `stalled`) was exported with the metrics, again at 2, 4, 8... times the "
                             "threshold while it lasts; `commdebug-otel diagnose` on the traces names the rank the "
-                            "others wait for",
-                            self._recorder.rank().rank, age_s, "step" if progress.in_step else "after step",
-                            progress.step_index, f"in {where[0]} {where[1]}" if where[0] else "outside any module")
+                            "others wait for", self._recorder.rank().rank, age_s, place,
+                            f" at {where[0]} {where[1]}".rstrip() if where[0] else ", outside any module")
         self._on_snapshot()
         self._flush()
         return True
