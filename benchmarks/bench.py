@@ -29,7 +29,10 @@ training the demo transformer of ``commdebug_otel._demo_model`` at the size in `
    run, ranks multiplied: about 1.5 GB);
 9. drop-in (``--only dropin``): torch's ``CommDebugMode`` and our ``commdebug_otel.CommDebugMode``
    side by side, each a fresh one entered around every step (outside the timer), against
-   uninstrumented steps, interleaved (the overhead phase's three workloads; TP only with ``--quick``).
+   uninstrumented steps, interleaved (the overhead phase's three workloads; TP only with ``--quick``);
+10. stall watchdog (``--only stall``): always-on with the stall watchdog (``STALL_AFTER=auto``, the
+   default) and the cross-rank verdict's store exchange armed, against the same with ``STALL_AFTER=off``,
+   on healthy steps, interleaved (tensor parallel on 2 ranks).
 
 It prints a results table and a PASS/FAIL line per target (docs/performance.md explains
 every number). ``--profile`` instead runs cProfile on rank 0 of a traced TP job and prints
@@ -72,6 +75,7 @@ TARGET_TRACE_BYTES = 5_000_000  # largest trace at 1,024 ranks (Tempo's default 
 TARGET_ALWAYS_BYTES = 2048  # always-on, per rank per step on the wire, amortized
 TARGET_SCALE_TRACED = 1.15  # traced overhead (ratio - 1) at 1,024 ranks <= 1.15 x that at 8
 TARGET_DEPTH = 1.3  # per-span traced cost at the deepest chain <= 1.3 x that at the shallowest
+TARGET_STALL_WATCH = 1.01  # healthy steps: watchdog + verdict exchange armed / STALL_AFTER=off, ratio of medians
 # The depth phase: a chain of nested modules (each a Linear, then its child; one output tensor shared by
 # the whole chain in backward), traced every step against untraced, with these exporters.
 DEPTHS = (50, 300)
@@ -106,6 +110,8 @@ BASELINE = CONFIGS[0]
 DROPIN = "ours CommDebugMode (drop-in)"
 DROPIN_CONFIGS = (BASELINE, CONFIGS[1], DROPIN)
 TRACED_SERVICE = "traced"  # the overhead phase's every-step tracer, as its spans name their service
+STALL_ARMED = "always-on, watchdog armed"  # the stall phase's configurations
+STALL_OFF = "always-on, STALL_AFTER=off"
 
 
 # ============================================================== parent-side helpers
@@ -647,6 +653,31 @@ def always_on_worker(rank: int, world_size: int, workload: str, rounds: int, ste
     return {"times": times, "steps_taken": tracer.recorder.steps_taken}
 
 
+def stall_watch_worker(rank: int, world_size: int, workload: str, rounds: int, steps_per_block: int,
+                       log_path: str) -> dict[str, Any]:
+    """Always-on with the stall watchdog and its store exchange, and with ``STALL_AFTER=off``, interleaved.
+
+    Each armed block starts the watchdog thread, which connects to the job's store and writes its alive
+    key at its first look (1 s in), then looks once a second: the arming a job pays once is paid here
+    in every block. Returns the times and whether the exchange was connected (checked after the rounds).
+    """
+    job = Job(workload)
+    for _ in range(3):
+        job.timed_step()
+    armed = _tracer({"trace_every": 100}, "stall-armed")
+    blocks = {STALL_OFF: _tracer_block(_tracer({"trace_every": 100, "stall_after_s": None}, "stall-off")),
+              STALL_ARMED: _tracer_block(armed)}
+    times = _run_interleaved(job, blocks, rounds, steps_per_block, warmup_blocks=1)
+    armed.start()
+    exchange, deadline = armed._stall_watch.exchange, time.monotonic() + 30
+    while exchange._store is None and exchange.on and time.monotonic() < deadline:
+        time.sleep(0.05)
+    connected = exchange._store is not None
+    armed.stop()
+    _remove_collective_kernels()
+    return {"times": times, "exchange_connected": connected}
+
+
 def _wire_run(world_size: int) -> tuple[Job, dict[str, Any]]:
     """Set-up and 3 steps traced with the default settings into in-memory telemetry, with this
     rank's real resource; what one rank sends, as the OTLP exporters encode it."""
@@ -988,6 +1019,26 @@ def phase_always_on(rx, workload: str, world_size: int, rounds: int, steps_per_b
     print(f"({time.perf_counter() - began:.0f} s)", flush=True)
     report[f"always_on_{workload}"] = {"ranks": world_size, "rounds": rounds,
                                        "steps_per_block": steps_per_block, **stats}
+
+
+def phase_stall_watch(rx, workload: str, world_size: int, rounds: int, steps_per_block: int,
+                      report: dict[str, Any]) -> None:
+    print(f"\n== stall watchdog + verdict exchange armed vs STALL_AFTER=off, always-on, healthy steps: {workload}, "
+          f"{world_size} ranks, {rounds} rounds x {steps_per_block} steps per config (first step of each block "
+          f"discarded)", flush=True)
+    began = time.perf_counter()
+    results = run_ranks(stall_watch_worker, world_size, child_env(rx.grpc_endpoint), workload=workload,
+                        rounds=rounds, steps_per_block=steps_per_block)
+    per_rank = [result["times"] for result in results]
+    stats = pooled_ratio(slowest_rank_steps(per_rank, STALL_ARMED), slowest_rank_steps(per_rank, STALL_OFF))
+    stats["exchange_connected"] = all(result["exchange_connected"] for result in results)
+    print(f"STALL_AFTER=off {stats['base_step_ms']:.2f} ms, armed {stats['step_ms']:.2f} ms per step (medians of "
+          f"{stats['steps']} steps each); every rank's exchange connected: {stats['exchange_connected']}")
+    print(f"ratio of medians {stats['median']:.4f} (95% CI {stats['ci_low']:.4f}..{stats['ci_high']:.4f}); "
+          f"ratio of means {stats['mean_ratio']:.4f}")
+    print(f"({time.perf_counter() - began:.0f} s)", flush=True)
+    report[f"stall_watch_{workload}"] = {"ranks": world_size, "rounds": rounds,
+                                         "steps_per_block": steps_per_block, **stats}
 
 
 def phase_memory_and_rate(rx, steps: int, warmup: int, rate_steps: int, report: dict[str, Any]) -> None:
@@ -1392,7 +1443,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="only cProfile rank 0 of a traced TP job and print our hot spots")
     parser.add_argument("--profile-workload", default="tp", choices=("tp", "demo"),
                         help="the workload --profile runs (default tp)")
-    parser.add_argument("--only", default="overhead,dropin,always,memory,blackhole,depth,import,scale",
+    parser.add_argument("--only", default="overhead,dropin,always,stall,memory,blackhole,depth,import,scale",
                         help="comma list of phases to run (default: all)")
     parser.add_argument("--offline-ranks", type=int, default=OFFLINE_RANKS, metavar="N",
                         help=f"ranks of the offline phase's job, a multiple of {OFFLINE_SOURCE_RANKS} "
@@ -1442,6 +1493,8 @@ def main(argv: list[str] | None = None) -> int:
                 phase_always_on(rx, "tp", 2, rounds=80 if q else 100, steps_per_block=6, report=report)
                 if not q:
                     phase_always_on(rx, "fsdp_tp", 4, rounds=60, steps_per_block=6, report=report)
+            if "stall" in phases:
+                phase_stall_watch(rx, "tp", 2, rounds=8 if q else 20, steps_per_block=20, report=report)
             if "memory" in phases:
                 phase_memory_and_rate(rx, steps=300 if q else 1000, warmup=100,
                                       rate_steps=10 if q else 30, report=report)
@@ -1492,6 +1545,12 @@ def print_targets(report: dict[str, Any]) -> None:
             lines.append((f"[{workload}] always-on (1 in 100) <= {TARGET_ALWAYS_ON:.2f}x",
                           f"{always['median']:.3f}x (95% CI {always['ci_low']:.3f}..{always['ci_high']:.3f}; "
                           f"mean {always['mean_ratio']:.3f}x)", always["median"] <= TARGET_ALWAYS_ON))
+        stall = report.get(f"stall_watch_{workload}")
+        if stall is not None:
+            lines.append((f"[{workload}] stall watchdog armed / off <= {TARGET_STALL_WATCH:.2f}x",
+                          f"{stall['median']:.3f}x (95% CI {stall['ci_low']:.3f}..{stall['ci_high']:.3f}; mean "
+                          f"{stall['mean_ratio']:.3f}x; exchange connected: {stall['exchange_connected']})",
+                          stall["exchange_connected"] and stall["median"] <= TARGET_STALL_WATCH))
     if "rss" in report:
         rss = report["rss"]
         trimmed = ", heap trimmed" if rss.get("heap_trimmed") else ""

@@ -275,31 +275,51 @@ def test_auto_holds_the_time_between_steps_to_its_own_floor_unless_a_collective_
     assert progress.threshold_s("auto") == AUTO_BETWEEN_STEPS_S
 
 
+class _OneProcessRecorder:
+    """What ``StallWatch`` reads of a recorder in a one-process job; each snapshot goes to ``snapshot(...)``
+    (the ``stall_snapshot`` arguments)."""
+
+    thread_id = -1
+
+    def __init__(self, snapshot, progress: Progress | None = None, steps_taken: int = 0):
+        self.progress = progress or Progress()
+        self.steps_taken = steps_taken
+        self._snapshot = snapshot
+
+    def stall_snapshot(self, now, age_s, threshold_s, snapshot, where):
+        self._snapshot(now, age_s, threshold_s, snapshot, where)
+        return True
+
+    def rank(self):
+        from commdebug_otel.core.steps import RankInfo
+
+        return RankInfo(rank=0, world_size=1, local_rank=0, node_rank=0, run_id="none", backend="gloo",
+                        distributed=False)
+
+
 def test_snapshots_back_off_while_one_stall_lasts():
     calls = []
-
-    class FakeRecorder:
-        thread_id = -1
-        progress = Progress()
-
-        def stall_snapshot(self, now, age_s, threshold_s, snapshot, where):
-            calls.append((round(age_s), snapshot))
-            return True
-
-        def rank(self):
-            from commdebug_otel.core.steps import RankInfo
-
-            return RankInfo(rank=0, world_size=1, local_rank=0, node_rank=0, run_id="none", backend="gloo",
-                            distributed=False)
-
-    watch = StallWatch(FakeRecorder(), 2.0, lambda: None, lambda module: None)
-    start = FakeRecorder.progress.since_ns
+    recorder = _OneProcessRecorder(lambda now, age_s, *rest: calls.append((round(age_s), rest[1])))
+    watch = StallWatch(recorder, 2.0, lambda: None, lambda module: None)
+    start = recorder.progress.since_ns
     for second in range(0, 20):
         watch.check(start + second * 10**9)
     assert calls == [(2, 1), (4, 2), (8, 3), (16, 4)]
-    FakeRecorder.progress.step_began(start + 20 * 10**9, 1)
+    recorder.progress.step_began(start + 20 * 10**9, 1)
     watch.check(start + 23 * 10**9)
     assert calls[-1] == (3, 1)  # a new stall starts counting again
+
+
+def test_late_snapshots_keep_to_the_threshold_grid():
+    """A late look (a loaded machine) does not push the later snapshots back: at T, 2T, 4T, 8T... of the stall,
+    as every rank of the stall takes them (twice the age would give 2.4, 4.8, 9.6, 19.2 s here)."""
+    ages = []
+    recorder = _OneProcessRecorder(lambda now, age_s, *rest: ages.append((age_s, rest[1])))
+    watch = StallWatch(recorder, 2.0, lambda: None, lambda module: None)
+    start = recorder.progress.since_ns
+    for age_s in (2.4, 4.0, 4.8, 7.9, 8.0, 9.6, 16.0, 19.2, 40.0, 63.9, 64.0):
+        watch.check(start + round(age_s * 1e9))
+    assert ages == [(2.4, 1), (4.0, 2), (8.0, 3), (16.0, 4), (40.0, 5), (64.0, 6)]  # 32 s was missed: 64 s next
 
 
 @pytest.mark.parametrize("text, expected", [("auto", "auto"), ("off", None), ("2.5", 2.5), ("0", None)])
@@ -462,3 +482,38 @@ def test_auto_reports_a_wait_in_a_collective_between_steps_but_not_a_planned_pau
     assert waiting["fired"] == [True]
     [(between_steps, states)] = waiting["stalled"]
     assert between_steps is True and states[-1] == semconv.STATE_IN_FLIGHT
+
+
+@pytest.mark.parametrize("in_step, steps_taken, where, expected", [
+    (False, 0, ("", "", []), "before step 0, outside any module"),  # before the first optimizer step
+    (False, 3, ("", "", []), "between step 2 and step 3, outside any module"),
+    (True, 3, ("Net.layers.1", "forward", []), "in step 3 at Net.layers.1 forward"),
+])
+def test_the_stall_line_and_diagnose_say_the_same_place(monkeypatch, caplog, in_step, steps_taken, where, expected):
+    """The stderr line of a stall's first snapshot names the place as diagnose does for the same ``stalled`` span
+    (it said "after step 0" for a stall before the first optimizer step, where diagnose says "before step 0")."""
+    from commdebug_otel.core.stall_snapshot import stalled_record
+    from commdebug_otel.offline.diagnose import _stall_where
+    from commdebug_otel.stall import watchdog
+
+    progress = Progress()
+    if in_step:
+        progress.step_began(progress.since_ns, steps_taken)
+    elif steps_taken:  # step 2 ended: step 3 has not begun
+        progress.step_began(progress.since_ns, steps_taken - 1)
+        progress.step_ended(progress.since_ns, training=True)
+    spans = []
+
+    def snapshot(now, age_s, threshold_s, number, where):
+        spans.append(stalled_record(progress, where, None, now, age_s, threshold_s, number, steps_taken, 64))
+
+    monkeypatch.setattr(watchdog, "training_thread_location", lambda thread_id, fqn_of: where)
+    watch = StallWatch(_OneProcessRecorder(snapshot, progress, steps_taken), 2.0, lambda: None, lambda module: None)
+    with caplog.at_level("WARNING", logger=watchdog.__name__):
+        assert watch.check(progress.since_ns + 3 * 10**9)
+    [message] = [record.getMessage() for record in caplog.records]
+    assert message.startswith(f"commdebug-otel: rank 0 made no progress for 3.0 s ({expected}); a stall snapshot ")
+    attrs = spans[0].attrs
+    stall = {"between_steps": attrs.get(semconv.STALL_BETWEEN_STEPS, False), "step": attrs[semconv.STEP],
+             "module": attrs[semconv.STALL_MODULE], "pass": attrs[semconv.STALL_PASS]}
+    assert _stall_where(stall) == expected.removesuffix(", outside any module")

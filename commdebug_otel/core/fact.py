@@ -6,7 +6,9 @@ records are kept) and never changed. Everything that tells of a collective rende
 it here, so the names on the wire (docs/semantic-conventions.md) are written in one
 place: the span event (:func:`event_attributes`), the stall ring's events
 (:func:`ring_event_attributes`), and the metric labels (:func:`metric_labels`,
-:func:`group_labels`). The offline reader parses an event back with :func:`parse`.
+:func:`group_labels`). The offline reader parses an event back with :func:`parse`. Where a
+stalled rank is in the step sequence is said here once too (:func:`stall_step_text`): the
+watchdog's stderr line and ``diagnose`` word it alike.
 
 No torch and no OpenTelemetry here: the offline commands import it, and a compiled
 or C++ fast path would fill the same record.
@@ -203,3 +205,17 @@ WHY_ATTRIBUTES = frozenset({
     semconv.DTENSOR_OP, semconv.DTENSOR_CAUSE, semconv.DTENSOR_INPUT_PLACEMENTS, semconv.DTENSOR_SOURCE_PLACEMENTS,
     semconv.DTENSOR_TARGET_PLACEMENTS, semconv.DEVICE_MESH_SHAPE, semconv.DEVICE_MESH_DIM_NAMES,
 })
+
+
+def stall_step_text(between_steps: bool, step: int | None) -> str:
+    """Where a stalled rank is in the step sequence: ``in step 3``, ``before step 0``, ``between step 2 and
+    step 3``, or ``between steps`` (step not known).
+
+    ``step``: the ``stalled`` span's ``torch.step``: the open step, or between steps the next one (the
+    optimizer steps taken), so a stall before the first optimizer step is ``before step 0``.
+    """
+    if not between_steps:
+        return f"in step {step}"
+    if step is None:
+        return "between steps"
+    return "before step 0" if step == 0 else f"between step {step - 1} and step {step}"

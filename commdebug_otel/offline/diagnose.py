@@ -52,7 +52,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from commdebug_otel import semconv
-from commdebug_otel.core.fact import parse, ranges_text
+from commdebug_otel.core.fact import parse, ranges_text, stall_step_text
 from commdebug_otel.offline import EXIT_DONE, EXIT_UNREADABLE, flight_recorder, summary
 from commdebug_otel.offline.backends import DEADLINE_S, MAX_RESPONSE_BYTES
 from commdebug_otel.offline.model import (
@@ -973,10 +973,8 @@ def _in_flight(collectives: list[dict]) -> str:
 
 def _stall_where(stall: dict) -> str:
     """``in step 3 at M forward``, or ``between step 6 and step 7`` (``before step 0``)."""
-    if stall["between_steps"]:
-        step = stall["step"]
-        return "before step 0" if step == 0 else f"between step {step - 1} and step {step}" if step else "between steps"
-    return f"in step {stall['step']} at {_where(stall['module'], stall['pass'])}"
+    place = stall_step_text(stall["between_steps"], stall["step"])
+    return place if stall["between_steps"] else f"{place} at {_where(stall['module'], stall['pass'])}"
 
 
 def _stall_end(stall: dict) -> str:

@@ -9,7 +9,7 @@ it has the recorder export a snapshot at once (:meth:`Recorder.stall_snapshot`):
 the step's spans so far, open ones ended at the snapshot and marked
 ``commdebug.span.incomplete``, and a ``stalled`` span holding the ring, each
 collective marked in flight or completed; then it flushes traces and metrics.
-It repeats at twice the age each time while the stall lasts. Collectives complete
+It repeats at 2T, 4T, 8T... (T the threshold) while the stall lasts. Collectives complete
 in issue order on a process group, so "in flight" is every collective of a group
 after its last known completed one.
 """
@@ -28,6 +28,7 @@ import torch
 
 from commdebug_otel import semconv
 from commdebug_otel.capture._torch import MODULE_CALL_CODE, default_store_client
+from commdebug_otel.core.fact import stall_step_text
 from commdebug_otel.core.protocols import StallSource
 from commdebug_otel.stall.verdict import StoreExchange, Verdict, progress_record
 
@@ -72,6 +73,20 @@ def training_thread_location(thread_id: int, fqn_of: Callable[[torch.nn.Module],
         frame = frame.f_back
     stack.reverse()
     return module, pass_, stack
+
+
+def next_due_s(age_s: float, threshold_s: float) -> float:
+    """The stall age (seconds) of the next snapshot after one taken at ``age_s``: the first of
+    ``2T, 4T, 8T, ...`` (``T`` = ``threshold_s`` > 0) past ``age_s``.
+
+    On this fixed grid a late poll (a loaded machine) does not push every later snapshot back, and
+    the ranks of one stall take their n-th snapshot together, so the verdict's rounds read records
+    sampled at the same time (twice the age drifted apart: 2.4, 4.8, 9.6, 19.2 s at T = 2 s).
+    """
+    due = threshold_s * 2
+    while due <= age_s:
+        due *= 2
+    return due
 
 
 class StallWatch:
@@ -147,10 +162,14 @@ class StallWatch:
             return
         progress = self._recorder.progress
         in_step = progress.in_step
-        step = progress.step_index if in_step else self._recorder.steps_taken
-        record = progress_record(self._recorder.rank().rank, step, now, age_s, snapshot, in_step, where,
+        record = progress_record(self._recorder.rank().rank, self._step(), now, age_s, snapshot, in_step, where,
                                  progress.seqs(), progress.ring)
         self.exchange.publish(record, progress.since_ns)
+
+    def _step(self) -> int:
+        """The stalled step (the ``stalled`` span's ``torch.step``): the open one, or between steps the next."""
+        progress = self._recorder.progress
+        return progress.step_index if progress.in_step else self._recorder.steps_taken
 
     def check(self, now: int | None = None) -> bool:
         """Export a snapshot if one is due now. True if one was exported."""
@@ -171,14 +190,16 @@ class StallWatch:
         if not self._recorder.stall_snapshot(now, age_s, threshold_s, self._snapshots + 1, where):
             return False
         self._snapshots += 1  # only once exported: a failed snapshot is tried again at the next poll
-        self._due_s = max(age_s, threshold_s) * 2
+        self._due_s = next_due_s(age_s, threshold_s)
         if self._snapshots == 1:
             # Every rank of a hung job says this (the ones waiting too): diagnose tells which one is behind.
-            _logger.warning("commdebug-otel: rank %d made no progress for %.1f s (%s %s, %s); a stall snapshot "
-                            "(span `stalled`) was exported with the metrics, again at twice the age while it "
-                            "lasts; `commdebug-otel diagnose` on the traces names the rank the others wait for",
-                            self._recorder.rank().rank, age_s, "step" if progress.in_step else "after step",
-                            progress.step_index, f"in {where[0]} {where[1]}" if where[0] else "outside any module")
+            # The place as diagnose words it (core/fact.py): "in step 2 at M forward", "before step 0, ...".
+            place = stall_step_text(not progress.in_step, self._step())
+            _logger.warning("commdebug-otel: rank %d made no progress for %.1f s (%s%s); a stall snapshot "
+                            "(span `stalled`) was exported with the metrics, again at 2, 4, 8... times the "
+                            "threshold while it lasts; `commdebug-otel diagnose` on the traces names the rank the "
+                            "others wait for", self._recorder.rank().rank, age_s, place,
+                            f" at {where[0]} {where[1]}".rstrip() if where[0] else ", outside any module")
         self._on_snapshot()
         self._flush()
         return True
