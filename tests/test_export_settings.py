@@ -148,3 +148,24 @@ def test_a_missing_certificate_is_named_at_start(tmp_path):
     stderr = _train(tmp_path, OTEL_EXPORTER_OTLP_ENDPOINT="https://127.0.0.1:9", OTEL_EXPORTER_OTLP_CERTIFICATE=missing,
                     OTEL_EXPORTER_OTLP_TIMEOUT="1", OTEL_PYTHON_COMMDEBUG_SHUTDOWN_TIMEOUT="2")
     assert len(_said(stderr, f"OTEL_EXPORTER_OTLP_CERTIFICATE={missing} is not a file")) == 1
+
+
+def test_a_provider_that_cannot_start_costs_one_warning_and_turns_its_signal_off(monkeypatch, caplog):
+    from opentelemetry import metrics, trace
+
+    from commdebug_otel.config import Settings
+    from commdebug_otel.otel.telemetry import Telemetry
+
+    def cannot_start():
+        raise OSError("no room")
+
+    telemetry = Telemetry(Settings())
+    monkeypatch.setattr(telemetry, "_make_tracer_provider", cannot_start)
+    monkeypatch.setattr(telemetry, "_make_meter_provider", cannot_start)
+    try:
+        assert isinstance(telemetry.tracer(), trace.NoOpTracer) and telemetry.tracer_setup().discards
+        assert isinstance(telemetry.meter(), metrics.NoOpMeter)
+    finally:
+        telemetry.shutdown()
+    assert [record.getMessage() for record in caplog.records] == [
+        "commdebug-otel: spans are off: OSError: no room", "commdebug-otel: metrics are off: OSError: no room"]

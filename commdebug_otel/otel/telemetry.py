@@ -281,14 +281,8 @@ class Telemetry:
         if self._tracer is None:
             with self._lock:
                 if self._tracer is None:
-                    provider = self._tracer_provider
-                    if provider is None:
-                        try:
-                            provider = self._make_tracer_provider()
-                        except Exception as error:  # e.g. OUTPUT_DIR cannot be created
-                            _logger.warning("commdebug-otel: spans are off: %s",
-                                            describe(error, values=False))
-                            provider = otel_trace.NoOpTracerProvider()
+                    provider = _given_or_started(self._tracer_provider, self._make_tracer_provider, "spans",
+                                                 otel_trace.NoOpTracerProvider)
                     ids = attach_id_generator(provider)  # before the tracer: it keeps the generator
                     tracer = otel_trace.get_tracer(SCOPE_NAME, __version__, provider)
                     own = provider is self._own_tracer_provider
@@ -366,14 +360,8 @@ class Telemetry:
         if self._meter is None:
             with self._lock:
                 if self._meter is None:
-                    provider = self._meter_provider
-                    if provider is None:
-                        try:
-                            provider = self._make_meter_provider()
-                        except Exception as error:
-                            _logger.warning("commdebug-otel: metrics are off: %s",
-                                            describe(error, values=False))
-                            provider = otel_metrics.NoOpMeterProvider()
+                    provider = _given_or_started(self._meter_provider, self._make_meter_provider, "metrics",
+                                                 otel_metrics.NoOpMeterProvider)
                     self._meter = otel_metrics.get_meter(SCOPE_NAME, __version__, provider)
             drops, self._early_drops = self._early_drops, {}
             for kind, count in drops.items():
@@ -584,6 +572,18 @@ class _HeldSpans(SpanProcessor):
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return True
+
+
+def _given_or_started(given: Any, make: Callable[[], Any], what: str, off: Callable[[], Any]) -> Any:
+    """The provider the user gave, else ``make()``; one that cannot start (e.g. OUTPUT_DIR cannot be created)
+    costs one warning and is ``off()``, a no-op provider: ``what`` ("spans", "metrics") are off."""
+    if given is not None:
+        return given
+    try:
+        return make()
+    except Exception as error:
+        _logger.warning("commdebug-otel: %s are off: %s", what, describe(error, values=False))
+        return off()
 
 
 def _exporter_arguments(export: ExportEnv, signal: str, transport: str) -> dict[str, Any]:
