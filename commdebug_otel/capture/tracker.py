@@ -206,11 +206,18 @@ class ModuleTracker:
         self._end_hook, self._end_hook_id = _PostHook(self), new_hook_id()
         # Calls in flight, one entry in each list: the module, its record (None: not recorded), whether its
         # inside is compiled, whether an outer call of the same module removes our forward hook at its
-        # end. Parallel lists, not a tuple per call: no object more alive through the call.
+        # end; the hooks' bookkeeping of the call: its positional inputs if they carry the backward-end
+        # hook (keyword inputs may join them), its inputs' autograd edges (_edge), the ids of its outputs
+        # with a backward-begin hook. Parallel lists, not a tuple per call: no object more alive through the call.
         self._calls: list[torch.nn.Module] = []
         self._call_records: list[Record | None] = []
         self._call_compiled: list[bool] = []
         self._call_nested: list[bool] = []
+        self._call_args: list[tuple | None] = []
+        self._call_edges: list[tuple | set | frozenset] = []
+        self._call_hooked: list[set[int] | frozenset] = []
+        self._call_lists = (self._calls, self._call_records, self._call_compiled, self._call_nested,
+                            self._call_args, self._call_edges, self._call_hooked)
         self._wrapped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module.compile()'d
         self._pre_handle = None
         self._early_post_handle = None
@@ -237,10 +244,8 @@ class ModuleTracker:
         self._suspended = False
         for module in self._calls:
             remove_forward_hook(module, self._end_hook_id)
-        self._calls.clear()
-        self._call_records.clear()
-        self._call_compiled.clear()
-        self._call_nested.clear()
+        for entries in self._call_lists:
+            entries.clear()
         for module, wrapper in list(self._wrapped.items()):
             if compiled_call(module) is wrapper:
                 set_compiled_call(module, wrapper.call)
@@ -250,10 +255,8 @@ class ModuleTracker:
         """The training thread's role changed hands (``Recorder.tracks_thread``): the calls in flight are
         the other thread's, whose hooks return at once from now on."""
         self._thread_changes = self._recorder.thread_changes
-        self._calls.clear()
-        self._call_records.clear()
-        self._call_compiled.clear()
-        self._call_nested.clear()
+        for entries in self._call_lists:
+            entries.clear()
 
     def state_sizes(self) -> dict[str, int]:
         """How many entries each piece of per-run state holds, by name (for leak checks)."""
@@ -343,6 +346,9 @@ class ModuleTracker:
         self._call_records.append(record)
         self._call_compiled.append(compiled)
         self._call_nested.append(nested)
+        self._call_args.append(None)
+        self._call_edges.append(_EMPTY)
+        self._call_hooked.append(_EMPTY)
         if record is None:
             # Not while another thread may take the role back: it must see its own calls.
             if len(self._calls) == 1 and recorder.thread_settled:
@@ -350,10 +356,10 @@ class ModuleTracker:
         elif torch.is_grad_enabled() and record.pass_ in _HOOKED_PASSES:
             grads = self._grad_tensors(args)
             if grads:
-                record.input_edges = _edges(grads)
+                self._call_edges[-1] = _edges(grads)
             inputs = _hooked_inputs(grads)
             if inputs:
-                record.call_args = args  # alive through the call anyway: keyword inputs may join them
+                self._call_args[-1] = args  # alive through the call anyway: keyword inputs may join them
                 self._hook_backward_end(record, inputs)
 
     def _run_compiled(self, module: torch.nn.Module, call: Any, args: tuple, kwargs: dict) -> Any:
@@ -411,13 +417,13 @@ class ModuleTracker:
         grads = self._grad_tensors(kwargs)
         if not grads:
             return
-        before = record.input_edges
-        record.input_edges = {*before, *(_edge(t) for t in grads)}
+        before = self._call_edges[-1]
+        self._call_edges[-1] = {*before, *(_edge(t) for t in grads)}
         keywords = _hooked_inputs(grads)
         if not keywords or not torch.is_grad_enabled() or rewrites_keyword_inputs(module):
             return
         hooked = record.input_hooked
-        inputs = _hooked_inputs(self._grad_tensors(record.call_args)) if hooked else []
+        inputs = _hooked_inputs(self._grad_tensors(self._call_args[-1])) if hooked else []
         if any(_edge(t) not in before for t in inputs):
             return
         if hooked:
@@ -457,25 +463,28 @@ class ModuleTracker:
             if self._calls[-1] is module and record is not None:
                 if kwargs and record.pass_ in _HOOKED_PASSES:
                     self._add_keyword_inputs(module, record, kwargs)
-                self._hook_backward_begin(record, output)
+                self._call_hooked[-1] = self._hook_backward_begin(record, output, self._call_edges[-1],
+                                                                  self._call_hooked[-1])
         except Exception as error:
             recorder.hook_failed("module forward hook", error)
 
-    def _hook_backward_begin(self, record: Record, output: Any, first: bool = False) -> None:
-        """Our backward-begin hook on each output; ``first``: before the output's hooks registered so far."""
+    def _hook_backward_begin(self, record: Record, output: Any, inputs: tuple | set | frozenset,
+                             hooked: set[int] | frozenset, first: bool = False) -> set[int] | frozenset:
+        """Our backward-begin hook on each output of ``record``'s call not ``hooked`` yet (ids) nor one of its
+        ``inputs`` (autograd edges); ``first``: before the output's hooks registered so far. Returns the ids
+        hooked, with these."""
         if record.pass_ not in _HOOKED_PASSES or not torch.is_grad_enabled() or not self._recorder.step_open:
-            return  # no step open (its inference step closed with the call): no step would remove the hook
+            return hooked  # no step open (its inference step closed with the call): no step would remove the hook
         # An output that is an input passed through (the same tensor, or the same autograd
         # edge: Identity, Dropout(p=0) or in eval, a gate returning x) gets its gradient
         # only when the inputs' gradients are ready: the module has no backward of its own.
-        inputs = record.input_edges
         outputs = [t for t in self._grad_tensors(output, outputs=True)
-                   if id(t) not in record.hooked_outputs and _edge(t) not in inputs]
+                   if id(t) not in hooked and _edge(t) not in inputs]
         if outputs:
-            if record.hooked_outputs:
-                record.hooked_outputs.update(id(t) for t in outputs)
+            if hooked:
+                hooked.update(id(t) for t in outputs)
             else:
-                record.hooked_outputs = {id(t) for t in outputs}
+                hooked = {id(t) for t in outputs}
             # A plain hook per output tensor: the first to fire begins the backward and the
             # recorder ignores the rest of the same graph task (register_multi_grad_hook's
             # "any" mode, without its per-call wrapper and lock). The record itself is the
@@ -486,6 +495,7 @@ class ModuleTracker:
                 self._recorder.keep_hook(handle)
                 if first:
                     run_tensor_hook_first(tensor, handle)
+        return hooked
 
     def _post_hook(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         if not _compiled():
@@ -507,10 +517,10 @@ class ModuleTracker:
             while True:
                 entry_module, record = calls.pop(), records.pop()
                 compiled.pop()
+                self._call_args.pop()  # the inputs are not kept past the call
+                edges, hooked = self._call_edges.pop(), self._call_hooked.pop()
                 if not nested.pop():
                     remove_forward_hook(entry_module, self._end_hook_id)
-                if record is not None:
-                    record.call_args = None  # the inputs are not kept past the call
                 if entry_module is module or not calls:
                     break  # else: a call whose hook never came back
             if entry_module is not module:
@@ -524,9 +534,8 @@ class ModuleTracker:
                 # compiled, they ran inside the compiled call: ours go before theirs (FSDP2's
                 # pre-backward all-gather belongs to this backward). A tensor hooked before them and
                 # returned as such: nothing more to hook (one they changed in place may need its hook).
-                if in_place_compiled or not (type(output) is torch.Tensor and id(output) in record.hooked_outputs):
-                    self._hook_backward_begin(record, output, first=in_place_compiled)
-                record.hooked_outputs = record.input_edges = _EMPTY
+                if in_place_compiled or not (type(output) is torch.Tensor and id(output) in hooked):
+                    self._hook_backward_begin(record, output, edges, hooked, first=in_place_compiled)
         except Exception as error:
             recorder.hook_failed("module forward hook", error)
 

@@ -51,7 +51,7 @@ class RecordPool:
         try:
             for record in step.records:  # nothing outlives the step through these links
                 record.parent = record.fwd = record.open_bw = record.handling = record.last_bw = None
-                record.prev_bw = record.call_args = None  # call_args: a call whose forward hook never came
+                record.prev_bw = None
                 record.events = ()
                 if reuse:  # nothing of the step kept alive by a spare record (an error's traceback, its frames)
                     record.error = None  # (its children list is emptied when it is reused: Record.reset)

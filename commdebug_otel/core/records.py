@@ -31,8 +31,6 @@ class SpanKind(enum.Enum):
     INFERENCE = "inference"  # a step without ``train_step``: each top-level forward is a root
 
 
-_NONE: frozenset = frozenset()
-
 
 class Record:
     """A span-to-be. Times are ``time.time_ns()`` nanoseconds (``end_ns`` 0: still open)."""
@@ -40,7 +38,6 @@ class Record:
     __slots__ = (
         "attrs",
         "backward_hook",
-        "call_args",
         "call_index",
         "compiled",
         "depth",
@@ -54,8 +51,6 @@ class Record:
         "graph_task",
         "handling",
         "hidden",
-        "hooked_outputs",
-        "input_edges",
         "input_hooked",
         "kids",
         "kind",
@@ -77,6 +72,8 @@ class Record:
     def __init__(self, kind: SpanKind, name: str, start_ns: int) -> None:
         # What a record keeps when it is reused for another call (Recorder._module_record): its
         # attribute dict, its children's list (span_tree) and its backward-end hook (capture/tracker.py).
+        # The tracker's other bookkeeping of a call is its own (per-call lists); this hook and
+        # backward_hook stay here: elsewhere each is an object more per call alive through the step.
         self.attrs: dict[str, Any] = {}
         self.kids: list[Record] | None = None
         self.end_hook: Any = None
@@ -116,9 +113,6 @@ class Record:
         self.input_hooked = False
         self.hidden = False
         self.compiled = False  # the module's own code ran compiled (torch.compile): no records inside
-        self.hooked_outputs: set[int] | frozenset = _NONE  # ids of outputs with a backward hook
-        self.input_edges: tuple | set | frozenset = _NONE  # the call's inputs' autograd edges (tracker._edge)
-        self.call_args: tuple | None = None  # while the call runs, if its inputs carry the backward-end hook
         self.span_id = 0  # assigned up front when a metric exemplar points at this span
         self.backward_hook: Any = None  # called with the record when it is called (below)
 
