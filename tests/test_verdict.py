@@ -503,7 +503,7 @@ def test_a_store_that_fails_costs_one_message_and_the_snapshots_go_on(caplog, fa
         watch.check(start + second * 10**9)
         exchange.heartbeat()
         exchange.poll()
-    assert recorder.snapshots == [1, 2]  # at 10 s and 20 s, as without the exchange
+    assert recorder.snapshots == [1, 2, 3]  # at 10 s, 16 s and 32 s (2T, 4T... of the stall), as without the exchange
     said = [r.getMessage() for r in caplog.records if "cross-rank stall verdict is off" in r.getMessage()]
     assert len(said) == 1 and len(connects) == 1 and not exchange.on
 
