@@ -658,24 +658,36 @@ def stall_watch_worker(rank: int, world_size: int, workload: str, rounds: int, s
     """Always-on with the stall watchdog and its store exchange, and with ``STALL_AFTER=off``, interleaved.
 
     Each armed block starts the watchdog thread, which connects to the job's store and writes its alive
-    key at its first look (1 s in), then looks once a second: the arming a job pays once is paid here
-    in every block. Returns the times and whether the exchange was connected (checked after the rounds).
+    key at its first look (1 s in): a job pays that once, so each armed block waits for it before its
+    timed steps, and what is timed is the watchdog's steady state (a look a second). Returns the times
+    and whether every armed block's exchange connected.
     """
     job = Job(workload)
     for _ in range(3):
         job.timed_step()
     armed = _tracer({"trace_every": 100}, "stall-armed")
+    armed_block = _tracer_block(armed)
+    start, connected = armed_block.enter, []
+
+    def enter_connected() -> Any:
+        started = start()
+        connected.append(_exchange_connected(armed))
+        return started
+
+    armed_block.enter = enter_connected
     blocks = {STALL_OFF: _tracer_block(_tracer({"trace_every": 100, "stall_after_s": None}, "stall-off")),
-              STALL_ARMED: _tracer_block(armed)}
+              STALL_ARMED: armed_block}
     times = _run_interleaved(job, blocks, rounds, steps_per_block, warmup_blocks=1)
-    armed.start()
-    exchange, deadline = armed._stall_watch.exchange, time.monotonic() + 30
+    _remove_collective_kernels()
+    return {"times": times, "exchange_connected": all(connected)}
+
+
+def _exchange_connected(tracer, timeout_s: float = 30.0) -> bool:
+    """Wait until ``tracer``'s stall watchdog has connected its store exchange (its first look, ~1 s)."""
+    exchange, deadline = tracer._stall_watch.exchange, time.monotonic() + timeout_s
     while exchange._store is None and exchange.on and time.monotonic() < deadline:
         time.sleep(0.05)
-    connected = exchange._store is not None
-    armed.stop()
-    _remove_collective_kernels()
-    return {"times": times, "exchange_connected": connected}
+    return exchange._store is not None
 
 
 def _wire_run(world_size: int) -> tuple[Job, dict[str, Any]]:
@@ -1000,43 +1012,49 @@ def phase_dropin(rx, workload: str, world_size: int, rounds: int, steps_per_bloc
                                     "configs": rows, "ours_vs_torch": ours_vs_torch}
 
 
-def phase_always_on(rx, workload: str, world_size: int, rounds: int, steps_per_block: int,
-                    report: dict[str, Any]) -> None:
-    print(f"\n== always-on (trace 1 step in 100) vs uninstrumented: {workload}, {world_size} ranks, "
-          f"{rounds} rounds x {steps_per_block} steps per config (first step of each block "
-          f"discarded)", flush=True)
-    began = time.perf_counter()
-    results = run_ranks(always_on_worker, world_size, child_env(rx.grpc_endpoint), workload=workload,
+def _paired_phase(title: str, worker: Callable[..., dict[str, Any]], rx, workload: str, world_size: int,
+                  rounds: int, steps_per_block: int, configs: tuple[str, str]) -> tuple[list[dict], dict[str, Any]]:
+    """Run ``worker`` on every rank and pool the ratio of ``configs[0]``'s steps to ``configs[1]``'s (the
+    slowest rank's per step). Returns the workers' results and the stats."""
+    print(f"\n== {title}: {workload}, {world_size} ranks, {rounds} rounds x {steps_per_block} steps per config "
+          f"(first step of each block discarded)", flush=True)
+    results = run_ranks(worker, world_size, child_env(rx.grpc_endpoint), workload=workload,
                         rounds=rounds, steps_per_block=steps_per_block)
     per_rank = [result["times"] for result in results]
-    stats = pooled_ratio(slowest_rank_steps(per_rank, CONFIGS[3]), slowest_rank_steps(per_rank, BASELINE))
+    return results, pooled_ratio(slowest_rank_steps(per_rank, configs[0]), slowest_rank_steps(per_rank, configs[1]))
+
+
+def _print_paired(stats: dict[str, Any], names: tuple[str, str], after_steps: str, after_means: str,
+                  began: float) -> None:
+    print(f"{names[0]} {stats['base_step_ms']:.2f} ms, {names[1]} {stats['step_ms']:.2f} ms per step "
+          f"(medians of {stats['steps']} steps each){after_steps}")
+    print(f"ratio of medians {stats['median']:.4f} (95% CI {stats['ci_low']:.4f}..{stats['ci_high']:.4f}); "
+          f"ratio of means {stats['mean_ratio']:.4f}{after_means}")
+    print(f"({time.perf_counter() - began:.0f} s)", flush=True)
+
+
+def phase_always_on(rx, workload: str, world_size: int, rounds: int, steps_per_block: int,
+                    report: dict[str, Any]) -> None:
+    began = time.perf_counter()
+    results, stats = _paired_phase("always-on (trace 1 step in 100) vs uninstrumented", always_on_worker, rx,
+                                   workload, world_size, rounds, steps_per_block, (CONFIGS[3], BASELINE))
     traced = sorted(set(rx.get("always-on-long")["steps"]))
     stats.update(steps_counted=results[0]["steps_taken"], traced_steps=traced)
-    print(f"uninstrumented {stats['base_step_ms']:.2f} ms, always-on {stats['step_ms']:.2f} ms per step "
-          f"(medians of {stats['steps']} steps each)")
-    print(f"ratio of medians {stats['median']:.4f} (95% CI {stats['ci_low']:.4f}..{stats['ci_high']:.4f}); "
-          f"ratio of means {stats['mean_ratio']:.4f} (includes the traced steps {traced} at full cost)")
-    print(f"({time.perf_counter() - began:.0f} s)", flush=True)
+    _print_paired(stats, ("uninstrumented", "always-on"), "", f" (includes the traced steps {traced} at full cost)",
+                  began)
     report[f"always_on_{workload}"] = {"ranks": world_size, "rounds": rounds,
                                        "steps_per_block": steps_per_block, **stats}
 
 
 def phase_stall_watch(rx, workload: str, world_size: int, rounds: int, steps_per_block: int,
                       report: dict[str, Any]) -> None:
-    print(f"\n== stall watchdog + verdict exchange armed vs STALL_AFTER=off, always-on, healthy steps: {workload}, "
-          f"{world_size} ranks, {rounds} rounds x {steps_per_block} steps per config (first step of each block "
-          f"discarded)", flush=True)
     began = time.perf_counter()
-    results = run_ranks(stall_watch_worker, world_size, child_env(rx.grpc_endpoint), workload=workload,
-                        rounds=rounds, steps_per_block=steps_per_block)
-    per_rank = [result["times"] for result in results]
-    stats = pooled_ratio(slowest_rank_steps(per_rank, STALL_ARMED), slowest_rank_steps(per_rank, STALL_OFF))
+    results, stats = _paired_phase("stall watchdog + verdict exchange armed vs STALL_AFTER=off, always-on, healthy "
+                                   "steps", stall_watch_worker, rx, workload, world_size, rounds, steps_per_block,
+                                   (STALL_ARMED, STALL_OFF))
     stats["exchange_connected"] = all(result["exchange_connected"] for result in results)
-    print(f"STALL_AFTER=off {stats['base_step_ms']:.2f} ms, armed {stats['step_ms']:.2f} ms per step (medians of "
-          f"{stats['steps']} steps each); every rank's exchange connected: {stats['exchange_connected']}")
-    print(f"ratio of medians {stats['median']:.4f} (95% CI {stats['ci_low']:.4f}..{stats['ci_high']:.4f}); "
-          f"ratio of means {stats['mean_ratio']:.4f}")
-    print(f"({time.perf_counter() - began:.0f} s)", flush=True)
+    _print_paired(stats, ("STALL_AFTER=off", "armed"),
+                  f"; every rank's exchange connected: {stats['exchange_connected']}", "", began)
     report[f"stall_watch_{workload}"] = {"ranks": world_size, "rounds": rounds,
                                          "steps_per_block": steps_per_block, **stats}
 
