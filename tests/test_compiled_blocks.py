@@ -122,7 +122,7 @@ def test_a_block_compiled_in_place_inside_a_compiled_model_is_traced_through(tel
         train(torch.compile(net, backend="eager", fullgraph=True))
         assert tracer.state_sizes()["compiled calls wrapped"] == 1
     assert telemetry.tree() == [(0, "train_step"), (1, "Net forward"), (1, "Net backward")] * 2
-    assert_compiled_spans(telemetry, "Net", "test_compiled_blocks.Net")
+    assert_compiled_spans(telemetry, "Net", "models.Net")
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 def test_under_a_dispatch_mode_the_block_runs_eagerly_and_is_still_one_span(telemetry, tracer_factory):
