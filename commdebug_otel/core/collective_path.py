@@ -152,10 +152,10 @@ class CollectivePath:
                              pass_, why)
         host.progress.remember(fact, out)
         if not fact.fake:
-            context = None
+            span_ref = None
             if step is not None and step.trace_id and owner is not None:
-                context = self.exemplar_context(owner, step)
-            self.counter.count(fact, spec, out, start_ns, context)
+                span_ref = self.exemplar_span(owner, step)
+            self.counter.count(fact, spec, out, start_ns, span_ref)
         for observer in self._observers:
             observer.on_collective(spec, owner, pass_)
         if not traced:
@@ -196,7 +196,7 @@ class CollectivePath:
             if found is not None:
                 _set_peer(*found, self._failures.hook_failed)
 
-    def exemplar_context(self, owner: Record, step: Step) -> tuple[int, int]:
+    def exemplar_span(self, owner: Record, step: Step) -> tuple[int, int]:
         """``(trace id, span id)`` of ``owner``'s future span, so metric points get exemplars (the metrics
         worker makes the OTel context of it: the core builds none)."""
         if not owner.span_id:

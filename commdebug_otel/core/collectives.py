@@ -116,15 +116,16 @@ class CollectiveCounter:
         self.timed = True
 
     def count(self, fact: CollectiveFact, spec: CollectiveSpec, out: Any, start_ns: int,
-              context: Any = None) -> None:
+              span_ref: tuple[int, int] | None = None) -> None:
         """The metric points of ``fact``; ``out`` (what the op returned) and ``start_ns`` (its
-        ``time.perf_counter_ns()`` at issue) time a c10d one to completion; ``context`` gives exemplars."""
+        ``time.perf_counter_ns()`` at issue) time a c10d one to completion; ``span_ref`` (the owning span's
+        ``(trace id, span id)``) gives exemplars."""
         if self._metrics is None or fact.fake:
             return
         rank = self._rank().rank
         timed = self.timed
         self._metrics.collective(fact.op, fact.pass_, fact.group, rank, fact.nbytes,
-                                 fact.duration_ns / 1e9 if timed else None, fact.fqn, context=context)
+                                 fact.duration_ns / 1e9 if timed else None, fact.fqn, span_ref=span_ref)
         if timed and not spec.functional and out is not None:
             self._time_completion(out, fact, rank, start_ns)
 

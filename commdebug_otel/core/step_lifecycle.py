@@ -299,7 +299,7 @@ class StepLifecycle:
             step.kind = SpanKind.INFERENCE  # no train_step span: each top-level forward is a root
         else:
             self._tail_of = self.exports.tail_facts(step)
-        step_signals(step, now, self.progress, self._metrics, self._path.exemplar_context, self._failures.hook_failed)
+        step_signals(step, now, self.progress, self._metrics, self._path.exemplar_span, self._failures.hook_failed)
         self._close(step, now)
         self.want_why(step.traced)  # between steps as the step before (_outside_step)
         # Between steps, always: their few collectives (logging every k steps, checkpoints) would

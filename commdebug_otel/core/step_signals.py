@@ -13,7 +13,7 @@ from commdebug_otel.core.records import Record, SpanKind, Step
 
 
 def step_signals(step: Step, now: int, progress: Progress, metrics: Any | None,
-                 exemplar_context: Callable[[Record, Step], Any],
+                 exemplar_span: Callable[[Record, Step], tuple[int, int]],
                  hook_failed: Callable[[str, BaseException], None]) -> None:
     """Every step: its duration and collective wait (metrics, ``metrics.step``); traced steps: the same on
     ``train_step``, with its fingerprint. ``now``: ``time.time_ns()`` at its close."""
@@ -25,8 +25,8 @@ def step_signals(step: Step, now: int, progress: Progress, metrics: Any | None,
     if metrics is not None:
         try:
             # Traced: the points' exemplars name this step's train_step span.
-            context = exemplar_context(step.root, step) if step.traced and step.trace_id else None
-            metrics.step(duration_s, wait_s, context)
+            span_ref = exemplar_span(step.root, step) if step.traced and step.trace_id else None
+            metrics.step(duration_s, wait_s, span_ref)
         except Exception as error:
             hook_failed("metrics", error)
     attrs = step.root.attrs

@@ -241,12 +241,12 @@ class CollectiveMetrics:
         # Last: its thread may take pending points as soon as it runs.
         self._worker = MetricsWorker(self._record_pending)
 
-    def step(self, duration_s: float, wait_s: float, rank: int, context: tuple[int, int] | None = None) -> None:
+    def step(self, duration_s: float, wait_s: float, rank: int, span_ref: tuple[int, int] | None = None) -> None:
         """One step ended: ``duration_s`` long, ``wait_s`` of it waiting for collectives (recorded at the flush).
 
-        ``context``: the traced step's ``(trace id, span id)``, for exemplars; None on untraced steps.
+        ``span_ref``: the traced step's ``(trace id, span id)``, for exemplars; None on untraced steps.
         """
-        self._steps.append((duration_s, wait_s, self._rank_labels(rank), context))
+        self._steps.append((duration_s, wait_s, self._rank_labels(rank), span_ref))
 
     def _rank_labels(self, rank: int) -> dict[str, Any]:
         """The rank label of every instrument, or none (``rank_label`` off)."""
@@ -273,11 +273,11 @@ class CollectiveMetrics:
         return ".".join(fqn.split(".")[: self._module_depth + 1])
 
     def collective(self, op: str, pass_: str, group: GroupFacts, rank: int, nbytes: int,
-                   duration_s: float | None, fqn: str = "", context: tuple[int, int] | None = None) -> None:
+                   duration_s: float | None, fqn: str = "", span_ref: tuple[int, int] | None = None) -> None:
         """Count one collective of ``nbytes`` payload bytes that took ``duration_s`` seconds to issue
         (None on a step that is not timed: counted, without a ``torch.collective.duration`` point).
 
-        ``context`` (the owning span's ``(trace id, span id)``; the worker makes its OTel context) makes the
+        ``span_ref`` (the owning span's ``(trace id, span id)``; the worker makes its OTel context) makes the
         SDK attach exemplars that link these points to the traced step's span, where offering
         one leaves the global ``random`` alone (``_sdk.exemplar_draws``). Beyond
         ``MAX_PENDING_POINTS`` waiting for the worker, the point is dropped and counted.
@@ -286,7 +286,7 @@ class CollectiveMetrics:
         if len(points) >= MAX_PENDING_POINTS:
             self._on_dropped(semconv.DROPPED_KIND_METRIC, 1)
             return
-        points.append((op, pass_, group, rank, nbytes, duration_s, fqn, context))
+        points.append((op, pass_, group, rank, nbytes, duration_s, fqn, span_ref))
         self._unflushed += 1
         if self._unflushed >= FLUSH_EVERY_COLLECTIVES:
             self.flush()
@@ -447,12 +447,12 @@ class LazyCollectiveMetrics:
         else:
             metrics.completion(*args)
 
-    def step(self, duration_s: float, wait_s: float, context: Any = None) -> None:
+    def step(self, duration_s: float, wait_s: float, span_ref: tuple[int, int] | None = None) -> None:
         metrics = self._get()
         if metrics is None:
-            self._hold("step", (duration_s, wait_s, self._rank().rank, context))
+            self._hold("step", (duration_s, wait_s, self._rank().rank, span_ref))
         else:
-            metrics.step(duration_s, wait_s, self._rank().rank, context)
+            metrics.step(duration_s, wait_s, self._rank().rank, span_ref)
 
     def flush(self) -> None:
         if self._metrics is not None:
