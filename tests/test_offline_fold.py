@@ -8,7 +8,7 @@ import pytest
 
 from commdebug_otel import semconv
 from commdebug_otel.cli import main
-from commdebug_otel.offline import model, otlp_json, summary
+from commdebug_otel.offline import diagnose, model, otlp_json, summary
 
 from otlp_files import span, write_otlp
 
@@ -112,7 +112,7 @@ def test_spans_read_twice_are_counted_once_when_folded(job, capsys, monkeypatch)
     shutil.copy(job / "traces-rank2.jsonl", job / "traces-copy.jsonl")
     reader = otlp_json.SpanReader([job], fold=summary._Needs(0))
     list(reader)
-    assert reader.unfoldable and reader.duplicates == _STEPS * 5
+    assert reader.unfoldable  # found by the spans' prints; reading again whole counts them
     folded = _summarize(capsys, job)
     assert folded == _unfolded(capsys, monkeypatch, job)
     assert f"{_STEPS * 5} spans read more than once" in folded.err
@@ -127,3 +127,58 @@ def test_a_parent_loop_in_a_file_is_not_folded(tmp_path):
     reader = otlp_json.SpanReader([tmp_path], fold=summary._Needs(0))
     kept = list(reader)
     assert len(kept) == len(spans) and {span["folded"] for span in kept} == {0}
+
+
+def _diagnose(capsys, *argv):
+    assert main(["diagnose", *map(str, argv)]) == 0
+    return capsys.readouterr()
+
+
+def _diagnose_unfolded(capsys, monkeypatch, *argv):
+    """What diagnose prints when it reads every span (no fold, each rank's timeline built from them)."""
+    with monkeypatch.context() as patch:
+        patch.setattr(diagnose, "Reads", lambda: None)
+        return _diagnose(capsys, *argv)
+
+
+@pytest.mark.parametrize("argv", [(), ("--format", "json"), ("--include-warmup", "--noise-floor-ms", 0.5)])
+def test_diagnose_reads_folded_files_the_same(job, capsys, monkeypatch, argv):
+    """diagnose folds every module span without a collective; the straggler's module still comes from each
+    rank's timeline, built where the file was read: here rank 2's leaf, which holds no collective, runs 5 ms
+    longer in every step."""
+    spans = _rank_spans(2)
+    for one in spans:
+        if one["name"] == "model.a.leaf forward":
+            one["end_ns"] += 5_000_000
+    write_otlp(spans, job / "traces-rank2.jsonl")
+    folded = _diagnose(capsys, job, *argv)
+    assert folded == _diagnose_unfolded(capsys, monkeypatch, job, *argv)
+    if not argv:
+        assert ("Most time lost: rank 2 in model.a.leaf forward, 0.010 s over 2 collective(s) in 2 step(s)."
+                in folded.out)
+
+
+def test_diagnose_reads_the_spans_folded_and_each_ranks_timeline(job):
+    reader = otlp_json.SpanReader([job], workers=2, fold=diagnose.Reads())
+    spans = list(reader)
+    assert not reader.unfoldable and sorted(reader.digests) == list(range(_RANKS))
+    # train_step and model.b (its collective) kept; model, model.a and its leaf folded into the train_step
+    assert sorted({span["name"] for span in spans}) == ["model.b forward", semconv.SPAN_TRAIN_STEP]
+    timeline = reader.digests[2]
+    assert dict(timeline.self_times(10**9, 10**9 + 3 * 10**8)) == {
+        ("model", "forward"): 10**8 + 1, ("model.a", "forward"): 9 * 10**7 + 1,
+        ("model.a.leaf", "forward"): 10**7 - 3, ("model.b", "forward"): 10**8, ("(train_step)", ""): 1}
+
+
+def test_a_rank_in_two_files_is_read_whole_by_diagnose(job, capsys, monkeypatch):
+    """Rank 1's steps in two files (no parent across them): one file's timeline would cut its windows
+    short at the files' seam, so diagnose reads the files again whole."""
+    spans = _rank_spans(1)
+    (job / "traces-rank1.jsonl").unlink()
+    write_otlp(spans[:5], job / "traces-rank1-step0.jsonl")
+    write_otlp(spans[5:], job / "traces-rank1-later.jsonl")
+    reader = otlp_json.SpanReader([job], fold=diagnose.Reads())
+    list(reader)
+    assert reader.unfoldable
+    assert _diagnose(capsys, job, "--format", "json") == _diagnose_unfolded(capsys, monkeypatch, job, "--format",
+                                                                             "json")

@@ -48,8 +48,8 @@ import statistics
 import sys
 from array import array
 from collections import defaultdict
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
 
 from commdebug_otel import semconv
 from commdebug_otel.core.fact import parse, ranges_text, stall_step_text
@@ -70,8 +70,9 @@ from commdebug_otel.offline.model import (
     warmup_step,
 )
 
-__all__ = ["BETWEEN_STEPS", "NOISE_FLOOR_S", "TRAIN_STEP", "UNATTRIBUTED", "add_arguments", "desyncs", "diagnose",
-           "errors", "format_text", "missing_ranks", "run", "stalls", "stragglers", "unfinished_steps", "watchdog"]
+__all__ = ["BETWEEN_STEPS", "NOISE_FLOOR_S", "TRAIN_STEP", "UNATTRIBUTED", "Reads", "add_arguments", "desyncs",
+           "diagnose", "errors", "format_text", "missing_ranks", "run", "stalls", "stragglers", "timelines",
+           "unfinished_steps", "watchdog"]
 
 #: Frames of a stuck rank's stack in the text report (the innermost; JSON has them all).
 STACK_LINES = 8
@@ -86,6 +87,23 @@ BETWEEN_STEPS = "(between steps)"
 UNATTRIBUTED = "(unattributed)"
 _NO_OP = {"op": "none", "dtype": "", "shape": [], "reduce_op": "", "module": "", "pass": "", "seq": -1}
 
+
+class _Issued(NamedTuple):
+    """One collective a rank issued, as desyncs compare it (a tuple: a 1,024-rank job has half a million)."""
+
+    op: str
+    dtype: str
+    shape: Sequence[int]
+    reduce_op: str
+    module: str
+    pass_: str
+    seq: int
+
+    def plain(self) -> dict[str, Any]:
+        """As the reports give it: ``{"op", "dtype", "shape" (a list), "reduce_op", "module", "pass", "seq"}``."""
+        return {"op": self.op, "dtype": self.dtype, "shape": list(self.shape), "reduce_op": self.reduce_op,
+                "module": self.module, "pass": self.pass_, "seq": self.seq}
+
 Label = tuple[str, str]  # (module FQN or a parenthesised place, pass)
 
 
@@ -93,9 +111,12 @@ def _finished(spans: list[dict]) -> list[dict]:
     """The finished spans (no stall snapshot), a ``train_step_tail`` read as a root between steps, as the
     ``outside_step`` segments it replaced were: it runs after its ``train_step`` ended (a child clipped to its
     parent would vanish from the timeline), and the straggler windows count collectives of steps only."""
-    return once("finished", spans, lambda: [
-        {**span, "parent_span_id": ""} if span["name"] == semconv.SPAN_TRAIN_STEP_TAIL else span
-        for span in spans if not is_snapshot(span)])
+    return once("finished", spans, lambda: _finished_in(spans))
+
+
+def _finished_in(spans: list[dict]) -> list[dict]:
+    return [{**span, "parent_span_id": ""} if span["name"] == semconv.SPAN_TRAIN_STEP_TAIL else span
+            for span in spans if not is_snapshot(span)]
 
 
 def _label(span: dict) -> Label:
@@ -252,8 +273,36 @@ def _blame(late: dict[Label, int], others: list[dict[Label, int]]) -> tuple[Labe
     return label, round(excess[label]), extra
 
 
-def stragglers(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S,
-               include_warmup: bool = False) -> list[dict[str, Any]]:
+def timelines(spans: list[dict]) -> dict[int, _Timeline]:
+    """Each rank's module timeline (what :func:`stragglers` cuts its windows from), from ``spans`` holding
+    every span of each of their ranks."""
+    by_rank: dict[int, list[dict]] = defaultdict(list)
+    for span in _finished_in(spans):
+        by_rank[span["rank"]].append(span)
+    return {rank: _Timeline(mine) for rank, mine in by_rank.items()}
+
+
+class Reads:
+    """What ``diagnose`` reads of the files, as :class:`.otlp_json.SpanReader`'s ``fold``: the ``train_step``
+    spans, stall snapshots, spans that raised, were left open at exit or dropped events, and spans with
+    collective events; the module spans between are folded, each rank's :class:`_Timeline` built from them
+    first where the file is read (:meth:`digest`). Picklable: the reader's worker processes call it."""
+
+    def __call__(self, span: dict) -> bool:
+        attributes = span["attributes"]
+        return (span["name"] == semconv.SPAN_TRAIN_STEP or is_snapshot(span)
+                or span.get("status_code") == _STATUS_ERROR or attributes.get(semconv.SPAN_UNMATCHED) is True
+                or semconv.SPAN_DROPPED_EVENTS in attributes or bool(span.get("dropped_events_count"))
+                or any(event["name"] == "exception" or semconv.COLLECTIVE_OP in event["attributes"]
+                       for event in span["events"]))
+
+    def digest(self, spans: list[dict]) -> dict[int, _Timeline]:
+        """Each rank's timeline from one file's spans (:func:`timelines`)."""
+        return timelines(spans)
+
+
+def stragglers(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_warmup: bool = False,
+               rank_timelines: dict[int, _Timeline] | None = None) -> list[dict[str, Any]]:
     """Blame the rank that arrived last at each collective, weighted by the time it held the others.
 
     Each collective event of a traced step (stall snapshots aside) is matched across ranks
@@ -278,7 +327,8 @@ def stragglers(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S,
     anywhere, or less than ``noise_floor_s`` more in the place named, :data:`UNATTRIBUTED` (excess 0).
 
     The first traced step (:func:`.model.warmup_step`: start-up skew and warm-up) is left out
-    unless ``include_warmup``.
+    unless ``include_warmup``. ``rank_timelines``: the ranks' timelines (:func:`timelines`) when ``spans``
+    lack the module spans (read with :class:`Reads`); None: built from ``spans``.
 
     Returns:
         one row per blamed (rank, module, pass), largest ``lost_s`` first:
@@ -292,15 +342,16 @@ def stragglers(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S,
     matches = collective_matches(finished, lambda event: steps.step(event["span"]) not in (None, warmup))
     arrivals = _Arrivals(finished, steps)
     by_rank: dict[int, list[dict]] = defaultdict(list)
-    for span in finished:
-        by_rank[span["rank"]].append(span)
-    timelines: dict[int, _Timeline] = {}
+    if rank_timelines is None:
+        for span in finished:
+            by_rank[span["rank"]].append(span)
+    built: dict[int, _Timeline] = dict(rank_timelines or {})
 
     def self_times(rank: int, event: dict, step: int) -> dict[Label, int]:
-        if rank not in timelines:
-            timelines[rank] = _Timeline(by_rank[rank])
+        if rank not in built:
+            built[rank] = _Timeline(by_rank[rank])
         arrival = issued_ns(event)
-        return timelines[rank].self_times(arrivals.window_start(rank, arrival, step), arrival)
+        return built[rank].self_times(arrivals.window_start(rank, arrival, step), arrival)
 
     complete = [events for events in matches.values()
                 if len(events) >= 2 and len(events) == group_size(next(iter(events.values())))]
@@ -718,7 +769,7 @@ def _unfinished_in(spans: list[dict]) -> list[dict[str, Any]]:
             for seq in sorted(set().union(*seqs.values())):
                 issued_by = sorted(rank for rank, found in seqs.items() if seq in found)
                 if len(issued_by) < len(seqs):
-                    not_issued.append({"group": group, "seq": seq, "op": seqs[issued_by[0]][seq]["op"],
+                    not_issued.append({"group": group, "seq": seq, "op": seqs[issued_by[0]][seq].op,
                                        "issued_by": issued_by,
                                        "not_by": sorted(rank for rank in seqs if rank not in issued_by)})
                     break
@@ -742,7 +793,7 @@ def _traced_steps(spans: list[dict]) -> list[int]:
         step = own_step(span)
         if step is None or step in crashed:
             continue
-        if semconv.STEP_STALLED in span["attributes"] and not span["events"] \
+        if semconv.STEP_STALLED in span["attributes"] and not span["events"] and not span.get("folded") \
                 and (span["trace_id"], span["span_id"]) not in parents:
             continue
         traced.add(step)
@@ -753,7 +804,7 @@ def _traced_steps(spans: list[dict]) -> list[int]:
 
 
 def _issued_collectives(spans: list[dict], raised: dict[tuple[int, int | None], int] | None = None
-                        ) -> tuple[dict[tuple[int, int], dict[str, dict[int, dict]]], set[tuple[int, int]]]:
+                        ) -> tuple[dict[tuple[int, int], dict[str, dict[int, _Issued]]], set[tuple[int, int]]]:
     """What each rank issued in each step, and which of those records are whole.
 
     ``raised``: ``{(rank, step): ns}`` when the rank's step raised; its record of that step stops
@@ -766,8 +817,9 @@ def _issued_collectives(spans: list[dict], raised: dict[tuple[int, int | None], 
         whole when the step finished (not ended at exit: :func:`_closed_at_exit`) and none of its
         spans dropped events. Each (rank, group,
         seq) is taken once, a finished step's event first; seqs are counted without
-        point-to-point ops, as :func:`.model.collective_matches` counts them. Each collective:
-        ``{"op", "dtype", "shape", "module", "pass", "seq" (the rank's own torch.collective.seq)}``.
+        point-to-point ops, as :func:`.model.collective_matches` counts them. Each collective: an
+        :class:`_Issued` (``.plain()``: ``{"op", "dtype", "shape", "reduce_op", "module", "pass", "seq"}``, seq the
+        rank's own torch.collective.seq).
     """
     finished = _finished(spans)
     snapshots = [span for span in spans if is_snapshot(span)]
@@ -793,7 +845,7 @@ def _issued_collectives(spans: list[dict], raised: dict[tuple[int, int | None], 
                 seen.add(key)
                 taken.append((event, step))
     taken.sort(key=lambda item: item[0]["time_ns"])
-    out: dict[tuple[int, int], dict[str, dict[int, dict]]] = defaultdict(lambda: defaultdict(dict))
+    out: dict[tuple[int, int], dict[str, dict[int, _Issued]]] = defaultdict(lambda: defaultdict(dict))
     p2p_before: dict[tuple[int, str], int] = defaultdict(int)
     for event, step in taken:
         attrs, span = event["attributes"], event["span"]
@@ -806,12 +858,10 @@ def _issued_collectives(spans: list[dict], raised: dict[tuple[int, int | None], 
         module, pass_ = (str(attrs[semconv.MODULE_FQN]), str(attrs.get(semconv.MODULE_PASS, ""))) \
             if semconv.MODULE_FQN in attrs else _label(span)
         seq = int(attrs[semconv.COLLECTIVE_SEQ])
-        out[(event["rank"], step)][group][seq - p2p_before[(event["rank"], group)]] = {
-            "op": str(attrs.get(semconv.COLLECTIVE_OP, event["name"])),
-            "dtype": str(attrs.get(semconv.COLLECTIVE_DTYPE, "")),
-            "shape": list(attrs.get(semconv.COLLECTIVE_SHAPE, [])),
-            "reduce_op": str(attrs.get(semconv.COLLECTIVE_REDUCE_OP, "")),
-            "module": module, "pass": attrs.get(semconv.MODULE_PASS, pass_), "seq": seq}
+        out[(event["rank"], step)][group][seq - p2p_before[(event["rank"], group)]] = _Issued(
+            str(attrs.get(semconv.COLLECTIVE_OP, event["name"])), str(attrs.get(semconv.COLLECTIVE_DTYPE, "")),
+            attrs.get(semconv.COLLECTIVE_SHAPE, ()), str(attrs.get(semconv.COLLECTIVE_REDUCE_OP, "")),
+            module, attrs.get(semconv.MODULE_PASS, pass_), seq)
     return out, finished_steps - cut
 
 
@@ -830,12 +880,12 @@ def _fingerprints(spans: list[dict]) -> dict[tuple[int, int], dict[str, tuple[st
     return out
 
 
-def _same(collectives: Iterable[dict | None], reduce_op_only: bool = False) -> bool:
+def _same(collectives: Iterable[_Issued | None], reduce_op_only: bool = False) -> bool:
     """Whether the collectives agree: (op, dtype, shape), and the reduce op where each records one
     (a stall ring's events do not); ``reduce_op_only``: the reduce op alone."""
     collectives = list(collectives)
-    kinds = {None if c is None else (c["op"], c["dtype"], tuple(c["shape"])) for c in collectives}
-    reduce_ops = {c["reduce_op"] for c in collectives if c is not None and c["reduce_op"]}
+    kinds = {None if c is None else (c.op, c.dtype, tuple(c.shape)) for c in collectives}
+    reduce_ops = {c.reduce_op for c in collectives if c is not None and c.reduce_op}
     return len(reduce_ops) <= 1 and (reduce_op_only or len(kinds) == 1)
 
 
@@ -890,7 +940,7 @@ def desyncs(spans: list[dict]) -> list[dict[str, Any]]:
     return out
 
 
-def _first_difference(group: str, step: int, by_rank: dict[int, dict[int, dict]],
+def _first_difference(group: str, step: int, by_rank: dict[int, dict[int, _Issued]],
                       whole: set[int], reduce_op_only: bool = False) -> dict[str, Any] | None:
     """The first seq of ``step`` where the ranks' collectives on ``group`` differ, or None.
 
@@ -904,7 +954,7 @@ def _first_difference(group: str, step: int, by_rank: dict[int, dict[int, dict]]
         if len(known) < 2 or _same(known.values(), reduce_op_only):
             continue
         return {"group": group, "seq": seq, "step": step,
-                "ranks": {rank: c or dict(_NO_OP) for rank, c in sorted(known.items())}}
+                "ranks": {rank: c.plain() if c else dict(_NO_OP) for rank, c in sorted(known.items())}}
     return None
 
 
@@ -912,11 +962,13 @@ def _first_difference(group: str, step: int, by_rank: dict[int, dict[int, dict]]
 
 
 def diagnose(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_warmup: bool = False,
-             flight_dumps: list[dict] | None = None) -> dict[str, Any]:
+             flight_dumps: list[dict] | None = None,
+             rank_timelines: dict[int, _Timeline] | None = None) -> dict[str, Any]:
     """Everything ``diagnose`` reports, as plain data (``--format json``).
 
     ``flight_dumps``: torch's Flight Recorder dumps (:func:`.flight_recorder.read_dumps`); when given,
     ``"flight_recorder"`` holds them joined with the spans (:func:`.flight_recorder.join`).
+    ``rank_timelines``: as :func:`stragglers` takes them, for spans read with :class:`Reads`.
 
     Returns:
         ``{"errors": errors(spans), "stalls": stalls(spans), "unfinished_steps": unfinished_steps(spans),
@@ -940,7 +992,7 @@ def diagnose(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_wa
         "stalls": stalls(spans),
         "unfinished_steps": unfinished_steps(spans),
         "desyncs": desyncs(spans),
-        "stragglers": stragglers(spans, noise_floor_s, include_warmup),
+        "stragglers": stragglers(spans, noise_floor_s, include_warmup, rank_timelines),
         "pipeline_waits": summary.pipeline_waits(finished),
         "ranks": sorted({span["rank"] for span in spans}),
         "missing_ranks": missing,
@@ -1109,8 +1161,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "at different times and run it cold)")
 
 
-def _load(args: argparse.Namespace) -> list[dict] | None:
-    """The spans of ``args.paths`` and of each ``--trace-id`` from the backend; None after saying why not."""
+def _load(args: argparse.Namespace, rank_timelines: dict[int, _Timeline]) -> list[dict] | None:
+    """The spans of ``args.paths`` and of each ``--trace-id`` from the backend; None after saying why not.
+
+    Files alone are read reduced (:class:`Reads`), each rank's timeline put in ``rank_timelines``; with a
+    backend too, whole (a rank's spans may be in both)."""
     from commdebug_otel.offline.backends import BackendError, fetch_trace
 
     backend = "jaeger" if args.jaeger else "tempo" if args.tempo else None
@@ -1130,7 +1185,10 @@ def _load(args: argparse.Namespace) -> list[dict] | None:
             print(f"commdebug-otel diagnose: {error}", file=sys.stderr)
             return None
     if args.paths:
-        from_files = summary.load_for_command(args.paths, "diagnose", snapshots=True)
+        alone = not args.trace_id
+        from_files = summary.load_for_command(args.paths, "diagnose", snapshots=True,
+                                              fold=Reads() if alone else None,
+                                              digests=rank_timelines if alone else None)
         if from_files is None:
             return None
         spans += from_files
@@ -1151,7 +1209,8 @@ def run(args: argparse.Namespace) -> int:
     fetched or no input is named (said on stderr).
     """
     with reusing():  # the views share one span index, one list of collectives...
-        spans = _load(args)
+        rank_timelines: dict[int, _Timeline] = {}
+        spans = _load(args, rank_timelines)
         if spans is None:
             return EXIT_UNREADABLE
         try:
@@ -1162,7 +1221,8 @@ def run(args: argparse.Namespace) -> int:
         dumps, messages = flight_recorder.read_dumps(files, args.flight_recorder_pickle)
         for message in messages:
             print(f"commdebug-otel diagnose: {message}", file=sys.stderr)
-        found = diagnose(spans, args.noise_floor_ms / 1e3, args.include_warmup, dumps or None)
+        found = diagnose(spans, args.noise_floor_ms / 1e3, args.include_warmup, dumps or None,
+                         rank_timelines or None)
     print(json.dumps(found, indent=4) if args.format == "json" else format_text(found, args.top))
     sys.stdout.flush()
     return EXIT_DONE

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import itertools
 import json
 import math
 import os
 import re
 import stat
+from array import array
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -607,7 +609,8 @@ class SpanReader:
     (a line cut by a killed job, NUL bytes), nested too deep, longer than ``max_line_bytes``, or
     whose fields fail the checks (:class:`BadData`).
 
-    Memory: one line (at most ``max_line_bytes``) and one 24-byte key per span yielded.
+    Memory: one line (at most ``max_line_bytes``) and one 24-byte key per span yielded; with ``fold``, an
+    8-byte print per span read instead.
 
     ``workers``: read that many files at once, each in a process of its own (None: one per CPU when the
     files hold over :data:`PARALLEL_MIN_BYTES`; with one file, or 1, the files are read here, one after
@@ -620,13 +623,19 @@ class SpanReader:
     file), the first span of each (rank, host, process), and the ancestors of these where the tree's root
     has a parent id (another file may hold the rest of the trace); every other span is counted into
     ``"folded"`` (an int each span yielded gets) of the nearest ancestor kept, which is in the same
-    training step (never a stall snapshot's span: a command may leave those out), and its key is kept for
-    finding duplicates. Each span yielded gets ``"root_step"``: ``(own_step(root),)`` of its tree's root
+    training step (never a stall snapshot's span: a command may leave those out), and a 64-bit print of its
+    key is kept for finding duplicates. Each span yielded gets ``"root_step"``: ``(own_step(root),)`` of its tree's root
     when that root has no parent id, else ``()``; :class:`.model.SpanIndex` takes it as the step of a
     span whose parent was folded. A file whose parent links form a loop is not reduced (where the loop is cut
     depends on every file). When reducing could change what the views see (a span read twice across
     files, or a span of another file whose parent was folded), :attr:`unfoldable` is True after the
-    iteration: read again without ``fold``.
+    iteration: read again without ``fold``. (A span read twice across files is then yielded twice, and
+    :attr:`duplicates` counts only those within a file.)
+
+    A ``fold`` may also have ``digest(spans) -> {rank: value}`` (picklable values): called where a file is
+    read, with all its spans (each once, before reducing), for what a command needs of spans it folds (e.g.
+    each rank's module timeline). :attr:`digests` gathers them; a rank with spans in two files makes the
+    reader :attr:`unfoldable` (a digest holds one file's spans of the rank).
 
     Raises:
         FileNotFoundError: a path does not exist (when iteration begins).
@@ -652,8 +661,10 @@ class SpanReader:
         self.files: set[str] = set()
         #: With ``fold``: the spans yielded may not stand for the files (see the class docstring).
         self.unfoldable = False
+        #: With a ``fold`` that has ``digest``: rank -> its digest (see the class docstring).
+        self.digests: dict[int, Any] = {}
+        self._file_ranks: dict[int, str] = {}  # rank -> the file that held it, with digest
         self._seen: set[bytes] = set()
-        self._folded: set[bytes] = set()  # keys of spans folded (with fold), apart from those yielded
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         files = trace_files(self.paths, self.messages)
@@ -668,23 +679,35 @@ class SpanReader:
             return
         read = self._read_apart(files, workers) if apart else (
             (path, _read_file(path, self.max_line_bytes, self.hex_ids, self.shared, self.fold)) for path in files)
-        orphans: list[bytes] = []
-        for path, (spans, messages, duplicates, skipped, folded, parents) in read:
+        # With fold, spans are told apart across files by 64-bit prints of their keys, 8 bytes each: a print
+        # seen twice (a span read twice, or by chance once in 2**64 pairs) makes the reader unfoldable, and
+        # reading again whole finds the duplicates by their full keys.
+        kept, folded, parents = array("q"), array("q"), array("q")
+        for path, (spans, messages, duplicates, skipped, prints, digests) in read:
+            self._gather(path, digests)
             self.messages += messages
             self.duplicates += duplicates
             self.skipped_lines += skipped
-            for key in folded:
-                if key in self._seen or key in self._folded:  # its count is in a span of this file already
-                    self.duplicates += 1
-                    self.unfoldable = True
-                self._folded.add(key)
-            orphans += parents
+            if prints is not None:
+                kept.extend(prints[0])
+                folded.extend(prints[1])
+                parents.extend(prints[2])
             for span in spans:
-                if self._new(span):
+                if prints is not None or self._new(span):
                     self.files.add(path)
                     yield _compact(span) if self.shared else span
-        if any(key in self._folded for key in orphans):
-            self.unfoldable = True
+        if self.fold is not None:
+            orphans = set(parents)
+            self.unfoldable |= (len(set(kept).union(folded)) < len(kept) + len(folded)
+                                or any(key in orphans for key in folded))
+
+    def _gather(self, path: str, digests: dict[int, Any] | None) -> None:
+        if digests is None:
+            return
+        for rank, digest in digests.items():
+            if self._file_ranks.setdefault(rank, path) != path:
+                self.unfoldable = True  # the rank's spans are split across files: no digest holds them all
+            self.digests[rank] = digest
 
     def _read_apart(self, files: list[str], workers: int) -> Iterator[tuple[str, tuple]]:
         """``(path, _read_file(...))`` of each file in order, read by ``workers`` processes; at most two
@@ -806,9 +829,8 @@ class SpanReader:
 
     def _new(self, span: dict) -> bool:
         key = bytes.fromhex(span["trace_id"] + span["span_id"])  # 24 bytes: checked hex
-        if key in self._seen or key in self._folded:
+        if key in self._seen:
             self.duplicates += 1
-            self.unfoldable |= key in self._folded  # the copy read first was folded
             return False
         self._seen.add(key)
         return True
@@ -957,39 +979,49 @@ def _size(path: str) -> int:
 
 
 def _read_file(path: str, max_line_bytes: int, hex_ids: bool, shared: bool,
-               fold: Callable[[dict], bool] | None = None) -> tuple[list, list, int, int, list, list]:
+               fold: Callable[[dict], bool] | None = None) -> tuple[list, list, int, int, tuple | None, dict | None]:
     """One file as :class:`SpanReader` reads it, in a worker process: ``(spans, messages, duplicates,
-    skipped lines, keys of the spans folded, keys of the parents of roots not in the file)``, spans each
-    once within the file (with ``fold``, reduced: :func:`_fold`)."""
+    skipped lines, prints, the fold's digests or None)``, spans each once within the file. With ``fold``,
+    the spans are reduced (:func:`_fold`) and ``prints`` holds the :func:`_print` of the keys of the spans
+    kept, of those folded, and of the parents of roots not in the file (three ``array("q")``); else None."""
     # With fold, equal values are made one object in the spans kept only (most are folded: no need).
     reader = SpanReader([], max_line_bytes, hex_ids, 1, shared and fold is None)
     spans = list(reader._file(path))
-    folded: list[bytes] = []
-    parents: list[bytes] = []
-    if fold is not None:
-        spans, folded, parents = _fold(spans, fold)
-        if shared:
-            for span in spans:
-                reader._share_values(span)
-    return spans, reader.messages, reader.duplicates, reader.skipped_lines, folded, parents
+    digest = getattr(fold, "digest", None)
+    digests = digest(spans) if digest is not None and spans else None
+    if fold is None:
+        return spans, reader.messages, reader.duplicates, reader.skipped_lines, None, digests
+    spans, folded, parents = _fold(spans, fold)
+    if shared:
+        for span in spans:
+            reader._share_values(span)
+    kept = array("q", [_print(span["trace_id"], span["span_id"]) for span in spans])
+    return spans, reader.messages, reader.duplicates, reader.skipped_lines, (kept, folded, parents), digests
 
 
-def _fold(spans: list[dict], keep: Callable[[dict], bool]) -> tuple[list[dict], list[bytes], list[bytes]]:
+def _print(trace_id: str, span_id: str) -> int:
+    """A span key's 64-bit print (the same in every process: not ``hash``)."""
+    return int.from_bytes(_blake2b(bytes.fromhex(trace_id + span_id), digest_size=8).digest(), "little",
+                          signed=True)
+
+
+def _fold(spans: list[dict], keep: Callable[[dict], bool]) -> tuple[list[dict], array, array]:
     """One file's spans reduced as :class:`SpanReader`'s ``fold`` says: ``(spans kept, each with "folded",
-    keys (trace id + span id, 24 bytes) of the spans folded, keys of the parents of roots with a parent id)``."""
+    prints (:func:`_print`) of the spans folded, prints of the parents of roots with a parent id)``."""
     from commdebug_otel.offline.model import is_snapshot, own_step
 
     by_id = {(span["rank"], span["trace_id"], span["span_id"]): span for span in spans}
     parent: dict[int, dict] = {}
     children: dict[int, list[dict]] = defaultdict(list)
-    roots, parents = [], []
+    roots: list[dict] = []
+    parents = array("q")
     for span in spans:
         parent_id = span["parent_span_id"]
         found = by_id.get((span["rank"], span["trace_id"], parent_id)) if parent_id else None
         if found is None or found is span:
             roots.append(span)
             if found is None and parent_id:  # its parent may be in another file
-                parents.append(bytes.fromhex(span["trace_id"] + parent_id))
+                parents.append(_print(span["trace_id"], parent_id))
         else:
             parent[id(span)] = found
             children[id(found)].append(span)
@@ -1002,7 +1034,7 @@ def _fold(spans: list[dict], keep: Callable[[dict], bool]) -> tuple[list[dict], 
     if len(top) < len(spans):  # parent links form a loop: where it is cut depends on every file
         for span in spans:
             span["folded"], span["root_step"] = 0, ()
-        return spans, [], parents
+        return spans, array("q"), parents
     kept = {id(root) for root in roots}
     processes = set()
     for span in spans:
@@ -1017,7 +1049,7 @@ def _fold(spans: list[dict], keep: Callable[[dict], bool]) -> tuple[list[dict], 
             kept.add(id(node))
             node = None if settled else parent.get(id(node))
     folded: Counter = Counter()
-    keys = []
+    keys = array("q")
     stack = [(root, root) for root in roots]
     while stack:
         span, anchor = stack.pop()
@@ -1026,7 +1058,7 @@ def _fold(spans: list[dict], keep: Callable[[dict], bool]) -> tuple[list[dict], 
             anchor = span
         else:
             folded[id(anchor)] += 1
-            keys.append(bytes.fromhex(span["trace_id"] + span["span_id"]))
+            keys.append(_print(span["trace_id"], span["span_id"]))
         stack.extend([(child, anchor) for child in children.get(id(span), ())])
     out = [span for span in spans if id(span) in kept]
     root_steps: dict = {}
@@ -1057,6 +1089,7 @@ def _is_json(text: bytes) -> bool:
 
 
 _BLANK = b" \t\r"
+_blake2b = hashlib.blake2b
 
 
 class _Gzip(Exception):

@@ -768,7 +768,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_for_command(paths: Iterable[str], command: str, snapshots: bool = False,
-                     fold: Callable[[dict], bool] | None = None) -> list[dict[str, Any]] | None:
+                     fold: Callable[[dict], bool] | None = None,
+                     digests: dict[int, Any] | None = None) -> list[dict[str, Any]] | None:
     """``load_spans(paths)``, or None after telling the user (on stderr) why there is nothing to read.
 
     What the reader skipped (unreadable files, lines, spans read twice) is said on stderr first, one
@@ -776,7 +777,8 @@ def load_for_command(paths: Iterable[str], command: str, snapshots: bool = False
     ``snapshots``: keep the spans of stall snapshots (``diagnose``); otherwise they
     are left out, so a step that stalled is counted once, and the user is told how many were left out.
     ``fold``: what the command reads of a span (:class:`.otlp_json.SpanReader`'s ``fold``); where reducing
-    the files could change an answer, they are read again whole.
+    the files could change an answer, they are read again whole. ``digests``: filled with the fold's
+    digests (``SpanReader.digests``) when the spans returned are the reduced ones; left empty otherwise.
     """
     # The analyses only read spans: modules repeated step after step can share their attributes.
     shared = command in ("summarize", "diagnose")
@@ -787,6 +789,8 @@ def load_for_command(paths: Iterable[str], command: str, snapshots: bool = False
             spans = []
             reader = SpanReader(paths, workers=None, shared=shared)
             spans = load_spans(paths, reader)
+        elif digests is not None:
+            digests.update(reader.digests)
     except FileNotFoundError as error:
         print(f"commdebug-otel {command}: {error}", file=sys.stderr)
         return None
