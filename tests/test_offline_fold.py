@@ -164,7 +164,7 @@ def test_diagnose_reads_the_spans_folded_and_each_ranks_timeline(job):
     assert not reader.unfoldable and sorted(reader.digests) == list(range(_RANKS))
     # train_step and model.b (its collective) kept; model, model.a and its leaf folded into the train_step
     assert sorted({span["name"] for span in spans}) == ["model.b forward", semconv.SPAN_TRAIN_STEP]
-    timeline = reader.digests[2]
+    timeline = reader.digests[2].timeline
     assert dict(timeline.self_times(10**9, 10**9 + 3 * 10**8)) == {
         ("model", "forward"): 10**8 + 1, ("model.a", "forward"): 9 * 10**7 + 1,
         ("model.a.leaf", "forward"): 10**7 - 3, ("model.b", "forward"): 10**8, ("(train_step)", ""): 1}
@@ -182,3 +182,20 @@ def test_a_rank_in_two_files_is_read_whole_by_diagnose(job, capsys, monkeypatch)
     assert reader.unfoldable
     assert _diagnose(capsys, job, "--format", "json") == _diagnose_unfolded(capsys, monkeypatch, job, "--format",
                                                                              "json")
+
+
+def test_a_desync_is_found_from_the_ranks_prints_and_told_as_read_whole(job, capsys, monkeypatch):
+    """Where ranks' prints of a step's collectives differ, diagnose reads those collectives from the spans:
+    the same desync as reading every span."""
+    spans = _rank_spans(3)
+    (event,) = next(one for one in spans if one["name"] == "model.b forward" and one["start_ns"] > 10**9)["events"]
+    event["name"] = event["attributes"][semconv.COLLECTIVE_OP] = "all_gather"  # step 1's all_reduce on rank 3
+    write_otlp(spans, job / "traces-rank3.jsonl")
+    reads = {}
+    loaded = summary.load_for_command([job], "diagnose", snapshots=True, fold=diagnose.Reads(), digests=reads)
+    assert sorted(reads) == list(range(_RANKS))
+    assert len({tuple(read.prints[1].values()) for read in reads.values()}) == 2
+    assert [(found["step"], found["ranks"][3]["op"]) for found in diagnose.desyncs(loaded, reads)] == [
+        (1, "all_gather")]
+    folded = _diagnose(capsys, job, "--format", "json")
+    assert folded == _diagnose_unfolded(capsys, monkeypatch, job, "--format", "json")

@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import datetime
+import hashlib
 import json
 import statistics
 import sys
@@ -70,9 +71,9 @@ from commdebug_otel.offline.model import (
     warmup_step,
 )
 
-__all__ = ["BETWEEN_STEPS", "NOISE_FLOOR_S", "TRAIN_STEP", "UNATTRIBUTED", "Reads", "add_arguments", "desyncs",
-           "diagnose", "errors", "format_text", "missing_ranks", "run", "stalls", "stragglers", "timelines",
-           "unfinished_steps", "watchdog"]
+__all__ = ["BETWEEN_STEPS", "NOISE_FLOOR_S", "TRAIN_STEP", "UNATTRIBUTED", "RankRead", "Reads", "add_arguments",
+           "desyncs", "diagnose", "errors", "format_text", "missing_ranks", "rank_reads", "run", "stalls", "stragglers",
+           "timelines", "unfinished_steps", "watchdog"]
 
 #: Frames of a stuck rank's stack in the text report (the innermost; JSON has them all).
 STACK_LINES = 8
@@ -282,11 +283,47 @@ def timelines(spans: list[dict]) -> dict[int, _Timeline]:
     return {rank: _Timeline(mine) for rank, mine in by_rank.items()}
 
 
+class RankRead(NamedTuple):
+    """What :class:`Reads` keeps of one rank's spans where its file is read.
+
+    ``timeline``: its :class:`_Timeline` (None without finished spans); ``prints``: ``{step: {group:
+    print}}``, a 64-bit print of each record :func:`_issued_collectives` makes of what it issued (equal
+    records, equal prints: :func:`desyncs` compares the collectives only where ranks' prints differ);
+    ``whole``: the steps whose record is whole."""
+
+    timeline: _Timeline | None
+    prints: dict[int, dict[str, int]]
+    whole: frozenset[int]
+
+
+def rank_reads(spans: list[dict]) -> dict[int, RankRead]:
+    """:class:`RankRead` of each rank, from ``spans`` holding every span of each of their ranks."""
+    with reusing(own=True):  # its own results: one file's, dropped when done
+        lines = timelines(spans)
+        issued, whole = _issued_collectives(spans, _raised_at(spans))
+    prints: dict[int, dict[int, dict[str, int]]] = defaultdict(dict)
+    for (rank, step), groups in issued.items():
+        prints[rank][step] = {group: _print(records) for group, records in groups.items()}
+    steps: dict[int, set[int]] = defaultdict(set)
+    for rank, step in whole:
+        steps[rank].add(step)
+    return {rank: RankRead(lines.get(rank), prints.get(rank, {}), frozenset(steps.get(rank, ())))
+            for rank in {*lines, *prints, *steps}}
+
+
+def _print(records: dict[int, _Issued]) -> int:
+    """A 64-bit print of one (rank, step, group)'s records as :func:`_first_difference` compares them (the same
+    in every process)."""
+    text = repr(sorted((seq, c.op, c.dtype, tuple(c.shape), c.reduce_op) for seq, c in records.items()))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
 class Reads:
     """What ``diagnose`` reads of the files, as :class:`.otlp_json.SpanReader`'s ``fold``: the ``train_step``
     spans, stall snapshots, spans that raised, were left open at exit or dropped events, and spans with
-    collective events; the module spans between are folded, each rank's :class:`_Timeline` built from them
-    first where the file is read (:meth:`digest`). Picklable: the reader's worker processes call it."""
+    collective events; the module spans between are folded, and what the views need of a whole rank
+    (:class:`RankRead`) is made first where the file is read (:meth:`digest`). Picklable: the reader's
+    worker processes call it."""
 
     def __call__(self, span: dict) -> bool:
         attributes = span["attributes"]
@@ -296,13 +333,13 @@ class Reads:
                 or any(event["name"] == "exception" or semconv.COLLECTIVE_OP in event["attributes"]
                        for event in span["events"]))
 
-    def digest(self, spans: list[dict]) -> dict[int, _Timeline]:
-        """Each rank's timeline from one file's spans (:func:`timelines`)."""
-        return timelines(spans)
+    def digest(self, spans: list[dict]) -> dict[int, RankRead]:
+        """Each rank's :class:`RankRead` from one file's spans (:func:`rank_reads`)."""
+        return rank_reads(spans)
 
 
 def stragglers(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_warmup: bool = False,
-               rank_timelines: dict[int, _Timeline] | None = None) -> list[dict[str, Any]]:
+               rank_timelines: dict[int, _Timeline | None] | None = None) -> list[dict[str, Any]]:
     """Blame the rank that arrived last at each collective, weighted by the time it held the others.
 
     Each collective event of a traced step (stall snapshots aside) is matched across ranks
@@ -348,7 +385,7 @@ def stragglers(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_
     built: dict[int, _Timeline] = dict(rank_timelines or {})
 
     def self_times(rank: int, event: dict, step: int) -> dict[Label, int]:
-        if rank not in built:
+        if built.get(rank) is None:
             built[rank] = _Timeline(by_rank[rank])
         arrival = issued_ns(event)
         return built[rank].self_times(arrivals.window_start(rank, arrival, step), arrival)
@@ -680,6 +717,11 @@ def _raised_in(spans: list[dict]) -> list[dict[str, Any]]:
     return [item for _, item in sorted(first.values(), key=lambda found: found[0])]
 
 
+def _raised_at(spans: list[dict]) -> dict[tuple[int, int | None], int]:
+    """``{(rank, step): ns}`` of each (rank, step) whose step raised: when it first did."""
+    return {(item["rank"], item["step"]): item["_time_ns"] for item in _raised(spans)}
+
+
 def errors(spans: list[dict]) -> list[dict[str, Any]]:
     """The exceptions the ranks raised: per rank and step, the first, from the innermost span that raised.
 
@@ -889,7 +931,7 @@ def _same(collectives: Iterable[_Issued | None], reduce_op_only: bool = False) -
     return len(reduce_ops) <= 1 and (reduce_op_only or len(kinds) == 1)
 
 
-def desyncs(spans: list[dict]) -> list[dict[str, Any]]:
+def desyncs(spans: list[dict], reads: dict[int, RankRead] | None = None) -> list[dict[str, Any]]:
     """The first collective, per process group, where ranks disagree on (op, dtype, shape, reduce op).
 
     Per training step (ascending) and process group, each rank's collectives in seq order
@@ -905,18 +947,26 @@ def desyncs(spans: list[dict]) -> list[dict[str, Any]]:
     rank is not out of step). Only the first difference per group is reported:
     everything after it on that group is shifted by it.
 
+    ``reads``: each rank's :class:`RankRead` (spans read with :class:`Reads`): the collectives of a step and
+    group are read from ``spans`` only where the ranks' prints differ.
+
     Returns:
         ``[{"group", "seq" (counted without send/recv, as stragglers match), "step",
         "ranks": {rank: {"op", "dtype", "shape", "reduce_op" ("" when not recorded), "module",
         "pass", "seq" (its own torch.collective.seq)}}}]``, by step then group.
     """
-    issued, whole = _issued_collectives(spans, {(item["rank"], item["step"]): item["_time_ns"]
-                                                for item in _raised(spans)})
+    issued: dict[tuple[int, int], dict[str, dict[int, _Issued]]] | None = None
+    if reads is None:
+        issued, whole = _issued_collectives(spans, _raised_at(spans))
+        records: dict[tuple[int, int], dict[str, Any]] = issued
+    else:
+        records = {(rank, step): groups for rank, read in reads.items() for step, groups in read.prints.items()}
+        whole = {(rank, step) for rank, read in reads.items() for step in read.whole}
     fingerprints = _fingerprints(spans)
     members: dict[str, set[int]] = defaultdict(set)
     steps: dict[int, set[int]] = defaultdict(set)
     recorded: dict[str, set[int]] = defaultdict(set)  # group -> steps where some rank issued on it
-    for (rank, step), groups in issued.items():
+    for (rank, step), groups in records.items():
         steps[step].add(rank)
         for group in groups:
             members[group].add(rank)
@@ -929,6 +979,10 @@ def desyncs(spans: list[dict]) -> list[dict[str, Any]]:
             ranks = sorted(members[group] & steps[step])
             if len(ranks) < 2:
                 continue
+            if issued is None:
+                if len({records.get((rank, step), {}).get(group) for rank in ranks}) == 1:
+                    continue  # the same records on every rank: no difference
+                issued = _issued_collectives(spans, _raised_at(spans))[0]
             prints = [fingerprints.get((rank, step), {}).get(group) for rank in ranks]
             by_rank = {rank: issued.get((rank, step), {}).get(group, {}) for rank in ranks}
             found = _first_difference(group, step, by_rank, {rank for rank in ranks if (rank, step) in whole},
@@ -962,13 +1016,13 @@ def _first_difference(group: str, step: int, by_rank: dict[int, dict[int, _Issue
 
 
 def diagnose(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_warmup: bool = False,
-             flight_dumps: list[dict] | None = None,
-             rank_timelines: dict[int, _Timeline] | None = None) -> dict[str, Any]:
+             flight_dumps: list[dict] | None = None, reads: dict[int, RankRead] | None = None) -> dict[str, Any]:
     """Everything ``diagnose`` reports, as plain data (``--format json``).
 
     ``flight_dumps``: torch's Flight Recorder dumps (:func:`.flight_recorder.read_dumps`); when given,
     ``"flight_recorder"`` holds them joined with the spans (:func:`.flight_recorder.join`).
-    ``rank_timelines``: as :func:`stragglers` takes them, for spans read with :class:`Reads`.
+    ``reads``: each rank's :class:`RankRead`, for spans read with :class:`Reads` (:func:`desyncs`,
+    :func:`stragglers`).
 
     Returns:
         ``{"errors": errors(spans), "stalls": stalls(spans), "unfinished_steps": unfinished_steps(spans),
@@ -991,8 +1045,9 @@ def diagnose(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_wa
         "errors": errors(spans),
         "stalls": stalls(spans),
         "unfinished_steps": unfinished_steps(spans),
-        "desyncs": desyncs(spans),
-        "stragglers": stragglers(spans, noise_floor_s, include_warmup, rank_timelines),
+        "desyncs": desyncs(spans, reads),
+        "stragglers": stragglers(spans, noise_floor_s, include_warmup,
+                                 None if reads is None else {rank: read.timeline for rank, read in reads.items()}),
         "pipeline_waits": summary.pipeline_waits(finished),
         "ranks": sorted({span["rank"] for span in spans}),
         "missing_ranks": missing,
@@ -1161,10 +1216,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "at different times and run it cold)")
 
 
-def _load(args: argparse.Namespace, rank_timelines: dict[int, _Timeline]) -> list[dict] | None:
+def _load(args: argparse.Namespace, reads: dict[int, RankRead]) -> list[dict] | None:
     """The spans of ``args.paths`` and of each ``--trace-id`` from the backend; None after saying why not.
 
-    Files alone are read reduced (:class:`Reads`), each rank's timeline put in ``rank_timelines``; with a
+    Files alone are read reduced (:class:`Reads`), each rank's :class:`RankRead` put in ``reads``; with a
     backend too, whole (a rank's spans may be in both)."""
     from commdebug_otel.offline.backends import BackendError, fetch_trace
 
@@ -1188,7 +1243,7 @@ def _load(args: argparse.Namespace, rank_timelines: dict[int, _Timeline]) -> lis
         alone = not args.trace_id
         from_files = summary.load_for_command(args.paths, "diagnose", snapshots=True,
                                               fold=Reads() if alone else None,
-                                              digests=rank_timelines if alone else None)
+                                              digests=reads if alone else None)
         if from_files is None:
             return None
         spans += from_files
@@ -1209,8 +1264,8 @@ def run(args: argparse.Namespace) -> int:
     fetched or no input is named (said on stderr).
     """
     with reusing():  # the views share one span index, one list of collectives...
-        rank_timelines: dict[int, _Timeline] = {}
-        spans = _load(args, rank_timelines)
+        reads: dict[int, RankRead] = {}
+        spans = _load(args, reads)
         if spans is None:
             return EXIT_UNREADABLE
         try:
@@ -1221,8 +1276,7 @@ def run(args: argparse.Namespace) -> int:
         dumps, messages = flight_recorder.read_dumps(files, args.flight_recorder_pickle)
         for message in messages:
             print(f"commdebug-otel diagnose: {message}", file=sys.stderr)
-        found = diagnose(spans, args.noise_floor_ms / 1e3, args.include_warmup, dumps or None,
-                         rank_timelines or None)
+        found = diagnose(spans, args.noise_floor_ms / 1e3, args.include_warmup, dumps or None, reads or None)
     print(json.dumps(found, indent=4) if args.format == "json" else format_text(found, args.top))
     sys.stdout.flush()
     return EXIT_DONE

@@ -33,13 +33,15 @@ _REUSED: ContextVar[dict | None] = ContextVar("commdebug_otel_offline_reused", d
 
 
 @contextlib.contextmanager
-def reusing() -> Iterator[None]:
+def reusing(own: bool = False) -> Iterator[None]:
     """Within it, :func:`once` computes each result once per list of spans (the same list object):
     for one command's reading and views of spans that do not change while they run (a 1,024-rank
     job's span index takes seconds to build). Python's cycle collector is paused meanwhile: span
     dicts form no cycles, and with millions of them alive each full collection walks them all
-    (a quarter of ``diagnose``'s time on a 64-rank job)."""
-    if _REUSED.get() is not None:
+    (a quarter of ``diagnose``'s time on a 64-rank job). Nested, it keeps the outer one's results;
+    ``own``: results of its own, dropped at its end (a reader's worker process, forked inside the
+    command's, would otherwise keep every file's)."""
+    if _REUSED.get() is not None and not own:
         yield
         return
     token = _REUSED.set({})
