@@ -48,7 +48,7 @@ import json
 import statistics
 import sys
 from array import array
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -60,7 +60,6 @@ from commdebug_otel.offline.model import (
     P2P,
     SpanIndex,
     collective_events,
-    collective_matches,
     group_size,
     index_of,
     is_snapshot,
@@ -73,7 +72,7 @@ from commdebug_otel.offline.model import (
 
 __all__ = ["BETWEEN_STEPS", "NOISE_FLOOR_S", "TRAIN_STEP", "UNATTRIBUTED", "RankRead", "Reads", "add_arguments",
            "desyncs", "diagnose", "errors", "format_text", "missing_ranks", "rank_reads", "run", "stalls", "stragglers",
-           "timelines", "unfinished_steps", "watchdog"]
+           "unfinished_steps", "watchdog"]
 
 #: Frames of a stuck rank's stack in the text report (the innermost; JSON has them all).
 STACK_LINES = 8
@@ -191,49 +190,74 @@ class _Timeline:
 
 
 class _Arrivals:
-    """Each rank's collective arrivals (issue times), to find the window before one."""
+    """One rank's collectives, in the order it issued them, as :func:`stragglers` matches and windows them:
+    columns of one value per collective event (8 bytes each where they fit).
 
-    def __init__(self, spans: list[dict], steps: SpanIndex) -> None:
-        by_rank: dict[int, list[tuple[int, int | None]]] = defaultdict(list)
-        for event in collective_events(spans):
-            by_rank[event["rank"]].append((issued_ns(event), steps.step(event["span"])))
-        self._times = {rank: [time for time, _ in sorted(items)] for rank, items in by_rank.items()}
-        self._steps = {rank: [step for _, step in sorted(items)] for rank, items in by_rank.items()}
-        self._step_start: dict[tuple[int, int], int] = {}
-        for span in spans:
-            step = steps.step(span)
-            if span["name"] == semconv.SPAN_TRAIN_STEP and step is not None:
-                key = (span["rank"], step)
-                self._step_start[key] = min(self._step_start.get(key, span["start_ns"]), span["start_ns"])
+    ``groups``, ``seqs`` (the seq counted without send/recv, :func:`.model.collective_matches`; None for
+    send/recv and events without a seq), ``issued`` (:func:`.model.issued_ns`), ``returned`` (the event's
+    time), ``steps`` (of its span; None outside steps), ``sizes`` (its group's size).
+    """
 
-    def window_start(self, rank: int, arrival: int, step: int) -> int:
-        """The rank's previous arrival when it lies in this step or the one before, else the step's start."""
-        times = self._times[rank]
-        i = bisect.bisect_left(times, arrival)
-        if i > 0 and self._steps[rank][i - 1] in (step, step - 1):
-            return times[i - 1]
-        return min(self._step_start.get((rank, step), arrival), arrival)
+    def __init__(self, events: list[dict], steps: SpanIndex, step_starts: dict[int, int]) -> None:
+        groups, seqs, issued, returned, in_steps, sizes = [], [], [], [], [], []
+        p2p_before: Counter = Counter()
+        for event in events:
+            attrs = event["attributes"]
+            group = _group(attrs)
+            seq = None
+            if event["name"] in P2P:
+                p2p_before[group] += 1
+            elif semconv.COLLECTIVE_SEQ in attrs:
+                seq = int(attrs[semconv.COLLECTIVE_SEQ]) - p2p_before[group]
+            groups.append(group)
+            seqs.append(seq)
+            issued.append(issued_ns(event))
+            returned.append(event["time_ns"])
+            in_steps.append(steps.step(event["span"]))
+            sizes.append(group_size(event))
+        self.groups, self.seqs, self.steps, self.sizes = groups, seqs, in_steps, sizes
+        self.issued, self.returned = _column(issued), _column(returned)
+        # Arrivals by time (a step None before an int where times tie), to find the window before one.
+        order = sorted(range(len(issued)), key=lambda i: (issued[i], in_steps[i] is not None, in_steps[i] or 0))
+        self._times = _column([issued[i] for i in order])
+        self._time_steps = [in_steps[i] for i in order]
+        self._step_starts = step_starts
+
+    def window_start(self, arrival: int, step: int) -> int:
+        """The previous arrival when it lies in this step or the one before, else the step's start."""
+        i = bisect.bisect_left(self._times, arrival)
+        if i > 0 and self._time_steps[i - 1] in (step, step - 1):
+            return self._times[i - 1]
+        return min(self._step_starts.get(step, arrival), arrival)
+
+
+def _column(values: list[int]) -> Sequence[int]:
+    """``values`` in 8 bytes each (an ``array``), or as they are where one does not fit in 64 bits."""
+    try:
+        return array("q", values)
+    except OverflowError:
+        return values
 
 
 class _Carried:
     """How late each rank still was when it left each collective, to count a delay once.
 
-    ``complete``: the complete matches, ``{rank: event}`` each. A rank's lateness at a collective
+    ``complete``: the complete matches, ``{rank: index in its table}`` each. A rank's lateness at a collective
     is ``a_r - max(a_o, o != r)``; what it carries away is that lateness, but no more than how much
     later than the others it returned from the call (the event's time): a blocking collective
     returns on every rank when the last arrives (nothing carried), an asynchronous one (DDP's
     buckets, FSDP's prefetch, functional collectives) returns at once (all of it carried).
     """
 
-    def __init__(self, complete: list[dict[int, dict]], steps: SpanIndex) -> None:
+    def __init__(self, complete: list[dict[int, int]], tables: dict[int, _Arrivals]) -> None:
         items: dict[int, list[tuple[int, int, int | None]]] = defaultdict(list)
-        for events in complete:
-            issued = _Latest({rank: issued_ns(event) for rank, event in events.items()})
-            returned = _Latest({rank: event["time_ns"] for rank, event in events.items()})
-            for rank, event in events.items():
+        for members in complete:
+            issued = _Latest({rank: tables[rank].issued[i] for rank, i in members.items()})
+            returned = _Latest({rank: tables[rank].returned[i] for rank, i in members.items()})
+            for rank, i in members.items():
                 late = issued[rank] - _latest_other(issued, rank)
                 later = returned[rank] - _latest_other(returned, rank)
-                items[rank].append((issued[rank], max(0, min(late, later)), steps.step(event["span"])))
+                items[rank].append((issued[rank], max(0, min(late, later)), tables[rank].steps[i]))
         self._items = {rank: sorted(found, key=lambda item: item[0]) for rank, found in items.items()}
         self._times = {rank: [item[0] for item in found] for rank, found in self._items.items()}
 
@@ -274,41 +298,48 @@ def _blame(late: dict[Label, int], others: list[dict[Label, int]]) -> tuple[Labe
     return label, round(excess[label]), extra
 
 
-def timelines(spans: list[dict]) -> dict[int, _Timeline]:
-    """Each rank's module timeline (what :func:`stragglers` cuts its windows from), from ``spans`` holding
-    every span of each of their ranks."""
-    by_rank: dict[int, list[dict]] = defaultdict(list)
-    for span in _finished_in(spans):
-        by_rank[span["rank"]].append(span)
-    return {rank: _Timeline(mine) for rank, mine in by_rank.items()}
-
-
 class RankRead(NamedTuple):
     """What :class:`Reads` keeps of one rank's spans where its file is read.
 
-    ``timeline``: its :class:`_Timeline` (None without finished spans); ``prints``: ``{step: {group:
-    print}}``, a 64-bit print of each record :func:`_issued_collectives` makes of what it issued (equal
-    records, equal prints: :func:`desyncs` compares the collectives only where ranks' prints differ);
-    ``whole``: the steps whose record is whole."""
+    ``timeline``: its :class:`_Timeline`; ``arrivals``: its collectives (:class:`_Arrivals`); ``prints``:
+    ``{step: {group: print}}``, a 64-bit print of each record :func:`_issued_collectives` makes of what it
+    issued (equal records, equal prints: :func:`desyncs` compares the collectives only where ranks' prints
+    differ); ``whole``: the steps whose record is whole."""
 
-    timeline: _Timeline | None
+    timeline: _Timeline
+    arrivals: _Arrivals
     prints: dict[int, dict[str, int]]
     whole: frozenset[int]
 
 
 def rank_reads(spans: list[dict]) -> dict[int, RankRead]:
     """:class:`RankRead` of each rank, from ``spans`` holding every span of each of their ranks."""
+    spans = sorted(spans, key=lambda span: (span["rank"], span["start_ns"]))  # the order load_spans gives
     with reusing(own=True):  # its own results: one file's, dropped when done
-        lines = timelines(spans)
+        finished = _finished(spans)
+        steps = index_of(finished)
+        by_rank: dict[int, list[dict]] = defaultdict(list)
+        step_starts: dict[int, dict[int, int]] = defaultdict(dict)
+        for span in finished:
+            by_rank[span["rank"]].append(span)
+            step = steps.step(span)
+            if span["name"] == semconv.SPAN_TRAIN_STEP and step is not None:
+                starts = step_starts[span["rank"]]
+                starts[step] = min(starts.get(step, span["start_ns"]), span["start_ns"])
+        events: dict[int, list[dict]] = defaultdict(list)
+        for event in collective_events(finished):
+            events[event["rank"]].append(event)
         issued, whole = _issued_collectives(spans, _raised_at(spans))
     prints: dict[int, dict[int, dict[str, int]]] = defaultdict(dict)
     for (rank, step), groups in issued.items():
         prints[rank][step] = {group: _print(records) for group, records in groups.items()}
-    steps: dict[int, set[int]] = defaultdict(set)
+    whole_steps: dict[int, set[int]] = defaultdict(set)
     for rank, step in whole:
-        steps[rank].add(step)
-    return {rank: RankRead(lines.get(rank), prints.get(rank, {}), frozenset(steps.get(rank, ())))
-            for rank in {*lines, *prints, *steps}}
+        whole_steps[rank].add(step)
+    return {rank: RankRead(_Timeline(by_rank.get(rank, [])), _Arrivals(events.get(rank, []), steps,
+                                                                        step_starts.get(rank, {})),
+                           prints.get(rank, {}), frozenset(whole_steps.get(rank, ())))
+            for rank in sorted({*by_rank, *prints, *whole_steps})}
 
 
 def _print(records: dict[int, _Issued]) -> int:
@@ -339,7 +370,7 @@ class Reads:
 
 
 def stragglers(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_warmup: bool = False,
-               rank_timelines: dict[int, _Timeline | None] | None = None) -> list[dict[str, Any]]:
+               reads: dict[int, RankRead] | None = None) -> list[dict[str, Any]]:
     """Blame the rank that arrived last at each collective, weighted by the time it held the others.
 
     Each collective event of a traced step (stall snapshots aside) is matched across ranks
@@ -364,8 +395,8 @@ def stragglers(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_
     anywhere, or less than ``noise_floor_s`` more in the place named, :data:`UNATTRIBUTED` (excess 0).
 
     The first traced step (:func:`.model.warmup_step`: start-up skew and warm-up) is left out
-    unless ``include_warmup``. ``rank_timelines``: the ranks' timelines (:func:`timelines`) when ``spans``
-    lack the module spans (read with :class:`Reads`); None: built from ``spans``.
+    unless ``include_warmup``. ``reads``: each rank's :class:`RankRead` (spans read with :class:`Reads`,
+    which lack the module spans); None: made from ``spans``.
 
     Returns:
         one row per blamed (rank, module, pass), largest ``lost_s`` first:
@@ -373,41 +404,49 @@ def stragglers(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_
         "collectives" (how many it held back), "steps" (sorted), "excess_s" (L's time there
         over the others' median, summed)}``; seconds as floats.
     """
-    finished = _finished(spans)
-    steps = index_of(finished)
-    warmup = None if include_warmup else warmup_step(finished)
-    matches = collective_matches(finished, lambda event: steps.step(event["span"]) not in (None, warmup))
-    arrivals = _Arrivals(finished, steps)
-    by_rank: dict[int, list[dict]] = defaultdict(list)
-    if rank_timelines is None:
-        for span in finished:
-            by_rank[span["rank"]].append(span)
-    built: dict[int, _Timeline] = dict(rank_timelines or {})
+    warmup = None if include_warmup else warmup_step(_finished(spans))
+    reads = rank_reads(spans) if reads is None else reads
+    tables = {rank: read.arrivals for rank, read in reads.items()}
+    # The same collective on every rank (as collective_matches finds it): {rank: index}, each rank's first.
+    matches: dict[tuple[str, int], dict[int, int]] = defaultdict(dict)
+    first: dict[tuple[str, int], tuple[int, int, int]] = {}  # the match's earliest event: (time, rank, index)
+    for rank, table in tables.items():
+        for i, (group, seq, step) in enumerate(zip(table.groups, table.seqs, table.steps, strict=True)):
+            if seq is None or step is None or step == warmup:
+                continue
+            key = (group, seq)
+            members = matches[key]
+            if rank not in members:
+                members[rank] = i
+                order = (table.returned[i], rank, i)
+                if key not in first or order < first[key]:
+                    first[key] = order
+    complete = []
+    for key, members in matches.items():
+        _, rank, i = first[key]
+        if len(members) >= 2 and len(members) == tables[rank].sizes[i]:
+            complete.append(members)
 
-    def self_times(rank: int, event: dict, step: int) -> dict[Label, int]:
-        if built.get(rank) is None:
-            built[rank] = _Timeline(by_rank[rank])
-        arrival = issued_ns(event)
-        return built[rank].self_times(arrivals.window_start(rank, arrival, step), arrival)
+    def self_times(rank: int, i: int, step: int) -> dict[Label, int]:
+        arrival = tables[rank].issued[i]
+        return reads[rank].timeline.self_times(tables[rank].window_start(arrival, step), arrival)
 
-    complete = [events for events in matches.values()
-                if len(events) >= 2 and len(events) == group_size(next(iter(events.values())))]
-    carried = _Carried(complete, steps)
+    carried = _Carried(complete, tables)
     rows: dict[tuple[int, str, str], dict[str, Any]] = {}
     floor_ns = noise_floor_s * 1e9
-    for events in complete:
-        issued = {rank: issued_ns(event) for rank, event in events.items()}
+    for members in complete:
+        issued = {rank: tables[rank].issued[i] for rank, i in members.items()}
         last = max(sorted(issued), key=lambda rank: issued[rank])
         others = [time for rank, time in issued.items() if rank != last]
-        step = steps.step(events[last]["span"])
+        step = tables[last].steps[members[last]]
         # Only the delay L added since its previous collective: lateness it still carried from there
         # (an asynchronous collective that it left as late as it came) was counted there.
         late = issued[last] - max(others)
         if late < floor_ns:
             continue
         (module, pass_), excess, extra = _blame(
-            self_times(last, events[last], step),
-            [self_times(rank, events[rank], step) for rank in events if rank != last])
+            self_times(last, members[last], step),
+            [self_times(rank, i, step) for rank, i in members.items() if rank != last])
         # Only the delay L added since its previous collective: the lateness it carried from there (an
         # asynchronous collective it left as late as it came) was counted there; unless L spent more time
         # than the others since then (the others waited out its lateness in between, e.g. in wait_tensor).
@@ -1046,8 +1085,7 @@ def diagnose(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_wa
         "stalls": stalls(spans),
         "unfinished_steps": unfinished_steps(spans),
         "desyncs": desyncs(spans, reads),
-        "stragglers": stragglers(spans, noise_floor_s, include_warmup,
-                                 None if reads is None else {rank: read.timeline for rank, read in reads.items()}),
+        "stragglers": stragglers(spans, noise_floor_s, include_warmup, reads),
         "pipeline_waits": summary.pipeline_waits(finished),
         "ranks": sorted({span["rank"] for span in spans}),
         "missing_ranks": missing,
