@@ -216,6 +216,8 @@ class _Arrivals:
             in_steps.append(steps.step(event["span"]))
             sizes.append(group_size(event))
         self.groups, self.seqs, self.steps, self.sizes = groups, seqs, in_steps, sizes
+        #: Its sends and recvs (pipeline waits pair them).
+        self.p2p = sum(event["name"] in (semconv.SEND, semconv.RECV) for event in events)
         self.issued, self.returned = _column(issued), _column(returned)
         # Arrivals by time (a step None before an int where times tie), to find the window before one.
         order = sorted(range(len(issued)), key=lambda i: (issued[i], in_steps[i] is not None, in_steps[i] or 0))
@@ -867,18 +869,15 @@ def _traced_steps(spans: list[dict]) -> list[int]:
     An untraced step that stalled is exported as its ``train_step`` alone (no child, no event): not traced.
     """
     finished = _finished(spans)
-    parents = {(span["trace_id"], span["parent_span_id"]) for span in finished if span["parent_span_id"]}
     crashed = {item["step"] for item in _raised(spans)} | {item["step"] for item in unfinished_steps(spans)}
-    traced = set()
-    for span in finished:
-        step = own_step(span)
-        if step is None or step in crashed:
-            continue
-        if semconv.STEP_STALLED in span["attributes"] and not span["events"] and not span.get("folded") \
-                and (span["trace_id"], span["span_id"]) not in parents:
-            continue
-        traced.add(step)
-    return sorted(traced)
+    steps = [(step, span) for span in finished if (step := own_step(span)) is not None and step not in crashed]
+    alone = [span for _, span in steps if semconv.STEP_STALLED in span["attributes"] and not span["events"]
+             and not span.get("folded")]  # no event and nothing folded into it: a child, if any, is in the files
+    if alone:
+        parents = {(span["trace_id"], span["parent_span_id"]) for span in finished if span["parent_span_id"]}
+        alone = [span for span in alone if (span["trace_id"], span["span_id"]) not in parents]
+    untraced = {id(span) for span in alone}
+    return sorted({step for step, span in steps if id(span) not in untraced})
 
 
 # ------------------------------------------------------------------- desyncs
@@ -1086,7 +1085,9 @@ def diagnose(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_wa
         "unfinished_steps": unfinished_steps(spans),
         "desyncs": desyncs(spans, reads),
         "stragglers": stragglers(spans, noise_floor_s, include_warmup, reads),
-        "pipeline_waits": summary.pipeline_waits(finished),
+        # Without a send or recv the waits need no collective event (as reads tell, where spans were read).
+        "pipeline_waits": summary.pipeline_waits(
+            finished if reads is None or any(read.arrivals.p2p for read in reads.values()) else []),
         "ranks": sorted({span["rank"] for span in spans}),
         "missing_ranks": missing,
         "steps": _traced_steps(spans),

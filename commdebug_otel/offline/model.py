@@ -89,6 +89,10 @@ def warmup_step(spans: list[dict]) -> int | None:
     healthy runs showed 0.35 to 0.63 s there; DeepSpeed's 0.40 s injected delay read 0.627 s.
     Collectives before any step are never matched as stragglers either.
     """
+    return once("warmup_step", spans, lambda: _warmup_step(spans))
+
+
+def _warmup_step(spans: list[dict]) -> int | None:
     steps = {step for span in spans if not is_snapshot(span) and (step := own_step(span)) is not None}
     return min(steps) if len(steps) > 1 else None
 
