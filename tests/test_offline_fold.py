@@ -2,6 +2,7 @@
 reader's ``fold``), and prints the same as reading every span; where reducing could change an answer
 (a trace split across files, spans read twice), it reads the files again whole."""
 
+import json
 import shutil
 
 import pytest
@@ -199,3 +200,26 @@ def test_a_desync_is_found_from_the_ranks_prints_and_told_as_read_whole(job, cap
         (1, "all_gather")]
     folded = _diagnose(capsys, job, "--format", "json")
     assert folded == _diagnose_unfolded(capsys, monkeypatch, job, "--format", "json")
+
+
+def test_errors_and_steps_ended_at_exit_read_folded_as_whole(job, capsys, monkeypatch):
+    """Rank 1 raised in its last step's leaf (folded unless kept for the error), rank 3 was ended at exit inside
+    model.a in its last step: errors and unfinished steps come from each rank's read, as from every span."""
+    spans = _rank_spans(1)
+    leaf = [one for one in spans if one["name"] == "model.a.leaf forward"][-1]
+    leaf["status_code"] = 2
+    leaf["events"] = [{"name": "exception", "time_ns": leaf["end_ns"],
+                       "attributes": {"exception.type": "RuntimeError", "exception.message": "boom"}}]
+    write_otlp(spans, job / "traces-rank1.jsonl")
+    spans = _rank_spans(3)
+    for one in spans[-5:]:
+        if one["name"] in (semconv.SPAN_TRAIN_STEP, "model forward", "model.a forward"):
+            one["attributes"][semconv.SPAN_UNMATCHED] = True
+    write_otlp(spans, job / "traces-rank3.jsonl")
+    folded = _diagnose(capsys, job, "--format", "json")
+    assert folded == _diagnose_unfolded(capsys, monkeypatch, job, "--format", "json")
+    found = json.loads(folded.out)
+    assert [(error["rank"], error["step"], error["module"], error["type"]) for error in found["errors"]] == [
+        (1, 2, "model.a.leaf", "RuntimeError")]
+    assert [(step["step"], step["closed_at_exit"]) for step in found["unfinished_steps"]] == [
+        (2, {"3": {"module": "model.a", "pass": "forward"}})]

@@ -306,12 +306,16 @@ class RankRead(NamedTuple):
     ``timeline``: its :class:`_Timeline`; ``arrivals``: its collectives (:class:`_Arrivals`); ``prints``:
     ``{step: {group: print}}``, a 64-bit print of each record :func:`_issued_collectives` makes of what it
     issued (equal records, equal prints: :func:`desyncs` compares the collectives only where ranks' prints
-    differ); ``whole``: the steps whose record is whole."""
+    differ); ``whole``: the steps whose record is whole; ``raised``: ``[(order, first exception)]`` per
+    step that raised (:func:`_raised`); ``closed``: ``{step: label of the innermost span left open}`` of a step
+    ended at exit (:func:`_closed_at_exit`)."""
 
     timeline: _Timeline
     arrivals: _Arrivals
     prints: dict[int, dict[str, int]]
     whole: frozenset[int]
+    raised: list[tuple[tuple[int, int], dict]]
+    closed: dict[int, Label]
 
 
 def rank_reads(spans: list[dict]) -> dict[int, RankRead]:
@@ -331,7 +335,14 @@ def rank_reads(spans: list[dict]) -> dict[int, RankRead]:
         events: dict[int, list[dict]] = defaultdict(list)
         for event in collective_events(finished):
             events[event["rank"]].append(event)
-        issued, whole = _issued_collectives(spans, _raised_at(spans))
+        firsts = _raised_in(spans)
+        issued, whole = _issued_collectives(spans, {key: item["_time_ns"] for key, (_, item) in firsts.items()})
+        raised: dict[int, list] = defaultdict(list)
+        for (rank, _), found in firsts.items():
+            raised[rank].append(found)
+        closed: dict[int, dict[int, Label]] = defaultdict(dict)
+        for (rank, step), span in _closed_at_exit(finished, steps).items():
+            closed[rank][step] = _label(span)
     prints: dict[int, dict[int, dict[str, int]]] = defaultdict(dict)
     for (rank, step), groups in issued.items():
         prints[rank][step] = {group: _print(records) for group, records in groups.items()}
@@ -340,8 +351,9 @@ def rank_reads(spans: list[dict]) -> dict[int, RankRead]:
         whole_steps[rank].add(step)
     return {rank: RankRead(_Timeline(by_rank.get(rank, [])), _Arrivals(events.get(rank, []), steps,
                                                                         step_starts.get(rank, {})),
-                           prints.get(rank, {}), frozenset(whole_steps.get(rank, ())))
-            for rank in sorted({*by_rank, *prints, *whole_steps})}
+                           prints.get(rank, {}), frozenset(whole_steps.get(rank, ())), raised.get(rank, []),
+                           closed.get(rank, {}))
+            for rank in sorted({*by_rank, *prints, *whole_steps, *raised})}
 
 
 def _print(records: dict[int, _Issued]) -> int:
@@ -731,12 +743,19 @@ def _no_stall_text(due: dict | None) -> str:
 _STATUS_ERROR = 2  # OTLP's STATUS_CODE_ERROR
 
 
-def _raised(spans: list[dict]) -> list[dict[str, Any]]:
-    """Each (rank, step)'s first exception, from its innermost span that raised, with ``_time_ns``."""
-    return once("raised", spans, lambda: _raised_in(spans))
+def _raised(spans: list[dict], reads: dict[int, RankRead] | None = None) -> list[dict[str, Any]]:
+    """Each (rank, step)'s first exception, from its innermost span that raised, with ``_time_ns``; from
+    ``reads`` where given (the same)."""
+    return once("raised", spans, lambda: _in_order(_raised_in(spans).values() if reads is None else [
+        found for rank in sorted(reads) for found in reads[rank].raised]))
 
 
-def _raised_in(spans: list[dict]) -> list[dict[str, Any]]:
+def _in_order(firsts: Iterable[tuple[tuple[int, int], dict]]) -> list[dict[str, Any]]:
+    return [item for _, item in sorted(firsts, key=lambda found: found[0])]
+
+
+def _raised_in(spans: list[dict]) -> dict[tuple[int, int | None], tuple[tuple[int, int], dict]]:
+    """``{(rank, step): (order, first exception)}``, in the order of the spans (:func:`_raised`)."""
     finished = _finished(spans)
     steps = index_of(finished)
     first: dict[tuple[int, int | None], tuple[tuple[int, int], dict]] = {}
@@ -755,15 +774,15 @@ def _raised_in(spans: list[dict]) -> list[dict[str, Any]]:
                 "type": str(attrs.get("exception.type", span.get("status_message", ""))),
                 "message": str(attrs.get("exception.message", "")),
                 "stacktrace": str(attrs.get("exception.stacktrace", "")), "_time_ns": time_ns})
-    return [item for _, item in sorted(first.values(), key=lambda found: found[0])]
+    return first
 
 
-def _raised_at(spans: list[dict]) -> dict[tuple[int, int | None], int]:
+def _raised_at(spans: list[dict], reads: dict[int, RankRead] | None = None) -> dict[tuple[int, int | None], int]:
     """``{(rank, step): ns}`` of each (rank, step) whose step raised: when it first did."""
-    return {(item["rank"], item["step"]): item["_time_ns"] for item in _raised(spans)}
+    return {(item["rank"], item["step"]): item["_time_ns"] for item in _raised(spans, reads)}
 
 
-def errors(spans: list[dict]) -> list[dict[str, Any]]:
+def errors(spans: list[dict], reads: dict[int, RankRead] | None = None) -> list[dict[str, Any]]:
     """The exceptions the ranks raised: per rank and step, the first, from the innermost span that raised.
 
     Reads the finished spans with status ``ERROR`` and their ``exception`` event (the live side
@@ -774,7 +793,7 @@ def errors(spans: list[dict]) -> list[dict[str, Any]]:
         ``[{"rank", "step" (None outside a step), "module", "pass" (:data:`TRAIN_STEP` and "" for
         ``train_step`` itself), "type", "message" ("" when not exported), "stacktrace"}]``, earliest first.
     """
-    return [{key: value for key, value in item.items() if key != "_time_ns"} for item in _raised(spans)]
+    return [{key: value for key, value in item.items() if key != "_time_ns"} for item in _raised(spans, reads)]
 
 
 def missing_ranks(spans: list[dict]) -> list[int]:
@@ -811,7 +830,7 @@ def _closed_in(finished: list[dict], steps: SpanIndex) -> dict[tuple[int, int], 
     return out
 
 
-def unfinished_steps(spans: list[dict]) -> list[dict[str, Any]]:
+def unfinished_steps(spans: list[dict], reads: dict[int, RankRead] | None = None) -> list[dict[str, Any]]:
     """Steps that did not finish on every rank: a hang (or a crash) cut short, not a desync.
 
     A step is unfinished when some rank ended it at exit (:func:`_closed_at_exit`: killed while
@@ -826,13 +845,15 @@ def unfinished_steps(spans: list[dict]) -> list[dict[str, Any]]:
         without send/recv), "op", "issued_by": [ranks], "not_by": [ranks]}] (the first per group)}]``,
         by step.
     """
-    return once("unfinished_steps", spans, lambda: _unfinished_in(spans))
+    return once("unfinished_steps", spans, lambda: _unfinished_in(spans, reads))
 
 
-def _unfinished_in(spans: list[dict]) -> list[dict[str, Any]]:
+def _unfinished_in(spans: list[dict], reads: dict[int, RankRead] | None) -> list[dict[str, Any]]:
     finished = _finished(spans)
-    steps = index_of(finished)
-    cut = _closed_at_exit(finished, steps)
+    if reads is None:
+        cut = {key: _label(span) for key, span in _closed_at_exit(finished, index_of(finished)).items()}
+    else:
+        cut = {(rank, step): label for rank, read in reads.items() for step, label in read.closed.items()}
     by_rank: dict[int, set[int]] = defaultdict(set)
     for span in finished:
         if (step := own_step(span)) is not None:
@@ -844,7 +865,7 @@ def _unfinished_in(spans: list[dict]) -> list[dict[str, Any]]:
     out = []
     for step in sorted(unfinished):
         missing = sorted(rank for rank, last in lasts.items() if last < step)
-        closed = {rank: span for (rank, number), span in cut.items() if number == step}
+        closed = {rank: label for (rank, number), label in cut.items() if number == step}
         records = {rank: groups for (rank, number), groups in issued.items() if number == step}
         not_issued = []
         for group in sorted({group for groups in records.values() for group in groups}):
@@ -857,19 +878,20 @@ def _unfinished_in(spans: list[dict]) -> list[dict[str, Any]]:
                                        "not_by": sorted(rank for rank in seqs if rank not in issued_by)})
                     break
         out.append({"step": step, "missing": missing, "not_issued": not_issued,
-                    "closed_at_exit": {rank: dict(zip(("module", "pass"), _label(span), strict=True))
-                                       for rank, span in sorted(closed.items())}})
+                    "closed_at_exit": {rank: dict(zip(("module", "pass"), label, strict=True))
+                                       for rank, label in sorted(closed.items())}})
     return out
 
 
-def _traced_steps(spans: list[dict]) -> list[int]:
+def _traced_steps(spans: list[dict], reads: dict[int, RankRead] | None = None) -> list[int]:
     """Steps every rank finished and traced, without those where a rank raised or that some rank did
     not finish (:func:`unfinished_steps`).
 
     An untraced step that stalled is exported as its ``train_step`` alone (no child, no event): not traced.
     """
     finished = _finished(spans)
-    crashed = {item["step"] for item in _raised(spans)} | {item["step"] for item in unfinished_steps(spans)}
+    crashed = {item["step"] for item in _raised(spans, reads)} | {item["step"] for item in
+                                                                 unfinished_steps(spans, reads)}
     steps = [(step, span) for span in finished if (step := own_step(span)) is not None and step not in crashed]
     alone = [span for _, span in steps if semconv.STEP_STALLED in span["attributes"] and not span["events"]
              and not span.get("folded")]  # no event and nothing folded into it: a child, if any, is in the files
@@ -995,7 +1017,7 @@ def desyncs(spans: list[dict], reads: dict[int, RankRead] | None = None) -> list
     """
     issued: dict[tuple[int, int], dict[str, dict[int, _Issued]]] | None = None
     if reads is None:
-        issued, whole = _issued_collectives(spans, _raised_at(spans))
+        issued, whole = _issued_collectives(spans, _raised_at(spans, reads))
         records: dict[tuple[int, int], dict[str, Any]] = issued
     else:
         records = {(rank, step): groups for rank, read in reads.items() for step, groups in read.prints.items()}
@@ -1020,7 +1042,7 @@ def desyncs(spans: list[dict], reads: dict[int, RankRead] | None = None) -> list
             if issued is None:
                 if len({records.get((rank, step), {}).get(group) for rank in ranks}) == 1:
                     continue  # the same records on every rank: no difference
-                issued = _issued_collectives(spans, _raised_at(spans))[0]
+                issued = _issued_collectives(spans, _raised_at(spans, reads))[0]
             prints = [fingerprints.get((rank, step), {}).get(group) for rank in ranks]
             by_rank = {rank: issued.get((rank, step), {}).get(group, {}) for rank in ranks}
             found = _first_difference(group, step, by_rank, {rank for rank in ranks if (rank, step) in whole},
@@ -1080,9 +1102,9 @@ def diagnose(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_wa
         warnings.append(f"warning: world size {world}, but no spans from rank(s) {_ranges(missing)}: not traced "
                         "(OTEL_PYTHON_COMMDEBUG_RANKS), their files not given, or they exported nothing")
     found = {
-        "errors": errors(spans),
+        "errors": errors(spans, reads),
         "stalls": stalls(spans),
-        "unfinished_steps": unfinished_steps(spans),
+        "unfinished_steps": unfinished_steps(spans, reads),
         "desyncs": desyncs(spans, reads),
         "stragglers": stragglers(spans, noise_floor_s, include_warmup, reads),
         # Without a send or recv the waits need no collective event (as reads tell, where spans were read).
@@ -1090,7 +1112,7 @@ def diagnose(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_wa
             finished if reads is None or any(read.arrivals.p2p for read in reads.values()) else []),
         "ranks": sorted({span["rank"] for span in spans}),
         "missing_ranks": missing,
-        "steps": _traced_steps(spans),
+        "steps": _traced_steps(spans, reads),
         "noise_floor_s": noise_floor_s,
         "warmup_step": None if include_warmup else warmup_step(finished),
         "watchdog": watchdog(spans),
