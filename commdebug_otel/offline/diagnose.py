@@ -252,24 +252,31 @@ class _Carried:
     """
 
     def __init__(self, complete: list[dict[int, int]], tables: dict[int, _Arrivals]) -> None:
-        items: dict[int, list[tuple[int, int, int | None]]] = defaultdict(list)
+        carried: dict[int, dict[int, int]] = defaultdict(dict)  # rank -> {index in its table: ns carried}
         for members in complete:
             issued = _Latest({rank: tables[rank].issued[i] for rank, i in members.items()})
             returned = _Latest({rank: tables[rank].returned[i] for rank, i in members.items()})
             for rank, i in members.items():
                 late = issued[rank] - _latest_other(issued, rank)
                 later = returned[rank] - _latest_other(returned, rank)
-                items[rank].append((issued[rank], max(0, min(late, later)), tables[rank].steps[i]))
-        self._items = {rank: sorted(found, key=lambda item: item[0]) for rank, found in items.items()}
-        self._times = {rank: [item[0] for item in found] for rank, found in self._items.items()}
+                carried[rank][i] = max(0, min(late, later))
+        # Per rank, by arrival (a column each: half a million of them at 1,024 ranks).
+        self._times: dict[int, Sequence[int]] = {}
+        self._carried: dict[int, Sequence[int]] = {}
+        self._steps: dict[int, list[int | None]] = {}
+        for rank, found in carried.items():
+            table = tables[rank]
+            order = sorted(found, key=table.issued.__getitem__)
+            self._times[rank] = _column([table.issued[i] for i in order])
+            self._carried[rank] = _column([found[i] for i in order])
+            self._steps[rank] = [table.steps[i] for i in order]
 
     def before(self, rank: int, arrival: int, step: int | None) -> int:
         """ns of lateness ``rank`` carried from its previous collective (in this step or the one before)."""
         i = bisect.bisect_left(self._times[rank], arrival)
         if i == 0:
             return 0
-        _, carried, previous_step = self._items[rank][i - 1]
-        return carried if step is not None and previous_step in (step, step - 1) else 0
+        return self._carried[rank][i - 1] if step is not None and self._steps[rank][i - 1] in (step, step - 1) else 0
 
 
 class _Latest(dict):
@@ -423,23 +430,17 @@ def stragglers(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_
     tables = {rank: read.arrivals for rank, read in reads.items()}
     # The same collective on every rank (as collective_matches finds it): {rank: index}, each rank's first.
     matches: dict[tuple[str, int], dict[int, int]] = defaultdict(dict)
-    first: dict[tuple[str, int], tuple[int, int, int]] = {}  # the match's earliest event: (time, rank, index)
     for rank, table in tables.items():
         for i, (group, seq, step) in enumerate(zip(table.groups, table.seqs, table.steps, strict=True)):
-            if seq is None or step is None or step == warmup:
-                continue
-            key = (group, seq)
-            members = matches[key]
-            if rank not in members:
-                members[rank] = i
-                order = (table.returned[i], rank, i)
-                if key not in first or order < first[key]:
-                    first[key] = order
+            if seq is not None and step is not None and step != warmup:
+                matches[(group, seq)].setdefault(rank, i)
     complete = []
-    for key, members in matches.items():
-        _, rank, i = first[key]
-        if len(members) >= 2 and len(members) == tables[rank].sizes[i]:
-            complete.append(members)
+    for members in matches.values():
+        if len(members) >= 2:  # as many ranks as the group's size, as the earliest event says
+            _, rank, i = min((tables[rank].returned[i], rank, i) for rank, i in members.items())
+            if len(members) == tables[rank].sizes[i]:
+                complete.append(members)
+    del matches
 
     def self_times(rank: int, i: int, step: int) -> dict[Label, int]:
         arrival = tables[rank].issued[i]
