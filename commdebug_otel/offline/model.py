@@ -114,14 +114,8 @@ def is_snapshot(span: dict) -> bool:
 
 def issued_ns(event: dict) -> int:
     """A collective's arrival (ns since the epoch): when the CPU began issuing the op. The event is
-    stamped when the call returned; ``torch.collective.issue_duration_s`` is taken off. An event of
-    :func:`collective_events` has it already (``"issued_ns"``)."""
-    known = event.get("issued_ns")
-    return _issued(event["time_ns"], event["attributes"]) if known is None else known
-
-
-def _issued(time_ns: int, attributes: dict) -> int:
-    return time_ns - round(float(attributes.get(semconv.COLLECTIVE_DURATION, 0.0)) * 1e9)
+    stamped when the call returned; ``torch.collective.issue_duration_s`` is taken off."""
+    return event["time_ns"] - round(float(event["attributes"].get(semconv.COLLECTIVE_DURATION, 0.0)) * 1e9)
 
 
 def group_size(event: dict) -> int:
@@ -219,8 +213,7 @@ def collective_events(spans: list[dict], rank: int | None = None) -> list[dict[s
     """Collective events (those with ``torch.collective.op``), oldest first (by the time the call returned).
 
     Returns:
-        ``[{"rank", "time_ns", "issued_ns" (:func:`issued_ns`), "name", "attributes", "span"}]``; ``span`` is
-        the owning span dict.
+        ``[{"rank", "time_ns", "name", "attributes", "span"}]``; ``span`` is the owning span dict.
         Within :func:`reusing`, every rank's are found once per list (do not change the list returned).
     """
     if rank is None:
@@ -248,7 +241,6 @@ class _Collective:
     def __init__(self, rank: int, time_ns: int, name: str, attributes: dict, span: dict) -> None:
         self.rank = rank
         self.time_ns = time_ns
-        self.issued_ns = _issued(time_ns, attributes)
         self.name = name
         self.attributes = attributes
         self.span = span

@@ -681,15 +681,18 @@ class SpanReader:
             (path, _read_file(path, self.max_line_bytes, self.hex_ids, self.shared, self.fold)) for path in files)
         # With fold, spans are told apart across files by 64-bit prints of their keys, 8 bytes each: a print
         # seen twice (a span read twice, or by chance once in 2**64 pairs) makes the reader unfoldable, and
-        # reading again whole finds the duplicates by their full keys.
-        kept, folded, parents = array("q"), array("q"), array("q")
+        # reading again whole finds the duplicates by their full keys. The prints are looked at in 16 parts,
+        # so no set of all of them is ever made.
+        parts = [array("q") for _ in range(16)]
+        folded, parents = array("q"), array("q")
         for path, (spans, messages, duplicates, skipped, prints, digests) in read:
             self._gather(path, digests)
             self.messages += messages
             self.duplicates += duplicates
             self.skipped_lines += skipped
             if prints is not None:
-                kept.extend(prints[0])
+                for key in itertools.chain(prints[0], prints[1]):
+                    parts[key & 15].append(key)
                 folded.extend(prints[1])
                 parents.extend(prints[2])
             for span in spans:
@@ -698,7 +701,7 @@ class SpanReader:
                     yield _compact(span) if self.shared else span
         if self.fold is not None:
             orphans = set(parents)
-            self.unfoldable |= (len(set(kept).union(folded)) < len(kept) + len(folded)
+            self.unfoldable |= (any(len(set(part)) < len(part) for part in parts)
                                 or any(key in orphans for key in folded))
 
     def _gather(self, path: str, digests: dict[int, Any] | None) -> None:
