@@ -395,8 +395,31 @@ def _attributes(key_values: Any, depth: int = 0) -> dict[str, Any]:
                 if kind == "doubleValue" and type(inner) is float and -_HUGE < inner < _HUGE:
                     out[key] = inner
                     continue
+                if kind == "arrayValue" and depth < MAX_VALUE_DEPTH and type(inner) is dict and len(inner) == 1:
+                    plain = _plain_array(inner.get("values"))
+                    if plain is not None:
+                        out[key] = plain
+                        continue
         item = _object(item, "an attribute")
         out[_str(item.get("key"), "an attribute key")] = _any_value(item.get("value", {}), depth)
+    return out
+
+
+def _plain_array(values: Any) -> list | None:
+    """An ``arrayValue``'s values when each is a string or a decimal integer (shapes, names), else None."""
+    if type(values) is not list:
+        return None
+    out = []
+    for value in values:
+        if type(value) is not dict or len(value) != 1:
+            return None
+        (kind, inner), = value.items()
+        if kind == "intValue" and type(inner) is str and len(inner) < 19 and inner.isdigit() and inner.isascii():
+            out.append(int(inner))
+        elif kind == "stringValue" and type(inner) is str:
+            out.append(_share(inner, inner))
+        else:
+            return None
     return out
 
 
@@ -479,8 +502,9 @@ _KEPT: dict[str, tuple[type, Any, Any]] = {
 
 
 def _checked(attributes: dict[str, Any]) -> dict[str, Any]:
-    for key in attributes.keys() & ATTRIBUTE_TYPES.keys():
-        value = attributes[key]
+    for key, value in attributes.items():
+        if key not in ATTRIBUTE_TYPES:
+            continue
         kept = _KEPT.get(key)
         if kept is not None and type(value) is kept[0] and (kept[1] is None or kept[1] <= value <= kept[2]):
             continue  # already what the check would make of it
