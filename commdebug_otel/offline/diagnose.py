@@ -48,7 +48,7 @@ import json
 import statistics
 import sys
 from array import array
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -58,12 +58,12 @@ from commdebug_otel.offline import EXIT_DONE, EXIT_UNREADABLE, flight_recorder, 
 from commdebug_otel.offline.backends import DEADLINE_S, MAX_RESPONSE_BYTES
 from commdebug_otel.offline.model import (
     P2P,
+    Arrivals,
     SpanIndex,
     collective_events,
-    group_size,
+    column,
     index_of,
     is_snapshot,
-    issued_ns,
     once,
     own_step,
     reusing,
@@ -189,58 +189,6 @@ class _Timeline:
         return out
 
 
-class _Arrivals:
-    """One rank's collectives, in the order it issued them, as :func:`stragglers` matches and windows them:
-    columns of one value per collective event (8 bytes each where they fit).
-
-    ``groups``, ``seqs`` (the seq counted without send/recv, :func:`.model.collective_matches`; None for
-    send/recv and events without a seq), ``issued`` (:func:`.model.issued_ns`), ``returned`` (the event's
-    time), ``steps`` (of its span; None outside steps), ``sizes`` (its group's size).
-    """
-
-    def __init__(self, events: list[dict], steps: SpanIndex, step_starts: dict[int, int]) -> None:
-        groups, seqs, issued, returned, in_steps, sizes = [], [], [], [], [], []
-        p2p_before: Counter = Counter()
-        for event in events:
-            attrs = event["attributes"]
-            group = _group(attrs)
-            seq = None
-            if event["name"] in P2P:
-                p2p_before[group] += 1
-            elif semconv.COLLECTIVE_SEQ in attrs:
-                seq = int(attrs[semconv.COLLECTIVE_SEQ]) - p2p_before[group]
-            groups.append(group)
-            seqs.append(seq)
-            issued.append(issued_ns(event))
-            returned.append(event["time_ns"])
-            in_steps.append(steps.step(event["span"]))
-            sizes.append(group_size(event))
-        self.groups, self.seqs, self.steps, self.sizes = groups, seqs, in_steps, sizes
-        #: Its sends and recvs (pipeline waits pair them).
-        self.p2p = sum(event["name"] in (semconv.SEND, semconv.RECV) for event in events)
-        self.issued, self.returned = _column(issued), _column(returned)
-        # Arrivals by time (a step None before an int where times tie), to find the window before one.
-        order = sorted(range(len(issued)), key=lambda i: (issued[i], in_steps[i] is not None, in_steps[i] or 0))
-        self._times = _column([issued[i] for i in order])
-        self._time_steps = [in_steps[i] for i in order]
-        self._step_starts = step_starts
-
-    def window_start(self, arrival: int, step: int) -> int:
-        """The previous arrival when it lies in this step or the one before, else the step's start."""
-        i = bisect.bisect_left(self._times, arrival)
-        if i > 0 and self._time_steps[i - 1] in (step, step - 1):
-            return self._times[i - 1]
-        return min(self._step_starts.get(step, arrival), arrival)
-
-
-def _column(values: list[int]) -> Sequence[int]:
-    """``values`` in 8 bytes each (an ``array``), or as they are where one does not fit in 64 bits."""
-    try:
-        return array("q", values)
-    except OverflowError:
-        return values
-
-
 class _Carried:
     """How late each rank still was when it left each collective, to count a delay once.
 
@@ -251,7 +199,7 @@ class _Carried:
     buckets, FSDP's prefetch, functional collectives) returns at once (all of it carried).
     """
 
-    def __init__(self, complete: list[dict[int, int]], tables: dict[int, _Arrivals]) -> None:
+    def __init__(self, complete: list[dict[int, int]], tables: dict[int, Arrivals]) -> None:
         carried: dict[int, dict[int, int]] = defaultdict(dict)  # rank -> {index in its table: ns carried}
         for members in complete:
             issued = _Latest({rank: tables[rank].issued[i] for rank, i in members.items()})
@@ -267,8 +215,8 @@ class _Carried:
         for rank, found in carried.items():
             table = tables[rank]
             order = sorted(found, key=table.issued.__getitem__)
-            self._times[rank] = _column([table.issued[i] for i in order])
-            self._carried[rank] = _column([found[i] for i in order])
+            self._times[rank] = column([table.issued[i] for i in order])
+            self._carried[rank] = column([found[i] for i in order])
             self._steps[rank] = [table.steps[i] for i in order]
 
     def before(self, rank: int, arrival: int, step: int | None) -> int:
@@ -310,7 +258,7 @@ def _blame(late: dict[Label, int], others: list[dict[Label, int]]) -> tuple[Labe
 class RankRead(NamedTuple):
     """What :class:`Reads` keeps of one rank's spans where its file is read.
 
-    ``timeline``: its :class:`_Timeline`; ``arrivals``: its collectives (:class:`_Arrivals`); ``prints``:
+    ``timeline``: its :class:`_Timeline`; ``arrivals``: its collectives (:class:`Arrivals`); ``prints``:
     ``{step: {group: print}}``, a 64-bit print of each record :func:`_issued_collectives` makes of what it
     issued (equal records, equal prints: :func:`desyncs` compares the collectives only where ranks' prints
     differ); ``whole``: the steps whose record is whole; ``raised``: ``[(order, first exception)]`` per
@@ -318,7 +266,7 @@ class RankRead(NamedTuple):
     ended at exit (:func:`_closed_at_exit`)."""
 
     timeline: _Timeline
-    arrivals: _Arrivals
+    arrivals: Arrivals
     prints: dict[int, dict[str, int]]
     whole: frozenset[int]
     raised: list[tuple[tuple[int, int], dict]]
@@ -356,7 +304,7 @@ def rank_reads(spans: list[dict]) -> dict[int, RankRead]:
     whole_steps: dict[int, set[int]] = defaultdict(set)
     for rank, step in whole:
         whole_steps[rank].add(step)
-    return {rank: RankRead(_Timeline(by_rank.get(rank, [])), _Arrivals(events.get(rank, []), steps,
+    return {rank: RankRead(_Timeline(by_rank.get(rank, [])), Arrivals(events.get(rank, []), steps,
                                                                         step_starts.get(rank, {})),
                            prints.get(rank, {}), frozenset(whole_steps.get(rank, ())), raised.get(rank, []),
                            closed.get(rank, {}))

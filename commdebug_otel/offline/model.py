@@ -16,17 +16,19 @@ Spans are the dicts :class:`.otlp_json.SpanReader` yields (or any dicts with the
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import gc
+from array import array
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from typing import Any, TypeVar
 
 from commdebug_otel import semconv
 
-__all__ = ["P2P", "SpanIndex", "collective_events", "collective_matches", "group_size", "index_of", "is_complete",
-           "is_snapshot", "issued_ns", "once", "own_step", "reusing", "warmup_step"]
+__all__ = ["P2P", "Arrivals", "SpanIndex", "collective_events", "collective_matches", "column", "group_size",
+           "index_of", "is_complete", "is_snapshot", "issued_ns", "once", "own_step", "reusing", "warmup_step"]
 
 _T = TypeVar("_T")
 _REUSED: ContextVar[dict | None] = ContextVar("commdebug_otel_offline_reused", default=None)
@@ -275,3 +277,58 @@ def collective_matches(spans: list[dict], keep: Callable[[dict], bool] | None = 
         key = (group, int(attrs[semconv.COLLECTIVE_SEQ]) - p2p_before[(event["rank"], group)])
         matches[key].setdefault(event["rank"], event)
     return dict(matches)
+
+
+class Arrivals:
+    """One rank's collectives, in the order it issued them, as both commands' stragglers match (and
+    ``diagnose`` windows) them: columns of one value per collective event (8 bytes each where they fit).
+
+    ``events``: the rank's events as :func:`collective_events` orders them; ``steps``: their spans' index;
+    ``step_starts``: ``{step: its train_step's start}`` (for :meth:`window_start`).
+
+    ``groups``, ``seqs`` (the seq counted without send/recv, :func:`.model.collective_matches`; None for
+    send/recv and events without a seq), ``issued`` (:func:`issued_ns`), ``returned`` (the event's
+    time), ``steps`` (of its span; None outside steps), ``sizes`` (its group's size).
+    """
+
+    def __init__(self, events: list[dict], steps: SpanIndex, step_starts: dict[int, int]) -> None:
+        groups, seqs, issued, returned, in_steps, sizes = [], [], [], [], [], []
+        p2p_before: Counter = Counter()
+        for event in events:
+            attrs = event["attributes"]
+            group = str(attrs.get(semconv.PROCESS_GROUP_NAME, ""))
+            seq = None
+            if event["name"] in P2P:
+                p2p_before[group] += 1
+            elif semconv.COLLECTIVE_SEQ in attrs:
+                seq = int(attrs[semconv.COLLECTIVE_SEQ]) - p2p_before[group]
+            groups.append(group)
+            seqs.append(seq)
+            issued.append(issued_ns(event))
+            returned.append(event["time_ns"])
+            in_steps.append(steps.step(event["span"]))
+            sizes.append(group_size(event))
+        self.groups, self.seqs, self.steps, self.sizes = groups, seqs, in_steps, sizes
+        #: Its sends and recvs (pipeline waits pair them).
+        self.p2p = sum(event["name"] in (semconv.SEND, semconv.RECV) for event in events)
+        self.issued, self.returned = column(issued), column(returned)
+        # Arrivals by time (a step None before an int where times tie), to find the window before one.
+        order = sorted(range(len(issued)), key=lambda i: (issued[i], in_steps[i] is not None, in_steps[i] or 0))
+        self._times = column([issued[i] for i in order])
+        self._time_steps = [in_steps[i] for i in order]
+        self._step_starts = step_starts
+
+    def window_start(self, arrival: int, step: int) -> int:
+        """The previous arrival when it lies in this step or the one before, else the step's start."""
+        i = bisect.bisect_left(self._times, arrival)
+        if i > 0 and self._time_steps[i - 1] in (step, step - 1):
+            return self._times[i - 1]
+        return min(self._step_starts.get(step, arrival), arrival)
+
+
+def column(values: list[int]) -> Sequence[int]:
+    """``values`` in 8 bytes each (an ``array``), or as they are where one does not fit in 64 bits."""
+    try:
+        return array("q", values)
+    except OverflowError:
+        return values
