@@ -9,7 +9,7 @@ import pytest
 
 from commdebug_otel import semconv
 from commdebug_otel.cli import main
-from commdebug_otel.offline import diagnose, model, otlp_json, summary
+from commdebug_otel.offline import diagnose, otlp_json, summary
 
 from otlp_files import span, write_otlp
 
@@ -68,7 +68,8 @@ def _unfolded(capsys, monkeypatch, *argv):
 
 
 @pytest.mark.parametrize("argv", [(), ("--rank", 1), ("--step", 1), ("--format", "report-json"),
-                                  ("--format", "json", "--step", 2, "--rank", 3)])
+                                  ("--format", "json", "--step", 2, "--rank", 3),
+                                  ("--include-warmup", "--format", "report-json")])
 def test_folded_files_give_the_same_answers(job, capsys, monkeypatch, argv):
     folded = _summarize(capsys, job, *argv)
     assert folded == _unfolded(capsys, monkeypatch, job, *argv)
@@ -80,18 +81,18 @@ def test_fold_keeps_what_summarize_reads_and_counts_the_rest(job):
     reader = otlp_json.SpanReader([job], fold=summary._Needs(0))
     spans = list(reader)
     assert not reader.unfoldable and reader.duplicates == 0
-    # rank 0 whole; on the others model, model.a and its leaf are counted into the train_step of their
-    # step, and model.b (its collective) is a root that knows its step
-    assert len(spans) == _STEPS * 5 + (_RANKS - 1) * _STEPS * 2
+    # rank 0 whole; on the others every span under a train_step is counted into it: their collectives are in
+    # each rank's read (totals and arrivals), made where the file was read
+    assert len(spans) == _STEPS * 5 + (_RANKS - 1) * _STEPS
     assert sum(1 + span["folded"] for span in spans) == _RANKS * _STEPS * 5
-    assert sorted((span["rank"], span["name"]) for span in spans if span["folded"]) == [
-        (rank, semconv.SPAN_TRAIN_STEP) for rank in range(1, _RANKS) for _ in range(_STEPS)]
-    assert {span["folded"] for span in spans if span["folded"]} == {3}
-    assert sorted((span["rank"], span["root_step"]) for span in spans if span["name"] == "model.b forward") == [
-        (rank, (step,)) for rank in range(_RANKS) for step in range(_STEPS)]
-    index = model.SpanIndex(spans)
-    assert [index.step(span) for span in spans if span["name"] == "model.b forward"] == [
-        step for _ in range(_RANKS) for step in range(_STEPS)]
+    assert sorted((span["rank"], span["name"], span["folded"]) for span in spans if span["folded"]) == [
+        (rank, semconv.SPAN_TRAIN_STEP, 4) for rank in range(1, _RANKS) for _ in range(_STEPS)]
+    assert sorted(reader.digests) == list(range(_RANKS))
+    read = reader.digests[2]
+    assert read.totals[summary.ALL] == [_STEPS, _STEPS * 1024, {"all_reduce": _STEPS}]
+    assert [read.totals[step][0] for step in range(_STEPS)] == [1] * _STEPS
+    assert (list(read.arrivals.seqs), list(read.arrivals.steps)) == (list(range(_STEPS)), list(range(_STEPS)))
+    assert list(read.arrivals.issued) == [step * 10**9 + 25 * 10**7 + 5_000_000 - 1_000_000 for step in range(_STEPS)]
     apart = otlp_json.SpanReader([job], workers=2, fold=summary._Needs(0))
     assert list(apart) == spans and not apart.unfoldable
 

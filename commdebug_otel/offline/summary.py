@@ -39,18 +39,19 @@ import statistics
 import sys
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from commdebug_otel import semconv
 from commdebug_otel.compat.report import GLOBAL, CommReport, Operation, render_json, render_table
 from commdebug_otel.offline import EXIT_DONE, EXIT_NOT_THERE, EXIT_UNREADABLE
 from commdebug_otel.offline.model import P2P as _P2P
 from commdebug_otel.offline.model import (
+    Arrivals,
     SpanIndex,
     collective_events,
     collective_matches,
+    group_size,
     index_of,
-    is_complete,
     is_snapshot,
     issued_ns,
     own_step,
@@ -390,19 +391,66 @@ def _operation(event: dict, span_pass: str | None) -> Operation:
 # ---------------------------------------------------------------- across ranks
 
 
-def rank_totals(spans: list[dict]) -> dict[int, dict[str, Any]]:
+class RankRead(NamedTuple):
+    """What ``summarize`` keeps of one rank's spans where its file is read.
+
+    ``arrivals``: its collectives (:class:`.model.Arrivals`); ``totals``: ``{step: [events, bytes, {op: n}]}``
+    of its collective events by the step of their span (None: outside steps), and under the key ``ALL``
+    all of them, each ``{op: n}`` in the order the ops first came; ``groups``: ``{group: (index in arrivals
+    of its last event there, the group's size, the world size)}`` (pipeline waits place peers by them)."""
+
+    arrivals: Arrivals
+    totals: dict[Any, list]
+    groups: dict[str, tuple[int, int, int]]
+
+
+ALL = "all"
+
+
+def rank_reads(spans: list[dict]) -> dict[int, RankRead]:
+    """:class:`RankRead` of each rank, from ``spans`` holding every span of each of their ranks."""
+    spans = sorted(spans, key=lambda span: (span["rank"], span["start_ns"]))  # the order load_spans gives
+    with reusing(own=True):  # its own results: one file's, dropped when done
+        steps = index_of(spans)
+        events: dict[int, list[dict]] = defaultdict(list)
+        totals: dict[int, dict[Any, list]] = defaultdict(dict)
+        groups: dict[int, dict[str, tuple[int, int, int]]] = defaultdict(dict)
+        for event in collective_events(spans):
+            world = int(event["span"]["resource"].get(semconv.WORLD_SIZE, 0))
+            groups[event["rank"]][str(event["attributes"].get(semconv.PROCESS_GROUP_NAME, ""))] = (
+                len(events[event["rank"]]), group_size(event), world)
+            events[event["rank"]].append(event)
+            nbytes = int(event["attributes"].get(semconv.COLLECTIVE_BYTES, 0))
+            for key in (ALL, steps.step(event["span"])):
+                total = totals[event["rank"]].setdefault(key, [0, 0, Counter()])
+                total[0] += 1
+                total[1] += nbytes
+                total[2][event["name"]] += 1
+        return {rank: RankRead(Arrivals(events.get(rank, []), steps, {}), totals.get(rank, {}), groups.get(rank, {}))
+                for rank in sorted({span["rank"] for span in spans})}
+
+
+def rank_totals(spans: list[dict], reads: dict[int, RankRead] | None = None,
+                step: Any = ALL) -> dict[int, dict[str, Any]]:
     """Per rank: ``{"events": n, "bytes": total payload bytes, "by_op": {op: n}, "odd": bool}``.
 
     ``odd`` marks a rank whose per-op counts differ from the most common ones,
     point-to-point ops aside (pipeline stages send and receive different amounts).
+    ``reads``: each rank's :class:`RankRead` (``summarize``'s reading: the same answer), counting ``step``
+    (:data:`ALL`, or the step ``spans`` were chosen for with :func:`step_spans`); None: counted from ``spans``.
     """
     totals: dict[int, dict[str, Any]] = {
         rank: {"events": 0, "bytes": 0, "by_op": Counter()} for rank in _ranks(spans)}
-    for event in collective_events(spans):
-        total = totals[event["rank"]]
-        total["events"] += 1
-        total["bytes"] += int(event["attributes"].get(semconv.COLLECTIVE_BYTES, 0))
-        total["by_op"][event["name"]] += 1
+    if reads is None:
+        for event in collective_events(spans):
+            total = totals[event["rank"]]
+            total["events"] += 1
+            total["bytes"] += int(event["attributes"].get(semconv.COLLECTIVE_BYTES, 0))
+            total["by_op"][event["name"]] += 1
+    for rank, total in totals.items() if reads is not None else ():
+        found = reads[rank].totals.get(step) if rank in reads else None
+        if found is not None:
+            total["events"], total["bytes"], total["by_op"] = found[0], found[1], Counter(found[2])
     def shape(total: dict) -> tuple:
         return tuple(sorted((op, n) for op, n in total["by_op"].items() if op not in _P2P))
 
@@ -414,7 +462,8 @@ def rank_totals(spans: list[dict]) -> dict[int, dict[str, Any]]:
     return totals
 
 
-def stragglers(spans: list[dict], step: int | None = None, include_warmup: bool = False) -> dict[str, Any]:
+def stragglers(spans: list[dict], step: int | None = None, include_warmup: bool = False,
+               reads: dict[int, RankRead] | None = None) -> dict[str, Any]:
     """Match each collective across ranks by (process group name, seq) and measure lateness.
 
     Matching is :func:`collective_matches`'s: point-to-point ops (``send``, ``recv``,
@@ -447,27 +496,38 @@ def stragglers(spans: list[dict], step: int | None = None, include_warmup: bool 
 
     The times are each host's wall clock when the CPU issued the collective,
     not when the device ran it; across hosts, clock skew adds to lateness.
+    ``reads``: each rank's :class:`RankRead` (``summarize``'s reading: the same answer); None: made from ``spans``.
     """
     warmup = None if include_warmup or step is not None else warmup_step(spans)
-    index = index_of(spans)
+    tables = {rank: read.arrivals for rank, read in (rank_reads(spans) if reads is None else reads).items()}
     # Collectives outside every step stay: a pipeline schedule's loss all_reduce can be one.
-    matches = collective_matches(spans, lambda event: (
-        index.step(event["span"]) == step if step is not None
-        else warmup is None or index.step(event["span"]) != warmup))
+    matches: dict[tuple[str, int], list[tuple[int, int, int]]] = defaultdict(list)  # [(time, rank, index)]
+    for rank, table in tables.items():
+        seen: set[tuple[str, int]] = set()  # a rank's first event of a (group, seq) counts
+        for i, (group, seq, number) in enumerate(zip(table.groups, table.seqs, table.steps, strict=True)):
+            if seq is None or (number != step if step is not None else warmup is not None and number == warmup):
+                continue
+            if (group, seq) not in seen:
+                seen.add((group, seq))
+                matches[(group, seq)].append((table.returned[i], rank, i))
+    # In the order of each match's first event, each match's ranks in the order of their events.
+    ordered_matches = sorted(sorted(events) for events in matches.values())
+    incomplete = len(ordered_matches)
     late: dict[int, list[int]] = {rank: [] for rank in _ranks(spans)}
     last: Counter = Counter()
     lost: Counter = Counter()
     by_step: dict[int, Counter] = defaultdict(Counter)  # rank -> step -> ns lost
     counted: set[int | None] = set()
     complete = 0
-    for events in matches.values():
-        if not is_complete(events):
+    for events in ordered_matches:
+        _, rank, i = events[0]
+        if len(events) != tables[rank].sizes[i]:
             continue
         complete += 1
-        arrivals = {rank: issued_ns(event) for rank, event in events.items()}
+        arrivals = {rank: tables[rank].issued[i] for _, rank, i in events}
         first, latest = min(arrivals.values()), max(arrivals.values())
         ordered = sorted(arrivals.values())
-        number = index.step(next(iter(events.values()))["span"])
+        number = tables[rank].steps[i]
         counted.add(number)
         for rank, time_ns in arrivals.items():
             late[rank].append(time_ns - first)
@@ -493,7 +553,7 @@ def stragglers(spans: list[dict], step: int | None = None, include_warmup: bool 
         threshold = max(STRAGGLER_FLOOR_MS + STRAGGLER_STEP_SHARE * (statistics.median(durations) / 1e6 if durations
                                                                       else 0.0),
                         STRAGGLER_MARGIN * max((ms for rank, ms in median_lost.items() if rank != most), default=0.0))
-    return {"warmup_step": warmup, "matched": complete, "incomplete": len(matches) - complete, "per_rank": per_rank,
+    return {"warmup_step": warmup, "matched": complete, "incomplete": incomplete - complete, "per_rank": per_rank,
             "most_often_last": last.most_common(1)[0][0] if last else None, "most_time_lost": most,
             "straggler": most if threshold is not None and median_lost[most] > threshold else None,
             "straggler_threshold_ms": threshold}
@@ -513,6 +573,25 @@ def _group_members(events: list[dict]) -> dict[str, Sequence[int] | None]:
         seen[group].add(event["rank"])
         sizes[group] = int(event["attributes"].get(semconv.PROCESS_GROUP_SIZE, 1))
         worlds[group] = int(event["span"]["resource"].get(semconv.WORLD_SIZE, 0))
+    return _members(seen, sizes, worlds)
+
+
+def _members_read(reads: dict[int, RankRead]) -> dict[str, Sequence[int] | None]:
+    """:func:`_group_members` from each rank's :class:`RankRead`: the size and world of a group's last event."""
+    seen: dict[str, set[int]] = defaultdict(set)
+    last: dict[str, tuple[int, int, int, int, int]] = {}  # group -> (time, rank, index, size, world)
+    for rank, read in reads.items():
+        for group, (i, size, world) in read.groups.items():
+            seen[group].add(rank)
+            found = (read.arrivals.returned[i], rank, i, size, world)
+            if group not in last or found[:3] > last[group][:3]:
+                last[group] = found
+    return _members(seen, {group: found[3] for group, found in last.items()},
+                    {group: found[4] for group, found in last.items()})
+
+
+def _members(seen: dict[str, set[int]], sizes: dict[str, int], worlds: dict[str, int]
+             ) -> dict[str, Sequence[int] | None]:
     members: dict[str, Sequence[int] | None] = {}
     for group, ranks in seen.items():
         if len(ranks) == sizes[group]:
@@ -522,7 +601,8 @@ def _group_members(events: list[dict]) -> dict[str, Sequence[int] | None]:
     return members
 
 
-def pipeline_waits(spans: list[dict], step: int | None = None) -> dict[str, Any]:
+def pipeline_waits(spans: list[dict], step: int | None = None,
+                   reads: dict[int, RankRead] | None = None) -> dict[str, Any]:
     """Pair each ``send`` with its ``recv`` and measure how long the receiver waited for the sender.
 
     A pair is the n-th ``send`` from rank A to rank B on a process group and the
@@ -544,9 +624,11 @@ def pipeline_waits(spans: list[dict], step: int | None = None) -> dict[str, Any]
         "recvs": pairs received, "wait_ms", "max_wait_ms", "mean_wait_ms"}]}``,
         one row per receiving (rank, group), sorted by rank then group. Times in ms,
         from each host's wall clock (clock skew across hosts adds to or hides waits).
+    ``reads``: each rank's :class:`RankRead` (``summarize``'s reading, where ``spans`` hold, of the other
+    ranks, only spans with a send or recv): the group's ranks are told from them.
     """
     events = collective_events(spans)
-    members = _group_members(events)
+    members = _group_members(events) if reads is None else _members_read(reads)
     index = index_of(spans) if step is not None else None
 
     def in_step(event: dict, partner: dict | None = None) -> bool:
@@ -646,11 +728,13 @@ def span_warnings(spans: list[dict]) -> list[str]:
 
 
 def report_dict(spans: list[dict], rank: int = 0, top: int = 10, step: int | None = None,
-                include_warmup: bool = False) -> dict[str, Any]:
+                include_warmup: bool = False, reads: dict[int, RankRead] | None = None) -> dict[str, Any]:
     """Everything ``summarize``'s text report says, as plain data (``--format report-json``).
 
     ``step``: training step ``step`` only (:func:`step_spans`); stragglers and
-    pipeline pairs are matched over all of ``spans`` first.
+    pipeline pairs are matched over all of ``spans`` first. ``reads``: each rank's :class:`RankRead`, as
+    ``summarize`` reads the files (the same answer; the other ranks' spans then need no collective but
+    send and recv).
 
     Returns:
         ``{"spans": n, "step": step or None, "ranks": [rank...], "files": n,
@@ -667,20 +751,20 @@ def report_dict(spans: list[dict], rank: int = 0, top: int = 10, step: int | Non
         "warnings": span_warnings(chosen),
         "rank": rank,
         "module_counts": module_counts(chosen, rank),
-        "rank_totals": rank_totals(chosen),
-        "stragglers": stragglers(spans, step, include_warmup),
-        "pipeline_waits": pipeline_waits(spans, step),
+        "rank_totals": rank_totals(chosen, reads, ALL if step is None else step),
+        "stragglers": stragglers(spans, step, include_warmup, reads),
+        "pipeline_waits": pipeline_waits(spans, step, reads),
         "top_collectives": top_collectives(chosen, rank, top),
     }
 
 
 def format_report(spans: list[dict], rank: int = 0, top: int = 10, step: int | None = None,
-                  include_warmup: bool = False) -> str:
+                  include_warmup: bool = False, reads: dict[int, RankRead] | None = None) -> str:
     """``commdebug-otel summarize``'s text: module table, per-rank totals, stragglers, pipeline waits, top bytes.
 
-    ``step``, ``include_warmup``: as :func:`report_dict`.
+    ``step``, ``include_warmup``, ``reads``: as :func:`report_dict`.
     """
-    report = report_dict(spans, rank, top, step, include_warmup)
+    report = report_dict(spans, rank, top, step, include_warmup, reads)
     where = "" if step is None else f" in step {step}"
     out = [f"{report['spans']} spans{where} from {len(report['ranks'])} rank(s) in {report['files']} file(s)",
            *report["warnings"], ""]
@@ -813,9 +897,10 @@ def load_for_command(paths: Iterable[str], command: str, snapshots: bool = False
 
 class _Needs:
     """What ``summarize`` reads of a span, as :class:`.otlp_json.SpanReader`'s ``fold``: every span of
-    ``rank`` (the module table), spans with collective events (totals, stragglers, pipeline waits; the
-    others are counted), ``train_step`` spans, stall snapshots (counted as left out) and spans that
-    dropped events (warned about). Picklable: the reader's worker processes call it."""
+    ``rank`` (the module table, top collectives), spans with a send or recv (pipeline waits), ``train_step``
+    spans, stall snapshots (counted as left out) and spans that dropped events (warned about); the others are
+    counted, each rank's totals and collectives (stragglers) made first where the file is read
+    (:meth:`digest`). Picklable: the reader's worker processes call it."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -824,7 +909,13 @@ class _Needs:
         attributes = span["attributes"]
         return (span["rank"] == self.rank or span["name"] == semconv.SPAN_TRAIN_STEP or is_snapshot(span)
                 or semconv.SPAN_DROPPED_EVENTS in attributes or bool(span.get("dropped_events_count"))
-                or any(semconv.COLLECTIVE_OP in event["attributes"] for event in span["events"]))
+                or any(event["name"] in _P2P and semconv.COLLECTIVE_OP in event["attributes"]
+                       for event in span["events"]))
+
+    def digest(self, spans: list[dict]) -> dict[int, RankRead]:
+        """Each rank's :class:`RankRead` from one file's spans (:func:`rank_reads`), stall snapshots aside
+        (``summarize`` leaves them out)."""
+        return rank_reads([span for span in spans if not is_snapshot(span)])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -836,7 +927,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    spans = load_for_command(args.paths, "summarize", fold=_Needs(args.rank))
+    reads: dict[int, RankRead] = {}
+    spans = load_for_command(args.paths, "summarize", fold=_Needs(args.rank), digests=reads)
     if spans is None:
         return EXIT_UNREADABLE
     ranks = _ranks(spans)
@@ -852,7 +944,8 @@ def _run(args: argparse.Namespace) -> int:
         chosen = spans if args.step is None else step_spans(spans, args.step)
         print(json.dumps(comm_debug_json(chosen, args.rank), indent=4))
     elif args.format == "report-json":
-        print(json.dumps(report_dict(spans, args.rank, args.top, args.step, args.include_warmup), indent=4))
+        print(json.dumps(report_dict(spans, args.rank, args.top, args.step, args.include_warmup, reads or None),
+                         indent=4))
     else:
-        print(format_report(spans, args.rank, args.top, args.step, args.include_warmup))
+        print(format_report(spans, args.rank, args.top, args.step, args.include_warmup, reads or None))
     return EXIT_DONE
