@@ -224,3 +224,44 @@ def test_errors_and_steps_ended_at_exit_read_folded_as_whole(job, capsys, monkey
         (1, 2, "model.a.leaf", "RuntimeError")]
     assert [(step["step"], step["closed_at_exit"]) for step in found["unfinished_steps"]] == [
         (2, {"3": {"module": "model.a", "pass": "forward"}})]
+
+
+def _tail(rank, step, events=()):
+    """``rank``'s ``train_step_tail`` of ``step`` (after its train_step, a child of it in the files)."""
+    base = step * 10**9
+    return span(rank, semconv.SPAN_TRAIN_STEP_TAIL, f"t{step}", f"s{step}", start=base + 9 * 10**8 + 1,
+                end=base + 95 * 10**7, events=events, **{semconv.STEP: step})
+
+
+@pytest.mark.parametrize("where", ["tail", "under the tail"])
+def test_a_collective_after_the_step_is_in_no_step_read_folded_as_whole(job, capsys, monkeypatch, where):
+    """Rank 3 issued step 1's all_reduce after optimizer.step(): in its train_step_tail (or a span under it),
+    which diagnose reads as a root in no step. Folded, the tail kept its step from its train_step (the reader's
+    root_step), or was folded into it and its child took that step: the all_reduce was step 1's, and the
+    desync (rank 3 issued nothing at seq 1 in step 1) was lost."""
+    spans = _rank_spans(3)
+    b1 = next(one for one in spans if one["name"] == "model.b forward" and one["start_ns"] > 10**9)
+    events = [(19 * 10**8 + 10**7, event["attributes"]) for event in b1["events"]]  # inside the tail
+    b1["events"] = []
+    tail = _tail(3, 1, events if where == "tail" else ())
+    spans.append(tail)
+    if where == "under the tail":
+        spans.append(span(3, "hook", "h1", tail["span_id"], start=tail["start_ns"] + 1, end=tail["end_ns"] - 1,
+                          events=events))
+    write_otlp(spans, job / "traces-rank3.jsonl")
+    folded = _diagnose(capsys, job, "--format", "json")
+    assert folded == _diagnose_unfolded(capsys, monkeypatch, job, "--format", "json")
+    (desync,) = json.loads(folded.out)["desyncs"]
+    assert (desync["step"], desync["seq"], desync["ranks"]["3"]["op"]) == (1, 1, "none")
+
+
+def test_a_stalled_steps_empty_tail_does_not_make_it_traced_read_folded(job, capsys, monkeypatch):
+    """The last step exported only because it stalled (no child, no event) but for an empty train_step_tail:
+    diagnose reads the tail as a root, so the step is untraced; folded, the tail was counted into it."""
+    for rank in range(_RANKS):
+        spans = [one for one in _rank_spans(rank) if one["start_ns"] < 2 * 10**9 or one["name"] == "train_step"]
+        spans[-1]["attributes"][semconv.STEP_STALLED] = 30
+        write_otlp([*spans, _tail(rank, 2)], job / f"traces-rank{rank}.jsonl")
+    folded = _diagnose(capsys, job)
+    assert folded == _diagnose_unfolded(capsys, monkeypatch, job)
+    assert folded.out.startswith(f"{_RANKS} rank(s), finished traced steps: 0-1\n")

@@ -110,12 +110,13 @@ Label = tuple[str, str]  # (module FQN or a parenthesised place, pass)
 def _finished(spans: list[dict]) -> list[dict]:
     """The finished spans (no stall snapshot), a ``train_step_tail`` read as a root between steps, as the
     ``outside_step`` segments it replaced were: it runs after its ``train_step`` ended (a child clipped to its
-    parent would vanish from the timeline), and the straggler windows count collectives of steps only."""
+    parent would vanish from the timeline), and the straggler windows count collectives of steps only. Read
+    folded, it drops the ``root_step`` the reader gave it too (its ``train_step``'s: the tail is in no step)."""
     return once("finished", spans, lambda: _finished_in(spans))
 
 
 def _finished_in(spans: list[dict]) -> list[dict]:
-    return [{**span, "parent_span_id": ""} if span["name"] == semconv.SPAN_TRAIN_STEP_TAIL else span
+    return [{**span, "parent_span_id": "", "root_step": ()} if span["name"] == semconv.SPAN_TRAIN_STEP_TAIL else span
             for span in spans if not is_snapshot(span)]
 
 
@@ -318,16 +319,20 @@ def _print(records: dict[int, _Issued]) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
+_ROOTS = frozenset({semconv.SPAN_TRAIN_STEP, semconv.SPAN_TRAIN_STEP_TAIL})
+
+
 class Reads:
     """What ``diagnose`` reads of the files, as :class:`.otlp_json.SpanReader`'s ``fold``: the ``train_step``
-    spans, stall snapshots, spans that raised, were left open at exit or dropped events, and spans with
+    and ``train_step_tail`` spans (a tail is a root to the views, :func:`_finished`: what is under it is in no step),
+    stall snapshots, spans that raised, were left open at exit or dropped events, and spans with
     collective events; the module spans between are folded, and what the views need of a whole rank
     (:class:`RankRead`) is made first where the file is read (:meth:`digest`). Picklable: the reader's
     worker processes call it."""
 
     def __call__(self, span: dict) -> bool:
         attributes = span["attributes"]
-        return (span["name"] == semconv.SPAN_TRAIN_STEP or is_snapshot(span)
+        return (span["name"] in _ROOTS or is_snapshot(span)
                 or span.get("status_code") == _STATUS_ERROR or attributes.get(semconv.SPAN_UNMATCHED) is True
                 or semconv.SPAN_DROPPED_EVENTS in attributes or bool(span.get("dropped_events_count"))
                 or any(event["name"] == "exception" or semconv.COLLECTIVE_OP in event["attributes"]
