@@ -60,6 +60,7 @@ from commdebug_otel.offline.model import (
     P2P,
     Arrivals,
     SpanIndex,
+    arrival_matches,
     collective_events,
     column,
     index_of,
@@ -382,18 +383,9 @@ def stragglers(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_
     reads = rank_reads(spans) if reads is None else reads
     tables = {rank: read.arrivals for rank, read in reads.items()}
     # The same collective on every rank (as collective_matches finds it): {rank: index}, each rank's first.
-    matches: dict[tuple[str, int], dict[int, int]] = defaultdict(dict)
-    for rank, table in tables.items():
-        for i, (group, seq, step) in enumerate(zip(table.groups, table.seqs, table.steps, strict=True)):
-            if seq is not None and step is not None and step != warmup:
-                matches[(group, seq)].setdefault(rank, i)
-    complete = []
-    for members in matches.values():
-        if len(members) >= 2:  # as many ranks as the group's size, as the earliest event says
-            _, rank, i = min((tables[rank].returned[i], rank, i) for rank, i in members.items())
-            if len(members) == tables[rank].sizes[i]:
-                complete.append(members)
-    del matches
+    complete = [{rank: i for _, rank, i in events}
+                for events in arrival_matches(tables, lambda step: step is None or step == warmup)
+                if len(events) >= 2 and len(events) == tables[events[0][1]].sizes[events[0][2]]]
 
     def self_times(rank: int, i: int, step: int) -> dict[Label, int]:
         arrival = tables[rank].issued[i]

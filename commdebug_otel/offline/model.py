@@ -27,8 +27,9 @@ from typing import Any, TypeVar
 
 from commdebug_otel import semconv
 
-__all__ = ["P2P", "Arrivals", "SpanIndex", "collective_events", "collective_matches", "column", "group_size",
-           "index_of", "is_complete", "is_snapshot", "issued_ns", "once", "own_step", "reusing", "warmup_step"]
+__all__ = ["P2P", "Arrivals", "SpanIndex", "arrival_matches", "collective_events", "collective_matches", "column",
+           "group_size", "index_of", "is_complete", "is_snapshot", "issued_ns", "once", "own_step", "reusing",
+           "warmup_step"]
 
 _T = TypeVar("_T")
 _REUSED: ContextVar[dict | None] = ContextVar("commdebug_otel_offline_reused", default=None)
@@ -324,6 +325,27 @@ class Arrivals:
         if i > 0 and self._time_steps[i - 1] in (step, step - 1):
             return self._times[i - 1]
         return min(self._step_starts.get(step, arrival), arrival)
+
+
+def arrival_matches(tables: dict[int, Arrivals], skip: Callable[[int | None], bool]
+                    ) -> list[list[tuple[int, int, int]]]:
+    """The same collective on every rank, from the ranks' columns, as :func:`collective_matches` finds it
+    from events: by (group, seq counted without send/recv), a rank's first event of each; send/recv, events
+    without a seq and those whose step ``skip(step)`` says are left out.
+
+    Returns:
+        each match as ``[(time returned, rank, index in its columns)]`` in the order of its events, the matches
+        in the order of their first event (``tables[rank].sizes[index]`` of that one is the group's size).
+    """
+    matches: dict[tuple[str, int], list[tuple[int, int, int]]] = defaultdict(list)
+    for rank, table in tables.items():
+        seen: set[tuple[str, int]] = set()
+        for i, (group, seq, step) in enumerate(zip(table.groups, table.seqs, table.steps, strict=True)):
+            if seq is None or (group, seq) in seen or skip(step):
+                continue
+            seen.add((group, seq))
+            matches[(group, seq)].append((table.returned[i], rank, i))
+    return sorted(sorted(events) for events in matches.values())
 
 
 def column(values: list[int]) -> Sequence[int]:

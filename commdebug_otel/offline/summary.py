@@ -48,6 +48,7 @@ from commdebug_otel.offline.model import P2P as _P2P
 from commdebug_otel.offline.model import (
     Arrivals,
     SpanIndex,
+    arrival_matches,
     collective_events,
     collective_matches,
     group_size,
@@ -447,10 +448,11 @@ def rank_totals(spans: list[dict], reads: dict[int, RankRead] | None = None,
             total["events"] += 1
             total["bytes"] += int(event["attributes"].get(semconv.COLLECTIVE_BYTES, 0))
             total["by_op"][event["name"]] += 1
-    for rank, total in totals.items() if reads is not None else ():
-        found = reads[rank].totals.get(step) if rank in reads else None
-        if found is not None:
-            total["events"], total["bytes"], total["by_op"] = found[0], found[1], Counter(found[2])
+    else:
+        for rank, total in totals.items():
+            found = reads[rank].totals.get(step) if rank in reads else None
+            if found is not None:
+                total["events"], total["bytes"], total["by_op"] = found[0], found[1], Counter(found[2])
     def shape(total: dict) -> tuple:
         return tuple(sorted((op, n) for op, n in total["by_op"].items() if op not in _P2P))
 
@@ -501,18 +503,8 @@ def stragglers(spans: list[dict], step: int | None = None, include_warmup: bool 
     warmup = None if include_warmup or step is not None else warmup_step(spans)
     tables = {rank: read.arrivals for rank, read in (rank_reads(spans) if reads is None else reads).items()}
     # Collectives outside every step stay: a pipeline schedule's loss all_reduce can be one.
-    matches: dict[tuple[str, int], list[tuple[int, int, int]]] = defaultdict(list)  # [(time, rank, index)]
-    for rank, table in tables.items():
-        seen: set[tuple[str, int]] = set()  # a rank's first event of a (group, seq) counts
-        for i, (group, seq, number) in enumerate(zip(table.groups, table.seqs, table.steps, strict=True)):
-            if seq is None or (number != step if step is not None else warmup is not None and number == warmup):
-                continue
-            if (group, seq) not in seen:
-                seen.add((group, seq))
-                matches[(group, seq)].append((table.returned[i], rank, i))
-    # In the order of each match's first event, each match's ranks in the order of their events.
-    ordered_matches = sorted(sorted(events) for events in matches.values())
-    incomplete = len(ordered_matches)
+    ordered_matches = arrival_matches(tables, lambda number: number != step if step is not None
+                                      else warmup is not None and number == warmup)
     late: dict[int, list[int]] = {rank: [] for rank in _ranks(spans)}
     last: Counter = Counter()
     lost: Counter = Counter()
@@ -553,7 +545,8 @@ def stragglers(spans: list[dict], step: int | None = None, include_warmup: bool 
         threshold = max(STRAGGLER_FLOOR_MS + STRAGGLER_STEP_SHARE * (statistics.median(durations) / 1e6 if durations
                                                                       else 0.0),
                         STRAGGLER_MARGIN * max((ms for rank, ms in median_lost.items() if rank != most), default=0.0))
-    return {"warmup_step": warmup, "matched": complete, "incomplete": incomplete - complete, "per_rank": per_rank,
+    return {"warmup_step": warmup, "matched": complete, "incomplete": len(ordered_matches) - complete,
+            "per_rank": per_rank,
             "most_often_last": last.most_common(1)[0][0] if last else None, "most_time_lost": most,
             "straggler": most if threshold is not None and median_lost[most] > threshold else None,
             "straggler_threshold_ms": threshold}
