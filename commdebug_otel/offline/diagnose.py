@@ -383,9 +383,12 @@ def stragglers(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_
     reads = rank_reads(spans) if reads is None else reads
     tables = {rank: read.arrivals for rank, read in reads.items()}
     # The same collective on every rank (as collective_matches finds it): {rank: index}, each rank's first.
-    complete = [{rank: i for _, rank, i in events}
-                for events in arrival_matches(tables, lambda step: step is None or step == warmup)
-                if len(events) >= 2 and len(events) == tables[events[0][1]].sizes[events[0][2]]]
+    complete = []  # the order does not matter here: each row sums over its matches
+    for events in arrival_matches(tables, lambda step: step is None or step == warmup):
+        if len(events) >= 2:  # as many ranks as the group's size, as the earliest event says
+            _, rank, i = min(events)
+            if len(events) == tables[rank].sizes[i]:
+                complete.append({rank: i for _, rank, i in events})
 
     def self_times(rank: int, i: int, step: int) -> dict[Label, int]:
         arrival = tables[rank].issued[i]

@@ -334,8 +334,9 @@ def arrival_matches(tables: dict[int, Arrivals], skip: Callable[[int | None], bo
     without a seq and those whose step ``skip(step)`` says are left out.
 
     Returns:
-        each match as ``[(time returned, rank, index in its columns)]`` in the order of its events, the matches
-        in the order of their first event (``tables[rank].sizes[index]`` of that one is the group's size).
+        each match as ``[(time returned, rank, index in its columns)]``, unordered (sorted, a match's events and
+        the matches by their first are in the order of the events; the first one's ``tables[rank].sizes[index]``
+        is the group's size).
     """
     matches: dict[tuple[str, int], list[tuple[int, int, int]]] = defaultdict(list)
     for rank, table in tables.items():
@@ -345,7 +346,7 @@ def arrival_matches(tables: dict[int, Arrivals], skip: Callable[[int | None], bo
                 continue
             seen.add((group, seq))
             matches[(group, seq)].append((table.returned[i], rank, i))
-    return sorted(sorted(events) for events in matches.values())
+    return list(matches.values())
 
 
 def column(values: list[int]) -> Sequence[int]:

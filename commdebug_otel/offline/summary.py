@@ -503,8 +503,10 @@ def stragglers(spans: list[dict], step: int | None = None, include_warmup: bool 
     warmup = None if include_warmup or step is not None else warmup_step(spans)
     tables = {rank: read.arrivals for rank, read in (rank_reads(spans) if reads is None else reads).items()}
     # Collectives outside every step stay: a pipeline schedule's loss all_reduce can be one.
-    ordered_matches = arrival_matches(tables, lambda number: number != step if step is not None
-                                      else warmup is not None and number == warmup)
+    # In the order of each match's first event, each match's ranks in the order of their events (ties among the
+    # latest ranks count in that order).
+    ordered_matches = sorted(sorted(events) for events in arrival_matches(
+        tables, lambda number: number != step if step is not None else warmup is not None and number == warmup))
     late: dict[int, list[int]] = {rank: [] for rank in _ranks(spans)}
     last: Counter = Counter()
     lost: Counter = Counter()
