@@ -264,6 +264,9 @@ def _parse_dir(text: str) -> str:
     return text
 
 
+BOOL_ACCEPTED = "true, 1, yes or on; false, 0, no or off (any case)"
+
+
 def parse_bool(text: str) -> bool:
     """Our booleans: true/1/yes/on or false/0/no/off, in any case.
 
@@ -311,9 +314,10 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("enabled", "ENABLED", parse_bool, False, "true or false",
-           "Start tracing in every Python process that imports torch (through the "
-           "sitecustomize hook of `commdebug-otel run`), no wrapper needed."),
+    Option("enabled", "ENABLED", parse_bool, False, BOOL_ACCEPTED,
+           "Start tracing in every Python process that imports torch and joins a process group: through "
+           "`commdebug_otel.pth`, which every install puts into site-packages, or the sitecustomize hook of "
+           "`commdebug-otel run`; no wrapper needed."),
     Option("detail", "DETAIL", _parse_detail, Detail.COLLECTIVES,
            "collectives, dtensor, ops or all",
            "Which ops become span events, as CommDebugMode's noise levels 0-3."),
