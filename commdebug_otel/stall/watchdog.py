@@ -27,7 +27,9 @@ from typing import Any
 import torch
 
 from commdebug_otel import semconv
+from commdebug_otel.capture import intercept
 from commdebug_otel.capture._torch import MODULE_CALL_CODE, default_store_client
+from commdebug_otel.config import SETUP_FLOOR_S
 from commdebug_otel.core.fact import stall_step_text
 from commdebug_otel.core.protocols import StallSource
 from commdebug_otel.stall.verdict import StoreExchange, Verdict, progress_record
@@ -73,6 +75,23 @@ def training_thread_location(thread_id: int, fqn_of: Callable[[torch.nn.Module],
         frame = frame.f_back
     stack.reverse()
     return module, pass_, stack
+
+
+# Where a thread blocks on a peer: our collective kernels and wait wrappers, and c10d's own calls (the store-based
+# barrier of init_process_group, object collectives).
+_COMMUNICATING_FILES = (os.path.abspath(intercept.__file__),
+                        os.path.join("torch", "distributed", "distributed_c10d.py"))
+
+
+def communicating(thread_id: int) -> bool:
+    """Whether the thread ``thread_id`` is inside a collective, a wait on one, or a c10d call now
+    (its Python stack; False when the thread is gone)."""
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_COMMUNICATING_FILES):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def next_due_s(age_s: float, threshold_s: float) -> float:
@@ -183,6 +202,9 @@ class StallWatch:
             return False
         if since != self._stall_since:
             self._stall_since, self._snapshots, self._due_s = since, 0, threshold_s
+        if (self._recorder.steps_taken == 0 and age_s < max(threshold_s, SETUP_FLOOR_S)
+                and not communicating(self._recorder.thread_id)):
+            return False  # setting up (imports, compilation), not waiting for a peer
         if age_s < self._due_s or self._snapshots >= MAX_SNAPSHOTS:
             return False
         where = training_thread_location(self._recorder.thread_id, self._fqn_of)
