@@ -112,7 +112,8 @@ def next_steps(files: str | None) -> str:
     """What to run next, in lines: the offline commands on the run folder ``files`` when spans went to files,
     else where to look for them."""
     if not files:
-        return ("next: open your trace backend's UI (Jaeger: http://localhost:16686, service \"commdebug-otel-demo\"), or\n"
+        return ("next: open your trace backend's UI (Jaeger: http://localhost:16686, "
+                "service \"commdebug-otel-demo\"), or\n"
                 "  run `commdebug-otel receive` and the demo again to get a run folder for the offline commands")
     where = shlex.quote(files)
     return "\n".join([

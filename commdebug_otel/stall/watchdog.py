@@ -137,6 +137,9 @@ class StallWatch:
         self._stall_since = 0  # since_ns of the stall being reported
         self._due_s = 0.0
         self._snapshots = 0
+        # What the debug page shows (debug_page.py): the last snapshot's place and the last verdict this rank formed.
+        self.last_stall = ""
+        self.last_verdict = ""
 
     def start(self) -> None:
         self._stop.clear()
@@ -172,6 +175,7 @@ class StallWatch:
 
     def _export_verdict(self, verdict: Verdict, start_ns: int) -> None:
         """The exchange formed a verdict on this rank: its span, then the flush."""
+        self.last_verdict = verdict.summary
         if self._recorder.stall_verdict(verdict.step, start_ns, time.time_ns(), verdict.attributes()):
             self._flush()
 
@@ -213,10 +217,12 @@ class StallWatch:
             return False
         self._snapshots += 1  # only once exported: a failed snapshot is tried again at the next poll
         self._due_s = next_due_s(age_s, threshold_s)
+        # The place as diagnose words it (core/fact.py): "in step 2 at M forward", "before step 0, ...".
+        place = stall_step_text(not progress.in_step, self._step())
+        self.last_stall = (f"no progress for {age_s:.1f} s ({place}"
+                           f"{f' at {where[0]} {where[1]}'.rstrip() if where[0] else ', outside any module'})")
         if self._snapshots == 1:
             # Every rank of a hung job says this (the ones waiting too): diagnose tells which one is behind.
-            # The place as diagnose words it (core/fact.py): "in step 2 at M forward", "before step 0, ...".
-            place = stall_step_text(not progress.in_step, self._step())
             _logger.warning("commdebug-otel: rank %d made no progress for %.1f s (%s%s); a stall snapshot "
                             "(span `stalled`) was exported with the metrics, again at 2, 4, 8... times the "
                             "threshold while it lasts; `commdebug-otel diagnose` on the traces names the rank the "
