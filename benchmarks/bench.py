@@ -759,7 +759,7 @@ def _trim_heap() -> bool:
     """Give the C heap's free pages back to the system (glibc's ``malloc_trim``); False where there is none.
 
     Memory freed but kept by the allocator is no leak, and it moves RSS by several MiB either way
-    from one sample to the next (docs/performance.md, History 11 and 18).
+    from one sample to the next (docs/performance.md, "RSS growth").
     """
     try:
         _libc().malloc_trim(0)

@@ -211,6 +211,9 @@ AUTO_MIN_STEPS = 3
 # waiting for this rank in a collective yet): at least this long. A hang there still shows on the other ranks,
 # which wait in a collective and report it at the usual threshold.
 AUTO_BETWEEN_STEPS_S = 600.0
+# Until the first step has ended (imports, compilation, data set-up), a rank that is not communicating is setting up:
+# a stall only past this many seconds, or the threshold if larger; one that waits in a collective, at the threshold.
+SETUP_FLOOR_S = 300.0
 STALL_ACCEPTED = f"auto, off (or 0), or a number of seconds > 0 and <= {MAX_STALL_AFTER_S:g}"
 
 
@@ -264,6 +267,9 @@ def _parse_dir(text: str) -> str:
     return text
 
 
+BOOL_ACCEPTED = "true, 1, yes or on; false, 0, no or off (any case)"
+
+
 def parse_bool(text: str) -> bool:
     """Our booleans: true/1/yes/on or false/0/no/off, in any case.
 
@@ -311,9 +317,10 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("enabled", "ENABLED", parse_bool, False, "true or false",
-           "Start tracing in every Python process that imports torch (through the "
-           "sitecustomize hook of `commdebug-otel run`), no wrapper needed."),
+    Option("enabled", "ENABLED", parse_bool, False, BOOL_ACCEPTED,
+           "Start tracing in every Python process that imports torch and joins a process group: through "
+           "`commdebug_otel.pth`, which every install puts into site-packages, or the sitecustomize hook of "
+           "`commdebug-otel run`; no wrapper needed."),
     Option("detail", "DETAIL", _parse_detail, Detail.COLLECTIVES,
            "collectives, dtensor, ops or all",
            "Which ops become span events, as CommDebugMode's noise levels 0-3."),
@@ -373,8 +380,9 @@ OPTIONS: tuple[Option, ...] = (
            "while it lasts. auto: 10 x the median of the rank's recent step times, at least 30 s "
            "(300 s until 3 steps have ended); between steps (data loading, checkpoints, evaluation) with no "
            "collective in flight, at least 600 s: a planned pause is not a stall, and a rank that waits for "
-           "it in a collective still reports at the step threshold. A number applies everywhere; off: no "
-           "watchdog. Keep it below the process group's timeout, "
+           "it in a collective still reports at the step threshold. A number applies everywhere but before the "
+           "first step has ended: set-up (imports, compilation) is a stall only past 300 s unless the rank waits "
+           "in a collective for a peer. off: no watchdog. Keep it below the process group's timeout, "
            "or a hang may end in that timeout before a snapshot (docs/diagnosis.md)."),
     Option("module_include", "MODULE_INCLUDE", _parse_patterns, (), "comma list of fnmatch patterns",
            "Only modules whose FQN matches get spans (empty = all)."),

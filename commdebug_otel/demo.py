@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import socket
 import sys
 import tempfile
@@ -107,6 +108,24 @@ def describe_destination(settings: Settings, files: str | None = None,
     return ", ".join(places) or "nowhere (OTEL_TRACES_EXPORTER=none)"
 
 
+def next_steps(files: str | None) -> str:
+    """What to run next, in lines: the offline commands on the run folder ``files`` when spans went to files,
+    else where to look for them."""
+    if not files:
+        return ("next: open your trace backend's UI (Jaeger: http://localhost:16686, "
+                "service \"commdebug-otel-demo\"), or\n"
+                "  run `commdebug-otel receive` and the demo again to get a run folder for the offline commands")
+    where = shlex.quote(files)
+    return "\n".join([
+        "next: read the run folder",
+        f"  commdebug-otel summarize {where}   # CommDebugMode's table, rank totals, stragglers",
+        f"  commdebug-otel diagnose {where}    # stuck rank, desyncs, who made the others wait",
+        f"  commdebug-otel report {where} -o report.html   # one HTML page",
+        f"  commdebug-otel perfetto {where} -o trace.json  # open in https://ui.perfetto.dev",
+        "  (docs/getting-started.md: send to a collector, Jaeger or Tempo instead)",
+    ])
+
+
 def format_counts(counts: dict[str, dict[str, dict[str, int]]]) -> str:
     """The per-module collective table: one row per module with forward and backward counts."""
     rows = [("module", "forward", "backward")]
@@ -157,5 +176,6 @@ def run_demo(ranks: int = 2, steps: int = 5, detail: str = "collectives") -> int
     print("\ncollectives per rank: " + ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(totals)))
     if len(set(totals)) > 1:
         print("note: ranks issued different numbers of collectives")
+    print("\n" + next_steps(results[0].get("files")))
     sys.stdout.flush()
     return 0

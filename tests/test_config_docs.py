@@ -99,6 +99,15 @@ def test_enabled_is_parsed_by_the_options_table():
     assert [parse_bool(text) for text in ("true", "1", "ON", "false", "0", "No")] == [True] * 3 + [False] * 3
 
 
+def test_a_bad_enabled_value_names_every_accepted_spelling(caplog):
+    with caplog.at_level(logging.WARNING, logger="commdebug_otel.config"):
+        assert read_option("enabled", {"OTEL_PYTHON_COMMDEBUG_ENABLED": "ture"}) is False
+    [record] = caplog.records
+    assert record.getMessage() == (
+        "commdebug-otel: ignoring OTEL_PYTHON_COMMDEBUG_ENABLED='ture': expected true, 1, yes or on; "
+        "false, 0, no or off (any case); using the default false")
+
+
 def test_standard_variables_from_a_plain_dict():
     export = ExportEnv.from_env({
         "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318/v1/traces",

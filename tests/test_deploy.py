@@ -109,9 +109,39 @@ def test_compose_images_are_pinned_and_mounts_exist(stack):
             assert dependency in services
     expected = {"otel-collector", "prometheus", "grafana", stack}
     assert expected <= set(services)
-    published = {str(port).split(":")[0] for service in services.values() for port in service.get("ports", [])}
+    published = {_published(port)[1] for service in services.values() for port in service.get("ports", [])}
     assert {"4317", "4318", "9090", "3000"} <= published
     assert ("16686" if stack == "jaeger" else "3200") in published
+
+
+# A published port as (host address, host port): on 127.0.0.1 unless COMMDEBUG_BIND_ADDRESS opens it.
+_BOUND = re.compile(r"\$\{COMMDEBUG_BIND_ADDRESS:-127\.0\.0\.1\}:(\d+):(\d+)")
+
+
+def _published(port: str) -> tuple[str, str]:
+    bound = _BOUND.fullmatch(str(port))
+    assert bound, f"{port} is published on every interface"
+    return "127.0.0.1", bound.group(1)
+
+
+@pytest.mark.parametrize("stack", sorted(STACKS))
+def test_compose_stacks_are_closed_by_default(stack):
+    """Every port on the loopback, no anonymous Admin, a sign-in form, health checks that gate Grafana."""
+    services = _compose(stack)["services"]
+    for name, service in services.items():
+        assert all(_published(port)[0] == "127.0.0.1" for port in service.get("ports", [])), name
+    grafana = services["grafana"]["environment"]
+    assert grafana["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    assert "GF_AUTH_DISABLE_LOGIN_FORM" not in grafana
+    viewing = {item["name"]: item["value"] for item in _viewing()[("Deployment", "grafana")]["spec"]["template"]
+               ["spec"]["containers"][0]["env"]}
+    assert viewing["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer" and "GF_AUTH_DISABLE_LOGIN_FORM" not in viewing
+    for name in ("prometheus", "grafana"):
+        check = services[name]["healthcheck"]["test"]
+        assert check[:2] == ["CMD", "wget"] and check[-1].startswith("http://localhost:"), name
+    assert services["grafana"]["depends_on"]["prometheus"] == {"condition": "service_healthy"}
+    readme = (DEPLOY / "README.md").read_text()
+    assert "COMMDEBUG_BIND_ADDRESS=0.0.0.0 docker compose up -d" in readme and "docker compose up -d --wait" in readme
 
 
 @pytest.mark.parametrize("stack", sorted(STACKS))
@@ -338,6 +368,9 @@ def test_dashboards_doc_names_every_metric_and_panel():
         assert name in text, name
     for panel in dash.panels(dash.load()):
         assert panel["title"] in text, panel["title"]
+    deploy_readme = (DEPLOY / "README.md").read_text()
+    for panel in dash.panels(dash.load()):  # deploy's walk-through lists every panel with what it shows
+        assert f"   | {panel['title']} | " in deploy_readme, panel["title"]
 
 
 # ------------------------------------------------- collector configuration schema
@@ -670,7 +703,8 @@ def test_your_own_job_switches_tracing_on_and_says_how_to_reach_the_collector_fr
         compose = _compose(stack)
         network = f"{compose['name']}_default"  # compose's default network: the project name, then _default
         assert f"`{network}`" in elsewhere
-        assert compose["services"]["otel-collector"]["ports"][:2] == ["4317:4317", "4318:4318"]  # every interface
+        ports = compose["services"]["otel-collector"]["ports"][:2]
+        assert [_published(port)[1] for port in ports] == ["4317", "4318"]
     assert "`http://otel-collector:4317`" in elsewhere and "--network commdebug-jaeger_default" in elsewhere
     assert "--add-host=host.docker.internal:host-gateway" in elsewhere
     health = _yaml(COLLECTOR_CONFIG)["extensions"]["health_check"]["endpoint"].rsplit(":", 1)[1]

@@ -90,6 +90,7 @@ def test_demo_without_endpoint_writes_otlp_json_files(tmp_path):
     assert f"writing traces and metrics as OTLP-JSON lines to {folder} (no OTLP endpoint" in out
     assert out.count("commdebug-otel: tracing is on (2 rank(s))") == 1  # once per job
     assert "  step 1/2: loss " in out and "  step 2/2: loss " in out  # the demo says each step
+    assert f"next: read the run folder\n  commdebug-otel summarize {folder}   #" in out  # and what to run next
     assert sorted(os.listdir(folder)) == ["metrics-rank0.jsonl", "metrics-rank1.jsonl",
                                           "traces-rank0.jsonl", "traces-rank1.jsonl"]
     spans = []

@@ -17,7 +17,7 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "commdebug_otel"
 LAYERS = ("capture", "core", "stall", "otel", "compat", "offline", "testing")
 # Command line and start-up: nothing under them imports these (compat's drop-in builds a CommTracer).
-TOP = {"cli", "demo", "instrumentation", "instrumentor", "_autostart", "pytest_plugin", "_demo_model"}
+TOP = {"cli", "demo", "instrumentation", "instrumentor", "_autostart", "pytest_plugin", "_demo_model", "debug_page"}
 
 
 def _imports(path: pathlib.Path) -> set[str]:

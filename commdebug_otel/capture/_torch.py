@@ -527,3 +527,28 @@ def default_store_client(timeout_s: float) -> Any:
         return store
     own.set_timeout(datetime.timedelta(seconds=timeout_s))
     return own
+
+
+# ------------------------------------------------------------------ torch's debug server (torch 2.10+)
+def debug_server_types() -> tuple[Any, Any, Any]:
+    """``(DebugHandler, NavLink, Route)``: what a page of ``torch.distributed.debug.start_debug_server`` is made
+    of (``torch/distributed/debug/_frontend.py``). Raises ImportError on a torch without it or without jinja2."""
+    from torch.distributed.debug._frontend import DebugHandler, NavLink, Route
+
+    return DebugHandler, NavLink, Route
+
+
+def debug_server_store(prefix: str) -> Any:
+    """A client of the job's TCPStore under ``prefix``, as torch's debug server reaches it (``MASTER_ADDR``,
+    ``MASTER_PORT``), and the world size it fans out to (``WORLD_SIZE``): ``(store, world_size)``."""
+    from torch.distributed.debug._store import get_world_size, tcpstore_client
+
+    return tcpstore_client(prefix=prefix), get_world_size()
+
+
+def debug_server_default_handlers() -> list[Any]:
+    """torch's own debug-server handlers (stacks, Flight Recorder, py-spy, ...). Raises ImportError without
+    tabulate."""
+    from torch.distributed.debug._debug_handlers import default_handlers
+
+    return default_handlers()

@@ -27,7 +27,9 @@ from typing import Any
 import torch
 
 from commdebug_otel import semconv
+from commdebug_otel.capture import intercept
 from commdebug_otel.capture._torch import MODULE_CALL_CODE, default_store_client
+from commdebug_otel.config import SETUP_FLOOR_S
 from commdebug_otel.core.fact import stall_step_text
 from commdebug_otel.core.protocols import StallSource
 from commdebug_otel.stall.verdict import StoreExchange, Verdict, progress_record
@@ -75,6 +77,23 @@ def training_thread_location(thread_id: int, fqn_of: Callable[[torch.nn.Module],
     return module, pass_, stack
 
 
+# Where a thread blocks on a peer: our collective kernels and wait wrappers, and c10d's own calls (the store-based
+# barrier of init_process_group, object collectives).
+_COMMUNICATING_FILES = (os.path.abspath(intercept.__file__),
+                        os.path.join("torch", "distributed", "distributed_c10d.py"))
+
+
+def communicating(thread_id: int) -> bool:
+    """Whether the thread ``thread_id`` is inside a collective, a wait on one, or a c10d call now
+    (its Python stack; False when the thread is gone)."""
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_COMMUNICATING_FILES):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def next_due_s(age_s: float, threshold_s: float) -> float:
     """The stall age (seconds) of the next snapshot after one taken at ``age_s``: the first of
     ``2T, 4T, 8T, ...`` (``T`` = ``threshold_s`` > 0) past ``age_s``.
@@ -118,6 +137,9 @@ class StallWatch:
         self._stall_since = 0  # since_ns of the stall being reported
         self._due_s = 0.0
         self._snapshots = 0
+        # What the debug page shows (debug_page.py): the last snapshot's place and the last verdict this rank formed.
+        self.last_stall = ""
+        self.last_verdict = ""
 
     def start(self) -> None:
         self._stop.clear()
@@ -153,6 +175,7 @@ class StallWatch:
 
     def _export_verdict(self, verdict: Verdict, start_ns: int) -> None:
         """The exchange formed a verdict on this rank: its span, then the flush."""
+        self.last_verdict = verdict.summary
         if self._recorder.stall_verdict(verdict.step, start_ns, time.time_ns(), verdict.attributes()):
             self._flush()
 
@@ -183,6 +206,9 @@ class StallWatch:
             return False
         if since != self._stall_since:
             self._stall_since, self._snapshots, self._due_s = since, 0, threshold_s
+        if (self._recorder.steps_taken == 0 and age_s < max(threshold_s, SETUP_FLOOR_S)
+                and not communicating(self._recorder.thread_id)):
+            return False  # setting up (imports, compilation), not waiting for a peer
         if age_s < self._due_s or self._snapshots >= MAX_SNAPSHOTS:
             return False
         where = training_thread_location(self._recorder.thread_id, self._fqn_of)
@@ -191,10 +217,12 @@ class StallWatch:
             return False
         self._snapshots += 1  # only once exported: a failed snapshot is tried again at the next poll
         self._due_s = next_due_s(age_s, threshold_s)
+        # The place as diagnose words it (core/fact.py): "in step 2 at M forward", "before step 0, ...".
+        place = stall_step_text(not progress.in_step, self._step())
+        self.last_stall = (f"no progress for {age_s:.1f} s ({place}"
+                           f"{f' at {where[0]} {where[1]}'.rstrip() if where[0] else ', outside any module'})")
         if self._snapshots == 1:
             # Every rank of a hung job says this (the ones waiting too): diagnose tells which one is behind.
-            # The place as diagnose words it (core/fact.py): "in step 2 at M forward", "before step 0, ...".
-            place = stall_step_text(not progress.in_step, self._step())
             _logger.warning("commdebug-otel: rank %d made no progress for %.1f s (%s%s); a stall snapshot "
                             "(span `stalled`) was exported with the metrics, again at 2, 4, 8... times the "
                             "threshold while it lasts; `commdebug-otel diagnose` on the traces names the rank the "
