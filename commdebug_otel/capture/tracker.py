@@ -69,6 +69,7 @@ from commdebug_otel.capture._torch import (
     rewrites_keyword_inputs,
     run_tensor_hook_first,
     set_compiled_call,
+    user_class,
 )
 from commdebug_otel.core.protocols import ModuleHooks
 from commdebug_otel.core.records import Record
@@ -201,6 +202,9 @@ class ModuleTracker:
         self._recorder = recorder
         self._began = _BackwardBegan(recorder)  # every record's backward-begin hook calls it
         self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # A root FQN's first part as ours (the user's class) -> as torch's ModTracker writes it
+        # (``type(root).__name__``: FSDPNet), where the two differ: what the CommDebugMode drop-in keys by.
+        self._torch_roots: dict[str, str] = {}
         # Our forward hook, put last in a module's own hooks for the call's duration only (nothing of
         # ours stays on a user's module between calls: TorchScript, pickling and copies inspect them).
         self._end_hook, self._end_hook_id = _PostHook(self), new_hook_id()
@@ -269,13 +273,27 @@ class ModuleTracker:
         return self._names.get(module)
 
     def fqn(self, module: torch.nn.Module) -> str:
-        """CommDebugMode's FQN: the root's class name, then the dotted path."""
+        """The FQN: the root's class as the user wrote it (``Net``, not the ``FSDPNet`` that
+        ``fully_shard`` swaps in: ``_torch.user_class``), then the dotted path, as CommDebugMode's."""
         name = self._names.get(module)
         if name is None:
-            name = self._names[module] = type(compiled_original(module) or module).__name__
+            cls = type(compiled_original(module) or module)
+            name = self._names[module] = user_class(cls).__name__
+            if cls.__name__ != name:
+                # Two roots of one user class, one swapped and one not, share our name; torch's the first seen.
+                self._torch_roots.setdefault(name, cls.__name__)
             self._wrap_compiled_call(module)
             self._name_children(module, name)
         return name
+
+    def torch_fqn(self, fqn: str) -> str:
+        """``fqn`` as torch's ModTracker (and so its CommDebugMode) names the module: the root part
+        is ``type(root).__name__`` (``FSDPNet.blocks.0`` for our ``Net.blocks.0``)."""
+        if not self._torch_roots:
+            return fqn
+        root, dot, rest = fqn.partition(".")
+        torch_root = self._torch_roots.get(root)
+        return fqn if torch_root is None else f"{torch_root}{dot}{rest}"
 
     def _name_children(self, module: torch.nn.Module, prefix: str) -> None:
         original = compiled_original(module)
