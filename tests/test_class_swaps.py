@@ -220,3 +220,39 @@ def test_user_class_walks_past_torch_generated_classes_only():
         assert user_class(cls) is cls
     renamed = type("Net", (_Mixin, Net), {"__module__": "torch.nn"})  # no prefix: not a swap
     assert user_class(renamed) is renamed
+
+
+class _AllReduceNet(Net):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        torch.distributed.all_reduce(out.detach())
+        return out
+
+
+def test_compiled_root_spans_name_the_users_class_and_the_drop_in_torchs(single_rank_group):
+    from torch.distributed.tensor.debug import CommDebugMode as TorchCommDebugMode
+
+    from commdebug_otel import CommDebugMode
+    from commdebug_otel.testing import InMemoryTelemetry
+
+    model = torch.compile(_AllReduceNet(), backend="eager")
+    model(torch.randn(3, 4))
+    theirs = TorchCommDebugMode()
+    with theirs:
+        model(torch.randn(3, 4))
+    telemetry = InMemoryTelemetry()
+    ours = CommDebugMode(tracer_provider=telemetry.tracer_provider, meter_provider=telemetry.meter_provider)
+    with ours:
+        model(torch.randn(3, 4))
+    forward = {"forward": {"c10d.allreduce_": 1}, "backward": {}}
+
+    def counts(mode):
+        return {fqn: {key: {str(op): n for op, n in ops.items()} for key, ops in by_pass.items()}
+                for fqn, by_pass in mode.comm_module_counts.items()}
+
+    # torch names the root OptimizedModule and runs it eagerly under its mode (dynamo skips the frame), with
+    # _orig_mod one level down; the drop-in keys its root the same, with nothing inside (docs/comparison.md).
+    assert counts(theirs) == {"Global": forward, "OptimizedModule": forward, "OptimizedModule._orig_mod": forward}
+    assert counts(ours) == {"Global": forward, "OptimizedModule": forward}
+    assert [name for _, name in telemetry.tree()] == ["_AllReduceNet forward"]
+    assert telemetry.one("_AllReduceNet forward").attributes[semconv.MODULE_TYPE] == f"{__name__}._AllReduceNet"

@@ -200,7 +200,8 @@ class ModuleNames:
     """Module FQNs, CommDebugMode's: the root's class name, then the dotted path; modules held weakly.
 
     The root's class is the one the user wrote (``Net``, not the ``FSDPNet`` that ``fully_shard``
-    swaps in: ``_torch.user_class``); :meth:`torch_fqn` gives torch's own name back.
+    swaps in: ``_torch.user_class``; not ``OptimizedModule`` for ``torch.compile(Net())``, whose
+    ``_orig_mod`` shares its FQN); :meth:`torch_fqn` gives torch's own root name back.
 
     Args:
         on_named: called with each module as it is first named (the tracker wraps an in-place
@@ -225,11 +226,11 @@ class ModuleNames:
         """The module's FQN; a module not named yet is a root: it and its descendants are named now."""
         name = self._names.get(module)
         if name is None:
-            cls = type(compiled_original(module) or module)
-            name = self._names[module] = user_class(cls).__name__
-            if cls.__name__ != name:
+            name = self._names[module] = user_class(type(compiled_original(module) or module)).__name__
+            torch_name = type(module).__name__  # FSDPNet, or OptimizedModule for torch.compile(Net())
+            if torch_name != name:
                 # Two roots of one user class, one swapped and one not, share our name; torch's the first seen.
-                self._torch_roots.setdefault(name, cls.__name__)
+                self._torch_roots.setdefault(name, torch_name)
             self._on_named(module)
             self._name_children(module, name)
         return name
