@@ -256,3 +256,22 @@ def test_compiled_root_spans_name_the_users_class_and_the_drop_in_torchs(single_
     assert counts(ours) == {"Global": forward, "OptimizedModule": forward}
     assert [name for _, name in telemetry.tree()] == ["_AllReduceNet forward"]
     assert telemetry.one("_AllReduceNet forward").attributes[semconv.MODULE_TYPE] == f"{__name__}._AllReduceNet"
+
+
+def test_parametrized_modules_name_the_users_class(tracer_factory, telemetry):
+    from torch.nn.utils import parametrize
+
+    root, model = nn.Linear(4, 4), Net()
+    parametrize.register_parametrization(root, "weight", nn.Identity())  # ParametrizedLinear
+    parametrize.register_parametrization(model.blocks[0], "weight", nn.Identity())
+    assert (type(root).__name__, type(model.blocks[0]).__name__) == ("ParametrizedLinear", "ParametrizedLinear")
+    with tracer_factory():
+        root(torch.randn(3, 4))
+        model(torch.randn(3, 4))
+    spans = {span.name: span.attributes[semconv.MODULE_TYPE] for span in telemetry.spans()}
+    # The parametrizations run as modules of their own when the weight is read.
+    weight = {".parametrizations.weight forward": "torch.nn.utils.parametrize.ParametrizationList",
+              ".parametrizations.weight.0 forward": "torch.nn.modules.linear.Identity"}
+    assert spans == {"Linear forward": LINEAR_TYPE, **{f"Linear{name}": kind for name, kind in weight.items()},
+                     "Net forward": NET_TYPE, **{name: LINEAR_TYPE for name in FORWARD[1:]},
+                     **{f"Net.blocks.0{name}": kind for name, kind in weight.items()}}

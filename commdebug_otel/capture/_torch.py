@@ -67,19 +67,21 @@ def _swapped_in(cls: type) -> type | None:
 
     ``fully_shard`` (``FSDP<Class>``), ``replicate`` (``DDP<Class>``; FSDP-based
     ``Replicate<Class>``) set ``module.__class__ = type(prefix + cls.__name__,
-    (Marker, cls), {...})``, made in torch's package by ``type()``. So: made in
-    ``torch``'s package, not defined under its name in its module (a class
-    statement's is: ``LazyLinear(LazyModuleMixin, Linear)`` stays), a mixin and
-    an ``nn.Module`` class as bases, and the name a prefix plus the base's.
-    A class the user made, by a class statement or ``type()``, keeps its name.
+    (Marker, cls), {...})``, and ``torch.nn.utils.parametrize`` the same with
+    ``(cls,)`` (``Parametrized<Class>``), made in torch's package by ``type()``.
+    So: made in ``torch``'s package, not defined under its name in its module (a
+    class statement's is: ``LazyLinear(LazyModuleMixin, Linear)`` stays), an
+    ``nn.Module`` class as last base after at most one mixin, and the name a
+    prefix plus that base's. A class the user made, by a class statement or
+    ``type()``, keeps its name.
     """
     module_name = cls.__module__
     bases = cls.__bases__
-    if not (module_name == "torch" or module_name.startswith("torch.")) or len(bases) != 2:
+    if not (module_name == "torch" or module_name.startswith("torch.")) or not 1 <= len(bases) <= 2:
         return None
-    marker, original = bases
+    original = bases[-1]
     name = cls.__name__
-    if (issubclass(marker, torch.nn.Module) or not issubclass(original, torch.nn.Module)
+    if ((len(bases) == 2 and issubclass(bases[0], torch.nn.Module)) or not issubclass(original, torch.nn.Module)
             or name == original.__name__ or not name.endswith(original.__name__)
             or cls.__qualname__ != name
             or getattr(sys.modules.get(module_name), name, None) is cls):
@@ -111,7 +113,7 @@ def user_class(cls: type) -> type:
     """The module class as the user wrote it: ``Net`` for the ``FSDPNet`` that ``fully_shard`` swapped in.
 
     Classes torch generates over the user's (``fully_shard``, composable
-    ``replicate`` and its FSDP-based form) are walked down to the class they
+    ``replicate`` and its FSDP-based form, ``parametrize``) are walked down to the class they
     were made from; every other class, the user's own subclasses included, is
     returned as it is. Cached per class (a dict lookup once seen).
     """
