@@ -196,6 +196,15 @@ class CommTracer:
         """How many entries each piece of per-run state of the recorder and module hooks holds (leak checks)."""
         return {**self.recorder.state_sizes(), **self._tracker.state_sizes()}
 
+    def torch_fqn(self, fqn: str) -> str:
+        """A module FQN of ours (``torch.module.fqn``) as torch's CommDebugMode writes it.
+
+        Ours start with the root's class as the user wrote it (``Net.blocks.0``);
+        torch's with ``type(root).__name__``, which differs where torch swapped the
+        class (``fully_shard``: ``FSDPNet.blocks.0``). Other FQNs come back as they are.
+        """
+        return self._tracker.torch_fqn(fqn)
+
     def start(self) -> CommTracer:
         """Install the module hooks, the collective kernels, the dispatch mode and the optimizer-step hook.
 

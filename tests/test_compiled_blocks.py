@@ -352,7 +352,7 @@ def test_compiled_blocks_under_fsdp2(backend, in_place):
     # ours must still run first, or the pre-backward all-gathers would go to train_step.
     results = run_ranks(_compiled_parallel, 2, "dp", backend, in_place)
     gather, scatter = "c10d._allgather_base_.default", "c10d._reduce_scatter_base_.default"
-    root = "FSDPMlpNet"
+    root = "MlpNet"  # the user's class, not fully_shard's FSDPMlpNet
     assert results[0]["spans"] == {
         "train_step": (None, [], False),
         f"{root} forward": ("train_step", [(gather, 0)], False),  # the root unit (stem)

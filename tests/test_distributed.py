@@ -151,7 +151,7 @@ def test_fsdp2_and_tensor_parallel_four_ranks():
         # The root's backward prefetch all-gather: both book it to the root, now that the demo's
         # root returns a tensor of its own (a view made us book it to the root's last module,
         # docs/comparison.md).
-        root = "FSDPTransformer"
+        root = "FSDPTransformer"  # the drop-in's keys are torch's: type(root).__name__
         for leaf in (f"{root}.layers.0.attention_norm", f"{root}.layers.1.attention_norm",
                      f"{root}.tok_embeddings"):
             assert theirs[leaf]["backward"].pop("c10d._reduce_scatter_base_") == 1
@@ -161,9 +161,9 @@ def test_fsdp2_and_tensor_parallel_four_ranks():
                 del theirs[leaf]
         assert ours == theirs
     spans = results[0]["spans"]
-    block_backward = next(s for s in spans if s["name"] == "FSDPTransformer.layers.0 backward")
+    block_backward = next(s for s in spans if s["name"] == "Transformer.layers.0 backward")
     assert "reduce_scatter" in [name for name, _ in block_backward["events"]]
-    all_gathers = [e for s in spans if s["name"] == "FSDPTransformer.layers.0 forward"
+    all_gathers = [e for s in spans if s["name"] == "Transformer.layers.0 forward"
                    for name, e in s["events"] if name == "all_gather"]
     assert all_gathers and all_gathers[0][semconv.DEVICE_MESH_DIM_NAME] == "dp"
 

@@ -62,6 +62,69 @@ def compiled_original(module: torch.nn.Module) -> torch.nn.Module | None:
     return None
 
 
+def _swapped_in(cls: type) -> type | None:
+    """The class ``cls`` was generated over by a class swap of torch's, else None.
+
+    ``fully_shard`` (``FSDP<Class>``), ``replicate`` (``DDP<Class>``; FSDP-based
+    ``Replicate<Class>``) set ``module.__class__ = type(prefix + cls.__name__,
+    (Marker, cls), {...})``, and ``torch.nn.utils.parametrize`` the same with
+    ``(cls,)`` (``Parametrized<Class>``), made in torch's package by ``type()``.
+    So: made in ``torch``'s package, not defined under its name in its module (a
+    class statement's is: ``LazyLinear(LazyModuleMixin, Linear)`` stays), an
+    ``nn.Module`` class as last base after at most one mixin, and the name a
+    prefix plus that base's. A class the user made, by a class statement or
+    ``type()``, keeps its name.
+    """
+    module_name = cls.__module__
+    bases = cls.__bases__
+    if not (module_name == "torch" or module_name.startswith("torch.")) or not 1 <= len(bases) <= 2:
+        return None
+    original = bases[-1]
+    name = cls.__name__
+    if ((len(bases) == 2 and issubclass(bases[0], torch.nn.Module)) or not issubclass(original, torch.nn.Module)
+            or name == original.__name__ or not name.endswith(original.__name__)
+            or cls.__qualname__ != name
+            or getattr(sys.modules.get(module_name), name, None) is cls):
+        return None
+    return original
+
+
+# Module class -> (the user's class, "module.QualName" of it); bounded: dynamically made classes come and go.
+_USER_CLASSES: dict[type, tuple[type, str]] = {}
+_USER_CLASSES_MAX = 4096
+
+
+def _user_class_entry(cls: type) -> tuple[type, str]:
+    entry = _USER_CLASSES.get(cls)
+    if entry is None:
+        original = cls
+        for _ in range(8):  # swaps stack one per wrapper; never a cycle, but stay bounded
+            under = _swapped_in(original)
+            if under is None:
+                break
+            original = under
+        if len(_USER_CLASSES) >= _USER_CLASSES_MAX:
+            _USER_CLASSES.clear()
+        entry = _USER_CLASSES[cls] = (original, f"{original.__module__}.{original.__qualname__}")
+    return entry
+
+
+def user_class(cls: type) -> type:
+    """The module class as the user wrote it: ``Net`` for the ``FSDPNet`` that ``fully_shard`` swapped in.
+
+    Classes torch generates over the user's (``fully_shard``, composable
+    ``replicate`` and its FSDP-based form, ``parametrize``) are walked down to the class they
+    were made from; every other class, the user's own subclasses included, is
+    returned as it is. Cached per class (a dict lookup once seen).
+    """
+    return _user_class_entry(cls)[0]
+
+
+def user_class_name(cls: type) -> str:
+    """``"module.QualName"`` of :func:`user_class` (``torch.module.type``), cached per class."""
+    return _user_class_entry(cls)[1]
+
+
 def compiled_call(module: torch.nn.Module) -> Any:
     """``module.compile()``'s compiled ``_call_impl`` (``Module._compiled_call_impl``), or None."""
     return module.__dict__.get("_compiled_call_impl")

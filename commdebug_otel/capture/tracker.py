@@ -47,6 +47,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -69,6 +70,7 @@ from commdebug_otel.capture._torch import (
     rewrites_keyword_inputs,
     run_tensor_hook_first,
     set_compiled_call,
+    user_class,
 )
 from commdebug_otel.core.protocols import ModuleHooks
 from commdebug_otel.core.records import Record
@@ -194,13 +196,72 @@ _HOOKED_PASSES = frozenset({semconv.PASS_FORWARD, semconv.PASS_RECOMPUTE})
 _tracker_hook = one_role_holder(lambda tracker: tracker._recorder.role)
 
 
+class ModuleNames:
+    """Module FQNs, CommDebugMode's: the root's class name, then the dotted path; modules held weakly.
+
+    The root's class is the one the user wrote (``Net``, not the ``FSDPNet`` that ``fully_shard``
+    swaps in: ``_torch.user_class``; not ``OptimizedModule`` for ``torch.compile(Net())``, whose
+    ``_orig_mod`` shares its FQN); :meth:`torch_fqn` gives torch's own root name back.
+
+    Args:
+        on_named: called with each module as it is first named (the tracker wraps an in-place
+            ``module.compile()``'s compiled call there); it must not raise.
+    """
+
+    def __init__(self, on_named: Callable[[torch.nn.Module], None]) -> None:
+        self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # A root FQN's first part as ours -> as torch's ModTracker writes it (``type(root).__name__``),
+        # where the two differ: what the CommDebugMode drop-in keys by.
+        self._torch_roots: dict[str, str] = {}
+        self._on_named = on_named
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def get(self, module: torch.nn.Module) -> str | None:
+        """The FQN of a module already named, else None (safe from any thread: names nothing)."""
+        return self._names.get(module)
+
+    def fqn(self, module: torch.nn.Module) -> str:
+        """The module's FQN; a module not named yet is a root: it and its descendants are named now."""
+        name = self._names.get(module)
+        if name is None:
+            name = self._names[module] = user_class(type(compiled_original(module) or module)).__name__
+            torch_name = type(module).__name__  # FSDPNet, or OptimizedModule for torch.compile(Net())
+            if torch_name != name:
+                # Two roots of one user class, one swapped and one not, share our name; torch's the first seen.
+                self._torch_roots.setdefault(name, torch_name)
+            self._on_named(module)
+            self._name_children(module, name)
+        return name
+
+    def torch_fqn(self, fqn: str) -> str:
+        """``fqn`` as torch's ModTracker (and so its CommDebugMode) names the module: the root part
+        is ``type(root).__name__`` (``FSDPNet.blocks.0`` for our ``Net.blocks.0``)."""
+        if not self._torch_roots:
+            return fqn
+        root, dot, rest = fqn.partition(".")
+        torch_root = self._torch_roots.get(root)
+        return fqn if torch_root is None else f"{torch_root}{dot}{rest}"
+
+    def _name_children(self, module: torch.nn.Module, prefix: str) -> None:
+        original = compiled_original(module)
+        for child_name, child in module.named_children():
+            if child not in self._names:
+                # torch.compile(module) registers the module as its "_orig_mod": one FQN for both.
+                full = prefix if child is original else f"{prefix}.{child_name}"
+                self._names[child] = full
+                self._on_named(child)
+                self._name_children(child, full)
+
+
 class ModuleTracker:
     """Installs and removes the module hooks that feed a recorder (``protocols.ModuleHooks``)."""
 
     def __init__(self, recorder: ModuleHooks) -> None:
         self._recorder = recorder
         self._began = _BackwardBegan(recorder)  # every record's backward-begin hook calls it
-        self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._names = ModuleNames(self._wrap_compiled_call)
         # Our forward hook, put last in a module's own hooks for the call's duration only (nothing of
         # ours stays on a user's module between calls: TorchScript, pickling and copies inspect them).
         self._end_hook, self._end_hook_id = _PostHook(self), new_hook_id()
@@ -269,23 +330,12 @@ class ModuleTracker:
         return self._names.get(module)
 
     def fqn(self, module: torch.nn.Module) -> str:
-        """CommDebugMode's FQN: the root's class name, then the dotted path."""
-        name = self._names.get(module)
-        if name is None:
-            name = self._names[module] = type(compiled_original(module) or module).__name__
-            self._wrap_compiled_call(module)
-            self._name_children(module, name)
-        return name
+        """The module's FQN (:meth:`ModuleNames.fqn`), naming it and its descendants first if need be."""
+        return self._names.fqn(module)
 
-    def _name_children(self, module: torch.nn.Module, prefix: str) -> None:
-        original = compiled_original(module)
-        for child_name, child in module.named_children():
-            if child not in self._names:
-                # torch.compile(module) registers the module as its "_orig_mod": one FQN for both.
-                full = prefix if child is original else f"{prefix}.{child_name}"
-                self._names[child] = full
-                self._wrap_compiled_call(child)
-                self._name_children(child, full)
+    def torch_fqn(self, fqn: str) -> str:
+        """:meth:`ModuleNames.torch_fqn`: ``fqn`` as torch's CommDebugMode writes it."""
+        return self._names.torch_fqn(fqn)
 
     def _wrap_compiled_call(self, module: torch.nn.Module) -> None:
         """An in-place ``module.compile()``: our calls go around its compiled call (undone in remove())."""

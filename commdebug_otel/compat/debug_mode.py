@@ -13,6 +13,8 @@ data, with these differences (docs/comparison.md):
 * send/recv, barrier and the coalesced and in-place variants are counted too;
 * FSDP2's post-backward reduce-scatter is booked to the FSDP unit, not to the
   block's first leaf;
+* the FQNs here are torch's (``FSDPNet.blocks.0`` under ``fully_shard``), while
+  the spans and metrics name the user's class (``Net.blocks.0``);
 * at noise level 3 torch's lists also hold its own tracker's ops (the
   ``aten.detach.default`` of reading ``param.data`` in its pre-hook, the
   ``aten.view.default`` of its global full backward hooks); ours do not;
@@ -76,10 +78,6 @@ def _legacy_packets() -> dict[Any, Any]:
 
 # id(OpOverload) -> (it, str(it)): asked twice per op; OpOverload's __str__ and __hash__ run in Python.
 _OP_NAMES: dict[int, tuple[Any, str]] = {}
-
-
-def _record_fqn(record: Record) -> str:
-    return record.fqn
 
 
 def _record_parent(record: Record) -> Record | None:
@@ -203,8 +201,12 @@ class CommDebugMode:
         packet = getattr(getattr(torch.ops, spec.namespace), spec.packet_name)
         packet = self._legacy.get(packet, packet)
         self.comm_counts[packet] += 1
-        self._report.count_collective(packet, pass_, module_chain(owner, _record_fqn, _record_parent))
+        self._report.count_collective(packet, pass_, module_chain(owner, self._record_fqn, _record_parent))
         self._add_op(spec.overload_name, [], [], None, owner)
+
+    def _record_fqn(self, record: Record) -> str:
+        """The record's FQN as torch's ModTracker writes it (the drop-in's keys are torch's)."""
+        return self._tracer.torch_fqn(record.fqn) if self._tracer is not None else record.fqn
 
     def _note_module(self, module: torch.nn.Module, fqn: str, callers: tuple[Record, ...]) -> None:
         self._in_hook = True
@@ -214,13 +216,15 @@ class CommDebugMode:
             self._in_hook = False
 
     def _note_module_facts(self, module: torch.nn.Module, fqn: str, callers: tuple[Record, ...]) -> None:
+        if self._tracer is not None:
+            fqn = self._tracer.torch_fqn(fqn)
         for name, param in module.named_parameters(recurse=False):
             self._parameters.setdefault(fqn, {})[name] = param.data
             if hasattr(param.data, "placements"):
                 self._sharding[f"{fqn}.{name}"] = param.data.placements
         if in_backward() or self._tracer is None:
             return  # first seen in activation-checkpoint recompute: torch does not list it
-        parent = callers[-1].fqn if callers else GLOBAL
+        parent = self._record_fqn(callers[-1]) if callers else GLOBAL
         self._report.add_module(
             fqn, parent, depth=len(callers) + 1,
             module_type=str(type(module)).replace("<", "").replace(">", ""),  # "class 'pkg.Class'"
@@ -270,7 +274,7 @@ class CommDebugMode:
     def _add_op(self, name: str, shapes: list, placements: list, mesh: Any,
                 owner: Record | None) -> None:
         owner = self._op_owner(owner)
-        fqn = owner.fqn if owner is not None and owner.fqn else GLOBAL
+        fqn = self._record_fqn(owner) if owner is not None and owner.fqn else GLOBAL
         self._report.add_operation(fqn, Operation(
             name, shapes, placements, mesh,  # the mesh is made a string when reported
             is_bw=in_backward(),

@@ -24,7 +24,7 @@ import weakref
 import torch
 
 from commdebug_otel import semconv
-from commdebug_otel.capture._torch import graph_task_id, queue_engine_callback
+from commdebug_otel.capture._torch import graph_task_id, queue_engine_callback, user_class_name
 from commdebug_otel.capture.observer import RecorderObserver
 from commdebug_otel.config import Settings
 from commdebug_otel.core.fact import PASS_NONE
@@ -139,7 +139,7 @@ class ModuleOwnership:
         record = self._pool.module_record(f"{fqn} {pass_}", now)
         record.fqn = fqn
         record.pass_ = pass_
-        record.module_type = f"{type(module).__module__}.{type(module).__qualname__}"
+        record.module_type = user_class_name(type(module))  # Net, not fully_shard's FSDPNet
         record.call_index = self._next_call_index(record.name)
         record.hidden = self._hidden(fqn)
         handled = sys.exc_info()[1]
