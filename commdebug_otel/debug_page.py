@@ -47,14 +47,14 @@ FORMAT = 1  # of each rank's answer
 
 
 def rank_state() -> dict[str, Any]:
-    """This rank's answer: :meth:`CommTracer.debug_state` of the exporting tracer, with ``format`` and
-    ``tracing``; ``{"rank", "tracing": False}`` when none runs."""
-    from commdebug_otel.instrumentation import exporting_tracer
+    """This rank's answer: :func:`~commdebug_otel.instrumentation.debug_state` of the exporting tracer, with
+    ``format`` and ``tracing``; ``{"rank", "tracing": False}`` when none runs."""
+    from commdebug_otel.instrumentation import debug_state, exporting_tracer
 
     tracer = exporting_tracer()
     if tracer is None:
         return {"format": FORMAT, "rank": int(os.environ.get("RANK", "0")), "tracing": False}
-    return {"format": FORMAT, "tracing": True, **tracer.debug_state()}
+    return {"format": FORMAT, "tracing": True, **debug_state(tracer)}
 
 
 class _Answerer:

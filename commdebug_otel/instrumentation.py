@@ -169,29 +169,6 @@ class CommTracer:
     def started(self) -> bool:
         return self._started
 
-    def debug_state(self) -> dict[str, Any]:
-        """Where this rank is now, for torch's debug server (``debug_page.py``): JSON-ready, names and numbers only.
-
-        Keys: ``rank``, ``world_size``, ``step`` (the open step, or between steps the next), ``in_step``, ``age_s``
-        (seconds since the step began or the last ended), ``module`` and ``pass`` (the training thread's innermost
-        module call, "" outside any), ``communicating`` (blocked in a collective or a c10d call), ``groups`` (per
-        process group: ``group``, ``mesh_dim``, ``issued`` and ``completed`` seq, -1 for none), ``stall`` (the
-        last stall snapshot's place, "" when none) and ``verdict`` (the last stall verdict this rank formed).
-        """
-        recorder, progress, watch = self.recorder, self.recorder.progress, self._stall_watch
-        module, pass_, _ = training_thread_location(recorder.thread_id, self._tracker.known_fqn)
-        info = recorder.rank()
-        return {
-            "rank": info.rank, "world_size": info.world_size,
-            "step": progress.step_index if progress.in_step else recorder.steps_taken,
-            "in_step": progress.in_step, "age_s": round(progress.age_s(), 3),
-            "module": module, "pass": pass_, "communicating": communicating(recorder.thread_id),
-            "groups": [{"group": group, "mesh_dim": dim, "issued": issued, "completed": completed}
-                       for group, issued, completed, dim in progress.seqs()],
-            "stall": watch.last_stall if watch is not None else "",
-            "verdict": watch.last_verdict if watch is not None else "",
-        }
-
     def state_sizes(self) -> dict[str, int]:
         """How many entries each piece of per-run state of the recorder and module hooks holds (leak checks)."""
         return {**self.recorder.state_sizes(), **self._tracker.state_sizes()}
@@ -462,6 +439,30 @@ class CommTracer:
             self.stop()
         except Exception as error:  # stop() never raises; should it, the script's own exit still wins
             self.recorder.hook_failed("CommTracer.stop", error)
+
+
+def debug_state(tracer: CommTracer) -> dict[str, Any]:
+    """Where ``tracer``'s rank is now, for torch's debug server (``debug_page.py``): JSON-ready, names and numbers.
+
+    Keys: ``rank``, ``world_size``, ``step`` (the open step, or between steps the next), ``in_step``, ``age_s``
+    (seconds since the step began or the last ended), ``module`` and ``pass`` (the training thread's innermost
+    module call, "" outside any), ``communicating`` (blocked in a collective or a c10d call), ``groups`` (per
+    process group: ``group``, ``mesh_dim``, ``issued`` and ``completed`` seq, -1 for none), ``stall`` (the
+    last stall snapshot's place, "" when none) and ``verdict`` (the last stall verdict this rank formed).
+    """
+    recorder, progress, watch = tracer.recorder, tracer.recorder.progress, tracer._stall_watch
+    module, pass_, _ = training_thread_location(recorder.thread_id, tracer._tracker.known_fqn)
+    info = recorder.rank()
+    return {
+        "rank": info.rank, "world_size": info.world_size,
+        "step": progress.step_index if progress.in_step else recorder.steps_taken,
+        "in_step": progress.in_step, "age_s": round(progress.age_s(), 3),
+        "module": module, "pass": pass_, "communicating": communicating(recorder.thread_id),
+        "groups": [{"group": group, "mesh_dim": dim, "issued": issued, "completed": completed}
+                   for group, issued, completed, dim in progress.seqs()],
+        "stall": watch.last_stall if watch is not None else "",
+        "verdict": watch.last_verdict if watch is not None else "",
+    }
 
 
 class _TeardownWatch:

@@ -80,7 +80,7 @@ def held_job(tmp_path_factory):
         try:
             run_ranks(_serve_and_hold, 2, port, release, env={"OTEL_TRACES_EXPORTER": "none",
                                                               "OTEL_METRICS_EXPORTER": "none"})
-        except BaseException as error:  # noqa: BLE001: reported by the test
+        except BaseException as error:  # reported by the test
             failures.append(error)
 
     runner = threading.Thread(target=job)
