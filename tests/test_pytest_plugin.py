@@ -87,7 +87,8 @@ def test_update_writes_baselines_then_a_change_fails_with_the_diff(pytester):
     folder = pytester.path / "comm_signatures"
     eager = json.loads((folder / "eager.json").read_text())
     # Two steps of one (2, 4) float32 all_reduce in Net's forward.
-    assert eager == {"format": signature.FORMAT, "world_size": 1, "steps": 2, "entries": [_entry("Net", 32)]}
+    assert eager == {"format": signature.FORMAT, "world_size": 1, "entries": [_entry("Net", 32)], "first_step": [],
+                     "last_step": [], "other_steps": []}
     # The compiled block's functional all_reduce, from its compiled code (the compiled module is one span).
     compiled = json.loads((folder / "compiled.json").read_text())
     assert compiled["entries"] == [_entry("Compiled", 48)]
@@ -155,9 +156,8 @@ def test_every_rank_of_a_dtensor_test_checks_the_jobs_signature(pytester):
     # RowwiseParallel's output all-reduce of the (4, 5) float32 output on both ranks, with its why.
     tp = _entry("ToyModel.out_proj", 80, ranks=(0, 1), mesh_dim="tp", cause="redistribute",
                 source="(Partial(sum),)", target="(Replicate(),)")
-    (folder / "tp.json").write_text(json.dumps({"format": signature.FORMAT, "world_size": 2, "steps": 1,
-                                                "entries": [tp]}))
-    (folder / "tp_old.json").write_text(json.dumps({"format": signature.FORMAT, "world_size": 2, "steps": 1,
+    (folder / "tp.json").write_text(json.dumps({"format": signature.FORMAT, "world_size": 2, "entries": [tp]}))
+    (folder / "tp_old.json").write_text(json.dumps({"format": signature.FORMAT, "world_size": 2,
                                                     "entries": [{**tp, "count_per_step": 2}]}))
     result = pytester.run(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),

@@ -1,5 +1,6 @@
 """Communication signatures (``commdebug-otel signature``) and their diffs (``commdebug-otel compare``):
-from real 2-rank runs of pytorch/examples' tensor- and sequence-parallel model, and from hand-built spans."""
+from real 2-rank runs of pytorch/examples' tensor- and sequence-parallel model (runs of 3, 5 and 8 steps
+among them), and from hand-built spans."""
 
 import json
 
@@ -94,16 +95,16 @@ def test_example_signatures_are_equal_over_three_runs(runs, tmp_path, style):
     assert texts[0] == texts[1] == texts[2]
     assert texts[0].count("\"ranks\": [0, 1]") == len(_EXPECTED[style])  # one line per list of ranks
     document = json.loads(texts[0])
-    # 3 steps, the first (warm-up) left out as summarize leaves it out of stragglers.
-    assert document == {"format": signature.FORMAT, "world_size": 2, "steps": _STEPS - 1,
-                        "entries": _EXPECTED[style]}
+    # Every step communicates alike: the typical step, and none apart.
+    assert document == {"format": signature.FORMAT, "world_size": 2, "entries": _EXPECTED[style],
+                        "first_step": [], "last_step": [], "other_steps": []}
     assert main(["compare", str(files[0]), runs[2][style]]) == 0
 
 
-def test_include_warmup_counts_every_step(runs, tmp_path):
-    document = json.loads(_signature_file(runs[0]["tp"], tmp_path, "all", "--include-warmup").read_text())
-    assert document["steps"] == _STEPS
-    assert document["entries"] == [_TP_ROWWISE_ALL_REDUCE]
+def test_include_warmup_is_accepted_and_changes_nothing(runs, tmp_path):
+    plain = _signature_file(runs[0]["tp"], tmp_path, "plain").read_text()
+    assert _signature_file(runs[0]["tp"], tmp_path, "all", "--include-warmup").read_text() == plain
+    assert main(["compare", str(tmp_path / "plain.json"), runs[0]["tp"], "--include-warmup"]) == 0
 
 
 def test_switching_one_layers_style_gives_exactly_that_diff(runs, tmp_path, capsys):
@@ -111,9 +112,9 @@ def test_switching_one_layers_style_gives_exactly_that_diff(runs, tmp_path, caps
     capsys.readouterr()
     assert main(["compare", str(base), runs[1]["tp_sp_out"], "--format", "json"]) == 1
     diff = json.loads(capsys.readouterr().out)
-    assert diff == {"equal": False, "world_size": [2, 2], "steps": [2, 2],
+    assert diff == {"equal": False, "world_size": [2, 2],
                     "appeared": [_SP_OUT_GRAD_ALL_GATHER, _SP_OUT_REDUCE_SCATTER],
-                    "disappeared": [_TP_ROWWISE_ALL_REDUCE], "changed": []}
+                    "disappeared": [_TP_ROWWISE_ALL_REDUCE], "changed": [], "first_step": [], "last_step": []}
     assert main(["compare", str(base), runs[1]["tp_sp_out"]]) == 1
     text = capsys.readouterr().out
     assert text.splitlines() == [
@@ -160,14 +161,26 @@ def _bare(module="M.lin", count=1, nbytes=8, ranks=(0, 1)):
             "bytes_per_step": nbytes, "ranks": list(ranks)}
 
 
-def test_ranks_that_differ_get_their_own_entries_and_uneven_steps_a_fraction():
+def _apart(module="M.lin", count=1, nbytes=8, ranks=(0, 1), steps=None):
+    """An entry of first_step, last_step (or other_steps, with ``steps``): a difference from the typical step."""
+    entry = {**_bare(module, ranks=ranks), "count_delta": count, "bytes_delta": nbytes}
+    del entry["count_per_step"], entry["bytes_per_step"]
+    if steps is not None:
+        entry["steps"] = list(steps)
+    entry["ranks"] = entry.pop("ranks")
+    return entry
+
+
+def test_ranks_that_differ_get_their_own_entries_and_steps_apart_their_deltas():
     ar = _all_reduce
-    spans = _job([[[ar(8)], [ar(8)]],                       # warm-up step: left out
+    spans = _job([[[ar(8)], [ar(8)]],
                   [[ar(8)], [ar(16)]],
                   [[ar(8), ar(8)], [ar(16)]]])
     document = signature.signature_of_spans(spans)
-    assert document["steps"] == 2
-    assert document["entries"] == [_bare(count=1.5, nbytes=12, ranks=[0]), _bare(count=1, nbytes=16, ranks=[1])]
+    # Rank 0: typical step 1 all_reduce of 8 bytes, its last step one more. Rank 1: typical 16 bytes, its first 8.
+    assert document == _document(_bare(ranks=[0]), _bare(count=1, nbytes=16, ranks=[1]),
+                                 first_step=[_apart(count=0, nbytes=-8, ranks=[1])],
+                                 last_step=[_apart(count=1, nbytes=8, ranks=[0])])
     # The same spans in another order make the same document.
     assert signature.signature_of_spans(list(reversed(spans))) == document
     # Set-up collectives (outside any step) are not counted; snapshots neither.
@@ -180,16 +193,17 @@ def test_ranks_that_differ_get_their_own_entries_and_uneven_steps_a_fraction():
 def test_times_only_when_asked_and_compare_ignores_them():
     spans = _job([[[_all_reduce(8, issue_s=0.5)], [_all_reduce(8, issue_s=0.1)]],
                   [[_all_reduce(8, issue_s=0.2)], [_all_reduce(8, issue_s=0.3)]]])
-    plain = signature.signature_of_spans(spans, include_warmup=True)
-    timed = signature.signature_of_spans(spans, include_warmup=True, times=True)
+    plain = signature.signature_of_spans(spans)
+    timed = signature.signature_of_spans(spans, times=True)
     assert "times" not in plain
     assert timed["times"] == [{**{name: _bare()[name] for name in signature.KEY_FIELDS},
                                "n": 4, "min_s": 0.1, "median_s": 0.25, "max_s": 0.5}]
     assert signature.compare(plain, timed)["equal"] is True
 
 
-def _document(*entries, world_size=2, steps=2):
-    return {"format": signature.FORMAT, "world_size": world_size, "steps": steps, "entries": list(entries)}
+def _document(*entries, world_size=2, first_step=(), last_step=(), other_steps=()):
+    return {"format": signature.FORMAT, "world_size": world_size, "entries": list(entries),
+            "first_step": list(first_step), "last_step": list(last_step), "other_steps": list(other_steps)}
 
 
 def test_compare_per_rank_with_tolerances():
@@ -204,8 +218,7 @@ def test_compare_per_rank_with_tolerances():
     assert not signature.compare(base, new, count_tolerance=1)["equal"]  # bytes moved 4 %
     assert signature.compare(base, new, count_tolerance=1, bytes_tolerance=0.04)["equal"]
     assert not signature.compare(base, new, count_tolerance=1, bytes_tolerance=0.03)["equal"]
-    # Steps are per-step figures: a longer run is not a difference; another world size is.
-    assert signature.compare(base, _document(_bare(count=4, nbytes=100), steps=9))["equal"]
+    # Another world size is a difference.
     other = signature.compare(base, _document(_bare(count=4, nbytes=100), world_size=4))
     assert not other["equal"] and other["world_size"] == [2, 4]
     with pytest.raises(ValueError, match="tolerances"):
@@ -218,7 +231,7 @@ def test_cli_reads_files_and_folders_and_exits_2_when_it_cannot(tmp_path, capsys
     write_otlp(_job([[[_all_reduce(8)], [_all_reduce(8)]], [[_all_reduce(8)], [_all_reduce(8)]]]),
                run / "traces.jsonl")
     sig = _signature_file(run, tmp_path, "sig")
-    assert json.loads(sig.read_text()) == _document(_bare(), steps=1)
+    assert json.loads(sig.read_text()) == _document(_bare())
     assert main(["compare", str(sig), str(run)]) == 0
     assert "communication equal: 1 entries" in capsys.readouterr().out
     other = tmp_path / "other.json"
@@ -227,13 +240,18 @@ def test_cli_reads_files_and_folders_and_exits_2_when_it_cannot(tmp_path, capsys
     assert main(["compare", str(sig), str(other)]) == 1
     capsys.readouterr()
     for bad, why in ((tmp_path / "missing", "no such file or folder"),
-                     (tmp_path / "not-ours.json", "format 'x', expected 'commdebug-otel.signature/1'"),
-                     (tmp_path / "broken.json", "entry 0: 'count_per_step' is not a number"),
+                     (tmp_path / "not-ours.json", "format 'x', expected 'commdebug-otel.signature/2'"),
+                     (tmp_path / "broken.json", "entries[0]: 'count_per_step' is not a number"),
+                     (tmp_path / "old.json", "format 'commdebug-otel.signature/1' (every step averaged, the first "
+                      "and last steps in the average) is no longer read, expected 'commdebug-otel.signature/2': "
+                      "write it again (pytest --comm-update, or commdebug-otel signature RUN -o FILE)\n"),
                      (tmp_path / "empty.jsonl", "neither a signature")):
         if bad.name == "not-ours.json":
             bad.write_text('{"format": "x"}')
         elif bad.name == "broken.json":
             bad.write_text(json.dumps(_document({**_bare(), "count_per_step": "1"})))
+        elif bad.name == "old.json":
+            bad.write_text(json.dumps({**_document(_bare()), "format": "commdebug-otel.signature/1"}))
         elif bad.name == "empty.jsonl":
             bad.write_text("")
         assert main(["compare", str(sig), str(bad)]) == 2
@@ -288,8 +306,8 @@ def test_a_large_file_is_read_as_spans_not_loaded_whole(tmp_path, monkeypatch):
     run = tmp_path / "traces.jsonl"
     write_otlp(_job([[[_all_reduce(8)], [_all_reduce(8)]]]), run)
     sig = tmp_path / "sig.json"
-    sig.write_text(signature.to_json(_document(_bare(), steps=1)))
+    sig.write_text(signature.to_json(_document(_bare())))
     monkeypatch.setattr(signature, "MAX_SIGNATURE_BYTES", 16)
-    assert signature.load(run, include_warmup=True) == _document(_bare(), steps=1)
+    assert signature.load(run) == _document(_bare())
     with pytest.raises(signature.SignatureError, match="neither a signature"):
         signature.load(sig)  # over the limit: only spans are looked for
