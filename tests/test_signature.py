@@ -311,3 +311,193 @@ def test_a_large_file_is_read_as_spans_not_loaded_whole(tmp_path, monkeypatch):
     assert signature.load(run) == _document(_bare())
     with pytest.raises(signature.SignatureError, match="neither a signature"):
         signature.load(sig)  # over the limit: only spans are looked for
+
+
+# ------------------------------------------------ the typical step, whatever the run's length
+
+_LENGTHS = (3, 5, 8)
+
+
+def _logging_job(rank, world_size, out_dirs):
+    """The tp example model, ``steps`` optimizer steps per folder, a lazy 12-byte broadcast in the first step,
+    the loss logged by an all_reduce after every step but the last (in the step's train_step_tail), and with
+    ``extra`` one more 8-byte all_reduce per step. Each loop is also recorded live: the signatures returned."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from commdebug_otel import CommTracer, Settings
+    from commdebug_otel.testing.signatures import record_signature
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+
+    def model_and_optimizer():
+        torch.manual_seed(0)
+        model = parallelize_module(ToyModel(), mesh, toy_plan("tp"))
+        return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def loop(model, optimizer, steps, extra):
+        for step in range(steps):
+            loss = model(torch.rand(4, 10)).sum()
+            loss.backward()
+            if step == 0:
+                dist.broadcast(torch.zeros(3), 0)
+            if extra:
+                dist.all_reduce(torch.zeros(2))
+            optimizer.step()
+            optimizer.zero_grad()
+            if step < steps - 1:
+                dist.all_reduce(loss.detach())
+
+    live = {}
+    for (steps, extra), out in out_dirs.items():
+        tracer = CommTracer(Settings(output_dir=out))
+        with tracer:
+            loop(*model_and_optimizer(), steps, extra)
+        tracer.telemetry.shutdown()
+        model, optimizer = model_and_optimizer()  # its set-up's collectives not in the block
+        with record_signature() as recording:
+            loop(model, optimizer, steps, extra)
+        live[(steps, extra)] = recording.signature
+    return live
+
+
+@pytest.fixture(scope="module")
+def logging_runs(tmp_path_factory):
+    """``({(steps, extra): run folder}, {(steps, extra): live signature})`` of one 2-rank job."""
+    dirs = {(steps, extra): str(tmp_path_factory.mktemp(f"logging-{steps}-{extra}"))
+            for steps in _LENGTHS for extra in (False, True)}
+    live = run_ranks(_logging_job, 2, dirs)
+    assert live[0] == live[1]  # every rank gets the job's signature
+    return dirs, live[0]
+
+
+def _tail(count, nbytes, field_names=("count_per_step", "bytes_per_step"), module="train_step_tail", op="all_reduce"):
+    return {"module": module, "pass": "none", "op": op, "group": "0", "mesh_dim": "tp", "dtype": "float32",
+            "cause": "", "source_placements": "", "target_placements": "", field_names[0]: count,
+            field_names[1]: nbytes, "ranks": [0, 1]}
+
+
+_DELTAS = ("count_delta", "bytes_delta")
+# The typical step: the rowwise all_reduce and the loss logged in the tail (4 bytes); the first step broadcasts 12
+# bytes more, the last logs nothing.
+_LOGGING = {"format": signature.FORMAT, "world_size": 2,
+            "entries": [_TP_ROWWISE_ALL_REDUCE, _tail(1, 4)],
+            "first_step": [_tail(1, 12, _DELTAS, "train_step", "broadcast")],
+            "last_step": [_tail(-1, -4, _DELTAS)], "other_steps": []}
+
+
+def test_runs_of_3_5_and_8_steps_give_one_signature(logging_runs, tmp_path, capsys):
+    dirs, live = logging_runs
+    texts = [_signature_file(dirs[(steps, False)], tmp_path, f"plain{steps}").read_text() for steps in _LENGTHS]
+    assert texts[0] == texts[1] == texts[2]
+    assert json.loads(texts[0]) == _LOGGING
+    for steps in _LENGTHS:
+        assert main(["compare", str(tmp_path / "plain3.json"), dirs[(steps, False)]]) == 0
+        assert main(["compare", dirs[(8, False)], dirs[(steps, False)]]) == 0
+    # Recorded live, the same loops give the same document too.
+    assert live[(3, False)] == live[(5, False)] == live[(8, False)] == _LOGGING
+    capsys.readouterr()
+
+    # One collective more per step is a difference whatever the lengths compared.
+    for steps in _LENGTHS:
+        assert main(["compare", str(tmp_path / "plain8.json"), dirs[(steps, True)]]) == 1
+    assert capsys.readouterr().out.splitlines()[-2:] == [
+        f"communication differs ({dirs[(8, True)]} against {tmp_path / 'plain8.json'}): 1 appeared, 0 disappeared, "
+        "0 changed",
+        "+ train_step none  all_reduce  group 0 (tp)  float32: 1 per step, 8 bytes per step  ranks 0-1"]
+    assert live[(3, True)] == live[(8, True)] == {**_LOGGING, "entries": [
+        _TP_ROWWISE_ALL_REDUCE, _tail(1, 8, module="train_step"), _tail(1, 4)]}
+
+
+def _edges_spans(first, last, middle=((8,),) * 3, other=None):
+    """Spans of 2 ranks alike: steps of all_reduces of the given byte sizes: ``first``, ``middle``..., ``last``."""
+    steps = [first, *middle, last]
+    if other is not None:
+        steps[other[0]] = other[1]
+    return _job([[[_all_reduce(nbytes) for nbytes in sizes]] * 2 for sizes in steps])
+
+
+def test_a_change_in_the_first_or_last_step_only_fails_unless_typical_only(tmp_path, capsys):
+    base, new = tmp_path / "base", tmp_path / "new"
+    for folder, spans in ((base, _edges_spans((8, 8), ())), (new, _edges_spans((8,), ()))):
+        folder.mkdir()
+        write_otlp(spans, folder / "traces.jsonl")
+    document = signature.load(base)
+    assert document == _document(_bare(), first_step=[_apart(count=1, nbytes=8)],
+                                 last_step=[_apart(count=-1, nbytes=-8)])
+    assert main(["compare", str(base), str(new)]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        f"communication differs ({new} against {base}): 0 appeared, 0 disappeared, 0 changed, 1 in the first step",
+        "first step ~ M.lin forward  all_reduce  group 0  bfloat16: +1 -> 0 collectives, +8 -> 0 bytes beside the "
+        "typical step  ranks 0-1"]
+    assert main(["compare", str(base), str(new), "--typical-only"]) == 0
+    assert main(["compare", str(base), str(new), "--count-tolerance", "1", "--bytes-tolerance", "1"]) == 0
+    diff = signature.compare(document, signature.load(new))
+    assert diff["first_step"] == [{**{name: _bare()[name] for name in signature.KEY_FIELDS}, "ranks": [0, 1],
+                                   "base": {"count_delta": 1, "bytes_delta": 8},
+                                   "new": {"count_delta": 0, "bytes_delta": 0}}]
+    assert diff["last_step"] == [] and diff["changed"] == []
+
+
+def test_other_steps_are_listed_and_not_compared():
+    # An every-few-steps collective (a checkpoint's) lands at step 2 of 5: listed by its step number.
+    spans = _edges_spans((8,), (8,), middle=((8,), (8,), (8,)), other=(2, (8, 16)))
+    document = signature.signature_of_spans(spans)
+    assert document == _document(_bare(), other_steps=[_apart(count=1, nbytes=16, steps=[2])])
+    assert signature.compare(document, signature.signature_of_spans(_edges_spans((8,), (8,))))["equal"]
+
+
+@pytest.mark.parametrize("steps, expected", [
+    # One step: it is the typical step. Two: the later one is, the first's difference apart.
+    ([(8,)], _document(_bare())),
+    ([(8, 8), (8,)], _document(_bare(), first_step=[_apart(count=1, nbytes=8)])),
+    # Between first and last, the commonest step is typical; on a tie, the latest of them.
+    ([(8,), (16,), (8,), (16,), (8,), (8,)],
+     _document(_bare(), other_steps=[_apart(count=0, nbytes=8, steps=[1, 3])])),
+    ([(8,), (16,), (8,), (8,)], _document(_bare(), other_steps=[_apart(count=0, nbytes=8, steps=[1])])),
+])
+def test_the_typical_step_of_short_and_uneven_runs(steps, expected):
+    spans = _job([[[_all_reduce(nbytes) for nbytes in sizes]] * 2 for sizes in steps])
+    assert signature.signature_of_spans(spans) == expected
+
+
+_DUPLICATES = [
+    # A hand-merged file: one key twice for rank 0.
+    ({"entries": [_bare(ranks=[0]), _bare(count=2, nbytes=16, ranks=[0, 1])]},
+     "1 key(s) with two entries for one rank (one would silently win; merge them into one): entries[0] and [1]: "
+     "M.lin forward  all_reduce  group 0  bfloat16  rank 0"),
+    ({"entries": [_bare(ranks=[1, 1])]},
+     "1 key(s) with two entries for one rank (one would silently win; merge them into one): entries[0] (twice): "
+     "M.lin forward  all_reduce  group 0  bfloat16  rank 1"),
+    ({"first_step": [_apart(), _apart(module="M.b"), _apart(count=2)]},
+     "2 key(s) with two entries for one rank (one would silently win; merge them into one): first_step[0] and [2]: "
+     "M.lin forward  all_reduce  group 0  bfloat16  rank 0; first_step[0] and [2]: M.lin forward  all_reduce  "
+     "group 0  bfloat16  rank 1"),
+    ({"other_steps": [_apart(steps=[2, 4]), _apart(steps=[4], count=2)]},
+     "2 key(s) with two entries for one rank (one would silently win; merge them into one): other_steps[0] and "
+     "[1]: M.lin forward  all_reduce  group 0  bfloat16  rank 0 step 4; other_steps[0] and [1]: M.lin forward  "
+     "all_reduce  group 0  bfloat16  rank 1 step 4"),
+]
+
+
+@pytest.mark.parametrize("sections, why", _DUPLICATES)
+def test_a_file_with_one_key_twice_is_refused_naming_it(tmp_path, capsys, sections, why):
+    sig, merged = tmp_path / "sig.json", tmp_path / "merged.json"
+    sig.write_text(json.dumps(_document(_bare())))
+    merged.write_text(json.dumps({**_document(_bare()), **sections}))
+    assert main(["compare", str(sig), str(merged)]) == 2
+    assert capsys.readouterr().err == f"commdebug-otel compare: {merged}: {why}\n"
+    assert main(["compare", str(merged), str(sig)]) == 2  # as base too
+
+
+def test_a_json_member_twice_is_refused_naming_it(tmp_path, capsys):
+    sig, merged = tmp_path / "sig.json", tmp_path / "merged.json"
+    text = signature.to_json(_document(_bare()))
+    sig.write_text(text)
+    # Two "entries" members (a merge that kept both sides), and a figure twice in one entry.
+    merged.write_text(text.replace('"entries": [', '"entries": [], "entries": [').replace(
+        '"count_per_step": 1,', '"count_per_step": 1, "count_per_step": 2,'))
+    assert main(["compare", str(sig), str(merged)]) == 2
+    assert capsys.readouterr().err == (f"commdebug-otel compare: {merged}: member(s) 'count_per_step', 'entries' "
+                                       "twice in one object (the last would silently win; keep one)\n")

@@ -397,8 +397,9 @@ def _checked(document: dict, path: str) -> dict[str, Any]:
                         which = f"[{earlier}] and [{number}]" if earlier != number else f"[{number}] (twice)"
                         twice.append(f"{section}{which}: {_where(dict(zip(KEY_FIELDS, key)))}  rank {rank}{at}")
         if twice:
-            raise SignatureError(f"{path}: {len(twice)} key(s) with two entries for one rank (one would silently "
-                                 f"win; merge them into one): " + "; ".join(dict.fromkeys(twice)))
+            named = list(dict.fromkeys(twice))  # a rank twice in one entry's list is met twice
+            raise SignatureError(f"{path}: {len(named)} key(s) with two entries for one rank (one would silently "
+                                 f"win; merge them into one): " + "; ".join(named))
     return document
 
 
