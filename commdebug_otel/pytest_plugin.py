@@ -12,7 +12,10 @@ The block's signature (:mod:`commdebug_otel.testing.signatures`) is compared wit
 ``comm_signatures/tp_step.json`` in the test file's folder; a difference fails the test with the
 diff as its message (:func:`commdebug_otel.offline.signature.format_diff`). ``pytest --comm-update``
 writes the baselines instead (rank 0 writes, in a job of several ranks); a missing baseline fails
-and says so. Works in a job of one process and on every rank of a multi-rank test (each rank a
+and says so. A baseline name is one test's: when a second test (another parametrization) records
+under a name another test of the same run wrote, or one test records two different signatures
+under one name, ``--comm-update`` fails the second rather than overwrite the first, also across
+pytest-xdist workers (``-n``). Works in a job of one process and on every rank of a multi-rank test (each rank a
 pytest process, e.g. under torchrun): every rank gets the job's signature and the same verdict.
 Baselines are ordinary signature files: ``commdebug-otel compare`` reads them.
 
@@ -21,7 +24,12 @@ Importing this module imports neither torch nor the OTel SDK (pytest loads it in
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
+import shutil
+import tempfile
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -43,17 +51,46 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "test) instead of comparing with them")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # One id per run, the same in every pytest-xdist worker (its testrunuid), so that workers see each other's
+    # claims on baseline names (_claim).
+    if hasattr(config, "workerinput"):
+        config.stash[_RUN_ID] = str(config.workerinput["testrunuid"])
+        return
+    run_id = getattr(config.option, "testrunuid", None) or uuid.uuid4().hex
+    if hasattr(config.option, "testrunuid"):
+        config.option.testrunuid = run_id  # xdist's controller hands it to its workers
+    config.stash[_RUN_ID] = run_id
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput") and _RUN_ID in config.stash:
+        shutil.rmtree(_claims_folder(config.stash[_RUN_ID]), ignore_errors=True)
+
+
+_RUN_ID = pytest.StashKey[str]()
+
+
+def _claims_folder(run_id: str) -> Path:
+    return Path(tempfile.gettempdir()) / f"commdebug-otel-comm-update-{run_id}"
+
+
 class CommSignature:
     """What the ``comm_signature`` fixture gives a test: call it with a baseline name, use it as ``with``.
 
     Args:
         folder: where the baselines are (``comm_signatures`` beside the test file).
         update: write baselines instead of comparing (``--comm-update``).
+        test: the test's node id: who writes a baseline, said when two tests would write one.
+        run_id: this pytest run's id (one for all xdist workers): claims on baseline names are per run;
+            None: no claims (each write stands alone).
     """
 
-    def __init__(self, folder: Path, update: bool) -> None:
+    def __init__(self, folder: Path, update: bool, test: str = "", run_id: str | None = None) -> None:
         self.folder = folder
         self.update = update
+        self.test = test
+        self.run_id = run_id
         #: The signature of the last block recorded (None before one has exited).
         self.last: dict[str, Any] | None = None
 
@@ -70,17 +107,21 @@ class CommSignature:
 
     @contextmanager
     def __call__(self, name: str, *, count_tolerance: float = 0.0, bytes_tolerance: float = 0.0,
-                 gather: bool = True) -> Iterator[CommSignature]:
+                 typical_only: bool = False, gather: bool = True) -> Iterator[CommSignature]:
         """Record the block and compare its signature with the baseline ``name`` (or write it).
 
         Args:
             name: the baseline's name: ``comm_signatures/{name}.json``.
-            count_tolerance, bytes_tolerance: as :func:`commdebug_otel.offline.signature.compare`.
+            count_tolerance, bytes_tolerance, typical_only: as :func:`commdebug_otel.offline.signature.compare`
+                (``typical_only``: the first and last steps' differences from the typical step are not held).
             gather: as :class:`commdebug_otel.testing.signatures.SignatureRecording`.
 
         Raises:
             ValueError: a bad name, or a tolerance below 0 (before the block runs). The test fails
-            (``pytest.fail``) when the signature differs from the baseline, or there is none.
+            (``pytest.fail``) when the signature differs from the baseline, there is none, or the
+            baseline cannot be read (another format, one key twice for a rank: the message names
+            them); with ``--comm-update``, when another test of this run wrote ``name`` already, or
+            this test wrote a different signature under it.
         """
         from commdebug_otel.offline import signature
         from commdebug_otel.testing.signatures import record_signature
@@ -97,20 +138,56 @@ class CommSignature:
             return
         if self.update:
             if _rank() == 0:
+                text = signature.to_json(found)
+                self._claim(path, text)
                 path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(signature.to_json(found), encoding="utf-8")
+                path.write_text(text, encoding="utf-8")
             return
         shown = _shown(path)
         if not path.exists():
             pytest.fail(f"comm_signature: no baseline {shown}; run pytest --comm-update to write it", pytrace=False)
         try:
-            base = signature.load(path)
+            base = signature.load(shown)  # its messages name the file as shown
         except signature.SignatureError as error:
-            pytest.fail(f"comm_signature: {error}", pytrace=False)
-        diff = signature.compare(base, found, count_tolerance=count_tolerance, bytes_tolerance=bytes_tolerance)
+            unreadable = str(error)
+        else:
+            unreadable = None
+        if unreadable is not None:
+            pytest.fail(f"comm_signature: {unreadable}", pytrace=False)
+        diff = signature.compare(base, found, count_tolerance=count_tolerance, bytes_tolerance=bytes_tolerance,
+                                 typical_only=typical_only)
         if not diff["equal"]:
             pytest.fail(signature.format_diff(diff, shown, "this run") +
                         "\n(pytest --comm-update writes this run's signature as the baseline)", pytrace=False)
+
+
+    def _claim(self, path: Path, text: str) -> None:
+        """Make ``path`` this test's baseline for this run, or fail: another test claimed it (a second
+        parametrization under one name would overwrite the first's baseline), or this test wrote another
+        signature there. Claims are files (linked into place, so only one wins) in a folder of the run, so
+        pytest-xdist workers see each other's."""
+        if self.run_id is None:
+            return
+        folder = _claims_folder(self.run_id)
+        folder.mkdir(parents=True, exist_ok=True)
+        claim = folder / hashlib.sha256(str(path.resolve()).encode()).hexdigest()
+        mine = f"{self.test}\n{hashlib.sha256(text.encode()).hexdigest()}"
+        # Written aside, then linked into place: a claim is never seen half-written, and only one link wins.
+        draft = folder / f".{uuid.uuid4().hex}"
+        draft.write_text(mine, encoding="utf-8")
+        try:
+            os.link(draft, claim)
+        except FileExistsError:
+            owner, _, written = claim.read_text(encoding="utf-8").partition("\n")
+            if owner != self.test:
+                pytest.fail(f"comm_signature: --comm-update: {owner} wrote {_shown(path)} in this run already; "
+                            f"{self.test} would overwrite it: give each test its own name (e.g. "
+                            "comm_signature(f\"tp_{param}\") in a parametrized test)", pytrace=False)
+            if written != mine.partition("\n")[2]:
+                pytest.fail(f"comm_signature: --comm-update: {self.test} records two different signatures "
+                            f"under {_shown(path)}: give each block its own name", pytrace=False)
+        finally:
+            draft.unlink()
 
 
 def _shown(path: Path) -> str:
@@ -132,4 +209,6 @@ def _rank() -> int:
 def comm_signature(request: pytest.FixtureRequest) -> CommSignature:
     """``with comm_signature("name"): ...`` holds the block's communication against
     ``comm_signatures/name.json`` beside the test (see :class:`CommSignature`)."""
-    return CommSignature(Path(request.path).parent / BASELINE_FOLDER, request.config.getoption("comm_update"))
+    config = request.config
+    return CommSignature(Path(request.path).parent / BASELINE_FOLDER, config.getoption("comm_update"),
+                         request.node.nodeid, config.stash.get(_RUN_ID, None))

@@ -87,7 +87,8 @@ def test_update_writes_baselines_then_a_change_fails_with_the_diff(pytester):
     folder = pytester.path / "comm_signatures"
     eager = json.loads((folder / "eager.json").read_text())
     # Two steps of one (2, 4) float32 all_reduce in Net's forward.
-    assert eager == {"format": signature.FORMAT, "world_size": 1, "steps": 2, "entries": [_entry("Net", 32)]}
+    assert eager == {"format": signature.FORMAT, "world_size": 1, "entries": [_entry("Net", 32)], "first_step": [],
+                     "last_step": [], "other_steps": []}
     # The compiled block's functional all_reduce, from its compiled code (the compiled module is one span).
     compiled = json.loads((folder / "compiled.json").read_text())
     assert compiled["entries"] == [_entry("Compiled", 48)]
@@ -155,9 +156,8 @@ def test_every_rank_of_a_dtensor_test_checks_the_jobs_signature(pytester):
     # RowwiseParallel's output all-reduce of the (4, 5) float32 output on both ranks, with its why.
     tp = _entry("ToyModel.out_proj", 80, ranks=(0, 1), mesh_dim="tp", cause="redistribute",
                 source="(Partial(sum),)", target="(Replicate(),)")
-    (folder / "tp.json").write_text(json.dumps({"format": signature.FORMAT, "world_size": 2, "steps": 1,
-                                                "entries": [tp]}))
-    (folder / "tp_old.json").write_text(json.dumps({"format": signature.FORMAT, "world_size": 2, "steps": 1,
+    (folder / "tp.json").write_text(json.dumps({"format": signature.FORMAT, "world_size": 2, "entries": [tp]}))
+    (folder / "tp_old.json").write_text(json.dumps({"format": signature.FORMAT, "world_size": 2,
                                                     "entries": [{**tp, "count_per_step": 2}]}))
     result = pytester.run(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
@@ -178,3 +178,119 @@ def test_a_bad_tolerance_is_said_before_the_block_runs(tmp_path, update, option,
         with CommSignature(tmp_path, update)("name", **{option: value}):
             ran.append(True)
     assert ran == [] and not list(tmp_path.iterdir())
+
+
+_LOOP = '''
+
+def test_loop(comm_signature):
+    net = Net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    with comm_signature("loop", typical_only=TYPICAL_ONLY):
+        for step in range(STEPS):
+            loss = net(torch.ones(2, 4)).sum()
+            loss.backward()
+            if step == 0 and LAZY:
+                dist.broadcast(torch.zeros(3), 0)  # lazy initialisation, in the first step only
+            optimizer.step()
+            optimizer.zero_grad()
+            if step < STEPS - 1:
+                dist.all_reduce(loss.detach())  # logs the loss, after every step but the last
+
+
+def test_duplicate(comm_signature):
+    with comm_signature("duplicate"):
+        Net()(torch.ones(2, 4))
+'''
+
+
+def _write_loop(pytester, steps, lazy=True, typical_only=False):
+    text = _LOOP.replace("STEPS", str(steps)).replace("LAZY", str(lazy)).replace("TYPICAL_ONLY", str(typical_only))
+    pytester.makepyfile(test_loop=_GROUP + text)
+
+
+def _apart(module, pass_, op, count, nbytes):
+    entry = {**_entry(module, nbytes), "pass": pass_, "op": op, "count_delta": count, "bytes_delta": nbytes}
+    del entry["count_per_step"], entry["bytes_per_step"]
+    entry["ranks"] = entry.pop("ranks")
+    return entry
+
+
+def test_a_loops_baseline_holds_whatever_its_length_and_its_first_step_apart(pytester):
+    _write_loop(pytester, steps=3)
+    pytester.runpytest_subprocess("--comm-update", "test_loop.py::test_loop").assert_outcomes(passed=1)
+    folder = pytester.path / "comm_signatures"
+    # Net's (2, 4) float32 all_reduce and the loss's (4 bytes) in the tail after optimizer.step(): the typical
+    # step. The first step broadcasts 12 bytes more; the last step logs nothing.
+    assert json.loads((folder / "loop.json").read_text()) == {
+        "format": signature.FORMAT, "world_size": 1,
+        "entries": [_entry("Net", 32), {**_entry("train_step_tail", 4), "pass": "none"}],
+        "first_step": [_apart("train_step", "none", "broadcast", 1, 12)],
+        "last_step": [_apart("train_step_tail", "none", "all_reduce", -1, -4)], "other_steps": []}
+    _write_loop(pytester, steps=8)
+    pytester.runpytest_subprocess("test_loop.py::test_loop").assert_outcomes(passed=1)
+
+    # Without the lazy broadcast the first step is typical: a difference, unless only the typical step is held.
+    # A baseline with one key twice for a rank is refused, naming the key.
+    _write_loop(pytester, steps=5, lazy=False)
+    entry = _entry("Net", 32)
+    (folder / "duplicate.json").write_text(json.dumps({"format": signature.FORMAT, "world_size": 1,
+                                                       "entries": [entry, {**entry, "count_per_step": 2}]}))
+    result = pytester.runpytest_subprocess()
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines([
+        "*communication differs (this run against comm_signatures/loop.json): 0 appeared, 0 disappeared, "
+        "0 changed, 1 in the first step",
+        "first step ~ train_step none  broadcast  group 0  float32: +1 -> 0 collectives, +12 -> 0 bytes beside "
+        "the typical step  ranks 0",
+    ])
+    assert ("comm_signature: comm_signatures/duplicate.json: 1 key(s) with two entries for one rank (one would "
+            "silently win; merge them into one): entries[0] and [1]: Net forward  all_reduce  group 0  float32  "
+            "rank 0") in result.stdout.lines
+    _write_loop(pytester, steps=5, lazy=False, typical_only=True)
+    pytester.runpytest_subprocess("test_loop.py::test_loop").assert_outcomes(passed=1)
+
+
+_SHARED = '''
+
+@pytest.mark.parametrize("reduces", [1, 2])
+def test_shared(comm_signature, reduces):
+    with comm_signature("shared"):
+        Net(reduces)(torch.ones(2, 4))
+
+
+@pytest.mark.parametrize("reduces", [1, 2])
+def test_apart(comm_signature, reduces):
+    with comm_signature(f"apart_{reduces}"):
+        Net(reduces)(torch.ones(2, 4))
+
+
+def test_twice(comm_signature):
+    for reduces in (1, 2):
+        with comm_signature("twice"):
+            Net(reduces)(torch.ones(2, 4))
+'''
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one process", "xdist"])
+def test_update_refuses_to_write_one_name_from_two_tests(pytester, workers):
+    pytester.makepyfile(test_shared=_GROUP + _SHARED)
+    result = pytester.runpytest_subprocess("--comm-update", "-p", "no:cacheprovider", *workers)
+    result.assert_outcomes(passed=3, failed=2)
+    out = result.stdout.str()
+    folder = pytester.path / "comm_signatures"
+    shared = json.loads((folder / "shared.json").read_text())
+    # The test that wrote it first keeps it (under xdist either may be first); the other fails, naming both.
+    count = shared["entries"][0]["count_per_step"]
+    assert shared["entries"] == [_entry("Net", 32 * count, count=count)]
+    writer, loser = f"test_shared.py::test_shared[{count}]", f"test_shared.py::test_shared[{3 - count}]"
+    assert (f"comm_signature: --comm-update: {writer} wrote comm_signatures/shared.json in this run already; "
+            f"{loser} would overwrite it: give each test its own name") in out, out
+    assert ("comm_signature: --comm-update: test_shared.py::test_twice records two different signatures under "
+            "comm_signatures/twice.json: give each block its own name") in out, out
+    assert json.loads((folder / "twice.json").read_text())["entries"] == [_entry("Net", 32)]
+    for reduces in (1, 2):
+        apart = json.loads((folder / f"apart_{reduces}.json").read_text())
+        assert apart["entries"] == [_entry("Net", 32 * reduces, count=reduces)]
+    # Comparing: both parametrizations against one baseline is allowed (one differs); claims were per run.
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "apart", *workers)
+    result.assert_outcomes(passed=2)

@@ -1,8 +1,10 @@
 """``commdebug-otel compare BASE NEW``: what two communication signatures differ in.
 
 Each of BASE and NEW is a signature file (``commdebug-otel signature -o``, a pytest baseline) or a
-run folder / OTLP-JSON trace files, made into a signature first (:func:`.signature.load`). Exit
-status: 0 equal, 1 different, 2 a side could not be read. The text diff is
+run folder / OTLP-JSON trace files, made into a signature first (:func:`.signature.load`). The
+typical steps are compared, then the first and last steps' differences from them (unless
+``--typical-only``). Exit status: 0 equal, 1 different, 2 a side could not be read (a signature
+file of an older format, or with two entries for one key and rank, too). The text diff is
 :func:`.signature.format_diff`'s; ``--format json`` prints :func:`.signature.compare`'s dict.
 """
 
@@ -40,8 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="collectives per step a count may move by and still be equal (default 0)")
     parser.add_argument("--bytes-tolerance", type=_non_negative, default=0.0, metavar="FRACTION",
                         help="share of the base's bytes per step they may move by, e.g. 0.05 (default 0)")
-    parser.add_argument("--include-warmup", action="store_true",
-                        help="for run folders: count the first traced step too (as `signature --include-warmup`)")
+    parser.add_argument("--typical-only", action="store_true",
+                        help="compare the typical steps only, not how the first and last steps differ from them "
+                             "(default: those differences are compared too)")
+    # Every step is read now (the first one's difference reported apart): accepted so scripts keep working.
+    parser.add_argument("--include-warmup", action="store_true", help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     for path in (args.base, args.new):
         messages: list[str] = []
         try:
-            documents.append(signature.load(path, args.include_warmup, messages))
+            documents.append(signature.load(path, messages))
         except signature.SignatureError as error:
             print(f"commdebug-otel compare: {error}", file=sys.stderr)
             return EXIT_UNREADABLE
@@ -58,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
             for message in messages:
                 print(f"commdebug-otel compare: {message}", file=sys.stderr)
     diff = signature.compare(*documents, count_tolerance=args.count_tolerance,
-                             bytes_tolerance=args.bytes_tolerance)
+                             bytes_tolerance=args.bytes_tolerance, typical_only=args.typical_only)
     if args.format == "json":
         print(json.dumps(diff, indent=2))
     elif diff["equal"]:

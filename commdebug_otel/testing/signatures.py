@@ -7,12 +7,13 @@ Usage::
     with record_signature() as recording:
         model(batch).sum().backward()
         optimizer.step()
-    print(recording.signature)   # {"format": "commdebug-otel.signature/1", "entries": [...], ...}
+    print(recording.signature)   # {"format": "commdebug-otel.signature/2", "entries": [...], ...}
 
 The block runs under a private :class:`~commdebug_otel.CommTracer` (every step traced, in-memory
 providers: nothing is exported); its spans go through the OTLP-JSON encoding and the offline
 reader's decoding, then :func:`commdebug_otel.offline.signature.tally_spans` with ``whole=True``:
-everything the block issued, per step it ran (at least 1), warm-up included. In a job of several
+everything the block issued, step by step (at least 1 step; set-up before the block's first step
+is part of that step), read as a typical step and the first and last steps' differences from it. In a job of several
 ranks, every rank's tally is gathered (``all_gather_object`` on the default group, after the
 block, so it is not recorded), and every rank gets the job's signature. The pytest fixture
 ``comm_signature`` (:mod:`commdebug_otel.pytest_plugin`) is built on it.
@@ -88,7 +89,7 @@ class SignatureRecording:
         spans = spans_from_otlp_json(line) if line is not None else []
         for span in spans:
             span["rank"] = rank
-        tallies = {rank: tally_spans(spans, whole=True, times=self._times).get(rank, Tally(steps=1))}
+        tallies = {rank: tally_spans(spans, whole=True, times=self._times).get(rank) or Tally(steps={0: {}})}
         world_size = dist.get_world_size() if distributed else 1
         if world_size > 1:
             gathered: list[Any] = [None] * world_size
