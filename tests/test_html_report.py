@@ -99,6 +99,25 @@ def test_a_healthy_answer_and_a_live_verdict_first(run):
     assert html_report._answer(diagnosis, verdicts)[0] == ("bad", "hang: rank 1 never entered all_reduce #4 on group 0")
 
 
+def test_a_stall_from_the_snapshots_is_the_answer_without_a_live_verdict(run):
+    from commdebug_otel.offline import diagnose
+
+    spans, _, _ = run
+    stall = {"rank": 1, "step": 4, "module": "_Net.second", "pass": "forward", "age_s": 42.04, "snapshot": 2,
+             "between_steps": False, "ended": False, "reason": "behind on group 0",
+             "waiting_ranks": [{"rank": 0}, {"rank": 2}, {"rank": 3}]}
+    diagnosis = diagnose.diagnose(spans) | {"stalls": [stall, stall | {"rank": 2, "ended": True, "waiting_ranks": []}]}
+    answers = html_report._answer(diagnosis, [])
+    assert answers[:2] == [
+        ("bad", "hang: rank 1 is stuck in step 4 at _Net.second forward for 42.0 s; rank(s) 0, 2-3 wait for it"),
+        ("bad", "stall (ended): rank 2 was stuck in step 4 at _Net.second forward for 42.0 s")]
+    assert answers[2][1].startswith("straggler: rank 1 in _Net forward ")  # after the stalls, still said
+    # A live verdict of a stall that has since ended says so.
+    ended = diagnosis | {"stalls": [stall | {"ended": True}]}
+    assert html_report._answer(ended, [("hang", "rank 1 never entered all_reduce #4")])[0] == (
+        "bad", "hang (ended): rank 1 never entered all_reduce #4")
+
+
 def _hostile(spans):
     """The run's spans with a hostile module name and a live hang verdict whose sentence is hostile too."""
     name = "<img src=x onerror=alert(1)>&'\""
@@ -184,7 +203,7 @@ def test_a_timeline_per_step_with_its_own_collectives_and_a_time_axis(run):
         assert svg.count(f"fill='{html_report._TICK_COLOUR}'") == 2 * (2 + _TINY)  # the tail's all_reduce apart
         assert svg.count(">rank 0</text>") == svg.count(">rank 1</text>") == 1
         ticks = [float(ms) for ms in re.findall(r"<text class='tick'[^>]*>([\d.]+) ms</text>", svg)]
-        assert ticks[0] == 0 and 5 <= len(ticks) <= 11 and ticks[-1] <= span_ms < ticks[-1] + 2 * (ticks[1] - ticks[0])
+        assert ticks[0] == 0 and 6 <= len(ticks) <= 13 and ticks[-1] <= span_ms < ticks[-1] + 2 * (ticks[1] - ticks[0])
         assert ">_Net</text>" in svg  # the module's name on its span, wide enough here (a third of a second)
         assert re.search(r"After optimizer.step\(\) \(train_step_tail, not drawn\): rank 0 [\d.]+ ms, "
                          r"1 collective\(s\); rank 1 [\d.]+ ms, 1 collective\(s\)\.", svg)

@@ -11,17 +11,27 @@ no network (CSS, script and SVG inline) and holds, top to bottom,
   desyncs, stragglers, pipeline waits), and ``diagnose``'s text folded at the end;
 * per rank, step time (mean and max of the finished ``train_step`` spans) and time waited in
   collectives (``torch.step.collective_wait_s``), as bars;
-* collectives by the module whose span issued them (``train_step``, ``train_step_tail``,
-  ``outside_step`` outside modules) and op, over every rank: bytes and counts, modules ranked by bytes;
-* step timelines (the last ``--timelines`` finished steps, or ``--step N``): a time axis in ms, one band
+* step timelines (the last :data:`DEFAULT_TIMELINES` finished steps, or ``--step N``): a time axis in ms, one band
   per rank, module spans nested by depth, coloured by pass and named where they are wide enough,
   collectives as ticks, each with its details on hover; a selector switches steps. A step's
   ``train_step_tail`` (its work after ``optimizer.step()``, up to the next step's first module) is not
-  drawn: it lasts to the process's exit after the last step; its length and collectives are said below.
+  drawn: it lasts to the process's exit after the last step; its length and collectives are said below;
+* collectives by the module whose span issued them (``train_step``, ``train_step_tail``,
+  ``outside_step`` outside modules) and op, over every rank: bytes and counts, modules ranked by bytes.
 
 Times on a timeline are from the earliest start of that step on any rank: ranks on different
 hosts show their clocks' offset too. The page's script only switches steps and writes
 ``ready`` into the element ``#status`` (a headless browser's check that it ran).
+
+Usage::
+
+    from commdebug_otel.offline import html_report, summary
+
+    spans = summary.load_spans(["commdebug-otel-out/run-20261201-062712-66fd1e02"])
+    open("report.html", "w").write(html_report.render(spans))
+
+What it does not do: it draws no step it cannot find finished in the files, and it answers only what ``diagnose``
+answers (:func:`_answer` is the one place that turns ``diagnose``'s result into the page's answer).
 """
 
 from __future__ import annotations
@@ -365,23 +375,26 @@ def _step_parts(spans: list[dict]) -> tuple[dict[int, list[dict]], dict[int, lis
                 for span in _finished(spans) if span["name"] != semconv.SPAN_STALL_VERDICT]
     index = index_of(detached)
     own: dict[int, list[dict]] = defaultdict(list)
-    tails: dict[int, list[dict]] = defaultdict(list)
     for span in detached:
         step = index.step(span)
         if step is not None:
             own[step].append(span)
-            continue
-        root = next(iter(reversed(list(index.ancestors(span)))), span)
-        if root["name"] == semconv.SPAN_TRAIN_STEP_TAIL and isinstance(root["attributes"].get(semconv.STEP), int):
-            tails[root["attributes"][semconv.STEP]].append(span)
+    tails: dict[int, list[dict]] = defaultdict(list)
+    for root in index.roots:  # walked down from each tail: linear in the spans however deep
+        step = root["attributes"].get(semconv.STEP)
+        if root["name"] == semconv.SPAN_TRAIN_STEP_TAIL and isinstance(step, int):
+            below = [root]
+            while below:
+                span = below.pop()
+                tails[step].append(span)
+                below.extend(index.children(span))
     return own, tails
 
 
 def _tick_step_ms(span_ms: float) -> float:
-    """A 1, 2 or 5 x 10^k ms spacing giving 5 to 10 ticks over ``span_ms``."""
-    raw = max(span_ms, 1e-3) / 8
-    power = 10 ** math.floor(math.log10(raw))
-    return next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+    """The widest 1, 2 or 5 x 10^k ms spacing that still gives at least 5 intervals over ``span_ms``: 6 to 13 ticks."""
+    power = 10 ** math.floor(math.log10(max(span_ms, 1e-3) / 5))
+    return max(m * power for m in (1, 2, 5) if span_ms / (m * power) >= 5 - 1e-9)
 
 
 def _axis(span_ms: float, height: int) -> str:
@@ -414,9 +427,11 @@ def _timeline(own: list[dict], tail: list[dict], step: int) -> tuple[str, int]:
     t1 = max(span["end_ns"] for span in own)
     span_ms = (t1 - t0) / 1e6
     scale = _WIDTH / max(t1 - t0, 1)
+    by_rank: dict[int, list[dict]] = defaultdict(list)
+    for span in own:
+        by_rank[span["rank"]].append(span)
     parts, y, left_out = [], _AXIS, 0
-    for rank in sorted({span["rank"] for span in own}):
-        ranked = [span for span in own if span["rank"] == rank]
+    for rank, ranked in sorted(by_rank.items()):
         left_out += max(len(ranked) - MAX_SPANS_PER_RANK, 0)
         ranked = ranked[:MAX_SPANS_PER_RANK]
         depth_of = {id(span): (int(span["attributes"].get(semconv.MODULE_DEPTH, -1)) + 1) for span in ranked}
@@ -449,9 +464,11 @@ def _timeline(own: list[dict], tail: list[dict], step: int) -> tuple[str, int]:
         y += rows * _ROW + 10
     svg = (f"<svg xmlns='http://www.w3.org/2000/svg' width='{_LEFT + _WIDTH + 30}' height='{y + 4}' "
            f"font-family='system-ui,sans-serif'>{_axis(span_ms, y)}{''.join(parts)}</svg>")
+    tail_of: dict[int, list[dict]] = defaultdict(list)
+    for span in tail:
+        tail_of[span["rank"]].append(span)
     tails = []
-    for rank in sorted({span["rank"] for span in tail}):
-        mine = [span for span in tail if span["rank"] == rank]
+    for rank, mine in sorted(tail_of.items()):
         roots = [span for span in mine if span["name"] == semconv.SPAN_TRAIN_STEP_TAIL]
         ms = sum(span["end_ns"] - span["start_ns"] for span in roots) / 1e6
         tails.append(f"rank {rank} {ms:.1f} ms, {len(summary.collective_events(mine))} collective(s)")
