@@ -6,6 +6,7 @@ import re
 import struct
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -29,11 +30,12 @@ class _Net(torch.nn.Module):
         super().__init__()
         self.first = AllReduceLinear()
         self.second = AllReduceLinear()
+        self.delay_s = _DELAY_S
 
     def forward(self, x, rank):
         x = self.first(x)  # all_reduce of 2 x 4 float32: 32 bytes
         if rank == _SLOW_RANK:
-            time.sleep(_DELAY_S)  # in _Net's own forward, before second's all_reduce
+            time.sleep(self.delay_s)  # in _Net's own forward, before second's all_reduce
         return self.second(torch.cat([x, x]))  # 4 x 4: 64 bytes
 
 
@@ -95,7 +97,7 @@ def test_a_healthy_answer_and_a_live_verdict_first(run):
     diagnosis = diagnose.diagnose(spans)
     assert html_report._answer(diagnosis | {"stragglers": []}, []) == [
         ("ok", "healthy: no straggler above the noise (1 ms), no stall, error or desync; judged on steps 1-2")]
-    verdicts = [("hang", "rank 1 never entered all_reduce #4 on group 0")]
+    verdicts = [("hang", "rank 1 never entered all_reduce #4 on group 0", 7)]
     assert html_report._answer(diagnosis, verdicts)[0] == ("bad", "hang: rank 1 never entered all_reduce #4 on group 0")
 
 
@@ -106,16 +108,72 @@ def test_a_stall_from_the_snapshots_is_the_answer_without_a_live_verdict(run):
     stall = {"rank": 1, "step": 4, "module": "_Net.second", "pass": "forward", "age_s": 42.04, "snapshot": 2,
              "between_steps": False, "ended": False, "reason": "behind on group 0",
              "waiting_ranks": [{"rank": 0}, {"rank": 2}, {"rank": 3}]}
-    diagnosis = diagnose.diagnose(spans) | {"stalls": [stall, stall | {"rank": 2, "ended": True, "waiting_ranks": []}]}
+    over = stall | {"rank": 2, "step": 0, "ended": True, "waiting_ranks": []}
+    diagnosis = diagnose.diagnose(spans) | {"stalls": [stall, over]}
     answers = html_report._answer(diagnosis, [])
-    assert answers[:2] == [
-        ("bad", "hang: rank 1 is stuck in step 4 at _Net.second forward for 42.0 s; rank(s) 0, 2-3 wait for it"),
-        ("bad", "stall (ended): rank 2 was stuck in step 4 at _Net.second forward for 42.0 s")]
-    assert answers[2][1].startswith("straggler: rank 1 in _Net forward ")  # after the stalls, still said
-    # A live verdict of a stall that has since ended says so.
-    ended = diagnosis | {"stalls": [stall | {"ended": True}]}
-    assert html_report._answer(ended, [("hang", "rank 1 never entered all_reduce #4")])[0] == (
-        "bad", "hang (ended): rank 1 never entered all_reduce #4")
+    assert answers[0] == (
+        "bad", "hang: rank 1 is stuck in step 4 at _Net.second forward for 42.0 s; rank(s) 0, 2-3 wait for it")
+    assert answers[1][1].startswith("straggler: rank 1 in _Net forward ")  # after the stall still on
+    assert answers[2:] == [("slow", "stall (ended): rank 2 was stuck in step 0 at _Net.second forward for 42.0 s")]
+    # A verdict goes with the stalls of its step: still on, it leads; ended, it follows the straggler.
+    verdicts = [("hang", "rank 2 never entered all_reduce #0", 0), ("hang", "rank 1 never entered all_reduce #9", 4)]
+    answers = html_report._answer(diagnosis, verdicts)
+    assert [text for _, text in answers if "verdict" in text or "never entered" in text] == [
+        "hang: rank 1 never entered all_reduce #9", "hang (ended): rank 2 never entered all_reduce #0"]
+    assert answers[0] == ("bad", "hang: rank 1 never entered all_reduce #9")
+
+
+_STUCK_S = 20.0  # a hung rank's sleep: the live verdict is in the files well before it ends
+
+
+def _hang_job(rank, world_size, out_dir):
+    from commdebug_otel import CommTracer, Settings
+
+    model = _Net()
+    step = 0
+    def one_step():
+        model.delay_s = _STUCK_S if step == 1 else 0.0
+        model(torch.ones(2, 4), rank).sum().backward()
+
+    one_step()  # untraced warm-up
+    with CommTracer(Settings(output_dir=out_dir, stall_after_s=2.0)):
+        for step in range(2):  # noqa: B007 (one_step reads it)
+            one_step()
+            torch.optim.SGD(model.parameters(), lr=0.1).step()
+
+
+def test_a_live_hang_opens_with_the_verdict_sentence(tmp_path):
+    """A real hang, read while it lasts: rank 1 sleeps in _Net's forward in step 1 while rank 0 waits in second's
+    all_reduce; the report is made once that step's live verdict is in the files (a loaded machine can stall step 0
+    too, with a verdict of its own: ended by then, it comes after)."""
+    out, page, failed = tmp_path / "hang", tmp_path / "hang.html", []
+
+    def job():
+        try:
+            run_ranks(_hang_job, 2, str(out))
+        except BaseException as error:  # said by the test, not lost in the thread
+            failed.append(error)
+    thread = threading.Thread(target=job)
+    thread.start()
+    try:
+        deadline = time.monotonic() + _STUCK_S * 3
+        while time.monotonic() < deadline and not any(
+                "(step 1, 2 of 2 ranks reported)" in path.read_text() for path in out.glob("*/traces-rank*.jsonl")):
+            time.sleep(0.3)
+        done = subprocess.run([sys.executable, "-m", "commdebug_otel.cli", "report", str(out), "-o", str(page)],
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        thread.join(timeout=_STUCK_S * 6)
+    assert failed == [] and done.returncode == 0, done.stderr
+    text = page.read_text()
+    answer = re.search(r"</h1><div id='answer' class='(\w+)'>(.*?)</div>", text)
+    assert answer.group(1) == "bad"
+    assert re.fullmatch(r"hang: rank 1 never entered all_reduce #\d+ on group 0, issued by _Net.second; it is in "
+                        r"_Net forward; rank 0 waits? in it \(step 1, 2 of 2 ranks reported\)", answer.group(2)), answer
+    # diagnose's stall from the snapshots is said under it, and its table is in the findings.
+    assert re.search(r"<li>hang: rank 1 is stuck in step 1 at _Net forward for \d+\.\d s; rank\(s\) 0 wait for it</li>",
+                     text)
+    assert re.search(r"<h3>Stalls: \d+</h3>", text) and "stack of rank 1 (" in text  # step 0's too, when it stalled
 
 
 def _hostile(spans):

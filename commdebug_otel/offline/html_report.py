@@ -132,48 +132,62 @@ def _straggler_rows(diagnosis: dict[str, Any]) -> tuple[list[str], list[list[Any
     return header, rows
 
 
-def _live_verdicts(spans: list[dict]) -> list[tuple[str, str]]:
-    """The live cross-rank stall verdicts (``stall_verdict`` spans): ``(kind, summary)``, the latest first,
+def _live_verdicts(spans: list[dict]) -> list[tuple[str, str, int | None]]:
+    """The live cross-rank stall verdicts (``stall_verdict`` spans): ``(kind, summary, step)``, the latest first,
     each said once."""
     found = sorted((span for span in spans if span["name"] == semconv.SPAN_STALL_VERDICT),
                    key=lambda span: -span["end_ns"])
-    out: list[tuple[str, str]] = []
+    out: list[tuple[str, str, int | None]] = []
     for span in found:
         attributes = span["attributes"]
+        step = attributes.get(semconv.STEP)
         said = (str(attributes.get(semconv.VERDICT_KIND, semconv.VERDICT_KIND_HANG)),
-                str(attributes.get(semconv.VERDICT_SUMMARY, "")))
+                str(attributes.get(semconv.VERDICT_SUMMARY, "")), step if isinstance(step, int) else None)
         if said[1] and said not in out:
             out.append(said)
     return out
 
 
-def _answer(diagnosis: dict[str, Any], verdicts: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """The page's answers, the headline first: ``[(tone, sentence)]``, tone ``bad`` (a hang, an error, a desync),
-    ``slow`` (a straggler) or ``ok``.
+def _stall_sentence(stall: dict) -> str:
+    """``rank 1 is stuck in step 4 at M forward for 42.0 s`` (``was`` once it ended), from a snapshot's stall."""
+    place = stall_step_text(stall["between_steps"], stall["step"])
+    if not stall["between_steps"]:
+        place += f" at {_where(stall['module'], stall['pass'])}"
+    return f"rank {stall['rank']} {'was' if stall['ended'] else 'is'} stuck {place} for {stall['age_s']:.1f} s"
 
+
+def _answer(diagnosis: dict[str, Any], verdicts: list[tuple[str, str, int | None]]) -> list[tuple[str, str]]:
+    """The page's answers, the headline first: ``[(tone, sentence)]``, tone ``bad`` (a hang, an error, a desync),
+    ``slow`` (a straggler, a stall that ended) or ``ok``.
+
+    In order: live verdicts and stalls still on, errors, unfinished steps, desyncs, the costliest straggler, then
+    stalls that ended and their verdicts (a verdict ended with the stalls of its step); else healthy.
     ``diagnosis``: :func:`.diagnose.diagnose`'s result; ``verdicts``: :func:`_live_verdicts`. Never empty.
     """
     out: list[tuple[str, str]] = []
+    ended: list[tuple[str, str]] = []
     stalls = diagnosis["stalls"]
-    live = [stall for stall in stalls if not stall["ended"]]
-    for kind, sentence in verdicts:
-        out.append(("bad", f"{kind}: {sentence}" if live or not stalls else f"{kind} (ended): {sentence}"))
+    for kind, sentence, step in verdicts:
+        mine = [stall for stall in stalls if stall["step"] == step]
+        if mine and all(stall["ended"] for stall in mine):
+            ended.append(("slow", f"{kind} (ended): {sentence}"))
+        else:
+            out.append(("bad", f"{kind}: {sentence}"))
+    for stall in stalls:
+        if not stall["snapshot"]:
+            out.append(("bad", f"hang: rank {stall['rank']} is stuck: it {stall['reason']}"))
+            continue
+        if stall["ended"]:
+            ended.append(("slow", f"stall (ended): {_stall_sentence(stall)}"))
+        else:
+            waiting = ranges_text([other["rank"] for other in stall["waiting_ranks"]], ", ")
+            out.append(("bad", f"hang: {_stall_sentence(stall)}" + (f"; rank(s) {waiting} wait for it" if waiting
+                                                                    else "")))
     for error in diagnosis["errors"]:
         where = "outside a step" if error["step"] is None else f"step {error['step']}"
         message = f": {error['message']}" if error["message"] else ""
         out.append(("bad", f"error: rank {error['rank']} raised {error['type']}{message} in {where} at "
                            f"{_where(error['module'], error['pass'])}"))
-    for stall in stalls:
-        if not stall["snapshot"]:
-            out.append(("bad", f"hang: rank {stall['rank']} is stuck: it {stall['reason']}"))
-            continue
-        place = stall_step_text(stall["between_steps"], stall["step"])
-        if not stall["between_steps"]:
-            place += f" at {_where(stall['module'], stall['pass'])}"
-        waiting = ranges_text([other["rank"] for other in stall["waiting_ranks"]], ", ")
-        state = "was stuck" if stall["ended"] else "is stuck"
-        out.append(("bad", f"{'stall (ended)' if stall['ended'] else 'hang'}: rank {stall['rank']} {state} {place} "
-                           f"for {stall['age_s']:.1f} s" + (f"; rank(s) {waiting} wait for it" if waiting else "")))
     for item in diagnosis.get("unfinished_steps", []):
         ranks = ranges_text([*item["closed_at_exit"], *item["missing"]], ", ")
         out.append(("bad", f"unfinished: step {item['step']} did not finish on rank(s) {ranks}"))
@@ -187,7 +201,8 @@ def _answer(diagnosis: dict[str, Any], verdicts: list[tuple[str, str]]) -> list[
         out.append(("slow", f"straggler: rank {top['rank']} in {_where(top['module'], top['pass'])} held the others "
                             f"back {top['lost_s']:.3f} s over {top['collectives']} collective(s) in "
                             f"{len(top['steps'])} step(s){more}"))
-    elif not out:
+    out += ended
+    if not out:
         steps = [step for step in diagnosis["steps"] if step != diagnosis.get("warmup_step")]
         judged = f"steps {ranges_text(steps, ', ')}" if steps else "no step past the warm-up"
         out.append(("ok", f"healthy: no straggler above the noise ({diagnosis['noise_floor_s'] * 1e3:g} ms), "
@@ -210,8 +225,9 @@ def _stall_block(stall: dict) -> str:
         return "; ".join(f"{c['op']} (group {c['group']}, seq {c['seq']}"
                          + (f", from {_where(c['module'], c['pass'])}" if c["module"] else "")
                          + f", {c['age_s']:.1f} s)" for c in collectives) or "nothing"
-    parts = [f"<p>rank {_e(stall['rank'])}: {_e(stall['reason'])}; in flight: {_e(in_flight(stall['in_flight']))}"
-             "</p>"]
+    said = (f"{_stall_sentence(stall)}: {stall['reason']}"
+            if stall["snapshot"] else f"rank {stall['rank']}: {stall['reason']}")
+    parts = [f"<p>{_e(said)}; in flight on rank {_e(stall['rank'])}: {_e(in_flight(stall['in_flight']))}</p>"]
     if stall["waiting_ranks"]:
         parts.append(_table(["waiting rank", "step", "where", "in flight"], [
             [other["rank"], other["step"], _where(other["module"], other["pass"]), in_flight(other["in_flight"])]
