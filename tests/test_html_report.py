@@ -302,6 +302,26 @@ def test_it_renders_in_headless_chromium_without_script_errors(run, tmp_path):
     assert (width, height) == (1280, 1800)
 
 
+def test_nothing_runs_off_a_1280_px_window(run, tmp_path):
+    """Long names and sentences wrap: the page is no wider than the window (chromium's layout, measured by a probe
+    added to a copy of the page)."""
+    spans, _, _ = run
+    long = "model." + ".".join(f"block_{i}" for i in range(60))  # 500 characters, no space
+    renamed = [{**span, "attributes": {**span["attributes"], "torch.module.fqn": long}}
+               if span["attributes"].get("torch.module.fqn") == "_Net.first" else span for span in spans]
+    step = next(span for span in spans if span["name"] == "train_step")
+    renamed.append({**step, "name": "stall_verdict", "span_id": "f" * 16, "parent_span_id": step["span_id"],
+                    "events": [], "attributes": {"commdebug.verdict.summary": f"rank 1 never entered {long}"}})
+    probe = ("<script>document.getElementById('status').textContent="
+             "'width '+document.documentElement.scrollWidth;</script></body>")
+    page = tmp_path / "long.html"
+    page.write_text(html_report.render(renamed).replace("</body>", probe))
+    done = _chromium(page, "--window-size=1280,1000", "--dump-dom")
+    assert done.returncode == 0, done.stderr[-2000:]
+    width = int(re.search(r'<span id="status">width (\d+)</span>', done.stdout).group(1))
+    assert width <= 1280
+
+
 def test_the_browser_check_sees_a_script_error(run, tmp_path):
     """The check above can fail: the same page with its script broken."""
     _, _, text = run

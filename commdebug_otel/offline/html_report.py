@@ -31,7 +31,8 @@ Usage::
     open("report.html", "w").write(html_report.render(spans))
 
 What it does not do: it draws no step it cannot find finished in the files, and it answers only what ``diagnose``
-answers (:func:`_answer` is the one place that turns ``diagnose``'s result into the page's answer).
+answers: ``_answer``, ``_straggler_rows`` and ``_straggler_answer`` are the only readers of its result's
+stalls and stragglers.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ h3{font-size:15px;margin:14px 0 4px}
 table{border-collapse:collapse;margin:4px 0}td,th{padding:2px 8px;text-align:right;border-bottom:1px solid #eee;
 vertical-align:top}td:first-child,th:first-child{text-align:left}td.text,th.text{text-align:left}
 pre.wrap{background:#f6f6f6;padding:8px;white-space:pre-wrap;overflow-wrap:anywhere;margin:4px 0}
-td,p,li{overflow-wrap:anywhere}
+body *{overflow-wrap:anywhere}
 #answer{font-size:17px;padding:10px 14px;border-left:6px solid #59a14f;background:#f1f8ee;margin:10px 0}
 #answer.bad{border-color:#e15759;background:#fdf0f0}#answer.slow{border-color:#f28e2b;background:#fef6ec}
 ul.answers{margin:4px 0 0 0}
@@ -115,21 +116,36 @@ def _table(header: list[str], rows: list[list[Any]], text_columns: frozenset[int
 
 
 # ------------------------------------------------------------------ the answer
-# Everything the page says about stragglers and hangs goes through these two functions and _live_verdicts: they read
-# diagnose's JSON (diagnose.diagnose) and the live verdict spans, nothing else.
+# What the page says about stragglers comes from diagnose's JSON (diagnose.diagnose) through _straggler_rows and
+# _straggler_answer only, about hangs from its stalls and the live verdict spans through _answer and _live_verdicts.
 
 
 def _where(module: str, pass_: str) -> str:
     return f"{module or diagnose.TRAIN_STEP} {pass_}".rstrip()
 
 
-def _straggler_rows(diagnosis: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
-    """diagnose's straggler rows as a table: ``(header, rows)``, the costliest first; no rows on a healthy job."""
+def _straggler_rows(diagnosis: dict[str, Any]) -> tuple[list[str], list[list[Any]], str]:
+    """diagnose's straggler rows as a table: ``(header, rows, what the columns mean)``, the costliest first; no rows
+    on a healthy job."""
     header = ["rank", "where (module, pass)", "lost s", "waited s", "excess s", "collectives", "steps"]
     rows = [[row["rank"], _where(row["module"], row["pass"]), f"{row['lost_s']:.3f}", f"{row['waited_s']:.3f}",
              f"{row['excess_s']:.3f}", row["collectives"], ranges_text(row["steps"], ", ")]
             for row in diagnosis["stragglers"]]
-    return header, rows
+    legend = ("lost = wall time a collective was held back by the last rank to arrive (only the delay it added since "
+              "its previous collective); waited = rank-seconds the others waited; excess = its time there over the "
+              "other ranks'")
+    return header, rows, legend
+
+
+def _straggler_answer(diagnosis: dict[str, Any]) -> str | None:
+    """The straggler sentence of the page's answer (the costliest row), or None when diagnose found none."""
+    rows = diagnosis["stragglers"]
+    if not rows:
+        return None
+    top = rows[0]
+    more = f" ({len(rows) - 1} more row(s) under Findings)" if len(rows) > 1 else ""
+    return (f"straggler: rank {top['rank']} in {_where(top['module'], top['pass'])} held the others back "
+            f"{top['lost_s']:.3f} s over {top['collectives']} collective(s) in {len(top['steps'])} step(s){more}")
 
 
 def _live_verdicts(spans: list[dict]) -> list[tuple[str, str, int | None]]:
@@ -194,13 +210,9 @@ def _answer(diagnosis: dict[str, Any], verdicts: list[tuple[str, str, int | None
     for desync in diagnosis["desyncs"]:
         out.append(("bad", f"desync: group {desync['group']}, step {desync['step']}, seq {desync['seq']}: "
                            f"rank(s) {ranges_text(desync['ranks'], ', ')} issued different collectives"))
-    rows = diagnosis["stragglers"]
-    if rows:
-        top = rows[0]
-        more = f" ({len(rows) - 1} more row(s) under Findings)" if len(rows) > 1 else ""
-        out.append(("slow", f"straggler: rank {top['rank']} in {_where(top['module'], top['pass'])} held the others "
-                            f"back {top['lost_s']:.3f} s over {top['collectives']} collective(s) in "
-                            f"{len(top['steps'])} step(s){more}"))
+    straggler = _straggler_answer(diagnosis)
+    if straggler:
+        out.append(("slow", straggler))
     out += ended
     if not out:
         steps = [step for step in diagnosis["steps"] if step != diagnosis.get("warmup_step")]
@@ -276,15 +288,13 @@ def _findings(diagnosis: dict[str, Any]) -> str:
                              for rank, c in desync["ranks"].items()], frozenset({5})))
     else:
         empty.append("desyncs")
-    header, rows = _straggler_rows(diagnosis)
+    header, rows, legend = _straggler_rows(diagnosis)
     if rows:
         left = (f"<p class=muted>{len(rows) - TOP_STRAGGLERS} more row(s): "
                 "<code>commdebug-otel diagnose --format json</code> has them all.</p>" if len(rows) > TOP_STRAGGLERS
                 else "")
         warmup = diagnosis.get("warmup_step")
-        parts.append(f"<h3>Stragglers: {len(rows)}</h3><p class=muted>lost = wall time a collective was held back by "
-                     "the last rank to arrive (only the delay it added since its previous collective); waited = "
-                     "rank-seconds the others waited; excess = its time there over the other ranks'"
+        parts.append(f"<h3>Stragglers: {len(rows)}</h3><p class=muted>{_e(legend)}"
                      + (f"; step {_e(warmup)} (warm-up) left out" if warmup is not None else "") + ".</p>"
                      + _table(header, rows[:TOP_STRAGGLERS], frozenset({1})) + left)
     else:
