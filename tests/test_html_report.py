@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import struct
 import subprocess
@@ -31,11 +32,14 @@ class _Net(torch.nn.Module):
         self.first = AllReduceLinear()
         self.second = AllReduceLinear()
         self.delay_s = _DELAY_S
+        self.until = None  # a file: sleep until it exists (at most delay_s) instead
 
     def forward(self, x, rank):
         x = self.first(x)  # all_reduce of 2 x 4 float32: 32 bytes
         if rank == _SLOW_RANK:
-            time.sleep(self.delay_s)  # in _Net's own forward, before second's all_reduce
+            deadline = time.monotonic() + self.delay_s  # in _Net's own forward, before second's all_reduce
+            while time.monotonic() < deadline and not (self.until and os.path.exists(self.until)):
+                time.sleep(min(0.1, self.delay_s))
         return self.second(torch.cat([x, x]))  # 4 x 4: 64 bytes
 
 
@@ -123,13 +127,14 @@ def test_a_stall_from_the_snapshots_is_the_answer_without_a_live_verdict(run):
     assert answers[0] == ("bad", "hang: rank 1 never entered all_reduce #9")
 
 
-_STUCK_S = 20.0  # a hung rank's sleep: the live verdict is in the files well before it ends
+_STUCK_S = 120.0  # a hung rank's sleep at most: the test ends it once it has read the files
 
 
-def _hang_job(rank, world_size, out_dir):
+def _hang_job(rank, world_size, out_dir, release):
     from commdebug_otel import CommTracer, Settings
 
     model = _Net()
+    model.until = release
     step = 0
     def one_step():
         model.delay_s = _STUCK_S if step == 1 else 0.0
@@ -144,26 +149,27 @@ def _hang_job(rank, world_size, out_dir):
 
 def test_a_live_hang_opens_with_the_verdict_sentence(tmp_path):
     """A real hang, read while it lasts: rank 1 sleeps in _Net's forward in step 1 while rank 0 waits in second's
-    all_reduce; the report is made once that step's live verdict is in the files (a loaded machine can stall step 0
-    too, with a verdict of its own: ended by then, it comes after)."""
-    out, page, failed = tmp_path / "hang", tmp_path / "hang.html", []
+    all_reduce; the report is made once that step's live verdict is in the files, and then the hang is released (a
+    loaded machine can stall step 0 too, with a verdict of its own: ended by then, it comes after)."""
+    out, page, release, failed = tmp_path / "hang", tmp_path / "hang.html", tmp_path / "release", []
 
     def job():
         try:
-            run_ranks(_hang_job, 2, str(out))
+            run_ranks(_hang_job, 2, str(out), str(release))
         except BaseException as error:  # said by the test, not lost in the thread
             failed.append(error)
     thread = threading.Thread(target=job)
     thread.start()
     try:
-        deadline = time.monotonic() + _STUCK_S * 3
+        deadline = time.monotonic() + _STUCK_S / 2
         while time.monotonic() < deadline and not any(
                 "(step 1, 2 of 2 ranks reported)" in path.read_text() for path in out.glob("*/traces-rank*.jsonl")):
             time.sleep(0.3)
         done = subprocess.run([sys.executable, "-m", "commdebug_otel.cli", "report", str(out), "-o", str(page)],
                               capture_output=True, text=True, timeout=120)
     finally:
-        thread.join(timeout=_STUCK_S * 6)
+        release.touch()
+        thread.join(timeout=_STUCK_S * 2)
     assert failed == [] and done.returncode == 0, done.stderr
     text = page.read_text()
     answer = re.search(r"</h1><div id='answer' class='(\w+)'>(.*?)</div>", text)
