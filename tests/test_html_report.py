@@ -88,9 +88,10 @@ def test_the_page_opens_with_the_straggler_answer(run):
     # The first thing under the title: rank 1's sleep in _Net's own forward, every step past the warm-up.
     answer = re.search(r"</h1><div id='answer' class='(\w+)'>(.*?)</div>", page)
     assert answer.group(1) == "slow"
-    assert re.fullmatch(r"straggler: rank 1 in _Net forward held the others back 0\.\d{3} s over 2 collective\(s\) "
+    # A loaded machine can add a collective where rank 1 was late by chance: its count is not asserted.
+    assert re.fullmatch(r"straggler: rank 1 in _Net forward held the others back \d+\.\d{3} s over \d+ collective\(s\) "
                         r"in 2 step\(s\)( \(\d+ more row\(s\) under Findings\))?", answer.group(2)), answer.group(2)
-    lost = float(re.search(r"back (0\.\d{3}) s", answer.group(2)).group(1))
+    lost = float(re.search(r"back (\d+\.\d{3}) s", answer.group(2)).group(1))
     assert 2 * _DELAY_S * 0.9 <= lost <= 2 * _DELAY_S * 3
 
 
@@ -246,8 +247,9 @@ def test_the_findings_are_what_diagnose_says(run):
     assert f"<pre class=wrap>{html.escape(text)}</pre></details>" in page
     assert "Stragglers: " in text and "Desyncs: 0" in text
     top = found["stragglers"][0]
+    assert (top["rank"], top["module"], top["pass"], top["steps"]) == (1, "_Net", "forward", [1, 2])
     assert (f"<tr><td>1</td><td class=text>_Net forward</td><td>{top['lost_s']:.3f}</td><td>{top['waited_s']:.3f}"
-            f"</td><td>{top['excess_s']:.3f}</td><td>2</td><td>1-2</td></tr>") in page
+            f"</td><td>{top['excess_s']:.3f}</td><td>{top['collectives']}</td><td>1-2</td></tr>") in page
     assert "<p class=muted>No errors, no stalls, no desyncs.</p>" in page
 
 
