@@ -82,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
              "stuck ranks, desyncs, stragglers with the module that held them back, from OTLP-JSON files"),
             ("perfetto", "offline.perfetto", "convert OTLP-JSON files to a Chrome/Perfetto trace"),
             ("report", "offline.html_report",
-             "one self-contained HTML page: findings, per-rank step and wait time, a module x collective heat "
-             "map, step timelines"),
+             "one self-contained HTML page: the answer (hang, straggler or healthy), findings, per-rank step "
+             "and wait time, step timelines, collectives by module ranked by bytes"),
             ("receive", "offline.receive",
              "a local OTLP receiver (gRPC 4317, HTTP 4318) writing OTLP-JSON run folders the commands above read"),
             ("signature", "offline.signature",
