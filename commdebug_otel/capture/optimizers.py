@@ -78,7 +78,9 @@ class LiveOptimizers:
 
     def any_alive(self) -> bool:
         """Whether an optimizer is alive. The first question after a watch began may walk the collector's
-        objects once (only where some optimizer class was ever used): about as long as ``gc.get_referrers``."""
+        objects once (only where some optimizer class was ever used): ``gc.get_referrers``, 0.26 s over 3.3
+        million objects on a busy 2-core machine; asked only before the first ``optimizer.step()``, at a step's
+        top-level forward after ``NO_OPTIMIZER_CYCLES`` backward passes."""
         if self._live:
             return True
         if self._scan_pending:
