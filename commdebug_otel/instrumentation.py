@@ -33,6 +33,7 @@ from commdebug_otel.capture.mode import (
     on_stack,
 )
 from commdebug_otel.capture.observer import RecorderObserver
+from commdebug_otel.capture.optimizers import OPTIMIZERS
 from commdebug_otel.capture.tracker import ModuleTracker
 from commdebug_otel.config import Detail, Settings
 from commdebug_otel.core.collectives import wait_for_backend_callbacks
@@ -215,6 +216,7 @@ class CommTracer:
             self._mode = None  # detail "collectives": no dispatch mode at all
         self._optimizer_handle = register_optimizer_step_post_hook(
             self._optimizer_step_post_hook)
+        OPTIMIZERS.watch(True)  # an optimizer made but not yet stepped: its first step stays whole
         if self.settings.stall_after_s is not None and self._exports:
             flight_recorder_enabled()  # a bad buffer size is said at start, not at the first stall
             self._stall_watch = StallWatch(self.recorder, self.settings.stall_after_s,
@@ -384,6 +386,8 @@ class CommTracer:
         if self._stall_watch is not None:
             self._stall_watch.stop()
             self._stall_watch = None
+        if self._optimizer_handle is not None:
+            OPTIMIZERS.watch(False)
         for handle in (self._optimizer_handle, self._optimizer_pre_handle):
             if handle is not None:
                 handle.remove()

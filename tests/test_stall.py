@@ -166,6 +166,17 @@ def test_the_snapshot_holds_the_steps_spans_so_far_in_the_steps_trace(stuck_run)
     assert final[0]["end_ns"] / 1e9 >= resumed
 
 
+def test_no_span_of_the_stuck_run_is_out_of_time(stuck_run):
+    """Snapshots, the verdict and the steps' own exports, as the receiver got them (tests/test_span_times.py)."""
+    from tests.test_span_times import time_faults
+
+    receiver, _ = stuck_run
+    spans = [(span["name"], span["start_ns"], span["end_ns"], [event["time_ns"] for event in span["events"]],
+              span["attributes"]) for span in receiver.spans()]
+    assert any(attrs.get(semconv.STALL_SNAPSHOT) for *_, attrs in spans)
+    assert time_faults(spans) == []
+
+
 def test_metrics_arrive_during_the_stall(stuck_run):
     receiver, resumed = stuck_run
     from commdebug_otel.offline.otlp_json import metric_dicts

@@ -615,3 +615,23 @@ def debug_server_default_handlers() -> list[Any]:
     from torch.distributed.debug._debug_handlers import default_handlers
 
     return default_handlers()
+
+
+# ------------------------------------------------------------------ optimizers
+def optimizer_classes_made() -> list[type]:
+    """The optimizer classes (``torch.optim.Optimizer`` and its subclasses, loaded now) that an instance was
+    made of in this process, or that inherit ``step`` from one: ``Optimizer.__init__`` wraps its class's
+    ``step`` once, marking the wrapper ``hooked`` (``Optimizer._patch_step_function``,
+    torch/optim/optimizer.py). Empty: no optimizer was ever made."""
+    found: list[type] = []
+    seen: set[int] = set()
+    pending: list[type] = [torch.optim.Optimizer]
+    while pending:
+        kind = pending.pop()
+        if id(kind) in seen:
+            continue
+        seen.add(id(kind))
+        if getattr(getattr(kind, "step", None), "hooked", False) is True:
+            found.append(kind)
+        pending.extend(kind.__subclasses__())
+    return found

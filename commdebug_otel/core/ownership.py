@@ -34,8 +34,8 @@ from commdebug_otel.core.record_pool import RecordPool
 from commdebug_otel.core.records import Record, Step, descends_from, parameter_facts
 from commdebug_otel.core.thread_role import one_role_holder
 
-# Before any optimizer.step() is seen, a step ends at the top-level forward after
-# this many completed backward passes (scripts that never step an optimizer).
+# Where no optimizer exists (none alive, none stepped), a step ends at the top-level forward
+# after this many completed backward passes (scripts that never step an optimizer).
 NO_OPTIMIZER_CYCLES = 8
 # Raised by torch.utils.checkpoint to stop a recompute early: control flow, not a failure.
 _CONTROL_FLOW_ERRORS = frozenset({"_StopRecomputationError"})
@@ -120,10 +120,10 @@ class ModuleOwnership:
                     return None
             # A top-level forward without grad (inference, evaluation between steps) is its own root.
             step = self._host.open_step(now, inference=not in_backward and not torch.is_grad_enabled())
-        elif (not self.fwd_stack and self.depth == 0 and not in_backward
-              and not self._host.seen_optimizer and step.backward_done >= NO_OPTIMIZER_CYCLES):
-            # No optimizer.step() seen yet: bound the step (gradient accumulation of up to
-            # NO_OPTIMIZER_CYCLES micro-batches before the first optimizer step stays whole).
+        elif (not self.fwd_stack and self.depth == 0 and not in_backward and not self._host.seen_optimizer
+              and step.backward_done >= NO_OPTIMIZER_CYCLES and self._host.without_optimizer()):
+            # No optimizer at all: bound the step. Where one exists, its step() ends the step however
+            # many backward passes come first (accumulation, a chunked loss), bounded by step_full.
             self._host.close_step(now)
             step = self._host.open_step(now)
         step.had_module = True

@@ -145,7 +145,9 @@ class Progress:
                 for group, following in list(self.next_seq.items())]
 
     def ring_events(self, now: int) -> list[tuple[str, dict[str, Any], int]]:
-        """The ring as span events ``(name, attributes, time)``, each in flight or completed."""
+        """The ring as it stood at ``now`` (``time.time_ns()``), as span events ``(name, attributes, time)``, each
+        in flight or completed: a collective issued after ``now`` (the training thread went on while a snapshot
+        was taken) is not in it, so no event falls after the snapshot and no age is negative."""
         completed = dict(self.completed)
         return [(fact.op, ring_event_attributes(fact, fact.seq <= completed.get(fact.group.name, -1), now),
-                 fact.time_ns) for fact in list(self.ring)]
+                 fact.time_ns) for fact in list(self.ring) if fact.time_ns <= now]

@@ -136,6 +136,11 @@ class OwnershipHost(Protocol):
 
     def close_step(self, now: int, inference: bool = False) -> None: ...
 
+    def without_optimizer(self) -> bool:
+        """No ``optimizer.step()`` seen and no optimizer alive: a step may end after ``NO_OPTIMIZER_CYCLES``
+        backward passes."""
+        ...
+
     def step_full(self, step: Step, now: int, in_backward: bool) -> Step | None:
         """``step`` holds ``max_spans_per_step`` records: the step part to record in, or None (not recorded)."""
         ...

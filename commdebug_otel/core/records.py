@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import time
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -206,8 +207,13 @@ def span_tree(step: Step) -> tuple[list[Record], dict[int, list[Record]]]:
     children: dict[int, list[Record]] = {}
     root = step.root
     for record in step.records:
-        if record.end_ns == 0:
-            record.end_ns, record.unmatched = root.end_ns, True
+        if record.end_ns < record.start_ns:
+            # Still open (0), or ended by a clock read before it began (a close on another thread,
+            # the wall clock set back): it ends no earlier than it began.
+            if record.end_ns == 0:
+                record.end_ns, record.unmatched = root.end_ns, True
+            if record.end_ns < record.start_ns:
+                record.end_ns = record.start_ns
         parent = _parent_of(record, root)
         if record.hidden:
             continue
@@ -219,6 +225,8 @@ def span_tree(step: Step) -> tuple[list[Record], dict[int, list[Record]]]:
             children[id(parent)] = kids
         kids.append(record)
     _widen(root, children)
+    if root.end_ns < root.start_ns:
+        root.end_ns = root.start_ns
     if step.kind is SpanKind.INFERENCE:  # top-level forwards are the roots
         return children.get(id(root), []), children
     return [root], children
@@ -229,13 +237,17 @@ def snapshot_tree(step: Step, records: list[Record], now: int,
     """An open step's records so far as a finished tree, for stall snapshot ``snapshot``.
 
     Works on copies (the training thread may still be running the step): records
-    still open end at ``now``, marked ``commdebug.span.incomplete``; every copy
+    still open end at the snapshot, marked ``commdebug.span.incomplete``; every copy
     carries ``commdebug.stall.snapshot`` and gets its own span id. ``records``: the step's
-    records, listed as the copy begins. Returns ``(roots, children, the root's copy)`` as
-    :func:`span_tree` does.
+    records, listed as the copy begins. ``now``: the watchdog's ``time.time_ns()``; the
+    snapshot's time is the later of it and the clock read once everything is copied, so no
+    copy ends before it starts or before its events (a record begun, or a collective
+    recorded, after the watchdog read ``now``: the training thread went on meanwhile).
+    Returns ``(roots, children, the root's copy)`` as :func:`span_tree` does.
     """
     originals = [step.root, *records]
     copies: dict[int, Record] = {}
+    still_open = []
     for record in originals:
         copy = Record.__new__(Record)
         for name in Record.__slots__:
@@ -244,9 +256,12 @@ def snapshot_tree(step: Step, records: list[Record], now: int,
         copy.attrs[semconv.STALL_SNAPSHOT] = snapshot
         copy.events, copy.span_id = list(record.events), 0
         if copy.end_ns == 0:
-            copy.end_ns = now
-            copy.attrs[semconv.SPAN_INCOMPLETE] = True
+            still_open.append(copy)
         copies[id(record)] = copy
+    taken = max(now, time.time_ns())  # after the copies: every time they hold was read before it
+    for copy in still_open:
+        copy.end_ns = max(taken, copy.start_ns)
+        copy.attrs[semconv.SPAN_INCOMPLETE] = True
     root = copies[id(step.root)]
     for copy in copies.values():
         if copy is not root:

@@ -13,7 +13,8 @@ from commdebug_otel.core.records import Record, SpanKind
 
 def stalled_record(progress: Progress, where: tuple[str, str, list[str]], open_record: Record | None, now: int,
                    age_s: float, threshold_s: float, snapshot: int, steps_taken: int, max_events: int) -> Record:
-    """The ``stalled`` span's record, from the step's (or gap's) start to ``now`` (``time.time_ns()``).
+    """The ``stalled`` span's record, from the step's (or gap's) start to ``now`` (``time.time_ns()``); its events,
+    the ring of recent collectives issued by ``now``, may reach back past its start (earlier steps').
 
     ``where``: ``(module FQN, pass, code locations)`` of the training thread
     (``stall.training_thread_location``); with no module on its Python stack (a backward pass),
@@ -23,7 +24,9 @@ def stalled_record(progress: Progress, where: tuple[str, str, list[str]], open_r
     module, pass_, stack = where
     if not module and open_record is not None:
         module, pass_ = open_record.fqn, open_record.pass_
-    stalled = Record(SpanKind.MODULE, semconv.SPAN_STALLED, progress.since_ns)
+    # (A step that began after the watchdog read ``now``: the stall ended meanwhile; the span does not end
+    # before it starts.)
+    stalled = Record(SpanKind.MODULE, semconv.SPAN_STALLED, min(progress.since_ns, now))
     stalled.end_ns = now
     seqs = progress.seqs()
     stalled.attrs.update({

@@ -108,7 +108,7 @@ class StepExport:
     def stall_verdict(self, step_index: int, start_ns: int, now: int, attrs: dict[str, Any]) -> bool:
         """Export the cross-rank verdict (``Recorder.stall_verdict``): in the stalled step's trace."""
         verdict = Record(SpanKind.MODULE, semconv.SPAN_STALL_VERDICT, start_ns)
-        verdict.end_ns = now
+        verdict.end_ns = max(now, start_ns)  # start_ns: another host's clock may run ahead of ours
         verdict.attrs.update(attrs)
         step = self._steps.current_step
         if step is not None and step.kind is SpanKind.STEP and step.index == step_index and step.trace_id:

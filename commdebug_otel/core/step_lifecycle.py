@@ -23,6 +23,7 @@ from typing import Any
 from commdebug_otel import semconv
 from commdebug_otel.capture._torch import graph_task_id
 from commdebug_otel.capture.observer import RecorderObserver, SpanSink
+from commdebug_otel.capture.optimizers import OPTIMIZERS
 from commdebug_otel.config import Settings, variable
 from commdebug_otel.core import ids
 from commdebug_otel.core.collective_path import CollectivePath
@@ -154,6 +155,11 @@ class StepLifecycle:
 
     def hook_failed(self, where: str, error: BaseException) -> None:
         self._failures.hook_failed(where, error)
+
+    def without_optimizer(self) -> bool:
+        """Whether no optimizer exists: none has stepped (on the training thread) and none is alive
+        (``optimizers.OPTIMIZERS``). Only then does a step end after ``NO_OPTIMIZER_CYCLES`` backward passes."""
+        return not self.seen_optimizer and not OPTIMIZERS.any_alive()
 
     def backward_pass_done(self) -> None:
         """An outermost autograd pass of the open step finished (a borrowing thread that trains keeps the role)."""
