@@ -214,8 +214,7 @@ class CommTracer:
                 self._optimizer_pre_handle = register_optimizer_step_pre_hook(self._optimizer_step_pre_hook)
         else:
             self._mode = None  # detail "collectives": no dispatch mode at all
-        self._optimizer_handle = register_optimizer_step_post_hook(
-            self._optimizer_step_post_hook)
+        self._optimizer_handle = register_optimizer_step_post_hook(self._optimizer_step_post_hook)
         OPTIMIZERS.watch(True)  # an optimizer made but not yet stepped: its first step stays whole
         if self.settings.stall_after_s is not None and self._exports:
             flight_recorder_enabled()  # a bad buffer size is said at start, not at the first stall
