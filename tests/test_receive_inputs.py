@@ -367,3 +367,26 @@ def test_logs_are_not_received(shared):
     answer = _post(shared.http_port, "/v1/logs", b"")
     assert answer.status == 404
     assert _status(answer).message == "no OTLP signal at '/v1/logs' (/v1/traces and /v1/metrics are received)"
+
+
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+def test_a_request_that_cannot_be_kept_is_an_error_answer_not_a_silent_ok(transport, caplog):
+    from commdebug_otel.testing.otlp_receiver import OtlpReceiver
+
+    def full_disk(received):
+        raise OSError(28, "No space left on device")
+
+    body = _resource(ExportTraceServiceRequest(), 0, "lost").SerializeToString()
+    reason = "not kept: OSError: [Errno 28] No space left on device"
+    with OtlpReceiver(on_request=full_disk, keep=False) as receiver:
+        if transport == "http":
+            answer = _post(receiver.http_port, "/v1/traces", body)
+            assert answer.status == 500
+            assert _status(answer) == status_pb2.Status(code=code_pb2.INTERNAL, message=reason)
+        else:
+            with pytest.raises(grpc.RpcError) as raised:
+                _grpc_call(receiver.grpc_port, _TRACES, body, ExportTraceServiceResponse)
+            assert (raised.value.code(), raised.value.details()) == (grpc.StatusCode.INTERNAL, reason)
+    assert receiver.refused == 1
+    [record] = caplog.records
+    assert record.getMessage().endswith(f": {reason}") and record.exc_info is None

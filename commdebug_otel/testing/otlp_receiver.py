@@ -234,7 +234,7 @@ class _HttpHandler(BaseHTTPRequestHandler):
                                                                "deflate or identity")
             wire, raw = self._read_body(_Inflater(encoding, receiver.max_http_body_bytes))
             try:
-                req = _parse_otlp_json(bytes(raw), signal) if is_json else _SIGNALS[signal][0].FromString(bytes(raw))
+                req = _parse_otlp_json(bytes(raw), signal) if is_json else _SIGNALS[signal][0].FromString(raw)
             except Exception as error:  # protobuf, JSON or its OTLP mapping; RecursionError for deep nesting
                 raise _Refused(400, code_pb2.INVALID_ARGUMENT, f"body is not an OTLP {signal} request "
                                                                f"({'JSON' if is_json else 'protobuf'}): "
