@@ -14,6 +14,8 @@ import re
 import socket
 import subprocess
 import sys
+import threading
+import time
 import zlib
 from types import SimpleNamespace
 
@@ -206,6 +208,34 @@ def test_an_http_decompression_bomb_is_413_and_memory_stays_near_the_cap(bombed,
     assert grown < _HTTP_CAP + _SLACK, f"peak RSS grew by {grown / _MIB:.1f} MiB"
     assert bombed.log()[-1] == f"OTLP receiver: refused a traces request over HTTP from 127.0.0.1: {reason}"
     _no_traceback(bombed)
+
+
+def test_bombs_at_once_hold_at_most_four_caps(receiver):
+    """Eight clients each send a bomb's first 18 MiB (decompressed), wait, then the rest: the receiver reads four
+    bodies at a time, so no more than four are held at once."""
+    compressor = zlib.compressobj(9, zlib.DEFLATED, 31)
+    head = b"".join(compressor.compress(bytes(_MIB)) for _ in range(18)) + compressor.flush(zlib.Z_SYNC_FLUSH)
+    tail = b"".join(compressor.compress(bytes(_MIB)) for _ in range(64)) + compressor.flush()
+    request = (f"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+               f"Content-Encoding: gzip\r\nContent-Length: {len(head) + len(tail)}\r\n\r\n").encode()
+    answers = []
+
+    def client():
+        with socket.create_connection(("127.0.0.1", receiver.http_port), timeout=60) as sock:
+            sock.sendall(request + head)
+            time.sleep(1.5)
+            sock.sendall(tail)
+            answers.append(sock.makefile("rb").readline())
+
+    before = receiver.peak_rss()
+    clients = [threading.Thread(target=client) for _ in range(8)]
+    for thread in clients:
+        thread.start()
+    for thread in clients:
+        thread.join(120)
+    grown = receiver.peak_rss() - before
+    assert answers == [b"HTTP/1.1 413 Request Entity Too Large\r\n"] * 8
+    assert grown < 4 * _HTTP_CAP + _SLACK, f"peak RSS grew by {grown / _MIB:.1f} MiB"
 
 
 def test_a_grpc_decompression_bomb_is_refused_before_it_is_held(receiver):

@@ -33,7 +33,8 @@ Limits: plaintext only (no TLS), traces and metrics only (logs are answered
 Requests are bounded before they are parsed: a gRPC message over ``max_receive_message_bytes``
 (4 MiB by default, the Collector's; after decompression) is refused by grpc-core with
 RESOURCE_EXHAUSTED; an HTTP body over ``max_http_body_bytes`` (20 MiB by default, the Collector's),
-as sent or as it decompresses, is answered 413 without holding more than that. Answers follow the
+as sent or as it decompresses, is answered 413 without holding more than that, and at most
+``HTTP_BODIES_AT_ONCE`` (4) bodies are read at a time (the others wait). Answers follow the
 OTLP specification: 400 (INVALID_ARGUMENT) for a body that does not parse, 415 for a content type
 or encoding other than protobuf/JSON and gzip/deflate/identity, and a partial success
 (``rejected_spans`` / ``rejected_data_points`` with an ``error_message``) for what ``on_request``
@@ -42,14 +43,16 @@ did not keep. Each refusal is logged as one warning line.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import mmap
 import socket
 import sys
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -72,6 +75,7 @@ DEFAULT_MAX_RECEIVE_MESSAGE_BYTES = 4 * 1024 * 1024  # gRPC, decompressed: the C
 DEFAULT_MAX_HTTP_BODY_BYTES = 20 * 1024 * 1024  # HTTP, as sent and decompressed: the Collector's default
 MAX_LIMIT_BYTES = 2**31 - 1  # grpc-core's message limit is a C int
 HTTP_BODY_TIMEOUT_S = 30.0  # a body that stops arriving (a Content-Length that promised more) is given up
+HTTP_BODIES_AT_ONCE = 4  # HTTP requests read and parsed at a time; the others wait (memory: this many limits)
 LINGER_S = 2.0  # after an error answer: how long, and how much, of the rest of the body is read and dropped
 LINGER_BYTES = 4 * 1024 * 1024
 _CHUNK_BYTES = 64 * 1024  # read from the socket at a time
@@ -159,11 +163,16 @@ def _one_line(error: BaseException) -> str:
 
 
 class _Inflater:
-    """Streaming gzip/deflate/identity decoding that never holds more than ``limit`` decoded bytes."""
+    """Streaming gzip/deflate/identity decoding that never holds more than ``limit`` decoded bytes.
+
+    The bytes go to an anonymous mapping of ``limit`` bytes: memory is taken only as it is written,
+    and never copied to grow (a growing buffer's realloc can hold two copies at once). :meth:`close` frees it.
+    """
 
     def __init__(self, encoding: str, limit: int) -> None:
         self.encoding, self.limit = encoding, limit
-        self.out = bytearray()
+        self.size = 0
+        self._out = mmap.mmap(-1, limit)
         self._zlib: Any = None
         self._first = True
         self._head = b""
@@ -186,7 +195,7 @@ class _Inflater:
                     raise _Refused(400, code_pb2.INVALID_ARGUMENT, "bad deflate body: data after its end")
             try:
                 # a MiB at a time: one call's output is built in blocks and then joined (twice its size)
-                self._keep(self._zlib.decompress(data, min(self.limit - len(self.out) + 1, _CHUNK_OUT_BYTES)))
+                self._keep(self._zlib.decompress(data, min(self.limit - self.size + 1, _CHUNK_OUT_BYTES)))
             except zlib.error as error:
                 raise _Refused(400, code_pb2.INVALID_ARGUMENT, f"bad {self.encoding} body: {error}") from None
             data = self._zlib.unconsumed_tail
@@ -201,15 +210,25 @@ class _Inflater:
         return zlib.MAX_WBITS if zlib_header else -zlib.MAX_WBITS
 
     def _keep(self, data: bytes) -> None:
-        if len(self.out) + len(data) > self.limit:
+        if self.size + len(data) > self.limit:
             raise _Refused(413, code_pb2.RESOURCE_EXHAUSTED,
                            f"body larger than {self.limit} bytes once decompressed ({self.encoding})")
-        self.out += data
+        self._out.write(data)
+        self.size += len(data)
 
-    def finish(self) -> bytearray:
+    def finish(self) -> None:
         if self._zlib is not None or (self._first and self.encoding != "identity"):
             raise _Refused(400, code_pb2.INVALID_ARGUMENT, f"bad {self.encoding} body: cut short")
-        return self.out
+
+    @contextlib.contextmanager
+    def view(self) -> Iterator[memoryview]:
+        """The decoded bytes, without a copy; valid inside the ``with`` only."""
+        with memoryview(self._out) as whole, whole[:self.size] as part:
+            yield part
+
+    def close(self) -> None:
+        self._zlib = None
+        self._out.close()
 
 
 class _HttpHandler(BaseHTTPRequestHandler):
@@ -232,23 +251,29 @@ class _HttpHandler(BaseHTTPRequestHandler):
             if encoding not in _ENCODINGS:
                 raise _Refused(415, code_pb2.INVALID_ARGUMENT, f"Content-Encoding {encoding!r} is not gzip, "
                                                                "deflate or identity")
-            wire, raw = self._read_body(_Inflater(encoding, receiver.max_http_body_bytes))
-            try:
-                req = _parse_otlp_json(bytes(raw), signal) if is_json else _SIGNALS[signal][0].FromString(raw)
-            except Exception as error:  # protobuf, JSON or its OTLP mapping; RecursionError for deep nesting
-                raise _Refused(400, code_pb2.INVALID_ARGUMENT, f"body is not an OTLP {signal} request "
-                                                               f"({'JSON' if is_json else 'protobuf'}): "
-                                                               f"{_one_line(error)}") from None
-            del raw
-            headers = {k.lower(): v for k, v in self.headers.items()}
-            resp = receiver._record(signal, "http", req, req.ByteSize(), wire, headers)
+            with receiver._http_bodies:  # each body may hold up to the limit: so many at once
+                inflater = _Inflater(encoding, receiver.max_http_body_bytes)
+                try:
+                    wire = self._read_body(inflater)
+                    with inflater.view() as raw:
+                        req = _parse_otlp_json(bytes(raw), signal) if is_json else _SIGNALS[signal][0].FromString(raw)
+                except _Refused:
+                    raise
+                except Exception as error:  # protobuf, JSON or its OTLP mapping; RecursionError for deep nesting
+                    raise _Refused(400, code_pb2.INVALID_ARGUMENT, f"body is not an OTLP {signal} request "
+                                                                   f"({'JSON' if is_json else 'protobuf'}): "
+                                                                   f"{_one_line(error)}") from None
+                finally:  # freed before the answer, which may linger
+                    inflater.close()
+                headers = {k.lower(): v for k, v in self.headers.items()}
+                resp = receiver._record(signal, "http", req, req.ByteSize(), wire, headers)
         except _Refused as refused:
             receiver._say_refused("HTTP", signal, self.client_address[0], refused.reason)
             return self._reply(refused.status, is_json, status_pb2.Status(code=refused.code, message=refused.reason))
         self._reply(200, is_json, resp)
 
-    def _read_body(self, inflater: _Inflater) -> tuple[int, bytearray]:
-        """The body's length as sent and its decoded bytes, from Content-Length or chunked framing."""
+    def _read_body(self, inflater: _Inflater) -> int:
+        """Read the body into ``inflater``, by Content-Length or chunked framing; its length as sent (bytes)."""
         limit = inflater.limit
         framing = (self.headers.get("Transfer-Encoding") or "").strip().lower()
         length_text = self.headers.get("Content-Length")
@@ -278,7 +303,8 @@ class _HttpHandler(BaseHTTPRequestHandler):
         finally:
             if not self.close_connection:
                 self.connection.settimeout(None)  # idle keep-alive connections wait as before
-        return wire, inflater.finish()
+        inflater.finish()
+        return wire
 
     def _pieces(self, length: int):
         left = length
@@ -393,6 +419,7 @@ class OtlpReceiver:
         self._lock = threading.Lock()
         self._requests: list[ReceivedRequest] = []
         self.refused = 0  # requests answered with an error by this receiver
+        self._http_bodies = threading.BoundedSemaphore(HTTP_BODIES_AT_ONCE)
         self._grpc: grpc.Server | None = None
         self._http: _HttpServer | None = None
         self._http_thread: threading.Thread | None = None
