@@ -3,10 +3,11 @@
 ``OtlpReceiver`` listens on 127.0.0.1 (or ``host``) with two servers, on free ports unless
 ``grpc_port`` / ``http_port`` are given:
 
-* OTLP/gRPC (grpcio): ``TraceService/Export`` and ``MetricsService/Export``;
+* OTLP/gRPC (grpcio): ``TraceService/Export`` and ``MetricsService/Export``, plain or
+  gzip/deflate-compressed;
 * OTLP/HTTP (stdlib ``ThreadingHTTPServer``): ``POST /v1/traces`` and
-  ``POST /v1/metrics`` with protobuf (or OTLP-JSON) bodies, optionally
-  ``Content-Encoding: gzip``.
+  ``POST /v1/metrics`` with protobuf (or OTLP-JSON) bodies, ``Content-Encoding``
+  gzip, deflate or none, sized by ``Content-Length`` or sent chunked.
 
 Every accepted request is kept, with its transport, its size and the headers
 (HTTP) or metadata (gRPC) it came with; ``spans()`` and ``metrics()`` flatten
