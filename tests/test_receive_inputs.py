@@ -12,6 +12,7 @@ import json
 import os
 import re
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -290,6 +291,22 @@ def test_a_body_shorter_than_its_content_length_is_400_not_kept(shared):
     message = f"body ended after {len(body)} of the {len(body) + 100} bytes of its Content-Length"
     assert answer.endswith(status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=message).SerializeToString())
     assert "short" not in _span_names(shared)
+
+
+def test_a_client_that_resets_mid_body_is_one_line(shared):
+    head = (b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+            b"Content-Length: 1000\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", shared.http_port), timeout=20) as sock:
+        sock.sendall(head + b"\x0a" * 10)
+        time.sleep(0.5)  # the receiver is reading the body
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+    deadline = time.monotonic() + 20
+    while not shared.log() or "ended" not in shared.log()[-1]:
+        assert time.monotonic() < deadline, shared.log()
+        time.sleep(0.05)
+    assert re.fullmatch(r"OTLP receiver: HTTP connection from 127.0.0.1 ended: (BrokenPipe|ConnectionReset)Error: .*",
+                        shared.log()[-1])
+    _no_traceback(shared)
 
 
 def test_no_content_length_and_not_chunked_is_411(shared):

@@ -374,6 +374,13 @@ class _HttpServer(ThreadingHTTPServer):
     daemon_threads = True
     receiver: OtlpReceiver
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        error = sys.exc_info()[1]
+        if isinstance(error, OSError):  # the client went away mid-request: one line, not socketserver's traceback
+            _logger.warning("OTLP receiver: HTTP connection from %s ended: %s", client_address[0], _one_line(error))
+            return
+        super().handle_error(request, client_address)
+
 
 # ---------------------------------------------------------------- receiver
 
