@@ -255,15 +255,15 @@ class _HttpHandler(BaseHTTPRequestHandler):
             with receiver._http_bodies:  # each body may hold up to the limit: so many at once
                 inflater = _Inflater(encoding, receiver.max_http_body_bytes)
                 try:
-                    wire = self._read_body(inflater)
-                    with inflater.view() as raw:
-                        req = _parse_otlp_json(bytes(raw), signal) if is_json else _SIGNALS[signal][0].FromString(raw)
-                except _Refused:
-                    raise
-                except Exception as error:  # protobuf, JSON or its OTLP mapping; RecursionError for deep nesting
-                    raise _Refused(400, code_pb2.INVALID_ARGUMENT, f"body is not an OTLP {signal} request "
-                                                                   f"({'JSON' if is_json else 'protobuf'}): "
-                                                                   f"{_one_line(error)}") from None
+                    wire = self._read_body(inflater)  # a client gone raises OSError: _HttpServer.handle_error
+                    try:
+                        with inflater.view() as raw:
+                            req = (_parse_otlp_json(bytes(raw), signal) if is_json
+                                   else _SIGNALS[signal][0].FromString(raw))
+                    except Exception as error:  # protobuf, JSON or its OTLP mapping; RecursionError: deep nesting
+                        raise _Refused(400, code_pb2.INVALID_ARGUMENT, f"body is not an OTLP {signal} request "
+                                                                       f"({'JSON' if is_json else 'protobuf'}): "
+                                                                       f"{_one_line(error)}") from None
                 finally:  # freed before the answer, which may linger
                     inflater.close()
                 headers = {k.lower(): v for k, v in self.headers.items()}
