@@ -280,7 +280,8 @@ def _c_handler(tmp_path: pathlib.Path, mode: str, traced: bool, signum: int) -> 
 C_HANDLER_CASES = [("before", signal.SIGQUIT, 0, ["DONE"]),
                    ("chain", signal.SIGTERM, -signal.SIGTERM, []),
                    ("after_block", signal.SIGQUIT, 0, ["DONE"]),
-                   ("late_stop", signal.SIGQUIT, 0, ["DONE"])]
+                   ("late_stop", signal.SIGQUIT, 0, ["DONE"]),
+                   ("over_python", signal.SIGTERM, 0, ["HANDLED", str(int(signal.SIGTERM)), "DONE"])]
 
 
 @pytest.mark.parametrize("traced", [False, True], ids=["untraced", "traced"])

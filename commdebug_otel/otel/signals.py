@@ -124,9 +124,15 @@ class SignalFlush:
             rescue.uninstall()
 
     def _chain(self, signum: int, previous: Any) -> None:
+        found = _disposition(signum) if _python_handler is None and callable(previous) else None
         handler = _Chained(self, signum, previous)
         signal.signal(signum, handler)
         _learn_python_handler(signum)
+        if found is not None and _handler_address(signum, found) != _python_handler:
+            # A C-level handler over the script's Python one, found out only now: exactly as it was.
+            signal.signal(signum, previous)
+            _set_disposition(signum, found)
+            return
         self._chained[signum] = (handler, previous)
 
     def _ours(self, signum: int, handler: Any) -> bool:
@@ -385,9 +391,9 @@ def _sigaction() -> Any:
         return None
 
 
-def _handler_address(signum: int) -> int | None:
-    """The address of the handler the kernel runs for ``signum`` (its ``struct sigaction``'s first field):
-    0 for the default action, 1 for ignored; None where it cannot be read. Any thread."""
+def _disposition(signum: int) -> bytes | None:
+    """``signum``'s ``struct sigaction`` as the kernel has it (opaque bytes, the handler first); None where it
+    cannot be read. Any thread."""
     sigaction = _sigaction()
     if sigaction is None:
         return None
@@ -396,7 +402,26 @@ def _handler_address(signum: int) -> int | None:
     found = ctypes.create_string_buffer(_SIGACTION_BYTES)
     if sigaction(signum, None, found) != 0:
         return None
-    return int.from_bytes(found.raw[:ctypes.sizeof(ctypes.c_void_p)], sys.byteorder)
+    return found.raw
+
+
+def _set_disposition(signum: int, disposition: bytes) -> None:
+    """Put back a ``struct sigaction`` that :func:`_disposition` read: handler, mask and flags exactly."""
+    import ctypes
+
+    if _sigaction()(signum, ctypes.create_string_buffer(disposition, len(disposition)), None) != 0:
+        raise OSError(ctypes.get_errno(), f"sigaction({signum}) failed")
+
+
+def _handler_address(signum: int, disposition: bytes | None = None) -> int | None:
+    """The address of the handler the kernel runs for ``signum``: 0 for the default action, 1 for ignored;
+    None where it cannot be read. Any thread."""
+    import ctypes
+
+    disposition = _disposition(signum) if disposition is None else disposition
+    if disposition is None:
+        return None
+    return int.from_bytes(disposition[:ctypes.sizeof(ctypes.c_void_p)], sys.byteorder)
 
 
 def _learn_python_handler(signum: int) -> None:

@@ -8,7 +8,9 @@ MODE is when the script registers faulthandler's handler:
 * ``before``: ``faulthandler.register(SIGQUIT)`` before tracing starts (dump the stacks, go on);
 * ``chain``: ``faulthandler.register(SIGTERM, chain=True)`` before tracing starts (dump, then the default action);
 * ``after_block``: ``register(SIGQUIT)`` before three steps in a ``with CommTracer()`` block; the rest untraced;
-* ``late_stop``: ``register(SIGQUIT)`` after tracing started, then ``stop()``.
+* ``late_stop``: ``register(SIGQUIT)`` after tracing started, then ``stop()``;
+* ``over_python``: ``signal.signal(SIGTERM, handler)`` then ``register(SIGTERM, chain=True)`` before tracing starts
+  (dump, then the script's handler, which prints ``HANDLED <signum>``).
 
 TRACED is 1 (``CommTracer``) or 0 (the same script untraced, the reference).
 """
@@ -22,6 +24,10 @@ import torch
 from commdebug_otel import CommTracer
 
 
+def handler(signum, frame):
+    print("HANDLED", signum, flush=True)
+
+
 def main():
     mode, traced = sys.argv[1], sys.argv[2] == "1"
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
@@ -32,7 +38,10 @@ def main():
             model(torch.ones(2, 4)).sum().backward()
             optimizer.step()
 
-    if mode == "chain":
+    if mode == "over_python":
+        signal.signal(signal.SIGTERM, handler)
+        faulthandler.register(signal.SIGTERM, chain=True)
+    elif mode == "chain":
         faulthandler.register(signal.SIGTERM, chain=True)
     elif mode in ("before", "after_block"):
         faulthandler.register(signal.SIGQUIT)
