@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import logging
 import os
+import signal
 import sys
 
 from commdebug_otel.config import OPTIONS, Detail, Option, run_environment
@@ -141,12 +142,29 @@ def run_command(args: argparse.Namespace) -> int:
     if shutil.which(command[0], path=env.get("PATH")) is None:
         print(f"commdebug-otel run: {command[0]!r}: command not found", file=sys.stderr)
         return 127
+    restored = _restore_signal_defaults()
     try:
         os.execvpe(command[0], command, env)
     except OSError as error:
+        for signum in restored:  # no exec: ours again (a closed stderr raises BrokenPipeError, as before)
+            signal.signal(signum, signal.SIG_IGN)
         print(f"commdebug-otel run: cannot run {command[0]!r}: {error.strerror}", file=sys.stderr)
         return 126
     return 0  # not reached
+
+
+def _restore_signal_defaults() -> list[int]:
+    """Give back the default action of the signals Python ignores at start-up (SIGPIPE, SIGXFSZ), as
+    ``subprocess``'s ``restore_signals`` does: an exec'd command keeps ignored signals ignored, and a
+    plain launch from a shell gets their defaults (``yes | head -1`` ends ``yes`` by SIGPIPE, status 141).
+    Returns the signals restored."""
+    restored = []
+    for name in ("SIGPIPE", "SIGXFZ", "SIGXFSZ"):
+        signum = getattr(signal, name, None)
+        if signum is not None and signal.getsignal(signum) == signal.SIG_IGN:
+            signal.signal(signum, signal.SIG_DFL)
+            restored.append(signum)
+    return restored
 
 
 # What a shell reports for a process that SIGPIPE ended (128 + 13), as for `yes | head -1`.

@@ -17,6 +17,7 @@ from commdebug_otel import semconv
 from commdebug_otel.testing.otlp_receiver import OtlpReceiver
 
 from distributed import free_port
+from tools import default_signal_actions
 
 SCRIPT = str(pathlib.Path(__file__).parent / "scripts" / "train.py")
 BIN = pathlib.Path(sys.executable).parent
@@ -365,3 +366,93 @@ def test_wheels_ship_the_start_hook(build, tmp_path):
         assert archive.read(PTH) == (PROJECT / PTH).read_bytes()
         [record] = [name for name in archive.namelist() if name.endswith(".dist-info/RECORD")]
         assert f"{PTH},sha256=" in archive.read(record).decode()  # so pip uninstall removes it
+
+
+# ----------------------------------------------------------------- the launched command is as a plain launch
+def _plain_env():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "PYTHONPATH"))}
+    env["PYTHONPATH"] = str(PACKAGE_PARENT)
+    return env
+
+
+def _ours(line):
+    return line.startswith(("OTEL_", "PYTHONPATH="))
+
+
+def test_commdebug_otel_run_launches_with_the_signal_dispositions_and_environment_of_a_plain_launch(tmp_path):
+    """Python ignores SIGPIPE and SIGXFSZ at start-up, and an exec'd command inherits ignored signals: the run
+    wrapper gives their defaults back. Its environment differs only by our variables (OTEL_*, PYTHONPATH)."""
+    probe = ["sh", "-c", "grep -E '^Sig(Blk|Ign|Cgt):' /proc/self/status; env | LC_ALL=C sort"]
+    outputs = []
+    for wrapper in ([], [str(BIN / "commdebug-otel"), "run", "--"]):
+        done = subprocess.run([*wrapper, *probe], cwd=tmp_path, env=_plain_env(), capture_output=True, text=True,
+                              timeout=120, preexec_fn=default_signal_actions)
+        assert done.returncode == 0, done.stderr
+        outputs.append([line for line in done.stdout.splitlines() if not _ours(line)])
+    plain, run = outputs
+    assert run == plain
+    assert [line for line in plain if line.startswith("SigIgn:")] == ["SigIgn:\t0000000000000000"]
+
+
+def test_a_pipe_closed_early_ends_the_writer_by_sigpipe_under_commdebug_otel_run(tmp_path):
+    """``yes | head -1``: ``yes`` ends by SIGPIPE (141), not with "Broken pipe" and status 1."""
+    bash = shutil.which("bash")
+    if bash is None:
+        pytest.skip("no bash")
+    probe = [bash, "-c", 'yes | head -n 1 > /dev/null; echo "${PIPESTATUS[0]}"']
+    done = subprocess.run([str(BIN / "commdebug-otel"), "run", "--", *probe], cwd=tmp_path, env=_plain_env(),
+                          capture_output=True, text=True, timeout=120, preexec_fn=default_signal_actions)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "141\n", "")
+
+
+def test_an_interpreter_without_the_package_runs_its_own_sitecustomize_under_commdebug_otel_run(tmp_path):
+    """Another Python in the job (another environment, the system's) finds our bootstrap on PYTHONPATH but not
+    the package: it starts nothing, says nothing, and its own sitecustomize runs."""
+    import venv
+
+    venv.create(tmp_path / "other", with_pip=False)  # the same Python, none of this environment's packages
+    [python] = (tmp_path / "other").glob("bin/python")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "sitecustomize.py").write_text("print('THEIRS', flush=True)\n")
+    env = _plain_env()
+    env.update(OTEL_PYTHON_COMMDEBUG_ENABLED="true", PYTHONPATH=os.pathsep.join([str(BOOTSTRAP), str(theirs)]))
+    done = subprocess.run([str(python), "-c", "print('MAIN')"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert (done.returncode, done.stdout.split(), done.stderr) == (0, ["THEIRS", "MAIN"], "")
+
+
+# ----------------------------------------------------------------- warnings: none of ours, no filter left behind
+COMPILES = """
+import json, sys, warnings
+import torch
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+compiled = torch.compile(model, backend="eager") if sys.argv[1] == "compile" else model
+for _ in range(2):
+    compiled(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+filters = [repr(entry) for entry in warnings.filters]
+from commdebug_otel.instrumentor import current
+json.dump({"traced": current() is not None and current().started, "filters": filters}, sys.stdout)
+"""
+
+
+@pytest.mark.parametrize("how", ["compile", "eager"])
+def test_a_script_run_with_w_error_trains_traced_with_the_filters_it_has_untraced(receiver, tmp_path, how):
+    """``-W error``: torch.compile(model) warns of global module hooks (ours), and the SDK's ``get_tracer`` and
+    logs package add entries to ``warnings.filters``; none of it reaches the script."""
+    states = []
+    for traced in (False, True):
+        env = _plain_env()
+        if traced:  # as `commdebug-otel run` starts it, exporting by OTLP (which imports the SDK's logs package)
+            env.update(OTEL_PYTHON_COMMDEBUG_ENABLED="true", OTEL_EXPORTER_OTLP_ENDPOINT=receiver.grpc_endpoint,
+                       PYTHONPATH=os.pathsep.join([str(BOOTSTRAP), str(PACKAGE_PARENT)]))
+        done = subprocess.run([sys.executable, "-W", "error", "-c", COMPILES, how], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        states.append(json.loads(done.stdout))
+    untraced, traced = states
+    assert (untraced["traced"], traced["traced"]) == (False, True)
+    assert traced["filters"] == untraced["filters"]
+    assert {"Sequential forward", "train_step"} <= {span["name"] for span in receiver.spans()}

@@ -253,3 +253,45 @@ def test_a_collectives_work_keeps_no_dispatch_mode_of_ours(telemetry, single_ran
     assert mode() is None
     for work in works:
         work.wait()
+
+
+def _c_handler(tmp_path: pathlib.Path, mode: str, traced: bool, signum: int) -> tuple[int, str, str]:
+    """Run c_handler.py MODE TRACED, send ``signum`` once it is READY, then let it go on (if it lives)."""
+    process = subprocess.Popen([sys.executable, str(SCRIPTS / "c_handler.py"), mode, "1" if traced else "0"],
+                               env=_env(tmp_path), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, preexec_fn=default_signal_actions)
+    try:
+        assert process.stdout.readline().strip() == "READY"
+        process.send_signal(signum)
+        time.sleep(1.0)  # faulthandler dumps at once; the signal ends the process or not before the line
+        try:
+            process.stdin.write("go\n")
+            process.stdin.flush()
+        except BrokenPipeError:  # ended by the signal: the assertions say how
+            pass
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    return process.returncode, stdout, stderr
+
+
+# What the untraced script does (the reference rows, run too): faulthandler's stacks, then the process goes on
+# (SIGQUIT) or the default action ends it after them (SIGTERM, chain=True).
+C_HANDLER_CASES = [("before", signal.SIGQUIT, 0, ["DONE"]),
+                   ("chain", signal.SIGTERM, -signal.SIGTERM, []),
+                   ("after_block", signal.SIGQUIT, 0, ["DONE"]),
+                   ("late_stop", signal.SIGQUIT, 0, ["DONE"]),
+                   ("over_python", signal.SIGTERM, 0, ["HANDLED", str(int(signal.SIGTERM)), "DONE"])]
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["untraced", "traced"])
+@pytest.mark.parametrize(("mode", "signum", "returncode", "lines"), C_HANDLER_CASES,
+                         ids=[case[0] for case in C_HANDLER_CASES])
+def test_faulthandlers_handler_dumps_the_stacks_and_the_process_ends_or_goes_on_as_untraced(
+        tmp_path, mode, signum, returncode, lines, traced):
+    """``faulthandler.register`` installs its handler by ``sigaction``: ``signal.getsignal`` still says SIG_DFL.
+    Registered before tracing starts it is left in force (not replaced by ours); registered after, our ``stop()``
+    does not overwrite it; after a ``with CommTracer()`` block it is the one in force again."""
+    code, stdout, stderr = _c_handler(tmp_path, mode, traced, signum)
+    assert (code, stdout.split()) == (returncode, lines), stderr
+    assert stderr.count("most recent call first") >= 1, stderr  # faulthandler's dump: one per thread

@@ -31,6 +31,7 @@ def _process_state() -> dict:
 
     state = {name: dict(getattr(module_hooks, name)) for name in _MODULE_REGISTRIES
              if hasattr(module_hooks, name)}
+    state["_has_any_global_hook"] = module_hooks._has_any_global_hook  # torch.compile's warning asks it
     state["optimizer pre"] = dict(optimizer_hooks._global_optimizer_pre_hooks)
     state["optimizer post"] = dict(optimizer_hooks._global_optimizer_post_hooks)
     state["dispatch modes"] = list(_get_current_dispatch_mode_stack())
@@ -122,3 +123,17 @@ def test_tracers_started_and_stopped_leave_no_thread(telemetry, single_rank_grou
     assert _our_threads() == before
     assert len(telemetry.metric_points("torch.collective.operations")) == 1  # every tracer's points recorded
     assert telemetry.metric_points("torch.collective.operations")[0][1] == 30
+
+
+def test_torch_compiles_global_hook_warning_counts_the_scripts_hooks_not_ours(telemetry):
+    """``torch.compile(module)``'s call warns when ``_has_any_global_hook()``: ours are not counted (no warning
+    of ours reaches a ``-W error`` script), a hook of the script's still is."""
+    tracer = CommTracer(tracer_provider=telemetry.tracer_provider, meter_provider=telemetry.meter_provider).start()
+    try:
+        assert module_hooks._global_forward_pre_hooks and not module_hooks._has_any_global_hook()
+        handle = module_hooks.register_module_forward_hook(lambda module, args, output: None)
+        assert module_hooks._has_any_global_hook()
+        handle.remove()
+        assert not module_hooks._has_any_global_hook()
+    finally:
+        tracer.stop()

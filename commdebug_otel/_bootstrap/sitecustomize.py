@@ -1,10 +1,17 @@
-"""Put on PYTHONPATH by ``commdebug-otel run``: start tracing, then chain to any other sitecustomize."""
+"""Put on PYTHONPATH by ``commdebug-otel run``: start tracing, then chain to any other sitecustomize.
+
+Every Python process of the job runs it, also an interpreter that lacks the package (another
+virtual environment, the system's Python): there it starts nothing and only chains.
+"""
 
 import importlib.util
 import os
 import sys
 
-import commdebug_otel._autostart  # noqa: F401  (starts tracing when enabled)
+try:
+    import commdebug_otel._autostart  # noqa: F401  (starts tracing when enabled)
+except ImportError:  # not installed for this interpreter: it runs as without us
+    pass
 
 _here = os.path.dirname(os.path.abspath(__file__))
 for _path in sys.path:

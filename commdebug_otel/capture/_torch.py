@@ -211,6 +211,50 @@ def remove_global_forward_hook(handle: Any) -> None:
     getattr(module, "_global_forward_hooks_with_kwargs", {}).pop(handle.id, None)
 
 
+# torch.compile(module)'s call warns when any global module hook exists (OptimizedModule.__call__ asks
+# torch.nn.modules.module._has_any_global_hook): ours must not reach a script run with -W error. Ours count
+# the OptimizedModule's extra call as its module's (one FQN for both), so the warning is not about them.
+_GLOBAL_HOOK_DICTS = ("_global_backward_pre_hooks", "_global_backward_hooks", "_global_forward_pre_hooks",
+                      "_global_forward_hooks", "_global_forward_hooks_always_called",
+                      "_global_forward_hooks_with_kwargs")
+_own_global_hook_ids: set[int] = set()
+_torch_has_any_global_hook: Any = None  # torch's own, while ours stands in for it
+
+
+def _has_any_global_hook_but_ours() -> bool:
+    """torch's ``_has_any_global_hook``, not counting the global module hooks of ours."""
+    from torch.nn.modules import module
+
+    found = [getattr(module, name, None) for name in _GLOBAL_HOOK_DICTS]
+    if any(not isinstance(hooks, dict) for hooks in found):  # another torch: its own answer
+        return bool(_torch_has_any_global_hook())
+    return any(key not in _own_global_hook_ids for hooks in found for key in hooks)
+
+
+def own_global_hooks(*handles: Any) -> None:
+    """The global module hooks behind ``handles`` are ours: torch.compile's global-hook warning leaves them out."""
+    global _torch_has_any_global_hook
+    from torch.nn.modules import module
+
+    _own_global_hook_ids.update(handle.id for handle in handles)
+    current = getattr(module, "_has_any_global_hook", None)
+    if current is not None and current is not _has_any_global_hook_but_ours:
+        _torch_has_any_global_hook = current
+        module._has_any_global_hook = _has_any_global_hook_but_ours
+
+
+def disown_global_hooks(*handles: Any) -> None:
+    """Undo :func:`own_global_hooks` for ``handles`` (removed); torch's own test is back once none of ours is left."""
+    global _torch_has_any_global_hook
+    from torch.nn.modules import module
+
+    _own_global_hook_ids.difference_update(handle.id for handle in handles)
+    if not _own_global_hook_ids and _torch_has_any_global_hook is not None:
+        if getattr(module, "_has_any_global_hook", None) is _has_any_global_hook_but_ours:
+            module._has_any_global_hook = _torch_has_any_global_hook
+        _torch_has_any_global_hook = None
+
+
 def mark_unserializable(handle: Any) -> None:
     """Mark the tensor hooks of a ``register_multi_grad_hook`` handle as torch's ``unserializable_hook`` does:
     pickling a tensor that holds one (``Tensor.__reduce_ex__``) then warns of no hook of ours."""

@@ -60,10 +60,12 @@ from commdebug_otel.capture._torch import (
     add_forward_hook_last,
     compiled_call,
     compiled_original,
+    disown_global_hooks,
     has_forward_hook,
     in_compiled_autograd,
     mark_unserializable,
     new_hook_id,
+    own_global_hooks,
     pytree_children,
     remove_forward_hook,
     remove_global_forward_hook,
@@ -292,12 +294,15 @@ class ModuleTracker:
         self._suspended = False
         self._pre_handle = register_module_forward_pre_hook(self._pre_hook)
         self._early_post_handle = register_module_forward_hook(self._early_post_hook, with_kwargs=True)
+        own_global_hooks(self._pre_handle, self._early_post_handle)
 
     def _remove_global_hooks(self) -> None:
         if self._early_post_handle is not None:
             remove_global_forward_hook(self._early_post_handle)
+            disown_global_hooks(self._early_post_handle)
         if self._pre_handle is not None:
             self._pre_handle.remove()
+            disown_global_hooks(self._pre_handle)
         self._pre_handle = self._early_post_handle = None
 
     def remove(self) -> None:

@@ -9,8 +9,20 @@ still exported, only our shortcuts or counts are lost.
 from __future__ import annotations
 
 import collections
+import contextlib
+import warnings
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
+
+
+@contextlib.contextmanager
+def warning_filters_kept() -> Iterator[None]:
+    """The script's ``warnings.filters`` as they were, after the SDK ran inside: its ``get_tracer`` adds a filter
+    on every call (``TracerProvider.get_tracer``), and importing its logs package adds one
+    (``opentelemetry.sdk._logs``, which the OTLP exporters import). Those filters still apply inside."""
+    with warnings.catch_warnings():
+        yield
 
 
 def span_limits(provider: Any) -> Any:

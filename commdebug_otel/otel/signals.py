@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -52,6 +53,10 @@ class SignalFlush:
         exits through atexit). Only the main thread can set
         handlers: elsewhere this does nothing. An ignored signal stays ignored.
         Does nothing before our own providers exist (nothing of ours to flush).
+        A signal with a handler installed by ``sigaction`` outside Python's
+        signal module (``faulthandler.register``, a C extension), which
+        ``signal.getsignal`` reports as ``SIG_DFL``, is left alone too: it runs
+        at once on any thread, where ours would wait for the main thread.
         A handler the script (or a library) installs later replaces ours and
         runs alone: :meth:`keep` never wraps it, and the rescue thread
         leaves that signal alone. Undone by :meth:`release`.
@@ -64,6 +69,13 @@ class SignalFlush:
                 previous = signal.getsignal(signum)
                 if previous is None or previous == signal.SIG_IGN or self._ours(signum, previous):
                     continue  # set outside Python, ignored (leave it), or ours already
+                if isinstance(previous, _Chained) and not previous.held():
+                    previous = previous.previous  # ours, left behind by a release: what it stood for
+                if _c_level_handler(signum):
+                    # faulthandler's or an extension's (Python's view says SIG_DFL): it runs at once on any
+                    # thread, also while the main thread waits in native code; ours would delay it until
+                    # the main thread runs Python again. Left alone, with no flush of ours on it.
+                    continue
                 self._chain(signum, previous)
             except (ValueError, OSError) as error:  # an embedded interpreter, a restricted platform
                 _logger.debug("commdebug-otel: no flush on signal %s: %s", signum, describe(error))
@@ -81,7 +93,7 @@ class SignalFlush:
             reset = False
             for signum in self._chained:
                 current = signal.getsignal(signum)
-                if current == signal.SIG_DFL:
+                if current == signal.SIG_DFL and not _c_level_handler(signum):
                     self._chain(signum, current)
                     reset = True
             if reset:
@@ -91,13 +103,18 @@ class SignalFlush:
 
     def release(self) -> None:
         """Undo :meth:`hold`: each signal whose handler is still ours gets back the one we found, and
-        the wakeup fd, if still ours, is given back. Main thread only (elsewhere does nothing); never raises."""
+        the wakeup fd, if still ours, is given back. Main thread only (elsewhere does nothing); never raises.
+
+        A C-level handler installed since (``faulthandler.register`` after tracing started) is left in
+        force: Python still names ours, which stays for that handler to chain to and acts as the one we
+        found would have (the default action ends the process by the signal).
+        """
         if not self._signals_held or threading.current_thread() is not threading.main_thread():
             return
         self._signals_held = False
         for signum, (handler, previous) in list(self._chained.items()):
             try:
-                if signal.getsignal(signum) is handler:
+                if signal.getsignal(signum) is handler and not _c_level_handler(signum):
                     signal.signal(signum, previous)
             except (ValueError, OSError) as error:
                 _logger.debug("commdebug-otel: signal %s not restored: %s", signum, describe(error))
@@ -107,8 +124,15 @@ class SignalFlush:
             rescue.uninstall()
 
     def _chain(self, signum: int, previous: Any) -> None:
-        handler = functools.partial(self._on_signal, previous)
+        found = _disposition(signum) if _python_handler is None and callable(previous) else None
+        handler = _Chained(self, signum, previous)
         signal.signal(signum, handler)
+        _learn_python_handler(signum)
+        if found is not None and _handler_address(signum, found) != _python_handler:
+            # A C-level handler over the script's Python one, found out only now: exactly as it was.
+            signal.signal(signum, previous)
+            _set_disposition(signum, found)
+            return
         self._chained[signum] = (handler, previous)
 
     def _ours(self, signum: int, handler: Any) -> bool:
@@ -129,7 +153,8 @@ class SignalFlush:
         ``loop.close()``, ``signal.signal(SIGTERM, SIG_DFL)``) and is not chained yet (:meth:`keep`, at the
         next optimizer step on the main thread). Read from any thread; never raises."""
         try:
-            return any(signal.getsignal(signum) == signal.SIG_DFL for signum in list(self._chained))
+            return any(signal.getsignal(signum) == signal.SIG_DFL and not _c_level_handler(signum)
+                       for signum in list(self._chained))
         except (ValueError, OSError):
             return False
 
@@ -144,15 +169,24 @@ class SignalFlush:
         except (ValueError, OSError):
             return False
 
-    def _on_signal(self, previous: Any, signum: int, frame: Any) -> None:
-        """Export what is finished within the budget, then do what ``previous`` would have done.
+    def _on_signal(self, handler: _Chained, signum: int, frame: Any) -> None:
+        """Export what is finished within the budget, then do what ``handler.previous`` would have done.
 
         Called by a handler installed since (one that calls the handler it found, as Lightning's
         does), ours is no longer the handler in force: it flushes and calls ``previous`` if that is a
         function, and never ends the process (without us that handler would have found the default
-        action, and called nothing).
+        action, and called nothing). Once released (a C-level handler installed since kept it in
+        Python's table, and chains to it) it only does what ``previous`` would have.
         """
-        dying = previous == signal.SIG_DFL and self._ours(signum, signal.getsignal(signum))
+        previous = handler.previous
+        in_force = signal.getsignal(signum) is handler
+        if not self._ours(signum, handler):  # released: no flush of ours, the process acts as without us
+            if previous == signal.SIG_DFL and in_force:
+                _die_by(signum)
+            elif callable(previous):
+                previous(signum, frame)
+            return
+        dying = previous == signal.SIG_DFL and in_force
         if dying and self._signal_rescue is not None and not self._signal_rescue.claim():
             return  # the rescue thread is flushing and will end the process by the signal
         try:
@@ -167,6 +201,24 @@ class SignalFlush:
             os.kill(os.getpid(), signum)  # the process ends as it would have, by the signal
         elif callable(previous):
             previous(signum, frame)
+
+
+class _Chained:
+    """Our handler for one signal: flushes (:meth:`SignalFlush._on_signal`), then does what ``previous`` would."""
+
+    __slots__ = ("owner", "previous", "signum")
+
+    def __init__(self, owner: SignalFlush, signum: int, previous: Any) -> None:
+        self.owner = owner
+        self.signum = signum
+        self.previous = previous
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.owner._on_signal(self, signum, frame)
+
+    def held(self) -> bool:
+        """Whether its owner still holds the signal with it (not released)."""
+        return self.owner._ours(self.signum, self)
 
 
 class _SignalRescue:
@@ -315,6 +367,85 @@ def _die_by(signum: int) -> None:
     os.kill(os.getpid(), signum)
     time.sleep(1.0)  # delivery is asynchronous
     os._exit(128 + signum)
+
+
+# The C-level handler's address that Python installs for a Python function (its signal module's
+# signal_handler), read back after our first signal.signal; None until then.
+_python_handler: int | None = None
+_SIGACTION_BYTES = 512  # more than any libc's struct sigaction (glibc: 152 on x86-64); read as opaque bytes
+
+
+@functools.cache
+def _sigaction() -> Any:
+    """libc's ``sigaction`` through ctypes (Linux only), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        function = ctypes.CDLL(None, use_errno=True).sigaction
+        function.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+        function.restype = ctypes.c_int
+        return function
+    except (OSError, AttributeError):
+        return None
+
+
+def _disposition(signum: int) -> bytes | None:
+    """``signum``'s ``struct sigaction`` as the kernel has it (opaque bytes, the handler first); None where it
+    cannot be read. Any thread."""
+    sigaction = _sigaction()
+    if sigaction is None:
+        return None
+    import ctypes
+
+    found = ctypes.create_string_buffer(_SIGACTION_BYTES)
+    if sigaction(signum, None, found) != 0:
+        return None
+    return found.raw
+
+
+def _set_disposition(signum: int, disposition: bytes) -> None:
+    """Put back a ``struct sigaction`` that :func:`_disposition` read: handler, mask and flags exactly."""
+    import ctypes
+
+    if _sigaction()(signum, ctypes.create_string_buffer(disposition, len(disposition)), None) != 0:
+        raise OSError(ctypes.get_errno(), f"sigaction({signum}) failed")
+
+
+def _handler_address(signum: int, disposition: bytes | None = None) -> int | None:
+    """The address of the handler the kernel runs for ``signum``: 0 for the default action, 1 for ignored;
+    None where it cannot be read. Any thread."""
+    import ctypes
+
+    disposition = _disposition(signum) if disposition is None else disposition
+    if disposition is None:
+        return None
+    return int.from_bytes(disposition[:ctypes.sizeof(ctypes.c_void_p)], sys.byteorder)
+
+
+def _learn_python_handler(signum: int) -> None:
+    """Remember Python's own C-level handler, just installed on ``signum`` by ``signal.signal``."""
+    global _python_handler
+    if _python_handler is None:
+        address = _handler_address(signum)
+        if address not in (None, 0, 1):
+            _python_handler = address
+
+
+def _c_level_handler(signum: int) -> bool:
+    """Whether ``signum`` has a handler installed by ``sigaction`` outside Python's signal module
+    (``faulthandler.register``, a C extension), which ``signal.getsignal`` does not see: it names the
+    default action or the Python function it last set. False where it cannot be told."""
+    address = _handler_address(signum)
+    if address is None:
+        return False
+    current = signal.getsignal(signum)
+    if current == signal.SIG_DFL:
+        return address != 0
+    if current == signal.SIG_IGN:
+        return address != 1
+    return _python_handler is not None and address != _python_handler
 
 
 # SIGHUP and SIGQUIT do not exist on Windows. SIGINT is left alone: its default handler raises

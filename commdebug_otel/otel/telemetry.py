@@ -62,6 +62,7 @@ from commdebug_otel.otel._sdk import (
     own_random_views,
     replace_json_file_encoder,
     translate_data_with,
+    warning_filters_kept,
 )
 from commdebug_otel.otel.export_guard import CountingBatchSpanProcessor, SizedSpanExporter, fold_exporter_logs
 from commdebug_otel.otel.exporters import Exporters
@@ -279,7 +280,7 @@ class Telemetry:
     # ------------------------------------------------------------- providers
     def tracer(self) -> otel_trace.Tracer:
         if self._tracer is None:
-            with self._lock:
+            with self._lock, warning_filters_kept():
                 if self._tracer is None:
                     provider = _given_or_started(self._tracer_provider, self._make_tracer_provider, "spans",
                                                  otel_trace.NoOpTracerProvider)
@@ -334,7 +335,7 @@ class Telemetry:
             self.tracer()
 
     def _pending_setup(self) -> TracerSetup:
-        with self._lock:
+        with self._lock, warning_filters_kept():
             if self._pending is None:
                 export = ExportEnv.from_env(self._environ)
                 provider = TracerProvider(resource=build_resource(self._rank(), export),
@@ -358,7 +359,7 @@ class Telemetry:
 
     def meter(self) -> otel_metrics.Meter:
         if self._meter is None:
-            with self._lock:
+            with self._lock, warning_filters_kept():
                 if self._meter is None:
                     provider = _given_or_started(self._meter_provider, self._make_meter_provider, "metrics",
                                                  otel_metrics.NoOpMeterProvider)
