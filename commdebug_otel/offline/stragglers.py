@@ -337,14 +337,20 @@ def _median_mad(values: Sequence[float], without: Sequence[float]) -> tuple[floa
     """Median and MAD of sorted ``values`` less the sorted ``without`` (a subset), in O(log^2) each."""
     n = len(values) - len(without)
     median = (_kth(values, without, (n - 1) // 2) + _kth(values, without, n // 2)) / 2
-    lo, hi = 0.0, max(values[-1] - median, median - values[0])
-    for _ in range(64):  # the least d with half the rest within [median - d, median + d]
-        mid = (lo + hi) / 2
-        if _within(values, median - mid, median + mid) - _within(without, median - mid, median + mid) >= (n + 1) // 2:
-            hi = mid
-        else:
-            lo = mid
-    return median, hi
+    widest = max(values[-1] - median, median - values[0])
+
+    def least_within(count: int) -> float:
+        """The least d with ``count`` of the rest within [median - d, median + d]: the count-th deviation."""
+        lo, hi = 0.0, widest
+        for _ in range(64):
+            mid = (lo + hi) / 2
+            if _within(values, median - mid, median + mid) - _within(without, median - mid, median + mid) >= count:
+                hi = mid
+            else:
+                lo = mid
+        return hi
+
+    return median, (least_within((n - 1) // 2 + 1) + least_within(n // 2 + 1)) / 2
 
 
 def _binomial_sf(k: int, n: int, p: float) -> float:
@@ -380,13 +386,29 @@ def judge(records: Iterable[Late], steps_seen: dict[int, set[int]], noise_floor_
     cells: dict[tuple[int, str, str], dict[int, int]] = defaultdict(lambda: defaultdict(int))
     for record in records:
         cells[(record.rank, record.module, record.pass_)][record.step] += record.lost_ns
+    found: dict[tuple[int, str, str], dict[str, Any]] = {}
+    while True:  # rows found are no noise: test again without them until no new row is found
+        again = _test(cells, steps_seen, set(found), noise_floor_s * 1e9, alpha)
+        if set(again) <= set(found):
+            break
+        found = again
+    rows = sorted(again.values(), key=lambda row: (-row["lost_s"], row["rank"], row["module"], row["pass"]))
+    return rows
+
+
+def _test(cells: dict[tuple[int, str, str], dict[int, int]], steps_seen: dict[int, set[int]],
+          apart: set[tuple[int, str, str]], floor_ns: float, alpha: float) -> dict[tuple[int, str, str], dict]:
+    """One pass of :func:`judge`'s test, the cells of the rows ``apart`` (found before) left out of the noise."""
     places = len({(module, pass_) for _, module, pass_ in cells}) or 1
-    everything = sorted(value for row in cells.values() for value in row.values())
+    everything = sorted(value for key, row in cells.items() if key not in apart for value in row.values())
     own: dict[int, list[int]] = defaultdict(list)
-    for (rank, _, _), row in cells.items():
-        own[rank].extend(row.values())
+    for key, row in cells.items():
+        if key not in apart:
+            own[key[0]].extend(row.values())
     possible = sum(len(steps) for steps in steps_seen.values()) * places
-    floor_ns = noise_floor_s * 1e9
+    possible_apart: dict[int, int] = defaultdict(int)  # rank -> its cells apart, possible ones
+    for rank, _, _ in apart:
+        possible_apart[rank] += len(steps_seen.get(rank, ()))
     cuts: dict[int, tuple[float, float]] = {}
 
     def cut_of(rank: int) -> tuple[float, float]:
@@ -399,28 +421,29 @@ def judge(records: Iterable[Late], steps_seen: dict[int, set[int]], noise_floor_
                 cut = max(floor_ns, median + NOISE_MADS * 1.4826 * mad)
             exceeding = (len(everything) - bisect.bisect_right(everything, cut)) - (
                 len(mine) - bisect.bisect_right(mine, cut))
-            others_possible = possible - len(steps_seen.get(rank, ())) * places
-            cuts[rank] = cut, min(1.0, (exceeding + 1) / (others_possible + 1))
+            others_possible = (possible - sum(possible_apart.values()) + possible_apart[rank]
+                               - len(steps_seen.get(rank, ())) * places)
+            cuts[rank] = cut, min(1.0, (exceeding + 1) / (max(others_possible, 0) + 1))
         return cuts[rank]
 
     tested = []
-    for (rank, module, pass_), row in cells.items():
-        cut, rate = cut_of(rank)
+    for key, row in cells.items():
+        cut, rate = cut_of(key[0])
         late = {step: ns for step, ns in row.items() if ns > cut}
         if late:
-            tested.append((rank, module, pass_, late, cut, rate))
-    found = []
-    for rank, module, pass_, late, cut, rate in tested:
+            tested.append((key, late, cut, rate))
+    found = {}
+    for (rank, module, pass_), late, cut, rate in tested:
         n = len(steps_seen.get(rank, ())) or len(late)
         p = _binomial_sf(len(late), n, rate)
         if len(late) < 2 or p * len(tested) > alpha:
             continue
-        found.append({"rank": rank, "module": module, "pass": pass_, "lost_s": sum(late.values()) / 1e9,
-                      "steps_late": len(late), "steps_seen": n, "late_steps": sorted(late),
-                      "late_min_s": min(late.values()) / 1e9, "late_max_s": max(late.values()) / 1e9,
-                      "noise_cut_s": cut / 1e9, "null_rate": rate, "p_value": p, "tested": len(tested),
-                      "statistic": STATISTIC})
-    found.sort(key=lambda row: (-row["lost_s"], row["rank"], row["module"], row["pass"]))
+        found[(rank, module, pass_)] = {
+            "rank": rank, "module": module, "pass": pass_, "lost_s": sum(late.values()) / 1e9,
+            "steps_late": len(late), "steps_seen": n, "late_steps": sorted(late),
+            "late_min_s": min(late.values()) / 1e9, "late_max_s": max(late.values()) / 1e9,
+            "noise_cut_s": cut / 1e9, "null_rate": rate, "p_value": p, "tested": len(tested),
+            "statistic": STATISTIC}
     return found
 
 
