@@ -183,13 +183,15 @@ def _assert_each_delay_counted_once(spans, module, steps):
 
 
 def _assert_the_one_straggler(out_dir, capsys, module, pass_, steps):
-    """Both commands name one straggler, the same row, late in each of ``steps`` of ``steps_seen``."""
+    """Both commands name one straggler, the same row, late beyond the noise in ``steps`` (most of them)."""
     found, report, lines = _both(out_dir, capsys)
     assert found["stragglers"] == report["stragglers"], (found["stragglers"], report["stragglers"])
     rows = found["stragglers"]
     assert [(row["rank"], row["module"], row["pass"]) for row in rows] == [(_SLOW_RANK, module, pass_)], rows
     (row,) = rows
-    assert (row["late_steps"], row["statistic"]) == (steps, "binomial"), row
+    # The steps it was late in beyond the noise: on a busy machine the noise may hide one or two of them.
+    assert set(row["late_steps"]) <= set(steps) and row["steps_late"] >= stragglers.MIN_STEPS_LATE, row
+    assert row["statistic"] == "binomial"
     assert row["p_value"] * row["tested"] <= stragglers.ALPHA and row["late_min_s"] > row["noise_cut_s"], row
     assert lines[0] == lines[1] and lines[0][1] == f"  {stragglers.row_text(row)}", lines
     return row
@@ -220,7 +222,7 @@ def test_an_intermittent_straggler_is_found_in_the_steps_it_was_slow(tmp_path, c
     # 100 ms in 4 of 16 steps only: no majority of steps, but each far beyond the other rank's noise.
     run_ranks(_tp_job, 2, str(tmp_path), "intermittent", None, _LONG_STEPS)
     row = _assert_the_one_straggler(tmp_path, capsys, _SLOW_MODULE, "forward", list(_BURST_STEPS))
-    assert (row["steps_late"], row["steps_seen"]) == (len(_BURST_STEPS), _LONG_STEPS - 1), row
+    assert row["steps_seen"] == _LONG_STEPS - 1, row
     assert _at_least(row["late_min_s"], _BURST_S), row
 
 
@@ -464,12 +466,13 @@ def test_a_straggler_is_late_consistently_and_beyond_the_other_ranks_noise(tmp_p
     assert "  rank 1 in (unattributed): late in 5 of 5 steps, 30 ms (noise cut 1.0 ms), p=1e-04" \
         in summary.format_report(_load(slow, tmp_path)).splitlines()
     # Intermittent: 100 ms in 3 of 11 counted steps, both ranks 2-5 ms late now and then otherwise. The other
-    # rank's noise (median 3.5 ms, MAD 1 ms: cut 7.9 ms) hides rank 1's small delays, not its 100 ms ones.
+    # rows' noise (rank 0's cells and rank 1's unattributed ones: median 4 ms, MAD 1 ms: cut 8.4 ms) hides
+    # rank 1's small delays, not its 100 ms ones.
     noise = [(0, 3), (1, 2), (0, 5), (1, 4), (0, 2), (1, 5), (0, 4), (1, 3)]
     intermittent = [(0, 1)] + [(1, 100) if step in (3, 6, 9) else noise.pop() for step in range(1, 12)]
     (row,) = stragglers.find(_load(_steps_late_by(intermittent), tmp_path))["stragglers"]
     assert (row["rank"], row["late_steps"], row["steps_seen"]) == (1, [3, 6, 9], 11), row
-    assert row["noise_cut_s"] == pytest.approx(0.0035 + 3 * 1.4826 * 0.001), row
+    assert row["noise_cut_s"] == pytest.approx(0.004 + 3 * 1.4826 * 0.001), row
     # One slow step is an event, not a straggler.
     once = _steps_late_by([(0, 1)] + [(1, 100) if step == 6 else (step % 2, 3) for step in range(1, 12)])
     assert stragglers.find(_load(once, tmp_path))["stragglers"] == []

@@ -9,16 +9,20 @@ Two layers, so that a live detector can use the second without spans:
   collective (:func:`late_records`), and ``lost_ns``: the delay L added since then (a delay that leaves
   several asynchronous collectives late counts once).
 * **the test** (:func:`judge`), over records alone: per (rank, module, pass) and step, the lost time summed
-  (a *cell*). A cell is *beyond the noise* when it exceeds the rank's noise cut: the median plus
-  :data:`NOISE_MADS` x 1.4826 x MAD of every *other* rank's cells (so a slow rank never raises its own
-  bar), at least the resolution floor. Under the null hypothesis (no straggler: ranks are exchangeable) a
-  given cell is beyond the cut at the rate the other ranks' cells are, ``q = (exceeding + 1) / (cells
-  possible + 1)`` (cells possible: their counted steps x the places seen). A row late beyond the noise in
-  ``k`` of its ``n`` steps gets the one-sided binomial ``p = P(Binomial(n, q) >= k)``; it is a straggler when
-  ``k >= 2`` and ``p x m <= alpha`` (Bonferroni over the ``m`` rows with a step beyond the noise).
+  (a *cell*). A cell is *beyond the noise* when it exceeds the row's noise cut: the median plus
+  :data:`NOISE_MADS` x 1.4826 x MAD of every *other* row's cells (every rank and place but this one: the
+  job's noise, which a slow row does not raise for itself), at least the resolution floor. Under the null
+  hypothesis (no straggler: ranks are exchangeable) a given cell is beyond the cut at the rate the other
+  rows' cells are: ``q`` is the higher of their rate in the whole job, ``(exceeding + 1) / (cells possible
+  + 1)`` (cells possible: the counted steps of every rank x the places seen, this row's aside), and the
+  other ranks' rate at the row's place (per counted step: a place where every rank is often late, such as
+  the optimizer step on a busy machine, is noise there). A row late beyond the noise in ``k`` of its
+  ``n`` steps gets the one-sided binomial ``p = P(Binomial(n, q) >= k)``; it is a straggler when
+  ``k >= MIN_STEPS_LATE`` (3) and ``p x m <= alpha`` (Bonferroni over the ``m`` rows with a step beyond the
+  noise). Rows found are left out of the noise and the test is run again, until no new row is found.
 
 Assumptions: steps are independent trials; the other ranks' lateness is the job's noise (wrong when most
-ranks are slow in the same place, then nobody stands out); one slow step is an event, not a straggler.
+ranks are slow in the same place, then nobody stands out); one or two slow steps are events, not a straggler.
 The first traced step is left out (:func:`.model.warmup_step`), as are collectives outside steps.
 
 Usage::
@@ -55,9 +59,9 @@ from commdebug_otel.offline.model import (
     warmup_step,
 )
 
-__all__ = ["ALPHA", "BETWEEN_STEPS", "NOISE_FLOOR_S", "NOISE_MADS", "TRAIN_STEP", "UNATTRIBUTED", "Late",
-           "RankTimes", "Timeline", "find", "format_lines", "judge", "late_records", "lateness_rows", "rank_times",
-           "row_text", "span_label"]
+__all__ = ["ALPHA", "BETWEEN_STEPS", "MIN_STEPS_LATE", "NOISE_FLOOR_S", "NOISE_MADS", "TRAIN_STEP", "UNATTRIBUTED",
+           "Late", "RankTimes", "Timeline", "find", "format_lines", "judge", "late_records", "lateness_rows",
+           "rank_times", "row_text", "span_label"]
 
 #: Resolution: a collective held back less than this (seconds) is not recorded, nor a place with less extra time.
 NOISE_FLOOR_S = 0.001
@@ -65,6 +69,8 @@ NOISE_FLOOR_S = 0.001
 NOISE_MADS = 3.0
 #: Family-wise false-blame rate per job (Bonferroni over the rows tested).
 ALPHA = 0.05
+#: A row late beyond the noise in fewer steps than this is events, not a straggler.
+MIN_STEPS_LATE = 3
 #: Where L's extra time lay outside every module span: in ``train_step`` itself (loss, optimizer, backward
 #: outside modules) or between one step's end and the next's first module (data loading, host work).
 TRAIN_STEP = f"({semconv.SPAN_TRAIN_STEP})"
@@ -401,42 +407,40 @@ def _test(cells: dict[tuple[int, str, str], dict[int, int]], steps_seen: dict[in
     """One pass of :func:`judge`'s test, the cells of the rows ``apart`` (found before) left out of the noise."""
     places = len({(module, pass_) for _, module, pass_ in cells}) or 1
     everything = sorted(value for key, row in cells.items() if key not in apart for value in row.values())
-    own: dict[int, list[int]] = defaultdict(list)
+    at_place: dict[tuple[str, str], list[int]] = defaultdict(list)  # the noise's cells at each place
     for key, row in cells.items():
         if key not in apart:
-            own[key[0]].extend(row.values())
-    possible = sum(len(steps) for steps in steps_seen.values()) * places
-    possible_apart: dict[int, int] = defaultdict(int)  # rank -> its cells apart, possible ones
-    for rank, _, _ in apart:
-        possible_apart[rank] += len(steps_seen.get(rank, ()))
-    cuts: dict[int, tuple[float, float]] = {}
+            at_place[key[1:]].extend(row.values())
+    for values in at_place.values():
+        values.sort()
+    seen_all = sum(len(steps) for steps in steps_seen.values())
+    possible = seen_all * places - sum(len(steps_seen.get(rank, ())) for rank, _, _ in apart)
 
-    def cut_of(rank: int) -> tuple[float, float]:
-        """The rank's noise cut (ns) and null rate, from the other ranks' cells."""
-        if rank not in cuts:
-            mine = sorted(own[rank])
-            cut = floor_ns
-            if len(everything) - len(mine) >= 3:
-                median, mad = _median_mad(everything, mine)
-                cut = max(floor_ns, median + NOISE_MADS * 1.4826 * mad)
-            exceeding = (len(everything) - bisect.bisect_right(everything, cut)) - (
-                len(mine) - bisect.bisect_right(mine, cut))
-            others_possible = (possible - sum(possible_apart.values()) + possible_apart[rank]
-                               - len(steps_seen.get(rank, ())) * places)
-            cuts[rank] = cut, min(1.0, (exceeding + 1) / (max(others_possible, 0) + 1))
-        return cuts[rank]
+    def over(values: list[int], mine: list[int], cut: float) -> int:
+        return (len(values) - bisect.bisect_right(values, cut)) - (len(mine) - bisect.bisect_right(mine, cut))
 
     tested = []
     for key, row in cells.items():
-        cut, rate = cut_of(key[0])
+        rank = key[0]
+        mine = sorted(row.values()) if key not in apart else []
+        cut = floor_ns
+        if len(everything) - len(mine) >= 3:
+            median, mad = _median_mad(everything, mine)
+            cut = max(floor_ns, median + NOISE_MADS * 1.4826 * mad)
         late = {step: ns for step, ns in row.items() if ns > cut}
-        if late:
-            tested.append((key, late, cut, rate))
+        if not late:
+            continue
+        own_steps = len(steps_seen.get(rank, ()))
+        rate = (over(everything, mine, cut) + 1) / (max(possible - (0 if key in apart else own_steps), 0) + 1)
+        others_at_place = seen_all - own_steps  # the other ranks' counted steps, each a cell there
+        if others_at_place > 0:
+            rate = max(rate, over(at_place.get(key[1:], []), mine, cut) / others_at_place)
+        tested.append((key, late, cut, min(1.0, rate)))
     found = {}
     for (rank, module, pass_), late, cut, rate in tested:
         n = len(steps_seen.get(rank, ())) or len(late)
         p = _binomial_sf(len(late), n, rate)
-        if len(late) < 2 or p * len(tested) > alpha:
+        if len(late) < MIN_STEPS_LATE or p * len(tested) > alpha:
             continue
         found[(rank, module, pass_)] = {
             "rank": rank, "module": module, "pass": pass_, "lost_s": sum(late.values()) / 1e9,
