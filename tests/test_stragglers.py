@@ -61,3 +61,15 @@ def test_a_consistent_and_an_intermittent_straggler_among_noise():
 def test_one_slow_step_is_no_straggler():
     records = [Late(1, 4, "M.a", "forward", 500 * MS, 0, 0)]
     assert stragglers.judge(records, {0: set(range(10)), 1: set(range(10))}) == []
+
+
+def test_a_straggler_among_1024_ranks():
+    """At 1,024 ranks rows of under 1 % of the cells are judged against the pooled noise (docs/performance.md)."""
+    draw = random.Random(1)
+    places = [(f"M.layers.{i}", p) for i in range(16) for p in ("forward", "backward")] + [("(train_step)", "")]
+    records = [Late(draw.randrange(1024), step, *draw.choice(places), draw.randrange(1, 8) * MS, 0, 0)
+               for step in range(20) for _ in range(13_200)]
+    records += [Late(77, step, "M.layers.3", "forward", 60 * MS, 0, 0) for step in range(20)]
+    found = stragglers.judge(records, {rank: set(range(20)) for rank in range(1024)})
+    assert [(row["rank"], row["module"], row["pass"], row["steps_late"]) for row in found] == [
+        (77, "M.layers.3", "forward", 20)]
