@@ -380,8 +380,8 @@ def judge(records: Iterable[Late], steps_seen: dict[int, set[int]], noise_floor_
           alpha: float = ALPHA) -> list[dict[str, Any]]:
     """The (rank, module, pass) rows whose lateness is consistent and beyond the job's noise (module docstring).
 
-    ``records``: :class:`Late` of counted steps; ``steps_seen``: each rank's counted steps (a rank in no
-    record still counts as a source of noise: cells of 0). ``noise_floor_s``: the least noise cut.
+    ``records``: :class:`Late` of counted steps; ``steps_seen``: each rank's counted steps (each a possible
+    cell at every place, late or not: the null rate's denominator). ``noise_floor_s``: the least noise cut.
 
     Returns:
         the straggler rows, most ``lost_s`` first: ``{"rank", "module", "pass", "lost_s" (in its late steps),
@@ -393,11 +393,11 @@ def judge(records: Iterable[Late], steps_seen: dict[int, set[int]], noise_floor_
     for record in records:
         cells[(record.rank, record.module, record.pass_)][record.step] += record.lost_ns
     found: dict[tuple[int, str, str], dict[str, Any]] = {}
-    while True:  # rows found are no noise: test again without them until no new row is found
+    for _ in range(8):  # rows found are no noise: test again without them until no new row is found
         again = _test(cells, steps_seen, set(found), noise_floor_s * 1e9, alpha)
         if set(again) <= set(found):
             break
-        found = again
+        found |= again
     rows = sorted(again.values(), key=lambda row: (-row["lost_s"], row["rank"], row["module"], row["pass"]))
     return rows
 
