@@ -137,7 +137,7 @@ def test_rank_totals_agree_and_stragglers_match_every_collective(demo_spans):
     assert sorted(totals) == [0, 1]
     assert totals[0]["by_op"] == totals[1]["by_op"] and not totals[0]["odd"] and not totals[1]["odd"]
     assert totals[0]["events"] == len(_events(demo_spans, 0))
-    lag = summary.stragglers(demo_spans, include_warmup=True)  # every collective, the first step too
+    lag = summary.lateness(demo_spans, include_warmup=True)  # every collective, the first step too
     assert lag["incomplete"] == 0
     assert lag["matched"] == len(_events(demo_spans, 0))
     for rank in (0, 1):
@@ -152,7 +152,7 @@ def test_rank_totals_flag_a_rank_with_other_counts(demo_spans):
     fewer = [s for s in demo_spans if not (s["rank"] == 1 and s["name"] == "outside_step")]
     totals = summary.rank_totals(fewer)
     assert totals[1]["odd"] and not totals[0]["odd"]
-    assert summary.stragglers(fewer)["incomplete"] > 0
+    assert summary.lateness(fewer)["incomplete"] > 0
 
 
 def test_top_collectives_are_sorted_by_bytes(demo_spans):
@@ -179,9 +179,9 @@ def test_summarize_cli_prints_the_report(demo_run, demo_spans, capsys):
     assert "Global\n  FORWARD PASS\n    *c10d.scatter_: 16\n" in out.out
     assert "        Transformer.output\n          FORWARD PASS\n" \
            "            *c10d_functional.all_gather_into_tensor: 2\n" in out.out
-    for section in ("Collectives per rank:", "Stragglers:", "clock skew", "Top collectives by bytes on rank 0:"):
+    for section in ("Collectives per rank:", "Lateness:", "clock skew", "Top collectives by bytes on rank 0:"):
         assert section in out.out
-    assert ("\nStraggler: rank " in out.out) != ("\nNo straggler: the most, rank " in out.out)  # one or the other
+    assert ("\nStragglers: " in out.out) != ("\nNo straggler above the noise" in out.out)  # one or the other
     code, out = _cli(summary, [demo_run[0], "--rank", "7"], capsys)
     assert code == 1 and "ranks present: 0, 1" in out.err
 

@@ -10,11 +10,9 @@ Reads the same OTLP-JSON trace files as ``summarize`` (ours, or a Collector's
   its module and pass, how long, its stack, and what each waiting rank has in flight;
 * **desyncs**: the first (process group, seq) where ranks issued different
   collectives (op, dtype, shape, reduce op), with each rank's side and module;
-* **stragglers**: for each collective of a traced step matched across ranks by
-  (process group, seq), the rank that arrived last is blamed for the wall time it held
-  the collective back by a delay added since its previous collective (``lost_s``: a delay
-  that leaves several asynchronous collectives late counts once), and the module (or the
-  gap between steps) where it spent more time than the others before it arrived;
+* **stragglers**: the (rank, module, pass) that held the others' collectives back consistently across
+  steps and beyond the job's own noise, with how sure that is (:mod:`.stragglers`, the one model
+  ``summarize`` and ``report`` use too); the raw lateness, noise included, under ``lateness``;
 * **pipeline waits**: send/recv pairs, as :func:`.summary.pipeline_waits`.
 
 Usage::
@@ -23,9 +21,9 @@ Usage::
 
     spans = summary.load_spans(["commdebug-otel-out/run-20261201-062712-66fd1e02"])
     found = diagnose.diagnose(spans)
-    found["stragglers"][0]
-    # {"rank": 1, "module": "Transformer.layers.1.feed_forward", "pass": "forward",
-    #  "lost_s": 0.48, "waited_s": 0.48, "collectives": 8, "steps": [0, ..., 7], "excess_s": 0.48}
+    found["stragglers"]  # [] on a healthy job
+    # [{"rank": 1, "module": "Transformer.layers.1.feed_forward", "pass": "forward", "lost_s": 0.42,
+    #   "steps_late": 7, "steps_seen": 7, "late_min_s": 0.06, "late_max_s": 0.061, "p_value": 1e-14, ...}]
     print(diagnose.format_text(found))
 
 or ``commdebug-otel diagnose PATH... [--format text|json] [--top N] [--noise-floor-ms MS]``, or with
@@ -41,28 +39,25 @@ clock: across hosts, clock skew adds to or hides lateness.
 from __future__ import annotations
 
 import argparse
-import bisect
 import datetime
 import hashlib
 import json
 import statistics
 import sys
-from array import array
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from commdebug_otel import semconv
 from commdebug_otel.core.fact import parse, ranges_text, stall_step_text
-from commdebug_otel.offline import EXIT_DONE, EXIT_UNREADABLE, flight_recorder, summary
+from commdebug_otel.offline import EXIT_DONE, EXIT_UNREADABLE, flight_recorder, stragglers, summary
 from commdebug_otel.offline.backends import DEADLINE_S, MAX_RESPONSE_BYTES
 from commdebug_otel.offline.model import (
-    P2P,
     Arrivals,
     SpanIndex,
-    arrival_matches,
     collective_events,
-    column,
+    counted_seqs,
+    finished_spans,
     index_of,
     is_snapshot,
     once,
@@ -70,22 +65,24 @@ from commdebug_otel.offline.model import (
     reusing,
     warmup_step,
 )
+from commdebug_otel.offline.stragglers import (
+    BETWEEN_STEPS,
+    NOISE_FLOOR_S,
+    TRAIN_STEP,
+    UNATTRIBUTED,
+    Label,
+    RankTimes,
+    Timeline,
+    rank_times,
+    span_label,
+)
 
 __all__ = ["BETWEEN_STEPS", "NOISE_FLOOR_S", "TRAIN_STEP", "UNATTRIBUTED", "RankRead", "Reads", "add_arguments",
-           "desyncs", "diagnose", "errors", "format_text", "missing_ranks", "rank_reads", "run", "stalls", "stragglers",
+           "desyncs", "diagnose", "errors", "format_text", "missing_ranks", "rank_reads", "run", "stalls",
            "unfinished_steps", "watchdog"]
 
 #: Frames of a stuck rank's stack in the text report (the innermost; JSON has them all).
 STACK_LINES = 8
-#: Lateness below this (seconds) is noise, not a straggler: a collective held back less is not blamed.
-NOISE_FLOOR_S = 0.001
-#: Where a straggler's extra time lay outside every module span: in ``train_step`` itself
-#: (loss, optimizer, backward outside modules) or between one step's end and the next's first module
-#: (data loading, host work).
-TRAIN_STEP = f"({semconv.SPAN_TRAIN_STEP})"
-BETWEEN_STEPS = "(between steps)"
-#: A late rank that spent no more time anywhere than the others since their previous collectives.
-UNATTRIBUTED = "(unattributed)"
 _NO_OP = {"op": "none", "dtype": "", "shape": [], "reduce_op": "", "module": "", "pass": "", "seq": -1}
 
 
@@ -105,170 +102,23 @@ class _Issued(NamedTuple):
         return {"op": self.op, "dtype": self.dtype, "shape": list(self.shape), "reduce_op": self.reduce_op,
                 "module": self.module, "pass": self.pass_, "seq": self.seq}
 
-Label = tuple[str, str]  # (module FQN or a parenthesised place, pass)
-
-
-def _finished(spans: list[dict]) -> list[dict]:
-    """The finished spans (no stall snapshot), a ``train_step_tail`` read as a root between steps, as the
-    ``outside_step`` segments it replaced were: it runs after its ``train_step`` ended (a child clipped to its
-    parent would vanish from the timeline), and the straggler windows count collectives of steps only. Read
-    folded, it drops the ``root_step`` the reader gave it too (its ``train_step``'s: the tail is in no step)."""
-    return once("finished", spans, lambda: _finished_in(spans))
-
-
-def _finished_in(spans: list[dict]) -> list[dict]:
-    return [{**span, "parent_span_id": "", "root_step": ()} if span["name"] == semconv.SPAN_TRAIN_STEP_TAIL else span
-            for span in spans if not is_snapshot(span)]
-
-
-def _label(span: dict) -> Label:
-    attrs = span["attributes"]
-    if semconv.MODULE_FQN in attrs:
-        return str(attrs[semconv.MODULE_FQN]), str(attrs.get(semconv.MODULE_PASS, ""))
-    return f"({span['name']})", ""
-
 
 def _group(attrs: dict) -> str:
     return str(attrs.get(semconv.PROCESS_GROUP_NAME, ""))
 
 
-# ---------------------------------------------------------------- stragglers
-
-
-class _Timeline:
-    """One rank's time cut into disjoint pieces, each owned by its innermost span.
-
-    ``spans``: one rank's finished spans. Children are clipped to their parent; of
-    overlapping siblings, the later one starts where the earlier ended.
-    """
-
-    def __init__(self, spans: list[dict]) -> None:
-        index = SpanIndex(spans)
-        pieces: list[tuple[int, int, Label]] = []
-        for root in index.roots:
-            # A walk with its own stack (a chain of 20,000 spans is no recursion): each frame is
-            # [span, end, cursor (where the next child may start), its children by start].
-            stack = [[root, root["end_ns"], root["start_ns"],
-                      iter(sorted(index.children(root), key=lambda child: child["start_ns"]))]]
-            while stack:
-                frame = stack[-1]
-                span, end, cursor, children = frame
-                for child in children:
-                    child_start, child_end = max(child["start_ns"], cursor), min(child["end_ns"], end)
-                    if child_end <= child_start:
-                        continue
-                    if child_start > cursor:
-                        pieces.append((cursor, child_start, _label(span)))
-                    frame[2] = child_end
-                    stack.append([child, child_end, child_start,
-                                  iter(sorted(index.children(child), key=lambda kid: kid["start_ns"]))])
-                    break
-                else:
-                    if end > cursor:
-                        pieces.append((cursor, end, _label(span)))
-                    stack.pop()
-        pieces.sort()
-        # Columns, each label once: a 1,024-rank job cuts into millions of pieces.
-        labels: dict[Label, Label] = {}
-        self._starts = array("Q", [piece[0] for piece in pieces])
-        self._ends = array("Q", [piece[1] for piece in pieces])
-        self._labels = [labels.setdefault(piece[2], piece[2]) for piece in pieces]
-
-    def self_times(self, start: int, end: int) -> dict[Label, int]:
-        """ns of ``[start, end)`` owned by each span label; time under no span is :data:`BETWEEN_STEPS`."""
-        out: dict[Label, int] = defaultdict(int)
-        covered = 0
-        starts, ends = self._starts, self._ends
-        i = max(bisect.bisect_right(starts, start) - 1, 0)
-        while i < len(starts) and starts[i] < end:
-            overlap = min(ends[i], end) - max(starts[i], start)
-            if overlap > 0:
-                out[self._labels[i]] += overlap
-                covered += overlap
-            i += 1
-        if end - start > covered:
-            out[(BETWEEN_STEPS, "")] += end - start - covered
-        return out
-
-
-class _Carried:
-    """How late each rank still was when it left each collective, to count a delay once.
-
-    ``complete``: the complete matches, ``{rank: index in its table}`` each. A rank's lateness at a collective
-    is ``a_r - max(a_o, o != r)``; what it carries away is that lateness, but no more than how much
-    later than the others it returned from the call (the event's time): a blocking collective
-    returns on every rank when the last arrives (nothing carried), an asynchronous one (DDP's
-    buckets, FSDP's prefetch, functional collectives) returns at once (all of it carried).
-    """
-
-    def __init__(self, complete: list[dict[int, int]], tables: dict[int, Arrivals]) -> None:
-        carried: dict[int, dict[int, int]] = defaultdict(dict)  # rank -> {index in its table: ns carried}
-        for members in complete:
-            issued = _Latest({rank: tables[rank].issued[i] for rank, i in members.items()})
-            returned = _Latest({rank: tables[rank].returned[i] for rank, i in members.items()})
-            for rank, i in members.items():
-                late = issued[rank] - _latest_other(issued, rank)
-                later = returned[rank] - _latest_other(returned, rank)
-                carried[rank][i] = max(0, min(late, later))
-        # Per rank, by arrival (a column each: half a million of them at 1,024 ranks).
-        self._times: dict[int, Sequence[int]] = {}
-        self._carried: dict[int, Sequence[int]] = {}
-        self._steps: dict[int, list[int | None]] = {}
-        for rank, found in carried.items():
-            table = tables[rank]
-            order = sorted(found, key=table.issued.__getitem__)
-            self._times[rank] = column([table.issued[i] for i in order])
-            self._carried[rank] = column([found[i] for i in order])
-            self._steps[rank] = [table.steps[i] for i in order]
-
-    def before(self, rank: int, arrival: int, step: int | None) -> int:
-        """ns of lateness ``rank`` carried from its previous collective (in this step or the one before)."""
-        i = bisect.bisect_left(self._times[rank], arrival)
-        if i == 0:
-            return 0
-        return self._carried[rank][i - 1] if step is not None and self._steps[rank][i - 1] in (step, step - 1) else 0
-
-
-class _Latest(dict):
-    """``{rank: ns}`` that knows its two latest ranks: the latest other than a rank in O(1), not O(ranks)."""
-
-    def __init__(self, times: dict[int, int]) -> None:
-        super().__init__(times)
-        top = sorted(times, key=lambda rank: times[rank], reverse=True)[:2]
-        self.top = [(rank, times[rank]) for rank in top]
-
-
-def _latest_other(times: _Latest, rank: int) -> int:
-    """The latest time of a rank other than ``rank`` (a match has at least two ranks)."""
-    (first, first_time), (_, second_time) = times.top[0], times.top[1]
-    return second_time if first == rank else first_time
-
-
-def _blame(late: dict[Label, int], others: list[dict[Label, int]]) -> tuple[Label, int, int]:
-    """The label where ``late`` spent most more time than the others' median, that excess, and the
-    excesses summed over every label where it spent more (ns)."""
-    labels = set(late).union(*others)
-    excess = {label: late.get(label, 0) - statistics.median(other.get(label, 0) for other in others)
-              for label in labels}
-    label = max(sorted(excess), key=lambda label: excess[label])
-    extra = round(sum(value for value in excess.values() if value > 0))
-    if excess[label] <= 0:  # e.g. it was late only because the others left the previous collective early
-        return (UNATTRIBUTED, ""), 0, extra
-    return label, round(excess[label]), extra
-
-
 class RankRead(NamedTuple):
     """What :class:`Reads` keeps of one rank's spans where its file is read.
 
-    ``timeline``: its :class:`_Timeline`; ``arrivals``: its collectives (:class:`Arrivals`); ``prints``:
+    ``times``: what the straggler model reads of it (:class:`.stragglers.RankTimes`: its module timeline and
+    its collectives, :class:`.model.Arrivals`); ``prints``:
     ``{step: {group: print}}``, a 64-bit print of each record :func:`_issued_collectives` makes of what it
     issued (equal records, equal prints: :func:`desyncs` compares the collectives only where ranks' prints
     differ); ``whole``: the steps whose record is whole; ``raised``: ``[(order, first exception)]`` per
     step that raised (:func:`_raised`); ``closed``: ``{step: label of the innermost span left open}`` of a step
     ended at exit (:func:`_closed_at_exit`)."""
 
-    timeline: _Timeline
-    arrivals: Arrivals
+    times: RankTimes
     prints: dict[int, dict[str, int]]
     whole: frozenset[int]
     raised: list[tuple[tuple[int, int], dict]]
@@ -279,19 +129,9 @@ def rank_reads(spans: list[dict]) -> dict[int, RankRead]:
     """:class:`RankRead` of each rank, from ``spans`` holding every span of each of their ranks."""
     spans = sorted(spans, key=lambda span: (span["rank"], span["start_ns"]))  # the order load_spans gives
     with reusing(own=True):  # its own results: one file's, dropped when done
-        finished = _finished(spans)
+        finished = finished_spans(spans)
         steps = index_of(finished)
-        by_rank: dict[int, list[dict]] = defaultdict(list)
-        step_starts: dict[int, dict[int, int]] = defaultdict(dict)
-        for span in finished:
-            by_rank[span["rank"]].append(span)
-            step = steps.step(span)
-            if span["name"] == semconv.SPAN_TRAIN_STEP and step is not None:
-                starts = step_starts[span["rank"]]
-                starts[step] = min(starts.get(step, span["start_ns"]), span["start_ns"])
-        events: dict[int, list[dict]] = defaultdict(list)
-        for event in collective_events(finished):
-            events[event["rank"]].append(event)
+        times = rank_times(spans)
         firsts = _raised_in(spans)
         issued, whole = _issued_collectives(spans, {key: item["_time_ns"] for key, (_, item) in firsts.items()})
         raised: dict[int, list] = defaultdict(list)
@@ -299,18 +139,17 @@ def rank_reads(spans: list[dict]) -> dict[int, RankRead]:
             raised[rank].append(found)
         closed: dict[int, dict[int, Label]] = defaultdict(dict)
         for (rank, step), span in _closed_at_exit(finished, steps).items():
-            closed[rank][step] = _label(span)
+            closed[rank][step] = span_label(span)
     prints: dict[int, dict[int, dict[str, int]]] = defaultdict(dict)
     for (rank, step), groups in issued.items():
         prints[rank][step] = {group: _print(records) for group, records in groups.items()}
     whole_steps: dict[int, set[int]] = defaultdict(set)
     for rank, step in whole:
         whole_steps[rank].add(step)
-    return {rank: RankRead(_Timeline(by_rank.get(rank, [])), Arrivals(events.get(rank, []), steps,
-                                                                        step_starts.get(rank, {})),
+    return {rank: RankRead(times.get(rank) or RankTimes(Timeline([]), Arrivals([], steps, {})),
                            prints.get(rank, {}), frozenset(whole_steps.get(rank, ())), raised.get(rank, []),
                            closed.get(rank, {}))
-            for rank in sorted({*by_rank, *prints, *whole_steps, *raised})}
+            for rank in sorted({*times, *prints, *whole_steps, *raised})}
 
 
 def _print(records: dict[int, _Issued]) -> int:
@@ -342,96 +181,6 @@ class Reads:
     def digest(self, spans: list[dict]) -> dict[int, RankRead]:
         """Each rank's :class:`RankRead` from one file's spans (:func:`rank_reads`)."""
         return rank_reads(spans)
-
-
-def stragglers(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_warmup: bool = False,
-               reads: dict[int, RankRead] | None = None) -> list[dict[str, Any]]:
-    """Blame the rank that arrived last at each collective, weighted by the time it held the others.
-
-    Each collective event of a traced step (stall snapshots aside) is matched across ranks
-    by (process group name, seq) as :func:`.model.collective_matches` does (send/recv
-    left out: see :func:`.summary.pipeline_waits`); only complete matches count. A rank's
-    arrival ``a_r`` is when its CPU began issuing the op. The last rank L is late by
-    ``late = a_L - max(a_r, r != L)``. It is blamed for the delay it added since its previous
-    collective (in this step or the one before): ``lost = min(late, max(late - carried, extra))``,
-    where ``carried`` is the lateness it left that previous collective with (its lateness there,
-    at most how much later than the others the call returned: 0 after a blocking collective, all
-    of it after an asynchronous one, so DDP's buckets or FSDP's prefetches of one backward do not
-    each count the same delay) and ``extra`` the time it spent over the others since then (below).
-    ``lost`` under ``noise_floor_s`` (default :data:`NOISE_FLOOR_S`, 1 ms) is not blamed;
-    ``waited = sum(min(a_L - a_r, lost), r != L)`` (rank-seconds the others waited for it).
-
-    What L was doing: the window on each rank from its previous collective arrival (any
-    group; or its ``train_step``'s start when that arrival lies before the previous step) up to
-    its arrival is cut by innermost span (exclusive time), and the (module FQN, pass) where L
-    spent the most time over the other ranks' median is named (``extra``: those excesses summed
-    over every place where L spent more); time in ``train_step`` outside modules is
-    :data:`TRAIN_STEP`, time under no span :data:`BETWEEN_STEPS`; when L spent no more time
-    anywhere, or less than ``noise_floor_s`` more in the place named, :data:`UNATTRIBUTED` (excess 0).
-
-    The first traced step (:func:`.model.warmup_step`: start-up skew and warm-up) is left out
-    unless ``include_warmup``. ``reads``: each rank's :class:`RankRead` (spans read with :class:`Reads`,
-    which lack the module spans); None: made from ``spans``.
-
-    Returns:
-        one row per blamed (rank, module, pass), largest ``lost_s`` first:
-        ``{"rank", "module", "pass" ("" for the parenthesised places), "lost_s", "waited_s",
-        "collectives" (how many it held back), "steps" (sorted), "excess_s" (L's time there
-        over the others' median, summed)}``; seconds as floats.
-    """
-    warmup = None if include_warmup else warmup_step(_finished(spans))
-    reads = rank_reads(spans) if reads is None else reads
-    tables = {rank: read.arrivals for rank, read in reads.items()}
-    # The same collective on every rank (as collective_matches finds it): {rank: index}, each rank's first.
-    complete = []  # the order does not matter here: each row sums over its matches
-    for events in arrival_matches(tables, lambda step: step is None or step == warmup):
-        if len(events) >= 2:  # as many ranks as the group's size, as the earliest event says
-            _, rank, i = min(events)
-            if len(events) == tables[rank].sizes[i]:
-                complete.append({rank: i for _, rank, i in events})
-
-    def self_times(rank: int, i: int, step: int) -> dict[Label, int]:
-        arrival = tables[rank].issued[i]
-        return reads[rank].timeline.self_times(tables[rank].window_start(arrival, step), arrival)
-
-    carried = _Carried(complete, tables)
-    rows: dict[tuple[int, str, str], dict[str, Any]] = {}
-    floor_ns = noise_floor_s * 1e9
-    for members in complete:
-        issued = {rank: tables[rank].issued[i] for rank, i in members.items()}
-        last = max(sorted(issued), key=lambda rank: issued[rank])
-        others = [time for rank, time in issued.items() if rank != last]
-        step = tables[last].steps[members[last]]
-        # Only the delay L added since its previous collective: lateness it still carried from there
-        # (an asynchronous collective that it left as late as it came) was counted there.
-        late = issued[last] - max(others)
-        if late < floor_ns:
-            continue
-        (module, pass_), excess, extra = _blame(
-            self_times(last, members[last], step),
-            [self_times(rank, i, step) for rank, i in members.items() if rank != last])
-        # Only the delay L added since its previous collective: the lateness it carried from there (an
-        # asynchronous collective it left as late as it came) was counted there; unless L spent more time
-        # than the others since then (the others waited out its lateness in between, e.g. in wait_tensor).
-        lost = min(late, max(late - carried.before(last, issued[last], step), extra))
-        if lost < floor_ns:
-            continue
-        if excess < floor_ns:
-            (module, pass_), excess = (UNATTRIBUTED, ""), 0
-        row = rows.setdefault((last, module, pass_), {
-            "rank": last, "module": module, "pass": pass_, "lost_s": 0, "waited_s": 0, "collectives": 0,
-            "steps": set(), "excess_s": 0})
-        row["lost_s"] += lost
-        row["waited_s"] += sum(min(issued[last] - time, lost) for time in others)
-        row["excess_s"] += excess
-        row["collectives"] += 1
-        row["steps"].add(step)
-    out = []
-    for row in rows.values():
-        out.append(row | {"lost_s": row["lost_s"] / 1e9, "waited_s": row["waited_s"] / 1e9,
-                          "excess_s": row["excess_s"] / 1e9, "steps": sorted(row["steps"])})
-    out.sort(key=lambda row: (-row["lost_s"], row["rank"], row["module"], row["pass"]))
-    return out
 
 
 # -------------------------------------------------------------------- stalls
@@ -553,7 +302,7 @@ def _ends(spans: list[dict]) -> tuple[dict[tuple[int, int], int], dict[int, list
     (``commdebug.step.stalled``), and ``{rank: [(step, start_ns)]}`` of every ``train_step``."""
     stalled: dict[tuple[int, int], int] = {}
     starts: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    for span in _finished(spans):
+    for span in finished_spans(spans):
         attrs = span["attributes"]
         if span["name"] != semconv.SPAN_TRAIN_STEP or not isinstance(attrs.get(semconv.STEP), int):
             continue
@@ -656,7 +405,7 @@ def watchdog(spans: list[dict]) -> dict[str, Any] | None:
     from commdebug_otel.config import AUTO_FACTOR, AUTO_FIRST_S, AUTO_FLOOR_S, AUTO_MIN_STEPS, RECENT_STEPS
 
     by_rank: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    for span in _finished(spans):
+    for span in finished_spans(spans):
         if own_step(span) is not None and span["end_ns"] >= span["start_ns"]:
             by_rank[span["rank"]].append((span["end_ns"], span["end_ns"] - span["start_ns"]))
     if not by_rank:
@@ -705,7 +454,7 @@ def _in_order(firsts: Iterable[tuple[tuple[int, int], dict]]) -> list[dict[str, 
 
 def _raised_in(spans: list[dict]) -> dict[tuple[int, int | None], tuple[tuple[int, int], dict]]:
     """``{(rank, step): (order, first exception)}``, in the order of the spans (:func:`_raised`)."""
-    finished = _finished(spans)
+    finished = finished_spans(spans)
     steps = index_of(finished)
     first: dict[tuple[int, int | None], tuple[tuple[int, int], dict]] = {}
     for span in finished:
@@ -714,7 +463,7 @@ def _raised_in(spans: list[dict]) -> dict[tuple[int, int | None], tuple[tuple[in
             continue
         attrs = event["attributes"] if event is not None else {}
         time_ns = event["time_ns"] if event is not None else span["end_ns"]
-        module, pass_ = _label(span)
+        module, pass_ = span_label(span)
         key = (span["rank"], steps.step(span))
         order = (time_ns, -span["start_ns"])  # the first to raise; of those, the innermost
         if key not in first or order < first[key][0]:
@@ -798,9 +547,9 @@ def unfinished_steps(spans: list[dict], reads: dict[int, RankRead] | None = None
 
 
 def _unfinished_in(spans: list[dict], reads: dict[int, RankRead] | None) -> list[dict[str, Any]]:
-    finished = _finished(spans)
+    finished = finished_spans(spans)
     if reads is None:
-        cut = {key: _label(span) for key, span in _closed_at_exit(finished, index_of(finished)).items()}
+        cut = {key: span_label(span) for key, span in _closed_at_exit(finished, index_of(finished)).items()}
     else:
         cut = {(rank, step): label for rank, read in reads.items() for step, label in read.closed.items()}
     by_rank: dict[int, set[int]] = defaultdict(set)
@@ -838,7 +587,7 @@ def _traced_steps(spans: list[dict], reads: dict[int, RankRead] | None = None) -
 
     An untraced step that stalled is exported as its ``train_step`` alone (no child, no event): not traced.
     """
-    finished = _finished(spans)
+    finished = finished_spans(spans)
     crashed = {item["step"] for item in _raised(spans, reads)} | {item["step"] for item in
                                                                  unfinished_steps(spans, reads)}
     steps = [(step, span) for span in finished if (step := own_step(span)) is not None and step not in crashed]
@@ -868,11 +617,11 @@ def _issued_collectives(spans: list[dict], raised: dict[tuple[int, int | None], 
         whole when the step finished (not ended at exit: :func:`_closed_at_exit`) and none of its
         spans dropped events. Each (rank, group,
         seq) is taken once, a finished step's event first; seqs are counted without
-        point-to-point ops, as :func:`.model.collective_matches` counts them. Each collective: an
+        point-to-point ops (:func:`.model.counted_seqs`). Each collective: an
         :class:`_Issued` (``.plain()``: ``{"op", "dtype", "shape", "reduce_op", "module", "pass", "seq"}``, seq the
         rank's own torch.collective.seq).
     """
-    finished = _finished(spans)
+    finished = finished_spans(spans)
     snapshots = [span for span in spans if is_snapshot(span)]
     steps = index_of(finished)
     snapshot_steps = SpanIndex(snapshots)
@@ -897,19 +646,17 @@ def _issued_collectives(spans: list[dict], raised: dict[tuple[int, int | None], 
                 taken.append((event, step))
     taken.sort(key=lambda item: item[0]["time_ns"])
     out: dict[tuple[int, int], dict[str, dict[int, _Issued]]] = defaultdict(lambda: defaultdict(dict))
-    p2p_before: dict[tuple[int, str], int] = defaultdict(int)
-    for event, step in taken:
+    step_of = {id(event): step for event, step in taken}
+    # Send/recv are counted wherever they are (a pipeline's first recv is outside the step).
+    for event, group, counted in counted_seqs(event for event, _ in taken):
+        step = step_of[id(event)]
+        if counted is None or step is None:
+            continue
         attrs, span = event["attributes"], event["span"]
-        group = _group(attrs)
-        if event["name"] in P2P:  # counted wherever it is (a pipeline's first recv is outside the step)
-            p2p_before[(event["rank"], group)] += 1
-            continue
-        if step is None:
-            continue
         module, pass_ = (str(attrs[semconv.MODULE_FQN]), str(attrs.get(semconv.MODULE_PASS, ""))) \
-            if semconv.MODULE_FQN in attrs else _label(span)
+            if semconv.MODULE_FQN in attrs else span_label(span)
         seq = int(attrs[semconv.COLLECTIVE_SEQ])
-        out[(event["rank"], step)][group][seq - p2p_before[(event["rank"], group)]] = _Issued(
+        out[(event["rank"], step)][group][counted] = _Issued(
             str(attrs.get(semconv.COLLECTIVE_OP, event["name"])), str(attrs.get(semconv.COLLECTIVE_DTYPE, "")),
             attrs.get(semconv.COLLECTIVE_SHAPE, ()), str(attrs.get(semconv.COLLECTIVE_REDUCE_OP, "")),
             module, attrs.get(semconv.MODULE_PASS, pass_), seq)
@@ -919,7 +666,7 @@ def _issued_collectives(spans: list[dict], raised: dict[tuple[int, int | None], 
 def _fingerprints(spans: list[dict]) -> dict[tuple[int, int], dict[str, tuple[str, int]]]:
     """``(rank, step) -> group -> (fingerprint, count)`` from finished ``train_step`` spans that carry them."""
     out: dict[tuple[int, int], dict[str, tuple[str, int]]] = {}
-    for span in _finished(spans):
+    for span in finished_spans(spans):
         attrs = span["attributes"]
         fingerprints = attrs.get(semconv.STEP_COLLECTIVE_FINGERPRINTS)
         if span["name"] != semconv.SPAN_TRAIN_STEP or fingerprints is None or semconv.STEP not in attrs:
@@ -1030,20 +777,22 @@ def diagnose(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_wa
 
     ``flight_dumps``: torch's Flight Recorder dumps (:func:`.flight_recorder.read_dumps`); when given,
     ``"flight_recorder"`` holds them joined with the spans (:func:`.flight_recorder.join`).
-    ``reads``: each rank's :class:`RankRead`, for spans read with :class:`Reads` (:func:`desyncs`,
-    :func:`stragglers`).
+    ``reads``: each rank's :class:`RankRead`, for spans read with :class:`Reads` (:func:`desyncs`, the
+    stragglers).
 
     Returns:
         ``{"errors": errors(spans), "stalls": stalls(spans), "unfinished_steps": unfinished_steps(spans),
-        "desyncs": desyncs(spans), "stragglers":
-        stragglers(spans, noise_floor_s, include_warmup), "pipeline_waits": summary.pipeline_waits(finished spans),
+        "desyncs": desyncs(spans), "stragglers": the (rank, module, pass) rows found significant
+        (:func:`.stragglers.find`; ``[]`` on a healthy job), "lateness": the raw lateness per (rank, module,
+        pass) (:func:`.stragglers.lateness_rows`), "pipeline_waits": summary.pipeline_waits(finished spans),
         "ranks": [rank...], "missing_ranks": missing_ranks(spans), "steps": [finished traced step...]
         (untraced steps exported because they stalled, steps where a rank raised and unfinished steps left out),
-        "noise_floor_s": noise_floor_s, "warmup_step": the step left out of stragglers
+        "noise_floor_s": noise_floor_s, "alpha": the family-wise false-blame rate, "warmup_step": the step left
+        out of stragglers
         (:func:`.model.warmup_step`; None when ``include_warmup`` or none), "watchdog": :func:`watchdog`
         (when the first stall snapshot is due), "warnings": [str]}``, and "flight_recorder" with ``flight_dumps``.
     """
-    finished = _finished(spans)
+    finished = finished_spans(spans)
     missing = missing_ranks(spans)
     warnings = summary.span_warnings(finished)
     if missing:
@@ -1055,14 +804,15 @@ def diagnose(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_wa
         "stalls": stalls(spans),
         "unfinished_steps": unfinished_steps(spans, reads),
         "desyncs": desyncs(spans, reads),
-        "stragglers": stragglers(spans, noise_floor_s, include_warmup, reads),
+        **_straggler_answer(spans, noise_floor_s, include_warmup, reads),
         # Without a send or recv the waits need no collective event (as reads tell, where spans were read).
         "pipeline_waits": summary.pipeline_waits(
-            finished if reads is None or any(read.arrivals.p2p for read in reads.values()) else []),
+            finished if reads is None or any(read.times.arrivals.p2p for read in reads.values()) else []),
         "ranks": sorted({span["rank"] for span in spans}),
         "missing_ranks": missing,
         "steps": _traced_steps(spans, reads),
         "noise_floor_s": noise_floor_s,
+        "alpha": stragglers.ALPHA,
         "warmup_step": None if include_warmup else warmup_step(finished),
         "watchdog": watchdog(spans),
         "warnings": warnings,
@@ -1070,6 +820,14 @@ def diagnose(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_wa
     if flight_dumps:
         found["flight_recorder"] = flight_recorder.join(spans, flight_dumps)
     return found
+
+
+def _straggler_answer(spans: list[dict], noise_floor_s: float, include_warmup: bool,
+                      reads: dict[int, RankRead] | None) -> dict[str, Any]:
+    """``{"stragglers", "lateness"}`` of :func:`.stragglers.find`, from ``reads`` where the files were read folded."""
+    times = None if reads is None else {rank: read.times for rank, read in reads.items()}
+    answer = stragglers.find(spans, noise_floor_s, include_warmup, times)
+    return {"stragglers": answer["stragglers"], "lateness": answer["lateness"]}
 
 
 def _ranges(numbers: list[int]) -> str:
@@ -1114,7 +872,7 @@ def _collective_text(c: dict, reduce_op: bool = False) -> str:
 def format_text(found: dict[str, Any], top: int = 10) -> str:
     """``commdebug-otel diagnose``'s text: errors, stalls, desyncs, stragglers, pipeline waits, in that order.
 
-    ``found``: :func:`diagnose`'s result. ``top``: straggler rows shown (the rest summed in one line).
+    ``found``: :func:`diagnose`'s result. ``top``: lateness rows shown (the rest summed in one line).
     """
     out = [f"{len(found['ranks'])} rank(s), finished traced steps: {_ranges(found['steps'])}", *found["warnings"], ""]
     out.append(f"Errors: {len(found['errors'])}")
@@ -1162,25 +920,20 @@ def format_text(found: dict[str, Any], top: int = 10) -> str:
         out.append(f"  group {desync['group']}, step {desync['step']}, seq {desync['seq']}: ranks disagree")
         reduce_ops = len({c["reduce_op"] for c in desync["ranks"].values() if c["op"] != "none"}) > 1
         out += [f"    rank {rank}: {_collective_text(c, reduce_ops)}" for rank, c in desync["ranks"].items()]
-    rows = found["stragglers"]
-    out += ["", f"Stragglers: {len(rows)} (rank, module) blamed; lost = wall time a collective was held back by "
-                f"the last rank to arrive, counting only the delay it added since its previous collective "
-                f"(under {found['noise_floor_s'] * 1e3:g} ms ignored), waited = rank-seconds the others waited, "
-                "excess = the time it spent in that module over the other ranks."]
-    if found.get("warmup_step") is not None:
-        out.append(f"  (step {found['warmup_step']} left out: the first traced step, start-up skew and warm-up; "
-                   "--include-warmup counts it)")
+    out += ["", *stragglers.format_lines(found)]
+    rows = found["lateness"]
     if rows:
+        out.append(f"  Lateness, noise included: lost = wall time a collective was held back by the last rank to "
+                   f"arrive, counting only the delay it added since its previous collective (under "
+                   f"{found['noise_floor_s'] * 1e3:g} ms ignored), waited = rank-seconds the others waited, "
+                   "excess = the time it spent in that module over the other ranks.")
         table = [("rank", "module", "pass", "lost s", "waited s", "excess s", "collectives", "steps")]
         table += [(row["rank"], row["module"], row["pass"] or "-", f"{row['lost_s']:.3f}", f"{row['waited_s']:.3f}",
                    f"{row['excess_s']:.3f}", row["collectives"], len(row["steps"])) for row in rows[:top]]
-        out += ["  " + line for line in summary.columns(table)]
+        out += ["    " + line for line in summary.columns(table)]
         if len(rows) > top:
-            out.append(f"  ... {len(rows) - top} more rows, {sum(row['lost_s'] for row in rows[top:]):.3f} s lost "
+            out.append(f"    ... {len(rows) - top} more rows, {sum(row['lost_s'] for row in rows[top:]):.3f} s lost "
                        "in all (--top, or --format json for every row)")
-        top = rows[0]
-        out.append(f"Most time lost: rank {top['rank']} in {_where(top['module'], top['pass'])}, "
-                   f"{top['lost_s']:.3f} s over {top['collectives']} collective(s) in {len(top['steps'])} step(s).")
     waits = found["pipeline_waits"]
     out += ["", f"Pipeline waits: {waits['pairs']} send/recv pairs, total wait {waits['wait_ms']:.3f} ms"]
     out += [f"  rank {row['rank']} (group {row['group']}): {row['recvs']} recvs, waited {row['wait_ms']:.3f} ms, "
@@ -1211,10 +964,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=("text", "json"), default="text",
                         help="text report, or everything as one JSON object (default text)")
     parser.add_argument("--top", type=int, default=10, metavar="N",
-                        help="straggler rows in the text report (default 10; JSON has them all)")
+                        help="lateness rows in the text report (default 10; JSON has them all)")
     parser.add_argument("--noise-floor-ms", type=float, default=NOISE_FLOOR_S * 1e3, metavar="MS",
-                        help="a delay below this is not blamed on a straggler, nor on a place where it spent "
-                             f"less extra time than this (default {NOISE_FLOOR_S * 1e3:g})")
+                        help="the resolution: a delay below this is not recorded, nor a place where it spent "
+                             "less extra time than this, and no noise cut is lower "
+                             f"(default {NOISE_FLOOR_S * 1e3:g})")
     parser.add_argument("--flight-recorder", action="append", default=[], metavar="PATH",
                         help="torch's Flight Recorder dumps (JSON; a file, or every file in a folder) to join with "
                              "the spans; the stall snapshots' own (commdebug-flight-recorder-rank<N>.json) are "

@@ -46,7 +46,7 @@ from typing import Any
 
 from commdebug_otel import semconv
 from commdebug_otel.core.fact import ranges_text, stall_step_text
-from commdebug_otel.offline import EXIT_DONE, EXIT_NOT_THERE, EXIT_UNREADABLE, diagnose, summary, write_output
+from commdebug_otel.offline import EXIT_DONE, EXIT_NOT_THERE, EXIT_UNREADABLE, diagnose, stragglers, summary, write_output
 from commdebug_otel.offline.model import index_of, reusing
 
 DEFAULT_TIMELINES = 5
@@ -125,27 +125,27 @@ def _where(module: str, pass_: str) -> str:
 
 
 def _straggler_rows(diagnosis: dict[str, Any]) -> tuple[list[str], list[list[Any]], str]:
-    """diagnose's straggler rows as a table: ``(header, rows, what the columns mean)``, the costliest first; no rows
-    on a healthy job."""
-    header = ["rank", "where (module, pass)", "lost s", "waited s", "excess s", "collectives", "steps"]
-    rows = [[row["rank"], _where(row["module"], row["pass"]), f"{row['lost_s']:.3f}", f"{row['waited_s']:.3f}",
-             f"{row['excess_s']:.3f}", row["collectives"], ranges_text(row["steps"], ", ")]
+    """diagnose's straggler rows (the significant ones only) as a table: ``(header, rows, what the columns mean)``,
+    the costliest first; no rows on a healthy job."""
+    header = ["rank", "where (module, pass)", "late in", "late by (ms)", "noise cut (ms)", "p", "lost s"]
+    rows = [[row["rank"], _where(row["module"], row["pass"]), f"{row['steps_late']} of {row['steps_seen']} steps",
+             f"{row['late_min_s'] * 1e3:.1f}-{row['late_max_s'] * 1e3:.1f}", f"{row['noise_cut_s'] * 1e3:.1f}",
+             f"{row['p_value']:.0e}", f"{row['lost_s']:.3f}"]
             for row in diagnosis["stragglers"]]
-    legend = ("lost = wall time a collective was held back by the last rank to arrive (only the delay it added since "
-              "its previous collective); waited = rank-seconds the others waited; excess = its time there over the "
-              "other ranks'")
+    tested = diagnosis["stragglers"][0]["tested"] if diagnosis["stragglers"] else 0
+    legend = ("late in k of n steps: the steps where the others waited for this place longer than the noise cut "
+              "(the median and 3 MADs of every other place's waits); p: the chance of so many late steps if it were "
+              f"noise (binomial, Bonferroni over {tested} places); lost = the others' wait it caused, over all steps")
     return header, rows, legend
 
 
 def _straggler_answer(diagnosis: dict[str, Any]) -> str | None:
-    """The straggler sentence of the page's answer (the costliest row), or None when diagnose found none."""
+    """The straggler sentence of the page's answer (the costliest significant row), or None when there is none."""
     rows = diagnosis["stragglers"]
     if not rows:
         return None
-    top = rows[0]
-    more = f" ({len(rows) - 1} more row(s) under Findings)" if len(rows) > 1 else ""
-    return (f"straggler: rank {top['rank']} in {_where(top['module'], top['pass'])} held the others back "
-            f"{top['lost_s']:.3f} s over {top['collectives']} collective(s) in {len(top['steps'])} step(s){more}")
+    more = f" ({len(rows) - 1} more under Findings)" if len(rows) > 1 else ""
+    return f"straggler: {stragglers.row_text(rows[0])}{more}"
 
 
 def _live_verdicts(spans: list[dict]) -> list[tuple[str, str, int | None]]:
@@ -217,8 +217,7 @@ def _answer(diagnosis: dict[str, Any], verdicts: list[tuple[str, str, int | None
     if not out:
         steps = [step for step in diagnosis["steps"] if step != diagnosis.get("warmup_step")]
         judged = f"steps {ranges_text(steps, ', ')}" if steps else "no step past the warm-up"
-        out.append(("ok", f"healthy: no straggler above the noise ({diagnosis['noise_floor_s'] * 1e3:g} ms), "
-                          f"no stall, error or desync; judged on {judged}"))
+        out.append(("ok", f"healthy: no straggler above the noise, no stall, error or desync; judged on {judged}"))
     return out
 
 

@@ -21,15 +21,15 @@ import contextlib
 import gc
 from array import array
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextvars import ContextVar
 from typing import Any, TypeVar
 
 from commdebug_otel import semconv
 
-__all__ = ["P2P", "Arrivals", "SpanIndex", "arrival_matches", "collective_events", "collective_matches", "column",
-           "group_size", "index_of", "is_complete", "is_snapshot", "issued_ns", "once", "own_step", "reusing",
-           "warmup_step"]
+__all__ = ["P2P", "Arrivals", "SpanIndex", "arrival_matches", "collective_events", "column", "counted_seqs",
+           "finished_spans", "group_size", "index_of", "is_complete", "is_snapshot", "issued_ns", "once", "own_step",
+           "reusing", "warmup_step"]
 
 _T = TypeVar("_T")
 _REUSED: ContextVar[dict | None] = ContextVar("commdebug_otel_offline_reused", default=None)
@@ -113,6 +113,19 @@ def is_snapshot(span: dict) -> bool:
     attributes = span["attributes"]
     return (span["name"] == semconv.SPAN_STALLED or semconv.STALL_SNAPSHOT in attributes
             or attributes.get(semconv.SPAN_INCOMPLETE) is True)
+
+
+def finished_spans(spans: list[dict]) -> list[dict]:
+    """The finished spans (no stall snapshot), a ``train_step_tail`` read as a root between steps: it runs after
+    its ``train_step`` ended (a child clipped to its parent would vanish from a timeline), and the straggler
+    windows count collectives of steps only. Read folded, it drops the ``root_step`` the reader gave it too
+    (its ``train_step``'s: the tail is in no step). Within :func:`reusing`, made once per list."""
+    return once("finished", spans, lambda: _finished_in(spans))
+
+
+def _finished_in(spans: list[dict]) -> list[dict]:
+    return [{**span, "parent_span_id": "", "root_step": ()} if span["name"] == semconv.SPAN_TRAIN_STEP_TAIL else span
+            for span in spans if not is_snapshot(span)]
 
 
 def issued_ns(event: dict) -> int:
@@ -249,60 +262,41 @@ class _Collective:
         self.span = span
 
 
-def collective_matches(spans: list[dict], keep: Callable[[dict], bool] | None = None
-                       ) -> dict[tuple[str, int], dict[int, dict]]:
-    """The same collective on every rank: events matched by (process group name, seq).
+def counted_seqs(events: Iterable[dict]) -> Iterator[tuple[dict, str, int | None]]:
+    """Each of ``events`` (collective events in the order their ranks issued them) with its process group name
+    and its seq counted without point-to-point ops: the key that matches one collective across ranks.
 
-    Point-to-point ops (``send``, ``recv``, ``batch_p2p``) are left out, and a
-    collective's seq is taken less the point-to-point ops its rank issued before it
-    on that group (``torch.collective.seq`` counts both; pipeline stages issue
-    different numbers of them). Events without a seq are left out.
-    ``keep(event)``: only events it accepts (p2p ops are counted before it is asked).
-
-    Returns:
-        ``{(group, seq): {rank: event}}`` (events as :func:`collective_events`
-        makes them; a rank's first event wins if it has two), in the order of
-        each key's first event. A match is complete (:func:`is_complete`) when it has as many
-        ranks as the events' ``torch.process_group.size``.
+    ``torch.collective.seq`` counts send/recv too, and pipeline stages issue different numbers of them, so
+    each rank's send/recv before a collective on its group are taken off. The seq is None for
+    ``send``/``recv``/``batch_p2p`` (:data:`P2P`) and for events without a seq.
     """
-    matches: dict[tuple[str, int], dict[int, dict]] = defaultdict(dict)
     p2p_before: Counter = Counter()  # (rank, group) -> point-to-point ops issued so far
-    for event in collective_events(spans):
+    for event in events:
         attrs = event["attributes"]
         group = str(attrs.get(semconv.PROCESS_GROUP_NAME, ""))
+        seq = None
         if event["name"] in P2P:
             p2p_before[(event["rank"], group)] += 1
-            continue
-        if semconv.COLLECTIVE_SEQ not in attrs or (keep is not None and not keep(event)):
-            continue
-        key = (group, int(attrs[semconv.COLLECTIVE_SEQ]) - p2p_before[(event["rank"], group)])
-        matches[key].setdefault(event["rank"], event)
-    return dict(matches)
+        elif semconv.COLLECTIVE_SEQ in attrs:
+            seq = int(attrs[semconv.COLLECTIVE_SEQ]) - p2p_before[(event["rank"], group)]
+        yield event, group, seq
 
 
 class Arrivals:
-    """One rank's collectives, in the order it issued them, as both commands' stragglers match (and
-    ``diagnose`` windows) them: columns of one value per collective event (8 bytes each where they fit).
+    """One rank's collectives, in the order it issued them, as the straggler model (:mod:`.stragglers`) matches
+    and windows them: columns of one value per collective event (8 bytes each where they fit).
 
     ``events``: the rank's events as :func:`collective_events` orders them; ``steps``: their spans' index;
     ``step_starts``: ``{step: its train_step's start}`` (for :meth:`window_start`).
 
-    ``groups``, ``seqs`` (the seq counted without send/recv, :func:`.model.collective_matches`; None for
+    ``groups``, ``seqs`` (the seq counted without send/recv, :func:`counted_seqs`; None for
     send/recv and events without a seq), ``issued`` (:func:`issued_ns`), ``returned`` (the event's
     time), ``steps`` (of its span; None outside steps), ``sizes`` (its group's size).
     """
 
     def __init__(self, events: list[dict], steps: SpanIndex, step_starts: dict[int, int]) -> None:
         groups, seqs, issued, returned, in_steps, sizes = [], [], [], [], [], []
-        p2p_before: Counter = Counter()
-        for event in events:
-            attrs = event["attributes"]
-            group = str(attrs.get(semconv.PROCESS_GROUP_NAME, ""))
-            seq = None
-            if event["name"] in P2P:
-                p2p_before[group] += 1
-            elif semconv.COLLECTIVE_SEQ in attrs:
-                seq = int(attrs[semconv.COLLECTIVE_SEQ]) - p2p_before[group]
+        for event, group, seq in counted_seqs(events):
             groups.append(group)
             seqs.append(seq)
             issued.append(issued_ns(event))
@@ -329,8 +323,8 @@ class Arrivals:
 
 def arrival_matches(tables: dict[int, Arrivals], skip: Callable[[int | None], bool]
                     ) -> list[list[tuple[int, int, int]]]:
-    """The same collective on every rank, from the ranks' columns, as :func:`collective_matches` finds it
-    from events: by (group, seq counted without send/recv), a rank's first event of each; send/recv, events
+    """The same collective on every rank, from the ranks' columns: by (group, seq counted without send/recv,
+    :func:`counted_seqs`), a rank's first event of each; send/recv, events
     without a seq and those whose step ``skip(step)`` says are left out.
 
     Returns:

@@ -8,7 +8,8 @@ folders, and answers four questions without torch or a live job:
 * which module issued which collectives (torch ``CommDebugMode``'s per-module
   counts, from span parents alone);
 * did every rank issue the same collectives, with how many bytes;
-* which rank reaches collectives last (stragglers);
+* which rank reaches collectives last (lateness), and which (rank, module, pass) holds the others back
+  beyond the job's noise (stragglers: :mod:`.stragglers`, the answer ``diagnose`` gives);
 * how long pipeline stages wait for their peers (send/recv pairs, apart from stragglers);
 * which collectives move the most bytes.
 
@@ -50,7 +51,6 @@ from commdebug_otel.offline.model import (
     SpanIndex,
     arrival_matches,
     collective_events,
-    collective_matches,
     group_size,
     index_of,
     is_snapshot,
@@ -60,6 +60,7 @@ from commdebug_otel.offline.model import (
     warmup_step,
 )
 from commdebug_otel.offline.otlp_json import SpanReader, ranked, spans_from_otlp_json, trace_files
+from commdebug_otel.offline.stragglers import ALPHA, RankTimes, find, format_lines, rank_times
 
 _log = logging.getLogger(__name__)
 
@@ -67,13 +68,13 @@ __all__ = [
     "GLOBAL",
     "add_arguments",
     "collective_events",
-    "collective_matches",
     "columns",
     "comm_debug_json",
     "comm_report",
     "format_report",
     "format_table",
     "is_snapshot",
+    "lateness",
     "load_spans",
     "module_counts",
     "module_pass_counts",
@@ -86,19 +87,13 @@ __all__ = [
     "span_warnings",
     "step_spans",
     "steps_present",
-    "stragglers",
+    "straggler_answer",
     "top_collectives",
     "trace_files",
 ]
 
 _FORWARD, _BACKWARD, _RECOMPUTE = semconv.PASS_FORWARD, semconv.PASS_BACKWARD, semconv.PASS_RECOMPUTE
 _LEGACY_FUNCTIONAL = semconv.LEGACY_FUNCTIONAL_PACKETS
-#: A rank is named the straggler only when, in its median counted step, it held the others back by more
-#: than STRAGGLER_FLOOR_MS plus STRAGGLER_STEP_SHARE of the median step time, and by more than
-#: STRAGGLER_MARGIN times the most any other rank did in its median step (how late healthy ranks get).
-STRAGGLER_FLOOR_MS = 10.0
-STRAGGLER_STEP_SHARE = 0.02
-STRAGGLER_MARGIN = 3.0
 
 
 # ------------------------------------------------------------------- loading
@@ -398,11 +393,13 @@ class RankRead(NamedTuple):
     ``arrivals``: its collectives (:class:`.model.Arrivals`); ``totals``: ``{step: [events, bytes, {op: n}]}``
     of its collective events by the step of their span (None: outside steps), and under the key ``ALL``
     all of them, each ``{op: n}`` in the order the ops first came; ``groups``: ``{group: (index in arrivals
-    of its last event there, the group's size, the world size)}`` (pipeline waits place peers by them)."""
+    of its last event there, the group's size, the world size)}`` (pipeline waits place peers by them);
+    ``times``: what the straggler model reads of it (:class:`.stragglers.RankTimes`)."""
 
     arrivals: Arrivals
     totals: dict[Any, list]
     groups: dict[str, tuple[int, int, int]]
+    times: RankTimes
 
 
 ALL = "all"
@@ -427,7 +424,9 @@ def rank_reads(spans: list[dict]) -> dict[int, RankRead]:
                 total[0] += 1
                 total[1] += nbytes
                 total[2][event["name"]] += 1
-        return {rank: RankRead(Arrivals(events.get(rank, []), steps, {}), totals.get(rank, {}), groups.get(rank, {}))
+        times = rank_times(spans)
+        return {rank: RankRead(Arrivals(events.get(rank, []), steps, {}), totals.get(rank, {}), groups.get(rank, {}),
+                               times[rank])
                 for rank in sorted({span["rank"] for span in spans})}
 
 
@@ -464,37 +463,25 @@ def rank_totals(spans: list[dict], reads: dict[int, RankRead] | None = None,
     return totals
 
 
-def stragglers(spans: list[dict], step: int | None = None, include_warmup: bool = False,
-               reads: dict[int, RankRead] | None = None) -> dict[str, Any]:
-    """Match each collective across ranks by (process group name, seq) and measure lateness.
+def lateness(spans: list[dict], step: int | None = None, include_warmup: bool = False,
+             reads: dict[int, RankRead] | None = None) -> dict[str, Any]:
+    """Each rank's lateness at the collectives matched across ranks: a table, not a verdict (the straggler
+    answer is :func:`.stragglers.find`'s).
 
-    Matching is :func:`collective_matches`'s: point-to-point ops (``send``, ``recv``,
-    ``batch_p2p``) are no collectives (see :func:`pipeline_waits`), and a collective's
-    seq is counted without them.
-
-    A rank's lateness in a match is its arrival (when its CPU began issuing the collective,
-    :func:`.model.issued_ns`, as ``diagnose`` measures it) minus the earliest rank's (ns), not
-    when the call returned: the time the others waited for it. A match is complete when as
-    many ranks as the group's size took part.
-    ``step``: only collectives of that training step (matched over all of ``spans``); without it,
-    every collective but those of the first traced step (:func:`.model.warmup_step`: start-up skew
-    and warm-up), unless ``include_warmup``.
+    Matching is :func:`.model.arrival_matches`'s: by (process group name, seq counted without send/recv);
+    point-to-point ops are no collectives (see :func:`pipeline_waits`). A rank's lateness in a match is its
+    arrival (when its CPU began issuing the collective, :func:`.model.issued_ns`) minus the earliest rank's
+    (ns): the time the others waited for it. A match is complete when as many ranks as the group's size took
+    part. ``step``: only collectives of that training step (matched over all of ``spans``); without it,
+    every collective but those of the first traced step (:func:`.model.warmup_step`: start-up skew and
+    warm-up), unless ``include_warmup``. Collectives outside every step count (a pipeline schedule's loss
+    all_reduce can be one).
 
     Returns:
         ``{"warmup_step": the step left out or None, "matched": complete matches, "incomplete": other matches,
-        "per_rank": {rank: {"matched": complete matches it took part in,
-        "mean_late_ms", "max_late_ms", "last": matches where it was the latest (ties count for all),
-        "lost_ms": the time those matches were held back by it (its arrival minus the next latest),
-        "median_step_lost_ms": its lost time in the median counted step}},
-        "most_often_last": rank or None, "most_time_lost": the rank with the largest ``lost_ms``, or
-        None, "straggler": that rank when it stands out (below), else None, "straggler_threshold_ms":
-        what its ``median_step_lost_ms`` had to exceed (None without ``most_time_lost``)}``.
-        A straggler stands out over the rank-to-rank spread of healthy steps: its median step's lost
-        time exceeds :data:`STRAGGLER_FLOOR_MS` + :data:`STRAGGLER_STEP_SHARE` x the median
-        ``train_step`` duration, and :data:`STRAGGLER_MARGIN` x the largest median of any other rank.
-        Matches of one-rank groups are complete but have no latest rank. Arriving last most
-        often is noise on a quiet job; the time lost weighs it (``commdebug-otel diagnose`` also names
-        the module).
+        "per_rank": {rank: {"matched": complete matches it took part in, "mean_late_ms", "max_late_ms",
+        "last": matches where it was the latest (ties count for all)}}, "most_often_last": rank or None}``.
+        Matches of one-rank groups are complete but have no latest rank.
 
     The times are each host's wall clock when the CPU issued the collective,
     not when the device ran it; across hosts, clock skew adds to lateness.
@@ -502,56 +489,38 @@ def stragglers(spans: list[dict], step: int | None = None, include_warmup: bool 
     """
     warmup = None if include_warmup or step is not None else warmup_step(spans)
     tables = {rank: read.arrivals for rank, read in (rank_reads(spans) if reads is None else reads).items()}
-    # Collectives outside every step stay: a pipeline schedule's loss all_reduce can be one.
-    # In the order of each match's first event, each match's ranks in the order of their events (ties among the
-    # latest ranks count in that order).
-    ordered_matches = sorted(sorted(events) for events in arrival_matches(
-        tables, lambda number: number != step if step is not None else warmup is not None and number == warmup))
+    matches = arrival_matches(
+        tables, lambda number: number != step if step is not None else warmup is not None and number == warmup)
     late: dict[int, list[int]] = {rank: [] for rank in _ranks(spans)}
     last: Counter = Counter()
-    lost: Counter = Counter()
-    by_step: dict[int, Counter] = defaultdict(Counter)  # rank -> step -> ns lost
-    counted: set[int | None] = set()
     complete = 0
-    for events in ordered_matches:
+    for events in sorted(sorted(events) for events in matches):  # ties among the latest count in event order
         _, rank, i = events[0]
         if len(events) != tables[rank].sizes[i]:
             continue
         complete += 1
         arrivals = {rank: tables[rank].issued[i] for _, rank, i in events}
         first, latest = min(arrivals.values()), max(arrivals.values())
-        ordered = sorted(arrivals.values())
-        number = tables[rank].steps[i]
-        counted.add(number)
         for rank, time_ns in arrivals.items():
             late[rank].append(time_ns - first)
             if len(arrivals) > 1 and time_ns == latest:
                 last[rank] += 1
-                lost[rank] += latest - ordered[-2]
-                by_step[rank][number] += latest - ordered[-2]
-    median_lost = {rank: statistics.median([by_step[rank][number] for number in counted]) / 1e6 if counted else 0.0
-                   for rank in late}
     per_rank = {rank: {
         "matched": len(values),
         "mean_late_ms": statistics.fmean(values) / 1e6 if values else 0.0,
         "max_late_ms": max(values) / 1e6 if values else 0.0,
         "last": last[rank],
-        "lost_ms": lost[rank] / 1e6,
-        "median_step_lost_ms": median_lost[rank],
     } for rank, values in late.items()}
-    most = lost.most_common(1)[0][0] if lost and lost.most_common(1)[0][1] > 0 else None
-    durations = [span["end_ns"] - span["start_ns"] for span in spans
-                 if (number := own_step(span)) is not None and number in counted]
-    threshold = None
-    if most is not None:
-        threshold = max(STRAGGLER_FLOOR_MS + STRAGGLER_STEP_SHARE * (statistics.median(durations) / 1e6 if durations
-                                                                      else 0.0),
-                        STRAGGLER_MARGIN * max((ms for rank, ms in median_lost.items() if rank != most), default=0.0))
-    return {"warmup_step": warmup, "matched": complete, "incomplete": len(ordered_matches) - complete,
-            "per_rank": per_rank,
-            "most_often_last": last.most_common(1)[0][0] if last else None, "most_time_lost": most,
-            "straggler": most if threshold is not None and median_lost[most] > threshold else None,
-            "straggler_threshold_ms": threshold}
+    return {"warmup_step": warmup, "matched": complete, "incomplete": len(matches) - complete,
+            "per_rank": per_rank, "most_often_last": last.most_common(1)[0][0] if last else None}
+
+
+def straggler_answer(spans: list[dict], include_warmup: bool = False,
+                     reads: dict[int, RankRead] | None = None) -> dict[str, Any]:
+    """:func:`.stragglers.find` of ``spans`` over every counted step, from ``reads`` where the files were read
+    folded: the answer ``diagnose`` gives."""
+    times = None if reads is None else {rank: read.times for rank, read in reads.items()}
+    return find(spans, include_warmup=include_warmup, times=times)
 
 
 def _group_members(events: list[dict]) -> dict[str, Sequence[int] | None]:
@@ -726,15 +695,18 @@ def report_dict(spans: list[dict], rank: int = 0, top: int = 10, step: int | Non
                 include_warmup: bool = False, reads: dict[int, RankRead] | None = None) -> dict[str, Any]:
     """Everything ``summarize``'s text report says, as plain data (``--format report-json``).
 
-    ``step``: training step ``step`` only (:func:`step_spans`); stragglers and
-    pipeline pairs are matched over all of ``spans`` first. ``reads``: each rank's :class:`RankRead`, as
+    ``step``: training step ``step`` only (:func:`step_spans`); lateness and
+    pipeline pairs are matched over all of ``spans`` first; the stragglers are every counted step's.
+    ``reads``: each rank's :class:`RankRead`, as
     ``summarize`` reads the files (the same answer; the other ranks' spans then need no collective but
     send and recv).
 
     Returns:
         ``{"spans": n, "step": step or None, "ranks": [rank...], "files": n,
         "warnings": [str], "rank": rank, "module_counts": module_counts(...),
-        "rank_totals": rank_totals(...), "stragglers": stragglers(...),
+        "rank_totals": rank_totals(...), "lateness": lateness(...), "stragglers": the (rank, module, pass)
+        rows found significant over every counted step (:func:`.stragglers.find`, as ``diagnose`` gives them;
+        ``[]`` on a healthy job), "alpha": their false-blame rate,
         "pipeline_waits": pipeline_waits(...), "top_collectives": top_collectives(...)}``.
     """
     chosen = spans if step is None else step_spans(spans, step)
@@ -747,7 +719,9 @@ def report_dict(spans: list[dict], rank: int = 0, top: int = 10, step: int | Non
         "rank": rank,
         "module_counts": module_counts(chosen, rank),
         "rank_totals": rank_totals(chosen, reads, ALL if step is None else step),
-        "stragglers": stragglers(spans, step, include_warmup, reads),
+        "lateness": lateness(spans, step, include_warmup, reads),
+        "stragglers": straggler_answer(spans, include_warmup, reads)["stragglers"],
+        "alpha": ALPHA,
         "pipeline_waits": pipeline_waits(spans, step, reads),
         "top_collectives": top_collectives(chosen, rank, top),
     }
@@ -777,33 +751,21 @@ def format_report(spans: list[dict], rank: int = 0, top: int = 10, step: int | N
                      "<- differs from the other ranks" if total["odd"] else ""))
     out += columns(rows)
 
-    lag = report["stragglers"]
-    out += ["", (f"Stragglers: {lag['matched']} collectives matched across ranks by "
+    lag = report["lateness"]
+    out += ["", (f"Lateness: {lag['matched']} collectives matched across ranks by "
                  f"(process group, seq); {lag['incomplete']} seen on fewer ranks than the group size. "
                  "Send/recv are not collectives: see pipeline waits.")]
-    if lag["warmup_step"] is not None:
-        out.append(f"(step {lag['warmup_step']} left out: the first traced step, start-up skew and warm-up; "
-                   "--include-warmup counts it)")
-    rows = [("rank", "matched", "mean late ms", "max late ms", "last", "lost ms")]
+    rows = [("rank", "matched", "mean late ms", "max late ms", "last")]
     for r, stats in lag["per_rank"].items():
         rows.append((r, stats["matched"], f"{stats['mean_late_ms']:.3f}", f"{stats['max_late_ms']:.3f}",
-                     stats["last"], f"{stats['lost_ms']:.3f}"))
+                     stats["last"]))
     out += columns(rows)
-    slowest = lag["most_time_lost"]
-    rule = (f"{lag['straggler_threshold_ms']:.3f} ms: {STRAGGLER_FLOOR_MS:g} ms + {STRAGGLER_STEP_SHARE:.0%} of the "
-            f"median step, and {STRAGGLER_MARGIN:g} x any other rank's median step" if slowest is not None else "")
-    if lag["straggler"] is not None:
-        stats = lag["per_rank"][slowest]
-        out.append(f"Straggler: rank {slowest} held back the others {stats['lost_ms']:.3f} ms (last in "
-                   f"{stats['last']} of {stats['matched']}; {stats['median_step_lost_ms']:.3f} ms in its median step, "
-                   f"over {rule}); `commdebug-otel diagnose` names the module.")
-    elif slowest is not None:
-        stats = lag["per_rank"][slowest]
-        out.append(f"No straggler: the most, rank {slowest}, held back the others {stats['lost_ms']:.3f} ms, "
-                   f"{stats['median_step_lost_ms']:.3f} ms in its median step, not over {rule} "
-                   "(the spread of healthy ranks).")
     out.append("Lateness = when a rank's CPU issued the collective minus the earliest rank, by each "
                "host's wall clock: across hosts, clock skew adds to it.")
+    out += format_lines({"stragglers": report["stragglers"], "alpha": report["alpha"],
+                         "warmup_step": None if include_warmup else warmup_step(spans)})
+    if report["stragglers"]:
+        out.append("(`commdebug-otel diagnose` adds the raw lateness of every rank and place.)")
 
     waits = report["pipeline_waits"]
     if waits["pairs"] or any(waits["unmatched"].values()):

@@ -1,0 +1,529 @@
+"""The one straggler model of ``summarize``, ``diagnose`` and ``report``: which (rank, module, pass) makes the
+others wait, found only where that lateness is consistent across steps and beyond the job's own noise.
+
+Two layers, so that a live detector can use the second without spans:
+
+* **lateness records** (:class:`Late`), from spans: each collective of a counted step, matched across ranks by
+  (process group, seq counted without send/recv, :func:`.model.arrival_matches`), is held back by its last rank
+  L. A record gives L, the step, the (module, pass) where L spent its extra time since its previous
+  collective (:func:`late_records`), and ``lost_ns``: the delay L added since then (a delay that leaves
+  several asynchronous collectives late counts once).
+* **the test** (:func:`judge`), over records alone: per (rank, module, pass) and step, the lost time summed
+  (a *cell*). A cell is *beyond the noise* when it exceeds the row's noise cut: the median plus
+  :data:`NOISE_MADS` x 1.4826 x MAD of every *other* row's cells (every rank and place but this one: the
+  job's noise, which a slow row does not raise for itself), at least the resolution floor. Under the null
+  hypothesis (no straggler: ranks are exchangeable) a given cell is beyond the cut at the rate the other
+  rows' cells are: ``q`` is the higher of their rate in the whole job, ``(exceeding + 1) / (cells possible
+  + 1)`` (cells possible: the counted steps of every rank x the places seen, this row's aside), and the
+  other ranks' rate at the row's place (per counted step: a place where every rank is often late, such as
+  the optimizer step on a busy machine, is noise there). A row late beyond the noise in ``k`` of its
+  ``n`` steps gets the one-sided binomial ``p = P(Binomial(n, q) >= k)``; it is a straggler when
+  ``k >= MIN_STEPS_LATE`` (3) and ``p x m <= alpha`` (Bonferroni over the ``m`` rows with a step beyond the
+  noise). Rows found are left out of the noise and the test is run again, until no new row is found.
+
+Assumptions: steps are independent trials; the other ranks' lateness is the job's noise (wrong when most
+ranks are slow in the same place, then nobody stands out); one or two slow steps are events, not a straggler.
+The first traced step is left out (:func:`.model.warmup_step`), as are collectives outside steps.
+
+Usage::
+
+    from commdebug_otel.offline import stragglers, summary
+
+    answer = stragglers.find(summary.load_spans(["commdebug-otel-out/run-20261201-062712-66fd1e02"]))
+    answer["stragglers"]  # [] on a healthy job
+    print("\\n".join(stragglers.format_lines(answer)))
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+from array import array
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+from commdebug_otel import semconv
+from commdebug_otel.offline.model import (
+    Arrivals,
+    SpanIndex,
+    arrival_matches,
+    collective_events,
+    column,
+    finished_spans,
+    index_of,
+    reusing,
+    warmup_step,
+)
+
+__all__ = ["ALPHA", "BETWEEN_STEPS", "MIN_STEPS_LATE", "NOISE_FLOOR_S", "NOISE_MADS", "TRAIN_STEP", "UNATTRIBUTED",
+           "Late", "RankTimes", "Timeline", "find", "format_lines", "judge", "late_records", "lateness_rows",
+           "rank_times", "row_text", "span_label"]
+
+#: Resolution: a collective held back less than this (seconds) is not recorded, nor a place with less extra time.
+NOISE_FLOOR_S = 0.001
+#: The noise cut: the other ranks' median lateness plus this many robust standard deviations (1.4826 x MAD).
+NOISE_MADS = 3.0
+#: Family-wise false-blame rate per job (Bonferroni over the rows tested).
+ALPHA = 0.05
+#: A row late beyond the noise in fewer steps than this is events, not a straggler.
+MIN_STEPS_LATE = 3
+#: Where L's extra time lay outside every module span: in ``train_step`` itself (loss, optimizer, backward
+#: outside modules) or between one step's end and the next's first module (data loading, host work).
+TRAIN_STEP = f"({semconv.SPAN_TRAIN_STEP})"
+BETWEEN_STEPS = "(between steps)"
+#: A late rank that spent no more time anywhere than the others since their previous collectives.
+UNATTRIBUTED = "(unattributed)"
+STATISTIC = "binomial"
+
+Label = tuple[str, str]  # (module FQN or a parenthesised place, pass)
+
+
+class Late(NamedTuple):
+    """One collective held back by its last rank: the lateness record the test reads (ns, ints).
+
+    ``rank``: the last rank L; ``step``; ``module``, ``pass_``: where L spent its extra time (``pass_`` ""
+    for the parenthesised places); ``lost_ns``: the delay L added since its previous collective;
+    ``waited_ns``: rank-ns the others waited for it; ``excess_ns``: L's time there over the others' median.
+    """
+
+    rank: int
+    step: int
+    module: str
+    pass_: str
+    lost_ns: int
+    waited_ns: int
+    excess_ns: int
+
+
+# ------------------------------------------------------------------ from spans
+
+
+def span_label(span: dict) -> Label:
+    """``(module FQN, pass)`` of a module span; ``("(name)", "")`` of any other."""
+    attrs = span["attributes"]
+    if semconv.MODULE_FQN in attrs:
+        return str(attrs[semconv.MODULE_FQN]), str(attrs.get(semconv.MODULE_PASS, ""))
+    return f"({span['name']})", ""
+
+
+class Timeline:
+    """One rank's time cut into disjoint pieces, each owned by its innermost span.
+
+    ``spans``: one rank's finished spans. Children are clipped to their parent; of
+    overlapping siblings, the later one starts where the earlier ended.
+    """
+
+    def __init__(self, spans: list[dict]) -> None:
+        index = SpanIndex(spans)
+        pieces: list[tuple[int, int, Label]] = []
+        for root in index.roots:
+            # A walk with its own stack (a chain of 20,000 spans is no recursion): each frame is
+            # [span, end, cursor (where the next child may start), its children by start].
+            stack = [[root, root["end_ns"], root["start_ns"],
+                      iter(sorted(index.children(root), key=lambda child: child["start_ns"]))]]
+            while stack:
+                frame = stack[-1]
+                span, end, cursor, children = frame
+                for child in children:
+                    child_start, child_end = max(child["start_ns"], cursor), min(child["end_ns"], end)
+                    if child_end <= child_start:
+                        continue
+                    if child_start > cursor:
+                        pieces.append((cursor, child_start, span_label(span)))
+                    frame[2] = child_end
+                    stack.append([child, child_end, child_start,
+                                  iter(sorted(index.children(child), key=lambda kid: kid["start_ns"]))])
+                    break
+                else:
+                    if end > cursor:
+                        pieces.append((cursor, end, span_label(span)))
+                    stack.pop()
+        pieces.sort()
+        # Columns, each label once: a 1,024-rank job cuts into millions of pieces.
+        labels: dict[Label, Label] = {}
+        self._starts = array("Q", [piece[0] for piece in pieces])
+        self._ends = array("Q", [piece[1] for piece in pieces])
+        self._labels = [labels.setdefault(piece[2], piece[2]) for piece in pieces]
+
+    def self_times(self, start: int, end: int) -> dict[Label, int]:
+        """ns of ``[start, end)`` owned by each span label; time under no span is :data:`BETWEEN_STEPS`."""
+        out: dict[Label, int] = defaultdict(int)
+        covered = 0
+        starts, ends = self._starts, self._ends
+        i = max(bisect.bisect_right(starts, start) - 1, 0)
+        while i < len(starts) and starts[i] < end:
+            overlap = min(ends[i], end) - max(starts[i], start)
+            if overlap > 0:
+                out[self._labels[i]] += overlap
+                covered += overlap
+            i += 1
+        if end - start > covered:
+            out[(BETWEEN_STEPS, "")] += end - start - covered
+        return out
+
+
+class RankTimes(NamedTuple):
+    """What the model reads of one rank: its :class:`Timeline` and its collectives (:class:`.model.Arrivals`,
+    a ``train_step_tail``'s between steps, :func:`.model.finished_spans`)."""
+
+    timeline: Timeline
+    arrivals: Arrivals
+
+
+def rank_times(spans: list[dict]) -> dict[int, RankTimes]:
+    """:class:`RankTimes` of each rank, from ``spans`` holding every span of each of their ranks (stall
+    snapshots are left out here). Within :func:`.model.reusing`, the span index of
+    :func:`.model.finished_spans` is shared with the caller's."""
+    finished = finished_spans(spans)
+    steps = index_of(finished)
+    by_rank: dict[int, list[dict]] = defaultdict(list)
+    step_starts: dict[int, dict[int, int]] = defaultdict(dict)
+    for span in finished:
+        by_rank[span["rank"]].append(span)
+        step = steps.step(span)
+        if span["name"] == semconv.SPAN_TRAIN_STEP and step is not None:
+            starts = step_starts[span["rank"]]
+            starts[step] = min(starts.get(step, span["start_ns"]), span["start_ns"])
+    events: dict[int, list[dict]] = defaultdict(list)
+    for event in collective_events(finished):
+        events[event["rank"]].append(event)
+    return {rank: RankTimes(Timeline(by_rank[rank]), Arrivals(events.get(rank, []), steps, step_starts.get(rank, {})))
+            for rank in sorted(by_rank)}
+
+
+class _Carried:
+    """How late each rank still was when it left each collective, to count a delay once.
+
+    ``complete``: the complete matches, ``{rank: index in its table}`` each. A rank's lateness at a collective
+    is ``a_r - max(a_o, o != r)``; what it carries away is that lateness, but no more than how much
+    later than the others it returned from the call (the event's time): a blocking collective
+    returns on every rank when the last arrives (nothing carried), an asynchronous one (DDP's
+    buckets, FSDP's prefetch, functional collectives) returns at once (all of it carried).
+    """
+
+    def __init__(self, complete: list[dict[int, int]], tables: dict[int, Arrivals]) -> None:
+        carried: dict[int, dict[int, int]] = defaultdict(dict)  # rank -> {index in its table: ns carried}
+        for members in complete:
+            issued = _Latest({rank: tables[rank].issued[i] for rank, i in members.items()})
+            returned = _Latest({rank: tables[rank].returned[i] for rank, i in members.items()})
+            for rank, i in members.items():
+                late = issued[rank] - _latest_other(issued, rank)
+                later = returned[rank] - _latest_other(returned, rank)
+                carried[rank][i] = max(0, min(late, later))
+        # Per rank, by arrival (a column each: half a million of them at 1,024 ranks).
+        self._times: dict[int, Sequence[int]] = {}
+        self._carried: dict[int, Sequence[int]] = {}
+        self._steps: dict[int, list[int | None]] = {}
+        for rank, found in carried.items():
+            table = tables[rank]
+            order = sorted(found, key=table.issued.__getitem__)
+            self._times[rank] = column([table.issued[i] for i in order])
+            self._carried[rank] = column([found[i] for i in order])
+            self._steps[rank] = [table.steps[i] for i in order]
+
+    def before(self, rank: int, arrival: int, step: int | None) -> int:
+        """ns of lateness ``rank`` carried from its previous collective (in this step or the one before)."""
+        i = bisect.bisect_left(self._times[rank], arrival)
+        if i == 0:
+            return 0
+        return self._carried[rank][i - 1] if step is not None and self._steps[rank][i - 1] in (step, step - 1) else 0
+
+
+class _Latest(dict):
+    """``{rank: ns}`` that knows its two latest ranks: the latest other than a rank in O(1), not O(ranks)."""
+
+    def __init__(self, times: dict[int, int]) -> None:
+        super().__init__(times)
+        top = sorted(times, key=lambda rank: times[rank], reverse=True)[:2]
+        self.top = [(rank, times[rank]) for rank in top]
+
+
+def _latest_other(times: _Latest, rank: int) -> int:
+    """The latest time of a rank other than ``rank`` (a match has at least two ranks)."""
+    (first, first_time), (_, second_time) = times.top[0], times.top[1]
+    return second_time if first == rank else first_time
+
+
+def _blame(late: dict[Label, int], others: list[dict[Label, int]]) -> tuple[Label, int, int]:
+    """The label where ``late`` spent most more time than the others' median, that excess, and the
+    excesses summed over every label where it spent more (ns)."""
+    labels = set(late).union(*others)
+    excess = {label: late.get(label, 0) - statistics.median(other.get(label, 0) for other in others)
+              for label in labels}
+    label = max(sorted(excess), key=lambda label: excess[label])
+    extra = round(sum(value for value in excess.values() if value > 0))
+    if excess[label] <= 0:  # e.g. it was late only because the others left the previous collective early
+        return (UNATTRIBUTED, ""), 0, extra
+    return label, round(excess[label]), extra
+
+
+def late_records(times: dict[int, RankTimes], warmup: int | None, noise_floor_s: float = NOISE_FLOOR_S
+                 ) -> tuple[list[Late], dict[int, set[int]]]:
+    """The lateness records of ``times`` (:func:`rank_times`), and each rank's counted steps.
+
+    Each complete match (as many ranks as the group's size, at least two) of a step other than ``warmup``
+    counts. A rank's arrival ``a_r`` is when its CPU began issuing the op (:func:`.model.issued_ns`); the last
+    rank L is late by ``late = a_L - max(a_r, r != L)``. Its record's ``lost = min(late, max(late - carried,
+    extra))``: ``carried`` is the lateness it left its previous collective (this step or the one before) with
+    (at most how much later than the others that call returned: 0 after a blocking collective, all of it
+    after an asynchronous one), ``extra`` the time it spent over the others since then. Where: the window on
+    each rank from its previous arrival (or its ``train_step``'s start) up to this one is cut by innermost
+    span, and the (module, pass) where L spent most over the other ranks' median is named
+    (:data:`TRAIN_STEP`, :data:`BETWEEN_STEPS`; :data:`UNATTRIBUTED` when under ``noise_floor_s``). A
+    ``late`` or ``lost`` under ``noise_floor_s`` is no record.
+
+    Returns:
+        ``(records, {rank: steps where it took part in a complete match})``.
+    """
+    tables = {rank: read.arrivals for rank, read in times.items()}
+    complete = []
+    for events in arrival_matches(tables, lambda step: step is None or step == warmup):
+        if len(events) >= 2:  # as many ranks as the group's size, as the earliest event says
+            _, rank, i = min(events)
+            if len(events) == tables[rank].sizes[i]:
+                complete.append({rank: i for _, rank, i in events})
+
+    def self_times(rank: int, i: int, step: int) -> dict[Label, int]:
+        arrival = tables[rank].issued[i]
+        return times[rank].timeline.self_times(tables[rank].window_start(arrival, step), arrival)
+
+    carried = _Carried(complete, tables)
+    seen: dict[int, set[int]] = defaultdict(set)
+    records = []
+    floor_ns = noise_floor_s * 1e9
+    for members in complete:
+        issued = {rank: tables[rank].issued[i] for rank, i in members.items()}
+        last = max(sorted(issued), key=lambda rank: issued[rank])
+        step = tables[last].steps[members[last]]
+        for rank in members:
+            seen[rank].add(step)
+        others = [time for rank, time in issued.items() if rank != last]
+        late = issued[last] - max(others)
+        if late < floor_ns:
+            continue
+        (module, pass_), excess, extra = _blame(
+            self_times(last, members[last], step),
+            [self_times(rank, i, step) for rank, i in members.items() if rank != last])
+        # Lateness it carried from its previous collective was counted there; unless it spent more time
+        # than the others since then (the others waited out its lateness in between, e.g. in wait_tensor).
+        lost = min(late, max(late - carried.before(last, issued[last], step), extra))
+        if lost < floor_ns:
+            continue
+        if excess < floor_ns:
+            (module, pass_), excess = (UNATTRIBUTED, ""), 0
+        records.append(Late(last, step, module, pass_, lost, sum(min(issued[last] - time, lost) for time in others),
+                            excess))
+    return records, dict(seen)
+
+
+# --------------------------------------------------------------------- the test
+
+
+def _kth(values: Sequence[float], without: Sequence[float], k: int) -> float:
+    """The ``k``-th smallest (from 0) of sorted ``values`` less the sorted sub-multiset ``without``."""
+    lo, hi = 0, len(values) - 1
+    while lo < hi:  # the first index whose value has more than k of the rest at or below it
+        mid = (lo + hi) // 2
+        if bisect.bisect_right(values, values[mid]) - bisect.bisect_right(without, values[mid]) > k:
+            hi = mid
+        else:
+            lo = mid + 1
+    return values[lo]
+
+
+def _within(values: Sequence[float], low: float, high: float) -> int:
+    return bisect.bisect_right(values, high) - bisect.bisect_left(values, low)
+
+
+def _median_mad(values: Sequence[float], without: Sequence[float]) -> tuple[float, float]:
+    """Median and MAD of sorted ``values`` less the sorted ``without`` (a subset), in O(log^2) each."""
+    n = len(values) - len(without)
+    median = (_kth(values, without, (n - 1) // 2) + _kth(values, without, n // 2)) / 2
+    widest = max(values[-1] - median, median - values[0])
+
+    def least_within(count: int) -> float:
+        """The least d with ``count`` of the rest within [median - d, median + d]: the count-th deviation."""
+        lo, hi = 0.0, widest
+        for _ in range(64):
+            mid = (lo + hi) / 2
+            if _within(values, median - mid, median + mid) - _within(without, median - mid, median + mid) >= count:
+                hi = mid
+            else:
+                lo = mid
+        return hi
+
+    return median, (least_within((n - 1) // 2 + 1) + least_within(n // 2 + 1)) / 2
+
+
+def _binomial_sf(k: int, n: int, p: float) -> float:
+    """``P(Binomial(n, p) >= k)``."""
+    if k <= 0:
+        return 1.0
+    if p >= 1.0:
+        return 1.0
+    total = 0.0
+    log_p, log_q = math.log(p), math.log1p(-p)
+    for i in range(k, n + 1):
+        term = math.exp(math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * log_p
+                        + (n - i) * log_q)
+        total += term
+        if i > n * p and term < total * 1e-17:
+            break
+    return min(1.0, total)
+
+
+def judge(records: Iterable[Late], steps_seen: dict[int, set[int]], noise_floor_s: float = NOISE_FLOOR_S,
+          alpha: float = ALPHA) -> list[dict[str, Any]]:
+    """The (rank, module, pass) rows whose lateness is consistent and beyond the job's noise (module docstring).
+
+    ``records``: :class:`Late` of counted steps; ``steps_seen``: each rank's counted steps (each a possible
+    cell at every place, late or not: the null rate's denominator). ``noise_floor_s``: the least noise cut.
+
+    Returns:
+        the straggler rows, most ``lost_s`` first: ``{"rank", "module", "pass", "lost_s" (in its late steps),
+        "steps_late", "steps_seen", "late_steps" (sorted), "late_min_s", "late_max_s" (a late step's lost
+        time), "noise_cut_s", "null_rate" (q), "p_value" (before the correction), "tested" (m), "statistic"
+        (:data:`STATISTIC`)}``; a healthy job gives ``[]``.
+    """
+    cells: dict[tuple[int, str, str], dict[int, int]] = defaultdict(lambda: defaultdict(int))
+    for record in records:
+        cells[(record.rank, record.module, record.pass_)][record.step] += record.lost_ns
+    found: dict[tuple[int, str, str], dict[str, Any]] = {}
+    for _ in range(8):  # rows found are no noise: test again without them until no new row is found
+        again = _test(cells, steps_seen, set(found), noise_floor_s * 1e9, alpha)
+        if set(again) <= set(found):
+            break
+        found |= again
+    rows = sorted(again.values(), key=lambda row: (-row["lost_s"], row["rank"], row["module"], row["pass"]))
+    return rows
+
+
+def _test(cells: dict[tuple[int, str, str], dict[int, int]], steps_seen: dict[int, set[int]],
+          apart: set[tuple[int, str, str]], floor_ns: float, alpha: float) -> dict[tuple[int, str, str], dict]:
+    """One pass of :func:`judge`'s test, the cells of the rows ``apart`` (found before) left out of the noise."""
+    places = len({(module, pass_) for _, module, pass_ in cells}) or 1
+    everything = sorted(value for key, row in cells.items() if key not in apart for value in row.values())
+    at_place: dict[tuple[str, str], list[int]] = defaultdict(list)  # the noise's cells at each place
+    for key, row in cells.items():
+        if key not in apart:
+            at_place[key[1:]].extend(row.values())
+    for values in at_place.values():
+        values.sort()
+    seen_all = sum(len(steps) for steps in steps_seen.values())
+    possible = seen_all * places - sum(len(steps_seen.get(rank, ())) for rank, _, _ in apart)
+
+    def over(values: list[int], mine: list[int], cut: float) -> int:
+        return (len(values) - bisect.bisect_right(values, cut)) - (len(mine) - bisect.bisect_right(mine, cut))
+
+    pooled = _median_mad(everything, []) if len(everything) >= 3 else None
+    tested = []
+    for key, row in cells.items():
+        rank = key[0]
+        mine = sorted(row.values()) if key not in apart else []
+        cut = floor_ns
+        if len(everything) - len(mine) >= 3:
+            # A row of under 1 % of the cells moves the median and MAD by under half a percentile: the pooled
+            # ones stand for the rest (at 1,024 ranks, 30,000 rows would each take a few hundred bisections).
+            median, mad = pooled if pooled and len(mine) * 100 < len(everything) else _median_mad(everything, mine)
+            cut = max(floor_ns, median + NOISE_MADS * 1.4826 * mad)
+        late = {step: ns for step, ns in row.items() if ns > cut}
+        if not late:
+            continue
+        own_steps = len(steps_seen.get(rank, ()))
+        rate = (over(everything, mine, cut) + 1) / (max(possible - (0 if key in apart else own_steps), 0) + 1)
+        others_at_place = seen_all - own_steps  # the other ranks' counted steps, each a cell there
+        if others_at_place > 0:
+            rate = max(rate, over(at_place.get(key[1:], []), mine, cut) / others_at_place)
+        tested.append((key, late, cut, min(1.0, rate)))
+    found = {}
+    for (rank, module, pass_), late, cut, rate in tested:
+        n = len(steps_seen.get(rank, ())) or len(late)
+        p = _binomial_sf(len(late), n, rate)
+        if len(late) < MIN_STEPS_LATE or p * len(tested) > alpha:
+            continue
+        found[(rank, module, pass_)] = {
+            "rank": rank, "module": module, "pass": pass_, "lost_s": sum(late.values()) / 1e9,
+            "steps_late": len(late), "steps_seen": n, "late_steps": sorted(late),
+            "late_min_s": min(late.values()) / 1e9, "late_max_s": max(late.values()) / 1e9,
+            "noise_cut_s": cut / 1e9, "null_rate": rate, "p_value": p, "tested": len(tested),
+            "statistic": STATISTIC}
+    return found
+
+
+def lateness_rows(records: Iterable[Late]) -> list[dict[str, Any]]:
+    """The raw lateness per (rank, module, pass), every record summed, most ``lost_s`` first:
+    ``{"rank", "module", "pass", "lost_s", "waited_s", "collectives", "steps" (sorted), "excess_s"}``."""
+    rows: dict[tuple[int, str, str], dict[str, Any]] = {}
+    for record in records:
+        row = rows.setdefault((record.rank, record.module, record.pass_), {
+            "rank": record.rank, "module": record.module, "pass": record.pass_, "lost_s": 0, "waited_s": 0,
+            "collectives": 0, "steps": set(), "excess_s": 0})
+        row["lost_s"] += record.lost_ns
+        row["waited_s"] += record.waited_ns
+        row["excess_s"] += record.excess_ns
+        row["collectives"] += 1
+        row["steps"].add(record.step)
+    out = [row | {"lost_s": row["lost_s"] / 1e9, "waited_s": row["waited_s"] / 1e9,
+                  "excess_s": row["excess_s"] / 1e9, "steps": sorted(row["steps"])} for row in rows.values()]
+    out.sort(key=lambda row: (-row["lost_s"], row["rank"], row["module"], row["pass"]))
+    return out
+
+
+def find(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_warmup: bool = False,
+         times: dict[int, RankTimes] | None = None, alpha: float = ALPHA) -> dict[str, Any]:
+    """The straggler answer of ``spans``: what ``summarize``, ``diagnose`` and ``report`` say.
+
+    ``times``: each rank's :class:`RankTimes` where the files were read folded (:func:`rank_times` of each
+    file's spans); None: made from ``spans``. The first traced step is left out unless ``include_warmup``.
+
+    Returns:
+        ``{"stragglers": judge(...) (``[]``: no straggler above the noise), "lateness": lateness_rows(...),
+        "warmup_step": the step left out or None, "steps": the counted steps (sorted), "noise_floor_s",
+        "alpha"}``.
+    """
+    warmup = None if include_warmup else warmup_step(finished_spans(spans))
+    if times is None:
+        ordered = sorted(spans, key=lambda span: (span["rank"], span["start_ns"]))
+        with reusing(own=True):
+            times = rank_times(ordered)
+    records, seen = late_records(times, warmup, noise_floor_s)
+    return {"stragglers": judge(records, seen, noise_floor_s, alpha), "lateness": lateness_rows(records),
+            "warmup_step": warmup, "steps": sorted(set().union(*seen.values())) if seen else [],
+            "noise_floor_s": noise_floor_s, "alpha": alpha}
+
+
+def _where(module: str, pass_: str) -> str:
+    return f"{module or TRAIN_STEP} {pass_}".rstrip()
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f}" if seconds >= 0.01 else f"{seconds * 1e3:.1f}"
+
+
+def row_text(row: dict[str, Any]) -> str:
+    """One straggler row as a sentence: ``rank 1 in M forward: late in 7 of 7 steps, 60-62 ms (noise cut
+    4.1 ms), p=2e-11``."""
+    spread = _ms(row["late_min_s"]) if row["late_min_s"] == row["late_max_s"] else \
+        f"{_ms(row['late_min_s'])}-{_ms(row['late_max_s'])}"
+    return (f"rank {row['rank']} in {_where(row['module'], row['pass'])}: late in {row['steps_late']} of "
+            f"{row['steps_seen']} steps, {spread} ms (noise cut {_ms(row['noise_cut_s'])} ms), "
+            f"p={row['p_value']:.0e}")
+
+
+def format_lines(answer: dict[str, Any]) -> list[str]:
+    """The answer as both commands print it: the verdict, then each straggler row (:func:`row_text`).
+
+    ``answer``: a dict with :func:`find`'s ``"stragglers"``, ``"warmup_step"`` and ``"alpha"``."""
+    rows = answer["stragglers"]
+    left_out = (f" (step {answer['warmup_step']} left out: the first traced step, start-up skew and warm-up; "
+                "--include-warmup counts it)" if answer.get("warmup_step") is not None else "")
+    if not rows:
+        return [f"No straggler above the noise{left_out}."]
+    out = [f"Stragglers: {len(rows)} (rank, module, pass) late consistently and beyond the other ranks' noise "
+           f"(Bonferroni over {rows[0]['tested']} rows, alpha {answer['alpha']:g}){left_out}:"]
+    out += [f"  {row_text(row)}" for row in rows]
+    return out

@@ -1,0 +1,75 @@
+"""The straggler model's test over typed lateness records (``commdebug_otel.offline.stragglers``), without spans."""
+
+import math
+import random
+import statistics
+
+import pytest
+
+from commdebug_otel.offline import stragglers
+from commdebug_otel.offline.stragglers import Late
+
+MS = 1_000_000
+
+
+def test_median_and_mad_of_the_other_ranks_are_exact():
+    draw = random.Random(7)
+    for _ in range(200):
+        values = sorted(draw.choice([draw.randrange(1, 50), draw.randrange(1, 5000)])
+                        for _ in range(draw.randrange(4, 40)))
+        without = sorted(draw.sample(values, draw.randrange(0, len(values) - 3)))
+        rest = list(values)
+        for value in without:
+            rest.remove(value)
+        median = statistics.median(rest)
+        mad = statistics.median(abs(value - median) for value in rest)
+        assert stragglers._median_mad(values, without) == (median, pytest.approx(mad, abs=1e-9))
+
+
+@pytest.mark.parametrize(("k", "n", "p"), [(0, 5, 0.3), (3, 11, 0.02), (7, 7, 0.5), (2, 40, 1e-4), (12, 12, 1.0)])
+def test_binomial_tail(k, n, p):
+    exact = sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k, n + 1))
+    assert stragglers._binomial_sf(k, n, p) == pytest.approx(exact, rel=1e-12)
+
+
+def _healthy(steps, ranks, draw):
+    """Every step, one collective per place, held back by a random rank by 1-6 ms."""
+    places = [("M.a", "forward"), ("M.b", "forward"), ("M.a", "backward"), ("(train_step)", "")]
+    return [Late(draw.randrange(ranks), step, module, pass_, draw.randrange(1, 7) * MS, 0, 0)
+            for step in range(steps) for module, pass_ in places]
+
+
+def test_a_healthy_job_of_many_ranks_blames_nobody():
+    for seed in range(20):
+        draw = random.Random(seed)
+        records = _healthy(30, 8, draw)
+        assert stragglers.judge(records, {rank: set(range(30)) for rank in range(8)}) == [], seed
+
+
+def test_a_consistent_and_an_intermittent_straggler_among_noise():
+    draw = random.Random(3)
+    records = _healthy(30, 8, draw)
+    records += [Late(5, step, "M.b", "forward", 40 * MS, 0, 0) for step in range(30)]
+    records += [Late(2, step, "M.a", "backward", 100 * MS, 0, 0) for step in (4, 17, 25)]
+    found = stragglers.judge(records, {rank: set(range(30)) for rank in range(8)})
+    assert [(row["rank"], row["module"], row["pass"], row["steps_late"], row["steps_seen"]) for row in found] == [
+        (5, "M.b", "forward", 30, 30), (2, "M.a", "backward", 3, 30)]
+    assert found[1]["late_steps"] == [4, 17, 25] and found[1]["late_min_s"] >= 0.1  # plus a noise cell or two
+    assert all(row["p_value"] * row["tested"] <= stragglers.ALPHA for row in found)
+
+
+def test_one_slow_step_is_no_straggler():
+    records = [Late(1, 4, "M.a", "forward", 500 * MS, 0, 0)]
+    assert stragglers.judge(records, {0: set(range(10)), 1: set(range(10))}) == []
+
+
+def test_a_straggler_among_1024_ranks():
+    """At 1,024 ranks rows of under 1 % of the cells are judged against the pooled noise (docs/performance.md)."""
+    draw = random.Random(1)
+    places = [(f"M.layers.{i}", p) for i in range(16) for p in ("forward", "backward")] + [("(train_step)", "")]
+    records = [Late(draw.randrange(1024), step, *draw.choice(places), draw.randrange(1, 8) * MS, 0, 0)
+               for step in range(20) for _ in range(13_200)]
+    records += [Late(77, step, "M.layers.3", "forward", 60 * MS, 0, 0) for step in range(20)]
+    found = stragglers.judge(records, {rank: set(range(20)) for rank in range(1024)})
+    assert [(row["rank"], row["module"], row["pass"], row["steps_late"]) for row in found] == [
+        (77, "M.layers.3", "forward", 20)]
