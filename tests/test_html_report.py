@@ -19,7 +19,7 @@ from distributed import run_ranks
 from models import AllReduceLinear
 from tools import require_program
 
-_STEPS = 3
+_STEPS = 5  # 4 past the warm-up: a straggler must be late in at least 3 steps to be one
 _SLOW_RANK = 1
 _DELAY_S = 0.3
 _TINY = 3  # tiny all_reduces per step in train_step outside modules: the most collectives, the fewest bytes
@@ -88,11 +88,11 @@ def test_the_page_opens_with_the_straggler_answer(run):
     # The first thing under the title: rank 1's sleep in _Net's own forward, every step past the warm-up.
     answer = re.search(r"</h1><div id='answer' class='(\w+)'>(.*?)</div>", page)
     assert answer.group(1) == "slow"
-    # A loaded machine can add a collective where rank 1 was late by chance: its count is not asserted.
-    assert re.fullmatch(r"straggler: rank 1 in _Net forward held the others back \d+\.\d{3} s over \d+ collective\(s\) "
-                        r"in 2 step\(s\)( \(\d+ more row\(s\) under Findings\))?", answer.group(2)), answer.group(2)
-    lost = float(re.search(r"back (\d+\.\d{3}) s", answer.group(2)).group(1))
-    assert 2 * _DELAY_S * 0.9 <= lost <= 2 * _DELAY_S * 3
+    # Late in each of the 4 steps past the warm-up, by about the sleep (a loaded machine can hide a step).
+    found = re.fullmatch(r"straggler: rank 1 in _Net forward: late in (\d) of 4 steps, (\d+)-(\d+) ms \(noise cut "
+                         r"[\d.]+ ms\), p=\de-\d+( \(\d+ more under Findings\))?", answer.group(2))
+    assert found, answer.group(2)
+    assert int(found.group(1)) >= 3 and int(found.group(2)) >= _DELAY_S * 1e3 * 0.9
 
 
 def test_a_healthy_answer_and_a_live_verdict_first(run):
@@ -101,7 +101,7 @@ def test_a_healthy_answer_and_a_live_verdict_first(run):
     spans, _, _ = run
     diagnosis = diagnose.diagnose(spans)
     assert html_report._answer(diagnosis | {"stragglers": []}, []) == [
-        ("ok", "healthy: no straggler above the noise, no stall, error or desync; judged on steps 1-2")]
+        ("ok", "healthy: no straggler above the noise, no stall, error or desync; judged on steps 1-4")]
     verdicts = [("hang", "rank 1 never entered all_reduce #4 on group 0", 7)]
     assert html_report._answer(diagnosis, verdicts)[0] == ("bad", "hang: rank 1 never entered all_reduce #4 on group 0")
 
@@ -118,7 +118,7 @@ def test_a_stall_from_the_snapshots_is_the_answer_without_a_live_verdict(run):
     answers = html_report._answer(diagnosis, [])
     assert answers[0] == (
         "bad", "hang: rank 1 is stuck in step 4 at _Net.second forward for 42.0 s; rank(s) 0, 2-3 wait for it")
-    assert answers[1][1].startswith("straggler: rank 1 in _Net forward ")  # after the stall still on
+    assert answers[1][1].startswith("straggler: rank 1 in _Net forward: late in ")  # after the stall still on
     assert answers[2:] == [("slow", "stall (ended): rank 2 was stuck in step 0 at _Net.second forward for 42.0 s")]
     # A verdict goes with the stalls of its step: still on, it leads; ended, it follows the straggler.
     verdicts = [("hang", "rank 2 never entered all_reduce #0", 0), ("hang", "rank 1 never entered all_reduce #9", 4)]
@@ -215,9 +215,9 @@ def test_modules_ranked_by_bytes_with_their_counts(run):
         ("train_step", {"all_reduce": {"count": _TINY * n, "bytes": 4 * _TINY * n}}),
         ("train_step_tail", {"all_reduce": {"count": n, "bytes": 8 * n}})]
     rows = re.findall(r"<tr class=module><td class=text>(.*?)</td><td>(.*?)</td><td>(\d+)</td>", page)
-    assert rows == [("_Net.second", "384 B", "6"), ("_Net.first", "192 B", "6"), ("train_step", "72 B", "18"),
-                    ("train_step_tail", "48 B", "6")]
-    assert f"title='_Net.first: {n} all_reduce, {32 * n} bytes'>192 B ({n})</td>" in page
+    assert rows == [("_Net.second", f"{64 * n} B", f"{n}"), ("_Net.first", f"{32 * n} B", f"{n}"),
+                    ("train_step", f"{4 * _TINY * n} B", f"{_TINY * n}"), ("train_step_tail", f"{8 * n} B", f"{n}")]
+    assert f"title='_Net.first: {n} all_reduce, {32 * n} bytes'>{32 * n} B ({n})</td>" in page
 
 
 def test_step_and_wait_time_per_rank(run):
@@ -233,7 +233,7 @@ def test_step_and_wait_time_per_rank(run):
     # Rank 0 waits in second's all_reduce for rank 1's sleep, every step. No bound in seconds: a busy machine
     # can delay rank 0 too; only the order of the two ranks is asserted.
     assert times[0]["wait_ms"] > times[1]["wait_ms"]
-    assert "<td>rank 0</td><td>3</td>" in page and "<td>rank 1</td><td>3</td>" in page
+    assert f"<td>rank 0</td><td>{_STEPS}</td>" in page and f"<td>rank 1</td><td>{_STEPS}</td>" in page
 
 
 def test_the_findings_are_what_diagnose_says(run):
@@ -246,8 +246,7 @@ def test_the_findings_are_what_diagnose_says(run):
     text = diagnose.format_text(found)
     assert f"<pre class=wrap>{html.escape(text)}</pre></details>" in page
     # The one straggler answer, as summarize and diagnose give it; the injected place is the latest of the raw rows.
-    assert "
-".join(stragglers.format_lines(found)) in text and "Desyncs: 0" in text
+    assert "\n".join(stragglers.format_lines(found)) in text and "Desyncs: 0" in text
     top = found["lateness"][0]
     assert (top["rank"], top["module"], top["pass"]) == (1, "_Net", "forward")
     for row in found["stragglers"]:
@@ -302,7 +301,7 @@ def test_it_renders_in_headless_chromium_without_script_errors(run, tmp_path):
     # What the browser built: the answer right under the title, then the rest; the last step's timeline shown
     # (the others hidden by the script), with its time axis and rank labels.
     body = re.search(r"<body>(.*)</body>", dom, re.DOTALL).group(1)
-    assert re.match(r'<h1>commdebug-otel report</h1><div id="answer" class="slow">straggler: rank 1 in _Net forward ',
+    assert re.match(r'<h1>commdebug-otel report</h1><div id="answer" class="slow">straggler: rank 1 in _Net forward: late in ',
                     body)
     shown = re.findall(r'<div class="timeline" data-step="(\d+)"[^>]*style="display: (\w+);"', dom)
     assert shown == [("0", "none"), ("1", "none"), ("2", "block")]

@@ -46,7 +46,15 @@ from typing import Any
 
 from commdebug_otel import semconv
 from commdebug_otel.core.fact import ranges_text, stall_step_text
-from commdebug_otel.offline import EXIT_DONE, EXIT_NOT_THERE, EXIT_UNREADABLE, diagnose, stragglers, summary, write_output
+from commdebug_otel.offline import (
+    EXIT_DONE,
+    EXIT_NOT_THERE,
+    EXIT_UNREADABLE,
+    diagnose,
+    stragglers,
+    summary,
+    write_output,
+)
 from commdebug_otel.offline.model import index_of, reusing
 
 DEFAULT_TIMELINES = 5
