@@ -301,8 +301,8 @@ def test_it_renders_in_headless_chromium_without_script_errors(run, tmp_path):
     # What the browser built: the answer right under the title, then the rest; the last step's timeline shown
     # (the others hidden by the script), with its time axis and rank labels.
     body = re.search(r"<body>(.*)</body>", dom, re.DOTALL).group(1)
-    assert re.match(r'<h1>commdebug-otel report</h1><div id="answer" class="slow">straggler: rank 1 in _Net forward: late in ',
-                    body)
+    assert re.match(r'<h1>commdebug-otel report</h1><div id="answer" class="slow">'
+                    r"straggler: rank 1 in _Net forward: late in ", body)
     shown = re.findall(r'<div class="timeline" data-step="(\d+)"[^>]*style="display: (\w+);"', dom)
     assert shown == [("0", "none"), ("1", "none"), ("2", "block")]
     assert '<text class="tick" x="64.0" y="19" font-size="11" text-anchor="middle">0 ms</text>' in dom
