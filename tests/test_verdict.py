@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import datetime
 import functools
 import itertools
@@ -19,7 +20,14 @@ from torch import nn
 
 from commdebug_otel import semconv
 from commdebug_otel.core.fact import CollectiveFact, GroupFacts
-from commdebug_otel.stall.verdict import form_verdict, progress_record, ranks_text
+from commdebug_otel.stall.verdict import (
+    RECORD_FORMAT,
+    InFlight,
+    StallRecord,
+    form_verdict,
+    progress_record,
+    ranks_text,
+)
 from commdebug_otel.testing.otlp_receiver import OtlpReceiver
 from tests import models
 from tests.distributed import free_port
@@ -304,12 +312,18 @@ def test_a_record_keeps_the_first_and_last_collectives_in_flight_and_their_why()
     ring = [("all_gather", "3", seq, "layers.12.attention") for seq in range(100, 140)]
     record = _record(5, groups={"3": (139, 99, "dp_shard", 1024)}, ring=ring,
                      causes={("3", 100): "aten.mm.default (Shard(dim=0),) -> (Replicate(),)"})
-    group = record["groups"]["3"]
-    assert [entry[0] for entry in group["in_flight"]] == [*range(100, 108), *range(132, 140)]
-    assert group["in_flight"][0] == [100, "all_gather", "layers.12.attention", "forward",
-                                     "aten.mm.default (Shard(dim=0),) -> (Replicate(),)"]
-    assert (group["issued"], group["completed"], group["mesh_dim"], group["size"]) == (139, 99, "dp_shard", 1024)
-    assert json.loads(json.dumps(record)) == record  # plain JSON
+    group = record.groups["3"]
+    assert [entry.seq for entry in group.in_flight] == [*range(100, 108), *range(132, 140)]
+    assert group.in_flight[0] == InFlight(100, "all_gather", "layers.12.attention", "forward",
+                                          "aten.mm.default (Shard(dim=0),) -> (Replicate(),)")
+    assert (group.issued, group.completed, group.mesh_dim, group.size) == (139, 99, "dp_shard", 1024)
+    text = record.to_json()
+    assert StallRecord.from_json(text) == record  # named fields round-trip
+    assert json.loads(text)["groups"]["3"]["in_flight"][0] == {
+        "seq": 100, "op": "all_gather", "module": "layers.12.attention", "pass": "forward",
+        "cause": "aten.mm.default (Shard(dim=0),) -> (Replicate(),)"}
+    assert json.loads(text)["format"] == RECORD_FORMAT == 2
+    assert StallRecord.from_json(text.replace('"format":2', '"format":1')) is None  # another version's record
 
 
 def test_a_rank_behind_on_one_group_but_ahead_on_another_only_waits_down_the_chain():
@@ -430,7 +444,7 @@ def test_1024_simulated_ranks_through_a_real_tcp_store_give_one_verdict_and_leav
     formed_s = time.perf_counter() - began
     print(f"\n{world} ranks: {keys} keys ({world} alive keys among them), {publish_calls} calls and "
           f"{publish_bytes / 1e6:.2f} MB to publish ({published_s:.2f} s, one client in turn), largest record "
-          f"{max(len(json.dumps(r)) for r in records)} B; the leader read {store.bytes - sent} B in "
+          f"{max(len(r.to_json()) for r in records)} B; the leader read {store.bytes - sent} B in "
           f"{store.calls - calls} calls and formed the verdict in {formed_s:.3f} s")
     assert len(exported) == 1 and exchanges[0].exported == 1
     verdict = exported[0]
@@ -536,11 +550,11 @@ def test_the_verdict_is_exported_again_only_when_it_changes():
     waiting = {"groups": {"0": (4, 3, "", 3)}, "ring": [("all_reduce", "0", 4, "A")]}
     for snapshot in (1, 2):
         for rank in (0, 1):
-            exchanges[rank].publish(_record(rank, **waiting) | {"snapshot": snapshot}, since_ns=1)
+            exchanges[rank].publish(dataclasses.replace(_record(rank, **waiting), snapshot=snapshot), since_ns=1)
         exchanges[0].poll()
     assert [(v.kind, v.behind) for v in exported] == [("missing", (2,))]  # said once, not again unchanged
     exchanges[2].publish(_record(2, module="B", groups={"0": (3, 3, "", 3)}), since_ns=1)
-    exchanges[0].publish(_record(0, **waiting) | {"snapshot": 3}, since_ns=1)
+    exchanges[0].publish(dataclasses.replace(_record(0, **waiting), snapshot=3), since_ns=1)
     exchanges[0].poll()
     assert [(v.kind, v.behind, v.module) for v in exported] == [("missing", (2,), ""), ("hang", (2,), "B")]
     for exchange in exchanges:
