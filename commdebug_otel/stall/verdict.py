@@ -40,8 +40,8 @@ job of one process, or one without a default group, has no exchange at all.
 
 Store traffic per verdict: each stalled rank makes 5 calls the first time
 (set, append, add, compare_set, add), a set and an add per later snapshot, and
-after each a look at the leader (a check and a get; a rank not leading checks
-that the leader's record is live, and takes over by ``compare_set`` if not);
+after each a look at the leader (a ``compare_set`` that reads it; a rank not
+leading checks that the leader's record is live, and takes over if not);
 the leader reads the round's count once per watchdog poll while it waits, then
 the index and every record in one ``multi_get`` (a check and a get per rank
 instead when a rank's record went since it was indexed). Nothing happens on
@@ -651,11 +651,10 @@ class StoreExchange:
     def _leads(self, prefix: str, rank: int) -> bool:
         """Whether this rank leads the job's current stall: the lowest rank with a live record. A leader whose
         record is gone (its stall ended, its keys were cleared) is replaced by the lowest rank still stalled."""
-        store = self._store
-        leader = _text(store.get(f"{prefix}leader")) if store.check([f"{prefix}leader"]) else ""
+        leader = self._elect(prefix, rank, "")  # one compare_set: the leader's name (this rank's if none yet)
         if leader == str(rank):
             return True
-        if leader and int(leader) < rank and store.check([f"{prefix}r/{leader}"]):
+        if self._store.check([f"{prefix}r/{leader}"]):
             return False
         return self._elect(prefix, rank, leader) == str(rank)
 
