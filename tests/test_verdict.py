@@ -446,6 +446,15 @@ def test_a_rank_stuck_in_a_subgroup_is_named_with_its_waiters_on_every_group():
                                "(step 5, 4 of 4 ranks reported)")
 
 
+def test_an_idle_rank_is_blamed_when_a_waiting_rank_is_not_in_the_group_of_the_first_collective_in_flight():
+    records = {0: _record(0, groups={"0": (5, 4, "", 2)}, ring=[("all_reduce", "0", 5, "A")]),
+               1: _record(1, groups={"1": (3, 2, "", 1)}, ring=[("all_gather", "1", 3, "B")]),
+               2: _record(2, module="C", groups={"0": (5, 5, "", 2)})}
+    verdict = form_verdict(records, 3, 5)
+    assert (verdict.kind, verdict.behind, verdict.waiting, verdict.group, verdict.seq, verdict.module) == (
+        "hang", (2,), (0,), "0", 5, "C")
+
+
 def test_a_desync_between_ranks_at_different_step_numbers_names_each_side_s_step():
     records = {0: _record(0, step=4, groups={"0": (8, 7, "", 2)}, ring=[("all_reduce", "0", 8, "A")]),
                1: _record(1, step=3, groups={"0": (8, 7, "", 2)}, ring=[("broadcast", "0", 8, "B")])}

@@ -455,7 +455,7 @@ def form_verdict(records: Mapping[int, StallRecord], world_size: int, step: int,
         if first is None:
             return None  # nobody waits in a collective: not a communication stall
         group, seq = first
-        waiting = [record.rank for record in busy if record.groups[group].entry(seq) is not None]
+        waiting = [record.rank for record in busy if group in record.groups and record.groups[group].entry(seq)]
         behind = idle if (idle and not missing) else []
         if not behind and not missing:
             return None  # every rank waits in the same collective: nobody to blame from here
