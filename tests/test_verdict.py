@@ -115,15 +115,15 @@ def _job(rank: int, world_size: int, port: int, env: dict, scenario: str, odd_ra
                 if scenario == "two":  # stuck in one module, then in the next: the verdict changes
                     model.layers[0].sleep_s = model.layers[1].sleep_s = STUCK_S * 0.6 if mine else 0.0
                 model.layers[1].odd = mine and scenario == "desync"
+                model(torch.ones(2, 8)).sum().backward()
                 if scenario == "subgroup":
-                    # Before the step's first forward (between steps): ranks 2-3 all-reduce on their pair, then
-                    # every rank meets at a world barrier.
+                    # After the step's backward, in the step: ranks 2-3 all-reduce on their pair, then every rank
+                    # meets at a world barrier.
                     if mine:
                         time.sleep(STUCK_S)  # before the pair's all-reduce
                     if rank in (2, 3):
                         dist.all_reduce(torch.ones(2), group=pair)
                     dist.barrier()
-                model(torch.ones(2, 8)).sum().backward()
                 if mine and scenario == "behind":
                     time.sleep(STUCK_S)  # after the step's collectives: the others wait in the next step's first
                 optimizer.step()
@@ -317,14 +317,14 @@ def test_a_rank_stuck_in_a_subgroup_gets_one_verdict_naming_who_waits_on_each_gr
     outcomes = run_job("subgroup", 4, 3, receiver)
     assert outcomes == dict.fromkeys(range(4), "finished")
     attrs = _one_verdict(receiver, capfd)
-    pair_seq, world_seq = STUCK_STEP, STUCK_STEP * (PER_STEP + 1)  # each step: the pair's all-reduce; barrier + 2
+    pair_seq, world_seq = STUCK_STEP, (STUCK_STEP + 1) * (PER_STEP + 1) - 1  # a step: 2 all-reduces, a barrier
     assert (attrs[semconv.VERDICT_KIND], attrs[semconv.VERDICT_BEHIND_RANKS], attrs[semconv.VERDICT_WAITING_RANKS],
             attrs[semconv.VERDICT_GROUP], attrs[semconv.VERDICT_SEQ], attrs[semconv.VERDICT_OP],
             attrs[semconv.VERDICT_MODULE], attrs[semconv.STEP], attrs[semconv.VERDICT_REPORTED_RANKS]) == (
-        "hang", [3], [0, 1, 2], "1", pair_seq, "all_reduce", "(between steps)", STUCK_STEP, 4)
+        "hang", [3], [0, 1, 2], "1", pair_seq, "all_reduce", "train_step", STUCK_STEP, 4)
     assert attrs[semconv.VERDICT_SUMMARY] == (
-        f"rank 3 never entered all_reduce #{pair_seq} on group 1, issued by (between steps); it is in (between "
-        f"steps); rank 2 waits in it; ranks 0-1 wait in barrier #{world_seq} on group 0, issued by (between steps) "
+        f"rank 3 never entered all_reduce #{pair_seq} on group 1, issued by train_step; it is in train_step; "
+        f"rank 2 waits in it; ranks 0-1 wait in barrier #{world_seq} on group 0, issued by train_step "
         f"(step {STUCK_STEP}, 4 of 4 ranks reported)")
 
 
