@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import datetime
 import functools
 import itertools
@@ -19,7 +20,14 @@ from torch import nn
 
 from commdebug_otel import semconv
 from commdebug_otel.core.fact import CollectiveFact, GroupFacts
-from commdebug_otel.stall.verdict import form_verdict, progress_record, ranks_text
+from commdebug_otel.stall.verdict import (
+    RECORD_FORMAT,
+    InFlight,
+    StallRecord,
+    form_verdict,
+    progress_record,
+    ranks_text,
+)
 from commdebug_otel.testing.otlp_receiver import OtlpReceiver
 from tests import models
 from tests.distributed import free_port
@@ -87,6 +95,7 @@ def _job(rank: int, world_size: int, port: int, env: dict, scenario: str, odd_ra
         torch.manual_seed(0)
         model = Net()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        pair = dist.new_group([2, 3]) if scenario == "subgroup" else None  # (every rank makes it)
         with CommTracer() as tracer:
             if scenario in ("killed", "gil"):
                 # The watchdog writes this rank's alive key at its first look after the process group exists;
@@ -107,6 +116,16 @@ def _job(rank: int, world_size: int, port: int, env: dict, scenario: str, odd_ra
                     model.layers[0].sleep_s = model.layers[1].sleep_s = STUCK_S * 0.6 if mine else 0.0
                 model.layers[1].odd = mine and scenario == "desync"
                 model(torch.ones(2, 8)).sum().backward()
+                if scenario == "subgroup":
+                    # After the step's backward, in the step: ranks 2-3 all-reduce on their pair, then every rank
+                    # meets at a world barrier.
+                    if mine:
+                        time.sleep(STUCK_S)  # before the pair's all-reduce
+                    if rank in (2, 3):
+                        dist.all_reduce(torch.ones(2), group=pair)
+                    dist.barrier()
+                if mine and scenario == "behind":
+                    time.sleep(STUCK_S)  # after the step's collectives: the others wait in the next step's first
                 optimizer.step()
                 optimizer.zero_grad()
     except Exception as error:  # gloo's timeout ends a job that can never finish (desync, a dead peer)
@@ -274,6 +293,41 @@ def test_two_ranks_issuing_different_collectives_at_one_seq_are_a_desync(receive
         "rank 1 issued broadcast from Net.layers.1 (4 of 4 ranks reported)")
 
 
+def test_a_rank_one_step_behind_is_named_behind_not_missing(receiver, capfd):
+    """Rank 1 sleeps after its stuck step's collectives (before optimizer.step): the others wait in the next
+    step's first all-reduce. Ranks at different step numbers find each other's records (keyed per job)."""
+    outcomes = run_job("behind", 4, 1, receiver)
+    assert outcomes == dict.fromkeys(range(4), "finished")
+    attrs = _one_verdict(receiver, capfd)
+    seq = (STUCK_STEP + 1) * PER_STEP  # layers.0's all-reduce of the next step
+    assert (attrs[semconv.VERDICT_KIND], attrs[semconv.VERDICT_BEHIND_RANKS], attrs[semconv.VERDICT_WAITING_RANKS],
+            attrs[semconv.VERDICT_GROUP], attrs[semconv.VERDICT_SEQ], attrs[semconv.VERDICT_OP],
+            attrs[semconv.VERDICT_MODULE], attrs[semconv.VERDICT_WAITING_MODULE], attrs[semconv.STEP],
+            attrs[semconv.VERDICT_REPORTED_RANKS]) == (
+        "hang", [1], [0, 2, 3], "0", seq, "all_reduce", "train_step", "Net.layers.0", STUCK_STEP, 4)
+    assert attrs[semconv.VERDICT_SUMMARY] == (
+        f"rank 1 never entered all_reduce #{seq} on group 0, issued by Net.layers.0; it is in train_step; "
+        f"ranks 0,2-3 wait in it (rank 1 in step {STUCK_STEP}, ranks 0,2-3 in step {STUCK_STEP + 1}, "
+        "4 of 4 ranks reported)")
+
+
+def test_a_rank_stuck_in_a_subgroup_gets_one_verdict_naming_who_waits_on_each_group(receiver, capfd):
+    """Rank 3 sleeps before its pair's all-reduce: rank 2 waits for it on the pair's group, ranks 0-1 at the world
+    barrier. One verdict, from rank 0, names rank 3 behind and both groups' waiters."""
+    outcomes = run_job("subgroup", 4, 3, receiver)
+    assert outcomes == dict.fromkeys(range(4), "finished")
+    attrs = _one_verdict(receiver, capfd)
+    pair_seq, world_seq = STUCK_STEP, (STUCK_STEP + 1) * (PER_STEP + 1) - 1  # a step: 2 all-reduces, a barrier
+    assert (attrs[semconv.VERDICT_KIND], attrs[semconv.VERDICT_BEHIND_RANKS], attrs[semconv.VERDICT_WAITING_RANKS],
+            attrs[semconv.VERDICT_GROUP], attrs[semconv.VERDICT_SEQ], attrs[semconv.VERDICT_OP],
+            attrs[semconv.VERDICT_MODULE], attrs[semconv.STEP], attrs[semconv.VERDICT_REPORTED_RANKS]) == (
+        "hang", [3], [0, 1, 2], "1", pair_seq, "all_reduce", "train_step", STUCK_STEP, 4)
+    assert attrs[semconv.VERDICT_SUMMARY] == (
+        f"rank 3 never entered all_reduce #{pair_seq} on group 1, issued by train_step; it is in train_step; "
+        f"rank 2 waits in it; ranks 0-1 wait in barrier #{world_seq} on group 0, issued by train_step "
+        f"(step {STUCK_STEP}, 4 of 4 ranks reported)")
+
+
 # ------------------------------------------------------------------ records and verdicts, by hand
 def _record(rank: int, step: int = 5, between: bool = False, module: str = "M", groups: dict | None = None,
             ring: list | None = None, causes: dict | None = None, world: dict | None = None) -> dict:
@@ -304,12 +358,18 @@ def test_a_record_keeps_the_first_and_last_collectives_in_flight_and_their_why()
     ring = [("all_gather", "3", seq, "layers.12.attention") for seq in range(100, 140)]
     record = _record(5, groups={"3": (139, 99, "dp_shard", 1024)}, ring=ring,
                      causes={("3", 100): "aten.mm.default (Shard(dim=0),) -> (Replicate(),)"})
-    group = record["groups"]["3"]
-    assert [entry[0] for entry in group["in_flight"]] == [*range(100, 108), *range(132, 140)]
-    assert group["in_flight"][0] == [100, "all_gather", "layers.12.attention", "forward",
-                                     "aten.mm.default (Shard(dim=0),) -> (Replicate(),)"]
-    assert (group["issued"], group["completed"], group["mesh_dim"], group["size"]) == (139, 99, "dp_shard", 1024)
-    assert json.loads(json.dumps(record)) == record  # plain JSON
+    group = record.groups["3"]
+    assert [entry.seq for entry in group.in_flight] == [*range(100, 108), *range(132, 140)]
+    assert group.in_flight[0] == InFlight(100, "all_gather", "layers.12.attention", "forward",
+                                          "aten.mm.default (Shard(dim=0),) -> (Replicate(),)")
+    assert (group.issued, group.completed, group.mesh_dim, group.size) == (139, 99, "dp_shard", 1024)
+    text = record.to_json()
+    assert StallRecord.from_json(text) == record  # named fields round-trip
+    assert json.loads(text)["groups"]["3"]["in_flight"][0] == {
+        "seq": 100, "op": "all_gather", "module": "layers.12.attention", "pass": "forward",
+        "cause": "aten.mm.default (Shard(dim=0),) -> (Replicate(),)"}
+    assert json.loads(text)["format"] == RECORD_FORMAT == 2
+    assert StallRecord.from_json(text.replace('"format":2', '"format":1')) is None  # another version's record
 
 
 def test_a_rank_behind_on_one_group_but_ahead_on_another_only_waits_down_the_chain():
@@ -356,6 +416,52 @@ def test_no_verdict_when_every_rank_waits_in_the_same_collective_or_none_waits()
     same = {rank: _record(rank, ring=[("all_reduce", "0", 9, "L")], groups={"0": (9, 8, "", 2)}) for rank in (0, 1)}
     idle = {rank: _record(rank) for rank in (0, 1)}
     assert form_verdict(same, 2, 5) is None and form_verdict(idle, 2, 5) is None
+
+
+def test_a_rank_at_another_step_number_is_matched_by_seq_and_gives_the_step_of_the_behind_rank():
+    """Rank 1 finished step 3's collectives (seq 7) and is stuck before its optimizer step; ranks 0, 2 wait in
+    step 4's first all-reduce (seq 8): rank 1 is behind, and the verdict's step is rank 1's."""
+    records = {rank: _record(rank, step=4, groups={"0": (8, 7, "", 3)}, ring=[("all_reduce", "0", 8, "L0")])
+               for rank in (0, 2)}
+    records[1] = dataclasses.replace(_record(1, step=3, module="", groups={"0": (7, 7, "", 3)}), pass_="")
+    verdict = form_verdict(records, 3, 4)
+    assert (verdict.kind, verdict.behind, verdict.waiting, verdict.group, verdict.seq, verdict.op, verdict.module,
+            verdict.step, verdict.reported) == ("hang", (1,), (0, 2), "0", 8, "all_reduce", "train_step", 3, 3)
+    assert verdict.summary == ("rank 1 never entered all_reduce #8 on group 0, issued by L0; it is in train_step; "
+                               "ranks 0,2 wait in it (rank 1 in step 3, ranks 0,2 in step 4, 3 of 3 ranks reported)")
+
+
+def test_a_rank_stuck_in_a_subgroup_is_named_with_its_waiters_on_every_group():
+    """Rank 3 never entered its pair's all-reduce (group 1, seq 6): rank 2 waits there; ranks 0-1 wait at the world
+    barrier (group 0, seq 12) that ranks 2-3 have not reached. The pair's group comes first: rank 2, waiting there,
+    has not reached the barrier either."""
+    records = {rank: _record(rank, groups={"0": (12, 11, "", 4)}, ring=[("barrier", "0", 12, "")]) for rank in (0, 1)}
+    records[2] = _record(2, groups={"0": (11, 11, "", 4), "1": (6, 5, "", 2)}, ring=[("all_reduce", "1", 6, "P")])
+    records[3] = _record(3, module="B", groups={"0": (11, 11, "", 4), "1": (5, 5, "", 2)})
+    verdict = form_verdict(records, 4, 5)
+    assert (verdict.kind, verdict.behind, verdict.waiting, verdict.group, verdict.seq, verdict.op, verdict.module,
+            verdict.waiting_module, verdict.step) == ("hang", (3,), (0, 1, 2), "1", 6, "all_reduce", "B", "P", 5)
+    assert verdict.summary == ("rank 3 never entered all_reduce #6 on group 1, issued by P; it is in B forward; "
+                               "rank 2 waits in it; ranks 0-1 wait in barrier #12 on group 0, issued by M "
+                               "(step 5, 4 of 4 ranks reported)")
+
+
+def test_an_idle_rank_is_blamed_when_a_waiting_rank_is_not_in_the_group_of_the_first_collective_in_flight():
+    records = {0: _record(0, groups={"0": (5, 4, "", 2)}, ring=[("all_reduce", "0", 5, "A")]),
+               1: _record(1, groups={"1": (3, 2, "", 1)}, ring=[("all_gather", "1", 3, "B")]),
+               2: _record(2, module="C", groups={"0": (5, 5, "", 2)})}
+    verdict = form_verdict(records, 3, 5)
+    assert (verdict.kind, verdict.behind, verdict.waiting, verdict.group, verdict.seq, verdict.module) == (
+        "hang", (2,), (0,), "0", 5, "C")
+
+
+def test_a_desync_between_ranks_at_different_step_numbers_names_each_side_s_step():
+    records = {0: _record(0, step=4, groups={"0": (8, 7, "", 2)}, ring=[("all_reduce", "0", 8, "A")]),
+               1: _record(1, step=3, groups={"0": (8, 7, "", 2)}, ring=[("broadcast", "0", 8, "B")])}
+    verdict = form_verdict(records, 2, 4)
+    assert (verdict.kind, verdict.behind, verdict.waiting, verdict.step) == ("desync", (1,), (0,), 3)
+    assert verdict.summary == ("desync at #8 on group 0 (rank 1 in step 3, rank 0 in step 4): rank 0 issued all_reduce "
+                               "from A; rank 1 issued broadcast from B (2 of 2 ranks reported)")
 
 
 # ------------------------------------------------------------------ the exchange through a store
@@ -430,7 +536,7 @@ def test_1024_simulated_ranks_through_a_real_tcp_store_give_one_verdict_and_leav
     formed_s = time.perf_counter() - began
     print(f"\n{world} ranks: {keys} keys ({world} alive keys among them), {publish_calls} calls and "
           f"{publish_bytes / 1e6:.2f} MB to publish ({published_s:.2f} s, one client in turn), largest record "
-          f"{max(len(json.dumps(r)) for r in records)} B; the leader read {store.bytes - sent} B in "
+          f"{max(len(r.to_json()) for r in records)} B; the leader read {store.bytes - sent} B in "
           f"{store.calls - calls} calls and formed the verdict in {formed_s:.3f} s")
     assert len(exported) == 1 and exchanges[0].exported == 1
     verdict = exported[0]
@@ -536,13 +642,46 @@ def test_the_verdict_is_exported_again_only_when_it_changes():
     waiting = {"groups": {"0": (4, 3, "", 3)}, "ring": [("all_reduce", "0", 4, "A")]}
     for snapshot in (1, 2):
         for rank in (0, 1):
-            exchanges[rank].publish(_record(rank, **waiting) | {"snapshot": snapshot}, since_ns=1)
+            exchanges[rank].publish(dataclasses.replace(_record(rank, **waiting), snapshot=snapshot), since_ns=1)
         exchanges[0].poll()
     assert [(v.kind, v.behind) for v in exported] == [("missing", (2,))]  # said once, not again unchanged
     exchanges[2].publish(_record(2, module="B", groups={"0": (3, 3, "", 3)}), since_ns=1)
-    exchanges[0].publish(_record(0, **waiting) | {"snapshot": 3}, since_ns=1)
+    exchanges[0].publish(dataclasses.replace(_record(0, **waiting), snapshot=3), since_ns=1)
     exchanges[0].poll()
     assert [(v.kind, v.behind, v.module) for v in exported] == [("missing", (2,), ""), ("hang", (2,), "B")]
+    for exchange in exchanges:
+        exchange.stop()
+    assert store.num_keys() == 0
+
+
+def test_ranks_publishing_at_different_steps_get_one_verdict_and_a_leader_that_leaves_is_replaced():
+    """Rank 1 publishes at step 3, ranks 0, 2 and 3 at step 4: one verdict naming rank 1 behind (keyed per step,
+    rank 0 said rank 1 published nothing). Rank 0's stall then ends: rank 1, the lowest with a live record, leads
+    (rank 0, alive, is then among the ranks that published nothing)."""
+    import torch.distributed as dist
+
+    from commdebug_otel.stall.verdict import StoreExchange
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    exported = []
+    exchanges = [StoreExchange(lambda rank=rank: _info(rank, 4), lambda own: "job-4",
+                               lambda v, s, rank=rank: exported.append((rank, v.kind, v.behind, v.waiting, v.step)),
+                               lambda timeout_s: store, wait_s=0.0) for rank in range(4)]
+    waiting = {"step": 4, "groups": {"0": (8, 7, "", 4)}, "ring": [("all_reduce", "0", 8, "A")]}
+    for rank in (3, 2, 0):
+        exchanges[rank].publish(_record(rank, **waiting), since_ns=1)
+    exchanges[1].publish(_record(1, step=3, module="B", groups={"0": (7, 7, "", 4)}), since_ns=2)
+    for exchange in exchanges:
+        exchange.poll()
+    assert exported == [(0, "hang", (1,), (0, 2, 3), 3)]
+    exchanges[0].ended()
+    exchanges[1].publish(_record(1, step=3, module="C", groups={"0": (7, 7, "", 4)}), since_ns=2)
+    for rank in (2, 3):
+        exchanges[rank].publish(dataclasses.replace(_record(rank, **waiting), snapshot=2), since_ns=1)
+    for exchange in exchanges:
+        exchange.poll()
+    assert exported[1:] == [(1, "hang", (1,), (2, 3), 3)]
     for exchange in exchanges:
         exchange.stop()
     assert store.num_keys() == 0
