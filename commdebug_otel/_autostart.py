@@ -24,7 +24,8 @@ armed (:func:`start_when_used`), and tracing starts at the first of
   tracing, runs the tracer's own pre-hooks for that call), so a job of one process,
   or a warm-up forward before ``init_process_group``, is traced from its first module;
 
-and both triggers go. Only then are the settings, the SDK and DTensor imported: the
+and both triggers go (with ``ENABLED`` unset, only other variables of ours, nothing is armed: the
+settings are read at once and say which name is unknown). Only then are the settings, the SDK and DTensor imported: the
 options table reads ``ENABLED`` like every other setting, and
 ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` and the torchrun launcher's no-op apply.
 Tracing starts on the thread that fires a trigger (the main thread, in a training script).
@@ -32,10 +33,12 @@ Tracing starts on the thread that fires a trigger (the main thread, in a trainin
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 
 TARGET = "torch"  # the module whose import arms the triggers
+ENABLED = "OTEL_PYTHON_COMMDEBUG_ENABLED"
 
 
 def maybe_start() -> None:
@@ -225,6 +228,11 @@ def start_when_used() -> None:
     first calls a module (the module docstring). Cheap: imports nothing beyond torch. Never raises."""
     global _triggers
     try:
+        if not os.environ.get(ENABLED, "").strip():
+            # Only other variables of ours (a mistyped ENABLE): tracing cannot start, and the settings say which
+            # name is unknown now, where torch is imported.
+            maybe_start()
+            return
         if _triggers is None:
             _triggers = _Triggers()
             _triggers.arm()
