@@ -38,7 +38,8 @@ import sys
 import threading
 
 TARGET = "torch"  # the module whose import arms the triggers
-ENABLED = "OTEL_PYTHON_COMMDEBUG_ENABLED"
+PREFIX = "OTEL_PYTHON_COMMDEBUG_"
+ENABLED = PREFIX + "ENABLED"
 
 
 def maybe_start() -> None:
@@ -229,6 +230,8 @@ def start_when_used() -> None:
     global _triggers
     try:
         if not os.environ.get(ENABLED, "").strip():
+            if not any(value.strip() for name, value in os.environ.items() if name.startswith(PREFIX)):
+                return  # `commdebug-otel run`'s bootstrap with no variable of ours: nothing to say or start
             # Only other variables of ours (a mistyped ENABLE): tracing cannot start, and the settings say which
             # name is unknown now, where torch is imported.
             maybe_start()
