@@ -71,7 +71,7 @@ def _warn(what: str, error: BaseException) -> None:
 
 
 class _StartAfterImport:
-    """Wraps torch's loader: runs it, then :func:`maybe_start` once torch's ``__init__`` has run.
+    """Wraps torch's loader: runs it, then :func:`start_when_used` once torch's ``__init__`` has run.
 
     Everything else (``get_source``, ``is_package``, resource readers ...) goes to the wrapped
     loader, and the module's ``__loader__`` / ``__spec__.loader`` are put back to it before
@@ -191,12 +191,15 @@ class _Triggers:
         self.fire()
         # torch took its list of this call's global pre-hooks before ours ran: run the ones tracing added.
         replaced = None
-        for key, hook in list(nn_module._global_forward_pre_hooks.items()):
-            if key in before:
-                continue
-            result = hook(module, args if replaced is None else replaced)
-            if result is not None:
-                replaced = result if isinstance(result, tuple) else (result,)
+        try:
+            for key, hook in list(nn_module._global_forward_pre_hooks.items()):
+                if key in before:
+                    continue
+                result = hook(module, args if replaced is None else replaced)
+                if result is not None:
+                    replaced = result if isinstance(result, tuple) else (result,)
+        except Exception as error:  # the script's first forward goes on, whatever tracing did
+            _warn("could not trace the first module call", error)
         return replaced
 
     def fire(self) -> None:
