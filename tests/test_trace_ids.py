@@ -140,3 +140,41 @@ def test_the_job_store_keeps_no_key_of_ours_after_tracing_stops():
         assert [result[session][1] >= 1 for result in results] == [True, True]  # the nonce key was there
         assert [result[session][2:] for result in results] == [(0, False), (0, False)]
     assert results[0][0][0] != results[0][1][0]  # the second session agreed on a nonce of its own
+
+
+def _keys_after_destroy(rank, world_size):
+    """The usual script: the tracer runs on past destroy_process_group and stops at exit, when the store can no
+    longer be reached through the group: the keys go at the destroy."""
+    import time
+
+    import torch.distributed as dist
+
+    from commdebug_otel import CommTracer, Settings
+    from commdebug_otel.core.steps import NONCE_KEY
+    from commdebug_otel.testing import InMemoryTelemetry
+
+    store = dist.distributed_c10d._get_default_store()  # held: rank 0's server outlives the group
+    telemetry = InMemoryTelemetry()
+    tracer = CommTracer(Settings(trace_scope="job"), tracer_provider=telemetry.tracer_provider,
+                        meter_provider=telemetry.meter_provider).start()
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(1, 2)).sum().backward()
+    dist.all_reduce(torch.ones(1))
+    optimizer.step()
+    during = store.check([NONCE_KEY])
+    dist.destroy_process_group()
+    store.add("test/destroyed", 1)
+    deadline = time.monotonic() + 60
+    while int(store.add("test/destroyed", 0)) < world_size and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = store.check([NONCE_KEY]), store.check([f"{NONCE_KEY}/left"])
+    tracer.stop()  # nothing left to do in the store, and no group to reach it through
+    store.add("test/read", 1)
+    while rank == 0 and int(store.add("test/read", 0)) < world_size and time.monotonic() < deadline:
+        time.sleep(0.05)  # rank 0 hosts the store: it stays until every rank has read it
+    return during, left
+
+
+def test_the_keys_go_at_the_default_groups_destroy():
+    assert run_ranks(_keys_after_destroy, 2) == [(True, (False, False))] * 2
