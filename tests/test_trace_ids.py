@@ -178,3 +178,34 @@ def _keys_after_destroy(rank, world_size):
 
 def test_the_keys_go_at_the_default_groups_destroy():
     assert run_ranks(_keys_after_destroy, 2) == [(True, (False, False))] * 2
+
+
+def _forked_child_leaves_nothing(rank, world_size):
+    import os
+
+    import torch.distributed as dist
+
+    from commdebug_otel import CommTracer, Settings
+    from commdebug_otel.core.steps import NONCE_KEY
+    from commdebug_otel.testing import InMemoryTelemetry
+
+    store = dist.distributed_c10d._get_default_store()
+    telemetry = InMemoryTelemetry()
+    with CommTracer(Settings(trace_scope="job"), tracer_provider=telemetry.tracer_provider,
+                    meter_provider=telemetry.meter_provider) as tracer:
+        tracer.recorder.job_id()
+        pid = os.fork()  # a fork DataLoader worker: the parent's group, copied
+        if pid == 0:
+            from commdebug_otel.core.steps import leave_job
+
+            os._exit(0 if leave_job() is False else 1)
+        _, status = os.waitpid(pid, 0)
+        dist.barrier()
+        kept = store.check([NONCE_KEY]), store.check([f"{NONCE_KEY}/left"])
+        dist.barrier()  # both ranks looked before either stops
+    dist.barrier()
+    return os.waitstatus_to_exitcode(status), kept, store.check([NONCE_KEY])
+
+
+def test_a_forked_child_counts_nothing_for_its_parent():
+    assert run_ranks(_forked_child_leaves_nothing, 2) == [(0, (True, False), False)] * 2

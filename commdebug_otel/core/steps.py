@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import os
 import secrets
 import time
 from collections.abc import Mapping
@@ -55,6 +56,23 @@ NONCE_KEY = "commdebug_otel/job_nonce"
 # same program start and stop tracing alike, so a rank that starts again before the others left its previous
 # session never reads the nonce that the last of them is about to delete.
 _sessions_left = 0
+# id of the default group a forked child inherited (a DataLoader worker of a rank): its store connection is the
+# parent's socket, and its leaving would count for the parent. None: not a fork, or no group then.
+_inherited_group: int | None = None
+
+
+def _after_fork_in_child() -> None:
+    global _inherited_group
+    try:
+        import torch.distributed as dist
+
+        initialized = dist.is_available() and dist.is_initialized()
+        _inherited_group = id(dist.GroupMember.WORLD) if initialized else None
+    except Exception:  # a torch without distributed
+        _inherited_group = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,8 +185,9 @@ def leave_job(store: Any = None) -> bool:
 
     ``store``: the default group's store (None: looked up). Two calls that never wait for a key (``add``,
     ``delete_key``), on the existing connection: a store whose host rank has exited fails at once rather than
-    being connected to again. Returns True if this rank counted itself out (a default group existed and the
-    store answered). Never raises.
+    being connected to again. A forked child (a DataLoader worker) that inherited its parent's group counts
+    nothing: that group, its store connection and its place in the count are the parent's. Returns True if this
+    rank counted itself out (a default group of its own existed and the store answered). Never raises.
     """
     global _sessions_left
     try:
@@ -176,6 +195,8 @@ def leave_job(store: Any = None) -> bool:
 
         if not (dist.is_available() and dist.is_initialized()):
             return False
+        if _inherited_group is not None and id(dist.GroupMember.WORLD) == _inherited_group:
+            return False  # a forked child's copy of its parent's group: the parent counts itself
         world_size = dist.get_world_size()
         store = default_store() if store is None else store
         key = nonce_key()
