@@ -30,7 +30,10 @@ training the demo transformer of ``commdebug_otel._demo_model`` at the size in `
 9. drop-in (``--only dropin``): torch's ``CommDebugMode`` and our ``commdebug_otel.CommDebugMode``
    side by side, each a fresh one entered around every step (outside the timer), against
    uninstrumented steps, interleaved (the overhead phase's three workloads; TP only with ``--quick``);
-10. stall watchdog (``--only stall``): always-on with the stall watchdog (``STALL_AFTER=auto``, the
+10. torch import (``--only torchimport``): ``python -c "import torch"`` with and without
+   ``OTEL_PYTHON_COMMDEBUG_ENABLED=true``, in pairs of alternating order: the median extra CPU (and wall)
+   time of a process that imports torch and never joins a process group, and which heavy modules it loads;
+11. stall watchdog (``--only stall``): always-on with the stall watchdog (``STALL_AFTER=auto``, the
    default) and the cross-rank verdict's store exchange armed, against the same with ``STALL_AFTER=off``,
    on healthy steps, interleaved (tensor parallel on 2 ranks).
 
@@ -71,6 +74,9 @@ TARGET_ALWAYS_ON = 1.03  # trace_every=100, ratio to uninstrumented
 TARGET_RSS_MB = 5.0  # RSS growth between step 100 and step 1000
 TARGET_BLACKHOLE = 1.05  # black-holed / live step-time ratio
 TARGET_IMPORT_MS = 20.0  # `import commdebug_otel`, disabled
+# `import torch` with OTEL_PYTHON_COMMDEBUG_ENABLED=true, minus without: CPU time (user + system), which a busy
+# machine's scheduling leaves nearly alone (the wall time is printed too)
+TARGET_TORCH_IMPORT_S = 0.1
 TARGET_TRACE_BYTES = 5_000_000  # largest trace at 1,024 ranks (Tempo's default max_bytes_per_trace)
 TARGET_ALWAYS_BYTES = 2048  # always-on, per rank per step on the wire, amortized
 TARGET_SCALE_TRACED = 1.15  # traced overhead (ratio - 1) at 1,024 ranks <= 1.15 x that at 8
@@ -1419,6 +1425,78 @@ def phase_import(use_tree: bool, report: dict[str, Any]) -> None:
                         "hooks_when_disabled": hooks, "check": check, "enabled_control": control}
 
 
+TORCH_IMPORT_CHECK = """
+import json, sys, time
+began = time.perf_counter()
+import torch
+json.dump({"import_s": time.perf_counter() - began, "modules": len(sys.modules),
+           "heavy": sorted(m for m in ("opentelemetry.sdk", "torch.distributed.tensor", "sympy",
+                                       "commdebug_otel.instrumentation") if m in sys.modules)}, sys.stdout)
+"""
+
+
+def phase_torch_import(use_tree: bool, report: dict[str, Any], pairs: int = 9) -> None:
+    """``python -c "import torch"`` with and without ``OTEL_PYTHON_COMMDEBUG_ENABLED=true`` (the environment
+    start), in pairs whose order alternates so machine drift cancels: the median of the pairs' differences."""
+    print("\n== import torch under the environment start (a process that never joins a process group)", flush=True)
+    import site
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    path = [str(REPO)] if use_tree else []
+    pth = any((Path(folder) / "commdebug_otel.pth").is_file() for folder in site.getsitepackages())
+    if not pth:  # a checkout without the .pth: `commdebug-otel run`'s bootstrap, in both runs of a pair
+        import commdebug_otel
+
+        path.insert(0, str(Path(commdebug_otel.__file__).parent / "_bootstrap"))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [*path, env.get("PYTHONPATH")]))
+    enabled = dict(env, OTEL_PYTHON_COMMDEBUG_ENABLED="true", OTEL_TRACES_EXPORTER="none",
+                   OTEL_METRICS_EXPORTER="none")
+
+    import resource
+
+    def run_s(environ: dict[str, str]) -> tuple[float, float]:
+        """(wall, CPU: user + system) seconds of one ``python -c "import torch"``."""
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        began = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import torch"], env=environ, check=True, cwd=tempfile.gettempdir())
+        wall = time.perf_counter() - began
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+    run_s(env)  # page cache warm for both
+    differences, cpu_differences, plain_walls, enabled_walls = [], [], [], []
+    for index in range(pairs):
+        if index % 2:
+            on, off = run_s(enabled), run_s(env)
+        else:
+            off, on = run_s(env), run_s(enabled)
+        differences.append(on[0] - off[0])
+        cpu_differences.append(on[1] - off[1])
+        plain_walls.append(off[0])
+        enabled_walls.append(on[0])
+
+    def check(environ: dict[str, str]) -> dict[str, Any]:
+        return json.loads(subprocess.run([sys.executable, "-c", TORCH_IMPORT_CHECK], env=environ, check=True,
+                                         capture_output=True, text=True, cwd=tempfile.gettempdir()).stdout)
+
+    plain, traced = check(env), check(enabled)
+    extra = statistics.median(differences)
+    extra_cpu = statistics.median(cpu_differences)
+    print(f"{pairs} pairs ({'the installed .pth' if pth else 'the bootstrap sitecustomize'}): median wall "
+          f"{statistics.median(plain_walls):.3f} s plain, {statistics.median(enabled_walls):.3f} s with "
+          f"ENABLED=true; median difference {extra * 1000:+.0f} ms wall (pairs {min(differences) * 1000:+.0f}.."
+          f"{max(differences) * 1000:+.0f} ms), {extra_cpu * 1000:+.0f} ms CPU (pairs "
+          f"{min(cpu_differences) * 1000:+.0f}..{max(cpu_differences) * 1000:+.0f} ms)")
+    print(f"modules after import torch: {plain['modules']} plain, {traced['modules']} with ENABLED=true; heavy "
+          f"modules loaded with ENABLED=true: {traced['heavy'] or 'none'} (plain: {plain['heavy'] or 'none'})")
+    report["torch_import"] = {"pairs": pairs, "pth": pth, "extra_s": extra, "differences_s": differences,
+                              "extra_cpu_s": extra_cpu, "cpu_differences_s": cpu_differences,
+                              "plain_s": statistics.median(plain_walls),
+                              "enabled_s": statistics.median(enabled_walls),
+                              "modules": [plain["modules"], traced["modules"]],
+                              "heavy": [plain["heavy"], traced["heavy"]]}
+
+
 def check_restart() -> dict[str, Any]:
     """start/stop/start on one CommTracer keeps counting steps (in-process, in-memory exporter)."""
     import torch
@@ -1461,7 +1539,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="only cProfile rank 0 of a traced TP job and print our hot spots")
     parser.add_argument("--profile-workload", default="tp", choices=("tp", "demo"),
                         help="the workload --profile runs (default tp)")
-    parser.add_argument("--only", default="overhead,dropin,always,stall,memory,blackhole,depth,import,scale",
+    parser.add_argument("--only", default="overhead,dropin,always,stall,memory,blackhole,depth,import,torchimport,"
+                                          "scale",
                         help="comma list of phases to run (default: all)")
     parser.add_argument("--offline-ranks", type=int, default=OFFLINE_RANKS, metavar="N",
                         help=f"ranks of the offline phase's job, a multiple of {OFFLINE_SOURCE_RANKS} "
@@ -1530,6 +1609,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if "import" in phases:
         phase_import(not args.installed, report)
+    if "torchimport" in phases:
+        phase_torch_import(not args.installed, report)
     report["load_average_end"] = os.getloadavg()[0]
     report["wall_s"] = time.perf_counter() - began
     print_targets(report)
@@ -1585,6 +1666,12 @@ def print_targets(report: dict[str, Any]) -> None:
         lines.append((f"import (disabled) <= {TARGET_IMPORT_MS:.0f} ms, no hooks",
                       f"{imp['importtime_ms']:.2f} ms, {imp['hooks_when_disabled']} hooks",
                       imp["importtime_ms"] <= TARGET_IMPORT_MS and imp["hooks_when_disabled"] == 0))
+    if "torch_import" in report:
+        imp = report["torch_import"]
+        lines.append((f"import torch with ENABLED=true, no process group: <= +{TARGET_TORCH_IMPORT_S:.1f} s, no "
+                      f"SDK or DTensor", f"{imp['extra_cpu_s'] * 1000:+.0f} ms CPU, {imp['extra_s'] * 1000:+.0f} ms "
+                      f"wall (medians of {imp['pairs']} pairs), heavy modules {imp['heavy'][1] or 'none'}",
+                      imp["extra_cpu_s"] <= TARGET_TORCH_IMPORT_S and set(imp["heavy"][1]) <= set(imp["heavy"][0])))
     rows = {row["world"]: row for row in report.get("scale", ())}
     at = rows.get(SCALE_REPORTED_WORLD)
     if at is not None:

@@ -9,20 +9,37 @@ mistyped name (``..._ENABLE``) is reported once torch is imported, though tracin
 
 When it is set, every Python process started with that environment imports
 this module: pip, a launcher's helper processes, a shell's ``python -c``. So
-importing it does almost nothing: if torch is already imported, tracing starts
-now; otherwise a post-import hook (a ``sys.meta_path`` finder that wraps torch's
-loader) starts it right after ``import torch`` finishes, once, and removes itself.
-A process that never imports torch never imports torch, the settings or the SDK.
-At that point the options table reads ``ENABLED`` like every other setting, and
+importing it does almost nothing: a post-import hook (a ``sys.meta_path`` finder
+that wraps torch's loader) runs right after ``import torch`` finishes, once, and
+removes itself. A process that never imports torch never imports torch, the
+settings or the SDK.
+
+Nor does a process that imports torch and never uses it for training (a data-prep
+script, an evaluation tool's helper): after ``import torch`` two cheap triggers are
+armed (:func:`start_when_used`), and tracing starts at the first of
+
+* the default process group's creation (``init_process_group``, ``init_device_mesh``,
+  any path: c10d's ``_update_default_pg``), right after it, before any collective;
+* the first ``nn.Module`` call (a global forward pre-hook that, having started
+  tracing, runs the tracer's own pre-hooks for that call), so a job of one process,
+  or a warm-up forward before ``init_process_group``, is traced from its first module;
+
+and both triggers go (with ``ENABLED`` unset, only other variables of ours, nothing is armed: the
+settings are read at once and say which name is unknown). Only then are the settings, the SDK and DTensor imported: the
+options table reads ``ENABLED`` like every other setting, and
 ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` and the torchrun launcher's no-op apply.
-Tracing starts on the thread that imports torch (the main thread, in a training script).
+Tracing starts on the thread that fires a trigger (the main thread, in a training script).
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
 
-TARGET = "torch"  # the module whose import starts tracing
+TARGET = "torch"  # the module whose import arms the triggers
+PREFIX = "OTEL_PYTHON_COMMDEBUG_"
+ENABLED = PREFIX + "ENABLED"
 
 
 def maybe_start() -> None:
@@ -35,8 +52,10 @@ def maybe_start() -> None:
         config.warn_unknown_variables()
         if not config.read_option("enabled") or config.instrumentation_disabled():
             return
-        from commdebug_otel.instrumentor import instrument
+        from commdebug_otel.instrumentor import CommDebugInstrumentor, instrument
 
+        if CommDebugInstrumentor().is_instrumented_by_opentelemetry:
+            return  # started before a trigger fired (opentelemetry-instrument, the script): nothing to warn
         instrument()
     except Exception as error:  # start-up must never break the user's program
         _warn("could not start tracing", error)
@@ -52,7 +71,7 @@ def _warn(what: str, error: BaseException) -> None:
 
 
 class _StartAfterImport:
-    """Wraps torch's loader: runs it, then :func:`maybe_start` once torch's ``__init__`` has run.
+    """Wraps torch's loader: runs it, then :func:`start_when_used` once torch's ``__init__`` has run.
 
     Everything else (``get_source``, ``is_package``, resource readers ...) goes to the wrapped
     loader, and the module's ``__loader__`` / ``__spec__.loader`` are put back to it before
@@ -125,7 +144,7 @@ class TorchImportHook:
             return
         self._fired = True
         self.remove()
-        maybe_start()
+        start_when_used()
 
     def remove(self) -> None:
         try:
@@ -134,11 +153,104 @@ class TorchImportHook:
             pass
 
 
+class _Triggers:
+    """The two cheap triggers of :func:`start_when_used`; the first to fire removes both and starts tracing."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fired = False
+        self._c10d: object = None  # torch.distributed.distributed_c10d, when its function is wrapped
+        self._update_default_pg: object = None  # c10d's own
+        self._wrapper: object = None  # ours, in its place
+        self._pre_hook: object = None  # the global forward pre-hook's handle
+
+    def arm(self) -> None:
+        import torch
+
+        c10d = sys.modules.get("torch.distributed.distributed_c10d")
+        if c10d is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            maybe_start()  # a late import of this module: the process already joined its group
+            return
+        original = getattr(c10d, "_update_default_pg", None)
+        if original is not None:
+            def _update_default_pg(pg: object) -> None:
+                original(pg)
+                if pg is not None:
+                    self.fire()
+
+            self._c10d, self._update_default_pg, self._wrapper = c10d, original, _update_default_pg
+            c10d._update_default_pg = _update_default_pg  # called by name from c10d's own functions
+        from torch.nn.modules.module import register_module_forward_pre_hook
+
+        self._pre_hook = register_module_forward_pre_hook(self._first_module_call)
+
+    def _first_module_call(self, module: object, args: object) -> object:
+        from torch.nn.modules import module as nn_module
+
+        before = set(nn_module._global_forward_pre_hooks)
+        self.fire()
+        # torch took its list of this call's global pre-hooks before ours ran: run the ones tracing added.
+        replaced = None
+        try:
+            for key, hook in list(nn_module._global_forward_pre_hooks.items()):
+                if key in before:
+                    continue
+                result = hook(module, args if replaced is None else replaced)
+                if result is not None:
+                    replaced = result if isinstance(result, tuple) else (result,)
+        except Exception as error:  # the script's first forward goes on, whatever tracing did
+            _warn("could not trace the first module call", error)
+        return replaced
+
+    def fire(self) -> None:
+        with self._lock:
+            if self._fired:
+                return
+            self._fired = True
+        self.disarm()
+        maybe_start()
+
+    def disarm(self) -> None:
+        """Remove both triggers. c10d's function is put back where it is still our wrapper (one wrapped over ours
+        keeps calling it: it passes straight through once fired)."""
+        try:
+            if self._pre_hook is not None:
+                self._pre_hook.remove()  # type: ignore[attr-defined]
+                self._pre_hook = None
+            if self._c10d is not None and getattr(self._c10d, "_update_default_pg", None) is self._wrapper:
+                self._c10d._update_default_pg = self._update_default_pg  # type: ignore[attr-defined]
+            self._c10d = None
+        except Exception as error:
+            _warn("could not remove the start triggers", error)
+
+
+_triggers: _Triggers | None = None
+
+
+def start_when_used() -> None:
+    """After ``import torch``: arm the triggers that start tracing when this process joins a process group or
+    first calls a module (the module docstring). Cheap: imports nothing beyond torch. Never raises."""
+    global _triggers
+    try:
+        if not os.environ.get(ENABLED, "").strip():
+            if not any(value.strip() for name, value in os.environ.items() if name.startswith(PREFIX)):
+                return  # `commdebug-otel run`'s bootstrap with no variable of ours: nothing to say or start
+            # Only other variables of ours (a mistyped ENABLE): tracing cannot start, and the settings say which
+            # name is unknown now, where torch is imported.
+            maybe_start()
+            return
+        if _triggers is None:
+            _triggers = _Triggers()
+            _triggers.arm()
+    except Exception as error:
+        _warn("could not hook the start of training", error)
+
+
 def install() -> None:
-    """Start now if torch is imported, else hook its import (once per process). Never raises."""
+    """Arm the start triggers if torch is imported, else hook its import (once per process). Never raises."""
     try:
         if TARGET in sys.modules:
-            maybe_start()
+            start_when_used()
         elif not any(isinstance(finder, TorchImportHook) for finder in sys.meta_path):
             sys.meta_path.insert(0, TorchImportHook())
     except Exception as error:

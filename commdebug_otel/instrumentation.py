@@ -38,6 +38,7 @@ from commdebug_otel.capture.tracker import ModuleTracker
 from commdebug_otel.config import Detail, Settings
 from commdebug_otel.core.collectives import wait_for_backend_callbacks
 from commdebug_otel.core.recorder import Recorder
+from commdebug_otel.core.steps import leave_job
 from commdebug_otel.otel.metrics import LazyCollectiveMetrics
 from commdebug_otel.otel.telemetry import Telemetry
 from commdebug_otel.stall.flight_recorder import dump_beside_snapshot
@@ -341,6 +342,8 @@ class CommTracer:
                                 min(self.settings.shutdown_timeout_s, METRICS_DRAIN_S))),
                             ("removing hooks", self._remove_hooks),
                             ("flush", self.telemetry.force_flush if flush else None),
+                            # After the flush (the run folder's name may still read the nonce).
+                            ("job's store keys", self._leave_job),
                             # Last: a signal during the flush still flushes and ends the process as before.
                             ("signal handlers", self.telemetry.release_signals if self._exports else None)):
             self._run_step("CommTracer.stop", where, undo)
@@ -353,6 +356,12 @@ class CommTracer:
             call()
         except Exception as error:
             self.recorder.hook_failed(f"{caller}: {where}", error)
+
+    @staticmethod
+    def _leave_job() -> None:
+        """The process's last running tracer stopped: its keys in the job's store go (``steps.leave_job``)."""
+        if not _STARTED:
+            leave_job()
 
     def _unregister_exit(self) -> None:
         atexit.unregister(self._stop_at_exit)
@@ -371,6 +380,8 @@ class CommTracer:
         for where, call in (("backend callbacks", lambda: wait_for_backend_callbacks(bound_s)),
                             ("metrics", lambda: self.flush_metrics(bound_s)),
                             ("flush", self.telemetry.force_flush),
+                            # While the store is there: a stop after the teardown cannot reach it.
+                            ("job's store keys", leave_job if whole_job else None),
                             ("signal handlers", self.telemetry.release_signals if whole_job else None)):
             self._run_step("destroy_process_group", where, call)
 

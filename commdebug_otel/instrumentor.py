@@ -76,6 +76,14 @@ def is_fork_server(argv: list[str] | None = None) -> bool:
     return any("multiprocessing.forkserver import main" in arg for arg in argv)
 
 
+def _in_fork_server_itself() -> bool:
+    """Not one of its children: those keep the server's command line, and (the environment start waiting for
+    their first module call or process group) may start tracing while their ``Process`` runs."""
+    import multiprocessing
+
+    return multiprocessing.parent_process() is None
+
+
 class _StartWhenRunning:
     """Starts tracing in a fork server's child once its ``Process`` runs, unless it is a data worker.
 
@@ -179,7 +187,7 @@ class CommDebugInstrumentor(BaseInstrumentor):
         global _pending
         if is_launcher_process():
             return  # torchrun itself: its workers trace themselves
-        if is_fork_server():
+        if is_fork_server() and _in_fork_server_itself():
             import multiprocessing.util
 
             _pending = _StartWhenRunning(self, kwargs)

@@ -170,11 +170,11 @@ from commdebug_otel.instrumentor import CommDebugInstrumentor, current
 def hooks():
     return len(module._global_forward_pre_hooks) + len(module._global_forward_hooks)
 
-tracer = current()
-started, hooks_on = tracer is not None and tracer.started, hooks()
 model = torch.nn.Linear(2, 2)
 with torch.no_grad():
-    model(torch.ones(1, 2))
+    model(torch.ones(1, 2))  # the first module call starts tracing
+tracer = current()
+started, hooks_on = tracer is not None and tracer.started, hooks()
 CommDebugInstrumentor().uninstrument()
 with torch.no_grad():
     model(torch.ones(1, 2))  # after the stop: no span
@@ -272,7 +272,7 @@ def test_enabled_starts_tracing_when_the_script_imports_torch(route, tmp_path):
     assert sorted(names) == sorted(["Linear forward", "Linear backward", "train_step"] * 2)
 
 
-def test_enabled_starts_at_once_when_torch_is_already_imported(tmp_path):
+def test_enabled_arms_at_once_when_torch_is_already_imported(tmp_path):
     env = start_route_env("run", tmp_path)
     env["PYTHONPATH"] = str(PACKAGE_PARENT)
     env["OTEL_PYTHON_COMMDEBUG_ENABLED"] = ""  # the .pth does nothing at start-up (no variable of ours is set)
@@ -281,11 +281,79 @@ def test_enabled_starts_at_once_when_torch_is_already_imported(tmp_path):
             f"os.environ['OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR'] = {output_dir!r}\n"
             "os.environ['OTEL_PYTHON_COMMDEBUG_ENABLED'] = 'true'\n"
             "import commdebug_otel._autostart\n"
+            "armed = 'commdebug_otel.instrumentation' not in sys.modules\n"
+            "torch.nn.Linear(2, 2)(torch.ones(1, 2))\n"
             "from commdebug_otel.instrumentor import current\n"
-            "json.dump({'started': current() is not None and current().started,\n"
+            "json.dump({'armed': armed, 'started': current() is not None and current().started,\n"
             "           'hooked': [type(f).__name__ for f in sys.meta_path].count('TorchImportHook')}, sys.stdout)")
     state, _ = run_python(code, env, tmp_path)
-    assert state == {"started": True, "hooked": 0}
+    assert state == {"armed": True, "started": True, "hooked": 0}
+
+
+IMPORTS_TORCH = """
+import atexit, json, sys, threading
+import torch
+json.dump({"loaded": sorted(m for m in sys.modules if m.startswith(("opentelemetry", "sympy", "commdebug_otel",
+                                                                    "torch.distributed.tensor"))),
+           "threads": threading.active_count(), "atexit": atexit._ncallbacks(),
+           "meta_path": [type(finder).__name__ for finder in sys.meta_path]}, sys.stdout)
+"""
+
+
+@pytest.mark.parametrize("route", ["pth", "run"])
+def test_importing_torch_alone_loads_no_sdk_and_no_dtensor(route, tmp_path):
+    """A data-prep script or a tool's helper under ENABLED=true imports torch and never trains: it used to load
+    the SDK and DTensor (sympy), about 880 modules and a second or more. Now only the start module is extra."""
+    env = start_route_env(route, tmp_path)
+    plain_env = {k: v for k, v in env.items() if not k.startswith("OTEL_PYTHON_COMMDEBUG_")}
+    plain_env["PYTHONPATH"] = str(PACKAGE_PARENT)  # no bootstrap: plain `import torch`
+    plain, _ = run_python(IMPORTS_TORCH, plain_env, tmp_path)
+    traced, stderr = run_python(IMPORTS_TORCH, env, tmp_path)
+    assert set(traced["loaded"]) - set(plain["loaded"]) == {"commdebug_otel", "commdebug_otel._autostart",
+                                                             "commdebug_otel.version"}
+    assert set(plain["loaded"]) - set(traced["loaded"]) == set()
+    assert {key: traced[key] for key in ("threads", "atexit")} == {key: plain[key] for key in ("threads", "atexit")}
+    assert traced["meta_path"] == plain["meta_path"]  # the import hook removed itself
+    assert stderr == "" and list(tmp_path.iterdir()) == []
+
+
+JOINS_A_GROUP = """
+import json, os, sys
+import torch
+import torch.distributed as dist
+armed = "commdebug_otel.instrumentation" not in sys.modules
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=0, world_size=1)
+from commdebug_otel.instrumentor import current
+from torch.distributed import distributed_c10d
+from torch.nn.modules import module
+started = current() is not None and current().started
+dist.all_reduce(torch.ones(1))  # set-up, before any module: an outside_step segment
+model = torch.nn.Linear(2, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+model(torch.ones(1, 2)).sum().backward()
+optimizer.step()
+dist.destroy_process_group()
+json.dump({"armed": armed, "started": started, "c10d": distributed_c10d._update_default_pg.__module__,
+           "pre_hooks": len(module._global_forward_pre_hooks)}, sys.stdout)
+"""
+
+
+def test_joining_a_process_group_starts_tracing_before_any_collective(tmp_path):
+    from commdebug_otel.offline.otlp_json import spans_from_otlp_json
+
+    result = subprocess.run([sys.executable, "-c", JOINS_A_GROUP, str(free_port())], cwd=tmp_path,
+                            env=start_route_env("pth", tmp_path), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # Both triggers went: c10d's own function is back, and only the tracer's pre-hook is left.
+    assert json.loads(result.stdout) == {"armed": True, "started": True, "c10d": "torch.distributed.distributed_c10d",
+                                         "pre_hooks": 1}
+    [traces] = tmp_path.glob("run-*/traces-rank0.jsonl")
+    spans = [span for line in traces.read_text().splitlines() for span in spans_from_otlp_json(line)]
+    assert sorted(span["name"] for span in spans) == sorted(["outside_step", "Linear forward", "Linear backward",
+                                                             "train_step"])
+    [outside] = [span for span in spans if span["name"] == "outside_step"]
+    assert [event["name"] for event in outside["events"]] == ["all_reduce"]
 
 
 @pytest.fixture
@@ -297,7 +365,7 @@ def fake_torch(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(_autostart, "TARGET", name)
     starts = []
-    monkeypatch.setattr(_autostart, "maybe_start", lambda: starts.append(sys.modules[name].VALUE))
+    monkeypatch.setattr(_autostart, "start_when_used", lambda: starts.append(sys.modules[name].VALUE))
     hook = _autostart.TorchImportHook()
     monkeypatch.setattr(sys, "meta_path", [hook, *sys.meta_path])
     yield tmp_path / f"{name}.py", hook, starts

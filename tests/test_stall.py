@@ -567,3 +567,30 @@ def test_the_stall_line_and_diagnose_say_the_same_place(monkeypatch, caplog, in_
     stall = {"between_steps": attrs.get(semconv.STALL_BETWEEN_STEPS, False), "step": attrs[semconv.STEP],
              "module": attrs[semconv.STALL_MODULE], "pass": attrs[semconv.STALL_PASS]}
     assert _stall_where(stall) == expected.removesuffix(", outside any module")
+
+
+def test_progress_gauges_read_the_latest_tracer_and_keep_no_old_one():
+    """Tracers share a meter (one provider); the SDK keeps the callbacks of an instrument's first creation only,
+    so the gauges read the first tracer's progress forever (and kept it alive). They read the latest one."""
+    import gc
+    import weakref
+
+    from commdebug_otel.otel.metrics import CollectiveMetrics
+    from commdebug_otel.testing import InMemoryTelemetry
+
+    telemetry = InMemoryTelemetry()
+    meter = telemetry.meter_provider.get_meter("commdebug_otel")
+    first = CollectiveMetrics(meter, progress=lambda: (3, 1.5, [("0", 7, 6, "default_pg")]))
+    assert [(labels[semconv.RANK], value) for labels, value in telemetry.metric_points(semconv.METRIC_STEP_AGE)] \
+        == [(3, 1.5)]
+    first.close(1.0)
+    gone = weakref.ref(first)
+    del first
+    gc.collect()
+    assert gone() is None
+    assert telemetry.metric_points(semconv.METRIC_STEP_AGE) == []  # nothing of a tracer that is gone
+    second = CollectiveMetrics(meter, progress=lambda: (5, 0.25, [("0", 9, 9, "default_pg")]))
+    assert [(labels[semconv.RANK], value) for labels, value in telemetry.metric_points(semconv.METRIC_STEP_AGE)] \
+        == [(5, 0.25)]
+    assert [value for _, value in telemetry.metric_points(semconv.METRIC_SEQ_ISSUED)] == [9]
+    second.close(1.0)

@@ -137,3 +137,66 @@ def test_torch_compiles_global_hook_warning_counts_the_scripts_hooks_not_ours(te
         assert not module_hooks._has_any_global_hook()
     finally:
         tracer.stop()
+
+
+_CYCLES = """
+import gc, json, os, sys, threading, weakref
+import torch
+import torch.distributed as dist
+from commdebug_otel import CommTracer, Settings
+
+store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+net = torch.nn.Linear(2, 2)
+optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+
+
+def cycle():
+    tracer = CommTracer(Settings(output_dir=sys.argv[1], stall_after_s=30.0))
+    with tracer:
+        net(torch.ones(1, 2)).sum().backward()
+        dist.all_reduce(torch.ones(1))
+        optimizer.step()
+    return weakref.ref(tracer)
+
+
+def fds():
+    names = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            names.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # the listing's own descriptor, closed by now
+            pass
+    return sorted(names)
+
+
+def state():
+    gc.collect()
+    return {"threads": sorted(thread.name for thread in threading.enumerate()), "fds": fds(),
+            "modules": len(sys.modules), "keys": store.num_keys()}
+
+
+first = cycle()  # the process-wide telemetry (providers, their threads and files) is made once, here
+after_first = state()
+later = [cycle() for _ in range(3)]
+json.dump({"first": after_first, "later": state(), "tracers_alive": [ref() is not None for ref in [first, *later]]},
+          sys.stdout)
+"""
+
+
+def test_start_stop_cycles_leave_nothing_behind(tmp_path):
+    """After a tracer stops, nothing of it stays: no reference (atexit, fork and signal registries, the store),
+    and later cycles add no thread, file descriptor, module or store key to what the first one set up (the
+    process-wide telemetry: its SDK threads and OTLP-JSON files are reused by every tracer of the process)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    result = subprocess.run([sys.executable, "-c", _CYCLES, str(tmp_path)], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    state = json.loads(result.stdout)
+    assert state["later"] == state["first"]
+    assert state["tracers_alive"] == [False] * 4

@@ -6,7 +6,9 @@ as one trace. ``TORCHELASTIC_RUN_ID`` is ``none`` for every torchrun job
 started without ``--rdzv-id``, so a random nonce is mixed in. The nonce is
 agreed through the default process group's store with ``compare_set`` (a
 key-value round trip, not a collective, and it never blocks on other ranks):
-the first rank to ask sets it, every other rank reads it.
+the first rank to ask sets it, every other rank reads it. The key does not
+outlive tracing: each rank counts itself out when its tracing ends
+(:func:`leave_job`), and the last of the job's ranks deletes it.
 
 Until the default process group exists in a job of several ranks (torchrun's
 ``WORLD_SIZE`` above 1), nothing that ranks must agree on is fixed
@@ -36,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import os
 import secrets
 import time
 from collections.abc import Mapping
@@ -48,6 +51,28 @@ from commdebug_otel.config import RankEnv
 _logger = logging.getLogger(__name__)
 
 NONCE_KEY = "commdebug_otel/job_nonce"
+
+# This process's tracing sessions that left the job (leave_job): session N agrees on key N. Ranks running the
+# same program start and stop tracing alike, so a rank that starts again before the others left its previous
+# session never reads the nonce that the last of them is about to delete.
+_sessions_left = 0
+# id of the default group a forked child inherited (a DataLoader worker of a rank): its store connection is the
+# parent's socket, and its leaving would count for the parent. None: not a fork, or no group then.
+_inherited_group: int | None = None
+
+
+def _after_fork_in_child() -> None:
+    global _inherited_group
+    try:
+        import torch.distributed as dist
+
+        initialized = dist.is_available() and dist.is_initialized()
+        _inherited_group = id(dist.GroupMember.WORLD) if initialized else None
+    except Exception:  # a torch without distributed
+        _inherited_group = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,12 +160,54 @@ def job_nonce(store: Any = None) -> str:
         if store is None and dist.is_available() and dist.is_initialized():
             store = default_store()
         if store is not None:
-            agreed = store.compare_set(NONCE_KEY, "", mine)
+            agreed = store.compare_set(nonce_key(), "", mine)
             return agreed.decode() if isinstance(agreed, bytes) else str(agreed)
     except Exception as error:  # e.g. a store without compare_set
         _logger.warning("commdebug-otel: ranks could not agree on a job id (%s); "
                         "step traces are per rank", error)
     return mine
+
+
+def nonce_key() -> str:
+    """The store key of the job nonce for this process's current tracing session: :data:`NONCE_KEY`, then
+    ``NONCE_KEY/<n>`` after ``n`` sessions left the job."""
+    return NONCE_KEY if _sessions_left == 0 else f"{NONCE_KEY}/{_sessions_left}"
+
+
+def leave_job(store: Any = None) -> bool:
+    """This rank's tracing session is over: count it out of the nonce key; the last of the job's ranks deletes
+    the key and its count, so nothing of ours stays in the job's store.
+
+    Last out, not "whoever wrote it": the first rank to stop cannot know whether a slower rank still has to read
+    the nonce (a rank reads it at its first step end after ``init_process_group``); once every one of the
+    ``world_size`` ranks has counted itself out, none will. A job where some ranks never trace (or one dies)
+    leaves the key and its count (two keys per session) for the store's own end.
+
+    ``store``: the default group's store (None: looked up). Two calls that never wait for a key (``add``,
+    ``delete_key``), on the existing connection: a store whose host rank has exited fails at once rather than
+    being connected to again. A forked child (a DataLoader worker) that inherited its parent's group counts
+    nothing: that group, its store connection and its place in the count are the parent's. Returns True if this
+    rank counted itself out (a default group of its own existed and the store answered). Never raises.
+    """
+    global _sessions_left
+    try:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return False
+        if _inherited_group is not None and id(dist.GroupMember.WORLD) == _inherited_group:
+            return False  # a forked child's copy of its parent's group: the parent counts itself
+        world_size = dist.get_world_size()
+        store = default_store() if store is None else store
+        key = nonce_key()
+        _sessions_left += 1  # counted or not (a store gone mid-call): this session's key is not read again
+        if int(store.add(f"{key}/left", 1)) >= world_size:
+            store.delete_key(key)
+            store.delete_key(f"{key}/left")
+        return True
+    except Exception as error:  # the store may be gone with the job (its host rank exited first)
+        _logger.debug("commdebug-otel: could not count this rank out of the job's store: %s", error)
+        return False
 
 
 def step_trace_id(run_id: str, nonce: str, step: int | str, block: int | None = None) -> int:

@@ -52,6 +52,7 @@ import collections
 import logging
 import queue
 import threading
+import weakref
 from typing import Any
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
@@ -221,15 +222,7 @@ class CollectiveMetrics:
         self._steps: collections.deque = collections.deque()
         if progress is not None:
             self._progress = progress
-            meter.create_observable_gauge(
-                semconv.METRIC_STEP_AGE, [self._observe_age], unit="s",
-                description="How long the current step (or the gap since the last one) has lasted.")
-            meter.create_observable_gauge(
-                semconv.METRIC_SEQ_ISSUED, [self._observe_issued], unit="{collective}",
-                description="Seq of the last collective this rank issued, per process group.")
-            meter.create_observable_gauge(
-                semconv.METRIC_SEQ_COMPLETED, [self._observe_completed], unit="{collective}",
-                description="Seq of the last collective this rank knows complete, per process group.")
+            _ProgressGauges.on(meter).attach(self)
         self._labels: dict[tuple, dict[str, Any]] = {}  # the worker's only
         # Points as the training thread saw them, labelled and summed by the worker: a deque
         # because any thread appends (backend threads add completions) while the worker pops.
@@ -252,7 +245,7 @@ class CollectiveMetrics:
         """The rank label of every instrument, or none (``rank_label`` off)."""
         return {semconv.RANK: rank} if self._rank_label else {}
 
-    # The gauges' callbacks: run by the metric reader's thread at each collection.
+    # The gauges' callbacks (through _ProgressGauges): run by the metric reader's thread at each collection.
     def _observe_age(self, _options: CallbackOptions) -> list[Observation]:
         rank, age_s, _ = self._progress()
         return [Observation(age_s, self._rank_labels(rank))]
@@ -370,6 +363,55 @@ class CollectiveMetrics:
         The rank is a label only where collective metrics carry it too (``rank_label``).
         """
         self._dropped.add(count, {semconv.DROPPED_KIND: kind, **self._rank_labels(rank)})
+
+
+class _ProgressGauges:
+    """The progress gauges of one meter, made once: the SDK keeps the callbacks of an instrument's first creation
+    and ignores those of a later one of the same name, so gauges made by each tracer would read the first tracer
+    forever (and keep it alive). They read the :class:`CollectiveMetrics` that attached last, weakly: nothing once
+    it is gone."""
+
+    _by_meter: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    _lock = threading.Lock()
+
+    def __init__(self, meter: Meter) -> None:
+        self._source: Any = lambda: None
+        meter.create_observable_gauge(
+            semconv.METRIC_STEP_AGE, [self._observe_age], unit="s",
+            description="How long the current step (or the gap since the last one) has lasted.")
+        meter.create_observable_gauge(
+            semconv.METRIC_SEQ_ISSUED, [self._observe_issued], unit="{collective}",
+            description="Seq of the last collective this rank issued, per process group.")
+        meter.create_observable_gauge(
+            semconv.METRIC_SEQ_COMPLETED, [self._observe_completed], unit="{collective}",
+            description="Seq of the last collective this rank knows complete, per process group.")
+
+    @classmethod
+    def on(cls, meter: Meter) -> _ProgressGauges:
+        with cls._lock:
+            try:
+                gauges = cls._by_meter.get(meter)
+                if gauges is None:
+                    gauges = cls._by_meter[meter] = cls(meter)
+            except TypeError:  # a meter that takes no weak reference: its own gauges, as many as asked
+                gauges = cls(meter)
+            return gauges
+
+    def attach(self, metrics: CollectiveMetrics) -> None:
+        self._source = weakref.ref(metrics)
+
+    # The callbacks: run by the metric reader's thread at each collection.
+    def _observe_age(self, options: CallbackOptions) -> list[Observation]:
+        metrics = self._source()
+        return [] if metrics is None else metrics._observe_age(options)
+
+    def _observe_issued(self, options: CallbackOptions) -> list[Observation]:
+        metrics = self._source()
+        return [] if metrics is None else metrics._observe_issued(options)
+
+    def _observe_completed(self, options: CallbackOptions) -> list[Observation]:
+        metrics = self._source()
+        return [] if metrics is None else metrics._observe_completed(options)
 
 
 class LazyCollectiveMetrics:
