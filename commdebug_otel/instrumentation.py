@@ -176,12 +176,8 @@ class CommTracer:
         return {**self.recorder.state_sizes(), **self._tracker.state_sizes()}
 
     def torch_fqn(self, fqn: str) -> str:
-        """A module FQN of ours (``torch.module.fqn``) as torch's CommDebugMode writes it.
-
-        Ours start with the root's class as the user wrote it (``Net.blocks.0``);
-        torch's with ``type(root).__name__``, which differs where torch swapped the
-        class (``fully_shard``: ``FSDPNet.blocks.0``). Other FQNs come back as they are.
-        """
+        """A module FQN of ours (``Net.blocks.0``: the root's class as the user wrote it) as torch's CommDebugMode
+        writes it (``type(root).__name__``: ``FSDPNet.blocks.0`` under ``fully_shard``); others as they are."""
         return self._tracker.torch_fqn(fqn)
 
     def start(self) -> CommTracer:
@@ -343,7 +339,7 @@ class CommTracer:
                             ("removing hooks", self._remove_hooks),
                             ("flush", self.telemetry.force_flush if flush else None),
                             # After the flush (the run folder's name may still read the nonce).
-                            ("job's store keys", self._leave_job),
+                            ("job's store keys", _leave_job_if_last),
                             # Last: a signal during the flush still flushes and ends the process as before.
                             ("signal handlers", self.telemetry.release_signals if self._exports else None)):
             self._run_step("CommTracer.stop", where, undo)
@@ -356,12 +352,6 @@ class CommTracer:
             call()
         except Exception as error:
             self.recorder.hook_failed(f"{caller}: {where}", error)
-
-    @staticmethod
-    def _leave_job() -> None:
-        """The process's last running tracer stopped: its keys in the job's store go (``steps.leave_job``)."""
-        if not _STARTED:
-            leave_job()
 
     def _unregister_exit(self) -> None:
         atexit.unregister(self._stop_at_exit)
@@ -453,6 +443,12 @@ class CommTracer:
             self.stop()
         except Exception as error:  # stop() never raises; should it, the script's own exit still wins
             self.recorder.hook_failed("CommTracer.stop", error)
+
+
+def _leave_job_if_last() -> None:
+    """The process's last running tracer stopped: its keys in the job's store go (``steps.leave_job``)."""
+    if not _STARTED:
+        leave_job()
 
 
 def debug_state(tracer: CommTracer) -> dict[str, Any]:
