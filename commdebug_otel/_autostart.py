@@ -182,7 +182,10 @@ class _Triggers:
             c10d._update_default_pg = _update_default_pg  # called by name from c10d's own functions
         from torch.nn.modules.module import register_module_forward_pre_hook
 
+        from commdebug_otel.capture._torch import own_global_hooks
+
         self._pre_hook = register_module_forward_pre_hook(self._first_module_call)
+        own_global_hooks(self._pre_hook)  # a script's torch.compile(model) must not warn of it (-W error)
 
     def _first_module_call(self, module: object, args: object) -> object:
         from torch.nn.modules import module as nn_module
@@ -215,7 +218,10 @@ class _Triggers:
         keeps calling it: it passes straight through once fired)."""
         try:
             if self._pre_hook is not None:
+                from commdebug_otel.capture._torch import disown_global_hooks
+
                 self._pre_hook.remove()  # type: ignore[attr-defined]
+                disown_global_hooks(self._pre_hook)
                 self._pre_hook = None
             if self._c10d is not None and getattr(self._c10d, "_update_default_pg", None) is self._wrapper:
                 self._c10d._update_default_pg = self._update_default_pg  # type: ignore[attr-defined]
