@@ -231,6 +231,13 @@ class _Triggers:
 
 
 _triggers: _Triggers | None = None
+_LAUNCHERS = ("torch/distributed/run.py", "torch/distributed/launch.py", "/torchrun")
+
+
+def _launcher() -> bool:
+    """Whether this process is torchrun's agent (``torchrun``, ``python -m torch.distributed.run`` or ``.launch``),
+    which starts the ranks and traces nothing."""
+    return bool(sys.argv) and ("/" + sys.argv[0].replace(os.sep, "/")).endswith(_LAUNCHERS)
 
 
 def start_when_used() -> None:
@@ -242,8 +249,9 @@ def start_when_used() -> None:
             if not any(value.strip() for name, value in os.environ.items() if name.startswith(PREFIX)):
                 return  # `commdebug-otel run`'s bootstrap with no variable of ours: nothing to say or start
             # Only other variables of ours (a mistyped ENABLE): tracing cannot start, and the settings say which
-            # name is unknown now, where torch is imported.
-            maybe_start()
+            # name is unknown now, where torch is imported; torchrun's agent leaves it to its rank 0 (said once).
+            if not _launcher():
+                maybe_start()
             return
         if _triggers is None:
             _triggers = _Triggers()

@@ -72,6 +72,14 @@ def check_tp_run(receiver, steps, ranks=(0, 1), events_per_step=TP_EVENTS_PER_ST
     return spans
 
 
+@pytest.mark.parametrize("variable, said", [
+    ("OTEL_PYTHON_COMMDEBUG_TRACE_EVRY", "ignoring OTEL_PYTHON_COMMDEBUG_TRACE_EVRY: no such variable"),
+    ("OTEL_PYTHON_COMMDEBUG_ENABLED", "ignoring OTEL_PYTHON_COMMDEBUG_ENABLED='ture': expected true, 1, yes or on")])
+def test_a_bad_variable_is_said_once_per_job_not_by_the_launcher_too(receiver, tmp_path, variable, said):
+    result = launch(torchrun(steps=1), receiver, tmp_path, **{variable: "ture"})
+    assert (result.stdout + result.stderr).count(said) == 1
+
+
 def test_environment_variables_alone_trace_torchrun_workers(receiver, tmp_path):
     launch(torchrun(steps=12), receiver, tmp_path, OTEL_PYTHON_COMMDEBUG_ENABLED="true",
            OTEL_PYTHON_COMMDEBUG_TRACE_EVERY="10")
