@@ -318,9 +318,10 @@ class Option:
 
 OPTIONS: tuple[Option, ...] = (
     Option("enabled", "ENABLED", parse_bool, False, BOOL_ACCEPTED,
-           "Start tracing in every Python process that imports torch and joins a process group: through "
-           "`commdebug_otel.pth`, which every install puts into site-packages, or the sitecustomize hook of "
-           "`commdebug-otel run`; no wrapper needed."),
+           "Start tracing in every Python process that imports torch, when it joins a process group or first "
+           "calls a module (a process that only imports torch loads nothing more): through `commdebug_otel.pth`, "
+           "which every install puts into site-packages, or the sitecustomize hook of `commdebug-otel run`; "
+           "no wrapper needed."),
     Option("detail", "DETAIL", _parse_detail, Detail.COLLECTIVES,
            "collectives, dtensor, ops or all",
            "Which ops become span events, as CommDebugMode's noise levels 0-3."),
