@@ -397,13 +397,25 @@ def _why_in_compiled_blocks(rank, world_size, backend):
             for span in telemetry.spans() for event in span.events]
 
 
+def _why_with_both_backends(rank, world_size):
+    """``_why_in_compiled_blocks`` with the eager backend, then with Inductor, in one job (one spawn for both):
+    each compiles fresh modules, which dynamo compiles anew."""
+    return {backend: _why_in_compiled_blocks(rank, world_size, backend) for backend in ("eager", "inductor")}
+
+
+@pytest.fixture(scope="module")
+def why_runs():
+    """Per rank of one 2-rank gloo job: ``{backend: [(span name, event name, why)]}``."""
+    return run_ranks(_why_with_both_backends, 2)
+
+
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
-def test_collectives_of_compiled_dtensor_code_keep_the_why_seen_when_it_was_traced(backend):
+def test_collectives_of_compiled_dtensor_code_keep_the_why_seen_when_it_was_traced(why_runs, backend):
     row = ("redistribute", "(Partial(sum),)", "(Replicate(),)", (2,), ("tp",))  # RowwiseParallel's output
     col = ("from_local", "(Partial(sum),)", "(Replicate(),)", (2,), ("tp",))  # ColwiseParallel's input gradient
     step = [("MlpNet.layers.0 forward", "all_reduce", row), ("MlpNet.layers.1 forward", "all_reduce", row),
             ("MlpNet.layers.1 backward", "all_reduce", col), ("MlpNet.layers.0 backward", "all_reduce", col)]
-    assert run_ranks(_why_in_compiled_blocks, 2, backend) == [step * 2, step * 2]
+    assert [jobs[backend] for jobs in why_runs] == [step * 2, step * 2]
 
 
 @pytest.mark.parametrize("compiler", ["dynamo", "dynamo fullgraph", "graph run as is"])

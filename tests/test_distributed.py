@@ -1,5 +1,6 @@
 """Real multi-rank gloo runs: per-module counts equal torch's CommDebugMode, events match across ranks."""
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -109,8 +110,8 @@ def counted_by_both(step):
     return _normalize(ours.comm_module_counts), _torch_nonzero(_normalize(theirs.comm_module_counts)), telemetry
 
 
-def test_tensor_parallel_two_ranks():
-    results = run_ranks(_train_and_compare, 2, False)
+def test_tensor_parallel_two_ranks(two_ranks):
+    results = [jobs["train_and_compare"] for jobs in two_ranks]
     for result in results:
         assert _minus(result["ours"], result["setup"]) == _torch_nonzero(result["torch"])
     spans = results[0]["spans"]
@@ -142,8 +143,8 @@ def test_tensor_parallel_two_ranks():
     assert sum(value for _, value in results[0]["metrics"]) == events
 
 
-def test_fsdp2_and_tensor_parallel_four_ranks():
-    results = run_ranks(_train_and_compare, 4, True)
+def test_fsdp2_and_tensor_parallel_four_ranks(four_ranks):
+    results = [jobs["train_and_compare"] for jobs in four_ranks]
     for result in results:
         ours, theirs = _minus(result["ours"], result["setup"]), _torch_nonzero(result["torch"])
         # FSDP2's post-backward reduce-scatter: torch books it to a leaf of the unit (the
@@ -188,8 +189,8 @@ def _send_recv(rank, world_size):
     return [(e.name, dict(e.attributes)) for e in telemetry.one("Stage forward").events]
 
 
-def test_send_and_recv_are_events_with_peer():
-    sent, received = run_ranks(_send_recv, 2)
+def test_send_and_recv_are_events_with_peer(two_ranks):
+    sent, received = [jobs["send_recv"] for jobs in two_ranks]
     assert [(name, a[semconv.COLLECTIVE_PEER], a[semconv.COLLECTIVE_BYTES]) for name, a in sent] == [
         ("send", 1, 24)]
     assert [(name, a[semconv.COLLECTIVE_PEER], a[semconv.COLLECTIVE_BYTES]) for name, a in received] == [
@@ -214,9 +215,9 @@ def _ddp(rank, world_size):
     return [(s.name, [(e.name, dict(e.attributes)) for e in s.events]) for s in telemetry.spans() if s.events]
 
 
-def test_ddp_reducer_all_reduce_is_seen_in_backward():
+def test_ddp_reducer_all_reduce_is_seen_in_backward(two_ranks):
     # DDP's C++ reducer calls ProcessGroup::allreduce, which goes through the dispatcher's c10d ops.
-    spans = run_ranks(_ddp, 2)[0]
+    spans = two_ranks[0]["ddp"]
     reduces = [(name, e) for name, events in spans for op, e in events if op == "all_reduce"]
     assert len(reduces) == 2  # one gradient bucket per step
     for name, attributes in reduces:
@@ -249,8 +250,8 @@ def _pipeline(rank, world_size):
             if semconv.COLLECTIVE_OP in e.attributes]
 
 
-def test_pipeline_parallel_send_and_recv():
-    first, last = run_ranks(_pipeline, 2)
+def test_pipeline_parallel_send_and_recv(two_ranks):
+    first, last = [jobs["pipeline"] for jobs in two_ranks]
 
     def view(events):
         return [(name, e[semconv.COLLECTIVE_PEER], e[semconv.COLLECTIVE_BYTES], e[semconv.COLLECTIVE_DTYPE])
@@ -329,8 +330,8 @@ def _check_traced_and_untraced(results):
     return results[0][1]["metrics"]
 
 
-def test_untraced_steps_count_the_same_collectives_without_a_dispatch_mode():
-    metrics = _check_traced_and_untraced(run_ranks(_traced_and_untraced, 2, False))
+def test_untraced_steps_count_the_same_collectives_without_a_dispatch_mode(two_ranks):
+    metrics = _check_traced_and_untraced([jobs["traced_and_untraced"] for jobs in two_ranks])
     # Rank 0, 3 steps of the 2-layer demo, batch 2 x 32 tokens x dim 64 float32 (16 KiB).
     assert metrics == {
         ("all_gather", "forward", "0", 0): (3, 3 * 16384),  # the output layer's logits
@@ -339,8 +340,8 @@ def test_untraced_steps_count_the_same_collectives_without_a_dispatch_mode():
     }
 
 
-def test_untraced_fsdp2_and_tensor_parallel_steps_count_the_same_collectives():
-    metrics = _check_traced_and_untraced(run_ranks(_traced_and_untraced, 4, True))
+def test_untraced_fsdp2_and_tensor_parallel_steps_count_the_same_collectives(four_ranks):
+    metrics = _check_traced_and_untraced([jobs["traced_and_untraced"] for jobs in four_ranks])
     # Rank 0: group "1" is the dp mesh dimension (FSDP2), "3" the tp one.
     assert metrics == {
         ("all_gather", "forward", "1", 0): (9, 296832),
@@ -382,8 +383,8 @@ def _redistributing_matmul(rank, world_size):
     return [[(e.name, dict(e.attributes)) for e in span.events] for span in telemetry.by_name("MatMul forward")]
 
 
-def test_a_redistribution_inside_a_dtensor_op_names_the_op():
-    for spans in run_ranks(_redistributing_matmul, 2):
+def test_a_redistribution_inside_a_dtensor_op_names_the_op(two_ranks):
+    for spans in [jobs["redistributing_matmul"] for jobs in two_ranks]:
         assert len(spans) == 2
         for events in spans:
             assert events, "the matmul redistributes its inputs"
@@ -391,3 +392,32 @@ def test_a_redistribution_inside_a_dtensor_op_names_the_op():
                 assert attributes[semconv.DTENSOR_OP] == "aten.mm.default"
                 assert attributes[semconv.DTENSOR_INPUT_PLACEMENTS] == ("(Shard(dim=1),)", "(Shard(dim=1),)")
                 assert attributes[semconv.DEVICE_MESH_SHAPE] == (2,)
+
+
+# ------------------------------------------------------------------ one job per world size
+def _jobs(rank, world_size, dp):
+    """Every workload above for one world size, one after another in one spawned job (one torch import and
+    process group per rank instead of one per test): each builds its own model, tracer and telemetry, so
+    they share only the process group. ``_traced_and_untraced`` goes first: its expected metrics name the
+    mesh's groups by number, which later meshes would shift."""
+    jobs = {"traced_and_untraced": (_traced_and_untraced, dp), "train_and_compare": (_train_and_compare, dp)}
+    if not dp:
+        jobs.update(send_recv=(_send_recv,), ddp=(_ddp,), pipeline=(_pipeline,),
+                    redistributing_matmul=(_redistributing_matmul,))
+    results = {}
+    for name, (fn, *args) in jobs.items():
+        results[name] = fn(rank, world_size, *args)
+        dist.barrier()  # no rank starts a workload while another still talks in the last one
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """Per rank of a 2-rank gloo job: ``{workload name: its result}``."""
+    return run_ranks(_jobs, 2, False)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    """Per rank of a 4-rank gloo job (FSDP2 + tensor parallel on a (2, 2) mesh): ``{workload name: result}``."""
+    return run_ranks(_jobs, 4, True)

@@ -4,6 +4,7 @@ loss logging, DeepSpeed ZeRO's parameter all-gather), on real 2-rank gloo jobs."
 
 import collections
 
+import pytest
 import torch
 from torch import nn
 
@@ -126,7 +127,7 @@ def _loss_parallel_step(rank, world_size):
             for span, event in _collective_events(telemetry)]
 
 
-def test_loss_parallel_all_reduces_name_the_loss_op():
+def test_loss_parallel_all_reduces_name_the_loss_op(shared_job):
     shard, replicate, mesh = "(Shard(dim=1),)", "(Replicate(),)", ((2,), ("tp",))
     log_softmax, nll = "aten._log_softmax.default", "aten.nll_loss_forward.default"
     expected = [
@@ -138,7 +139,7 @@ def test_loss_parallel_all_reduces_name_the_loss_op():
         ("Sequential.2 backward", "all_reduce",
          ("from_local", None, None, *mesh, "(Partial(sum),)")),
     ]
-    assert run_ranks(_loss_parallel_step, 2) == [expected, expected]
+    assert [jobs["loss_parallel_step"] for jobs in shared_job] == [expected, expected]
 
 
 # ------------------------------------------------------------------ 3. the tail of a step
@@ -178,8 +179,8 @@ def _logging_after_the_step(rank, world_size):
     return rows, events, counted
 
 
-def test_work_after_optimizer_step_is_the_tail_of_that_step():
-    ranks = run_ranks(_logging_after_the_step, 2)
+def test_work_after_optimizer_step_is_the_tail_of_that_step(shared_job):
+    ranks = [jobs["logging_after_the_step"] for jobs in shared_job]
     for rows, events, counted in ranks:
         assert (events, counted) == (5, 5)  # metric totals equal event totals
         shapes = sorted((name, step, parent, parent_step, names) for name, step, _, parent, parent_step, names in rows)
@@ -219,9 +220,25 @@ def _other_dtensor_handlers(rank, world_size):
                               for _, event in _collective_events(telemetry)]
 
 
-def test_other_dtensor_handlers_name_their_op():
+def test_other_dtensor_handlers_name_their_op(shared_job):
     shard = ("(Shard(dim=0),)",)
     argmax, equal = "aten.argmax.default", "aten.equal.default"
     expected = [("all_gather", (argmax, argmax, shard)), ("all_gather", (argmax, argmax, shard)),
                 ("all_reduce", (equal, equal, shard * 2))]
-    assert run_ranks(_other_dtensor_handlers, 2) == [(7, True, expected)] * 2
+    assert [jobs["other_dtensor_handlers"] for jobs in shared_job] == [(7, True, expected)] * 2
+
+
+# ------------------------------------------------------------------ one job for the checks that allow it
+def _shared(rank, world_size):
+    """The workloads whose checks do not depend on which meshes the default group serves, one after another in
+    one job (one spawn for three tests), each with its own tracer. The mesh-dimension checks (section 1) keep
+    a job each: a mesh made by another workload would name the default group too."""
+    return {"logging_after_the_step": _logging_after_the_step(rank, world_size),
+            "loss_parallel_step": _loss_parallel_step(rank, world_size),
+            "other_dtensor_handlers": _other_dtensor_handlers(rank, world_size)}
+
+
+@pytest.fixture(scope="module")
+def shared_job():
+    """Per rank of one 2-rank gloo job: ``{workload name: its result}``."""
+    return run_ranks(_shared, 2)

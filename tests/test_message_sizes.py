@@ -1,6 +1,7 @@
 """Message sizes per op on real gloo ranks: bytes this rank sends (or, sending nothing, receives), and the
 profiler's input/output element counts, with a dtype and shape on every rank (docs/semantic-conventions.md)."""
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -57,8 +58,8 @@ def _every_op(rank, world_size):
     return events, io
 
 
-def test_message_sizes_per_op_on_every_rank():
-    results = run_ranks(_every_op, 2)
+def test_message_sizes_per_op_on_every_rank(two_ranks):
+    results = [jobs["every_op"] for jobs in two_ranks]
     f32, shape = "float32", (2, 3)
     common = [  # (event, overload, (bytes, input elements, output elements, dtype, shape)) on both ranks
         ("all_reduce", "c10d.allreduce_.default", (24, 6, 6, f32, shape)),
@@ -113,8 +114,19 @@ def _recv_from_any_source(rank, world_size):
             if e.name in ("send", "recv")]
 
 
-def test_a_recv_from_any_source_names_its_peer_once_received():
-    assert run_ranks(_recv_from_any_source, 2) == [[("recv", 1)], [("send", 0)]]
+def test_a_recv_from_any_source_names_its_peer_once_received(two_ranks):
+    assert [jobs["recv_from_any_source"] for jobs in two_ranks] == [[("recv", 1)], [("send", 0)]]
+
+
+def _both(rank, world_size):
+    """Both workloads one after another in one job (one spawn for two tests), each with its own tracer."""
+    return {"every_op": _every_op(rank, world_size), "recv_from_any_source": _recv_from_any_source(rank, world_size)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """Per rank of one 2-rank gloo job: ``{"every_op": ..., "recv_from_any_source": ...}``."""
+    return run_ranks(_both, 2)
 
 
 def test_a_sparse_all_reduce_on_an_untraced_step_counts_its_bytes(telemetry, tracer_factory, single_rank_group):

@@ -186,9 +186,20 @@ def _seeded_alike(rank, world_size, out_dir, provider):
             for span in exporter.get_finished_spans()]
 
 
+def _seeded_alike_both(rank, world_size, out_dir):
+    """``_seeded_alike`` with our own provider, then with an injected one, in one job (one spawn for both)."""
+    return {provider: _seeded_alike(rank, world_size, out_dir, provider) for provider in ("own", "injected")}
+
+
+@pytest.fixture(scope="module")
+def seeded_alike(tmp_path_factory):
+    """Per rank of one 2-rank gloo job: ``{"own" or "injected": [(span name, trace id, span id)]}``."""
+    return run_ranks(_seeded_alike_both, 2, str(tmp_path_factory.mktemp("seeded-alike")))
+
+
 @pytest.mark.parametrize("provider", ["own", "injected"])
-def test_ranks_seeded_alike_get_distinct_span_ids_in_the_shared_step_trace(provider, tmp_path):
-    results = run_ranks(_seeded_alike, 2, str(tmp_path), provider)
+def test_ranks_seeded_alike_get_distinct_span_ids_in_the_shared_step_trace(provider, seeded_alike):
+    results = [jobs[provider] for jobs in seeded_alike]
     steps = [sorted(trace for name, trace, _ in spans if name == "train_step") for spans in results]
     assert steps[0] == steps[1] and len(set(steps[0])) == 3  # one shared trace per step
     span_ids = [[span_id for _, _, span_id in spans] for spans in results]

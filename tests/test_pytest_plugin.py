@@ -95,21 +95,22 @@ def test_update_writes_baselines_then_a_change_fails_with_the_diff(pytester):
 
     pytester.runpytest_subprocess().assert_outcomes(passed=2)
 
+    # One run for both failures (an inner run costs a torch import and a compile): the eager block changed,
+    # the compiled block's baseline gone.
     _write(pytester, reduces=2)
-    result = pytester.runpytest_subprocess()
-    result.assert_outcomes(passed=1, failed=1)
+    (folder / "compiled.json").unlink()
+    result = pytester.runpytest_subprocess("-v")
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(["*::test_eager FAILED*", "*::test_compiled FAILED*"])
     result.stdout.fnmatch_lines([
         "*communication differs (this run against comm_signatures/eager.json): 0 appeared, 0 disappeared, 1 changed",
         "~ Net forward  all_reduce  group 0  float32: count 1 -> 2 per step, bytes 32 -> 64 per step  ranks 0",
         "(pytest --comm-update writes this run's signature as the baseline)",
     ])
     assert json.loads((folder / "eager.json").read_text()) == eager  # comparing never writes
-
-    (folder / "compiled.json").unlink()
-    result = pytester.runpytest_subprocess("-k", "compiled")
-    result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*comm_signature: no baseline comm_signatures/compiled.json; run pytest "
                                  "--comm-update to write it"])
+    assert not (folder / "compiled.json").exists()
 
 
 _TP_TEST = '''
@@ -182,7 +183,7 @@ def test_a_bad_tolerance_is_said_before_the_block_runs(tmp_path, update, option,
 
 _LOOP = '''
 
-def test_loop(comm_signature):
+def test_NAME(comm_signature):
     net = Net()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
     with comm_signature("loop", typical_only=TYPICAL_ONLY):
@@ -195,7 +196,9 @@ def test_loop(comm_signature):
             optimizer.zero_grad()
             if step < STEPS - 1:
                 dist.all_reduce(loss.detach())  # logs the loss, after every step but the last
+'''
 
+_DUPLICATE = '''
 
 def test_duplicate(comm_signature):
     with comm_signature("duplicate"):
@@ -203,9 +206,10 @@ def test_duplicate(comm_signature):
 '''
 
 
-def _write_loop(pytester, steps, lazy=True, typical_only=False):
-    text = _LOOP.replace("STEPS", str(steps)).replace("LAZY", str(lazy)).replace("TYPICAL_ONLY", str(typical_only))
-    pytester.makepyfile(test_loop=_GROUP + text)
+def _loop(name, steps, lazy=True, typical_only=False):
+    """A test named ``test_<name>`` holding ``steps`` steps of a loop under the baseline name ``loop``."""
+    return (_LOOP.replace("NAME", name).replace("STEPS", str(steps)).replace("LAZY", str(lazy))
+            .replace("TYPICAL_ONLY", str(typical_only)))
 
 
 def _apart(module, pass_, op, count, nbytes):
@@ -216,8 +220,8 @@ def _apart(module, pass_, op, count, nbytes):
 
 
 def test_a_loops_baseline_holds_whatever_its_length_and_its_first_step_apart(pytester):
-    _write_loop(pytester, steps=3)
-    pytester.runpytest_subprocess("--comm-update", "test_loop.py::test_loop").assert_outcomes(passed=1)
+    pytester.makepyfile(test_loop=_GROUP + _loop("loop", steps=3))
+    pytester.runpytest_subprocess("--comm-update").assert_outcomes(passed=1)
     folder = pytester.path / "comm_signatures"
     # Net's (2, 4) float32 all_reduce and the loss's (4 bytes) in the tail after optimizer.step(): the typical
     # step. The first step broadcasts 12 bytes more; the last step logs nothing.
@@ -226,17 +230,19 @@ def test_a_loops_baseline_holds_whatever_its_length_and_its_first_step_apart(pyt
         "entries": [_entry("Net", 32), {**_entry("train_step_tail", 4), "pass": "none"}],
         "first_step": [_apart("train_step", "none", "broadcast", 1, 12)],
         "last_step": [_apart("train_step_tail", "none", "all_reduce", -1, -4)], "other_steps": []}
-    _write_loop(pytester, steps=8)
-    pytester.runpytest_subprocess("test_loop.py::test_loop").assert_outcomes(passed=1)
 
-    # Without the lazy broadcast the first step is typical: a difference, unless only the typical step is held.
-    # A baseline with one key twice for a rank is refused, naming the key.
-    _write_loop(pytester, steps=5, lazy=False)
+    # One comparing run (an inner run costs a torch import) for four tests against that baseline: 8 steps hold
+    # it; without the lazy broadcast the first step is typical: a difference, unless only the typical step is
+    # held. A baseline with one key twice for a rank is refused, naming the key.
+    pytester.makepyfile(test_loop=_GROUP + _loop("loop", steps=8) + _loop("first_step_typical", 5, lazy=False)
+                        + _loop("typical_only", 5, lazy=False, typical_only=True) + _DUPLICATE)
     entry = _entry("Net", 32)
     (folder / "duplicate.json").write_text(json.dumps({"format": signature.FORMAT, "world_size": 1,
                                                        "entries": [entry, {**entry, "count_per_step": 2}]}))
-    result = pytester.runpytest_subprocess()
-    result.assert_outcomes(failed=2)
+    result = pytester.runpytest_subprocess("-v")
+    result.assert_outcomes(passed=2, failed=2)
+    result.stdout.fnmatch_lines(["*::test_loop PASSED*", "*::test_first_step_typical FAILED*",
+                                 "*::test_typical_only PASSED*", "*::test_duplicate FAILED*"])
     result.stdout.fnmatch_lines([
         "*communication differs (this run against comm_signatures/loop.json): 0 appeared, 0 disappeared, "
         "0 changed, 1 in the first step",
@@ -246,8 +252,6 @@ def test_a_loops_baseline_holds_whatever_its_length_and_its_first_step_apart(pyt
     assert ("comm_signature: comm_signatures/duplicate.json: 1 key(s) with two entries for one rank (one would "
             "silently win; merge them into one): entries[0] and [1]: Net forward  all_reduce  group 0  float32  "
             "rank 0") in result.stdout.lines
-    _write_loop(pytester, steps=5, lazy=False, typical_only=True)
-    pytester.runpytest_subprocess("test_loop.py::test_loop").assert_outcomes(passed=1)
 
 
 _SHARED = '''

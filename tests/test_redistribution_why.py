@@ -73,8 +73,22 @@ def _why_of_every_collective(rank, world_size, detail):
             for span in telemetry.spans() for event in span.events if semconv.COLLECTIVE_OP in event.attributes]
 
 
+def _every_job(rank, world_size):
+    """The workloads of this file one after another in one 2-rank job (one spawn for the three checks): each
+    builds its own mesh, model and tracer on the default group."""
+    return {"collectives": _why_of_every_collective(rank, world_size, "collectives"),
+            "dtensor": _why_of_every_collective(rank, world_size, "dtensor"),
+            "set_up": _why_of_set_up(rank, world_size)}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Per rank: ``{"collectives" or "dtensor": _why_of_every_collective at that detail, "set_up": _why_of_set_up}``."""
+    return run_ranks(_every_job, 2)
+
+
 @pytest.mark.parametrize("detail", ["collectives", "dtensor"])
-def test_every_dtensor_collective_names_its_cause_placements_and_mesh(detail):
+def test_every_dtensor_collective_names_its_cause_placements_and_mesh(runs, detail):
     shard, replicate, partial = "(Shard(dim=1),)", "(Replicate(),)", "(Partial(sum),)"
     mesh = ((2,), ("tp",))
     add = "aten.add_.Tensor"
@@ -92,7 +106,7 @@ def test_every_dtensor_collective_names_its_cause_placements_and_mesh(detail):
         ("_Model.sp.w2 backward", "all_gather", ("redistribute", shard, replicate, *mesh), None),
         ("_Model.sp.w1 backward", "reduce_scatter", ("redistribute", partial, shard, *mesh), None),
     ]
-    assert run_ranks(_why_of_every_collective, 2, detail) == [expected, expected]
+    assert [jobs[detail] for jobs in runs] == [expected, expected]
 
 
 def _why_of_set_up(rank, world_size):
@@ -115,7 +129,7 @@ def _why_of_set_up(rank, world_size):
             for span in telemetry.spans() for event in span.events if semconv.COLLECTIVE_OP in event.attributes]
 
 
-def test_set_up_scatters_and_broadcasts_name_distribute_tensor_and_from_local():
+def test_set_up_scatters_and_broadcasts_name_distribute_tensor_and_from_local(runs):
     shard, replicate, mesh = "(Shard(dim=0),)", "(Replicate(),)", ((2,), ("tp",))
     expected = [
         ("outside_step", "scatter", ("distribute_tensor", "()", shard, *mesh)),  # ColwiseParallel: weight
@@ -123,4 +137,4 @@ def test_set_up_scatters_and_broadcasts_name_distribute_tensor_and_from_local():
         ("outside_step", "broadcast", ("distribute_tensor", "()", replicate, *mesh)),
         ("outside_step", "broadcast", ("distribute_tensor", "()", replicate, *mesh)),
     ]
-    assert run_ranks(_why_of_set_up, 2) == [expected, expected]
+    assert [jobs["set_up"] for jobs in runs] == [expected, expected]

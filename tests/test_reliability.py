@@ -74,18 +74,29 @@ def _dropped_spans(run_dir):
     return max((point["value"] for point in points), default=0)
 
 
-@pytest.mark.parametrize("collector", ["black-holed", "unreachable"])
-@pytest.mark.parametrize("ending", ["exit", "stop"])
-def test_a_dead_trace_endpoint_costs_neither_the_metrics_nor_an_uncounted_span(tmp_path, collector, ending):
-    # The metrics went after the spans in one thread: a trace endpoint that never answered took the whole
-    # budget, no metric reached its (working) file, and the spans left unsent were counted nowhere.
-    healthy = tmp_path / "healthy"
-    stop = ["--stop"] if ending == "stop" else []
-    result, _ = run_script(["one_rank.py", "3", *stop], {"OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR": str(healthy)})
-    assert result.returncode == 0, result.stderr
+@pytest.fixture(scope="module")
+def healthy_spans(tmp_path_factory):
+    """``{ending: spans one_rank.py writes to files}``, each ending run once for every collector it is
+    compared with."""
     from commdebug_otel.offline.summary import load_spans
 
-    spans = len(load_spans([str(next(healthy.glob("run-*")))]))
+    counts = {}
+    for ending, stop in (("exit", []), ("stop", ["--stop"])):
+        healthy = tmp_path_factory.mktemp(f"healthy-{ending}")
+        result, _ = run_script(["one_rank.py", "3", *stop], {"OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR": str(healthy)})
+        assert result.returncode == 0, result.stderr
+        counts[ending] = len(load_spans([str(next(healthy.glob("run-*")))]))
+    return counts
+
+
+@pytest.mark.parametrize("collector", ["black-holed", "unreachable"])
+@pytest.mark.parametrize("ending", ["exit", "stop"])
+def test_a_dead_trace_endpoint_costs_neither_the_metrics_nor_an_uncounted_span(tmp_path, healthy_spans, collector,
+                                                                                ending):
+    # The metrics went after the spans in one thread: a trace endpoint that never answered took the whole
+    # budget, no metric reached its (working) file, and the spans left unsent were counted nowhere.
+    stop = ["--stop"] if ending == "stop" else []
+    spans = healthy_spans[ending]
     hole = BlackHole() if collector == "black-holed" else None
     try:
         result, _ = run_script(["one_rank.py", "3", *stop], {
