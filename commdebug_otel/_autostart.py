@@ -188,14 +188,14 @@ class _Triggers:
         own_global_hooks(self._pre_hook)  # a script's torch.compile(model) must not warn of it (-W error)
 
     def _first_module_call(self, module: object, args: object) -> object:
-        from torch.nn.modules import module as nn_module
+        from commdebug_otel.capture._torch import global_forward_pre_hooks
 
-        before = set(nn_module._global_forward_pre_hooks)
+        before = set(global_forward_pre_hooks())
         self.fire()
         # torch took its list of this call's global pre-hooks before ours ran: run the ones tracing added.
         replaced = None
         try:
-            for key, hook in list(nn_module._global_forward_pre_hooks.items()):
+            for key, hook in list(global_forward_pre_hooks().items()):
                 if key in before:
                     continue
                 result = hook(module, args if replaced is None else replaced)

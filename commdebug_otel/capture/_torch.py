@@ -214,6 +214,14 @@ def remove_global_forward_hook(handle: Any) -> None:
 # torch.compile(module)'s call warns when any global module hook exists (OptimizedModule.__call__ asks
 # torch.nn.modules.module._has_any_global_hook): ours must not reach a script run with -W error. Ours count
 # the OptimizedModule's extra call as its module's (one FQN for both), so the warning is not about them.
+def global_forward_pre_hooks() -> dict[int, Any]:
+    """torch's global module forward pre-hooks, ``{hook id: hook}`` in the order they run
+    (``torch.nn.modules.module._global_forward_pre_hooks``)."""
+    from torch.nn.modules import module
+
+    return module._global_forward_pre_hooks
+
+
 _GLOBAL_HOOK_DICTS = ("_global_backward_pre_hooks", "_global_backward_hooks", "_global_forward_pre_hooks",
                       "_global_forward_hooks", "_global_forward_hooks_always_called",
                       "_global_forward_hooks_with_kwargs")

@@ -65,6 +65,7 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -173,8 +174,9 @@ class CollectiveInterceptor:
         try:
             if self._mesh_patch is None:
                 mesh_class = _torch.device_mesh_class()
-                self._mesh_patch = _Patch(mesh_class, "__init__", mesh_class.__dict__["__init__"],
-                                          _mesh_init_wrapper(mesh_class.__dict__["__init__"]))
+                init = mesh_class.__dict__["__init__"]
+                self._mesh_patch = _Patch(mesh_class, "__init__", init,
+                                          registering_init(init, MESHES.add, "a device mesh"))
             if on:
                 MESHES.scan()
             self._mesh_patch.apply(on)
@@ -411,16 +413,17 @@ def interceptor(registry: dict[Any, CollectiveSpec]) -> CollectiveInterceptor:
         return _interceptor
 
 
-def _mesh_init_wrapper(init: Any) -> Any:
-    """``DeviceMesh.__init__`` that registers the new mesh in :data:`~commdebug_otel.capture.ops.MESHES`."""
+def registering_init(init: Any, register: Callable[[Any], Any], what: str) -> Any:
+    """``init`` (a torch class's ``__init__``) that then hands the new object to ``register``; a failing
+    ``register`` logs ``what`` at debug level and never reaches the script."""
 
     @functools.wraps(init)
-    def __init__(mesh: Any, *args: Any, **kwargs: Any) -> None:
-        init(mesh, *args, **kwargs)
+    def __init__(made: Any, *args: Any, **kwargs: Any) -> None:
+        init(made, *args, **kwargs)
         try:
-            MESHES.add(mesh)
+            register(made)
         except Exception as error:  # never into the training script
-            _logger.debug("commdebug-otel: a device mesh not registered: %s", describe(error))
+            _logger.debug("commdebug-otel: %s not registered: %s", what, describe(error))
 
     return __init__
 

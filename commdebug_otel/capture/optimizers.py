@@ -16,7 +16,6 @@ make a torch optimizer underneath, which is the one seen. Optimizers are held we
 
 from __future__ import annotations
 
-import functools
 import gc
 import logging
 import threading
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 
 from commdebug_otel.capture._torch import optimizer_classes_made
+from commdebug_otel.capture.intercept import registering_init
 from commdebug_otel.core.redact import describe
 
 _logger = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class LiveOptimizers:
         optimizer = torch.optim.Optimizer
         original = optimizer.__dict__["__init__"]
         if self._wrapper is None or self._original is not original:
-            self._original, self._wrapper = original, _init_wrapper(original, self)
+            self._original, self._wrapper = original, registering_init(original, self.add, "an optimizer")
         optimizer.__init__ = self._wrapper
 
     def _unwrap(self) -> None:
@@ -95,20 +95,6 @@ class LiveOptimizers:
             except Exception as error:  # optimizers made before the tracer are not known before they step
                 _logger.debug("commdebug-otel: optimizers made before the tracer not found: %s", describe(error))
         return bool(self._live)
-
-
-def _init_wrapper(init: Any, live: LiveOptimizers) -> Any:
-    """``Optimizer.__init__`` that remembers the optimizer it made."""
-
-    @functools.wraps(init)
-    def __init__(optimizer: Any, *args: Any, **kwargs: Any) -> None:
-        init(optimizer, *args, **kwargs)
-        try:
-            live.add(optimizer)
-        except Exception as error:  # never into the training script
-            _logger.debug("commdebug-otel: an optimizer not remembered: %s", describe(error))
-
-    return __init__
 
 
 #: The process's optimizers (the tracers start and stop its watch).
