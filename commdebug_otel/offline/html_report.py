@@ -106,14 +106,6 @@ def _finished(spans: list[dict]) -> list[dict]:
     return [span for span in spans if not summary.is_snapshot(span)]
 
 
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
 def _table(header: list[str], rows: list[list[Any]], text_columns: frozenset[int] = frozenset()) -> str:
     """A table of escaped cells; ``text_columns``: left-aligned, wrapping columns (by index)."""
     def cell(tag: str, i: int, value: Any) -> str:
@@ -387,11 +379,12 @@ def _heat_section(spans: list[dict]) -> str:
                 cells.append("<td></td>")
                 continue
             shade = 0.06 + 0.7 * cell["bytes"] / top  # linear: a layer's megabytes stand out from a norm's bytes
+            shown = summary.human_bytes(cell["bytes"])
             cells.append(f"<td style='background:rgba(225,87,89,{shade:.2f})' title='{_e(place)}: {cell['count']} "
-                         f"{_e(op)}, {cell['bytes']} bytes'>{_bytes(cell['bytes'])} ({cell['count']})</td>")
+                         f"{_e(op)}, {cell['bytes']} bytes'>{shown} ({cell['count']})</td>")
         n = sum(cell["count"] for cell in row.values())
         size = sum(cell["bytes"] for cell in row.values())
-        body.append(f"<tr class=module><td class=text>{_e(place)}</td><td>{_bytes(size)}</td><td>{n}</td>"
+        body.append(f"<tr class=module><td class=text>{_e(place)}</td><td>{summary.human_bytes(size)}</td><td>{n}</td>"
                     f"{''.join(cells)}</tr>")
     return ("<p class=muted>Over every rank and step in the files, ranked by bytes; each op's cell: bytes (count)."
             "</p><table class=heat><tr><th>module</th><th>bytes</th><th>collectives</th>"

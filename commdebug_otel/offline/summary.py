@@ -73,6 +73,7 @@ __all__ = [
     "comm_report",
     "format_report",
     "format_table",
+    "human_bytes",
     "is_snapshot",
     "lateness",
     "load_spans",
@@ -659,7 +660,8 @@ def columns(rows: list[tuple]) -> list[str]:
     return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in cells]
 
 
-def _human_bytes(n: float) -> str:
+def human_bytes(n: float) -> str:
+    """``n`` bytes as ``640 B``, ``256.0 KiB``, ``1.5 MiB`` (powers of 1,024)."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -746,7 +748,7 @@ def format_report(spans: list[dict], rank: int = 0, top: int = 10, step: int | N
     out += ["", "Collectives per rank:"]
     rows = [("rank", "events", "bytes", *ops, "")]
     for r, total in totals.items():
-        rows.append((r, total["events"], _human_bytes(total["bytes"]),
+        rows.append((r, total["events"], human_bytes(total["bytes"]),
                      *(total["by_op"].get(op, 0) for op in ops),
                      "<- differs from the other ranks" if total["odd"] else ""))
     out += columns(rows)
@@ -782,7 +784,7 @@ def format_report(spans: list[dict], rank: int = 0, top: int = 10, step: int | N
     out += ["", f"Top collectives by bytes on rank {rank}:"]
     biggest = report["top_collectives"]
     rows = [("op", "module", "bytes", "count")]
-    rows += [(c["op"], c["module"], _human_bytes(c["bytes"]), c["count"]) for c in biggest]
+    rows += [(c["op"], c["module"], human_bytes(c["bytes"]), c["count"]) for c in biggest]
     out += columns(rows) if biggest else ["(none)"]
     return "\n".join(out)
 
