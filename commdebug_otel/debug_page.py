@@ -17,7 +17,7 @@ known complete), the last stall snapshot and the last stall verdict. Ranks answe
 until the page asks, so a job whose page nobody opens pays nothing. A rank that does not answer within
 :data:`ANSWER_TIMEOUT_S` is shown as not answering (stuck holding the GIL, or gone).
 
-Needs what torch's debug server needs: ``pip install 'commdebug-otel[debug-server]'`` (jinja2, tabulate, requests).
+Needs what torch's debug server needs: ``pip install '.[debug-server]'`` (jinja2, tabulate, requests).
 It does not start the server, nor trace: the tracer runs as always (``CommTracer`` or the environment start), and a
 rank with no tracer answers ``"tracing": false``.
 """
@@ -230,7 +230,7 @@ def debug_handlers(defaults: bool = True) -> list[Any]:
     (``defaults``) and :class:`CommDebugPage`. Call it on every rank: it starts this rank's answering thread.
 
     Raises:
-        ImportError: without torch's debug-server dependencies (``pip install 'commdebug-otel[debug-server]'``).
+        ImportError: without torch's debug-server dependencies (``pip install '.[debug-server]'``).
     """
     handlers = debug_server_default_handlers() if defaults else []
     _answer_on_this_rank()
