@@ -500,6 +500,35 @@ def test_an_interpreter_without_the_package_runs_its_own_sitecustomize_under_com
     assert (done.returncode, done.stdout.split(), done.stderr) == (0, ["THEIRS", "MAIN"], "")
 
 
+@pytest.mark.parametrize("form", ["module", "package", "zip"])
+def test_the_scripts_own_sitecustomize_runs_and_is_imported_as_itself_under_commdebug_otel_run(tmp_path, form):
+    """A sitecustomize module, package or one in a zip on PYTHONPATH runs as without us, and ``import
+    sitecustomize`` gives the script its own module (not ours)."""
+    import zipfile
+
+    code = "import sys\nsys.THEIRS = True\nFOO = 1\n"
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    if form == "module":
+        (theirs / "sitecustomize.py").write_text(code)
+    elif form == "package":
+        (theirs / "sitecustomize").mkdir()
+        (theirs / "sitecustomize" / "__init__.py").write_text(code)
+    else:
+        theirs = tmp_path / "theirs.zip"
+        with zipfile.ZipFile(theirs, "w") as archive:
+            archive.writestr("sitecustomize.py", code)
+    probe = "import sys, sitecustomize; print(getattr(sys, 'THEIRS', False), getattr(sitecustomize, 'FOO', None))"
+    env = _plain_env()
+    env["PYTHONPATH"] = str(theirs)
+    plain = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=120)
+    run = subprocess.run([str(BIN / "commdebug-otel"), "run", "--", sys.executable, "-c", probe], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert (plain.returncode, plain.stdout) == (0, "True 1\n")
+    assert (run.returncode, run.stdout, run.stderr) == (plain.returncode, plain.stdout, plain.stderr)
+
+
 # ----------------------------------------------------------------- warnings: none of ours, no filter left behind
 COMPILES = """
 import json, sys, warnings

@@ -1,9 +1,13 @@
 """Put on PYTHONPATH by ``commdebug-otel run``: start tracing, then chain to any other sitecustomize.
 
 Every Python process of the job runs it, also an interpreter that lacks the package (another
-virtual environment, the system's Python): there it starts nothing and only chains.
+virtual environment, the system's Python): there it starts nothing and only chains. The other
+sitecustomize is found as the interpreter would have found it (a module, a package, one in a zip
+on the path) and becomes the ``sitecustomize`` module, so ``import sitecustomize`` gives the
+script its own.
 """
 
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -13,12 +17,20 @@ try:
 except ImportError:  # not installed for this interpreter: it runs as without us
     pass
 
-_here = os.path.dirname(os.path.abspath(__file__))
-for _path in sys.path:
-    if _path and os.path.abspath(_path) != _here:
-        _candidate = os.path.join(_path, "sitecustomize.py")
-        if os.path.isfile(_candidate):
-            _spec = importlib.util.spec_from_file_location("_chained_sitecustomize", _candidate)
-            if _spec is not None and _spec.loader is not None:
-                _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
-            break
+
+def _chain() -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = [entry for entry in sys.path if not entry or os.path.abspath(entry) != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sitecustomize"] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules["sitecustomize"]  # as a failed import leaves it: site.py says the error
+        raise
+
+
+_chain()
