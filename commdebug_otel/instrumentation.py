@@ -308,7 +308,7 @@ class CommTracer:
             self.recorder.hook_failed("optimizer step hook", error)
 
     def _stop_at_exit(self) -> None:
-        # The telemetry's own exit handler flushes and shuts down, within one timeout.
+        self._at_exit = True  # its exit handler flushes; the store may be held by a wait that never returns
         self.stop(flush=False)
 
     def stop(self, flush: bool = True) -> None:
@@ -339,7 +339,7 @@ class CommTracer:
                             ("removing hooks", self._remove_hooks),
                             ("flush", self.telemetry.force_flush if flush else None),
                             # After the flush (the run folder's name may still read the nonce).
-                            ("job's store keys", _leave_job_if_last),
+                            ("job's store keys", None if getattr(self, "_at_exit", False) else _leave_job_if_last),
                             # Last: a signal during the flush still flushes and ends the process as before.
                             ("signal handlers", self.telemetry.release_signals if self._exports else None)):
             self._run_step("CommTracer.stop", where, undo)

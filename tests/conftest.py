@@ -57,3 +57,15 @@ def _no_tracer_left_running(request):
     if tracer is not None:
         tracer.stop()
         print(f"LEFT RUNNING by {request.node.nodeid}")
+
+
+@pytest.fixture
+def no_optimizer_alive(monkeypatch):
+    """The process's optimizers as a fresh process would have them: none (the suite's other tests leave theirs
+    alive in module fixtures); those the test makes are still found, through ``Optimizer.__init__``."""
+    import weakref
+
+    from commdebug_otel.capture import optimizers
+
+    monkeypatch.setattr(optimizers.OPTIMIZERS, "_live", weakref.WeakSet())
+    monkeypatch.setattr(optimizers, "optimizer_classes_made", lambda: [])

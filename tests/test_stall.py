@@ -349,7 +349,7 @@ class _OneProcessRecorder:
 
 def test_snapshots_back_off_while_one_stall_lasts():
     calls = []
-    recorder = _OneProcessRecorder(lambda now, age_s, *rest: calls.append((round(age_s), rest[1])))
+    recorder = _OneProcessRecorder(lambda now, age_s, *rest: calls.append((round(age_s), rest[1])), steps_taken=1)
     watch = StallWatch(recorder, 2.0, lambda: None, lambda module: None)
     start = recorder.progress.since_ns
     for second in range(0, 20):
@@ -364,7 +364,7 @@ def test_late_snapshots_keep_to_the_threshold_grid():
     """A late look (a loaded machine) does not push the later snapshots back: at T, 2T, 4T, 8T... of the stall,
     as every rank of the stall takes them (twice the age would give 2.4, 4.8, 9.6, 19.2 s here)."""
     ages = []
-    recorder = _OneProcessRecorder(lambda now, age_s, *rest: ages.append((age_s, rest[1])))
+    recorder = _OneProcessRecorder(lambda now, age_s, *rest: ages.append((age_s, rest[1])), steps_taken=1)
     watch = StallWatch(recorder, 2.0, lambda: None, lambda module: None)
     start = recorder.progress.since_ns
     for age_s in (2.4, 4.0, 4.8, 7.9, 8.0, 9.6, 16.0, 19.2, 40.0, 63.9, 64.0):
@@ -558,6 +558,7 @@ def test_the_stall_line_and_diagnose_say_the_same_place(monkeypatch, caplog, in_
         spans.append(stalled_record(progress, where, None, now, age_s, threshold_s, number, steps_taken, 64))
 
     monkeypatch.setattr(watchdog, "training_thread_location", lambda thread_id, fqn_of: where)
+    monkeypatch.setattr(watchdog, "communicating", lambda thread_id: True)  # before step 0: waiting for a peer
     watch = StallWatch(_OneProcessRecorder(snapshot, progress, steps_taken), 2.0, lambda: None, lambda module: None)
     with caplog.at_level("WARNING", logger=watchdog.__name__):
         assert watch.check(progress.since_ns + 3 * 10**9)

@@ -46,7 +46,7 @@ def test_gradient_accumulation_is_one_step_per_optimizer_step(telemetry, tracer_
     assert by_step == [micro_batches] * OPTIMIZER_STEPS
 
 
-def test_without_an_optimizer_a_step_is_cut_after_the_backward_passes(telemetry, tracer_factory):
+def test_without_an_optimizer_a_step_is_cut_after_the_backward_passes(telemetry, tracer_factory, no_optimizer_alive):
     """No optimizer alive (one made and dropped before the tracer does not count): the cut stays."""
     model = Block()
     dropped = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -57,7 +57,7 @@ def test_without_an_optimizer_a_step_is_cut_after_the_backward_passes(telemetry,
     assert [span.attributes[semconv.STEP] for span in telemetry.by_name("train_step")] == [0, 1, 2]
 
 
-def test_an_optimizer_made_later_is_known_before_it_steps(telemetry, tracer_factory):
+def test_an_optimizer_made_later_is_known_before_it_steps(telemetry, tracer_factory, no_optimizer_alive):
     """A step already cut (no optimizer then) keeps its number; once an optimizer exists, its step() alone ends
     steps."""
     model = Block()

@@ -159,7 +159,8 @@ def test_training_on_a_thread_other_than_the_tracers(telemetry, tracer_factory):
     _check(telemetry)
 
 
-def test_training_without_an_optimizer_on_a_thread_other_than_the_tracers(telemetry, tracer_factory):
+def test_training_without_an_optimizer_on_a_thread_other_than_the_tracers(telemetry, tracer_factory,
+                                                                          no_optimizer_alive):
     """A worker that trains without optimizer.step() keeps the role after NO_OPTIMIZER_CYCLES backward passes
     (one backward on a side thread is not training): its steps are exported, nothing dropped."""
     def train():
