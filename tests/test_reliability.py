@@ -460,7 +460,8 @@ def test_file_export_failures_are_counted_said_once_and_lines_stay_whole(tmp_pat
 
 # SIGINT: traced, the unhandled KeyboardInterrupt ends the process with status 1, untraced by SIGINT (-2):
 # found on this machine with the earlier code too, open (CHANGELOG "Known issues"); not strict: it passed before.
-_SIGINT_EXITS_1 = pytest.mark.xfail(reason="traced, an unhandled KeyboardInterrupt exits 1, not by SIGINT", strict=False)
+_SIGINT_EXITS_1 = pytest.mark.xfail(reason="traced, an unhandled KeyboardInterrupt exits 1, not by SIGINT",
+                                    strict=False)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=_SIGINT_EXITS_1), signal.SIGHUP,
