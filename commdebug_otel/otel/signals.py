@@ -239,6 +239,7 @@ class _SignalRescue:
     """
 
     GRACE_S = 0.5
+    JOIN_S = 1.0  # how long uninstall waits for the thread to end
     WATCH_S = 1.0  # how often it looks for a handler reset to the default action (_flush_if_lost)
 
     def __init__(self, signals: SignalFlush) -> None:
@@ -246,6 +247,7 @@ class _SignalRescue:
         self._claimed = threading.Lock()
         self._reader: socket.socket | None = None
         self._writer: socket.socket | None = None
+        self._thread: threading.Thread | None = None
 
     def install(self) -> _SignalRescue | None:
         """Take the wakeup fd and start the thread; None where the fd is taken or cannot be set."""
@@ -263,7 +265,8 @@ class _SignalRescue:
         self._reader = reader
         _RESCUES.add(self)
         _forget_rescues_in_children()
-        threading.Thread(target=self._run, args=(reader,), name="commdebug-otel-signals", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, args=(reader,), name="commdebug-otel-signals", daemon=True)
+        self._thread.start()
         return self
 
     def retake(self) -> bool:
@@ -280,12 +283,16 @@ class _SignalRescue:
         return True
 
     def uninstall(self) -> None:
-        """Give the wakeup fd back (if still ours) and end the thread (main thread only)."""
+        """Give the wakeup fd back (if still ours) and end the thread (main thread only): it is gone when
+        this returns, unless it is flushing for a signal (waited for ``JOIN_S`` at most)."""
         _RESCUES.discard(self)
         self._forget()
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.close()  # the reader sees the end and the thread returns
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(self.JOIN_S)  # a script that lists or joins threads after the tracer stops sees none
 
     def claim(self) -> bool:
         """Whoever claims first flushes and ends the process: the main thread's handler or this thread."""

@@ -1,9 +1,9 @@
 """Trains STEPS steps under CommTracer (from the environment), prints READY, then waits for a signal.
 
-usage: until_signal.py STEPS [native]
+usage: until_signal.py STEPS [native | untraced]
 
 ``native``: wait in native code instead (a TCPStore wait for a key nobody sets, as a collective
-waits for a stuck peer), where Python cannot run signal handlers.
+waits for a stuck peer), where Python cannot run signal handlers. ``untraced``: the same script without the tracer.
 """
 
 import sys
@@ -21,7 +21,8 @@ def main():
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    CommTracer().start()
+    if sys.argv[2:] != ["untraced"]:
+        CommTracer().start()
     for _ in range(int(sys.argv[1])):
         model(torch.ones(2, 4)).sum().backward()
         dist.all_reduce(torch.ones(1))
