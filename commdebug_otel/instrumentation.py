@@ -17,6 +17,7 @@ import atexit
 import functools
 import logging
 import os
+import sys
 import threading
 import weakref
 from typing import Any
@@ -327,7 +328,8 @@ class CommTracer:
         settle = getattr(self.telemetry, "settle_now", None) if flush else None
         for where, undo in (("exit handlers", self._unregister_exit),
                             ("telemetry", settle),
-                            ("closing spans", self.recorder.finish),
+                            ("closing spans", lambda: self.recorder.finish(
+                                _ending_exception() if getattr(self, "_at_exit", False) else None)),
                             # Before the process group goes (at exit, when the script never destroyed it).
                             ("backend callbacks", lambda: wait_for_backend_callbacks(
                                 min(self.settings.shutdown_timeout_s, METRICS_DRAIN_S))),
@@ -546,3 +548,11 @@ class _ModeSwitch(RecorderObserver):
     def why_wanted(self, wanted: bool) -> None:
         if self._tracer._intercepted:
             interceptor(COLLECTIVES).want_why(self._tracer.recorder, wanted)
+
+
+def _ending_exception() -> BaseException | None:
+    """At exit: the exception the main thread did not handle (Python keeps it as ``sys.last_exc``,
+    ``sys.last_value`` before 3.12, once it is printed), None after a normal end or ``sys.exit``."""
+    error = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    return error if isinstance(error, BaseException) and not isinstance(error, SystemExit) else None
+

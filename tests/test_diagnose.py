@@ -978,3 +978,49 @@ def test_send_and_recv_outside_the_step_do_not_shift_the_seqs():
     spans = test_offline_pipeline._hand_built_pipeline()
     assert diagnose.desyncs(spans) == []
     assert diagnose.diagnose(spans)["pipeline_waits"] == test_offline_pipeline._HAND_BUILT_WAITS
+
+
+_RAISES = """
+import sys
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", 0, 1, is_master=True), rank=0, world_size=1)
+
+
+class Boom(torch.nn.Module):
+    def forward(self, x):
+        if sys.argv[1] == "module" and step == 2:
+            raise ValueError("bad batch")
+        return x
+
+
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), Boom())
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(4):
+    model(torch.ones(2, 4)).sum().backward()
+    if sys.argv[1] == "loop" and step == 2:
+        raise ValueError("bad batch")
+    optimizer.step()
+"""
+
+
+@pytest.mark.parametrize(("where", "trace_every", "at"), [
+    ("loop", "100", "outside any module call"),  # an untraced step: exported because it raised
+    ("loop", "1", "outside any module call"),
+    ("module", "1", "at Sequential.1 forward"),  # the module span holds it, the step does not again
+])
+def test_an_exception_that_ends_the_script_is_an_error_in_its_step(tmp_path, capsys, where, trace_every, at):
+    """The script's unhandled exception, between module calls or in one, is diagnose's error in its step, once."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update(OTEL_PYTHON_COMMDEBUG_ENABLED="1", OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR=str(tmp_path),
+               OTEL_PYTHON_COMMDEBUG_TRACE_EVERY=trace_every, OTEL_PYTHON_COMMDEBUG_EXCEPTION_MESSAGES="full")
+    done = subprocess.run([sys.executable, "-c", _RAISES, where], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1 and done.stderr.rstrip().endswith("ValueError: bad batch"), done.stderr
+    [run] = tmp_path.glob("run-*")
+    found = json.loads(_diagnose_cli([str(run), "--format", "json"], capsys)[1])
+    assert [(e["rank"], e["step"], e["type"], e["message"]) for e in found["errors"]] == [
+        (0, 2, "ValueError", "bad batch")]
+    text = _diagnose_cli([str(run)], capsys)[1]
+    assert f"  rank 0 raised in step 2 {at}: ValueError: bad batch" in text.splitlines()

@@ -103,7 +103,7 @@ class Recorder:
     op_event: Callable[[Any, tuple, bool], None]
     keep_hook: Callable[[Any], None]
     optimizer_step_done: Callable[[], None]
-    finish: Callable[[], None]
+    finish: Callable[[BaseException | None], None]
     tracks_thread: Callable[..., bool]
     hook_failed: Callable[[str, BaseException], None]
 

@@ -329,7 +329,7 @@ class StepLifecycle:
             self._provisional_step = None
             if not step.stalled and settled(self.rank()):  # (a snapshot's trace keeps its step's spans)
                 step.trace_id = self._trace_id(step) or step.trace_id  # the process group came: the job's id
-        if (step.traced or step.stalled) and self._spans is not None:
+        if (step.traced or step.stalled or step.root.error is not None) and self._spans is not None:
             if self.role.hold(step):  # a thread that has not trained yet: exported once it does
                 return
             self.export(step)
@@ -372,9 +372,17 @@ class StepLifecycle:
         part.had_module, part.backward_done = step.had_module, step.backward_done
         return part
 
-    def finish(self) -> None:
-        """Close whatever is open (at exit or uninstrument) so every started span ends."""
+    def finish(self, error: BaseException | None = None) -> None:
+        """Close whatever is open (at exit or uninstrument) so every started span ends.
+
+        ``error``: the exception that ends the process (raised outside any module call, or through one),
+        recorded on the open step's ``train_step`` unless a span of the step already holds it; that step is
+        exported even where it was not traced, as a stalled one is.
+        """
         now = time.time_ns()
+        if self._step is not None and error is not None:
+            if all(record.error is not error for record in self._step.records):
+                self._step.root.error = error
         if self._step is not None:
             inference = not self.seen_optimizer and not self._step.backward_done
             self.close_step(now, inference=inference)

@@ -879,8 +879,9 @@ def format_text(found: dict[str, Any], top: int = 10) -> str:
     for error in found["errors"]:
         where = "outside a step" if error["step"] is None else f"step {error['step']}"
         message = f": {error['message']}" if error["message"] else ""
-        out.append(f"  rank {error['rank']} raised in {where} at {_where(error['module'], error['pass'])}: "
-                   f"{error['type']}{message}")
+        at = ("outside any module call" if error["module"] == TRAIN_STEP
+              else f"at {_where(error['module'], error['pass'])}")
+        out.append(f"  rank {error['rank']} raised in {where} {at}: {error['type']}{message}")
     out.append("")
     out.append(f"Stalls: {len(found['stalls'])}"
                + ("" if found["stalls"] else f" ({_no_stall_text(found.get('watchdog'))})"))
