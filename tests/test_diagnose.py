@@ -301,7 +301,8 @@ def test_start_up_skew_and_the_first_step_are_left_out_and_said_so(tmp_path, cap
     counted = _lateness(spans, noise_floor_s=_NOISE_S, include_warmup=True)
     # At least half the skew: rank 0's own start (its first collective comes later than rank 1's would) takes
     # some of it off, by as much as the machine's load makes it (0.317 s of 0.4 s seen).
-    assert any(row["rank"] == _SLOW_RANK and row["steps"] == [0] and row["lost_s"] >= _STARTUP_S / 2
+    # (A loaded machine may make the same row late in a later step too: step 0 is in it, with the skew.)
+    assert any(row["rank"] == _SLOW_RANK and 0 in row["steps"] and row["lost_s"] >= _STARTUP_S / 2
                for row in counted), counted
     # One slow step, even counted, is no straggler: the skew is in no straggler row.
     for include_warmup in (False, True):
