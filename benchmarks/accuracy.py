@@ -440,27 +440,35 @@ def table_rows(results: list[dict[str, Any]]) -> list[dict[str, str]]:
     return rows
 
 
+def targets(results: list[dict[str, Any]]) -> list[tuple[str, str, bool]]:
+    """The three targets over every run: (what, measured, met). A run without an answer is a miss."""
+    faults = [run for run in results if run["scenario"].split("/")[0] not in ("healthy", *HANG_FAULTS)]
+    healthy = [run for run in results if run["scenario"].startswith("healthy/") and "error" not in run]
+    hangs = [run for run in results if run["scenario"].split("/")[0] in HANG_FAULTS]
+    hits = sum(run.get("top1", False) for run in faults)
+    blamed = sum(run["false_blames"] for run in healthy)
+    right = sum(run.get("hang_right", False) for run in hangs)
+    return [
+        (f"straggler top-1 over all fault runs >= {TARGET_TOP1:.0%}", _pct(hits, len(faults)),
+         bool(faults) and hits / len(faults) >= TARGET_TOP1),
+        ("healthy runs with a false blame: none",
+         f"{sum(run['false_blames'] > 0 for run in healthy)}/{len(healthy)} ({blamed} rows)",
+         bool(healthy) and blamed == 0),
+        ("hang verdicts right: all", _pct(right, len(hangs)), bool(hangs) and right == len(hangs)),
+    ]
+
+
 def print_table(results: list[dict[str, Any]]) -> None:
-    rows = table_rows(results)
+    """The markdown table of :func:`table_rows`, then a PASS/FAIL line per target (:func:`targets`)."""
     head = ("scenario", "runs", "answer right", "detail", "live verdict", "errors")
     keys = ("scenario", "runs", "answer", "detail", "live", "errors")
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join("---" for _ in head) + "|")
-    for row in rows:
+    for row in table_rows(results):
         print("| " + " | ".join(row[key] for key in keys) + " |")
-    faults = [run for run in results if run["scenario"].split("/")[0] not in ("healthy", *HANG_FAULTS)
-              and "error" not in run]
-    healthy = [run for run in results if run["scenario"].startswith("healthy/") and "error" not in run]
-    hangs = [run for run in results if run["scenario"].split("/")[0] in HANG_FAULTS]
-    top1 = sum(run["top1"] for run in faults) / len(faults) if faults else float("nan")
-    print(f"\nstraggler top-1 over all fault runs: {_pct(sum(run['top1'] for run in faults), len(faults))} "
-          f"(target >= {TARGET_TOP1:.0%}): {'PASS' if top1 >= TARGET_TOP1 else 'FAIL'}")
-    blamed = sum(run["false_blames"] for run in healthy)
-    print(f"healthy runs with a false blame: {sum(run['false_blames'] > 0 for run in healthy)}/{len(healthy)} "
-          f"({blamed} rows; target 0): {'PASS' if blamed == 0 else 'FAIL'}")
-    right = sum(run.get("hang_right", False) for run in hangs)
-    print(f"hang verdicts right: {_pct(right, len(hangs))} (target all): "
-          f"{'PASS' if hangs and right == len(hangs) else 'FAIL'}")
+    print()
+    for what, measured, met in targets(results):
+        print(f"{what}: {measured}: {'PASS' if met else 'FAIL'}")
 
 
 def run_matrix(scenarios: list[Scenario], reps: int, keep: str | None = None,
