@@ -65,7 +65,7 @@ FWD_MODULE, BWD_MODULE = "layers.1.feed_forward", "layers.0.attention"
 STALL_AFTER_S = 2.0
 STUCK_STEP = 3
 HANG_STEPS = 6
-STUCK_S = 12.0  # a stuck rank's sleep: the verdict comes well before it ends
+STUCK_S = 10.0  # a stuck rank's sleep: the verdict comes well before it ends
 PG_TIMEOUT_S = 14  # gloo gives up on a collective that never completes (desync, a dead peer) after this
 RUN_DEADLINE_S = 150.0  # one run, start-up on a loaded machine included
 TARGET_TOP1 = 0.95
@@ -471,16 +471,28 @@ def print_table(results: list[dict[str, Any]]) -> None:
         print(f"{what}: {measured}: {'PASS' if met else 'FAIL'}")
 
 
-def run_matrix(scenarios: list[Scenario], reps: int, keep: str | None = None,
-               log=print) -> list[dict[str, Any]]:
-    """Every scenario ``reps`` times, interleaved (rep by rep) so machine drift spreads over all of them."""
-    results = []
+def run_matrix(scenarios: list[Scenario], reps: int, keep: str | None = None, log=print,
+               budget_s: float = 0.0, save=None) -> list[dict[str, Any]]:
+    """Every scenario ``reps`` times, interleaved (rep by rep) so machine drift spreads over all of them.
+
+    ``budget_s`` (> 0): no rep is begun that the last one's duration says would end past it (the reps run
+    are complete). ``save(results)`` is called after each run (a matrix stopped midway keeps its answers).
+    """
+    results: list[dict[str, Any]] = []
+    began = time.monotonic()
     for rep in range(reps):
+        rep_began = time.monotonic()
         for scenario in scenarios:
             result = run_once(scenario, keep)
             results.append(result)
             brief = {key: value for key, value in result.items() if key not in ("outcomes", "stderr")}
             log(f"[rep {rep + 1}/{reps}] {json.dumps(brief)}")
+            if save is not None:
+                save(results)
+        now = time.monotonic()
+        if budget_s and rep + 1 < reps and now + (now - rep_began) - began > budget_s:
+            log(f"[stopped after {rep + 1} reps: another would pass the {budget_s:.0f} s budget]")
+            break
     return results
 
 
@@ -491,7 +503,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=0, help="runs per scenario (default 5, --quick 2)")
     parser.add_argument("--only", default="", help="comma-separated scenario names or name prefixes "
                                                    "(fault/parallel/NrR/load), e.g. healthy,fwd/tp")
-    parser.add_argument("--json", help="write every run's answer here")
+    parser.add_argument("--minutes", type=float, default=0.0,
+                        help="begin no rep that would end past this many minutes (default: run every rep)")
+    parser.add_argument("--json", help="write every run's answer here (rewritten after each run)")
     parser.add_argument("--keep", help="copy each run's files (traces, rank outcomes) under this folder")
     args = parser.parse_args(argv)
     if args.worker:
@@ -505,13 +519,18 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--only {args.only!r} matches no scenario; names: "
                          + ", ".join(s.name for s in matrix(False)))
     reps = args.reps or (2 if args.quick else 5)
-    started = time.monotonic()
-    results = run_matrix(scenarios, reps, args.keep)
-    print(f"\naccuracy: {len(results)} runs in {time.monotonic() - started:.0f} s "
-          f"({reps} reps of {len(scenarios)} scenarios)\n")
-    print_table(results)
+    started, load = time.monotonic(), os.getloadavg()[0]
+    print(f"command: python benchmarks/accuracy.py {' '.join(argv if argv is not None else sys.argv[1:])}")
+    save = None
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        def save(results: list[dict[str, Any]]) -> None:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+
+    results = run_matrix(scenarios, reps, args.keep, budget_s=args.minutes * 60, save=save)
+    print(f"\naccuracy: {len(results)} runs in {time.monotonic() - started:.0f} s ({len(results) // len(scenarios)} "
+          f"reps of {len(scenarios)} scenarios; load average {load:.1f} -> {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} CPUs)\n")
+    print_table(results)
     return 1 if any("error" in run for run in results) else 0
 
 
