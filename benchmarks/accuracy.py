@@ -90,12 +90,18 @@ class Scenario:
         return f"{self.fault}/{self.parallel}/{self.world}r/{self.load}"
 
     @property
+    def modules(self) -> tuple[str, str]:
+        """The (forward, backward) fault's modules as the rank's model names them (a pipeline's last stage
+        holds the second block as its ``layers.0``)."""
+        return ("layers.0.feed_forward", BWD_MODULE) if self.parallel == "pp" else (FWD_MODULE, BWD_MODULE)
+
+    @property
     def expected(self) -> tuple[int, str, str] | None:
         """The right (rank, module suffix, pass) of a straggler fault; None for healthy and hangs."""
         if self.fault in ("fwd", "intermittent", "failslow"):
-            return (self.rank, FWD_MODULE, "forward")
+            return (self.rank, self.modules[0], "forward")
         if self.fault == "bwd":
-            return (self.rank, BWD_MODULE, "backward")
+            return (self.rank, self.modules[1], "backward")
         return None
 
     @property
@@ -111,6 +117,7 @@ def matrix(quick: bool) -> list[Scenario]:
                 Scenario("hang_behind"), Scenario("desync")]
     out = [Scenario(fault, "tp", 2, load) for load in ("quiet", "burn") for fault in STRAGGLER_FAULTS]
     out += [Scenario(fault, parallel) for parallel in ("ddp", "fsdp") for fault in ("healthy", "fwd", "bwd")]
+    out += [Scenario(fault, "pp") for fault in ("healthy", "fwd", "bwd", "hang_module")]
     out += [Scenario(fault, "fsdp_tp", 4, rank=2) for fault in ("healthy", "fwd", "failslow")]
     out += [Scenario(fault, "tp", 2) for fault in HANG_FAULTS if fault != "hang_subgroup"]
     out += [Scenario(fault, "fsdp_tp", 4, rank=3) for fault in ("hang_module", "hang_subgroup", "dead")]
@@ -146,9 +153,23 @@ def _build(parallel: str, world: int):
         model = fully_shard(inner, mesh=mesh)
     elif parallel == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(inner)
+    elif parallel == "pp":  # one block per stage: the first embeds, the last norms and projects
+        rank = torch.distributed.get_rank()
+        inner.layers = torch.nn.ModuleList([inner.layers[rank]])
+        if rank == 0:
+            inner.norm, inner.output = torch.nn.Identity(), torch.nn.Identity()
+        else:
+            inner.tok_embeddings = torch.nn.Identity()
+        model = inner
     else:
-        raise ValueError(f"parallel must be tp, fsdp, fsdp_tp or ddp, not {parallel!r}")
+        raise ValueError(f"parallel must be tp, fsdp, fsdp_tp, ddp or pp, not {parallel!r}")
     return model, inner
+
+
+def _loss(logits, targets):
+    import torch
+
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
 
 
 class _Faults:
@@ -156,7 +177,7 @@ class _Faults:
     ``bwd_s`` at the start of the backward module's backward (an identity on its output whose backward
     sleeps: the first thing its backward runs)."""
 
-    def __init__(self, inner) -> None:
+    def __init__(self, inner, modules: tuple[str, str]) -> None:
         import torch
 
         self.fwd_s = self.bwd_s = 0.0
@@ -173,7 +194,7 @@ class _Faults:
                     time.sleep(faults.bwd_s)
                 return grad
 
-        fwd_module, bwd_module = inner.get_submodule(FWD_MODULE), inner.get_submodule(BWD_MODULE)
+        fwd_module, bwd_module = inner.get_submodule(modules[0]), inner.get_submodule(modules[1])
         fwd_orig, bwd_orig = fwd_module.forward, bwd_module.forward
 
         def fwd(*args, **kwargs):
@@ -215,7 +236,13 @@ def rank_main(spec: dict[str, Any]) -> None:
     try:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
         model, inner = _build(scenario.parallel, world)
-        faults = _Faults(inner)
+        faults = _Faults(inner, scenario.modules)
+        schedule = None
+        if scenario.parallel == "pp":
+            from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+            stage = PipelineStage(model, rank, world, torch.device("cpu"))
+            schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=_loss)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
         pair = dist.new_group([2, 3]) if fault == "hang_subgroup" else None  # every rank makes it
         steps = HANG_STEPS if fault in HANG_FAULTS else STEPS
@@ -239,10 +266,12 @@ def rank_main(spec: dict[str, Any]) -> None:
                 if stuck and fault == "hang_module":
                     faults.fwd_s = STUCK_S
                 tokens, targets = demo.make_batch(demo.ModelArgs(), 2, step)
-                logits = model(tokens)
-                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(),
-                                                         targets.reshape(-1))
-                loss.backward()
+                if schedule is None:
+                    _loss(model(tokens), targets).backward()
+                elif rank == 0:
+                    schedule.step(tokens)
+                else:
+                    schedule.step(target=targets, losses=[])
                 if fault == "hang_subgroup":
                     if stuck:
                         time.sleep(STUCK_S)  # before the pair's all-reduce
@@ -333,13 +362,18 @@ def run_once(scenario: Scenario, keep: str | None = None) -> dict[str, Any]:
 
 
 def _diagnose(trace_dir: str) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, "-c", "import sys; from commdebug_otel.cli import main; "
-                           "sys.exit(main(sys.argv[1:]))", "diagnose", "--format", "json", trace_dir],
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
-    if done.returncode != 0:
-        raise RuntimeError(f"diagnose exit {done.returncode}: {done.stderr[-500:]}")
-    return json.loads(done.stdout)
+    """``commdebug-otel diagnose --format json TRACE_DIR``'s answer (its own entry point, in this process)."""
+    import contextlib
+    import io
+
+    from commdebug_otel.cli import main as cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = cli(["diagnose", "--format", "json", trace_dir])
+    if status != 0:
+        raise RuntimeError(f"diagnose exit {status}: {err.getvalue()[-500:]}")
+    return json.loads(out.getvalue())
 
 
 def _spans(trace_dir: str, name: str) -> list[dict[str, Any]]:
@@ -402,6 +436,17 @@ def _hang_answer(scenario: Scenario, trace_dir: str) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------ the table
+def _wrong(runs: list[dict[str, Any]]) -> str:
+    """The rows of ``runs`` that are not a right first row, counted: ``" (rank 1 (train_step) x2, ...)"`` or ``""``."""
+    counts: dict[str, int] = {}
+    for run in runs:
+        for rank, module, pass_ in run.get("rows", ())[1 if run.get("top1") else 0:]:
+            place = module.split(".", 1)[1] if "." in module and not module.startswith("(") else module
+            text = f"rank {rank} {place} {pass_}".rstrip()
+            counts[text] = counts.get(text, 0) + 1
+    return " (" + ", ".join(f"{text} x{n}" for text, n in sorted(counts.items())) + ")" if counts else ""
+
+
 def _pct(hits: int, total: int) -> str:
     return f"{hits}/{total} ({100 * hits / total:.0f}%)" if total else "n/a"
 
@@ -426,14 +471,14 @@ def table_rows(results: list[dict[str, Any]]) -> list[dict[str, str]]:
             blames = [run["false_blames"] for run in answered]
             live = [run["live_false"] for run in answered if "live_false" in run]
             row.update(answer=f"{sum(b == 0 for b in blames)}/{len(runs)} blame nobody",
-                       detail=f"{sum(blames) / max(1, len(blames)):.2f} false blames/run",
+                       detail=f"{sum(blames) / max(1, len(blames)):.2f} false blames/run{_wrong(answered)}",
                        live=f"{sum(live)} false live verdicts" if live else "n/a")
         else:
             steps = [run["live_steps"] for run in answered if run.get("live_rank_right")]
             live_seen = [run for run in answered if "live_rank_right" in run]
             extra = [run["extra_rows"] for run in answered]
             row.update(answer=_pct(sum(run["top1"] for run in answered), len(runs)),
-                       detail=f"{sum(extra) / max(1, len(extra)):.2f} extra rows/run",
+                       detail=f"{sum(extra) / max(1, len(extra)):.2f} extra rows/run{_wrong(answered)}",
                        live=(f"{len(steps)}/{len(live_seen)} named, median {statistics.median(steps)} steps"
                              if steps else (f"0/{len(live_seen)} named" if live_seen else "n/a")))
         rows.append(row)
@@ -506,10 +551,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=0.0,
                         help="begin no rep that would end past this many minutes (default: run every rep)")
     parser.add_argument("--json", help="write every run's answer here (rewritten after each run)")
+    parser.add_argument("--table", metavar="JSON", help="print the table of a --json file's runs (no runs)")
     parser.add_argument("--keep", help="copy each run's files (traces, rank outcomes) under this folder")
     args = parser.parse_args(argv)
     if args.worker:
         rank_main(json.loads(args.worker))
+        return 0
+    sys.path.insert(0, str(REPO))  # the working tree's package, as the ranks import it (PYTHONPATH)
+    if args.table:
+        print_table(json.loads(Path(args.table).read_text()))
         return 0
     scenarios = matrix(args.quick)
     if args.only:
