@@ -289,9 +289,20 @@ def _first_in_flight(records: list[StallRecord]) -> tuple[str, int] | None:
     return found[0] if found else None
 
 
-def _behind(records: Mapping[int, StallRecord]) -> tuple[list[int], list[str]]:
-    """Ranks behind on a group where others issued more, and not ahead on any (diagnose's rule); the groups
-    where they are behind (by name)."""
+def _waiting_for_unpublished(records: Mapping[int, StallRecord]) -> set[int]:
+    """Ranks with a collective in flight on a group that has members who published nothing (fewer ranks
+    published it than its size): they wait for those ranks, down the chain, and are not stuck themselves."""
+    published: dict[str, int] = {}
+    for record in records.values():
+        for name in record.groups:
+            published[name] = published.get(name, 0) + 1
+    return {rank for rank, record in records.items()
+            if any(facts.in_flight and published[name] < facts.size for name, facts in record.groups.items())}
+
+
+def _behind(records: Mapping[int, StallRecord], excused: set[int] = frozenset()) -> tuple[list[int], list[str]]:
+    """Ranks behind on a group where others issued more, and not ahead on any (diagnose's rule), ``excused``
+    ranks aside; the groups where they are behind (by name)."""
     behind: dict[int, list[str]] = {}
     ahead: set[int] = set()
     for group in sorted({group for record in records.values() for group in record.groups}):
@@ -300,7 +311,7 @@ def _behind(records: Mapping[int, StallRecord]) -> tuple[list[int], list[str]]:
         if len(issued) < 2 or max(issued.values()) == low:
             continue
         for rank, seq in issued.items():
-            if seq == low:
+            if seq == low and rank not in excused:
                 behind.setdefault(rank, []).append(group)
             else:
                 ahead.add(rank)
@@ -434,7 +445,7 @@ def form_verdict(records: Mapping[int, StallRecord], world_size: int, step: int,
                        waiting_module=mine.module if mine else "", cause=mine.cause if mine else "", summary=summary,
                        stack=records[behind[0]].stack, **fields)
 
-    behind, groups = _behind(records)
+    behind, groups = _behind(records, _waiting_for_unpublished(records) if missing else set())
     waits: list[_Wait] = []
     if behind:
         for group in groups:
