@@ -418,6 +418,12 @@ def test_a_rank_waiting_for_a_dead_rank_on_another_group_is_not_blamed():
     verdict = form_verdict(records, 4, 5, {3: "dead"})
     assert (verdict.kind, verdict.behind, verdict.dead, verdict.reported) == ("missing", (3,), (3,), 3)
     assert verdict.summary.startswith("rank 3 published nothing (rank 3: process gone); ")
+    # A rank stuck with an asynchronous collective in flight, behind the others on that group, is still behind
+    # while a rank has not yet published.
+    stuck = {rank: _record(rank, groups={"0": (8, 7, "", 4)}, ring=[("all_reduce", "0", 8, "L")]) for rank in (0, 2)}
+    stuck[3] = _record(3, module="B", groups={"0": (7, 6, "", 4)}, ring=[("all_gather", "0", 7, "A")])
+    verdict = form_verdict(stuck, 4, 5)
+    assert (verdict.kind, verdict.behind, verdict.waiting, verdict.seq) == ("hang", (3,), (0, 2), 8)
 
 
 def test_no_verdict_from_a_behind_rank_record_older_than_the_others():

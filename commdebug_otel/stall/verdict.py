@@ -290,14 +290,18 @@ def _first_in_flight(records: list[StallRecord]) -> tuple[str, int] | None:
 
 
 def _waiting_for_unpublished(records: Mapping[int, StallRecord]) -> set[int]:
-    """Ranks with a collective in flight on a group that has members who published nothing (fewer ranks
-    published it than its size): they wait for those ranks, down the chain, and are not stuck themselves."""
+    """Ranks that wait for ranks that published nothing: a collective in flight on a group with members that
+    published nothing (fewer ranks published it than its size), where no rank that published issued more (so
+    it is not behind there itself: a rank stuck with an asynchronous collective in flight stays behind)."""
     published: dict[str, int] = {}
+    most: dict[str, int] = {}
     for record in records.values():
-        for name in record.groups:
+        for name, facts in record.groups.items():
             published[name] = published.get(name, 0) + 1
+            most[name] = max(most.get(name, facts.issued), facts.issued)
     return {rank for rank, record in records.items()
-            if any(facts.in_flight and published[name] < facts.size for name, facts in record.groups.items())}
+            if any(facts.in_flight and published[name] < facts.size and facts.issued == most[name]
+                   for name, facts in record.groups.items())}
 
 
 def _behind(records: Mapping[int, StallRecord], excused: set[int] = frozenset()) -> tuple[list[int], list[str]]:
