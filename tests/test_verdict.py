@@ -426,6 +426,17 @@ def test_a_rank_waiting_for_a_dead_rank_on_another_group_is_not_blamed():
     assert (verdict.kind, verdict.behind, verdict.waiting, verdict.seq) == ("hang", (3,), (0, 2), 8)
 
 
+def test_a_pipeline_stage_stuck_with_a_recv_in_flight_is_a_hang_not_a_desync():
+    """Stage 1 posted its recv #18 and is stuck in a module; stage 0's send #18 and its recv #19 (the gradient)
+    are in flight: a send and a recv at one seq are one transfer (``benchmarks/accuracy.py``'s hang_module/pp
+    scenario said desync)."""
+    records = {0: _record(0, groups={"0": (19, 17, "", 2)}, ring=[("send", "0", 18, "S0"), ("recv", "0", 19, "S0")]),
+               1: _record(1, module="B", groups={"0": (18, 17, "", 2)}, ring=[("recv", "0", 18, "S1")])}
+    verdict = form_verdict(records, 2, 5)
+    assert (verdict.kind, verdict.behind, verdict.waiting, verdict.seq, verdict.op, verdict.module) == (
+        "hang", (1,), (0,), 19, "recv", "B")
+
+
 def test_no_verdict_from_a_behind_rank_record_older_than_the_others():
     """Rank 1's record says seq 3, but rank 0 knows seq 4 complete: rank 1 issued it since (its record is stale)."""
     records = {0: _record(0, groups={"0": (5, 4, "", 2)}, ring=[("all_reduce", "0", 5, "L1")]),

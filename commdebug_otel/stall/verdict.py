@@ -74,6 +74,7 @@ MAX_RANKS_LISTED = 8  # the summary sentence lists at most this many ranks one b
 MAX_ROUNDS = 12  # snapshots per stall (stall.MAX_SNAPSHOTS): a round key each
 
 BETWEEN_STEPS = "(between steps)"
+_P2P = frozenset({semconv.SEND, semconv.RECV, semconv.BATCH_P2P})
 KIND_HANG = semconv.VERDICT_KIND_HANG
 KIND_DESYNC = semconv.VERDICT_KIND_DESYNC
 KIND_MISSING = semconv.VERDICT_KIND_MISSING
@@ -330,7 +331,8 @@ def _desync(records: Mapping[int, StallRecord]) -> tuple[str, int, dict[str, lis
         for group, facts in record.groups.items():
             for entry in facts.in_flight:
                 ops.setdefault((group, entry.seq), {}).setdefault(entry.op, []).append(rank)
-    split = sorted(key for key, by_op in ops.items() if len(by_op) > 1)
+    # A send and a recv at one seq are the two ends of one transfer (pipeline stages), not a disagreement.
+    split = sorted(key for key, by_op in ops.items() if len(by_op) > 1 and not set(by_op) <= _P2P)
     if not split:
         return None
     group, seq = split[0]
