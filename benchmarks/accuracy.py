@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Accuracy of commdebug-otel's straggler and hang answers: a fault-injection matrix, many repetitions each.
 
-Run from the repository root (``--quick``: a few minutes; the full matrix: about 25 minutes on 2 busy cores)::
+Run from the repository root (``--quick``: a few minutes; one repetition of the full matrix: 10 to 20 minutes
+on 2 busy cores, so ``--minutes`` bounds the whole)::
 
     python benchmarks/accuracy.py [--quick] [--reps N] [--only NAME,...] [--json results.json]
     python benchmarks/bench.py --only accuracy [--quick]   # the same, as a phase of the benchmark
@@ -31,9 +32,10 @@ training the demo transformer (``commdebug_otel._demo_model``, hand-written atte
   threshold to the verdict (the verdict span's end minus its start minus ``STALL_AFTER``).
 
 Parallelisms: ``tp`` (DTensor tensor parallel over all ranks), ``ddp`` (DistributedDataParallel),
-``fsdp`` (FSDP2 ``fully_shard`` per block and root), ``fsdp_tp`` (4 ranks, 2 x 2 mesh). Load: ``quiet``
-(the machine as it is) or ``burn`` (beside ``python -c 'while True: pass'``). Pipeline parallel is not
-in the matrix. The exit status is 0 even when a target is missed (a measurement); 1 if a run crashed
+``fsdp`` (FSDP2 ``fully_shard`` per block and root), ``fsdp_tp`` (4 ranks, 2 x 2 mesh), ``pp``
+(``torch.distributed.pipelining``, GPipe, 2 microbatches, one block per stage; the last stage's block is
+its ``layers.0``). Load: ``quiet`` (the machine as it is) or ``burn`` (beside
+``python -c 'while True: pass'``). The exit status is 0 even when a target is missed (a measurement); 1 if a run crashed
 without an answer.
 """
 
