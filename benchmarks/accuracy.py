@@ -499,7 +499,7 @@ def targets(results: list[dict[str, Any]]) -> list[tuple[str, str, bool]]:
         (f"straggler top-1 over all fault runs >= {TARGET_TOP1:.0%}", _pct(hits, len(faults)),
          bool(faults) and hits / len(faults) >= TARGET_TOP1),
         ("healthy runs with a false blame: none",
-         f"{sum(run['false_blames'] > 0 for run in healthy)}/{len(healthy)} ({blamed} rows)",
+         f"{sum(run['false_blames'] > 0 for run in healthy)}/{len(healthy)} ({blamed} row{'' if blamed == 1 else 's'})",
          bool(healthy) and blamed == 0),
         ("hang verdicts right: all", _pct(right, len(hangs)), bool(hangs) and right == len(hangs)),
     ]
