@@ -36,6 +36,9 @@ training the demo transformer of ``commdebug_otel._demo_model`` at the size in `
 11. stall watchdog (``--only stall``): always-on with the stall watchdog (``STALL_AFTER=auto``, the
    default) and the cross-rank verdict's store exchange armed, against the same with ``STALL_AFTER=off``,
    on healthy steps, interleaved (tensor parallel on 2 ranks).
+12. accuracy (``--only accuracy``, ``--reps N``; not in the default set, it takes about 25 minutes): the
+   fault-injection matrix of ``benchmarks/accuracy.py`` (straggler top-1, false blames on healthy runs,
+   hang verdicts right and their latency), which also runs on its own.
 
 It prints a results table and a PASS/FAIL line per target (docs/performance.md explains
 every number). ``--profile`` instead runs cProfile on rank 0 of a traced TP job and prints
@@ -1528,6 +1531,21 @@ def check_restart() -> dict[str, Any]:
             "hooks_left": hooks_left}
 
 
+def phase_accuracy(quick: bool, reps: int, report: dict[str, Any]) -> None:
+    """benchmarks/accuracy.py's matrix (``reps`` runs per scenario; 0: its default), its table and targets."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("accuracy_bench", Path(__file__).with_name("accuracy.py"))
+    accuracy = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = accuracy  # its dataclass looks its module up
+    spec.loader.exec_module(accuracy)
+    reps = reps or (2 if quick else 5)
+    print(f"\n== accuracy: {reps} runs of each fault-injection scenario")
+    results = accuracy.run_matrix(accuracy.matrix(quick), reps)
+    accuracy.print_table(results)
+    report["accuracy"] = {"runs": results, "targets": accuracy.targets(results)}
+
+
 # ================================================================ main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -1542,6 +1560,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="overhead,dropin,always,stall,memory,blackhole,depth,import,torchimport,"
                                           "scale",
                         help="comma list of phases to run (default: all)")
+    parser.add_argument("--reps", type=int, default=0, metavar="N",
+                        help="runs per scenario of the accuracy phase (default 5, --quick 2)")
     parser.add_argument("--offline-ranks", type=int, default=OFFLINE_RANKS, metavar="N",
                         help=f"ranks of the offline phase's job, a multiple of {OFFLINE_SOURCE_RANKS} "
                              f"(default {OFFLINE_RANKS}: about 1.5 GB)")
@@ -1607,6 +1627,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         traceback.print_exc()
         return 1
+    if "accuracy" in phases:
+        phase_accuracy(q, args.reps, report)
     if "import" in phases:
         phase_import(not args.installed, report)
     if "torchimport" in phases:
@@ -1672,6 +1694,8 @@ def print_targets(report: dict[str, Any]) -> None:
                       f"SDK or DTensor", f"{imp['extra_cpu_s'] * 1000:+.0f} ms CPU, {imp['extra_s'] * 1000:+.0f} ms "
                       f"wall (medians of {imp['pairs']} pairs), heavy modules {imp['heavy'][1] or 'none'}",
                       imp["extra_cpu_s"] <= TARGET_TORCH_IMPORT_S and set(imp["heavy"][1]) <= set(imp["heavy"][0])))
+    for what, measured, met in report.get("accuracy", {}).get("targets", ()):
+        lines.append((f"[accuracy] {what}", measured, met))
     rows = {row["world"]: row for row in report.get("scale", ())}
     at = rows.get(SCALE_REPORTED_WORLD)
     if at is not None:

@@ -405,6 +405,38 @@ def test_a_hang_names_the_ranks_that_published_nothing_too():
                                "rank 0 waits in it; rank 2 published nothing (step 5, 2 of 3 ranks reported)")
 
 
+def test_a_rank_waiting_for_a_dead_rank_on_another_group_is_not_blamed():
+    """FSDP2 + TP on a (dp=2, tp=2) mesh, rank 3 dead at a step's start: rank 1 waits for it in the dp all-gather
+    (group 2, {1, 3}), so it never enters the tp all-reduce (group 3, {0, 1}) where rank 0 waits for it; rank 2
+    waits for rank 3 on their tp group (4). Rank 1 is behind on group 3 only because it waits down the chain: the
+    verdict is rank 3 missing (``benchmarks/accuracy.py``'s dead/fsdp_tp scenario named rank 1 hung)."""
+    records = {
+        0: _record(0, groups={"1": (27, 27, "dp", 2), "3": (51, 50, "tp", 2)}, ring=[("all_reduce", "3", 51, "E")]),
+        1: _record(1, groups={"2": (27, 26, "dp", 2), "3": (50, 50, "tp", 2)}, ring=[("all_gather", "2", 27, "T")]),
+        2: _record(2, groups={"1": (27, 27, "dp", 2), "4": (51, 50, "tp", 2)}, ring=[("all_reduce", "4", 51, "E")]),
+    }
+    verdict = form_verdict(records, 4, 5, {3: "dead"})
+    assert (verdict.kind, verdict.behind, verdict.dead, verdict.reported) == ("missing", (3,), (3,), 3)
+    assert verdict.summary.startswith("rank 3 published nothing (rank 3: process gone); ")
+    # A rank stuck with an asynchronous collective in flight, behind the others on that group, is still behind
+    # while a rank has not yet published.
+    stuck = {rank: _record(rank, groups={"0": (8, 7, "", 4)}, ring=[("all_reduce", "0", 8, "L")]) for rank in (0, 2)}
+    stuck[3] = _record(3, module="B", groups={"0": (7, 6, "", 4)}, ring=[("all_gather", "0", 7, "A")])
+    verdict = form_verdict(stuck, 4, 5)
+    assert (verdict.kind, verdict.behind, verdict.waiting, verdict.seq) == ("hang", (3,), (0, 2), 8)
+
+
+def test_a_pipeline_stage_stuck_with_a_recv_in_flight_is_a_hang_not_a_desync():
+    """Stage 1 posted its recv #18 and is stuck in a module; stage 0's send #18 and its recv #19 (the gradient)
+    are in flight: a send and a recv at one seq are one transfer (``benchmarks/accuracy.py``'s hang_module/pp
+    scenario said desync)."""
+    records = {0: _record(0, groups={"0": (19, 17, "", 2)}, ring=[("send", "0", 18, "S0"), ("recv", "0", 19, "S0")]),
+               1: _record(1, module="B", groups={"0": (18, 17, "", 2)}, ring=[("recv", "0", 18, "S1")])}
+    verdict = form_verdict(records, 2, 5)
+    assert (verdict.kind, verdict.behind, verdict.waiting, verdict.seq, verdict.op, verdict.module) == (
+        "hang", (1,), (0,), 19, "recv", "B")
+
+
 def test_no_verdict_from_a_behind_rank_record_older_than_the_others():
     """Rank 1's record says seq 3, but rank 0 knows seq 4 complete: rank 1 issued it since (its record is stale)."""
     records = {0: _record(0, groups={"0": (5, 4, "", 2)}, ring=[("all_reduce", "0", 5, "L1")]),

@@ -74,6 +74,7 @@ MAX_RANKS_LISTED = 8  # the summary sentence lists at most this many ranks one b
 MAX_ROUNDS = 12  # snapshots per stall (stall.MAX_SNAPSHOTS): a round key each
 
 BETWEEN_STEPS = "(between steps)"
+_P2P = frozenset({semconv.SEND, semconv.RECV, semconv.BATCH_P2P})
 KIND_HANG = semconv.VERDICT_KIND_HANG
 KIND_DESYNC = semconv.VERDICT_KIND_DESYNC
 KIND_MISSING = semconv.VERDICT_KIND_MISSING
@@ -289,9 +290,24 @@ def _first_in_flight(records: list[StallRecord]) -> tuple[str, int] | None:
     return found[0] if found else None
 
 
-def _behind(records: Mapping[int, StallRecord]) -> tuple[list[int], list[str]]:
-    """Ranks behind on a group where others issued more, and not ahead on any (diagnose's rule); the groups
-    where they are behind (by name)."""
+def _waiting_for_unpublished(records: Mapping[int, StallRecord]) -> set[int]:
+    """Ranks that wait for ranks that published nothing: a collective in flight on a group with members that
+    published nothing (fewer ranks published it than its size), where no rank that published issued more (so
+    it is not behind there itself: a rank stuck with an asynchronous collective in flight stays behind)."""
+    published: dict[str, int] = {}
+    most: dict[str, int] = {}
+    for record in records.values():
+        for name, facts in record.groups.items():
+            published[name] = published.get(name, 0) + 1
+            most[name] = max(most.get(name, facts.issued), facts.issued)
+    return {rank for rank, record in records.items()
+            if any(facts.in_flight and published[name] < facts.size and facts.issued == most[name]
+                   for name, facts in record.groups.items())}
+
+
+def _behind(records: Mapping[int, StallRecord], excused: set[int] = frozenset()) -> tuple[list[int], list[str]]:
+    """Ranks behind on a group where others issued more, and not ahead on any (diagnose's rule), ``excused``
+    ranks aside; the groups where they are behind (by name)."""
     behind: dict[int, list[str]] = {}
     ahead: set[int] = set()
     for group in sorted({group for record in records.values() for group in record.groups}):
@@ -300,7 +316,7 @@ def _behind(records: Mapping[int, StallRecord]) -> tuple[list[int], list[str]]:
         if len(issued) < 2 or max(issued.values()) == low:
             continue
         for rank, seq in issued.items():
-            if seq == low:
+            if seq == low and rank not in excused:
                 behind.setdefault(rank, []).append(group)
             else:
                 ahead.add(rank)
@@ -315,7 +331,8 @@ def _desync(records: Mapping[int, StallRecord]) -> tuple[str, int, dict[str, lis
         for group, facts in record.groups.items():
             for entry in facts.in_flight:
                 ops.setdefault((group, entry.seq), {}).setdefault(entry.op, []).append(rank)
-    split = sorted(key for key, by_op in ops.items() if len(by_op) > 1)
+    # A send and a recv at one seq are the two ends of one transfer (pipeline stages), not a disagreement.
+    split = sorted(key for key, by_op in ops.items() if len(by_op) > 1 and not set(by_op) <= _P2P)
     if not split:
         return None
     group, seq = split[0]
@@ -434,7 +451,7 @@ def form_verdict(records: Mapping[int, StallRecord], world_size: int, step: int,
                        waiting_module=mine.module if mine else "", cause=mine.cause if mine else "", summary=summary,
                        stack=records[behind[0]].stack, **fields)
 
-    behind, groups = _behind(records)
+    behind, groups = _behind(records, _waiting_for_unpublished(records) if missing else set())
     waits: list[_Wait] = []
     if behind:
         for group in groups:
