@@ -24,7 +24,7 @@ import weakref
 import torch
 
 from commdebug_otel import semconv
-from commdebug_otel.capture._torch import graph_task_id, queue_engine_callback, user_class_name
+from commdebug_otel.capture._torch import graph_task_id, in_module_call, queue_engine_callback, user_class_name
 from commdebug_otel.capture.observer import RecorderObserver
 from commdebug_otel.config import Settings
 from commdebug_otel.core.fact import PASS_NONE
@@ -48,6 +48,8 @@ class ModuleOwnership:
         fwd_stack: open forward (and recompute) records, innermost last.
         open_bw: open backward records, most recently begun last.
         depth: module nesting where records are skipped (untraced steps).
+        hooks_off: the open step's module calls run without our hooks (``StepLifecycle.hook_free_step``):
+            ``depth`` counts only the first call, the pass is read from the Python stack.
     """
 
     def __init__(self, host: OwnershipHost, settings: Settings, observers: tuple[RecorderObserver, ...],
@@ -68,6 +70,7 @@ class ModuleOwnership:
         self._bw_hint: tuple[Record | None, int] = (None, 0)  # the last record _begin_backward inserted, and where
         self._bw_callback_tasks: set[int] = set()  # graph tasks whose end is hooked (nested: reentrant checkpoints)
         self.depth = 0
+        self.hooks_off = False
         self._call_counts: dict[str, int] = {}  # by span name (FQN and pass): a string key is not GC-tracked
 
     @property
@@ -324,10 +327,12 @@ class ModuleOwnership:
         return owner, step
 
     def pass_by_depth(self, in_backward: bool) -> str:
-        """The pass when no module record owns the collective (untraced steps keep only the depth)."""
+        """The pass when no module record owns the collective (untraced steps keep only the depth; where
+        their module calls run hook-free, the stack tells whether one is in progress)."""
+        inside = self.depth > 0 or (self.hooks_off and in_module_call())
         if in_backward:
-            return semconv.PASS_RECOMPUTE if self.depth else semconv.PASS_BACKWARD
-        return semconv.PASS_FORWARD if self.depth else PASS_NONE
+            return semconv.PASS_RECOMPUTE if inside else semconv.PASS_BACKWARD
+        return semconv.PASS_FORWARD if inside else PASS_NONE
 
 
 def _end_backward_records(records: list[Record], now: int) -> None:

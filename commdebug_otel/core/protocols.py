@@ -78,6 +78,8 @@ class ModuleHooks(FailureSink, Protocol):
 
     def keep_hook(self, handle: Any) -> None: ...
 
+    def hook_free_step(self) -> bool: ...
+
 
 class StallSource(FailureSink, Protocol):
     """What the stall watchdog (``stall.StallWatch``) reads of a recorder, and asks it to export."""
