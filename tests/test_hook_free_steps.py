@@ -157,3 +157,26 @@ def test_compiled_model_does_not_recompile_across_traced_and_hook_free_steps(tel
         assert len(telemetry.by_name("Sequential forward")) == (3 if traced_first else 2)
     finally:
         torch._dynamo.reset()
+
+
+def test_untraced_steps_wake_the_metrics_worker_at_most_once_a_second(telemetry, tracer_factory, monkeypatch,
+                                                                      single_rank_group):
+    """An untraced step's points wait for the worker's own take (or the next hand-over a second later); a traced
+    step's close hands them over at once. None is lost: the stop drains them."""
+    from commdebug_otel.core import step_lifecycle
+
+    monkeypatch.setattr(step_lifecycle, "QUIET_FLUSH_NS", 10**15)  # no second passes within the test
+    model = Reduce()
+    optimizer = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.01)
+    tracer = tracer_factory(trace_every=5)  # steps 0 and 5 traced
+    handed = []
+    flush = tracer._metrics.flush
+    monkeypatch.setattr(tracer._metrics, "flush", lambda: handed.append(tracer.recorder.steps_taken) or flush())
+    with tracer:
+        for _ in range(8):
+            model(torch.ones(2)).sum()
+            optimizer.step()
+    assert handed == [1, 6]  # at the close of steps 0 and 5 (steps_taken counts the closed step already)
+    [(_, duration)] = telemetry.metric_points(semconv.METRIC_STEP_DURATION)
+    assert duration.count == 8
+    assert sum(count for _, count in telemetry.metric_points(semconv.METRIC_OPERATIONS)) == 8
