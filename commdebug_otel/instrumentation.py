@@ -148,7 +148,6 @@ class CommTracer:
         observers = (_ModeSwitch(self),) if observer is None else (_ModeSwitch(self), observer)
         self.recorder = Recorder(self.settings, self.telemetry.spans, metrics, observers)
         self._tracker = ModuleTracker(self.recorder)
-        self.recorder.resume_module_hooks = self._tracker.resume
         self._stall_watch: StallWatch | None = None
         self._mode: CollectiveDispatchMode | None = None
         self._mode_follows_steps = False  # the dispatch mode is on only while a traced step is open

@@ -290,6 +290,7 @@ class ModuleTracker:
         self._early_post_handle = None
         self._suspended = False  # global hooks off inside an unrecorded outermost call
         self._step_suspended = False  # ... and after it, until the step closes (resume())
+        recorder.resume_module_hooks = self.resume
         self._thread_changes = 0  # the recorder's thread_changes that the calls in flight belong to
 
     def install(self) -> None:

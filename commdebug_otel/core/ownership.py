@@ -20,6 +20,7 @@ import functools
 import sys
 import time
 import weakref
+from typing import Any
 
 import torch
 
@@ -48,8 +49,10 @@ class ModuleOwnership:
         fwd_stack: open forward (and recompute) records, innermost last.
         open_bw: open backward records, most recently begun last.
         depth: module nesting where records are skipped (untraced steps).
-        hooks_off: the open step's module calls run without our hooks (``StepLifecycle.hook_free_step``):
+        hooks_off: the open step's module calls run without our hooks (:meth:`hook_free_step`):
             ``depth`` counts only the first call, the pass is read from the Python stack.
+        resume_module_hooks: called (no arguments) when such a step closes, or the state resets: the
+            module tracker's global hooks come back; None: nothing to call.
     """
 
     def __init__(self, host: OwnershipHost, settings: Settings, observers: tuple[RecorderObserver, ...],
@@ -61,6 +64,7 @@ class ModuleOwnership:
         self._failures = failures
         self._max_records = settings.max_spans_per_step  # per step part (Recorder.step_full)
         self._params_seen: weakref.WeakSet = weakref.WeakSet()
+        self.resume_module_hooks: Any = None
         self.reset()
 
     def reset(self) -> None:
@@ -70,8 +74,31 @@ class ModuleOwnership:
         self._bw_hint: tuple[Record | None, int] = (None, 0)  # the last record _begin_backward inserted, and where
         self._bw_callback_tasks: set[int] = set()  # graph tasks whose end is hooked (nested: reentrant checkpoints)
         self.depth = 0
-        self.hooks_off = False
         self._call_counts: dict[str, int] = {}  # by span name (FQN and pass): a string key is not GC-tracked
+        self.hooks_back()
+
+    def hook_free_step(self) -> bool:
+        """Whether the open step's module calls may run with no hook of ours from now until it closes (then
+        ``resume_module_hooks``): an untraced training step that keeps no records, once ``optimizer.step()``
+        ends steps on a training thread known for good. Nothing then needs a module call: the step is open,
+        and its close, time, collectives and the watchdog need none (the pass is read from the stack)."""
+        host = self._host
+        step, role = host.current_step, host.role
+        if (step is None or not step.quiet or step.inference or not host.seen_optimizer or not role.fixed
+                or role.borrowing or host.first_call is not None or self.resume_module_hooks is None):
+            return False
+        self.hooks_off = True
+        return True
+
+    def hooks_back(self) -> None:
+        """The module calls run our hooks again (the step that went hook-free closed, or the state resets)."""
+        self.hooks_off = False
+        resume = self.resume_module_hooks
+        if resume is not None:
+            try:
+                resume()
+            except Exception as error:
+                self._failures.hook_failed("module hooks resume", error)
 
     @property
     def idle(self) -> bool:

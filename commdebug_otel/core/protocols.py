@@ -59,6 +59,7 @@ class ModuleHooks(FailureSink, Protocol):
     active: bool
     thread_changes: int  # how often the training thread's role changed hands
     role: ThreadRole  # its lock holds the role still through a hook (thread_role.one_role_holder)
+    resume_module_hooks: Any  # set by the tracker: called when a step that went hook-free closes
 
     @property
     def step_open(self) -> bool: ...

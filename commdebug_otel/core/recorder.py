@@ -87,7 +87,7 @@ class Recorder:
         self.waited = self._path.waited
         self.op_event = self._path.op_event
         self.keep_hook = steps.keep_hook
-        self.hook_free_step = steps.hook_free_step
+        self.hook_free_step = self._ownership.hook_free_step
         self.optimizer_step_done = steps.optimizer_step_done
         self.finish = steps.finish
         self.tracks_thread = steps.role.tracks_thread
@@ -124,11 +124,11 @@ class Recorder:
     @property
     def resume_module_hooks(self) -> Any:
         """Called (no arguments) when a step whose module calls ran hook-free closes (``hook_free_step``)."""
-        return self._steps.resume_module_hooks
+        return self._ownership.resume_module_hooks
 
     @resume_module_hooks.setter
     def resume_module_hooks(self, resume: Any) -> None:
-        self._steps.resume_module_hooks = resume
+        self._ownership.resume_module_hooks = resume
 
     @property
     def first_call(self) -> Any:

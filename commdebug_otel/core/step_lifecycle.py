@@ -61,8 +61,6 @@ class StepLifecycle:
             role, the exports to the span sink).
         first_call: called once, at the first module call that opens a step; True: stop recording.
         seen_optimizer: whether an ``optimizer.step()`` has ended a step.
-        resume_module_hooks: called when a step whose module calls ran hook-free (:meth:`hook_free_step`)
-            closes, or the state resets (the module tracker's global hooks come back); None: nothing to call.
     """
 
     def __init__(self, settings: Settings, spans: SpanSink | None, metrics: Any | None,
@@ -93,7 +91,6 @@ class StepLifecycle:
         self.seen_optimizer = False
         self.why_on = True  # what the observers were last told (why_wanted)
         self.first_call: Any = None
-        self.resume_module_hooks: Any = None
         self.reset()
 
     def reset(self) -> None:
@@ -117,29 +114,6 @@ class StepLifecycle:
         self.progress = Progress(self._path.groups.dim_name)
         self.role.reset()
         self.want_why(True)
-        self._resume_hooks()
-
-    def hook_free_step(self) -> bool:
-        """Whether the open step's module calls may run with no hook of ours from now until it closes (then
-        ``resume_module_hooks``): an untraced training step that keeps no records, once ``optimizer.step()``
-        ends steps on a training thread known for good. Nothing then needs a module call: the step is open,
-        and its close, time, collectives and the watchdog need none (the pass is read from the stack)."""
-        step = self._step
-        role = self.role
-        if (step is None or not step.quiet or step.inference or not self.seen_optimizer or not role.fixed
-                or role.borrowing or self.first_call is not None or self.resume_module_hooks is None):
-            return False
-        self.ownership.hooks_off = True
-        return True
-
-    def _resume_hooks(self) -> None:
-        self.ownership.hooks_off = False
-        resume = self.resume_module_hooks
-        if resume is not None:
-            try:
-                resume()
-            except Exception as error:
-                self._failures.hook_failed("module hooks resume", error)
 
     def activate(self) -> None:
         """The tracer starts: this thread trains, and a "why" may be recorded (set-up is traced)."""
@@ -173,7 +147,7 @@ class StepLifecycle:
                 self._close(step, now)
         self._step = self._outside = None
         if self.ownership.hooks_off:
-            self._resume_hooks()
+            self.ownership.hooks_back()
 
     def restore(self, counters: tuple[int, int] | None) -> None:
         if counters is not None:
@@ -329,7 +303,7 @@ class StepLifecycle:
             return
         self._step = None
         if self.ownership.hooks_off:
-            self._resume_hooks()
+            self.ownership.hooks_back()
         if step.inference:
             self._next_inference += 1
         else:
