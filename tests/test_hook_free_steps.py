@@ -131,30 +131,53 @@ def test_hooks_come_back_when_the_tracer_stops_in_a_hook_free_step(telemetry, tr
     tracer.stop()
 
 
-@pytest.mark.parametrize("traced_first", [True, False])
-def test_compiled_model_does_not_recompile_across_traced_and_hook_free_steps(telemetry, tracer_factory,
-                                                                             single_rank_group, traced_first):
-    """The global hooks come and go at step boundaries: a compiled module keeps its graphs."""
+class CompiledBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).relu()
+
+
+@pytest.mark.parametrize("layout", ["whole", "in place"])
+@pytest.mark.parametrize("trace_every", [2, 3])
+def test_compiled_modules_do_not_recompile_across_traced_and_hook_free_steps(telemetry, tracer_factory,
+                                                                            single_rank_group, layout, trace_every):
+    """The global hooks come and go at step boundaries: compiled code keeps its graphs (``torch.compile(model)``, and
+    a block's in-place ``compile()`` inside an eager model)."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
+    compiles = []
+
+    def backend(graph, inputs):  # counts every graph dynamo compiles: a recompile is one more
+        compiles.append(graph)
+        return graph.forward
+
     try:
-        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
-        compiled = torch.compile(model, backend="eager")
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), CompiledBlock())
+        if layout == "whole":
+            run = torch.compile(model, backend=backend)
+        else:
+            model[2].compile(backend=backend)
+            run = model
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 
         def step():
-            compiled(torch.randn(2, 4)).sum().backward()
+            run(torch.randn(2, 4)).sum().backward()
             optimizer.step()
             optimizer.zero_grad()
 
-        step()  # compiled once, untraced
-        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        with tracer_factory(trace_every=2 if traced_first else 3):
+        step()  # compiled, untraced
+        step()
+        assert len(compiles) == 1
+        with tracer_factory(trace_every=trace_every):
             for _ in range(6):
                 step()
-        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+        assert len(compiles) == 1
         assert not torch._dynamo.utils.counters["graph_break"]
-        assert len(telemetry.by_name("Sequential forward")) == (3 if traced_first else 2)
+        name = "Sequential forward" if layout == "whole" else "Sequential.2 forward"
+        assert len(telemetry.by_name(name)) == (3 if trace_every == 2 else 2)
     finally:
         torch._dynamo.reset()
 
