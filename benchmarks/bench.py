@@ -1866,7 +1866,7 @@ def main(argv: list[str] | None = None) -> int:
             if "depth" in phases:
                 phase_depth(rounds=12 if q else 40, steps_per_block=11, report=report)
             if "units" in phases:
-                phase_units(rounds=10 if q else 30, steps_per_block=6, report=report)
+                phase_units(rounds=10 if q else 20, steps_per_block=6, report=report)
             if "offline" in phases:
                 phase_offline(args.offline_ranks, report)
             if "scale" in phases:
