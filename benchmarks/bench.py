@@ -35,8 +35,15 @@ training the demo transformer of ``commdebug_otel._demo_model`` at the size in `
    time of a process that imports torch and never joins a process group, and which heavy modules it loads;
 11. stall watchdog (``--only stall``): always-on with the stall watchdog (``STALL_AFTER=auto``, the
    default) and the cross-rank verdict's store exchange armed, against the same with ``STALL_AFTER=off``,
-   on healthy steps, interleaved (tensor parallel on 2 ranks).
-12. accuracy (``--only accuracy``, ``--reps N``; not in the default set, it takes about 25 minutes): the
+   on healthy steps, interleaved (tensor parallel on 2 ranks);
+12. unit costs (``--only units``): one process, one gloo rank: a chain of 200 blocks (401 module calls a
+   step) and a step of 200 one-element all_reduces, uninstrumented, ours untraced, ours traced every step,
+   torch's ``ModTracker`` and torch's ``CommDebugMode``, interleaved, in the training thread's CPU time (a
+   loaded machine's other processes and the export threads do not count): the added nanoseconds per untraced
+   module call and per untraced collective, the added microseconds per traced span (and per module pass of
+   ``ModTracker`` and ``CommDebugMode``), always-on per block, and what always-on costs a 1 s step of 500
+   module calls and 200 collectives;
+13. accuracy (``--only accuracy``, ``--reps N``; not in the default set, it takes about 25 minutes): the
    fault-injection matrix of ``benchmarks/accuracy.py`` (straggler top-1, false blames on healthy runs,
    hang verdicts right and their latency), which also runs on its own.
 
@@ -1306,6 +1313,265 @@ def phase_depth(rounds: int, steps_per_block: int, report: dict[str, Any]) -> No
     report["depth"] = {"rounds": rounds, "steps_per_block": steps_per_block, "depths": rows, "ratio": ratios}
 
 
+# The unit-cost phase: blocks of the chain (each a Block holding a Linear: 2 module calls, 4 module passes with
+# backward) and one-element all_reduces per step; the real step its costs are projected onto.
+UNIT_BLOCKS = 200
+UNIT_COLLECTIVES = 200
+REAL_STEP = {"seconds": 1.0, "module_calls": 500, "collectives": 200}
+TARGET_UNIT_BLOCK_US = 2.0  # always-on (1 in 100), per block of the chain, forward plus backward
+UNIT_CHAIN_CONFIGS = (BASELINE, "ours untraced", "ours traced (every step)", "torch ModTracker",
+                      "torch CommDebugMode")
+UNIT_COLLECTIVE_CONFIGS = (BASELINE, "ours untraced", "ours traced (every step)", "torch CommDebugMode")
+
+
+class ChainJob:
+    """``UNIT_BLOCKS`` blocks in a root's ModuleList (each a Linear(8, 8) then a ReLU), trained with SGD;
+    ``top_level``: the step calls each block itself (a loop over layers, pipeline stages), no root call."""
+
+    def __init__(self, blocks: int, top_level: bool = False) -> None:
+        import torch
+
+        class Block(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.lin = torch.nn.Linear(8, 8)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return torch.relu(self.lin(x))
+
+        class Chain(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.blocks = torch.nn.ModuleList(Block() for _ in range(blocks))
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                for block in self.blocks:
+                    x = block(x)
+                return x
+
+        torch.manual_seed(0)
+        self.model = Chain()
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-4)
+        self.input = torch.ones(2, 8)
+        self.module_calls = 2 * blocks + (0 if top_level else 1)
+        self.module_passes = 2 * self.module_calls  # forward and backward of each call
+        self.top_level = top_level
+
+    def step(self) -> None:
+        if self.top_level:
+            x = self.input
+            for block in self.model.blocks:
+                x = block(x)
+        else:
+            x = self.model(self.input)
+        x.sum().backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def timed_step(self) -> float:
+        """The training thread's CPU time for the step: on a loaded machine the wall time adds other processes'
+        turns, and the process's CPU time the export threads of the block before (not this block's cost)."""
+        start = time.thread_time()
+        self.step()
+        return time.thread_time() - start
+
+
+class CollectiveJob:
+    """A step of ``UNIT_COLLECTIVES`` one-element all_reduces in one module's forward, then an SGD step."""
+
+    def __init__(self, collectives: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        class Comm(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.weight = torch.nn.Parameter(torch.ones(1))
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                for _ in range(collectives):
+                    dist.all_reduce(x)
+                return self.weight * 1.0
+
+        self.model = Comm()
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-4)
+        self.input = torch.ones(1)
+
+    top_level = False
+    step, timed_step = ChainJob.step, ChainJob.timed_step
+
+
+def _mod_tracker_block() -> Block:
+    """torch's ``ModTracker`` (forward and backward of every module, no collectives), a fresh one per step."""
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    def enter() -> Any:
+        tracker = ModTracker()
+        tracker.__enter__()
+        return tracker
+
+    return Block(enter, lambda tracker: tracker.__exit__(None, None, None), per_step=True)
+
+
+def unit_costs_worker(rank: int, world_size: int, rounds: int, steps_per_block: int, out_dir: str,
+                      log_path: str) -> dict[str, Any]:
+    """The chain and the collective step, each config's blocks interleaved; spans per traced step counted."""
+    chain, collectives = ChainJob(UNIT_BLOCKS), CollectiveJob(UNIT_COLLECTIVES)
+    results: dict[str, Any] = {}
+    for name, job, configs in (("chain", chain, UNIT_CHAIN_CONFIGS), ("collectives", collectives,
+                                                                      UNIT_COLLECTIVE_CONFIGS)):
+        for _ in range(3):
+            job.step()
+        # Untraced: one step in a billion traced (the first, in the warm-up); traced: every step, file exporter.
+        untraced = _tracer({"trace_every": 10**9, "output_dir": os.path.join(out_dir, f"{name}-untraced")},
+                           f"units-{name}-untraced")
+        traced = _tracer({"trace_every": 1, "output_dir": os.path.join(out_dir, f"{name}-traced")},
+                         f"units-{name}-traced")
+        blocks = {BASELINE: Block(lambda: None, lambda _: None), configs[1]: _tracer_block(untraced),
+                  configs[2]: _tracer_block(traced)}
+        if "torch ModTracker" in configs:
+            blocks["torch ModTracker"] = _mod_tracker_block()
+        blocks["torch CommDebugMode"] = _torch_block()
+        results[name] = _run_interleaved(job, blocks, rounds, steps_per_block, warmup_blocks=1)
+    from commdebug_otel import CommTracer, Settings
+    from commdebug_otel.testing import InMemoryTelemetry
+
+    telemetry = InMemoryTelemetry()  # spans of one traced step of the chain, train_step included
+    with CommTracer(Settings(), tracer_provider=telemetry.tracer_provider, meter_provider=telemetry.meter_provider):
+        chain.step()
+        telemetry.clear()
+        chain.step()
+    return {"times": results, "chain_spans": len(telemetry.spans()), "module_calls": chain.module_calls,
+            "python_calls": _call_counts(out_dir),
+            "module_passes": chain.module_passes}
+
+
+def our_python_calls(job: Any, settings: dict[str, Any], steps: int = 4) -> float:
+    """Calls of functions of this package per step on the training thread (``sys.setprofile``), steps after
+    the first of a started tracer: a count, which a loaded machine does not change."""
+    import commdebug_otel
+
+    root = os.path.dirname(os.path.abspath(commdebug_otel.__file__))
+    counted = [0]
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(root):
+            counted[0] += 1
+
+    tracer = _tracer(settings, "units-count")
+    tracer.start()
+    try:
+        job.step()
+        sys.setprofile(profile)
+        try:
+            for _ in range(steps):
+                job.step()
+        finally:
+            sys.setprofile(None)
+    finally:
+        tracer.stop()
+        _remove_collective_kernels()
+    return counted[0] / steps
+
+
+def _call_counts(out_dir: str) -> dict[str, Any]:
+    """Our Python calls per untraced and per traced step, chains of 20 and ``UNIT_BLOCKS`` blocks, nested in a
+    root and called at top level; per module call: the difference over the module calls between the two."""
+    counts: dict[str, Any] = {}
+    for layout, top_level in (("nested", False), ("top_level", True)):
+        small, large = ChainJob(20, top_level), ChainJob(UNIT_BLOCKS, top_level)
+        row = {}
+        for kind, every in (("untraced", 10**9), ("traced", 1)):
+            settings = {"trace_every": every, "output_dir": os.path.join(out_dir, f"count-{layout}-{kind}")}
+            few, many = our_python_calls(small, settings), our_python_calls(large, settings)
+            row[kind] = {"per_step_20": few, f"per_step_{UNIT_BLOCKS}": many,
+                         "per_module_call": (many - few) / (large.module_calls - small.module_calls)}
+        counts[layout] = row
+    return counts
+
+
+def _paired_diff_s(times: dict[str, list[list[float]]], name: str) -> float:
+    """Per round the fastest step of ``name`` minus the baseline's fastest; the median over rounds (seconds).
+
+    The fastest: a loaded machine only adds to a thread's CPU time (a core shared with another process's
+    thread runs it slower), so the least is the nearest to the step's own cost."""
+    return statistics.median(min(ours) - min(base) for ours, base in zip(times[name], times[BASELINE]))
+
+
+def phase_units(rounds: int, steps_per_block: int, report: dict[str, Any]) -> None:
+    print(f"\n== unit costs: one process, one gloo rank; a chain of {UNIT_BLOCKS} blocks ({2 * UNIT_BLOCKS + 1} "
+          f"module calls a step) and a step of {UNIT_COLLECTIVES} one-element all_reduces; {rounds} rounds of "
+          f"{steps_per_block}-step blocks per config, interleaved (first step of each block discarded); the training "
+          f"thread's CPU time per step; per round the fastest step minus the uninstrumented fastest, the median over "
+          f"rounds",
+          flush=True)
+    began = time.perf_counter()
+    env = {name: value for name, value in child_env("").items() if not name.startswith("OTEL_EXPORTER")}
+    out_dir = tempfile.mkdtemp(prefix="commdebug-bench-units-")
+    try:
+        result = run_ranks(unit_costs_worker, 1, env, rounds=rounds, steps_per_block=steps_per_block,
+                           out_dir=out_dir)[0]
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    chain, coll = result["times"]["chain"], result["times"]["collectives"]
+    calls, passes, spans = result["module_calls"], result["module_passes"], result["chain_spans"]
+    base_ms = 1000 * statistics.median(min(block) for block in chain[BASELINE])
+    untraced_s, traced_s = _paired_diff_s(chain, "ours untraced"), _paired_diff_s(chain, "ours traced (every step)")
+    mod_s, cdm_s = _paired_diff_s(chain, "torch ModTracker"), _paired_diff_s(chain, "torch CommDebugMode")
+    coll_base_ms = 1000 * statistics.median(min(block) for block in coll[BASELINE])
+    coll_untraced_s = _paired_diff_s(coll, "ours untraced")
+    coll_traced_s = _paired_diff_s(coll, "ours traced (every step)")
+    coll_cdm_s = _paired_diff_s(coll, "torch CommDebugMode")
+    always_block_us = (untraced_s + (traced_s - untraced_s) / ALWAYS_ON_TRACE_EVERY) / UNIT_BLOCKS * 1e6
+    row = {
+        "chain_step_ms": base_ms, "module_calls_per_step": calls, "spans_per_traced_step": spans,
+        "untraced_ns_per_module_call": untraced_s / calls * 1e9,
+        "traced_us_per_span": traced_s / spans * 1e6,
+        "mod_tracker_us_per_module_pass": mod_s / passes * 1e6,
+        "comm_debug_mode_us_per_module_pass": cdm_s / passes * 1e6,
+        "always_on_us_per_block": always_block_us,
+        "traced_us_per_block": traced_s / UNIT_BLOCKS * 1e6,
+        "mod_tracker_us_per_block": mod_s / UNIT_BLOCKS * 1e6,
+        "comm_debug_mode_us_per_block": cdm_s / UNIT_BLOCKS * 1e6,
+        "collective_step_ms": coll_base_ms,
+        "untraced_ns_per_collective": coll_untraced_s / UNIT_COLLECTIVES * 1e9,
+        "traced_us_per_collective": coll_traced_s / UNIT_COLLECTIVES * 1e6,
+        "comm_debug_mode_us_per_collective": coll_cdm_s / UNIT_COLLECTIVES * 1e6,
+    }
+    real = REAL_STEP
+    untraced_real_s = (row["untraced_ns_per_module_call"] * real["module_calls"]
+                       + row["untraced_ns_per_collective"] * real["collectives"]) / 1e9
+    traced_real_s = (row["traced_us_per_span"] * (2 * real["module_calls"] + 1)
+                     + row["traced_us_per_collective"] * real["collectives"]) / 1e6
+    row["real_step"] = {**real, "untraced_added_ms": untraced_real_s * 1e3, "traced_added_ms": traced_real_s * 1e3,
+                        "always_on_ratio": 1 + (untraced_real_s + (traced_real_s - untraced_real_s)
+                                                / ALWAYS_ON_TRACE_EVERY) / real["seconds"]}
+    print(f"chain: uninstrumented step {base_ms:.2f} ms of CPU; {calls} module calls, {spans} spans a traced step")
+    print(f"  ours untraced        {row['untraced_ns_per_module_call']:8.0f} ns per module call")
+    print(f"  ours traced          {row['traced_us_per_span']:8.2f} us per span ({row['traced_us_per_block']:.1f} us "
+          f"per block)")
+    print(f"  torch ModTracker     {row['mod_tracker_us_per_module_pass']:8.2f} us per module pass "
+          f"({row['mod_tracker_us_per_block']:.1f} us per block)")
+    print(f"  torch CommDebugMode  {row['comm_debug_mode_us_per_module_pass']:8.2f} us per module pass "
+          f"({row['comm_debug_mode_us_per_block']:.1f} us per block)")
+    print(f"  ours always-on (1 in {ALWAYS_ON_TRACE_EVERY}): {always_block_us:.2f} us per block, forward plus backward")
+    counts = row["python_calls"] = result["python_calls"]
+    for layout, kinds in counts.items():
+        print(f"  our Python calls per step, {layout} chain of 20 / {UNIT_BLOCKS} blocks: " + "; ".join(
+            f"{kind} {c['per_step_20']:.0f} / {c[f'per_step_{UNIT_BLOCKS}']:.0f} ({c['per_module_call']:.2f} per "
+            f"module call)" for kind, c in kinds.items()))
+    print(f"collectives: uninstrumented step {coll_base_ms:.2f} ms of CPU")
+    print(f"  ours untraced        {row['untraced_ns_per_collective']:8.0f} ns per collective")
+    print(f"  ours traced          {row['traced_us_per_collective']:8.2f} us per collective")
+    print(f"  torch CommDebugMode  {row['comm_debug_mode_us_per_collective']:8.2f} us per collective")
+    rs = row["real_step"]
+    print(f"a {real['seconds']:.0f} s step of {real['module_calls']} module calls and {real['collectives']} "
+          f"collectives: untraced +{rs['untraced_added_ms']:.2f} ms, traced +{rs['traced_added_ms']:.1f} ms, "
+          f"always-on (1 in {ALWAYS_ON_TRACE_EVERY}) {rs['always_on_ratio']:.4f}x")
+    print(f"({time.perf_counter() - began:.0f} s)", flush=True)
+    report["units"] = row
+
+
 OFFLINE_RANKS = 1024  # the offline phase's job: ranks (a multiple of OFFLINE_SOURCE_RANKS) of 20 traced steps
 OFFLINE_SOURCE_RANKS = 4  # ranks of the real run copied (the demo model, FSDP2 + TP on a (2, 2) mesh)
 OFFLINE_STEPS = 20
@@ -1557,8 +1823,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="only cProfile rank 0 of a traced TP job and print our hot spots")
     parser.add_argument("--profile-workload", default="tp", choices=("tp", "demo"),
                         help="the workload --profile runs (default tp)")
-    parser.add_argument("--only", default="overhead,dropin,always,stall,memory,blackhole,depth,import,torchimport,"
-                                          "scale",
+    parser.add_argument("--only", default="overhead,dropin,always,stall,memory,blackhole,depth,units,import,"
+                                          "torchimport,scale",
                         help="comma list of phases to run (default: all)")
     parser.add_argument("--reps", type=int, default=0, metavar="N",
                         help="runs per scenario of the accuracy phase (default 5, --quick 2)")
@@ -1619,6 +1885,8 @@ def main(argv: list[str] | None = None) -> int:
                 phase_black_hole(rx, rounds=3 if q else 6, steps_per_block=5, report=report)
             if "depth" in phases:
                 phase_depth(rounds=12 if q else 40, steps_per_block=11, report=report)
+            if "units" in phases:
+                phase_units(rounds=10 if q else 20, steps_per_block=6, report=report)
             if "offline" in phases:
                 phase_offline(args.offline_ranks, report)
             if "scale" in phases:
@@ -1727,6 +1995,17 @@ def print_targets(report: dict[str, Any]) -> None:
         lines.append((f"[depth {DEPTHS[-1]}] exporter none the cheapest traced step",
                       ", ".join(f"{name} {value:.3f}x" for name, value in ratios.items()) + " untraced",
                       min(ratios, key=ratios.get) == "none"))
+    if "units" in report:
+        units = report["units"]
+        lines.append((f"[units] always-on <= {TARGET_UNIT_BLOCK_US:.0f} us per block of a {UNIT_BLOCKS}-block chain",
+                      f"{units['always_on_us_per_block']:.2f} us ({units['untraced_ns_per_module_call']:.0f} ns per "
+                      f"untraced module call)", units["always_on_us_per_block"] <= TARGET_UNIT_BLOCK_US))
+        untraced_calls = max(kinds["untraced"]["per_module_call"] for kinds in units["python_calls"].values())
+        lines.append(("[units] untraced: no Python of ours per module call (< 0.05)", f"{untraced_calls:.2f} calls per "
+                      "module call (nested and top-level chains)", untraced_calls < 0.05))
+        lines.append(("[units] a traced block <= torch ModTracker's",
+                      f"{units['traced_us_per_block']:.1f} us vs {units['mod_tracker_us_per_block']:.1f} us",
+                      units["traced_us_per_block"] <= units["mod_tracker_us_per_block"]))
     if "offline" in report:
         off = report["offline"]
         for command in ("summarize", "diagnose"):

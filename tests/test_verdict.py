@@ -137,13 +137,14 @@ def _job(rank: int, world_size: int, port: int, env: dict, scenario: str, odd_ra
     os._exit(0)  # a peer still hung in gloo's teardown must not hold this one
 
 
-def run_job(scenario: str, world_size: int, odd_rank: int, receiver: OtlpReceiver) -> dict:
+def run_job(scenario: str, world_size: int, odd_rank: int, receiver: OtlpReceiver, trace_every: int = 1) -> dict:
     """Run the 4-step job on ``world_size`` gloo ranks with ``odd_rank`` misbehaving at step 2; return what
     each rank said (``{rank: outcome}``, ranks that died absent) and when the job started."""
     import torch.multiprocessing as mp
 
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.http_endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
-           "OTEL_PYTHON_COMMDEBUG_STALL_AFTER": str(STALL_AFTER_S), "OTEL_METRIC_EXPORT_INTERVAL": "60000"}
+           "OTEL_PYTHON_COMMDEBUG_STALL_AFTER": str(STALL_AFTER_S), "OTEL_METRIC_EXPORT_INTERVAL": "60000",
+           "OTEL_PYTHON_COMMDEBUG_TRACE_EVERY": str(trace_every)}
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(_job, args=(world_size, free_port(), env, scenario, odd_rank, out_dir),
                                      nprocs=world_size, join=False, start_method="spawn")
@@ -226,6 +227,25 @@ def test_a_rank_stuck_in_a_module_is_named_with_the_collective_the_others_wait_i
     assert attrs[semconv.VERDICT_SUMMARY] == (
         f"rank 2 never entered all_reduce #{seq} on group 0, issued by Net.layers.1; it is in Net.layers.1 "
         f"forward; {ranks_text(waiting)} wait in it (step {STUCK_STEP}, {world_size} of {world_size} ranks reported)")
+
+
+def test_a_rank_stuck_in_a_module_of_an_untraced_step_is_named_from_its_stack(receiver, capfd):
+    """One step in 100 traced: the stuck step runs its module calls with no hook of ours (after the first); the
+    verdict names the module from the training thread's Python stack all the same."""
+    outcomes = run_job("module", 4, 2, receiver, trace_every=100)
+    assert outcomes == dict.fromkeys(range(4), "finished")
+    attrs = _one_verdict(receiver, capfd)
+    seq = STUCK_STEP * PER_STEP + 1
+    assert (attrs[semconv.VERDICT_KIND], attrs[semconv.VERDICT_BEHIND_RANKS], attrs[semconv.VERDICT_SEQ],
+            attrs[semconv.VERDICT_MODULE], attrs[semconv.VERDICT_WAITING_MODULE], attrs[semconv.STEP]) == (
+        "hang", [2], seq, "Net.layers.1", "Net.layers.1", STUCK_STEP)
+    assert attrs[semconv.VERDICT_SUMMARY] == (
+        f"rank 2 never entered all_reduce #{seq} on group 0, issued by Net.layers.1; it is in Net.layers.1 "
+        f"forward; {ranks_text([0, 1, 3])} wait in it (step {STUCK_STEP}, 4 of 4 ranks reported)")
+    # Untraced: the stuck step exports no module span, only its stall snapshot.
+    assert not [span for span in receiver.spans() if span["name"].startswith("Net.layers")
+                and span["attributes"].get(semconv.STALL_SNAPSHOT) is None
+                and span["trace_id"] in _stalled_step_trace(receiver)]
 
 
 def _latency_s(receiver: OtlpReceiver) -> float:

@@ -36,7 +36,11 @@
   metrics), only the outermost call matters (the pass label of its
   collectives): the global hooks are removed for its duration, so the modules
   inside take ``Module._call_impl``'s hook-free fast path, and come back in its
-  forward hook.
+  forward hook. Once ``optimizer.step()`` ends steps on a known training
+  thread, they stay off until the step closes (``Recorder.hook_free_step``):
+  the step's first module call opens it, and no other module call of the step
+  runs Python of ours; they come back at the step's close (:meth:`ModuleTracker.resume`),
+  so the next step, traced or not, is seen from its first call.
 
 Modules are held through weak references only. Every hook catches its own
 errors, logs once and gives up; none raises into training.
@@ -285,6 +289,8 @@ class ModuleTracker:
         self._pre_handle = None
         self._early_post_handle = None
         self._suspended = False  # global hooks off inside an unrecorded outermost call
+        self._step_suspended = False  # ... and after it, until the step closes (resume())
+        recorder.resume_module_hooks = self.resume
         self._thread_changes = 0  # the recorder's thread_changes that the calls in flight belong to
 
     def install(self) -> None:
@@ -307,7 +313,7 @@ class ModuleTracker:
 
     def remove(self) -> None:
         self._remove_global_hooks()
-        self._suspended = False
+        self._suspended = self._step_suspended = False
         for module in self._calls:
             remove_forward_hook(module, self._end_hook_id)
         for entries in self._call_lists:
@@ -316,6 +322,13 @@ class ModuleTracker:
             if compiled_call(module) is wrapper:
                 set_compiled_call(module, wrapper.call)
         self._wrapped.clear()
+
+    def resume(self) -> None:
+        """The step whose calls ran hook-free closed: the global hooks come back (at once, or at the end of
+        the outermost call in flight). Nothing if they were not taken off (or the tracker was removed)."""
+        self._step_suspended = False
+        if self._suspended and not self._calls:
+            self._add_global_hooks()
 
     def _new_thread(self) -> None:
         """The training thread's role changed hands (``Recorder.tracks_thread``): the calls in flight are
@@ -489,10 +502,11 @@ class ModuleTracker:
         """Nothing is recorded inside ``outermost``'s call: no hook of ours runs there.
 
         Its own forward hook (added by the pre-hook, ``always_call``) brings the global
-        hooks back.
+        hooks back, unless the step's calls go hook-free to its close (``resume``).
         """
         self._remove_global_hooks()
         self._suspended = True
+        self._step_suspended = self._recorder.hook_free_step()
 
     def _early_post_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """Global forward hooks run before the module's own: hook the raw outputs first.
@@ -581,7 +595,7 @@ class ModuleTracker:
             if entry_module is not module:
                 remove_forward_hook(module, self._end_hook_id)  # a call whose pre-hook failed
                 return
-            if self._suspended and not calls:
+            if self._suspended and not calls and not self._step_suspended:
                 self._add_global_hooks()
             recorder.module_post(module, record)
             if record is not None:

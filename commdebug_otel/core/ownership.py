@@ -20,11 +20,12 @@ import functools
 import sys
 import time
 import weakref
+from typing import Any
 
 import torch
 
 from commdebug_otel import semconv
-from commdebug_otel.capture._torch import graph_task_id, queue_engine_callback, user_class_name
+from commdebug_otel.capture._torch import graph_task_id, in_module_call, queue_engine_callback, user_class_name
 from commdebug_otel.capture.observer import RecorderObserver
 from commdebug_otel.config import Settings
 from commdebug_otel.core.fact import PASS_NONE
@@ -48,6 +49,10 @@ class ModuleOwnership:
         fwd_stack: open forward (and recompute) records, innermost last.
         open_bw: open backward records, most recently begun last.
         depth: module nesting where records are skipped (untraced steps).
+        hooks_off: the open step's module calls run without our hooks (:meth:`hook_free_step`):
+            ``depth`` counts only the first call, the pass is read from the Python stack.
+        resume_module_hooks: called (no arguments) when such a step closes, or the state resets: the
+            module tracker's global hooks come back; None: nothing to call.
     """
 
     def __init__(self, host: OwnershipHost, settings: Settings, observers: tuple[RecorderObserver, ...],
@@ -59,6 +64,7 @@ class ModuleOwnership:
         self._failures = failures
         self._max_records = settings.max_spans_per_step  # per step part (Recorder.step_full)
         self._params_seen: weakref.WeakSet = weakref.WeakSet()
+        self.resume_module_hooks: Any = None
         self.reset()
 
     def reset(self) -> None:
@@ -69,6 +75,30 @@ class ModuleOwnership:
         self._bw_callback_tasks: set[int] = set()  # graph tasks whose end is hooked (nested: reentrant checkpoints)
         self.depth = 0
         self._call_counts: dict[str, int] = {}  # by span name (FQN and pass): a string key is not GC-tracked
+        self.hooks_back()
+
+    def hook_free_step(self) -> bool:
+        """Whether the open step's module calls may run with no hook of ours from now until it closes (then
+        ``resume_module_hooks``): an untraced training step that keeps no records, once ``optimizer.step()``
+        ends steps on a training thread known for good. Nothing then needs a module call: the step is open,
+        and its close, time, collectives and the watchdog need none (the pass is read from the stack)."""
+        host = self._host
+        step, role = host.current_step, host.role
+        if (step is None or not step.quiet or step.inference or not host.seen_optimizer or not role.fixed
+                or role.borrowing or host.first_call is not None or self.resume_module_hooks is None):
+            return False
+        self.hooks_off = True
+        return True
+
+    def hooks_back(self) -> None:
+        """The module calls run our hooks again (the step that went hook-free closed, or the state resets)."""
+        self.hooks_off = False
+        resume = self.resume_module_hooks
+        if resume is not None:
+            try:
+                resume()
+            except Exception as error:
+                self._failures.hook_failed("module hooks resume", error)
 
     @property
     def idle(self) -> bool:
@@ -324,10 +354,12 @@ class ModuleOwnership:
         return owner, step
 
     def pass_by_depth(self, in_backward: bool) -> str:
-        """The pass when no module record owns the collective (untraced steps keep only the depth)."""
+        """The pass when no module record owns the collective (untraced steps keep only the depth; where
+        their module calls run hook-free, the stack tells whether one is in progress)."""
+        inside = self.depth > 0 or (self.hooks_off and in_module_call())
         if in_backward:
-            return semconv.PASS_RECOMPUTE if self.depth else semconv.PASS_BACKWARD
-        return semconv.PASS_FORWARD if self.depth else PASS_NONE
+            return semconv.PASS_RECOMPUTE if inside else semconv.PASS_BACKWARD
+        return semconv.PASS_FORWARD if inside else PASS_NONE
 
 
 def _end_backward_records(records: list[Record], now: int) -> None:

@@ -59,6 +59,7 @@ class ModuleHooks(FailureSink, Protocol):
     active: bool
     thread_changes: int  # how often the training thread's role changed hands
     role: ThreadRole  # its lock holds the role still through a hook (thread_role.one_role_holder)
+    resume_module_hooks: Any  # set by the tracker: called when a step that went hook-free closes
 
     @property
     def step_open(self) -> bool: ...
@@ -77,6 +78,8 @@ class ModuleHooks(FailureSink, Protocol):
     def backward_ended(self, forward: Record) -> None: ...
 
     def keep_hook(self, handle: Any) -> None: ...
+
+    def hook_free_step(self) -> bool: ...
 
 
 class StallSource(FailureSink, Protocol):

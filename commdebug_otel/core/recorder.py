@@ -87,6 +87,7 @@ class Recorder:
         self.waited = self._path.waited
         self.op_event = self._path.op_event
         self.keep_hook = steps.keep_hook
+        self.hook_free_step = self._ownership.hook_free_step
         self.optimizer_step_done = steps.optimizer_step_done
         self.finish = steps.finish
         self.tracks_thread = steps.role.tracks_thread
@@ -102,6 +103,7 @@ class Recorder:
     waited: Callable[[Any, int], None]
     op_event: Callable[[Any, tuple, bool], None]
     keep_hook: Callable[[Any], None]
+    hook_free_step: Callable[[], bool]
     optimizer_step_done: Callable[[], None]
     finish: Callable[[BaseException | None], None]
     tracks_thread: Callable[..., bool]
@@ -119,6 +121,15 @@ class Recorder:
         self._steps.activate()
 
     # ----------------------------------------------------------------- queries
+    @property
+    def resume_module_hooks(self) -> Any:
+        """Called (no arguments) when a step whose module calls ran hook-free closes (``hook_free_step``)."""
+        return self._ownership.resume_module_hooks
+
+    @resume_module_hooks.setter
+    def resume_module_hooks(self, resume: Any) -> None:
+        self._ownership.resume_module_hooks = resume
+
     @property
     def first_call(self) -> Any:
         """Called once, at the first module call that opens a step; True: stop recording (a data worker)."""

@@ -36,8 +36,9 @@ tensor parallel of size T has W/T tensor-parallel groups), so the label sets are
 the same on every rank and a job's series do not grow with its size once summed
 across ranks. Exemplars still name the rank's span.
 
-The training thread only appends each point, as a tuple, to a deque; at each
-step end a :class:`MetricsWorker` thread labels them, sums the counters and
+The training thread only appends each point, as a tuple, to a deque; at a
+traced step's end (an untraced one's at most once a second: ``step_lifecycle.QUIET_FLUSH_NS``)
+a :class:`MetricsWorker` thread labels them, sums the counters and
 makes the SDK calls (an SDK ``Histogram.record`` costs tens of microseconds,
 more than the rest of a collective's bookkeeping together, and in a running job
 any Python is several times slower scattered between the step's ops than in one
@@ -307,7 +308,7 @@ class CollectiveMetrics:
         self._completions.append((op, pass_, group, rank, duration_s, fqn))
 
     def flush(self) -> None:
-        """Have the worker record the pending points (at every step end, and every few hundred collectives)."""
+        """Have the worker record the pending points (at a step end, and every few hundred collectives)."""
         self._unflushed = 0
         if not self._take_queued and (self._points or self._completions or self._steps):
             self._take_queued = True  # one take in the queue at a time: it takes everything
