@@ -23,7 +23,7 @@ from typing import Any
 
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from commdebug_otel.capture._torch import in_backward
+from commdebug_otel.capture._torch import in_backward, is_data_worker
 from commdebug_otel.capture.intercept import interceptor
 from commdebug_otel.capture.mode import (
     COLLECTIVES,
@@ -268,8 +268,6 @@ class CommTracer:
         """
         import multiprocessing.util
 
-        from commdebug_otel.instrumentor import is_data_worker
-
         if is_data_worker():
             self._stay_silent()
             return
@@ -285,8 +283,6 @@ class CommTracer:
         """The first module call with no step open (``Recorder.first_call``): in a data-loading worker
         (a spawn child whose target was not known when tracing started), stay silent. True if so."""
         from torch.utils.data import get_worker_info
-
-        from commdebug_otel.instrumentor import is_data_worker
 
         if get_worker_info() is None and not is_data_worker():
             return False

@@ -687,3 +687,17 @@ def optimizer_classes_made() -> list[type]:
             found.append(kind)
         pending.extend(kind.__subclasses__())
     return found
+
+
+# A DataLoader worker's process target lives in one of these (torch's own and torchdata's loaders).
+_DATA_WORKER_MODULES = ("torch.utils.data", "torchdata")
+
+
+def is_data_worker(process: Any = None) -> bool:
+    """Whether ``process`` (default: this one) is a data-loading worker: its ``multiprocessing.Process``
+    target is a DataLoader worker loop (``torch.utils.data._utils.worker._worker_loop``, any start method)."""
+    import multiprocessing
+
+    target = getattr(process or multiprocessing.current_process(), "_target", None)
+    module = getattr(target, "__module__", None) or ""
+    return getattr(target, "__name__", "") == "_worker_loop" and module.startswith(_DATA_WORKER_MODULES)

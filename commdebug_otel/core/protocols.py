@@ -169,27 +169,3 @@ class ExportHost(Protocol):
     def innermost_open(self) -> Record | None:
         """The innermost open forward record, else the most recent open backward one, else None."""
         ...
-
-
-class ThreadRoleHost(Protocol):
-    """What the training thread's role (``thread_role.ThreadRole``) asks of the step lifecycle."""
-
-    @property
-    def idle(self) -> bool:
-        """No optimizer step seen yet, no step and no module call open: another thread may borrow the role."""
-        ...
-
-    @property
-    def counters(self) -> tuple[int, int]:
-        """The next training and inference step numbers."""
-        ...
-
-    def export(self, step: Step) -> None: ...
-
-    def drop_open(self, now: int) -> None:
-        """Close the open step and segment (held by the role, not exported)."""
-        ...
-
-    def restore(self, counters: tuple[int, int] | None) -> None:
-        """Give the step numbers back (the borrower's steps are dropped)."""
-        ...
