@@ -52,6 +52,7 @@ from commdebug_otel import semconv
 from commdebug_otel.core.fact import parse, ranges_text, stall_step_text
 from commdebug_otel.offline import EXIT_DONE, EXIT_UNREADABLE, flight_recorder, stragglers, summary
 from commdebug_otel.offline.backends import DEADLINE_S, MAX_RESPONSE_BYTES
+from commdebug_otel.offline.load import load_for_command
 from commdebug_otel.offline.model import (
     Arrivals,
     SpanIndex,
@@ -1005,7 +1006,7 @@ def _load(args: argparse.Namespace, reads: dict[int, RankRead]) -> list[dict] | 
             return None
     if args.paths:
         alone = not args.trace_id
-        from_files = summary.load_for_command(args.paths, "diagnose", snapshots=True,
+        from_files = load_for_command(args.paths, "diagnose", snapshots=True,
                                               fold=Reads() if alone else None,
                                               digests=reads if alone else None)
         if from_files is None:

@@ -35,8 +35,8 @@ from typing import Any
 
 from commdebug_otel import semconv
 from commdebug_otel.offline import EXIT_DONE, EXIT_NOT_THERE, EXIT_UNREADABLE
+from commdebug_otel.offline.load import load_for_command
 from commdebug_otel.offline.model import SpanIndex
-from commdebug_otel.offline.summary import load_for_command
 
 __all__ = ["add_arguments", "chrome_trace", "run", "write_chrome_trace"]
 

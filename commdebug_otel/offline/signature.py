@@ -74,7 +74,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from commdebug_otel import semconv
-from commdebug_otel.core.fact import ranges_text
+from commdebug_otel.core.fact import PASS_NONE, ranges_text
 from commdebug_otel.offline import EXIT_DONE, EXIT_UNREADABLE, write_output
 from commdebug_otel.offline.model import SpanIndex, collective_events, is_snapshot
 from commdebug_otel.offline.otlp_json import SpanReader
@@ -90,7 +90,6 @@ KEY_FIELDS = ("module", "pass", "op", "group", "mesh_dim", "dtype", "cause", "so
 #: The sections of the steps reported apart that :func:`compare` holds, in document order.
 EDGES = ("first_step", "last_step")
 _OTHER = "other_steps"
-PASS_NONE = "none"
 #: A file larger than this is read as spans only (a run's OTLP-JSON), never loaded whole as one signature.
 MAX_SIGNATURE_BYTES = 64 << 20
 
