@@ -35,7 +35,7 @@ from commdebug_otel.core.collectives import (
     quiet_fact,
     recorded_fact,
 )
-from commdebug_otel.core.fact import GroupFacts, event_attributes
+from commdebug_otel.core.fact import GroupFacts, MetricsSink, event_attributes
 from commdebug_otel.core.failures import Failures
 from commdebug_otel.core.protocols import CollectiveHost
 from commdebug_otel.core.records import Record, SpanKind, Step, dtensor_facts
@@ -49,7 +49,7 @@ class CollectivePath:
 
     Args:
         host: the steps and module owners (the recorder).
-        metrics: a ``metrics.LazyCollectiveMetrics``, or None for no metrics.
+        metrics: where metric points go (``fact.MetricsSink``: ``metrics.LazyCollectiveMetrics``), or None.
         failures: the recorder's failure accounting.
 
     Attributes:
@@ -58,7 +58,7 @@ class CollectivePath:
         groups: the process groups seen (:class:`~commdebug_otel.capture.ops.GroupResolver`).
     """
 
-    def __init__(self, host: CollectiveHost, metrics: Any | None, failures: Failures) -> None:
+    def __init__(self, host: CollectiveHost, metrics: MetricsSink | None, failures: Failures) -> None:
         self._host = host
         self._failures = failures
         self._settings = host.settings

@@ -10,11 +10,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from commdebug_otel.offline.model import is_snapshot
-from commdebug_otel.offline.otlp_json import SpanReader, ranked, spans_from_otlp_json
+from commdebug_otel.offline.otlp_json import Fold, SpanReader, ranked, spans_from_otlp_json
 
 _log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def ranked_spans(request: dict, source: str, hex_ids: bool = True) -> list[dict[
 
 
 def load_for_command(paths: Iterable[str], command: str, snapshots: bool = False,
-                     fold: Callable[[dict], bool] | None = None,
+                     fold: Fold | None = None,
                      digests: dict[int, Any] | None = None) -> list[dict[str, Any]] | None:
     """``load_spans(paths)``, or None after telling the user (on stderr) why there is nothing to read.
 
