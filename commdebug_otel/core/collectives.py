@@ -62,6 +62,7 @@ def quiet_fact(spec: CollectiveSpec, args: tuple, out: Any, group: GroupFacts, s
     Its element counts are not counted (-1), its reduce op and peer not read; no owner is known.
     ``plain``: ``ops.plain_payload(spec, args)``, which the recorder has already asked.
     """
+    shape: tuple[int, ...]  # a torch.Size is one
     if spec.barrier:
         dtype, shape, nbytes, fake = BARRIER_DTYPE, (0,), 0, False
     else:

@@ -236,7 +236,7 @@ class StepLifecycle:
     def _exemplars_on(self) -> bool:
         if self._exemplars is None:
             try:
-                self._exemplars = bool(self._spans.start())
+                self._exemplars = self._spans is not None and bool(self._spans.start())
             except Exception as error:
                 self._exemplars = False
                 self._failures.hook_failed("telemetry start", error)

@@ -40,13 +40,13 @@ from commdebug_otel import semconv
 try:  # faster than json; json reads what it refuses (see SpanReader._decode)
     import orjson as _orjson
 except ImportError:  # pragma: no cover - a dependency, but the stdlib reads the same
-    _orjson = None
+    _orjson = None  # type: ignore[assignment]
 
 __all__ = ["ATTRIBUTE_TYPES", "MAX_LINE_BYTES", "MAX_RANKS", "BadData", "Fold", "SpanReader", "decode_any_value",
            "metric_dicts", "metrics_from_otlp_json", "parse_otlp_json", "ranked", "read_spans", "span_dicts",
            "spans_from_otlp_json", "to_otlp_json", "trace_files"]
 
-_SIGNALS = {
+_SIGNALS: dict[str, tuple[Any, Any]] = {
     "traces": (_tpb.ExportTraceServiceRequest, _tpb.ExportTraceServiceResponse),
     "metrics": (_mpb.ExportMetricsServiceRequest, _mpb.ExportMetricsServiceResponse),
 }
@@ -376,7 +376,7 @@ for _name, _kind in (("stringValue", lambda text, depth: _str(text, "a stringVal
 
 
 def _attributes(key_values: Any, depth: int = 0) -> dict[str, Any]:
-    out = {}
+    out: dict[str, Any] = {}
     fast = depth <= MAX_VALUE_DEPTH
     for item in _list(key_values, "attributes"):
         # The usual shapes inline (most of a file's bytes are attributes); anything else is checked in full.
@@ -409,7 +409,7 @@ def _plain_array(values: Any) -> list | None:
     """An ``arrayValue``'s values when each is a string or a decimal integer (shapes, names), else None."""
     if type(values) is not list:
         return None
-    out = []
+    out: list[int | str] = []
     for value in values:
         if type(value) is not dict or len(value) != 1:
             return None
@@ -590,7 +590,7 @@ def trace_files(paths: Iterable[str | os.PathLike], skipped: list[str] | None = 
     """
     found: list[str] = []
     seen: set[tuple[int, int]] = set()
-    for path in map(os.fspath, paths):
+    for path in (os.fspath(path) for path in paths):
         if not os.path.isdir(path):
             if not os.path.lexists(path):
                 raise FileNotFoundError(f"no such file or folder: {path}")
@@ -1090,16 +1090,16 @@ def _fold(spans: list[dict], keep: Callable[[dict], bool]) -> tuple[list[dict], 
             node = None if settled else parent.get(id(node))
     folded: Counter = Counter()
     keys = array("q")
-    stack = [(root, root) for root in roots]
-    while stack:
-        span, anchor = stack.pop()
+    walk = [(root, root) for root in roots]  # (span, the nearest ancestor kept)
+    while walk:
+        span, anchor = walk.pop()
         if id(span) in kept or is_snapshot(anchor):
             kept.add(id(span))
             anchor = span
         else:
             folded[id(anchor)] += 1
             keys.append(_print(span["trace_id"], span["span_id"]))
-        stack.extend([(child, anchor) for child in children.get(id(span), ())])
+        walk.extend([(child, anchor) for child in children.get(id(span), ())])
     out = [span for span in spans if id(span) in kept]
     root_steps: dict = {}
     for span in out:

@@ -94,7 +94,7 @@ def _rank_events(spans: list[dict], pid: int, origin: int, out: list[dict]) -> N
 
     # A walk with its own stack (a chain of 20,000 spans is no recursion): each frame is
     # [siblings left, low (where the next may start), high (where they must end)].
-    stack = [[by_start(index.roots), origin, max((span["end_ns"] for span in spans), default=origin)]]
+    stack: list[list[Any]] = [[by_start(index.roots), origin, max((span["end_ns"] for span in spans), default=origin)]]
     while stack:
         frame = stack[-1]
         span = next(frame[0], None)

@@ -271,8 +271,8 @@ def build(tallies: Mapping[int, Tally], world_size: int | None = None, times: bo
         for number, differences in found.other.items():
             for key, figures in differences.items():
                 others[(key, *figures)].append(number)
-        for (key, *figures), numbers in others.items():
-            sections[_OTHER][(key, *figures, tuple(sorted(numbers)))].append(rank)
+        for (key, *deltas), numbers in others.items():
+            sections[_OTHER][(key, *deltas, tuple(sorted(numbers)))].append(rank)
     document: dict[str, Any] = {"format": FORMAT,
                                 "world_size": world_size if world_size is not None else len(tallies)}
     names = {"entries": ("count_per_step", "bytes_per_step"), _OTHER: ("count_delta", "bytes_delta", "steps")}
@@ -280,9 +280,9 @@ def build(tallies: Mapping[int, Tally], world_size: int | None = None, times: bo
         fields = names.get(section, ("count_delta", "bytes_delta"))
         out = []
         ordered = sorted(rows.items(), key=lambda item: (item[0][0], sorted(item[1]), item[0][1:]))
-        for (key, *figures), ranks in ordered:
+        for (key, *values), ranks in ordered:
             entry: dict[str, Any] = dict(zip(KEY_FIELDS, key))
-            for name, value in zip(fields, figures):
+            for name, value in zip(fields, values):
                 entry[name] = list(value) if name == "steps" else value
             entry["ranks"] = sorted(ranks)
             out.append(entry)

@@ -157,9 +157,9 @@ def _count_collectives(report: CommReport, spans: list[dict], rank: int, index: 
         pass_ = _event_pass(event)
         span = event["span"]
         node = span
-        while node is not None and id(node) not in seen and _fqn(node):  # modules listed as the chains meet them
+        while node is not None and id(node) not in seen and (fqn := _fqn(node)):  # as the chains meet them
             seen.add(id(node))
-            report.counts_of(_fqn(node))
+            report.counts_of(fqn)
             node = index.parent(node)
         report.count_collective(packet, pass_, ())  # "Global"
         if _fqn(span):
@@ -248,10 +248,10 @@ def _module_order(spans: list[dict], index: SpanIndex) -> tuple[list[str], dict[
                           key=lambda span: (span["attributes"].get(semconv.MODULE_PASS) != _FORWARD,
                                             span["start_ns"]))
     for span in module_spans:  # forward spans first: a parent comes before its children
-        fqn = _fqn(span)
+        fqn = _fqn(span) or ""  # (never empty: module_spans have one)
         if span["attributes"].get(semconv.MODULE_PASS) == _FORWARD and fqn not in parents:
             parent = index.parent(span)
-            parents[fqn] = _fqn(parent) if parent is not None and _fqn(parent) else GLOBAL
+            parents[fqn] = (_fqn(parent) if parent is not None else None) or GLOBAL
         if fqn not in order:  # depth in the call tree, as torch's ModTracker counts it
             order[fqn] = order.get(parents.get(fqn, GLOBAL), 0) + 1
     return list(order), order, parents
@@ -580,7 +580,7 @@ def pipeline_waits(spans: list[dict], step: int | None = None,
         for name, left in ((semconv.SEND, sends[len(recvs):]), (semconv.RECV, recvs[len(sends):])):
             unmatched[name] += sum(map(in_step, left))
     per_stage = [{
-        "rank": rank, "group": group, "group_rank": members[group].index(rank), "recvs": len(waits),
+        "rank": rank, "group": group, "group_rank": (members[group] or ()).index(rank), "recvs": len(waits),
         "wait_ms": sum(waits) / 1e6, "max_wait_ms": max(waits) / 1e6, "mean_wait_ms": sum(waits) / len(waits) / 1e6,
     } for (rank, group), waits in sorted(rows.items())]
     return {"pairs": sum(len(waits) for waits in rows.values()),
