@@ -172,9 +172,9 @@ class _Number:
     def check(self, field: str, value: Any) -> int | float:
         """``value`` as given in code, or ``ValueError`` naming ``field`` and the accepted range."""
         kinds = numbers.Integral if self.integer else numbers.Real
-        if isinstance(value, bool) or not isinstance(value, kinds) or not self._in_range(value):
+        if isinstance(value, bool) or not isinstance(value, kinds) or not self._in_range(float(value)):
             raise ValueError(f"{field} must be {self.accepted}, got {value!r}")
-        return int(value) if self.integer else float(value)
+        return int(value) if self.integer else float(value)  # type: ignore[call-overload]
 
 
 # The upper bounds (docs/configuration.md): far past any real use, far below what breaks.
@@ -536,7 +536,7 @@ def run_environment(values: Mapping[str, str | None], environ: Mapping[str, str]
     env = dict(_environ(environ))
     for option in OPTIONS:
         if values.get(option.field) is not None:
-            env[option.env] = values[option.field]
+            env[option.env] = str(values[option.field])
     env[_BY_FIELD["enabled"].env] = "true"
     env.setdefault(OTEL_METRIC_EXPORT_INTERVAL, RUN_METRIC_EXPORT_INTERVAL_MS)
     return env

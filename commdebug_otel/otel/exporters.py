@@ -245,7 +245,7 @@ class Exporters:
                 arguments = exporter_arguments(export, signal, transport)
                 if signal == "traces":
                     inner = exporter_class(signal, transport)(endpoint=endpoint, **arguments)
-                    exporter = SizedSpanExporter(inner, endpoint, self._count_dropped)
+                    exporter: Any = SizedSpanExporter(inner, endpoint, self._count_dropped)
                 else:
                     inner = exporter_class(signal, transport)(
                         endpoint=endpoint, max_export_batch_size=METRIC_EXPORT_BATCH_POINTS, **arguments)
@@ -264,8 +264,8 @@ class Exporters:
             elif name == "console":
                 exporters.append(exporter_class(signal, "console")())
             elif name != "none" and not (signal == "metrics" and name == "prometheus"):
-                extra = ", prometheus" if signal == "metrics" else ""
+                choices = ", prometheus" if signal == "metrics" else ""
                 _logger.warning("commdebug-otel: ignoring OTEL_%s_EXPORTER value %r: "
-                                "expected otlp%s, file, console or none", signal.upper(), name, extra)
+                                "expected otlp%s, file, console or none", signal.upper(), name, choices)
         self.span_guards.extend(exporter for exporter in exporters if isinstance(exporter, SizedSpanExporter))
         return exporters
