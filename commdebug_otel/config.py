@@ -40,7 +40,7 @@ import numbers
 import os
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, overload
 
 from opentelemetry.environment_variables import OTEL_METRICS_EXPORTER, OTEL_TRACES_EXPORTER
 from opentelemetry.instrumentation.environment_variables import OTEL_PYTHON_DISABLED_INSTRUMENTATIONS
@@ -441,7 +441,8 @@ class Settings:
         object.__setattr__(self, "exception_messages",
                            _checked("exception_messages", _parse_exception_messages, self.exception_messages))
         for option in _NUMBERS:
-            object.__setattr__(self, option.field, option.parse.check(option.field, getattr(self, option.field)))
+            object.__setattr__(self, option.field,
+                               option.parse.check(option.field, getattr(self, option.field)))  # type: ignore[attr-defined]
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
@@ -940,6 +941,14 @@ class RankEnv:
 
 
 _rank_warnings: set[tuple[str, str]] = set()
+
+
+@overload
+def _rank_int(environ: Mapping[str, str], name: str, default: int) -> int: ...
+
+
+@overload
+def _rank_int(environ: Mapping[str, str], name: str, default: None = None) -> int | None: ...
 
 
 def _rank_int(environ: Mapping[str, str], name: str, default: int | None = None) -> int | None:

@@ -153,8 +153,8 @@ class CommTracer:
         self._mode_follows_steps = False  # the dispatch mode is on only while a traced step is open
         self._wants_every_op = observer is not None and observer.wants_every_event
         self._intercepted = False
-        self._optimizer_handle = None
-        self._optimizer_pre_handle = None
+        self._optimizer_handle: Any = None  # torch's RemovableHandle, once installed
+        self._optimizer_pre_handle: Any = None
         self._started = False
         self._fork_hook = False
         self._teardown_watch: _TeardownWatch | None = None
@@ -497,7 +497,7 @@ class _TeardownWatch:
             original = getattr(module, "destroy_process_group", None)
             if original is None or getattr(original, "__commdebug_before__", None) is not None:
                 continue  # torch without distributed; or another tracer's (it wraps torch's already)
-            module.destroy_process_group = self._wrap(original)
+            setattr(module, "destroy_process_group", self._wrap(original))  # noqa: B010
             self._installed.append((module, original))
         return self
 
@@ -510,7 +510,7 @@ class _TeardownWatch:
             before(group is None or group is _world_group())
             return original(*args, **kwargs)
 
-        destroy_process_group.__commdebug_before__ = before
+        setattr(destroy_process_group, "__commdebug_before__", before)  # noqa: B010  (another tracer looks for it)
         return destroy_process_group
 
     def remove(self) -> None:

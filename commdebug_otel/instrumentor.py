@@ -32,7 +32,7 @@ import threading
 from collections.abc import Collection
 from typing import Any
 
-from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
 
 _instruments = ("torch >= 2.6",)
 # Re-entrant: starting imports torch.optim, which can fire the environment start's

@@ -147,8 +147,8 @@ class Telemetry:
         self._meter_provider = meter_provider
         self._own_tracer_provider: TracerProvider | None = None
         self._own_meter_provider: MeterProvider | None = None
-        self._tracer = None
-        self._meter = None
+        self._tracer: otel_trace.Tracer | None = None
+        self._meter: otel_metrics.Meter | None = None
         self._tracer_setup: TracerSetup | None = None
         self._own_span_processors: list[Any] = []
         # The exporters each signal's provider gets, where they write, and that tracing is on (said once).
@@ -213,7 +213,7 @@ class Telemetry:
         if self._tracer is None and self._tracer_provider is None and not self.disabled and not self.settled():
             return self._pending_setup()
         self.tracer()
-        return self._tracer_setup
+        return self._tracer_setup  # type: ignore[return-value]  # (set by tracer())
 
     def settled(self) -> bool:
         """Whether our own providers may start: the rank, the job nonce and the run folder are final
@@ -463,7 +463,7 @@ class _HeldSpans(SpanProcessor):
             if spans and provider is None:
                 self._count_dropped(semconv.DROPPED_KIND_SPAN, len(spans))
             return
-        resource = provider.resource
+        resource = provider.resource  # type: ignore[union-attr]  # (processors: our own provider)
         for span in spans:
             settled_span = ReadableSpan(
                 name=span.name, context=span.context, parent=span.parent, resource=resource,
