@@ -121,7 +121,7 @@ class TorchImportHook:
         try:
             for finder in list(sys.meta_path):
                 find = getattr(finder, "find_spec", None)
-                if finder is self or find is None:
+                if finder is self or find is None:  # type: ignore[comparison-overlap]
                     continue
                 spec = find(fullname, path, target)
                 if spec is not None:
@@ -148,7 +148,7 @@ class TorchImportHook:
 
     def remove(self) -> None:
         try:
-            sys.meta_path.remove(self)
+            sys.meta_path.remove(self)  # type: ignore[arg-type]
         except ValueError:
             pass
 
@@ -179,12 +179,12 @@ class _Triggers:
                     self.fire()
 
             self._c10d, self._update_default_pg, self._wrapper = c10d, original, _update_default_pg
-            c10d._update_default_pg = _update_default_pg  # called by name from c10d's own functions
+            setattr(c10d, "_update_default_pg", _update_default_pg)  # noqa: B010  (called by name from c10d's own functions)
         from torch.nn.modules.module import register_module_forward_pre_hook
 
         from commdebug_otel.capture._torch import own_global_hooks
 
-        self._pre_hook = register_module_forward_pre_hook(self._first_module_call)
+        self._pre_hook = register_module_forward_pre_hook(self._first_module_call)  # type: ignore[arg-type]
         own_global_hooks(self._pre_hook)  # a script's torch.compile(model) must not warn of it (-W error)
 
     def _first_module_call(self, module: object, args: object) -> object:
@@ -266,7 +266,7 @@ def install() -> None:
         if TARGET in sys.modules:
             start_when_used()
         elif not any(isinstance(finder, TorchImportHook) for finder in sys.meta_path):
-            sys.meta_path.insert(0, TorchImportHook())
+            sys.meta_path.insert(0, TorchImportHook())  # type: ignore[arg-type]
     except Exception as error:
         _warn("could not hook the torch import", error)
 

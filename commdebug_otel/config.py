@@ -40,7 +40,7 @@ import numbers
 import os
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, overload
 
 from opentelemetry.environment_variables import OTEL_METRICS_EXPORTER, OTEL_TRACES_EXPORTER
 from opentelemetry.instrumentation.environment_variables import OTEL_PYTHON_DISABLED_INSTRUMENTATIONS
@@ -172,9 +172,9 @@ class _Number:
     def check(self, field: str, value: Any) -> int | float:
         """``value`` as given in code, or ``ValueError`` naming ``field`` and the accepted range."""
         kinds = numbers.Integral if self.integer else numbers.Real
-        if isinstance(value, bool) or not isinstance(value, kinds) or not self._in_range(value):
+        if isinstance(value, bool) or not isinstance(value, kinds) or not self._in_range(float(value)):
             raise ValueError(f"{field} must be {self.accepted}, got {value!r}")
-        return int(value) if self.integer else float(value)
+        return int(value) if self.integer else float(value)  # type: ignore[call-overload]
 
 
 # The upper bounds (docs/configuration.md): far past any real use, far below what breaks.
@@ -441,7 +441,8 @@ class Settings:
         object.__setattr__(self, "exception_messages",
                            _checked("exception_messages", _parse_exception_messages, self.exception_messages))
         for option in _NUMBERS:
-            object.__setattr__(self, option.field, option.parse.check(option.field, getattr(self, option.field)))
+            object.__setattr__(self, option.field,
+                               option.parse.check(option.field, getattr(self, option.field)))  # type: ignore[attr-defined]
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
@@ -536,7 +537,7 @@ def run_environment(values: Mapping[str, str | None], environ: Mapping[str, str]
     env = dict(_environ(environ))
     for option in OPTIONS:
         if values.get(option.field) is not None:
-            env[option.env] = values[option.field]
+            env[option.env] = str(values[option.field])
     env[_BY_FIELD["enabled"].env] = "true"
     env.setdefault(OTEL_METRIC_EXPORT_INTERVAL, RUN_METRIC_EXPORT_INTERVAL_MS)
     return env
@@ -940,6 +941,14 @@ class RankEnv:
 
 
 _rank_warnings: set[tuple[str, str]] = set()
+
+
+@overload
+def _rank_int(environ: Mapping[str, str], name: str, default: int) -> int: ...
+
+
+@overload
+def _rank_int(environ: Mapping[str, str], name: str, default: None = None) -> int | None: ...
 
 
 def _rank_int(environ: Mapping[str, str], name: str, default: int | None = None) -> int | None:

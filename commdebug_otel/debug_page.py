@@ -180,7 +180,7 @@ def _ranks(ranks: list[int]) -> str:
     return ranks_text(ranks).capitalize()
 
 
-class CommDebugPage(DebugHandler):
+class CommDebugPage(DebugHandler):  # type: ignore[valid-type, misc]  # (torch's class, found at run time)
     """torch debug server handler: ``/commdebug`` (the page) and ``/commdebug_json`` (every rank's answer)."""
 
     def routes(self) -> list[Any]:

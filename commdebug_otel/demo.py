@@ -80,7 +80,9 @@ def _worker(rank: int, world_size: int, port: int, steps: int, settings: Setting
             for fqn, by_pass in sorted(comm_mode.comm_module_counts.items(),
                                        key=lambda item: order.get(item[0], len(order)))
         }  # in module-tree (forward) order
-        telemetry = comm_mode.tracer.telemetry
+        tracer = comm_mode.tracer
+        assert tracer is not None  # the drop-in traces inside its with block
+        telemetry = tracer.telemetry
         telemetry.shutdown()
         with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as handle:
             json.dump({"counts": counts, "losses": losses, "files": telemetry.file_directory,

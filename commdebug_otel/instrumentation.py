@@ -24,7 +24,7 @@ from typing import Any
 
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from commdebug_otel.capture._torch import in_backward
+from commdebug_otel.capture._torch import in_backward, is_data_worker
 from commdebug_otel.capture.intercept import interceptor
 from commdebug_otel.capture.mode import (
     COLLECTIVES,
@@ -154,8 +154,8 @@ class CommTracer:
         self._mode_follows_steps = False  # the dispatch mode is on only while a traced step is open
         self._wants_every_op = observer is not None and observer.wants_every_event
         self._intercepted = False
-        self._optimizer_handle = None
-        self._optimizer_pre_handle = None
+        self._optimizer_handle: Any = None  # torch's RemovableHandle, once installed
+        self._optimizer_pre_handle: Any = None
         self._started = False
         self._fork_hook = False
         self._teardown_watch: _TeardownWatch | None = None
@@ -269,8 +269,6 @@ class CommTracer:
         """
         import multiprocessing.util
 
-        from commdebug_otel.instrumentor import is_data_worker
-
         if is_data_worker():
             self._stay_silent()
             return
@@ -286,8 +284,6 @@ class CommTracer:
         """The first module call with no step open (``Recorder.first_call``): in a data-loading worker
         (a spawn child whose target was not known when tracing started), stay silent. True if so."""
         from torch.utils.data import get_worker_info
-
-        from commdebug_otel.instrumentor import is_data_worker
 
         if get_worker_info() is None and not is_data_worker():
             return False
@@ -503,7 +499,7 @@ class _TeardownWatch:
             original = getattr(module, "destroy_process_group", None)
             if original is None or getattr(original, "__commdebug_before__", None) is not None:
                 continue  # torch without distributed; or another tracer's (it wraps torch's already)
-            module.destroy_process_group = self._wrap(original)
+            setattr(module, "destroy_process_group", self._wrap(original))  # noqa: B010
             self._installed.append((module, original))
         return self
 
@@ -516,7 +512,7 @@ class _TeardownWatch:
             before(group is None or group is _world_group())
             return original(*args, **kwargs)
 
-        destroy_process_group.__commdebug_before__ = before
+        setattr(destroy_process_group, "__commdebug_before__", before)  # noqa: B010  (another tracer looks for it)
         return destroy_process_group
 
     def remove(self) -> None:

@@ -32,7 +32,7 @@ import threading
 from collections.abc import Collection
 from typing import Any
 
-from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
 
 _instruments = ("torch >= 2.6",)
 # Re-entrant: starting imports torch.optim, which can fire the environment start's
@@ -56,19 +56,6 @@ def is_launcher_process(argv: list[str] | None = None) -> bool:
 
 
 # Targets of data-loading worker processes: torch's DataLoader and torchdata's StatefulDataLoader.
-_DATA_WORKER_MODULES = ("torch.utils.data", "torchdata")
-
-
-def is_data_worker(process: Any = None) -> bool:
-    """Whether ``process`` (default: this one) is a data-loading worker: its ``multiprocessing.Process``
-    target is a DataLoader worker loop (``torch.utils.data._utils.worker._worker_loop``, any start method)."""
-    import multiprocessing
-
-    target = getattr(process or multiprocessing.current_process(), "_target", None)
-    module = getattr(target, "__module__", None) or ""
-    return getattr(target, "__name__", "") == "_worker_loop" and module.startswith(_DATA_WORKER_MODULES)
-
-
 def is_fork_server(argv: list[str] | None = None) -> bool:
     """True in multiprocessing's ``forkserver`` server process (it imports the script's main module, and
     torch with it, to fork the children it is asked for)."""
@@ -98,6 +85,8 @@ class _StartWhenRunning:
 
     def run(self) -> None:
         try:
+            from commdebug_otel.capture._torch import is_data_worker
+
             with _lock:
                 if self._instrumentor.is_instrumented_by_opentelemetry and not is_data_worker():
                     self._instrumentor._start(self._kwargs)
@@ -193,6 +182,8 @@ class CommDebugInstrumentor(BaseInstrumentor):
             _pending = _StartWhenRunning(self, kwargs)
             multiprocessing.util.register_after_fork(_pending, _StartWhenRunning.run)
             return
+        from commdebug_otel.capture._torch import is_data_worker
+
         if is_data_worker():
             return  # a DataLoader worker that imported torch while running: it stays silent
         self._start(kwargs)  # a spawn child still loading its target: CommTracer checks at its first call

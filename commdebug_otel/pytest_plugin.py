@@ -149,7 +149,7 @@ class CommSignature:
         try:
             base = signature.load(shown)  # its messages name the file as shown
         except signature.SignatureError as error:
-            unreadable = str(error)
+            unreadable: str | None = str(error)
         else:
             unreadable = None
         if unreadable is not None:

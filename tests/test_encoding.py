@@ -201,7 +201,7 @@ def test_memo_stays_within_its_cap(memo):
 def test_file_exporter_writes_the_sdks_lines_with_our_encoder():
     from opentelemetry.exporter.otlp.json.file import FileSpanExporter
 
-    from commdebug_otel.otel.telemetry import _exporter_class
+    from commdebug_otel.otel.exporters import exporter_class as _exporter_class
 
     exporter_class = _exporter_class("traces", "file")
     assert issubclass(exporter_class, FileSpanExporter) and exporter_class is _exporter_class("traces", "file")
@@ -217,7 +217,7 @@ def test_file_exporter_writes_the_sdks_lines_with_our_encoder():
 def test_grpc_exporter_translates_with_our_encoder():
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-    from commdebug_otel.otel.telemetry import _exporter_class
+    from commdebug_otel.otel.exporters import exporter_class as _exporter_class
 
     exporter_class = _exporter_class("traces", "grpc")
     assert issubclass(exporter_class, OTLPSpanExporter) and exporter_class is _exporter_class("traces", "grpc")
@@ -400,7 +400,7 @@ def test_the_file_exporter_writes_nothing_to_a_closed_stream():
     import tempfile
 
     from commdebug_otel.otel.export_guard import WholeLineFile
-    from commdebug_otel.otel.telemetry import _exporter_class
+    from commdebug_otel.otel.exporters import exporter_class as _exporter_class
 
     with tempfile.TemporaryDirectory() as directory:
         stream = WholeLineFile(f"{directory}/traces.jsonl")

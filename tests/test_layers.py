@@ -1,6 +1,7 @@
 """The package's layers are its folders (docs/architecture.md), and the imports keep to them.
 
-Read from the source (every import statement, at any depth, ``TYPE_CHECKING`` ones too), and for the
+Read from the source (every import statement, at any depth, ``TYPE_CHECKING`` ones too: no layer rule is broken
+and no two modules import each other round a circle), and for the
 modules that promise to load neither torch nor the SDK, from a fresh interpreter's ``sys.modules``.
 """
 
@@ -98,3 +99,67 @@ def test_what_a_module_loads(module, absent):
     loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                        check=True).stdout)
     assert [name for name in loaded if _under(name, *absent)] == []
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, at any depth (a function's lazy import and ``TYPE_CHECKING``
+    ones too: a lazy import hides a circle from the interpreter, not from a reader). ``from a import b`` is an
+    edge to ``a.b`` when that is a module, else to ``a``."""
+    modules = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                targets.update(f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules
+                               else node.module for alias in node.names)
+        graph[name] = targets & modules.keys() - {name}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected parts of ``graph`` with more than one module (Tarjan's algorithm), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            part = []
+            while not part or part[-1] != node:
+                part.append(stack.pop())
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_circles():
+    """No two modules import each other, directly or round a longer loop: each can be read below the other."""
+    graph = _import_graph()
+    assert graph["commdebug_otel.otel.telemetry"] >= {"commdebug_otel.otel.exporters"}  # the graph sees imports
+    assert _circles(graph) == []
+
+
+def test_the_circle_finder_finds_a_circle():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []

@@ -106,7 +106,8 @@ def test_which_processes_are_data_workers_and_fork_servers():
 
     from torch.utils.data._utils.worker import _worker_loop
 
-    from commdebug_otel.instrumentor import is_data_worker, is_fork_server
+    from commdebug_otel.capture._torch import is_data_worker
+    from commdebug_otel.instrumentor import is_fork_server
 
     def train(rank):
         return rank

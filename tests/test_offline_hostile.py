@@ -538,3 +538,15 @@ def test_many_groups_each_on_its_own_step(tmp_path):
     assert out.returncode == 0, out.stderr
     found = json.loads(out.stdout)
     assert (found["desyncs"], found["steps"], found["ranks"]) == ([], list(range(6_000)), [0, 1])
+
+
+def test_an_in_flight_event_that_names_no_op_is_not_a_collective(tmp_path, capsys):
+    """A damaged stall snapshot: its in-flight ring event has neither a name nor an op; diagnose reads the rest."""
+    event = {"name": "", "timeUnixNano": "1500",
+             "attributes": [_attr(semconv.COLLECTIVE_STATE, stringValue=semconv.STATE_IN_FLIGHT)]}
+    stalled = _span(1, name=semconv.SPAN_STALLED, attributes=[_attr(semconv.STALL_AGE, doubleValue=5.0)],
+                    events=[event])
+    (tmp_path / "traces-rank0.jsonl").write_text(_line([stalled]) + "\n")
+    assert main(["diagnose", "--format", "json", str(tmp_path)]) == 0
+    [stall] = json.loads(capsys.readouterr().out)["stalls"]
+    assert (stall["rank"], stall["age_s"], stall["in_flight"]) == (0, 5.0, [])

@@ -13,13 +13,13 @@ from commdebug_otel.core import protocols
 from commdebug_otel.core.collective_path import CollectivePath
 from commdebug_otel.core.ownership import ModuleOwnership
 from commdebug_otel.core.recorder import Recorder
-from commdebug_otel.core.thread_role import ThreadRole
+from commdebug_otel.core.thread_role import ThreadRole, ThreadRoleHost
 from commdebug_otel.stall import watchdog as stall
 
 # The callers' protocols are the recorder's; the parts' are the step lifecycle's.
 PROTOCOLS = [protocols.CollectiveSubscriber, protocols.OpSubscriber, protocols.ModuleHooks,
              protocols.StallSource]
-PART_PROTOCOLS = [protocols.CollectiveHost, protocols.OwnershipHost, protocols.ThreadRoleHost]
+PART_PROTOCOLS = [protocols.CollectiveHost, protocols.OwnershipHost, ThreadRoleHost]
 
 
 def _members(protocol: type) -> dict[str, object]:
@@ -55,7 +55,7 @@ def test_callers_hold_the_recorder_as_a_protocol_not_any():
         stall.StallWatch.__init__: protocols.StallSource,
         CollectivePath.__init__: protocols.CollectiveHost,
         ModuleOwnership.__init__: protocols.OwnershipHost,
-        ThreadRole.__init__: protocols.ThreadRoleHost,
+        ThreadRole.__init__: ThreadRoleHost,
     }
     for function, protocol in hints.items():
         names = {"recorder", "host", "steps"}

@@ -245,7 +245,7 @@ def test_grpc_batches_are_encoded_once_sized_exactly_and_split_when_over(monkeyp
 
     from commdebug_otel.otel import encoding
     from commdebug_otel.otel.export_guard import SizedSpanExporter
-    from commdebug_otel.otel.telemetry import _memoized_encoding
+    from commdebug_otel.otel.exporters import memoized_encoding
 
     memory = InMemorySpanExporter()
     provider = TracerProvider()
@@ -261,7 +261,7 @@ def test_grpc_batches_are_encoded_once_sized_exactly_and_split_when_over(monkeyp
     for limit in (whole, whole // 3):
         encoded.clear()
         with OtlpReceiver() as receiver:
-            inner = _memoized_encoding(OTLPSpanExporter)(endpoint=receiver.grpc_endpoint, insecure=True)
+            inner = memoized_encoding(OTLPSpanExporter)(endpoint=receiver.grpc_endpoint, insecure=True)
             guard = SizedSpanExporter(inner, receiver.grpc_endpoint, lambda kind, n: None, max_request_bytes=limit)
             assert guard.export(spans) is SpanExportResult.SUCCESS
             sizes = [request.size_bytes for request in receiver.requests("traces")]
@@ -275,7 +275,7 @@ def test_grpc_batches_are_encoded_once_sized_exactly_and_split_when_over(monkeyp
             assert len(sizes) > 3 and encoded[0] == 40 and sum(encoded[1:]) == 40 and len(encoded) == 1 + len(sizes)
     assert inner._encoded is None  # no request kept after its export
     with OtlpReceiver() as receiver:  # every span over the limit: dropped, and no request kept either
-        inner = _memoized_encoding(OTLPSpanExporter)(endpoint=receiver.grpc_endpoint, insecure=True)
+        inner = memoized_encoding(OTLPSpanExporter)(endpoint=receiver.grpc_endpoint, insecure=True)
         drops = []
         guard = SizedSpanExporter(inner, receiver.grpc_endpoint, lambda kind, n: drops.append(n), max_request_bytes=500)
         assert guard.export(spans) is SpanExportResult.SUCCESS

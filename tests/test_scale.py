@@ -8,6 +8,7 @@ import pytest
 from commdebug_otel import Settings, semconv
 from commdebug_otel.capture.ops import GroupFacts
 from commdebug_otel.config import DEFAULT_RANKS_PER_TRACE, METRIC_RANK_LABEL_AUTO_MAX_WORLD, MetricRankLabel
+from commdebug_otel.core.fact import CollectiveFact
 from commdebug_otel.core.steps import RankInfo, job_trace_id, step_trace_id, trace_block
 from commdebug_otel.otel.metrics import CollectiveMetrics
 from commdebug_otel.testing import InMemoryTelemetry
@@ -69,13 +70,17 @@ def test_metric_rank_label_by_world_size(setting, world_size, on):
     assert Settings(metric_rank_label=setting).metric_rank_label_on(world_size) is on
 
 
+def _fact(op, pass_, group, nbytes):
+    return CollectiveFact(op, op, group, 0, "float32", (16,), 16, 16, nbytes, False, "", -1, 0, 1000, "", pass_, None)
+
+
 def _label_sets(rank_label, rank):
     """Label sets of one rank's points: a tp all_reduce (a mesh dimension), a plain group's broadcast, a drop."""
     telemetry = InMemoryTelemetry()
     metrics = CollectiveMetrics(telemetry.meter_provider.get_meter("test"), rank_label=rank_label)
     tp = GroupFacts(name=str(10 + rank // 4), size=4, dim_name="tp")  # another name in each tp group
-    metrics.collective("all_reduce", "forward", tp, rank, 64, 0.001)
-    metrics.collective("broadcast", "none", GroupFacts(name="0", size=1024, dim_name=""), rank, 8, 0.001)
+    metrics.collective(_fact("all_reduce", "forward", tp, 64), rank, 0.001)
+    metrics.collective(_fact("broadcast", "none", GroupFacts(name="0", size=1024, dim_name=""), 8), rank, 0.001)
     metrics.dropped(semconv.DROPPED_KIND_SPAN, 2, rank)
     assert metrics.drain(5.0)
     return {name: sorted(sorted(labels.items()) for labels, _ in telemetry.metric_points(name))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from types import FrameType
 from typing import Any
 
 import torch
@@ -142,7 +143,7 @@ def run_tensor_hook_first(tensor: torch.Tensor, handle: Any) -> None:
     (``PyDict_Next``), which ``OrderedDict.move_to_end`` does not change: the
     entries are inserted again, in the same dict object the handles refer to.
     """
-    hooks = tensor._backward_hooks
+    hooks: Any = tensor._backward_hooks
     ours = hooks.pop(handle.id)
     rest = list(hooks.items())
     hooks.clear()
@@ -174,7 +175,7 @@ def add_forward_hook_last(module: torch.nn.Module, hook_id: int, hook: Any) -> b
     ``_forward_hooks_always_called``), without a handle object per call. Returns whether it was
     there already (a call of the module inside its own call): then it moves behind hooks added since.
     """
-    hooks = module._forward_hooks
+    hooks: Any = module._forward_hooks  # an OrderedDict
     there = hook_id in hooks
     hooks[hook_id] = hook  # (a copy made inside a call holds another object under the id)
     if there:
@@ -249,7 +250,7 @@ def _has_any_global_hook_but_ours() -> bool:
     """torch's ``_has_any_global_hook``, not counting the global module hooks of ours."""
     from torch.nn.modules import module
 
-    found = [getattr(module, name, None) for name in _GLOBAL_HOOK_DICTS]
+    found: list[Any] = [getattr(module, name, None) for name in _GLOBAL_HOOK_DICTS]
     if any(not isinstance(hooks, dict) for hooks in found):  # another torch: its own answer
         return bool(_torch_has_any_global_hook())
     return any(key not in _own_global_hook_ids for hooks in found for key in hooks)
@@ -527,7 +528,7 @@ def resolve_process_group(name: str) -> Any:
     raises where none is."""
     from torch.distributed import distributed_c10d
 
-    return distributed_c10d._resolve_process_group(name)
+    return distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]
 
 
 def default_store() -> Any:
@@ -613,7 +614,7 @@ def dtensor_op_on_stack(max_frames: int = 24) -> tuple[Any, Any] | None:
     ``torch/distributed/tensor/`` that takes ``op_call`` (an ``OpOverload``); ``args`` is its
     ``args`` (the op's arguments, DTensors among them, as the handler holds them now) or ``()``.
     """
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     codes = _OP_CALL_CODES
     while frame is not None and max_frames > 0:
         code = frame.f_code
@@ -653,7 +654,7 @@ def default_store_client(timeout_s: float) -> Any:
         return None
     store = dist.distributed_c10d._get_default_store()
     try:
-        own = store.clone()
+        own = store.clone()  # type: ignore[attr-defined]
     except (RuntimeError, NotImplementedError):  # "not implemented" for stores without clients
         return store
     own.set_timeout(datetime.timedelta(seconds=timeout_s))
@@ -703,3 +704,17 @@ def optimizer_classes_made() -> list[type]:
             found.append(kind)
         pending.extend(kind.__subclasses__())
     return found
+
+
+# A DataLoader worker's process target lives in one of these (torch's own and torchdata's loaders).
+_DATA_WORKER_MODULES = ("torch.utils.data", "torchdata")
+
+
+def is_data_worker(process: Any = None) -> bool:
+    """Whether ``process`` (default: this one) is a data-loading worker: its ``multiprocessing.Process``
+    target is a DataLoader worker loop (``torch.utils.data._utils.worker._worker_loop``, any start method)."""
+    import multiprocessing
+
+    target = getattr(process or multiprocessing.current_process(), "_target", None)
+    module = getattr(target, "__module__", None) or ""
+    return getattr(target, "__name__", "") == "_worker_loop" and module.startswith(_DATA_WORKER_MODULES)

@@ -197,7 +197,7 @@ class CollectiveInterceptor:
             overload = _torch.wait_tensor_overload()
             self._register(libraries, overload, self._wait_kernel(overload))
             work = _torch.work_class()
-            self._wait_patch = _Patch(work, "wait", work.wait, self._wait_wrapper(work.wait))
+            self._wait_patch = _Patch(work, "wait", work.wait, self._wait_wrapper(work.wait))  # type: ignore[attr-defined]
         except Exception as error:  # another torch: steps report no collective wait
             _logger.debug("commdebug-otel: collective waits not timed: %s", describe(error))
 

@@ -354,7 +354,8 @@ def _reduce_op_names() -> dict[int, str]:
     try:
         from torch.distributed import ReduceOp
 
-        return {int(member): name.lower() for name, member in ReduceOp.RedOpType.__members__.items()}
+        return {int(member): name.lower()  # type: ignore[call-overload]  # (a pybind11 enum: int() takes it)
+                for name, member in ReduceOp.RedOpType.__members__.items()}
     except Exception:  # torch without distributed
         return {}
 
@@ -372,7 +373,7 @@ def reduce_op_name(value: Any) -> str:
         return value.lower()
     if isinstance(value, torch.ScriptObject):
         try:
-            return _REDUCE_OP_NAMES.get(int(value.op()), "unknown")
+            return _REDUCE_OP_NAMES.get(int(value.op()), "unknown")  # type: ignore[attr-defined]
         except Exception:
             return "unknown"
     op = getattr(value, "op", value)
@@ -438,7 +439,7 @@ class MeshDimensions:
         if key in self._seen:
             return
         self._seen.add(key)
-        self._meshes.append(weakref.ref(mesh, lambda _ref, key=key: self._seen.discard(key)))
+        self._meshes.append(weakref.ref(mesh, lambda _ref, key=key: self._seen.discard(key)))  # type: ignore[misc]
         self.version += 1
 
     def scan(self) -> None:

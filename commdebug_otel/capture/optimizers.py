@@ -64,12 +64,12 @@ class LiveOptimizers:
         original = optimizer.__dict__["__init__"]
         if self._wrapper is None or self._original is not original:
             self._original, self._wrapper = original, registering_init(original, self.add, "an optimizer")
-        optimizer.__init__ = self._wrapper
+        optimizer.__init__ = self._wrapper  # type: ignore[method-assign]
 
     def _unwrap(self) -> None:
         optimizer = torch.optim.Optimizer
         if self._wrapper is not None and optimizer.__dict__.get("__init__") is self._wrapper:
-            optimizer.__init__ = self._original  # (wrapped again by someone since: ours stays, harmless)
+            optimizer.__init__ = self._original  # type: ignore[method-assign]  # (wrapped again by someone since: ours stays, harmless)
 
     def add(self, optimizer: Any) -> None:
         """Remember ``optimizer`` (weakly; ``Optimizer`` has no ``__slots__``, so every subclass can be); again

@@ -118,6 +118,7 @@ def _grad_tensors(value: Any, found: list, objects: bool = True) -> list:
 
 def _walk(value: Any, found: list, depth: int, budget: int, objects: bool) -> int:
     """:func:`_grad_tensors` in a container; returns how many more containers may be entered (negative: cut)."""
+    items: Any
     if isinstance(value, (tuple, list)):
         items = value
     elif isinstance(value, dict):
@@ -286,8 +287,8 @@ class ModuleTracker:
         self._call_lists = (self._calls, self._call_records, self._call_compiled, self._call_nested,
                             self._call_args, self._call_edges, self._call_hooked)
         self._wrapped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module.compile()'d
-        self._pre_handle = None
-        self._early_post_handle = None
+        self._pre_handle: Any = None
+        self._early_post_handle: Any = None
         self._suspended = False  # global hooks off inside an unrecorded outermost call
         self._step_suspended = False  # ... and after it, until the step closes (resume())
         recorder.resume_module_hooks = self.resume
@@ -551,7 +552,7 @@ class ModuleTracker:
                    if id(t) not in hooked and _edge(t) not in inputs]
         if outputs:
             if hooked:
-                hooked.update(id(t) for t in outputs)
+                hooked.update(id(t) for t in outputs)  # type: ignore[union-attr]  # (a set once it has any)
             else:
                 hooked = {id(t) for t in outputs}
             # A plain hook per output tensor: the first to fire begins the backward and the
@@ -632,7 +633,7 @@ class _PostHook:
         self.tracker._post_hook(module, args, output)
 
     def __deepcopy__(self, memo: dict) -> Any:
-        return Exception().__init__
+        return Exception().__init__  # type: ignore[misc]
 
     def __reduce__(self) -> Any:
         return getattr, (Exception(), "__init__")

@@ -35,7 +35,7 @@ from commdebug_otel.core.collectives import (
     quiet_fact,
     recorded_fact,
 )
-from commdebug_otel.core.fact import GroupFacts, event_attributes
+from commdebug_otel.core.fact import GroupFacts, MetricsSink, event_attributes
 from commdebug_otel.core.failures import Failures
 from commdebug_otel.core.protocols import CollectiveHost
 from commdebug_otel.core.records import Record, SpanKind, Step, dtensor_facts
@@ -49,7 +49,7 @@ class CollectivePath:
 
     Args:
         host: the steps and module owners (the recorder).
-        metrics: a ``metrics.LazyCollectiveMetrics``, or None for no metrics.
+        metrics: where metric points go (``fact.MetricsSink``: ``metrics.LazyCollectiveMetrics``), or None.
         failures: the recorder's failure accounting.
 
     Attributes:
@@ -58,7 +58,7 @@ class CollectivePath:
         groups: the process groups seen (:class:`~commdebug_otel.capture.ops.GroupResolver`).
     """
 
-    def __init__(self, host: CollectiveHost, metrics: Any | None, failures: Failures) -> None:
+    def __init__(self, host: CollectiveHost, metrics: MetricsSink | None, failures: Failures) -> None:
         self._host = host
         self._failures = failures
         self._settings = host.settings
@@ -72,7 +72,7 @@ class CollectivePath:
 
     def reset(self) -> None:
         """The state a process starts with, and a forked child starts again with."""
-        self.awaiting_source: dict[int, tuple] = {}  # recv from any source, not yet waited (gloo)
+        self.awaiting_source: dict[int, tuple[Any, dict[str, Any]]] = {}  # recv from any source, not yet waited (gloo)
         self.counter.timed = True
         self.why.clear()
 
@@ -147,7 +147,7 @@ class CollectivePath:
             target = target_step.root
         traced = target_step is not None and target_step.traced and target is not None
         msg = message(spec, args, out, group.size)
-        why = self._why_of(spec, group, msg, target) if traced else None
+        why = self._why_of(spec, group, msg, target) if traced and target is not None else None
         fact = recorded_fact(spec, args, group, seq, msg, now, duration_ns, owner.fqn if owner is not None else "",
                              pass_, why)
         host.progress.remember(fact, out)
@@ -158,7 +158,7 @@ class CollectivePath:
             self.counter.count(fact, spec, out, start_ns, span_ref)
         for observer in self._observers:
             observer.on_collective(spec, owner, pass_)
-        if not traced:
+        if not traced or target is None or target_step is None:  # (traced says both are set)
             return
         attrs = event_attributes(fact)
         peer_when_received(spec.op, out, attrs, self._failures.hook_failed, self.awaiting_source)
@@ -228,7 +228,7 @@ class CollectivePath:
         events = owner.events
         limit = self._settings.max_events_per_span
         if len(events) < limit:
-            if events:
+            if isinstance(events, list):  # else the empty tuple every record starts with
                 events.append((name, attrs, now))
             else:
                 owner.events = [(name, attrs, now)]

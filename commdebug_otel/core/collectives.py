@@ -36,7 +36,7 @@ from commdebug_otel.capture.ops import (
     payload,
     reduce_op_name,
 )
-from commdebug_otel.core.fact import NOT_COUNTED, PASS_NONE, CollectiveFact, GroupFacts
+from commdebug_otel.core.fact import NOT_COUNTED, PASS_NONE, CollectiveFact, GroupFacts, MetricsSink
 from commdebug_otel.core.records import ATTR_MAX_CHARS, dtensor_facts, mesh_facts
 from commdebug_otel.core.redact import describe
 
@@ -62,6 +62,7 @@ def quiet_fact(spec: CollectiveSpec, args: tuple, out: Any, group: GroupFacts, s
     Its element counts are not counted (-1), its reduce op and peer not read; no owner is known.
     ``plain``: ``ops.plain_payload(spec, args)``, which the recorder has already asked.
     """
+    shape: tuple[int, ...]  # a torch.Size is one
     if spec.barrier:
         dtype, shape, nbytes, fake = BARRIER_DTYPE, (0,), 0, False
     else:
@@ -90,8 +91,8 @@ class CollectiveCounter:
     """Metric points of collectives, and their completion times.
 
     Args:
-        metrics: a ``metrics.LazyCollectiveMetrics`` (or anything with its
-            ``collective`` and ``completion`` methods), or None for no metrics.
+        metrics: where the points go (``fact.MetricsSink``: ``metrics.LazyCollectiveMetrics``), or None
+            for no metrics.
         rank: ``rank() -> RankInfo``, called per point (the rank can change once the group is up).
         hook_failed: ``hook_failed(where, error)``, for failures on a backend's thread.
         completed: ``completed(group name, seq)``, told on the backend's thread when a timed
@@ -105,7 +106,7 @@ class CollectiveCounter:
     """
 
     def __init__(
-        self, metrics: Any, rank: Callable[[], Any], hook_failed: Callable[[str, BaseException], None],
+        self, metrics: MetricsSink | None, rank: Callable[[], Any], hook_failed: Callable[[str, BaseException], None],
         completed: Callable[[str, int], None] = lambda group, seq: None,
     ) -> None:
         self._metrics = metrics
@@ -124,8 +125,7 @@ class CollectiveCounter:
             return
         rank = self._rank().rank
         timed = self.timed
-        self._metrics.collective(fact.op, fact.pass_, fact.group, rank, fact.nbytes,
-                                 fact.duration_ns / 1e9 if timed else None, fact.fqn, span_ref=span_ref)
+        self._metrics.collective(fact, rank, fact.duration_ns / 1e9 if timed else None, span_ref)
         if timed and not spec.functional and out is not None:
             self._time_completion(out, fact, rank, start_ns)
 
@@ -215,8 +215,9 @@ class _Completion:
         try:
             fact = self.fact
             self.counter._completed(fact.group.name, fact.seq)
-            self.counter._metrics.completion(fact.op, fact.pass_, fact.group, self.rank,
-                                             (time.perf_counter_ns() - self.start_ns) / 1e9, fact.fqn)
+            metrics = self.counter._metrics
+            if metrics is not None:  # a completion is timed only where there are metrics
+                metrics.completion(fact, self.rank, (time.perf_counter_ns() - self.start_ns) / 1e9)
         except Exception as error:
             self.counter._hook_failed("completion time", error)
 

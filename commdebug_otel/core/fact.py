@@ -8,7 +8,7 @@ place: the span event (:func:`event_attributes`), the stall ring's events
 (:func:`ring_event_attributes`), and the metric labels (:func:`metric_labels`,
 :func:`group_labels`). The offline reader parses an event back with :func:`parse`. Where a
 stalled rank is in the step sequence is said here once too (:func:`stall_step_text`): the
-watchdog's stderr line and ``diagnose`` word it alike.
+watchdog's stderr line and ``diagnose`` word it alike. Metric points take the whole fact (:class:`MetricsSink`).
 
 No torch and no OpenTelemetry here: the offline commands import it, and a compiled
 or C++ fast path would fill the same record.
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from commdebug_otel import semconv
 
@@ -78,6 +78,36 @@ class CollectiveFact(NamedTuple):
     fqn: str
     pass_: str
     why: Mapping[str, Any] | None
+
+
+class MetricsSink(Protocol):
+    """Where the recorder's metric points go (``otel.metrics.LazyCollectiveMetrics``): each collective as its
+    whole fact, each step's times, and what was dropped. Called on the training thread, except
+    :meth:`completion` (the backend's completion thread); none of them may block or raise past the call."""
+
+    def collective(self, fact: CollectiveFact, rank: int, duration_s: float | None,
+                   span_ref: tuple[int, int] | None = None) -> None:
+        """One collective; ``duration_s``: its issue time in seconds, None on a step that is not timed;
+        ``span_ref``: the owning span's ``(trace id, span id)``, for exemplars."""
+        ...
+
+    def completion(self, fact: CollectiveFact, rank: int, duration_s: float) -> None:
+        """``fact``'s c10d work completed ``duration_s`` seconds after it was issued."""
+        ...
+
+    def step(self, duration_s: float, wait_s: float, span_ref: tuple[int, int] | None = None) -> None:
+        """A training step ended: its duration and collective wait, in seconds."""
+        ...
+
+    def dropped(self, kind: str, count: int) -> None:
+        """``count`` items of ``kind`` (``semconv.DROPPED_KIND_*``) were dropped."""
+        ...
+
+    def flush(self) -> None: ...
+
+    def reset(self) -> None:
+        """Forget the instruments (a forked child makes its own)."""
+        ...
 
 
 def _named(fact: CollectiveFact) -> dict[str, Any]:

@@ -6,9 +6,9 @@ Nothing here raises: a broken metrics pipeline leaves the log line.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from commdebug_otel import semconv
+from commdebug_otel.core.fact import MetricsSink
 from commdebug_otel.core.redact import code_locations, describe
 
 _logger = logging.getLogger("commdebug_otel.core.recorder")  # the recorder's own log, as before the split
@@ -18,10 +18,10 @@ class Failures:
     """Hook failures and drops of one recorder.
 
     Args:
-        metrics: a ``metrics.LazyCollectiveMetrics`` (its ``dropped(kind, count)``), or None for no metrics.
+        metrics: where drops are counted (``fact.MetricsSink``: its ``dropped(kind, count)``), or None.
     """
 
-    def __init__(self, metrics: Any | None) -> None:
+    def __init__(self, metrics: MetricsSink | None) -> None:
         self._metrics = metrics
         self._said: set[str] = set()  # places (and bounds) already logged
 

@@ -33,7 +33,10 @@ class CollectiveSubscriber(FailureSink, Protocol):
     """What the collective kernels (``intercept.CollectiveInterceptor``) tell a recorder."""
 
     why: Why  # the DTensor "why" its wrappers set (only the training thread's, or autograd's)
-    thread_id: int  # the training thread
+    @property
+    def thread_id(self) -> int:
+        """The training thread."""
+        ...
 
     def collective(self, spec: CollectiveSpec, args: tuple, duration_ns: int, out: Any = None,
                    start_ns: int = 0) -> None: ...
@@ -57,7 +60,10 @@ class ModuleHooks(FailureSink, Protocol):
     """What the module tracker (``tracker.ModuleTracker``) tells a recorder, and asks of it."""
 
     active: bool
-    thread_changes: int  # how often the training thread's role changed hands
+    @property
+    def thread_changes(self) -> int:
+        """How often the training thread's role changed hands."""
+        ...
     role: ThreadRole  # its lock holds the role still through a hook (thread_role.one_role_holder)
     resume_module_hooks: Any  # set by the tracker: called when a step that went hook-free closes
 
@@ -85,9 +91,18 @@ class ModuleHooks(FailureSink, Protocol):
 class StallSource(FailureSink, Protocol):
     """What the stall watchdog (``stall.StallWatch``) reads of a recorder, and asks it to export."""
 
-    progress: Progress
-    thread_id: int
     role: ThreadRole  # its lock holds the role still through a hook (thread_role.one_role_holder)
+
+    @property
+    def progress(self) -> Progress: ...
+
+    @property
+    def thread_id(self) -> int: ...
+
+    @property
+    def steps_taken(self) -> int:
+        """How many optimizer steps have ended (``torch.step`` of the next one)."""
+        ...
 
     def rank(self) -> RankInfo: ...
 
@@ -106,7 +121,9 @@ class CollectiveHost(FailureSink, Protocol):
     observers: tuple[RecorderObserver, ...]
     every_event: bool  # an observer wants every event: records are kept on every step
     progress: Progress
-    thread_id: int
+
+    @property
+    def thread_id(self) -> int: ...
 
     def rank(self) -> RankInfo: ...
 
@@ -171,28 +188,4 @@ class ExportHost(Protocol):
 
     def innermost_open(self) -> Record | None:
         """The innermost open forward record, else the most recent open backward one, else None."""
-        ...
-
-
-class ThreadRoleHost(Protocol):
-    """What the training thread's role (``thread_role.ThreadRole``) asks of the step lifecycle."""
-
-    @property
-    def idle(self) -> bool:
-        """No optimizer step seen yet, no step and no module call open: another thread may borrow the role."""
-        ...
-
-    @property
-    def counters(self) -> tuple[int, int]:
-        """The next training and inference step numbers."""
-        ...
-
-    def export(self, step: Step) -> None: ...
-
-    def drop_open(self, now: int) -> None:
-        """Close the open step and segment (held by the role, not exported)."""
-        ...
-
-    def restore(self, counters: tuple[int, int] | None) -> None:
-        """Give the step numbers back (the borrower's steps are dropped)."""
         ...

@@ -58,8 +58,8 @@ class RecordPool:
                 else:  # the sink may keep the children lists it was given; the hook refers to the record
                     record.kids = record.end_hook = None
             step.root.kids = None
-            if reuse:  # at most as many spare as this step used
-                spare = self._spare
+            spare = self._spare
+            if reuse and spare is not None:  # at most as many spare as this step used (reuse: there is a list)
                 spare.extend(step.records)
                 del spare[len(step.records):]
         finally:

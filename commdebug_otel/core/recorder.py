@@ -28,7 +28,7 @@ import torch
 from commdebug_otel.capture.observer import RecorderObserver, SpanSink
 from commdebug_otel.config import Settings
 from commdebug_otel.core.collectives import Why
-from commdebug_otel.core.fact import PASS_NONE
+from commdebug_otel.core.fact import PASS_NONE, MetricsSink
 from commdebug_otel.core.failures import Failures
 from commdebug_otel.core.ownership import NO_OPTIMIZER_CYCLES
 from commdebug_otel.core.progress import Progress
@@ -47,7 +47,7 @@ class Recorder:
         settings: frozen :class:`Settings`.
         spans: where finished steps go (:class:`~commdebug_otel.capture.observer.SpanSink`,
             e.g. ``spans.SpanBuilder``); None: no spans, metrics only.
-        metrics: a ``metrics.LazyCollectiveMetrics``, or None for no metrics.
+        metrics: where metric points go (``fact.MetricsSink``: ``metrics.LazyCollectiveMetrics``), or None.
         observers: told what the recorder sees
             (:class:`~commdebug_otel.capture.observer.RecorderObserver`; its docstring
             says when each callback runs and what happens if one raises).
@@ -59,7 +59,7 @@ class Recorder:
         rank: ``rank() -> steps.RankInfo``, asked again until torch.distributed is initialized.
     """
 
-    def __init__(self, settings: Settings, spans: SpanSink | None, metrics: Any | None,
+    def __init__(self, settings: Settings, spans: SpanSink | None, metrics: MetricsSink | None,
                  observers: Sequence[RecorderObserver] = ()) -> None:
         self.settings = settings
         self._spans = spans
@@ -112,7 +112,7 @@ class Recorder:
     def reset_after_fork(self) -> None:
         """A forked child starts with no open spans and learns its own rank."""
         self._steps.reset()
-        if hasattr(self._metrics, "reset"):
+        if self._metrics is not None:
             self._metrics.reset()
 
     def activate(self) -> None:

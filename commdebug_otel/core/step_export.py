@@ -76,6 +76,8 @@ class StepExport:
     def emit_tree(self, roots: list[Record], children: dict[int, list[Record]], trace_id: int | None,
                   step: Step) -> None:
         """Hand ``step``'s span tree to the sink, under its parent span when it has one (a tail)."""
+        if self._spans is None:  # metrics only: the recorder keeps no tree to hand over
+            return
         if step.parent_span_id:
             self._spans.emit(roots, children, trace_id, parent_span_id=step.parent_span_id)
         else:
@@ -87,6 +89,8 @@ class StepExport:
 
         The step's records are copied, never changed: the training thread may still be running it.
         """
+        if self._spans is None:
+            return False
         steps = self._steps
         stalled = stalled_record(steps.progress, where, steps.innermost_open(), now, age_s, threshold_s,
                                  snapshot, steps.steps_taken, self._max_events)
@@ -107,12 +111,14 @@ class StepExport:
 
     def stall_verdict(self, step_index: int, start_ns: int, now: int, attrs: dict[str, Any]) -> bool:
         """Export the cross-rank verdict (``Recorder.stall_verdict``): in the stalled step's trace."""
+        if self._spans is None:
+            return False
         verdict = Record(SpanKind.MODULE, semconv.SPAN_STALL_VERDICT, start_ns)
         verdict.end_ns = max(now, start_ns)  # start_ns: another host's clock may run ahead of ours
         verdict.attrs.update(attrs)
         step = self._steps.current_step
         if step is not None and step.kind is SpanKind.STEP and step.index == step_index and step.trace_id:
-            trace_id = step.trace_id  # the stalled step's own (its snapshot set it)
+            trace_id: int | None = step.trace_id  # the stalled step's own (its snapshot set it)
         else:
             same = Step(step_index, True, Record(SpanKind.STEP, semconv.SPAN_TRAIN_STEP, start_ns), SpanKind.STEP)
             trace_id = self.trace_id(same)

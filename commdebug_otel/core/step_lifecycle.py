@@ -27,6 +27,7 @@ from commdebug_otel.capture.optimizers import OPTIMIZERS
 from commdebug_otel.config import Settings, variable
 from commdebug_otel.core import ids
 from commdebug_otel.core.collective_path import CollectivePath
+from commdebug_otel.core.fact import MetricsSink
 from commdebug_otel.core.failures import Failures
 from commdebug_otel.core.ownership import NO_OPTIMIZER_CYCLES, ModuleOwnership
 from commdebug_otel.core.progress import Progress
@@ -50,7 +51,7 @@ class StepLifecycle:
     Args:
         settings: frozen :class:`Settings`.
         spans: where finished steps go (:class:`~commdebug_otel.capture.observer.SpanSink`); None: no spans.
-        metrics: a ``metrics.LazyCollectiveMetrics``, or None for no metrics.
+        metrics: where metric points go (``fact.MetricsSink``: ``metrics.LazyCollectiveMetrics``), or None.
         observers: told what the recorder sees (:class:`~commdebug_otel.capture.observer.RecorderObserver`).
         listening: an observer is told of collectives, ops or first calls: sampled steps keep records
             for it even where spans go nowhere.
@@ -63,7 +64,7 @@ class StepLifecycle:
         seen_optimizer: whether an ``optimizer.step()`` has ended a step.
     """
 
-    def __init__(self, settings: Settings, spans: SpanSink | None, metrics: Any | None,
+    def __init__(self, settings: Settings, spans: SpanSink | None, metrics: MetricsSink | None,
                  observers: tuple[RecorderObserver, ...], listening: bool, rank: RankCache,
                  failures: Failures, pool: RecordPool) -> None:
         self.settings = settings
@@ -242,7 +243,7 @@ class StepLifecycle:
     def _exemplars_on(self) -> bool:
         if self._exemplars is None:
             try:
-                self._exemplars = bool(self._spans.start())
+                self._exemplars = self._spans is not None and bool(self._spans.start())
             except Exception as error:
                 self._exemplars = False
                 self._failures.hook_failed("telemetry start", error)

@@ -8,11 +8,12 @@ from typing import Any
 
 from commdebug_otel import semconv
 from commdebug_otel.capture._torch import tensor_hook_key
+from commdebug_otel.core.fact import MetricsSink
 from commdebug_otel.core.progress import Progress
 from commdebug_otel.core.records import Record, SpanKind, Step
 
 
-def step_signals(step: Step, now: int, progress: Progress, metrics: Any | None,
+def step_signals(step: Step, now: int, progress: Progress, metrics: MetricsSink | None,
                  exemplar_span: Callable[[Record, Step], tuple[int, int]],
                  hook_failed: Callable[[str, BaseException], None]) -> None:
     """Every step: its duration and collective wait (metrics, ``metrics.step``); traced steps: the same on

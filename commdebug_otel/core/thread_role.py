@@ -15,17 +15,40 @@ import functools
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from commdebug_otel import semconv
 from commdebug_otel.capture._torch import graph_task_id
 from commdebug_otel.core.failures import Failures
-from commdebug_otel.core.protocols import ThreadRoleHost
 from commdebug_otel.core.record_pool import RecordPool
 from commdebug_otel.core.records import Step
 
 # Finished traced steps of a thread that borrows the training thread's role, kept until it trains.
 MAX_HELD_STEPS = 64
+
+
+class ThreadRoleHost(Protocol):
+    """What the training thread's role (``thread_role.ThreadRole``) asks of the step lifecycle."""
+
+    @property
+    def idle(self) -> bool:
+        """No optimizer step seen yet, no step and no module call open: another thread may borrow the role."""
+        ...
+
+    @property
+    def counters(self) -> tuple[int, int]:
+        """The next training and inference step numbers."""
+        ...
+
+    def export(self, step: Step) -> None: ...
+
+    def drop_open(self, now: int) -> None:
+        """Close the open step and segment (held by the role, not exported)."""
+        ...
+
+    def restore(self, counters: tuple[int, int] | None) -> None:
+        """Give the step numbers back (the borrower's steps are dropped)."""
+        ...
 
 
 class ThreadRole:

@@ -57,7 +57,7 @@ class StepTraceIds:
                 nonce = self._provisional_nonce = self._provisional_nonce or job_nonce()
         if step.kind is SpanKind.OUTSIDE_STEP:
             # The count cannot change while an outside_step is open: a step's opening closes it first.
-            label = outside_step_label(steps_taken)
+            label: int | str = outside_step_label(steps_taken)
         else:
             label = f"inference-{step.index}" if step.inference else step.index
         trace_id, block = job_trace_id(self._rank(), nonce, label, self._settings.ranks_per_trace)

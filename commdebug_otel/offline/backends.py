@@ -151,11 +151,11 @@ def _opener(deadline: _Deadline, redirects: list[str]) -> urllib.request.OpenerD
 
     class Http(urllib.request.HTTPHandler):
         def http_open(self, req: urllib.request.Request) -> Any:
-            return self.do_open(plain, req)
+            return self.do_open(plain, req)  # type: ignore[arg-type]  # a connection class, as urllib takes
 
     class Https(urllib.request.HTTPSHandler):
         def https_open(self, req: urllib.request.Request) -> Any:
-            return self.do_open(secure, req, context=self._context)  # type: ignore[attr-defined]
+            return self.do_open(secure, req, context=self._context)  # type: ignore[arg-type, attr-defined]
 
     class Redirects(urllib.request.HTTPRedirectHandler):
         max_redirections = MAX_REDIRECTS

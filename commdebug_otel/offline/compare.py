@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
         finally:
             for message in messages:
                 print(f"commdebug-otel compare: {message}", file=sys.stderr)
-    diff = signature.compare(*documents, count_tolerance=args.count_tolerance,
+    base, new = documents
+    diff = signature.compare(base, new, count_tolerance=args.count_tolerance,
                              bytes_tolerance=args.bytes_tolerance, typical_only=args.typical_only)
     if args.format == "json":
         print(json.dumps(diff, indent=2))

@@ -52,6 +52,7 @@ from commdebug_otel import semconv
 from commdebug_otel.core.fact import parse, ranges_text, stall_step_text
 from commdebug_otel.offline import EXIT_DONE, EXIT_UNREADABLE, flight_recorder, stragglers, summary
 from commdebug_otel.offline.backends import DEADLINE_S, MAX_RESPONSE_BYTES
+from commdebug_otel.offline.load import load_for_command
 from commdebug_otel.offline.model import (
     Arrivals,
     SpanIndex,
@@ -186,10 +187,13 @@ class Reads:
 # -------------------------------------------------------------------- stalls
 
 
-def _collective(event: dict) -> dict[str, Any]:
-    """A ring or in-flight event of a ``stalled`` span as plain data."""
+def _collective(event: dict) -> dict[str, Any] | None:
+    """A ring or in-flight event of a ``stalled`` span as plain data; None for one that names no op (a damaged
+    file's: not a collective)."""
     attrs = event["attributes"]
     fact = parse(attrs, event["name"])
+    if fact is None:
+        return None
     return {"op": fact.op, "group": fact.group.name, "seq": fact.seq, "dtype": fact.dtype, "shape": list(fact.shape),
             "bytes": fact.nbytes, "module": fact.fqn, "pass": fact.pass_,
             "age_s": float(attrs.get(semconv.STALL_AGE, 0.0))}
@@ -199,6 +203,8 @@ def _snapshot(span: dict) -> dict[str, Any]:
     attrs = span["attributes"]
     between = attrs.get(semconv.STALL_BETWEEN_STEPS) is True
     groups = [str(group) for group in attrs.get(semconv.STALL_GROUPS, [])]
+    in_flight = [event for event in span["events"]
+                 if event["attributes"].get(semconv.COLLECTIVE_STATE) == semconv.STATE_IN_FLIGHT]
     return {
         "rank": span["rank"], "step": attrs.get(semconv.STEP),
         "module": BETWEEN_STEPS if between else str(attrs.get(semconv.STALL_MODULE, "")) or TRAIN_STEP,
@@ -209,8 +215,7 @@ def _snapshot(span: dict) -> dict[str, Any]:
         "stack": [str(line) for line in attrs.get(semconv.STALL_STACK, [])],
         "issued_seq": dict(zip(groups, map(int, attrs.get(semconv.STALL_ISSUED_SEQ, [])))),
         "completed_seq": dict(zip(groups, map(int, attrs.get(semconv.STALL_COMPLETED_SEQ, [])))),
-        "in_flight": [_collective(event) for event in span["events"]
-                      if event["attributes"].get(semconv.COLLECTIVE_STATE) == semconv.STATE_IN_FLIGHT],
+        "in_flight": [found for found in map(_collective, in_flight) if found is not None],
         "_sizes": {_group(event["attributes"]): int(event["attributes"][semconv.PROCESS_GROUP_SIZE])
                    for event in span["events"] if semconv.PROCESS_GROUP_SIZE in event["attributes"]},
         "trace_id": span["trace_id"], "world_size": int(span["resource"].get(semconv.WORLD_SIZE, 0)),
@@ -646,10 +651,10 @@ def _issued_collectives(spans: list[dict], raised: dict[tuple[int, int | None], 
                 taken.append((event, step))
     taken.sort(key=lambda item: item[0]["time_ns"])
     out: dict[tuple[int, int], dict[str, dict[int, _Issued]]] = defaultdict(lambda: defaultdict(dict))
-    step_of = {id(event): step for event, step in taken}
+    step_of_event = {id(event): step for event, step in taken}
     # Send/recv are counted wherever they are (a pipeline's first recv is outside the step).
     for event, group, counted in counted_seqs(event for event, _ in taken):
-        step = step_of[id(event)]
+        step = step_of_event[id(event)]
         if counted is None or step is None:
             continue
         attrs, span = event["attributes"], event["span"]
@@ -928,7 +933,8 @@ def format_text(found: dict[str, Any], top: int = 10) -> str:
                    f"arrive, counting only the delay it added since its previous collective (under "
                    f"{found['noise_floor_s'] * 1e3:g} ms ignored), waited = rank-seconds the others waited, "
                    "excess = the time it spent in that module over the other ranks.")
-        table = [("rank", "module", "pass", "lost s", "waited s", "excess s", "collectives", "steps")]
+        table: list[tuple[Any, ...]] = [("rank", "module", "pass", "lost s", "waited s", "excess s", "collectives",
+                                         "steps")]
         table += [(row["rank"], row["module"], row["pass"] or "-", f"{row['lost_s']:.3f}", f"{row['waited_s']:.3f}",
                    f"{row['excess_s']:.3f}", row["collectives"], len(row["steps"])) for row in rows[:top]]
         out += ["    " + line for line in summary.columns(table)]
@@ -997,7 +1003,9 @@ def _load(args: argparse.Namespace, reads: dict[int, RankRead]) -> list[dict] | 
         print(f"commdebug-otel diagnose: --{backend} needs --trace-id ID", file=sys.stderr)
         return None
     spans: list[dict] = []
+    # A trace id without a backend was refused above.
     for trace_id in args.trace_id:
+        assert backend is not None
         try:
             spans += fetch_trace(backend, args.jaeger or args.tempo, trace_id, args.backend_timeout,
                                  round(args.backend_max_mib * (1 << 20)))
@@ -1006,7 +1014,7 @@ def _load(args: argparse.Namespace, reads: dict[int, RankRead]) -> list[dict] | 
             return None
     if args.paths:
         alone = not args.trace_id
-        from_files = summary.load_for_command(args.paths, "diagnose", snapshots=True,
+        from_files = load_for_command(args.paths, "diagnose", snapshots=True,
                                               fold=Reads() if alone else None,
                                               digests=reads if alone else None)
         if from_files is None:

@@ -55,6 +55,7 @@ from commdebug_otel.offline import (
     summary,
     write_output,
 )
+from commdebug_otel.offline.load import load_for_command
 from commdebug_otel.offline.model import index_of, reusing
 
 DEFAULT_TIMELINES = 5
@@ -557,7 +558,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Write ``args.output``. Returns :data:`.EXIT_DONE`; :data:`.EXIT_UNREADABLE` when there is nothing to show,
     :data:`.EXIT_NOT_THERE` when the page cannot be written (said on stderr)."""
-    spans = summary.load_for_command(args.paths, "report", snapshots=True)
+    spans = load_for_command(args.paths, "report", snapshots=True)
     if spans is None:
         return EXIT_UNREADABLE
     page = render(spans, args.step)

@@ -192,7 +192,7 @@ class SpanIndex:
         cut = []
         for span in spans:
             chain = []
-            node = span
+            node: dict | None = span
             while node is not None and id(node) not in state:
                 state[id(node)] = True
                 chain.append(node)

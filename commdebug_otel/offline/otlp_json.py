@@ -29,7 +29,7 @@ import stat
 from array import array
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from google.protobuf import json_format
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2 as _mpb
@@ -40,13 +40,13 @@ from commdebug_otel import semconv
 try:  # faster than json; json reads what it refuses (see SpanReader._decode)
     import orjson as _orjson
 except ImportError:  # pragma: no cover - a dependency, but the stdlib reads the same
-    _orjson = None
+    _orjson = None  # type: ignore[assignment]
 
-__all__ = ["ATTRIBUTE_TYPES", "MAX_LINE_BYTES", "MAX_RANKS", "BadData", "SpanReader", "decode_any_value",
+__all__ = ["ATTRIBUTE_TYPES", "MAX_LINE_BYTES", "MAX_RANKS", "BadData", "Fold", "SpanReader", "decode_any_value",
            "metric_dicts", "metrics_from_otlp_json", "parse_otlp_json", "ranked", "read_spans", "span_dicts",
            "spans_from_otlp_json", "to_otlp_json", "trace_files"]
 
-_SIGNALS = {
+_SIGNALS: dict[str, tuple[Any, Any]] = {
     "traces": (_tpb.ExportTraceServiceRequest, _tpb.ExportTraceServiceResponse),
     "metrics": (_mpb.ExportMetricsServiceRequest, _mpb.ExportMetricsServiceResponse),
 }
@@ -376,7 +376,7 @@ for _name, _kind in (("stringValue", lambda text, depth: _str(text, "a stringVal
 
 
 def _attributes(key_values: Any, depth: int = 0) -> dict[str, Any]:
-    out = {}
+    out: dict[str, Any] = {}
     fast = depth <= MAX_VALUE_DEPTH
     for item in _list(key_values, "attributes"):
         # The usual shapes inline (most of a file's bytes are attributes); anything else is checked in full.
@@ -409,7 +409,7 @@ def _plain_array(values: Any) -> list | None:
     """An ``arrayValue``'s values when each is a string or a decimal integer (shapes, names), else None."""
     if type(values) is not list:
         return None
-    out = []
+    out: list[int | str] = []
     for value in values:
         if type(value) is not dict or len(value) != 1:
             return None
@@ -590,7 +590,7 @@ def trace_files(paths: Iterable[str | os.PathLike], skipped: list[str] | None = 
     """
     found: list[str] = []
     seen: set[tuple[int, int]] = set()
-    for path in map(os.fspath, paths):
+    for path in (os.fspath(path) for path in paths):
         if not os.path.isdir(path):
             if not os.path.lexists(path):
                 raise FileNotFoundError(f"no such file or folder: {path}")
@@ -614,6 +614,20 @@ def trace_files(paths: Iterable[str | os.PathLike], skipped: list[str] | None = 
             dirs.sort()
             found.extend(os.path.join(folder, name) for name in sorted(names) if name.endswith((".jsonl", ".json")))
     return found
+
+
+class Fold(Protocol):
+    """What a command reads of the files, as :class:`SpanReader`'s ``fold``; picklable (the reader's worker
+    processes call it)."""
+
+    def __call__(self, span: dict) -> bool:
+        """Whether the command reads ``span`` itself (the others are counted into a kept ancestor)."""
+        ...
+
+    def digest(self, spans: list[dict]) -> dict[int, Any]:
+        """What the command needs of one file's spans, all of them, before reducing: ``{rank: value}``
+        (picklable values; :attr:`SpanReader.digests` gathers them)."""
+        ...
 
 
 class SpanReader:
@@ -642,7 +656,7 @@ class SpanReader:
     attributes are equal (the same module in every step) share one attribute dict (less memory: do not
     change a span's attributes).
 
-    ``fold(span) -> bool``: what a command reads (picklable, for the workers). Each file's spans are
+    ``fold`` (a :class:`Fold`): what a command reads (picklable, for the workers). Each file's spans are
     reduced, where it is read, to those ``fold`` accepts, the roots (spans whose parent is not in the
     file), the first span of each (rank, host, process), and the ancestors of these where the tree's root
     has a parent id (another file may hold the rest of the trace); every other span is counted into
@@ -656,7 +670,7 @@ class SpanReader:
     iteration: read again without ``fold``. (A span read twice across files is then yielded twice, and
     :attr:`duplicates` counts only those within a file.)
 
-    A ``fold`` may also have ``digest(spans) -> {rank: value}`` (picklable values): called where a file is
+    The fold's ``digest(spans) -> {rank: value}`` (picklable values) is called where a file is
     read, with all its spans (each once, before reducing), for what a command needs of spans it folds (e.g.
     each rank's module timeline). :attr:`digests` gathers them; a rank with spans in two files makes the
     reader :attr:`unfoldable` (a digest holds one file's spans of the rank).
@@ -667,7 +681,7 @@ class SpanReader:
 
     def __init__(self, paths: Iterable[str | os.PathLike], max_line_bytes: int = MAX_LINE_BYTES,
                  hex_ids: bool = True, workers: int | None = 1, shared: bool = False,
-                 fold: Callable[[dict], bool] | None = None) -> None:
+                 fold: Fold | None = None) -> None:
         self.paths = list(paths)
         self.fold = fold
         self.max_line_bytes = max_line_bytes
@@ -1006,7 +1020,7 @@ def _size(path: str) -> int:
 
 
 def _read_file(path: str, max_line_bytes: int, hex_ids: bool, shared: bool,
-               fold: Callable[[dict], bool] | None = None) -> tuple[list, list, int, int, tuple | None, dict | None]:
+               fold: Fold | None = None) -> tuple[list, list, int, int, tuple | None, dict | None]:
     """One file as :class:`SpanReader` reads it, in a worker process: ``(spans, messages, duplicates,
     skipped lines, prints, the fold's digests or None)``, spans each once within the file. With ``fold``,
     the spans are reduced (:func:`_fold`) and ``prints`` holds the :func:`_print` of the keys of the spans
@@ -1014,8 +1028,7 @@ def _read_file(path: str, max_line_bytes: int, hex_ids: bool, shared: bool,
     # With fold, equal values are made one object in the spans kept only (most are folded: no need).
     reader = SpanReader([], max_line_bytes, hex_ids, 1, shared and fold is None)
     spans = list(reader._file(path))
-    digest = getattr(fold, "digest", None)
-    digests = digest(spans) if digest is not None and spans else None
+    digests = fold.digest(spans) if fold is not None and spans else None
     if fold is None:
         return spans, reader.messages, reader.duplicates, reader.skipped_lines, None, digests
     spans, folded, parents = _fold(spans, fold)
@@ -1077,16 +1090,16 @@ def _fold(spans: list[dict], keep: Callable[[dict], bool]) -> tuple[list[dict], 
             node = None if settled else parent.get(id(node))
     folded: Counter = Counter()
     keys = array("q")
-    stack = [(root, root) for root in roots]
-    while stack:
-        span, anchor = stack.pop()
+    walk = [(root, root) for root in roots]  # (span, the nearest ancestor kept)
+    while walk:
+        span, anchor = walk.pop()
         if id(span) in kept or is_snapshot(anchor):
             kept.add(id(span))
             anchor = span
         else:
             folded[id(anchor)] += 1
             keys.append(_print(span["trace_id"], span["span_id"]))
-        stack.extend([(child, anchor) for child in children.get(id(span), ())])
+        walk.extend([(child, anchor) for child in children.get(id(span), ())])
     out = [span for span in spans if id(span) in kept]
     root_steps: dict = {}
     for span in out:

@@ -35,8 +35,8 @@ from typing import Any
 
 from commdebug_otel import semconv
 from commdebug_otel.offline import EXIT_DONE, EXIT_NOT_THERE, EXIT_UNREADABLE
+from commdebug_otel.offline.load import load_for_command
 from commdebug_otel.offline.model import SpanIndex
-from commdebug_otel.offline.summary import load_for_command
 
 __all__ = ["add_arguments", "chrome_trace", "run", "write_chrome_trace"]
 
@@ -94,7 +94,7 @@ def _rank_events(spans: list[dict], pid: int, origin: int, out: list[dict]) -> N
 
     # A walk with its own stack (a chain of 20,000 spans is no recursion): each frame is
     # [siblings left, low (where the next may start), high (where they must end)].
-    stack = [[by_start(index.roots), origin, max((span["end_ns"] for span in spans), default=origin)]]
+    stack: list[list[Any]] = [[by_start(index.roots), origin, max((span["end_ns"] for span in spans), default=origin)]]
     while stack:
         frame = stack[-1]
         span = next(frame[0], None)

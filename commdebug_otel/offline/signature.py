@@ -74,7 +74,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from commdebug_otel import semconv
-from commdebug_otel.core.fact import ranges_text
+from commdebug_otel.core.fact import PASS_NONE, ranges_text
 from commdebug_otel.offline import EXIT_DONE, EXIT_UNREADABLE, write_output
 from commdebug_otel.offline.model import SpanIndex, collective_events, is_snapshot
 from commdebug_otel.offline.otlp_json import SpanReader
@@ -90,7 +90,6 @@ KEY_FIELDS = ("module", "pass", "op", "group", "mesh_dim", "dtype", "cause", "so
 #: The sections of the steps reported apart that :func:`compare` holds, in document order.
 EDGES = ("first_step", "last_step")
 _OTHER = "other_steps"
-PASS_NONE = "none"
 #: A file larger than this is read as spans only (a run's OTLP-JSON), never loaded whole as one signature.
 MAX_SIGNATURE_BYTES = 64 << 20
 
@@ -272,8 +271,8 @@ def build(tallies: Mapping[int, Tally], world_size: int | None = None, times: bo
         for number, differences in found.other.items():
             for key, figures in differences.items():
                 others[(key, *figures)].append(number)
-        for (key, *figures), numbers in others.items():
-            sections[_OTHER][(key, *figures, tuple(sorted(numbers)))].append(rank)
+        for (key, *deltas), numbers in others.items():
+            sections[_OTHER][(key, *deltas, tuple(sorted(numbers)))].append(rank)
     document: dict[str, Any] = {"format": FORMAT,
                                 "world_size": world_size if world_size is not None else len(tallies)}
     names = {"entries": ("count_per_step", "bytes_per_step"), _OTHER: ("count_delta", "bytes_delta", "steps")}
@@ -281,9 +280,9 @@ def build(tallies: Mapping[int, Tally], world_size: int | None = None, times: bo
         fields = names.get(section, ("count_delta", "bytes_delta"))
         out = []
         ordered = sorted(rows.items(), key=lambda item: (item[0][0], sorted(item[1]), item[0][1:]))
-        for (key, *figures), ranks in ordered:
+        for (key, *values), ranks in ordered:
             entry: dict[str, Any] = dict(zip(KEY_FIELDS, key))
-            for name, value in zip(fields, figures):
+            for name, value in zip(fields, values):
                 entry[name] = list(value) if name == "steps" else value
             entry["ranks"] = sorted(ranks)
             out.append(entry)

@@ -299,6 +299,7 @@ def late_records(times: dict[int, RankTimes], warmup: int | None, noise_floor_s:
         issued = {rank: tables[rank].issued[i] for rank, i in members.items()}
         last = max(sorted(issued), key=lambda rank: issued[rank])
         step = tables[last].steps[members[last]]
+        assert step is not None  # arrival_matches leaves out events outside steps
         for rank in members:
             seen[rank].add(step)
         others = [time for rank, time in issued.items() if rank != last]

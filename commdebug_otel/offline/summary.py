@@ -34,17 +34,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import os
 import statistics
 import sys
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from commdebug_otel import semconv
 from commdebug_otel.compat.report import GLOBAL, CommReport, Operation, render_json, render_table
 from commdebug_otel.offline import EXIT_DONE, EXIT_NOT_THERE, EXIT_UNREADABLE
+from commdebug_otel.offline.load import load_for_command, load_spans, ranked_spans
 from commdebug_otel.offline.model import P2P as _P2P
 from commdebug_otel.offline.model import (
     Arrivals,
@@ -59,10 +58,8 @@ from commdebug_otel.offline.model import (
     reusing,
     warmup_step,
 )
-from commdebug_otel.offline.otlp_json import SpanReader, ranked, spans_from_otlp_json, trace_files
+from commdebug_otel.offline.otlp_json import trace_files
 from commdebug_otel.offline.stragglers import ALPHA, RankTimes, find, format_lines, rank_times
-
-_log = logging.getLogger(__name__)
 
 __all__ = [
     "GLOBAL",
@@ -95,48 +92,6 @@ __all__ = [
 
 _FORWARD, _BACKWARD, _RECOMPUTE = semconv.PASS_FORWARD, semconv.PASS_BACKWARD, semconv.PASS_RECOMPUTE
 _LEGACY_FUNCTIONAL = semconv.LEGACY_FUNCTIONAL_PACKETS
-
-
-# ------------------------------------------------------------------- loading
-
-
-def load_spans(paths: Iterable[str | os.PathLike], reader: SpanReader | None = None) -> list[dict[str, Any]]:
-    """Every span in the OTLP-JSON trace files under ``paths`` (files or folders), each once.
-
-    Read by :class:`commdebug_otel.offline.otlp_json.SpanReader`: what it skips, and why, is in its
-    ``messages``; pass ``reader`` to read them, else each is logged as a warning (logger
-    ``commdebug_otel.offline.summary``). Objects without ``resourceSpans`` (metrics, logs,
-    other JSON) are passed over.
-
-    Returns:
-        span dicts as :func:`commdebug_otel.offline.otlp_json.spans_from_otlp_json`
-        makes them (``start_ns``/``end_ns``/event ``time_ns`` in ns since the Unix epoch,
-        ids as lowercase hex), each with ``"rank"`` (int, the resource's
-        ``torch.distributed.rank``, 0 when absent) and ``"file"`` added; sorted by
-        rank, then start time.
-
-    Raises:
-        FileNotFoundError: a path does not exist.
-    """
-    own = reader is None
-    reader = SpanReader(paths) if reader is None else reader
-    spans = list(reader)
-    if own:  # nobody else will read the reader's messages: log them
-        for message in reader.messages:
-            _log.warning("commdebug-otel: %s", message)
-    spans.sort(key=lambda span: (span["rank"], span["start_ns"]))
-    return spans
-
-
-def ranked_spans(request: dict, source: str, hex_ids: bool = True) -> list[dict[str, Any]]:
-    """The spans of one OTLP-JSON ``ExportTraceServiceRequest`` (or ``TracesData``) dict, as :func:`load_spans`
-    makes them: each with ``"rank"`` and ``"file"`` = ``source``. ``hex_ids``: as
-    :func:`commdebug_otel.offline.otlp_json.parse_otlp_json`.
-
-    Raises:
-        commdebug_otel.offline.otlp_json.BadData: as :func:`.otlp_json.spans_from_otlp_json`.
-    """
-    return ranked(spans_from_otlp_json(request, hex_ids), source)
 
 
 def packet_name(op_name: str) -> str:
@@ -202,9 +157,9 @@ def _count_collectives(report: CommReport, spans: list[dict], rank: int, index: 
         pass_ = _event_pass(event)
         span = event["span"]
         node = span
-        while node is not None and id(node) not in seen and _fqn(node):  # modules listed as the chains meet them
+        while node is not None and id(node) not in seen and (fqn := _fqn(node)):  # as the chains meet them
             seen.add(id(node))
-            report.counts_of(_fqn(node))
+            report.counts_of(fqn)
             node = index.parent(node)
         report.count_collective(packet, pass_, ())  # "Global"
         if _fqn(span):
@@ -293,10 +248,10 @@ def _module_order(spans: list[dict], index: SpanIndex) -> tuple[list[str], dict[
                           key=lambda span: (span["attributes"].get(semconv.MODULE_PASS) != _FORWARD,
                                             span["start_ns"]))
     for span in module_spans:  # forward spans first: a parent comes before its children
-        fqn = _fqn(span)
+        fqn = _fqn(span) or ""  # (never empty: module_spans have one)
         if span["attributes"].get(semconv.MODULE_PASS) == _FORWARD and fqn not in parents:
             parent = index.parent(span)
-            parents[fqn] = _fqn(parent) if parent is not None and _fqn(parent) else GLOBAL
+            parents[fqn] = (_fqn(parent) if parent is not None else None) or GLOBAL
         if fqn not in order:  # depth in the call tree, as torch's ModTracker counts it
             order[fqn] = order.get(parents.get(fqn, GLOBAL), 0) + 1
     return list(order), order, parents
@@ -625,7 +580,7 @@ def pipeline_waits(spans: list[dict], step: int | None = None,
         for name, left in ((semconv.SEND, sends[len(recvs):]), (semconv.RECV, recvs[len(sends):])):
             unmatched[name] += sum(map(in_step, left))
     per_stage = [{
-        "rank": rank, "group": group, "group_rank": members[group].index(rank), "recvs": len(waits),
+        "rank": rank, "group": group, "group_rank": (members[group] or ()).index(rank), "recvs": len(waits),
         "wait_ms": sum(waits) / 1e6, "max_wait_ms": max(waits) / 1e6, "mean_wait_ms": sum(waits) / len(waits) / 1e6,
     } for (rank, group), waits in sorted(rows.items())]
     return {"pairs": sum(len(waits) for waits in rows.values()),
@@ -808,50 +763,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--include-warmup", action="store_true",
                         help="count the first traced step in the stragglers (left out by default: ranks start it "
                              "at different times and run it cold)")
-
-
-def load_for_command(paths: Iterable[str], command: str, snapshots: bool = False,
-                     fold: Callable[[dict], bool] | None = None,
-                     digests: dict[int, Any] | None = None) -> list[dict[str, Any]] | None:
-    """``load_spans(paths)``, or None after telling the user (on stderr) why there is nothing to read.
-
-    What the reader skipped (unreadable files, lines, spans read twice) is said on stderr first, one
-    line per file. Large inputs are read by one process per CPU (:class:`.otlp_json.SpanReader`).
-    ``snapshots``: keep the spans of stall snapshots (``diagnose``); otherwise they
-    are left out, so a step that stalled is counted once, and the user is told how many were left out.
-    ``fold``: what the command reads of a span (:class:`.otlp_json.SpanReader`'s ``fold``); where reducing
-    the files could change an answer, they are read again whole. ``digests``: filled with the fold's
-    digests (``SpanReader.digests``) when the spans returned are the reduced ones; left empty otherwise.
-    """
-    # The analyses only read spans: modules repeated step after step can share their attributes.
-    shared = command in ("summarize", "diagnose")
-    reader = SpanReader(paths, workers=None, shared=shared, fold=fold)
-    try:
-        spans = load_spans(paths, reader)
-        if reader.unfoldable:
-            spans = []
-            reader = SpanReader(paths, workers=None, shared=shared)
-            spans = load_spans(paths, reader)
-        elif digests is not None:
-            digests.update(reader.digests)
-    except FileNotFoundError as error:
-        print(f"commdebug-otel {command}: {error}", file=sys.stderr)
-        return None
-    for message in reader.messages:
-        print(f"commdebug-otel {command}: {message}", file=sys.stderr)
-    if reader.duplicates:
-        print(f"commdebug-otel {command}: {reader.duplicates} spans read more than once (the same trace and span "
-              "id: a file given twice, a linked copy, repeated lines) are counted once", file=sys.stderr)
-    if not spans:
-        print(f"commdebug-otel {command}: no spans found (expected OTLP-JSON trace files)", file=sys.stderr)
-        return None
-    if not snapshots:
-        kept = [span for span in spans if not is_snapshot(span)]
-        if len(kept) < len(spans):
-            print(f"commdebug-otel {command}: {len(spans) - len(kept)} spans of stall snapshots left out "
-                  "(`commdebug-otel diagnose` reads them)", file=sys.stderr)
-        spans = kept
-    return spans
 
 
 class _Needs:

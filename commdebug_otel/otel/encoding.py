@@ -288,7 +288,7 @@ else:
     def _field(tag: bytes, payload: bytes) -> bytes:
         return tag + _prefixed(payload)
 
-    def encode_spans(spans: Sequence[Any]) -> ExportTraceServiceRequest:
+    def encode_spans(spans: Sequence[Any]) -> ExportTraceServiceRequest:  # type: ignore[misc]  # (any span objects)
         """One OTLP export request for ``spans``, as the SDK's ``encode_spans`` builds it.
 
         ``spans``: SDK ``ReadableSpan`` objects. ``SerializeToString()`` of the result is

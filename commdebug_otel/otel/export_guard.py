@@ -220,7 +220,7 @@ def span_bytes_bound(span: ReadableSpan) -> int:
         trace_state = link.context.trace_state
         if trace_state:
             size += _text_bytes(trace_state.to_header()) + _FIELD
-    trace_state = span.context.trace_state if span.context is not None else None
+    trace_state = span.context.trace_state if span.context is not None else None  # type: ignore[assignment]
     if trace_state:
         size += _text_bytes(trace_state.to_header()) + _FIELD
     return size
@@ -391,7 +391,7 @@ class _CountingQueue(collections.deque):
     exact even while the export thread drains the queue.
     """
 
-    def __init__(self, items: Any, maxlen: int, on_drop: Callable[[], None]) -> None:
+    def __init__(self, items: Any, maxlen: int | None, on_drop: Callable[[], None]) -> None:
         super().__init__(items, maxlen)
         self._on_drop = on_drop
         self._lock = threading.Lock()
@@ -403,7 +403,7 @@ class _CountingQueue(collections.deque):
         if full:
             self._on_drop()
 
-    def pop(self) -> Any:
+    def pop(self) -> Any:  # type: ignore[override]  # (deque's takes no index)
         with self._lock:
             return super().pop()
 

@@ -3,6 +3,7 @@ each guarded (``export_guard``), and, once per process, the line that says traci
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -12,7 +13,7 @@ from commdebug_otel.config import ExportEnv, Settings, variable
 from commdebug_otel.core.ids import RNG as OWN_RNG
 from commdebug_otel.core.redact import describe, hide_credentials
 from commdebug_otel.core.steps import RankInfo
-from commdebug_otel.otel._sdk import jitter_from
+from commdebug_otel.otel._sdk import jitter_from, json_file_encoder, replace_json_file_encoder, translate_data_with
 from commdebug_otel.otel.export_guard import (
     CountingMetricExporter,
     SizedSpanExporter,
@@ -22,6 +23,116 @@ from commdebug_otel.otel.export_guard import (
 )
 
 _logger = logging.getLogger("commdebug_otel.otel.telemetry")  # the telemetry's own log, as before the split
+
+
+# Metric requests: at most this many data points (a few hundred bytes each) per request.
+METRIC_EXPORT_BATCH_POINTS = 2000
+
+
+# (signal, kind) -> (module, class): imported only when chosen.
+_EXPORTER_CLASSES = {
+    ("traces", "grpc"): ("opentelemetry.exporter.otlp.proto.grpc.trace_exporter", "OTLPSpanExporter"),
+    ("traces", "http"): ("opentelemetry.exporter.otlp.proto.http.trace_exporter", "OTLPSpanExporter"),
+    ("traces", "file"): ("opentelemetry.exporter.otlp.json.file", "FileSpanExporter"),
+    ("traces", "console"): ("opentelemetry.sdk.trace.export", "ConsoleSpanExporter"),
+    ("metrics", "grpc"): ("opentelemetry.exporter.otlp.proto.grpc.metric_exporter", "OTLPMetricExporter"),
+    ("metrics", "http"): ("opentelemetry.exporter.otlp.proto.http.metric_exporter", "OTLPMetricExporter"),
+    ("metrics", "file"): ("opentelemetry.exporter.otlp.json.file", "FileMetricExporter"),
+    ("metrics", "console"): ("opentelemetry.sdk.metrics.export", "ConsoleMetricExporter"),
+}
+
+
+def exporter_class(signal: str, kind: str) -> Any:
+    """The SDK's exporter class for ``signal`` (traces, metrics) and ``kind`` (grpc, http, file, console),
+    imported now; our span encodings where the SDK gives a seam for them. Raises KeyError for another pair."""
+    import importlib
+
+    module, name = _EXPORTER_CLASSES[(signal, kind)]
+    exporter = getattr(importlib.import_module(module), name)
+    if (signal, kind) == ("traces", "grpc"):
+        return memoized_encoding(exporter)
+    if (signal, kind) == ("traces", "file"):
+        return _memoized_json_encoding(exporter)
+    return exporter
+
+
+@functools.cache
+def memoized_encoding(exporter: type) -> type:
+    """``exporter`` (the SDK's OTLP/gRPC span exporter) encoding with :func:`commdebug_otel.otel.encoding.encode_spans`.
+
+    The SDK's gRPC exporter builds each request with ``self._translate_data(spans)``, its
+    seam for this. The HTTP exporter calls its module's ``encode_spans`` inside ``export()``
+    and has no such seam, so it keeps the SDK's encoding. ``request_bytes`` lets
+    ``SizedSpanExporter`` size a batch by encoding it, once: the export sends that encoding.
+    """
+    from commdebug_otel.otel import encoding
+
+    class MemoizedSpanExporter(exporter):
+        _encoded: tuple[Any, Any] | None = None  # (spans, request) of the batch request_bytes sized
+
+        def request_bytes(self, spans: Any, limit: int) -> int:
+            """The exact size of ``spans``' request, in bytes. If it is at most ``limit``, an :meth:`export`
+            of that same sequence next sends this encoding instead of making another (``SizedSpanExporter``
+            sizes every batch); a larger one is not kept (the batch is split and encoded anew)."""
+            request = encoding.encode_spans(spans)
+            size = request.ByteSize()
+            self._encoded = (spans, request) if size <= limit else None
+            return size
+
+        def encode_request(self, data: Any) -> Any:
+            encoded = self._encoded
+            return encoded[1] if encoded is not None and encoded[0] is data else encoding.encode_spans(data)
+
+        def export(self, spans: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return super().export(spans, *args, **kwargs)
+            finally:
+                self._encoded = None  # retries are over: the request is not kept past its export
+
+    translate_data_with(MemoizedSpanExporter, MemoizedSpanExporter.encode_request)
+    MemoizedSpanExporter.__qualname__ = MemoizedSpanExporter.__name__ = f"Memoized{exporter.__name__}"
+    return MemoizedSpanExporter
+
+
+@functools.cache
+def _memoized_json_encoding(exporter: type) -> type:
+    """``exporter`` (the SDK's OTLP-JSON file span exporter) writing the lines of
+    :func:`commdebug_otel.otel.encoding.encode_spans_json`: the same lines, in about 40% of the time.
+
+    The SDK's file exporter keeps its encoder as ``self._exporter._encode`` and dumps the dict
+    it returns to its stream; ours is the line itself, so it writes the line to that stream and
+    returns None (nothing more to write). Where a version keeps either elsewhere, its own encoding stays.
+    """
+    from commdebug_otel.otel.encoding import encode_spans_json
+
+    class MemoizedFileSpanExporter(exporter):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            found = json_file_encoder(self)
+            if found is not None:
+                holder, stream = found
+
+                def write_line(spans: Any) -> None:
+                    line = encode_spans_json(spans)
+                    if line is not None and not getattr(stream, "closed", False):  # closed: the exporter says so
+                        stream.write(line + "\n")  # the exporter then flushes the stream
+
+                replace_json_file_encoder(holder, write_line)
+
+    MemoizedFileSpanExporter.__qualname__ = MemoizedFileSpanExporter.__name__ = f"Memoized{exporter.__name__}"
+    return MemoizedFileSpanExporter
+
+
+def exporter_arguments(export: ExportEnv, signal: str, transport: str) -> dict[str, Any]:
+    """:meth:`ExportEnv.exporter_arguments`, with the compression as ``transport``'s exporter takes it."""
+    arguments = export.exporter_arguments(signal)
+    if "compression" in arguments:
+        if transport == "grpc":
+            from grpc import Compression
+        else:
+            from opentelemetry.exporter.otlp.proto.http import Compression
+        arguments["compression"] = Compression.NoCompression
+    return arguments
 
 
 class Exporters:
@@ -124,9 +235,6 @@ class Exporters:
 
     def make(self, signal: str, rank: RankInfo, export: ExportEnv) -> list[Any]:
         """The exporters ``OTEL_{signal}_EXPORTER`` names (after the embedded default)."""
-        # The exporter classes and their arguments stay with the providers (otel/telemetry.py imports this module).
-        from commdebug_otel.otel.telemetry import METRIC_EXPORT_BATCH_POINTS, _exporter_arguments, _exporter_class
-
         exporters: list[Any] = []
         for name in export.exporter_names(signal):
             if name == "otlp":
@@ -134,12 +242,12 @@ class Exporters:
                 endpoint = export.otlp_endpoint(signal)
                 self.endpoints.append(endpoint)
                 transport = "http" if export.otlp_protocol(signal).startswith("http") else "grpc"
-                arguments = _exporter_arguments(export, signal, transport)
+                arguments = exporter_arguments(export, signal, transport)
                 if signal == "traces":
-                    inner = _exporter_class(signal, transport)(endpoint=endpoint, **arguments)
-                    exporter = SizedSpanExporter(inner, endpoint, self._count_dropped)
+                    inner = exporter_class(signal, transport)(endpoint=endpoint, **arguments)
+                    exporter: Any = SizedSpanExporter(inner, endpoint, self._count_dropped)
                 else:
-                    inner = _exporter_class(signal, transport)(
+                    inner = exporter_class(signal, transport)(
                         endpoint=endpoint, max_export_batch_size=METRIC_EXPORT_BATCH_POINTS, **arguments)
                     exporter = CountingMetricExporter(inner, endpoint, self._count_dropped)
                 jitter_from(inner, OWN_RNG)  # retries after a failed export: not the script's random numbers
@@ -151,13 +259,13 @@ class Exporters:
                     continue
                 guard = SizedSpanExporter if signal == "traces" else CountingMetricExporter
                 extra = {"max_request_bytes": None} if signal == "traces" else {}
-                exporters.append(guard(_exporter_class(signal, "file")(stream=WholeLineFile(path)),
+                exporters.append(guard(exporter_class(signal, "file")(stream=WholeLineFile(path)),
                                        path, self._count_dropped, **extra))
             elif name == "console":
-                exporters.append(_exporter_class(signal, "console")())
+                exporters.append(exporter_class(signal, "console")())
             elif name != "none" and not (signal == "metrics" and name == "prometheus"):
-                extra = ", prometheus" if signal == "metrics" else ""
+                choices = ", prometheus" if signal == "metrics" else ""
                 _logger.warning("commdebug-otel: ignoring OTEL_%s_EXPORTER value %r: "
-                                "expected otlp%s, file, console or none", signal.upper(), name, extra)
+                                "expected otlp%s, file, console or none", signal.upper(), name, choices)
         self.span_guards.extend(exporter for exporter in exporters if isinstance(exporter, SizedSpanExporter))
         return exporters

@@ -60,7 +60,7 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
 
 from commdebug_otel import semconv
-from commdebug_otel.core.fact import GroupFacts, group_labels, metric_labels
+from commdebug_otel.core.fact import CollectiveFact, GroupFacts, group_labels, metric_labels
 from commdebug_otel.core.redact import describe, valid_text
 from commdebug_otel.otel._sdk import exemplar_draws
 
@@ -266,10 +266,11 @@ class CollectiveMetrics:
     def _module_label(self, fqn: str) -> str:
         return ".".join(fqn.split(".")[: self._module_depth + 1])
 
-    def collective(self, op: str, pass_: str, group: GroupFacts, rank: int, nbytes: int,
-                   duration_s: float | None, fqn: str = "", span_ref: tuple[int, int] | None = None) -> None:
-        """Count one collective of ``nbytes`` payload bytes that took ``duration_s`` seconds to issue
-        (None on a step that is not timed: counted, without a ``torch.collective.duration`` point).
+    def collective(self, fact: CollectiveFact, rank: int, duration_s: float | None,
+                   span_ref: tuple[int, int] | None = None) -> None:
+        """Count one collective (``fact.nbytes`` payload bytes, labelled by its op, pass, group and module) that
+        took ``duration_s`` seconds to issue (None on a step that is not timed: counted, without a
+        ``torch.collective.duration`` point).
 
         ``span_ref`` (the owning span's ``(trace id, span id)``; the worker makes its OTel context) makes the
         SDK attach exemplars that link these points to the traced step's span, where offering
@@ -280,7 +281,7 @@ class CollectiveMetrics:
         if len(points) >= MAX_PENDING_POINTS:
             self._on_dropped(semconv.DROPPED_KIND_METRIC, 1)
             return
-        points.append((op, pass_, group, rank, nbytes, duration_s, fqn, span_ref))
+        points.append((fact, rank, duration_s, span_ref))
         self._unflushed += 1
         if self._unflushed >= FLUSH_EVERY_COLLECTIVES:
             self.flush()
@@ -293,9 +294,8 @@ class CollectiveMetrics:
             labels = self._labels[key] = metric_labels(op, pass_, group, self._rank_labels(rank), module, valid_text)
         return labels
 
-    def completion(self, op: str, pass_: str, group: GroupFacts, rank: int, duration_s: float,
-                   fqn: str = "") -> None:
-        """Record that a c10d collective completed ``duration_s`` seconds after it was issued.
+    def completion(self, fact: CollectiveFact, rank: int, duration_s: float) -> None:
+        """Record that ``fact``'s c10d collective completed ``duration_s`` seconds after it was issued.
 
         Called from the backend's completion callback thread (gloo's worker, NCCL's
         watchdog), which must not be held up: the point waits for the next flush, and
@@ -305,7 +305,7 @@ class CollectiveMetrics:
         if len(self._completions) >= MAX_PENDING_POINTS:
             self._on_dropped(semconv.DROPPED_KIND_METRIC, 1)
             return
-        self._completions.append((op, pass_, group, rank, duration_s, fqn))
+        self._completions.append((fact, rank, duration_s))
 
     def flush(self) -> None:
         """Have the worker record the pending points (at a step end, and every few hundred collectives)."""
@@ -321,14 +321,14 @@ class CollectiveMetrics:
         sums: dict[int, list] = {}
         points, record, span_context = self._points, self._duration.record, _SpanContexts()
         for _ in range(len(points)):
-            op, pass_, group, rank, nbytes, duration_s, fqn, ref = points.popleft()
+            fact, rank, duration_s, ref = points.popleft()
             context = span_context(ref)
-            labels = self._labels_of(op, pass_, group, rank, fqn)
+            labels = self._labels_of(fact.op, fact.pass_, fact.group, rank, fact.fqn)
             entry = sums.get(id(labels))
             if entry is None:
                 entry = sums[id(labels)] = [labels, 0, 0, None]
             entry[1] += 1
-            entry[2] += nbytes
+            entry[2] += fact.nbytes
             if context is not None:
                 entry[3] = context
             if duration_s is not None:  # a timed step's
@@ -345,8 +345,8 @@ class CollectiveMetrics:
             self._step_wait.record(wait_s, labels, context=context)
         completions, record = self._completions, self._completion.record
         for _ in range(len(completions)):
-            op, pass_, group, rank, duration_s, fqn = completions.popleft()
-            record(duration_s, self._labels_of(op, pass_, group, rank, fqn))
+            fact, rank, duration_s = completions.popleft()
+            record(duration_s, self._labels_of(fact.op, fact.pass_, fact.group, rank, fact.fqn))
 
     def drain(self, timeout_s: float) -> bool:
         """Flush, then wait at most ``timeout_s`` until the worker has recorded everything."""
@@ -472,23 +472,26 @@ class LazyCollectiveMetrics:
                 metrics.dropped(semconv.DROPPED_KIND_METRIC, self._held_dropped, self._rank().rank)
                 self._held_dropped = 0
             # From now on the recorder calls the instruments' methods directly.
-            self.collective = metrics.collective
-            self.completion = metrics.completion
+            self.collective = metrics.collective  # type: ignore[method-assign]
+            self.completion = metrics.completion  # type: ignore[method-assign]
         return metrics
 
-    def collective(self, *args: Any, **kwargs: Any) -> None:
+    def collective(self, fact: CollectiveFact, rank: int, duration_s: float | None,
+                   span_ref: tuple[int, int] | None = None) -> None:
+        """As :meth:`CollectiveMetrics.collective` (held until the meter may start)."""
         metrics = self._get()
         if metrics is None:
-            self._hold("collective", args, kwargs)
+            self._hold("collective", (fact, rank, duration_s, span_ref))
         else:
-            metrics.collective(*args, **kwargs)
+            metrics.collective(fact, rank, duration_s, span_ref)
 
-    def completion(self, *args: Any) -> None:
+    def completion(self, fact: CollectiveFact, rank: int, duration_s: float) -> None:
+        """As :meth:`CollectiveMetrics.completion` (held until the meter may start)."""
         metrics = self._get()
         if metrics is None:
-            self._hold("completion", args)
+            self._hold("completion", (fact, rank, duration_s))
         else:
-            metrics.completion(*args)
+            metrics.completion(fact, rank, duration_s)
 
     def step(self, duration_s: float, wait_s: float, span_ref: tuple[int, int] | None = None) -> None:
         metrics = self._get()

@@ -26,7 +26,10 @@ _logger = logging.getLogger("commdebug_otel.otel.telemetry")  # the telemetry's 
 class ExitHost(Protocol):
     """What the exit path asks of its telemetry (``telemetry.Telemetry``)."""
 
-    endpoints: list[str]  # OTLP endpoints in use, for the one warning
+    @property
+    def endpoints(self) -> list[str]:
+        """OTLP endpoints in use, for the one warning."""
+        ...
 
     def settle_now(self) -> None: ...
 

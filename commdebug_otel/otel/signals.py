@@ -273,8 +273,8 @@ class _SignalRescue:
         """Make our socket the wakeup fd if nobody's is (asyncio gives it back as -1); False if it is someone
         else's (left to them)."""
         try:
-            previous = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
-            if previous not in (-1, self._writer.fileno()):  # someone else's (an event loop): theirs again
+            previous = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)  # type: ignore[union-attr]
+            if previous not in (-1, self._writer.fileno()):  # type: ignore[union-attr]  # someone else's (an event loop): theirs again
                 signal.set_wakeup_fd(previous)
                 return False
         except (ValueError, OSError) as error:

@@ -187,7 +187,7 @@ class SpanBuilder:
             for root in roots:
                 self._start(tracer, root, parent, None, trace_id, children, finished)
         finally:
-            if finished:
+            if finished and self._direct is not None:  # (only the direct path fills it)
                 self._direct.hand_over(finished)
 
     def _start(self, tracer: Any, record: Any, parent: SpanContext | None, parent_span: Any,
@@ -202,6 +202,7 @@ class SpanBuilder:
             # deep): the prepared pair is unpacked, the children are walked by index, not an iterator.
             attributes, events = prepared
             prepared = None
+            assert direct is not None  # (prepared says so)
             context = direct.context(record, parent, trace_id)
             kids = children.get(id(record), ())
             for index in range(len(kids)):
@@ -214,7 +215,7 @@ class SpanBuilder:
             chosen = ids.ids(trace_id or (own.generate_trace_id() if parent is None else None),
                              record.span_id or own.generate_span_id())
         else:
-            chosen = contextlib.nullcontext()
+            chosen = contextlib.nullcontext()  # type: ignore[assignment]
         if parent_span is not None:  # processors and samplers see the live parent, as before
             parent_context = otel_trace.set_span_in_context(parent_span)
         elif parent is not None:
@@ -319,7 +320,7 @@ class _DirectSpans:
         """The span's attributes and events as the SDK would keep them, or None: use the SDK's path."""
         if record.error is not None or not _fits(len(record.events), self._events):
             return None
-        attributes = _plain(attributes, self._span_chars, self._span_attributes)
+        attributes = _plain(attributes, self._span_chars, self._span_attributes)  # type: ignore[assignment]
         if attributes is None:
             return None
         if not record.events:
@@ -369,7 +370,7 @@ def _valid_values(attributes: Any) -> Any:
     fixed = None
     for key, value in attributes.items():
         if type(value) is str:
-            valid = valid_text(value)
+            valid: Any = valid_text(value)
         elif type(value) in (tuple, list) and any(type(item) is str and not item.isascii() for item in value):
             valid = tuple(valid_text(item) if type(item) is str else item for item in value)
         else:

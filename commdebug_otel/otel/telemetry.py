@@ -30,7 +30,6 @@ flushing signal, what is held is exported with what is known by then.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import socket
@@ -58,10 +57,7 @@ from commdebug_otel.core.redact import describe
 from commdebug_otel.core.steps import RankCache, RankInfo, settled
 from commdebug_otel.otel._sdk import (
     batch_queue,
-    json_file_encoder,
     own_random_views,
-    replace_json_file_encoder,
-    translate_data_with,
     warning_filters_kept,
 )
 from commdebug_otel.otel.export_guard import CountingBatchSpanProcessor, SizedSpanExporter, fold_exporter_logs
@@ -81,105 +77,11 @@ DEFAULT_EXPORT_BATCH_SPANS = 64
 # A whole step's spans reach the batch processor at once (when the step ends): the SDK's queue of
 # 2,048 dropped a quarter of a 2,700-span step. OTEL_BSP_MAX_QUEUE_SIZE overrides.
 DEFAULT_SPAN_QUEUE = 65_536
-# Metric requests likewise: at most this many data points (a few hundred bytes each) per request.
-METRIC_EXPORT_BATCH_POINTS = 2000
 # Longest string attribute value we export (exception messages and stack traces included).
 MAX_ATTRIBUTE_CHARS = 4096
 STALL_FLUSH_TIMEOUT_S = 10.0  # per provider, for a stall snapshot's flush (the watchdog's own thread)
 # Spans finished before the process group exists, held until it does; more are dropped and counted.
 MAX_HELD_SPANS = DEFAULT_SPAN_QUEUE
-
-
-# (signal, kind) -> (module, class): imported only when chosen.
-_EXPORTER_CLASSES = {
-    ("traces", "grpc"): ("opentelemetry.exporter.otlp.proto.grpc.trace_exporter", "OTLPSpanExporter"),
-    ("traces", "http"): ("opentelemetry.exporter.otlp.proto.http.trace_exporter", "OTLPSpanExporter"),
-    ("traces", "file"): ("opentelemetry.exporter.otlp.json.file", "FileSpanExporter"),
-    ("traces", "console"): ("opentelemetry.sdk.trace.export", "ConsoleSpanExporter"),
-    ("metrics", "grpc"): ("opentelemetry.exporter.otlp.proto.grpc.metric_exporter", "OTLPMetricExporter"),
-    ("metrics", "http"): ("opentelemetry.exporter.otlp.proto.http.metric_exporter", "OTLPMetricExporter"),
-    ("metrics", "file"): ("opentelemetry.exporter.otlp.json.file", "FileMetricExporter"),
-    ("metrics", "console"): ("opentelemetry.sdk.metrics.export", "ConsoleMetricExporter"),
-}
-
-
-def _exporter_class(signal: str, kind: str) -> Any:
-    import importlib
-
-    module, name = _EXPORTER_CLASSES[(signal, kind)]
-    exporter = getattr(importlib.import_module(module), name)
-    if (signal, kind) == ("traces", "grpc"):
-        return _memoized_encoding(exporter)
-    if (signal, kind) == ("traces", "file"):
-        return _memoized_json_encoding(exporter)
-    return exporter
-
-
-@functools.cache
-def _memoized_encoding(exporter: type) -> type:
-    """``exporter`` (the SDK's OTLP/gRPC span exporter) encoding with :func:`commdebug_otel.otel.encoding.encode_spans`.
-
-    The SDK's gRPC exporter builds each request with ``self._translate_data(spans)``, its
-    seam for this. The HTTP exporter calls its module's ``encode_spans`` inside ``export()``
-    and has no such seam, so it keeps the SDK's encoding. ``request_bytes`` lets
-    ``SizedSpanExporter`` size a batch by encoding it, once: the export sends that encoding.
-    """
-    from commdebug_otel.otel import encoding
-
-    class MemoizedSpanExporter(exporter):
-        _encoded: tuple[Any, Any] | None = None  # (spans, request) of the batch request_bytes sized
-
-        def request_bytes(self, spans: Any, limit: int) -> int:
-            """The exact size of ``spans``' request, in bytes. If it is at most ``limit``, an :meth:`export`
-            of that same sequence next sends this encoding instead of making another (``SizedSpanExporter``
-            sizes every batch); a larger one is not kept (the batch is split and encoded anew)."""
-            request = encoding.encode_spans(spans)
-            size = request.ByteSize()
-            self._encoded = (spans, request) if size <= limit else None
-            return size
-
-        def encode_request(self, data: Any) -> Any:
-            encoded = self._encoded
-            return encoded[1] if encoded is not None and encoded[0] is data else encoding.encode_spans(data)
-
-        def export(self, spans: Any, *args: Any, **kwargs: Any) -> Any:
-            try:
-                return super().export(spans, *args, **kwargs)
-            finally:
-                self._encoded = None  # retries are over: the request is not kept past its export
-
-    translate_data_with(MemoizedSpanExporter, MemoizedSpanExporter.encode_request)
-    MemoizedSpanExporter.__qualname__ = MemoizedSpanExporter.__name__ = f"Memoized{exporter.__name__}"
-    return MemoizedSpanExporter
-
-
-@functools.cache
-def _memoized_json_encoding(exporter: type) -> type:
-    """``exporter`` (the SDK's OTLP-JSON file span exporter) writing the lines of
-    :func:`commdebug_otel.otel.encoding.encode_spans_json`: the same lines, in about 40% of the time.
-
-    The SDK's file exporter keeps its encoder as ``self._exporter._encode`` and dumps the dict
-    it returns to its stream; ours is the line itself, so it writes the line to that stream and
-    returns None (nothing more to write). Where a version keeps either elsewhere, its own encoding stays.
-    """
-    from commdebug_otel.otel.encoding import encode_spans_json
-
-    class MemoizedFileSpanExporter(exporter):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            found = json_file_encoder(self)
-            if found is not None:
-                holder, stream = found
-
-                def write_line(spans: Any) -> None:
-                    line = encode_spans_json(spans)
-                    if line is not None and not getattr(stream, "closed", False):  # closed: the exporter says so
-                        stream.write(line + "\n")  # the exporter then flushes the stream
-
-                replace_json_file_encoder(holder, write_line)
-
-    MemoizedFileSpanExporter.__qualname__ = MemoizedFileSpanExporter.__name__ = f"Memoized{exporter.__name__}"
-    return MemoizedFileSpanExporter
 
 
 class _HashedResource(Resource):
@@ -245,8 +147,8 @@ class Telemetry:
         self._meter_provider = meter_provider
         self._own_tracer_provider: TracerProvider | None = None
         self._own_meter_provider: MeterProvider | None = None
-        self._tracer = None
-        self._meter = None
+        self._tracer: otel_trace.Tracer | None = None
+        self._meter: otel_metrics.Meter | None = None
         self._tracer_setup: TracerSetup | None = None
         self._own_span_processors: list[Any] = []
         # The exporters each signal's provider gets, where they write, and that tracing is on (said once).
@@ -311,7 +213,7 @@ class Telemetry:
         if self._tracer is None and self._tracer_provider is None and not self.disabled and not self.settled():
             return self._pending_setup()
         self.tracer()
-        return self._tracer_setup
+        return self._tracer_setup  # type: ignore[return-value]  # (set by tracer())
 
     def settled(self) -> bool:
         """Whether our own providers may start: the rank, the job nonce and the run folder are final
@@ -561,7 +463,7 @@ class _HeldSpans(SpanProcessor):
             if spans and provider is None:
                 self._count_dropped(semconv.DROPPED_KIND_SPAN, len(spans))
             return
-        resource = provider.resource
+        resource = provider.resource  # type: ignore[union-attr]  # (processors: our own provider)
         for span in spans:
             settled_span = ReadableSpan(
                 name=span.name, context=span.context, parent=span.parent, resource=resource,
@@ -585,18 +487,6 @@ def _given_or_started(given: Any, make: Callable[[], Any], what: str, off: Calla
     except Exception as error:
         _logger.warning("commdebug-otel: %s are off: %s", what, describe(error, values=False))
         return off()
-
-
-def _exporter_arguments(export: ExportEnv, signal: str, transport: str) -> dict[str, Any]:
-    """:meth:`ExportEnv.exporter_arguments`, with the compression as ``transport``'s exporter takes it."""
-    arguments = export.exporter_arguments(signal)
-    if "compression" in arguments:
-        if transport == "grpc":
-            from grpc import Compression
-        else:
-            from opentelemetry.exporter.otlp.proto.http import Compression
-        arguments["compression"] = Compression.NoCompression
-    return arguments
 
 
 def _pull_reader_class() -> type:

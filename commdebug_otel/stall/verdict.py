@@ -207,7 +207,7 @@ def cause_text(why: Mapping[str, Any] | None) -> str:
     cause = why.get(semconv.DTENSOR_CAUSE) if why else None
     if not cause:
         return ""
-    source, target = why.get(semconv.DTENSOR_SOURCE_PLACEMENTS), why.get(semconv.DTENSOR_TARGET_PLACEMENTS)
+    source, target = why.get(semconv.DTENSOR_SOURCE_PLACEMENTS), why.get(semconv.DTENSOR_TARGET_PLACEMENTS)  # type: ignore[union-attr]
     return f"{cause} {source} -> {target}" if source and target else str(cause)
 
 
@@ -360,7 +360,7 @@ class _Wait:
 def _wait_on(records: Mapping[int, StallRecord], group: str, seq: int, waiting: list[int]) -> _Wait:
     waiter = next((records[rank] for rank in waiting if records[rank].groups[group].entry(seq) is not None), None)
     entry = waiter.groups[group].entry(seq) if waiter is not None else None
-    op, module, cause = (entry.op, entry.module or _where(waiter), entry.cause) if entry else ("", "", "")
+    op, module, cause = (entry.op, entry.module or _where(waiter), entry.cause) if entry and waiter else ("", "", "")
     facts = next((records[rank].groups[group] for rank in waiting if group in records[rank].groups), None)
     return _Wait(group, seq, waiting, op, module, cause, facts.mesh_dim if facts else "")
 

@@ -113,7 +113,7 @@ class InMemoryTelemetry:
                 for metric in scope_metrics.metrics:
                     if metric.name == name:
                         for point in metric.data.data_points:
-                            points.append((dict(point.attributes), getattr(point, "value", point)))
+                            points.append((dict(point.attributes or {}), getattr(point, "value", point)))
         return points
 
     def clear(self) -> None:

@@ -284,15 +284,15 @@ class _HttpHandler(BaseHTTPRequestHandler):
             raise _Refused(400, code_pb2.INVALID_ARGUMENT, "both Content-Length and Transfer-Encoding")
         if not framing and length_text is None:
             raise _Refused(411, code_pb2.INVALID_ARGUMENT, "no Content-Length and not chunked")
-        if not framing and not length_text.strip().isdigit():
+        if length_text is not None and not length_text.strip().isdigit():  # (and not framing: said above)
             raise _Refused(400, code_pb2.INVALID_ARGUMENT, f"Content-Length {length_text!r} is not a number")
-        if not framing and int(length_text) > limit:  # refused before a byte is read
+        if length_text is not None and int(length_text) > limit:  # refused before a byte is read
             raise _Refused(413, code_pb2.RESOURCE_EXHAUSTED,
                            f"body of {int(length_text)} bytes, larger than {limit} bytes")
         wire = 0
         self.connection.settimeout(HTTP_BODY_TIMEOUT_S)
         try:
-            pieces = self._pieces(int(length_text)) if not framing else self._chunks()
+            pieces = self._pieces(int(length_text)) if length_text is not None else self._chunks()
             for piece in pieces:
                 wire += len(piece)
                 if wire > limit:
