@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 from types import FrameType
 from typing import Any
 
@@ -206,7 +207,7 @@ def in_module_call() -> bool:
 
     Where no module hook runs (a step whose module calls go hook-free) this is the only way to know.
     """
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     code = _MODULE_WRAPPED_CALL_CODE
     while frame is not None:
         if frame.f_code is code:

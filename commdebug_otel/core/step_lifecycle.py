@@ -53,13 +53,11 @@ class StepLifecycle:
         spans: where finished steps go (:class:`~commdebug_otel.capture.observer.SpanSink`); None: no spans.
         metrics: where metric points go (``fact.MetricsSink``: ``metrics.LazyCollectiveMetrics``), or None.
         observers: told what the recorder sees (:class:`~commdebug_otel.capture.observer.RecorderObserver`).
-        listening: an observer is told of collectives, ops or first calls: sampled steps keep records
-            for it even where spans go nowhere.
+        listening: an observer is told of collectives, ops or first calls (sampled steps keep records for it).
         rank: this process's rank facts (``steps.RankCache``).
 
     Attributes:
-        ownership, path, role, exports: the parts (module ownership, the collective path, the thread's
-            role, the exports to the span sink).
+        ownership, path, role, exports: the parts (module ownership, collective path, thread role, span exports).
         first_call: called once, at the first module call that opens a step; True: stop recording.
         seen_optimizer: whether an ``optimizer.step()`` has ended a step.
     """
@@ -384,16 +382,11 @@ class StepLifecycle:
         return part
 
     def finish(self, error: BaseException | None = None) -> None:
-        """Close whatever is open (at exit or uninstrument) so every started span ends.
-
-        ``error``: the exception that ends the process (raised outside any module call, or through one),
-        recorded on the open step's ``train_step`` unless a span of the step already holds it; that step is
-        exported even where it was not traced, as a stalled one is.
-        """
+        """Close whatever is open (at exit or uninstrument) so every started span ends; ``error`` (the exception
+        ending the process) goes on the open step's root unless one of its spans holds it (then exported)."""
         now = time.time_ns()
-        if self._step is not None and error is not None:
-            if all(record.error is not error for record in self._step.records):
-                self._step.root.error = error
+        if self._step is not None and error is not None and all(r.error is not error for r in self._step.records):
+            self._step.root.error = error
         if self._step is not None:
             inference = not self.seen_optimizer and not self._step.backward_done
             self.close_step(now, inference=inference)

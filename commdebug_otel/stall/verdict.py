@@ -57,6 +57,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from commdebug_otel import semconv
@@ -305,7 +306,7 @@ def _waiting_for_unpublished(records: Mapping[int, StallRecord]) -> set[int]:
                    for name, facts in record.groups.items())}
 
 
-def _behind(records: Mapping[int, StallRecord], excused: set[int] = frozenset()) -> tuple[list[int], list[str]]:
+def _behind(records: Mapping[int, StallRecord], excused: AbstractSet[int] = frozenset()) -> tuple[list[int], list[str]]:
     """Ranks behind on a group where others issued more, and not ahead on any (diagnose's rule), ``excused``
     ranks aside; the groups where they are behind (by name)."""
     behind: dict[int, list[str]] = {}
