@@ -156,7 +156,8 @@ class CommDebugInstrumentor(BaseInstrumentor):
 
     ``instrument()`` keyword arguments: ``tracer_provider``, ``meter_provider``
     (default: the global providers if an SDK was configured, else our own SDK
-    set-up) and ``settings`` (default ``Settings.from_env()``).
+    set-up), ``settings`` (default ``Settings.from_env()``) and ``after_teardown``
+    (``CommTracer``'s: called once ``destroy_process_group`` destroyed the default group).
     """
 
     _tracer: Any = None
@@ -209,7 +210,7 @@ class CommDebugInstrumentor(BaseInstrumentor):
         if meter_provider is None and _configured(metrics.get_meter_provider()):
             meter_provider = metrics.get_meter_provider()
         tracer = CommTracer(kwargs.get("settings"), tracer_provider=tracer_provider,
-                            meter_provider=meter_provider)
+                            meter_provider=meter_provider, after_teardown=kwargs.get("after_teardown"))
         tracer.start()
         self._tracer = tracer
 
