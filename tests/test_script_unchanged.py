@@ -190,3 +190,29 @@ def test_tracebacks_show_the_frames_they_show_untraced(tmp_path, form):
     assert _frames(traced.stderr) == _frames(plain.stderr), traced.stderr[-3000:]
     assert "commdebug_otel" not in "\n".join(_frames(traced.stderr))
     assert traced.returncode == plain.returncode == 1
+
+
+_FORK = """
+import os, sys, threading, time, torch
+net = torch.nn.Linear(2, 2)
+optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+for _ in range(2):
+    net(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+pid = os.fork()
+if pid == 0:  # a child that never calls a module: nothing of ours runs in it
+    time.sleep(1.0)  # the SDK starts its threads again for the parent's providers right after the fork
+    print(sorted(thread.name for thread in threading.enumerate()), flush=True)
+    os._exit(0)
+os.waitpid(pid, 0)
+"""
+
+
+def test_a_forked_child_runs_no_thread_of_the_parents_telemetry(tmp_path):
+    """The SDK starts the parent's export threads again in a forked child (``_at_fork_reinit``): they ended at
+    once there, and exported the parent's metric points again, under the parent's resource, every interval."""
+    for traced in (False, True):
+        env = _env(tmp_path, OTEL_METRIC_EXPORT_INTERVAL="200",
+                   **({"OTEL_PYTHON_COMMDEBUG_ENABLED": "true"} if traced else {}))
+        result = subprocess.run([sys.executable, "-c", _FORK], env=env, capture_output=True, text=True, timeout=120)
+        assert (result.returncode, result.stdout) == (0, "['MainThread']\n"), (traced, result.stderr[-2000:])

@@ -61,6 +61,7 @@ from commdebug_otel.otel._sdk import (
     json_file_encoder,
     own_random_views,
     replace_json_file_encoder,
+    silence_inherited,
     translate_data_with,
     warning_filters_kept,
 )
@@ -250,6 +251,7 @@ class Telemetry:
         self._tracer_setup: TracerSetup | None = None
         self._own_span_processors: list[Any] = []
         self._servers: list[tuple[Any, threading.Thread]] = []  # Prometheus pull endpoints of ours, and their threads
+        self._own_metric_readers: list[Any] = []
         # The exporters each signal's provider gets, where they write, and that tracing is on (said once).
         self._exporters = Exporters(settings, self.count_dropped)
         self._lock = threading.Lock()
@@ -423,6 +425,7 @@ class Telemetry:
         provider = MeterProvider(resource=build_resource(rank, export), metric_readers=readers,
                                  shutdown_on_exit=False, views=own_random_views(OWN_RNG))
         self._own_meter_provider = provider
+        self._own_metric_readers = readers
         self._exit_path.register()
         return provider
 
@@ -464,7 +467,10 @@ class Telemetry:
         return self._exporters.run_directory()
 
     def reset_after_fork(self) -> None:
-        """In a forked child: forget the parent's providers (their rank and pid are the parent's)."""
+        """In a forked child: forget the parent's providers (their rank and pid are the parent's), and end the
+        threads the SDK starts again for them, exporting nothing."""
+        silence_inherited(self._own_span_processors, self._own_metric_readers)
+        self._own_metric_readers = []
         self._tracer = self._meter = self._tracer_setup = self._dropped = None
         self._exit_path.reset()
         if isinstance(self._rank, RankCache):
@@ -560,6 +566,7 @@ class Telemetry:
             self._exporters.span_guards = []
             if metrics is not None:
                 self._meter = self._dropped = None
+                self._own_metric_readers = []
             if isinstance(self._rank, RankCache):
                 self._rank.reset()  # a later process group may give this process another rank
             self._settle_state()
