@@ -56,12 +56,11 @@ def maybe_start() -> None:
         config.warn_unknown_variables()
         if not config.read_option("enabled") or config.instrumentation_disabled():
             return
-        from commdebug_otel.instrumentor import CommDebugInstrumentor
+        from commdebug_otel.instrumentor import CommDebugInstrumentor, instrument
 
-        instrumentor = CommDebugInstrumentor()
-        if instrumentor.is_instrumented_by_opentelemetry:
+        if CommDebugInstrumentor().is_instrumented_by_opentelemetry:
             return  # started before a trigger fired (opentelemetry-instrument, the script): nothing to warn
-        instrumentor.instrument(skip_dep_check=True, after_teardown=_stop_after_teardown)
+        instrument(after_teardown=_stop_after_teardown)
     except Exception as error:  # start-up must never break the user's program
         _warn("could not start tracing", error)
 

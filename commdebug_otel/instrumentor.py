@@ -116,8 +116,12 @@ def _configured(provider: Any) -> bool:
     return not name.startswith(("Proxy", "NoOp", "_Proxy"))
 
 
-def instrument(tracer_provider: Any = None, meter_provider: Any = None, settings: Any = None) -> Any:
+def instrument(tracer_provider: Any = None, meter_provider: Any = None, settings: Any = None,
+               after_teardown: Any = None) -> Any:
     """``CommDebugInstrumentor().instrument(...)``: start the process-wide tracer.
+
+    ``after_teardown``: called with no argument once ``destroy_process_group`` destroyed the default group
+    (``CommTracer``'s; the environment start stops tracing there).
 
     Idempotent: when already on, the instrumentor warns and nothing changes. Unlike
     ``opentelemetry-instrument``, it does not check the installed torch against
@@ -129,7 +133,7 @@ def instrument(tracer_provider: Any = None, meter_provider: Any = None, settings
     """
     instrumentor = CommDebugInstrumentor()
     instrumentor.instrument(tracer_provider=tracer_provider, meter_provider=meter_provider,
-                            settings=settings, skip_dep_check=True)
+                            settings=settings, after_teardown=after_teardown, skip_dep_check=True)
     return instrumentor.tracer
 
 
