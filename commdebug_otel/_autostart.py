@@ -29,6 +29,10 @@ settings are read at once and say which name is unknown). Only then are the sett
 options table reads ``ENABLED`` like every other setting, and
 ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` and the torchrun launcher's no-op apply.
 Tracing starts on the thread that fires a trigger (the main thread, in a training script).
+
+When ``destroy_process_group`` destroys the default group, tracing stops there (what was traced is
+exported, and no thread or file of ours stays: a script that joins every thread at its end ends as
+untraced), and the first trigger is armed again: a later process group is traced anew.
 """
 
 from __future__ import annotations
@@ -56,7 +60,23 @@ def maybe_start() -> None:
 
         if CommDebugInstrumentor().is_instrumented_by_opentelemetry:
             return  # started before a trigger fired (opentelemetry-instrument, the script): nothing to warn
-        instrument()
+        instrument(after_teardown=_stop_after_teardown)
+    except Exception as error:  # start-up must never break the user's program
+        _warn("could not start tracing", error)
+
+
+def _stop_after_teardown() -> None:
+    """The job's default process group was destroyed: tracing stops (spans exported, hooks removed, our threads
+    and files gone, as :meth:`CommTracer.stop`), and starts again at the next default group's creation (not at a
+    module call). Never raises."""
+    try:
+        from commdebug_otel.instrumentor import CommDebugInstrumentor
+
+        instrumentor = CommDebugInstrumentor()
+        if instrumentor.is_instrumented_by_opentelemetry:
+            instrumentor.uninstrument()
+        if _triggers is not None:
+            _triggers.rearm()
     except Exception as error:  # start-up must never break the user's program
         _warn("could not start tracing", error)
 
@@ -98,7 +118,13 @@ class _StartAfterImport:
                 spec.loader = self._loader  # type: ignore[union-attr]
         except Exception:  # a module that refuses attributes keeps the wrapper: harmless
             pass
-        self._loader.exec_module(module)  # type: ignore[attr-defined]  # torch's errors are the script's
+        try:
+            self._loader.exec_module(module)  # type: ignore[attr-defined]
+        except BaseException as error:  # torch's errors are the script's: raised as without us, this frame left out
+            from commdebug_otel.core.frames import without_frames_of
+
+            error.__traceback__ = without_frames_of(error.__traceback__, __file__)
+            raise
         if sys.modules.get(TARGET) is module:  # not someone's private module_from_spec copy
             self._hook.fire()
 
@@ -171,21 +197,36 @@ class _Triggers:
         if c10d is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
             maybe_start()  # a late import of this module: the process already joined its group
             return
-        original = getattr(c10d, "_update_default_pg", None)
-        if original is not None:
-            def _update_default_pg(pg: object) -> None:
-                original(pg)
-                if pg is not None:
-                    self.fire()
-
-            self._c10d, self._update_default_pg, self._wrapper = c10d, original, _update_default_pg
-            setattr(c10d, "_update_default_pg", _update_default_pg)  # noqa: B010  (called by name from c10d's own functions)
+        self._arm_group(c10d)
         from torch.nn.modules.module import register_module_forward_pre_hook
 
         from commdebug_otel.capture._torch import own_global_hooks
 
         self._pre_hook = register_module_forward_pre_hook(self._first_module_call)  # type: ignore[arg-type]
         own_global_hooks(self._pre_hook)  # a script's torch.compile(model) must not warn of it (-W error)
+
+    def _arm_group(self, c10d: object) -> None:
+        original = getattr(c10d, "_update_default_pg", None)
+        if original is not None:
+            def _update_default_pg(pg: object) -> None:
+                try:
+                    original(pg)
+                except BaseException as error:  # torch's: raised as without us
+                    from commdebug_otel.core.frames import without_frames_of
+
+                    error.__traceback__ = without_frames_of(error.__traceback__, __file__)
+                    raise
+                if pg is not None:
+                    self.fire()
+
+            self._c10d, self._update_default_pg, self._wrapper = c10d, original, _update_default_pg
+            setattr(c10d, "_update_default_pg", _update_default_pg)  # noqa: B010  (called by name from c10d's own functions)
+
+    def rearm(self) -> None:
+        """Tracing stopped with the default group: the next group's creation starts it again."""
+        with self._lock:
+            self._fired = False
+        self._arm_group(sys.modules.get("torch.distributed.distributed_c10d"))
 
     def _first_module_call(self, module: object, args: object) -> object:
         from commdebug_otel.capture._torch import global_forward_pre_hooks

@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 
-from commdebug_otel.config import OPTIONS, Detail, Option, run_environment
+from commdebug_otel.config import BOOTSTRAP_DIR, OPTIONS, Detail, Option, run_environment
 
 
 def _positive(text: str) -> int:
@@ -135,8 +135,7 @@ def run_command(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     env = run_environment({option.field: getattr(args, option.field, None) for option in OPTIONS})
-    bootstrap = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (bootstrap, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (BOOTSTRAP_DIR, env.get("PYTHONPATH", "")) if p)
     import shutil
 
     if shutil.which(command[0], path=env.get("PATH")) is None:

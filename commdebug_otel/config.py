@@ -94,8 +94,10 @@ from commdebug_otel.detail import Detail
 _logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "OTEL_PYTHON_COMMDEBUG_"
-# Short jobs under `commdebug-otel run` must export metrics before they end (OTel's default is 60 s).
-RUN_METRIC_EXPORT_INTERVAL_MS = "5000"
+# Our metric export interval under `commdebug-otel run` when OTEL_METRIC_EXPORT_INTERVAL is unset (OTel's
+# default is 60 s): dashboards of a short job fill as it runs. Not put in the job's environment, where the
+# script's own OTel SDK would read it too.
+RUN_METRIC_EXPORT_INTERVAL_MS = 5000
 
 # torchrun's variables (torch/distributed/elastic/agent/server/api.py).
 RANK_ENV = "RANK"
@@ -531,16 +533,26 @@ def variable(field: str) -> str:
 
 
 def run_environment(values: Mapping[str, str | None], environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment ``commdebug-otel run`` gives its command: a copy of ``environ`` (default
-    ``os.environ``) with each option in ``values`` (``Settings`` field -> text; None: not given) as its
-    variable, ``ENABLED=true``, and ``OTEL_METRIC_EXPORT_INTERVAL=5000`` (ms) unless already set."""
+    """The environment ``commdebug-otel run`` gives its command (``cli.py`` adds its start-up folder to
+    ``PYTHONPATH``): a copy of ``environ`` (default ``os.environ``) with each option in ``values``
+    (``Settings`` field -> text; None: not given) as its variable, and ``ENABLED=true``. Nothing else: a
+    variable outside ours would be read by the script's own libraries too (:func:`launched_by_run` gives our
+    metric interval its default instead)."""
     env = dict(_environ(environ))
     for option in OPTIONS:
         if values.get(option.field) is not None:
             env[option.env] = str(values[option.field])
     env[_BY_FIELD["enabled"].env] = "true"
-    env.setdefault(OTEL_METRIC_EXPORT_INTERVAL, RUN_METRIC_EXPORT_INTERVAL_MS)
     return env
+
+
+BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap")
+
+
+def launched_by_run() -> bool:
+    """Whether this process runs under ``commdebug-otel run``: its start-up folder (:data:`BOOTSTRAP_DIR`,
+    which ``run`` puts on ``PYTHONPATH`` for every process of the job) is on ``sys.path``."""
+    return any(entry and os.path.abspath(entry) == BOOTSTRAP_DIR for entry in sys.path)
 
 
 def instrumentation_disabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -675,6 +687,8 @@ class ExportEnv:
     exporter_values: tuple[tuple[str, str], ...] = ()
     # The SDK's numeric variables (SDK_MILLIS, SDK_SPAN_LIMITS) that are set, by name.
     sdk_numbers: tuple[tuple[str, str], ...] = ()
+    # This process runs under `commdebug-otel run` (launched_by_run): its own metric interval default.
+    under_run: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ExportEnv:
@@ -703,6 +717,7 @@ class ExportEnv:
                 {name for names in _EXPORTER_VARIABLES.values() for pair in names for name in pair})
                 if environ.get(name) is not None),
             sdk_numbers=tuple((name, environ[name]) for name in _SDK_NUMBER_VARIABLES if environ.get(name) is not None),
+            under_run=launched_by_run(),
         )
 
     def signal(self, signal: str) -> SignalEnv:
@@ -777,8 +792,12 @@ class ExportEnv:
         return queue, batch
 
     def sdk_millis(self, variable: str) -> int:
-        """A millisecond variable of ``SDK_MILLIS`` for the SDK: its value, or (said once) the SDK's default."""
-        return _int_or(variable, dict(self.sdk_numbers).get(variable), SDK_MILLIS[variable], MAX_SDK_NUMBER,
+        """A millisecond variable of ``SDK_MILLIS`` for the SDK: its value, or (said once) the SDK's default
+        (``OTEL_METRIC_EXPORT_INTERVAL`` under ``commdebug-otel run``: ``RUN_METRIC_EXPORT_INTERVAL_MS``)."""
+        default = SDK_MILLIS[variable]
+        if variable == OTEL_METRIC_EXPORT_INTERVAL and self.under_run:
+            default = RUN_METRIC_EXPORT_INTERVAL_MS
+        return _int_or(variable, dict(self.sdk_numbers).get(variable), default, MAX_SDK_NUMBER,
                        "a number of milliseconds")
 
     def span_limit_arguments(self) -> dict[str, int]:

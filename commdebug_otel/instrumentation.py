@@ -20,6 +20,7 @@ import os
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -38,6 +39,7 @@ from commdebug_otel.capture.optimizers import OPTIMIZERS
 from commdebug_otel.capture.tracker import ModuleTracker
 from commdebug_otel.config import Detail, Settings
 from commdebug_otel.core.collectives import wait_for_backend_callbacks
+from commdebug_otel.core.frames import without_frames_of
 from commdebug_otel.core.recorder import Recorder
 from commdebug_otel.core.steps import leave_job
 from commdebug_otel.otel.metrics import LazyCollectiveMetrics
@@ -108,6 +110,10 @@ class CommTracer:
             what the recorder sees (the ``CommDebugMode`` drop-in's counts).
         exports: False for a tracer that only feeds ``observer`` and exports
             nothing (the drop-in inside a running tracer).
+        after_teardown: called with no argument right after
+            ``torch.distributed.destroy_process_group`` destroyed the default group
+            while this tracer runs (the environment start stops tracing there); what it
+            raises is counted as a ``hook_error``, never raised to the script.
 
     One tracer exports per process: :meth:`start` on a second exporting tracer
     while one runs (started from the environment, by ``opentelemetry-instrument``
@@ -130,8 +136,10 @@ class CommTracer:
 
     def __init__(self, settings: Settings | None = None, *, tracer_provider: Any = None,
                  meter_provider: Any = None, telemetry: Telemetry | None = None,
-                 observer: RecorderObserver | None = None, exports: bool = True) -> None:
+                 observer: RecorderObserver | None = None, exports: bool = True,
+                 after_teardown: Callable[[], None] | None = None) -> None:
         self.settings = settings if settings is not None else Settings.from_env()
+        self._after_teardown = after_teardown
         self._exports = exports
         self._refused = False
         if not exports:
@@ -224,7 +232,7 @@ class CommTracer:
         self.telemetry.before_shutdown.append(self._stop_at_exit)
         if self._exports:
             self.telemetry.hold_signals()  # again after a stop; before the first span, at the first span
-            self._teardown_watch = _TeardownWatch(self._before_teardown).install()
+            self._teardown_watch = _TeardownWatch(self._before_teardown, self._torn_down).install()
         _STARTED.add(self)  # weakly: a tracer that is dropped can be collected
         if self._exports:
             _EXPORTING.add(self)
@@ -335,12 +343,22 @@ class CommTracer:
                             ("metrics", lambda: self._metrics.close(
                                 min(self.settings.shutdown_timeout_s, METRICS_DRAIN_S))),
                             ("removing hooks", self._remove_hooks),
-                            ("flush", self.telemetry.force_flush if flush else None),
+                            # Flushed, and our providers shut down: no export thread or file of ours
+                            # outlives tracing (a script that joins every thread at its end); the next
+                            # start makes new ones.
+                            ("flush", self._end_telemetry if flush else None),
                             # After the flush (the run folder's name may still read the nonce).
                             ("job's store keys", None if getattr(self, "_at_exit", False) else _leave_job_if_last),
                             # Last: a signal during the flush still flushes and ends the process as before.
                             ("signal handlers", self.telemetry.release_signals if self._exports else None)):
             self._run_step("CommTracer.stop", where, undo)
+
+    def _end_telemetry(self) -> None:
+        end = getattr(self.telemetry, "end", None)
+        if end is None:  # a telemetry of the script's own making (tests): a flush is all it offers
+            self.telemetry.force_flush()
+        elif end():
+            self._metrics.reset()  # its instruments were the ended meter's
 
     def _run_step(self, caller: str, where: str, call: Any) -> None:
         """One step of a teardown sequence: skipped when ``call`` is None; a failure is counted, never raised."""
@@ -372,6 +390,10 @@ class CommTracer:
                             ("job's store keys", leave_job if whole_job else None),
                             ("signal handlers", self.telemetry.release_signals if whole_job else None)):
             self._run_step("destroy_process_group", where, call)
+
+    def _torn_down(self) -> None:
+        """``destroy_process_group`` destroyed the default group: the ``after_teardown`` callback. Never raises."""
+        self._run_step("destroy_process_group", "after the teardown", self._after_teardown)
 
     def _remove_hooks(self) -> None:
         """Undo :meth:`start`'s hooks in mirrored order: teardown watch, optimizer hooks, dispatch mode, kernels,
@@ -475,7 +497,7 @@ def debug_state(tracer: CommTracer) -> dict[str, Any]:
 
 class _TeardownWatch:
     """``torch.distributed.destroy_process_group`` wrapped to call ``before(whole_job)`` first, while a tracer
-    runs (``whole_job``: the default group is destroyed).
+    runs (``whole_job``: the default group is destroyed), and ``after()`` once it destroyed the default group.
 
     torch offers no hook there. Put back at :meth:`remove` wherever it is still ours; a script that took
     its own reference to the function before the tracer started (``from torch.distributed import
@@ -484,8 +506,9 @@ class _TeardownWatch:
 
     _MODULES = ("torch.distributed", "torch.distributed.distributed_c10d")
 
-    def __init__(self, before: Any) -> None:
+    def __init__(self, before: Any, after: Any = None) -> None:
         self._before = before
+        self._after = after
         self._installed: list[tuple[Any, Any]] = []  # (module, torch's function)
 
     def install(self) -> _TeardownWatch | None:
@@ -504,13 +527,21 @@ class _TeardownWatch:
         return self
 
     def _wrap(self, original: Any) -> Any:
-        before = self._before
+        before, after = self._before, self._after
 
         @functools.wraps(original)
         def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
             group = args[0] if args else kwargs.get("group")
-            before(group is None or group is _world_group())
-            return original(*args, **kwargs)
+            whole_job = group is None or group is _world_group()
+            before(whole_job)
+            try:
+                result = original(*args, **kwargs)
+            except BaseException as error:  # torch's: raised as without us
+                error.__traceback__ = without_frames_of(error.__traceback__, __file__)
+                raise
+            if whole_job and after is not None:
+                after()
+            return result
 
         setattr(destroy_process_group, "__commdebug_before__", before)  # noqa: B010  (another tracer looks for it)
         return destroy_process_group

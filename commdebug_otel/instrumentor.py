@@ -105,8 +105,12 @@ def _configured(provider: Any) -> bool:
     return not name.startswith(("Proxy", "NoOp", "_Proxy"))
 
 
-def instrument(tracer_provider: Any = None, meter_provider: Any = None, settings: Any = None) -> Any:
+def instrument(tracer_provider: Any = None, meter_provider: Any = None, settings: Any = None,
+               after_teardown: Any = None) -> Any:
     """``CommDebugInstrumentor().instrument(...)``: start the process-wide tracer.
+
+    ``after_teardown``: called with no argument once ``destroy_process_group`` destroyed the default group
+    (``CommTracer``'s; the environment start stops tracing there).
 
     Idempotent: when already on, the instrumentor warns and nothing changes. Unlike
     ``opentelemetry-instrument``, it does not check the installed torch against
@@ -118,7 +122,7 @@ def instrument(tracer_provider: Any = None, meter_provider: Any = None, settings
     """
     instrumentor = CommDebugInstrumentor()
     instrumentor.instrument(tracer_provider=tracer_provider, meter_provider=meter_provider,
-                            settings=settings, skip_dep_check=True)
+                            settings=settings, after_teardown=after_teardown, skip_dep_check=True)
     return instrumentor.tracer
 
 
@@ -145,7 +149,8 @@ class CommDebugInstrumentor(BaseInstrumentor):
 
     ``instrument()`` keyword arguments: ``tracer_provider``, ``meter_provider``
     (default: the global providers if an SDK was configured, else our own SDK
-    set-up) and ``settings`` (default ``Settings.from_env()``).
+    set-up), ``settings`` (default ``Settings.from_env()``) and ``after_teardown``
+    (``CommTracer``'s: called once ``destroy_process_group`` destroyed the default group).
     """
 
     _tracer: Any = None
@@ -200,7 +205,7 @@ class CommDebugInstrumentor(BaseInstrumentor):
         if meter_provider is None and _configured(metrics.get_meter_provider()):
             meter_provider = metrics.get_meter_provider()
         tracer = CommTracer(kwargs.get("settings"), tracer_provider=tracer_provider,
-                            meter_provider=meter_provider)
+                            meter_provider=meter_provider, after_teardown=kwargs.get("after_teardown"))
         tracer.start()
         self._tracer = tracer
 

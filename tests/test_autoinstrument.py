@@ -343,9 +343,11 @@ model = torch.nn.Linear(2, 2)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 model(torch.ones(1, 2)).sum().backward()
 optimizer.step()
+traced = {"c10d": distributed_c10d._update_default_pg.__module__, "pre_hooks": len(module._global_forward_pre_hooks)}
 dist.destroy_process_group()
-json.dump({"armed": armed, "started": started, "c10d": distributed_c10d._update_default_pg.__module__,
-           "pre_hooks": len(module._global_forward_pre_hooks)}, sys.stdout)
+json.dump({"armed": armed, "started": started, "traced": traced, "stopped": current() is None,
+           "after": {"c10d": distributed_c10d._update_default_pg.__module__,
+                     "pre_hooks": len(module._global_forward_pre_hooks)}}, sys.stdout)
 """
 
 
@@ -355,9 +357,12 @@ def test_joining_a_process_group_starts_tracing_before_any_collective(tmp_path):
     result = subprocess.run([sys.executable, "-c", JOINS_A_GROUP, str(free_port())], cwd=tmp_path,
                             env=start_route_env("pth", tmp_path), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    # Both triggers went: c10d's own function is back, and only the tracer's pre-hook is left.
-    assert json.loads(result.stdout) == {"armed": True, "started": True, "c10d": "torch.distributed.distributed_c10d",
-                                         "pre_hooks": 1}
+    # Both triggers went: c10d's own function is back, and only the tracer's pre-hook is left. Destroying the
+    # group stopped tracing (no hook of ours) and armed the group trigger again (for a later group).
+    assert json.loads(result.stdout) == {
+        "armed": True, "started": True, "stopped": True,
+        "traced": {"c10d": "torch.distributed.distributed_c10d", "pre_hooks": 1},
+        "after": {"c10d": "commdebug_otel._autostart", "pre_hooks": 0}}
     [traces] = tmp_path.glob("run-*/traces-rank0.jsonl")
     spans = [span for line in traces.read_text().splitlines() for span in spans_from_otlp_json(line)]
     assert sorted(span["name"] for span in spans) == sorted(["outside_step", "Linear forward", "Linear backward",

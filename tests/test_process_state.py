@@ -122,9 +122,10 @@ def test_after_asyncio_removes_its_sigterm_handler_after_the_last_step_the_finis
 
 
 def test_stop_gives_the_signal_handlers_and_the_wakeup_fd_back(tmp_path):
-    """What a ``CommTracer`` found is what it leaves: handlers (where still ours) and the wakeup fd."""
+    """What a ``CommTracer`` found is what it leaves: handlers (where still ours) and the wakeup fd. While it runs,
+    the script reads them as it would untraced (Python's own table, ``_signal``, holds ours)."""
     script = """
-import signal, sys, torch
+import _signal, signal, sys, torch
 from commdebug_otel import CommTracer
 def mine(signum, frame): pass
 signal.signal(signal.SIGHUP, mine)
@@ -135,14 +136,19 @@ for _ in range(2):
     with CommTracer():
         model(torch.ones(1, 2)).sum().backward()
         optimizer.step()
-        held = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)]
+        held = [_signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)]
         assert all(h is not b for h, b in zip(held, (before[0], before[2], before[3]))), held
-        fd = signal.set_wakeup_fd(-1)
+        seen = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)]
+        assert seen == [before[0], before[2], before[3]] and seen[0] is signal.SIG_DFL, seen
+        fd = _signal.set_wakeup_fd(-1)
         assert fd != -1  # the rescue thread's
-        signal.set_wakeup_fd(fd)
+        _signal.set_wakeup_fd(fd)
+        assert signal.set_wakeup_fd(-1) == -1  # as the script reads it
+        _signal.set_wakeup_fd(fd)
     after = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)]
     assert after == before, (after, before)
-    assert signal.set_wakeup_fd(-1) == -1
+    assert [_signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)] == [0, mine]
+    assert signal.set_wakeup_fd is _signal.set_wakeup_fd and signal.set_wakeup_fd(-1) == -1
 print("OK")
 """
     done = subprocess.run([sys.executable, "-c", script], env=_env(tmp_path), capture_output=True, text=True,

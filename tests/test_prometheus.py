@@ -164,7 +164,7 @@ def _train_then_wait_for_scrape(rank: int, world_size: int, prometheus_url: str)
             optimizer.zero_grad()
             time.sleep(STEP_PAUSE_S)
     trained = time.time()
-    # The tracer is stopped; the meter provider (and its pull endpoint) lives until exit.
+    # The tracer is stopped; the meter provider with a pull endpoint (and the endpoint) lives until exit.
     result: dict = {"started": started, "trained": trained, "at": None}
     try:
         if rank == 0:

@@ -441,3 +441,63 @@ def test_a_request_that_cannot_be_kept_is_an_error_answer_not_a_silent_ok(transp
     assert receiver.refused == 1
     [record] = caplog.records
     assert record.getMessage().endswith(f": {reason}") and record.exc_info is None
+
+
+@pytest.fixture
+def quick_limits(monkeypatch):
+    """An in-process receiver whose idle, header and connection limits are short enough for a test."""
+    from commdebug_otel.testing import otlp_receiver
+
+    monkeypatch.setattr(otlp_receiver, "HTTP_IDLE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(otlp_receiver, "HTTP_HEADER_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(otlp_receiver, "HTTP_CONNECTIONS", 3)
+    with otlp_receiver.OtlpReceiver() as receiver:
+        yield receiver
+
+
+def _closed_after(sock: socket.socket, trickle: bytes = b"") -> float:
+    """Seconds until the receiver closes ``sock`` (recv gives b""), writing ``trickle`` a byte every 0.1 s."""
+    start = time.monotonic()
+    sock.settimeout(0.1)
+    for byte in [trickle[i:i + 1] for i in range(len(trickle))] or [b""] * 200:
+        try:
+            if byte:
+                sock.sendall(byte)
+            if sock.recv(65536) == b"":
+                return time.monotonic() - start
+        except TimeoutError:
+            continue
+        except OSError:  # reset: closed too
+            return time.monotonic() - start
+    return float("inf")
+
+
+def test_a_connection_that_sends_nothing_is_closed_after_the_idle_timeout(quick_limits):
+    with socket.create_connection(("127.0.0.1", quick_limits.http_port), timeout=20) as sock:
+        assert 0.9 <= _closed_after(sock) <= 5.0
+    assert quick_limits.refused == 0  # an idle connection is closed quietly, as a Collector closes it
+
+
+def test_a_slowloris_trickle_of_header_bytes_is_closed_at_the_header_deadline(quick_limits, caplog):
+    head = b"POST /v1/traces HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n" + b"X-Pad: " + b"a" * 200
+    with socket.create_connection(("127.0.0.1", quick_limits.http_port), timeout=20) as sock:
+        assert 0.9 <= _closed_after(sock, head) <= 5.0  # 200+ bytes at 10 a second would take 28 s
+    assert quick_limits.refused == 1
+    assert [record.getMessage().split(": ", 2)[2] for record in caplog.records if "refused" in record.getMessage()] \
+        == ["connection closed: headers not in within 1 s of the request's first byte"]
+
+
+def test_connections_past_the_bound_are_closed_at_once_and_a_later_request_is_received(quick_limits):
+    held = [socket.create_connection(("127.0.0.1", quick_limits.http_port), timeout=20) for _ in range(3)]
+    try:
+        time.sleep(0.3)  # the three are accepted, each with its handler thread
+        with socket.create_connection(("127.0.0.1", quick_limits.http_port), timeout=20) as extra:
+            assert _closed_after(extra) < 0.9  # at once, not at the idle timeout
+        assert quick_limits.refused == 1
+    finally:
+        for sock in held:
+            sock.close()
+    time.sleep(0.3)  # their handlers see the close and free their slots
+    answer = _post(quick_limits.http_port, "/v1/traces", _spans(0).SerializeToString())
+    assert answer.status == 200
+    assert sorted(span["name"] for span in quick_limits.spans()) == ["dropped", "kept"]

@@ -73,6 +73,7 @@ import torch
 from commdebug_otel.capture import _torch
 from commdebug_otel.capture.ops import MESHES, CollectiveSpec
 from commdebug_otel.core.collectives import DISTRIBUTE_TENSOR, FULL_TENSOR
+from commdebug_otel.core.frames import without_frames_of
 from commdebug_otel.core.protocols import CollectiveSubscriber
 from commdebug_otel.core.redact import describe
 
@@ -213,11 +214,14 @@ class CollectiveInterceptor:
         below = self._below
 
         def kernel(keyset: Any, tensor: Any, *args: Any, **kwargs: Any) -> Any:
-            if not self._subscribers:
-                return redispatch(keyset & below, tensor, *args, **kwargs)
             start = time.perf_counter_ns()
-            out = redispatch(keyset & below, tensor, *args, **kwargs)
-            self._tell_waited(tensor, time.perf_counter_ns() - start)
+            try:
+                out = redispatch(keyset & below, tensor, *args, **kwargs)
+            except BaseException as error:  # a failed wait's own error: no frame of ours in it
+                error.__traceback__ = without_frames_of(error.__traceback__, __file__)
+                raise
+            if self._subscribers:
+                self._tell_waited(tensor, time.perf_counter_ns() - start)
             return out
 
         return kernel
@@ -227,6 +231,9 @@ class CollectiveInterceptor:
             start = time.perf_counter_ns()
             try:
                 return wait(work, *args, **kwargs)
+            except BaseException as error:  # a failed wait (a timeout, a peer gone): torch's traceback
+                error.__traceback__ = without_frames_of(error.__traceback__, __file__)
+                raise
             finally:
                 self._tell_waited(work, time.perf_counter_ns() - start)
 
@@ -247,7 +254,11 @@ class CollectiveInterceptor:
                 scopes = [why(op, specs) for why in whys()]
             except Exception:  # a changed OpInfo: the collectives still count, without a "why"
                 scopes = []
-            return _call_within(scopes, redistribute, op_info, suggested_input_schema, *args, **kwargs)
+            try:
+                return _call_within(scopes, redistribute, op_info, suggested_input_schema, *args, **kwargs)
+            except BaseException as error:  # torch's: raised as without us
+                error.__traceback__ = without_frames_of(error.__traceback__, __file__)
+                raise
 
         self._patches.append(_Patch(dispatcher, "redistribute_local_args", original,
                                     staticmethod(redistribute_local_args)))
@@ -298,7 +309,11 @@ class CollectiveInterceptor:
                 scopes = [why.redistributing(cause, source, target, mesh) for why in whys()]
             except Exception:  # a changed DTensorSpec: the collectives still count, without a "why"
                 scopes = []
-            return _call_within(scopes, function, local_tensor, current_spec, target_spec, *args, **kwargs)
+            try:
+                return _call_within(scopes, function, local_tensor, current_spec, target_spec, *args, **kwargs)
+            except BaseException as error:  # torch's: raised as without us
+                error.__traceback__ = without_frames_of(error.__traceback__, __file__)
+                raise
 
         return redistribute_local_tensor
 
@@ -313,7 +328,11 @@ class CollectiveInterceptor:
                 scopes = [why.redistributing(cause, (), target, device_mesh) for why in whys()]
             except Exception:
                 scopes = []
-            return _call_within(scopes, function, tensor, device_mesh, placements, *args, **kwargs)
+            try:
+                return _call_within(scopes, function, tensor, device_mesh, placements, *args, **kwargs)
+            except BaseException as error:  # torch's: raised as without us
+                error.__traceback__ = without_frames_of(error.__traceback__, __file__)
+                raise
 
         return place
 
@@ -330,7 +349,11 @@ class CollectiveInterceptor:
                           if why.cause is None and why.op is None]
             except Exception:  # keyword arguments, another torch: no "why"
                 scopes = []
-            return _call_within(scopes, function, cls, *args, **kwargs)
+            try:
+                return _call_within(scopes, function, cls, *args, **kwargs)
+            except BaseException as error:  # torch's: raised as without us
+                error.__traceback__ = without_frames_of(error.__traceback__, __file__)
+                raise
 
         return make
 
@@ -344,7 +367,11 @@ class CollectiveInterceptor:
                 scopes = [why.redistributing(FULL_TENSOR, None, None, None) for why in whys()]
             except Exception:
                 scopes = []
-            return _call_within(scopes, function, tensor, *args, **kwargs)
+            try:
+                return _call_within(scopes, function, tensor, *args, **kwargs)
+            except BaseException as error:  # torch's: raised as without us
+                error.__traceback__ = without_frames_of(error.__traceback__, __file__)
+                raise
 
         return full_tensor
 
@@ -370,11 +397,18 @@ class CollectiveInterceptor:
         def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
             subscribers = self._subscribers
             if not subscribers or local.busy:
-                return redispatch(keyset & below, *args, **kwargs)
+                try:
+                    return redispatch(keyset & below, *args, **kwargs)
+                except BaseException as error:  # the collective's own error: no frame of ours in it
+                    error.__traceback__ = without_frames_of(error.__traceback__, __file__)
+                    raise
             local.busy = True
             start = time.perf_counter_ns()
             try:
                 out = redispatch(keyset & below, *args, **kwargs)
+            except BaseException as error:
+                error.__traceback__ = without_frames_of(error.__traceback__, __file__)
+                raise
             finally:
                 local.busy = False
             duration = time.perf_counter_ns() - start
@@ -419,7 +453,11 @@ def registering_init(init: Any, register: Callable[[Any], Any], what: str) -> An
 
     @functools.wraps(init)
     def __init__(made: Any, *args: Any, **kwargs: Any) -> None:
-        init(made, *args, **kwargs)
+        try:
+            init(made, *args, **kwargs)
+        except BaseException as error:  # torch's: raised as without us
+            error.__traceback__ = without_frames_of(error.__traceback__, __file__)
+            raise
         try:
             register(made)
         except Exception as error:  # never into the training script

@@ -17,7 +17,9 @@ with 413, both before parsing, as a default Collector does; a body that does not
 (INVALID_ARGUMENT), a content type or encoding other than protobuf/JSON and gzip/deflate/identity
 415. A resource whose ``torch.distributed.rank`` is not an integer from 0 to 2**20 - 1 is not
 written: the sender gets an OTLP partial success naming it (``rejected_spans`` /
-``rejected_data_points``). Each refusal is one line on stderr.
+``rejected_data_points``). Each refusal is one line on stderr. An HTTP connection on which no request begins
+within 60 s is closed, as is one whose request headers are not all in within 10 s of their first byte (a client
+that trickles them); at most 64 are open at a time (``testing.otlp_receiver``'s ``HTTP_*`` limits).
 
 The servers are :class:`commdebug_otel.testing.otlp_receiver.OtlpReceiver` (plaintext only).
 Needs no torch.

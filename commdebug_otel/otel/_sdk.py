@@ -53,6 +53,43 @@ def replace_batch_queue(holder: Any, queue: collections.deque) -> None:
     holder._queue = queue
 
 
+def silence_inherited(span_processors: Any, metric_readers: Any) -> None:
+    """In a forked child: the parent's batch processors and periodic readers, whose threads the SDK starts again
+    there (``_at_fork_reinit``), end them at once and export nothing (the parent exports its own spans and
+    points; the child's copies would go out again under the parent's resource). Never raises."""
+    for processor in span_processors:
+        holder: Any = getattr(processor, "_batch_processor", None)
+        try:
+            holder._shutdown = True  # its worker's loop condition
+            holder._worker_awaken.set()
+        except Exception:  # another SDK: its thread exports what the child holds (nothing: the queue is cleared)
+            pass
+    for reader in metric_readers:
+        try:
+            reader._exporter = _SilentMetricExporter(reader._exporter)
+            reader._shutdown_event.set()  # its ticker's loop condition (then one collect, to the silent exporter)
+        except Exception:
+            pass
+
+
+class _SilentMetricExporter:
+    """Takes the inherited reader's last collect and exports nothing."""
+
+    def __init__(self, exporter: Any) -> None:
+        self._exporter = exporter
+
+    def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> Any:
+        from opentelemetry.sdk.metrics.export import MetricExportResult
+
+        return MetricExportResult.SUCCESS
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        return True
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        pass
+
+
 def exporter_preferences(exporter: Any) -> dict[str, Any]:
     """A ``MetricExporter``'s temporality and aggregation preferences, as constructor keywords."""
     return {"preferred_temporality": getattr(exporter, "_preferred_temporality", None),

@@ -235,11 +235,14 @@ class SizedSpanExporter(SpanExporter):
         count_dropped: ``count_dropped(kind, n)``.
         max_request_bytes: upper bound on one request's encoded size, in bytes;
             None: no bound (a file), one request per batch.
+        closes: closed once ``inner`` shut down (its :class:`WholeLineFile`: the SDK's file
+            exporter leaves a stream it was given open).
     """
 
     def __init__(self, inner: SpanExporter, endpoint: str, count_dropped: DropCounter,
-                 max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES) -> None:
+                 max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, closes: Any = None) -> None:
         self._inner = inner
+        self._closes = closes
         self._endpoint = endpoint
         self._count_dropped = count_dropped
         self._max_request_bytes = max_request_bytes
@@ -323,7 +326,10 @@ class SizedSpanExporter(SpanExporter):
         return self._in_flight
 
     def shutdown(self) -> None:
-        self._inner.shutdown()
+        try:
+            self._inner.shutdown()
+        finally:
+            _close(self._closes)
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self._inner.force_flush(timeout_millis)
@@ -351,11 +357,13 @@ class CountingMetricExporter(MetricExporter):
 
     A failed export counts one ``metric_export``; each metric whose series went
     past the SDK's cardinality limit counts one ``metric_overflow`` per export.
+    ``closes``: closed once ``inner`` shut down (as for :class:`SizedSpanExporter`).
     """
 
-    def __init__(self, inner: MetricExporter, endpoint: str, count_dropped: DropCounter) -> None:
+    def __init__(self, inner: MetricExporter, endpoint: str, count_dropped: DropCounter, closes: Any = None) -> None:
         super().__init__(**exporter_preferences(inner))
         self._inner = inner
+        self._closes = closes
         self._endpoint = endpoint
         self._count_dropped = count_dropped
 
@@ -381,7 +389,19 @@ class CountingMetricExporter(MetricExporter):
         return self._inner.force_flush(timeout_millis)
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
-        self._inner.shutdown(timeout_millis=timeout_millis, **kwargs)
+        try:
+            self._inner.shutdown(timeout_millis=timeout_millis, **kwargs)
+        finally:
+            _close(self._closes)
+
+
+def _close(stream: Any) -> None:
+    """Close ``stream`` (None: nothing); a failure only loses what it still buffered, which export counted."""
+    if stream is not None:
+        try:
+            stream.close()
+        except OSError as error:
+            _logger.debug("commdebug-otel: closing %s failed: %s", getattr(stream, "name", "a file"), describe(error))
 
 
 class _CountingQueue(collections.deque):

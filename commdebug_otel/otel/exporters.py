@@ -259,8 +259,9 @@ class Exporters:
                     continue
                 guard = SizedSpanExporter if signal == "traces" else CountingMetricExporter
                 extra = {"max_request_bytes": None} if signal == "traces" else {}
-                exporters.append(guard(exporter_class(signal, "file")(stream=WholeLineFile(path)),
-                                       path, self._count_dropped, **extra))
+                stream = WholeLineFile(path)
+                exporters.append(guard(exporter_class(signal, "file")(stream=stream),
+                                       path, self._count_dropped, closes=stream, **extra))
             elif name == "console":
                 exporters.append(exporter_class(signal, "console")())
             elif name != "none" and not (signal == "metrics" and name == "prometheus"):

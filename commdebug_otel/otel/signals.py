@@ -8,6 +8,7 @@ main thread is stuck in a native wait, as the default action would have.
 
 from __future__ import annotations
 
+import _signal  # type: ignore[import-not-found]  # (no stub: the C module under signal)
 import functools
 import logging
 import os
@@ -20,6 +21,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from commdebug_otel.core.frames import without_frames_of
 from commdebug_otel.core.redact import describe
 
 _logger = logging.getLogger("commdebug_otel.otel.telemetry")  # the telemetry's own log, as before the split
@@ -66,8 +68,8 @@ class SignalFlush:
         self._signals_held = True
         for signum in _FLUSH_SIGNALS:
             try:
-                previous = signal.getsignal(signum)
-                if previous is None or previous == signal.SIG_IGN or self._ours(signum, previous):
+                previous = _getsignal(signum)
+                if previous is None or previous is signal.SIG_IGN or self._ours(signum, previous):
                     continue  # set outside Python, ignored (leave it), or ours already
                 if isinstance(previous, _Chained) and not previous.held():
                     previous = previous.previous  # ours, left behind by a release: what it stood for
@@ -92,8 +94,8 @@ class SignalFlush:
         try:
             reset = False
             for signum in self._chained:
-                current = signal.getsignal(signum)
-                if current == signal.SIG_DFL and not _c_level_handler(signum):
+                current = _getsignal(signum)
+                if current is signal.SIG_DFL and not _c_level_handler(signum):
                     self._chain(signum, current)
                     reset = True
             if reset:
@@ -114,7 +116,7 @@ class SignalFlush:
         self._signals_held = False
         for signum, (handler, previous) in list(self._chained.items()):
             try:
-                if signal.getsignal(signum) is handler and not _c_level_handler(signum):
+                if _getsignal(signum) is handler and not _c_level_handler(signum):
                     signal.signal(signum, previous)
             except (ValueError, OSError) as error:
                 _logger.debug("commdebug-otel: signal %s not restored: %s", signum, describe(error))
@@ -153,7 +155,7 @@ class SignalFlush:
         ``loop.close()``, ``signal.signal(SIGTERM, SIG_DFL)``) and is not chained yet (:meth:`keep`, at the
         next optimizer step on the main thread). Read from any thread; never raises."""
         try:
-            return any(signal.getsignal(signum) == signal.SIG_DFL and not _c_level_handler(signum)
+            return any(_getsignal(signum) is signal.SIG_DFL and not _c_level_handler(signum)
                        for signum in list(self._chained))
         except (ValueError, OSError):
             return False
@@ -162,10 +164,10 @@ class SignalFlush:
         """Whether the rescue thread may end the process for ``signum`` now: the handler in force (read from
         any thread) is still ours, over the default action. A handler installed since is the script's to run."""
         chained = self._chained.get(signum)
-        if chained is None or chained[1] != signal.SIG_DFL:
+        if chained is None or chained[1] is not signal.SIG_DFL:
             return False
         try:
-            return signal.getsignal(signum) is chained[0]
+            return _getsignal(signum) is chained[0]
         except (ValueError, OSError):
             return False
 
@@ -179,14 +181,14 @@ class SignalFlush:
         Python's table, and chains to it) it only does what ``previous`` would have.
         """
         previous = handler.previous
-        in_force = signal.getsignal(signum) is handler
+        in_force = _getsignal(signum) is handler
         if not self._ours(signum, handler):  # released: no flush of ours, the process acts as without us
-            if previous == signal.SIG_DFL and in_force:
+            if previous is signal.SIG_DFL and in_force:
                 _die_by(signum)
             elif callable(previous):
                 previous(signum, frame)
             return
-        dying = previous == signal.SIG_DFL and in_force
+        dying = previous is signal.SIG_DFL and in_force
         if dying and self._signal_rescue is not None and not self._signal_rescue.claim():
             return  # the rescue thread is flushing and will end the process by the signal
         try:
@@ -204,7 +206,15 @@ class SignalFlush:
 
 
 class _Chained:
-    """Our handler for one signal: flushes (:meth:`SignalFlush._on_signal`), then does what ``previous`` would."""
+    """Our handler for one signal: flushes (:meth:`SignalFlush._on_signal`), then does what ``previous`` would.
+
+    It compares and hashes as ``previous``, so the script reads what it would untraced: ``signal.getsignal``
+    (and ``signal.signal``'s return) give the ``SIG_DFL`` member itself where ours stands for the default
+    action (the module maps a value equal to a member to that member), and ``getsignal(s) == handler``
+    holds where ours stands for the script's ``handler``: code that decides by them (Lightning's
+    ``SignalConnector``, ``getsignal(s) is SIG_DFL``) decides as untraced. Our own code reads Python's table
+    itself (:func:`_getsignal`) and compares with ``is``.
+    """
 
     __slots__ = ("owner", "previous", "signum")
 
@@ -214,7 +224,20 @@ class _Chained:
         self.previous = previous
 
     def __call__(self, signum: int, frame: Any) -> None:
-        self.owner._on_signal(self, signum, frame)
+        try:
+            self.owner._on_signal(self, signum, frame)
+        except BaseException as error:  # the script's handler raised: its traceback, without our frames
+            error.__traceback__ = without_frames_of(error.__traceback__, __file__)
+            raise
+
+    def __eq__(self, other: object) -> bool:
+        return other is self or self.previous == other
+
+    def __hash__(self) -> int:
+        try:
+            return hash(self.previous)
+        except TypeError:  # an unhashable callable object as the handler we found
+            return object.__hash__(self)
 
     def held(self) -> bool:
         """Whether its owner still holds the signal with it (not released)."""
@@ -273,13 +296,17 @@ class _SignalRescue:
         """Make our socket the wakeup fd if nobody's is (asyncio gives it back as -1); False if it is someone
         else's (left to them)."""
         try:
-            previous = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)  # type: ignore[union-attr]
-            if previous not in (-1, self._writer.fileno()):  # type: ignore[union-attr]  # someone else's (an event loop): theirs again
-                signal.set_wakeup_fd(previous)
+            writer = self._writer
+            if writer is None:  # uninstalled
+                return False
+            previous = _set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+            if previous not in (-1, writer.fileno()):  # someone else's (an event loop): theirs again
+                _set_wakeup_fd(previous)
                 return False
         except (ValueError, OSError) as error:
             _logger.debug("commdebug-otel: wakeup fd not taken: %s", describe(error))
             return False
+        _hide_wakeup_fd(True)
         return True
 
     def uninstall(self) -> None:
@@ -287,6 +314,8 @@ class _SignalRescue:
         this returns, unless it is flushing for a signal (waited for ``JOIN_S`` at most)."""
         _RESCUES.discard(self)
         self._forget()
+        if not _RESCUES:
+            _hide_wakeup_fd(False)
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.close()  # the reader sees the end and the thread returns
@@ -300,9 +329,9 @@ class _SignalRescue:
 
     def _forget(self) -> None:
         try:
-            current = signal.set_wakeup_fd(-1)
+            current = _set_wakeup_fd(-1)
             if self._writer is None or current != self._writer.fileno():
-                signal.set_wakeup_fd(current)  # someone else's by now: theirs again
+                _set_wakeup_fd(current)  # someone else's by now: theirs again
         except (ValueError, OSError):
             pass
 
@@ -353,9 +382,40 @@ class _SignalRescue:
 _RESCUES: weakref.WeakSet = weakref.WeakSet()  # installed rescue threads' owners
 
 
+def _getsignal(signum: int) -> Any:
+    """The handler in Python's table for ``signum``: ours as itself (``signal.getsignal`` gives the member
+    ours compares equal to), ``SIG_DFL``/``SIG_IGN`` as the members, None for one set outside Python."""
+    handler = _signal.getsignal(signum)
+    return signal.Handlers(handler) if type(handler) is int else handler
+_set_wakeup_fd = signal.set_wakeup_fd  # Python's own (ours stands in for it while a rescue holds the fd)
+
+
+@functools.wraps(_set_wakeup_fd)
+def _script_set_wakeup_fd(fd: int, /, **kwargs: Any) -> int:
+    """``signal.set_wakeup_fd`` as the script calls it while our socket is the wakeup fd: what it returns is
+    what it would untraced, -1 where the fd it replaced is ours (taken only where there was none). A library
+    that warns when it finds another's fd (trio) or hands the old one back stays as it is without us."""
+    previous = _set_wakeup_fd(fd, **kwargs)
+    for rescue in list(_RESCUES):
+        writer = rescue._writer
+        if writer is not None and previous == writer.fileno():
+            return -1
+    return previous
+
+
+def _hide_wakeup_fd(hide: bool) -> None:
+    """Put :func:`_script_set_wakeup_fd` in ``signal.set_wakeup_fd`` (``hide``), or Python's own back where
+    ours is still there."""
+    if hide and signal.set_wakeup_fd is _set_wakeup_fd:
+        signal.set_wakeup_fd = _script_set_wakeup_fd
+    elif not hide and signal.set_wakeup_fd is _script_set_wakeup_fd:
+        signal.set_wakeup_fd = _set_wakeup_fd
+
+
 def _forget_in_child() -> None:
     for rescue in list(_RESCUES):
         rescue._forget()
+    _hide_wakeup_fd(False)  # the child's wakeup fd is its own
 
 
 @functools.cache
@@ -447,10 +507,10 @@ def _c_level_handler(signum: int) -> bool:
     address = _handler_address(signum)
     if address is None:
         return False
-    current = signal.getsignal(signum)
-    if current == signal.SIG_DFL:
+    current = _getsignal(signum)
+    if current is signal.SIG_DFL:
         return address != 0
-    if current == signal.SIG_IGN:
+    if current is signal.SIG_IGN:
         return address != 1
     return _python_handler is not None and address != _python_handler
 

@@ -58,6 +58,7 @@ from commdebug_otel.core.steps import RankCache, RankInfo, settled
 from commdebug_otel.otel._sdk import (
     batch_queue,
     own_random_views,
+    silence_inherited,
     warning_filters_kept,
 )
 from commdebug_otel.otel.export_guard import CountingBatchSpanProcessor, SizedSpanExporter, fold_exporter_logs
@@ -151,6 +152,8 @@ class Telemetry:
         self._meter: otel_metrics.Meter | None = None
         self._tracer_setup: TracerSetup | None = None
         self._own_span_processors: list[Any] = []
+        self._servers: list[tuple[Any, threading.Thread]] = []  # Prometheus pull endpoints of ours, and their threads
+        self._own_metric_readers: list[Any] = []
         # The exporters each signal's provider gets, where they write, and that tracing is on (said once).
         self._exporters = Exporters(settings, self.count_dropped)
         self._lock = threading.Lock()
@@ -316,7 +319,7 @@ class Telemetry:
             for exporter in self._exporters.make("metrics", rank, export)
         ]
         if "prometheus" in export.exporter_names("metrics"):
-            reader = _prometheus_reader(rank, export)
+            reader = _prometheus_reader(rank, export, self._servers)
             if reader is not None:
                 readers.append(reader)
         self._exporters.say_where(rank, export)
@@ -324,6 +327,7 @@ class Telemetry:
         provider = MeterProvider(resource=build_resource(rank, export), metric_readers=readers,
                                  shutdown_on_exit=False, views=own_random_views(OWN_RNG))
         self._own_meter_provider = provider
+        self._own_metric_readers = readers
         self._exit_path.register()
         return provider
 
@@ -365,13 +369,17 @@ class Telemetry:
         return self._exporters.run_directory()
 
     def reset_after_fork(self) -> None:
-        """In a forked child: forget the parent's providers (their rank and pid are the parent's)."""
+        """In a forked child: forget the parent's providers (their rank and pid are the parent's), and end the
+        threads the SDK starts again for them, exporting nothing."""
+        silence_inherited(self._own_span_processors, self._own_metric_readers)
+        self._own_metric_readers = []
         self._tracer = self._meter = self._tracer_setup = self._dropped = None
         self._exit_path.reset()
         if isinstance(self._rank, RankCache):
             self._rank.reset()
         self._own_tracer_provider = self._own_meter_provider = None
         self._own_span_processors = []
+        self._servers = []  # the parent's endpoints: its threads are not in this process
         self._exporters.span_guards = []
         self._lock = threading.Lock()
         self._settle_state()
@@ -428,6 +436,43 @@ class Telemetry:
         timeout_ms = self._settings.shutdown_timeout_s * 1000
         self._exit_path.bounded("shutdown", None if traces is None else traces.shutdown,
                       None if metrics is None else lambda: metrics.shutdown(timeout_millis=timeout_ms))
+
+    def end(self) -> bool:
+        """Tracing stopped for now (``CommTracer.stop``): flush and shut our own providers down within the
+        budget (:meth:`force_flush`, then as :meth:`shutdown`), so that their export threads and files are gone,
+        and forget them: the next tracer's first span or point starts new ones, as in a new process (the rank
+        read again, the same run folder, its files appended to; counters start again from zero with a new start
+        time, which OTLP backends read as a reset). A meter provider with a Prometheus pull endpoint stays, and
+        its endpoint serves the last values until exit. Injected providers are left to their owner.
+
+        Returns True if our meter provider ended (instruments made on it are dead: make new ones). Never raises.
+        """
+        traces = metrics = None
+        try:
+            self.settle_now()  # spans held for the process group: to our providers, with what is known now
+            if self._own_tracer_provider is None and self._own_meter_provider is None:
+                return False
+            self.force_flush()
+            traces, self._own_tracer_provider = self._own_tracer_provider, None
+            if not self._servers:  # a pull endpoint is scraped after the last step: it stays
+                metrics, self._own_meter_provider = self._own_meter_provider, None
+            timeout_ms = self._settings.shutdown_timeout_s * 1000
+            ending = metrics
+            self._exit_path.bounded("shutdown", None if traces is None else traces.shutdown,
+                                    None if ending is None else lambda: ending.shutdown(timeout_millis=timeout_ms))
+        except Exception as error:
+            _logger.debug("commdebug-otel: ending telemetry failed: %s", describe(error))
+        with self._lock:
+            self._tracer = self._tracer_setup = None
+            self._own_span_processors = []
+            self._exporters.span_guards = []
+            if metrics is not None:
+                self._meter = self._dropped = None
+                self._own_metric_readers = []
+            if isinstance(self._rank, RankCache):
+                self._rank.reset()  # a later process group may give this process another rank
+            self._settle_state()
+        return metrics is not None
 
     def count_unsent_spans(self) -> int:
         """Count the spans still queued in our processors as dropped (before the last metrics go). Never raises."""
@@ -503,9 +548,10 @@ def _pull_reader_class() -> type:
     return PullReader
 
 
-def _prometheus_reader(rank: RankInfo, export: ExportEnv) -> MetricReader | None:
+def _prometheus_reader(rank: RankInfo, export: ExportEnv, servers: list) -> MetricReader | None:
     """A pull endpoint on ``OTEL_EXPORTER_PROMETHEUS_HOST``, at ``OTEL_EXPORTER_PROMETHEUS_PORT`` plus the
-    local rank (one port per worker; needs the ``prometheus`` extra)."""
+    local rank (one port per worker; needs the ``prometheus`` extra). The server and its thread are added to
+    ``servers`` (closed when tracing stops)."""
     try:
         import opentelemetry.exporter.prometheus  # noqa: F401  (the optional extra)
         from prometheus_client import start_http_server
@@ -517,7 +563,9 @@ def _prometheus_reader(rank: RankInfo, export: ExportEnv) -> MetricReader | None
     host = export.prometheus_host
     port = export.prometheus_port(rank.local_rank)
     try:
-        start_http_server(port, addr=host)
+        started = start_http_server(port, addr=host)
+        if isinstance(started, tuple):  # (server, thread); older prometheus_client returns nothing
+            servers.append(started)
     except OSError as error:
         _logger.warning("commdebug-otel: cannot serve Prometheus metrics on %s:%d (%s)", host, port, describe(error))
         return None

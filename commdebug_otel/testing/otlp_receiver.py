@@ -35,7 +35,10 @@ Requests are bounded before they are parsed: a gRPC message over ``max_receive_m
 (4 MiB by default, the Collector's; after decompression) is refused by grpc-core with
 RESOURCE_EXHAUSTED; an HTTP body over ``max_http_body_bytes`` (20 MiB by default, the Collector's),
 as sent or as it decompresses, is answered 413 without holding more than that, and at most
-``HTTP_BODIES_AT_ONCE`` (4) bodies are read at a time (the others wait). Answers follow the
+``HTTP_BODIES_AT_ONCE`` (4) bodies are read at a time (the others wait). HTTP connections are bounded in time
+and number: no request begun within ``HTTP_IDLE_TIMEOUT_S`` (60 s) or headers not in within
+``HTTP_HEADER_TIMEOUT_S`` (10 s) of their first byte closes the connection, a body gets ``HTTP_BODY_DEADLINE_S``
+(300 s), and at most ``HTTP_CONNECTIONS`` (64) are open (one more is closed at once). Answers follow the
 OTLP specification: 400 (INVALID_ARGUMENT) for a body that does not parse, 415 for a content type
 or encoding other than protobuf/JSON and gzip/deflate/identity, and a partial success
 (``rejected_spans`` / ``rejected_data_points`` with an ``error_message``) for what ``on_request``
@@ -46,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import logging
 import mmap
 import socket
@@ -76,6 +80,10 @@ DEFAULT_MAX_RECEIVE_MESSAGE_BYTES = 4 * 1024 * 1024  # gRPC, decompressed: the C
 DEFAULT_MAX_HTTP_BODY_BYTES = 20 * 1024 * 1024  # HTTP, as sent and decompressed: the Collector's default
 MAX_LIMIT_BYTES = 2**31 - 1  # grpc-core's message limit is a C int
 HTTP_BODY_TIMEOUT_S = 30.0  # a body that stops arriving (a Content-Length that promised more) is given up
+HTTP_BODY_DEADLINE_S = 300.0  # a body still arriving this long after its headers (a trickle) is given up
+HTTP_IDLE_TIMEOUT_S = 60.0  # a connection with no request begun this long is closed (the Collector's idle timeout)
+HTTP_HEADER_TIMEOUT_S = 10.0  # from a request's first byte to the end of its headers; else the connection is closed
+HTTP_CONNECTIONS = 64  # open HTTP connections at most (a thread each); one more is closed at once
 HTTP_BODIES_AT_ONCE = 4  # HTTP requests read and parsed at a time; the others wait (memory: this many limits)
 LINGER_S = 2.0  # after an error answer: how long, and how much, of the rest of the body is read and dropped
 LINGER_BYTES = 4 * 1024 * 1024
@@ -232,9 +240,62 @@ class _Inflater:
         self._out.close()
 
 
+class _Deadline(io.RawIOBase):
+    """The connection's reads, each given what is left to a deadline (``until``; None: the socket's own
+    timeout), so a slow trickle cannot stretch a wait that a per-read timeout would keep restarting."""
+
+    def __init__(self, connection: socket.socket) -> None:
+        self._connection = connection
+        self.until: float | None = None
+        self.what = ""  # what the deadline is for, for TimeoutError's message
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if self.until is not None:
+            left = self.until - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(self.what)
+            self._connection.settimeout(left)
+        return self._connection.recv_into(buffer)
+
+
 class _HttpHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _HttpServer
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()  # the socket's own file: ours reads with deadlines
+        self._reads = _Deadline(self.connection)
+        self.rfile = io.BufferedReader(self._reads)
+
+    def handle_one_request(self) -> None:
+        """Wait at most ``HTTP_IDLE_TIMEOUT_S`` for a request to begin, then ``HTTP_HEADER_TIMEOUT_S`` for the
+        rest of its headers (a client that connects and sends nothing, or trickles header bytes, is closed)."""
+        reads = self._reads
+        reads.until, reads.what = time.monotonic() + HTTP_IDLE_TIMEOUT_S, "idle"
+        try:
+            begun = self.rfile.peek(1)  # type: ignore[attr-defined]  # a BufferedReader (rbufsize -1)
+        except TimeoutError:  # idle: closed, as the Collector closes an idle connection
+            begun = b""
+        if not begun:  # or the client closed it
+            self.close_connection = True
+            return
+        reads.until, reads.what = time.monotonic() + HTTP_HEADER_TIMEOUT_S, "headers"
+        super().handle_one_request()  # a read past the deadline raises TimeoutError: it closes the connection
+        if reads.until is not None and time.monotonic() >= reads.until:
+            self.close_connection = True
+            self.server.receiver._say_refused("HTTP", None, self.client_address[0],
+                                              f"connection closed: headers not in within "
+                                              f"{HTTP_HEADER_TIMEOUT_S:g} s of the request's first byte")
+
+    def parse_request(self) -> bool:
+        parsed = super().parse_request()
+        self._reads.until = None  # the headers are in: the body has its own bounds (_read_body)
+        self.connection.settimeout(None)
+        return parsed
 
     def do_POST(self) -> None:
         signal = {"/v1/traces": "traces", "/v1/metrics": "metrics"}.get(self.path.split("?")[0])
@@ -291,6 +352,7 @@ class _HttpHandler(BaseHTTPRequestHandler):
                            f"body of {int(length_text)} bytes, larger than {limit} bytes")
         wire = 0
         self.connection.settimeout(HTTP_BODY_TIMEOUT_S)
+        self._reads.until, self._reads.what = time.monotonic() + HTTP_BODY_DEADLINE_S, "body"
         try:
             pieces = self._pieces(int(length_text)) if length_text is not None else self._chunks()
             for piece in pieces:
@@ -298,12 +360,14 @@ class _HttpHandler(BaseHTTPRequestHandler):
                 if wire > limit:
                     raise _Refused(413, code_pb2.RESOURCE_EXHAUSTED, f"body larger than {limit} bytes as sent")
                 inflater.feed(piece)
-        except TimeoutError:
-            raise _Refused(400, code_pb2.INVALID_ARGUMENT,
-                           f"body stopped arriving for {HTTP_BODY_TIMEOUT_S:g} s after {wire} bytes") from None
+        except TimeoutError as error:
+            slow = (f"still arriving {HTTP_BODY_DEADLINE_S:g} s after its headers" if str(error) == "body"
+                    else f"stopped arriving for {HTTP_BODY_TIMEOUT_S:g} s")
+            raise _Refused(400, code_pb2.INVALID_ARGUMENT, f"body {slow} after {wire} bytes") from None
         finally:
+            self._reads.until = None
             if not self.close_connection:
-                self.connection.settimeout(None)  # idle keep-alive connections wait as before
+                self.connection.settimeout(None)  # the next request's wait is handle_one_request's
         inflater.finish()
         return wire
 
@@ -373,6 +437,28 @@ class _HttpHandler(BaseHTTPRequestHandler):
 class _HttpServer(ThreadingHTTPServer):
     daemon_threads = True
     receiver: OtlpReceiver
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._connections = threading.BoundedSemaphore(HTTP_CONNECTIONS)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._connections.acquire(blocking=False):
+            self.receiver._say_refused("HTTP", None, client_address[0],
+                                       f"connection closed: {HTTP_CONNECTIONS} connections are open already")
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started: its slot is free again
+            self._connections.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._connections.release()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         error = sys.exc_info()[1]
