@@ -21,8 +21,9 @@ of the stall verdict (``StoreExchange.store``), never a collective. Keys, under 
   :data:`POLL_S` s) when a step ended since the last one. A step costs about 15 bytes, a rewrite about 160 of
   framing and overlap: at most about 175 bytes per step per rank (one step per poll), about 20 at fast steps
   (several per poll), and never more than one rewrite (about 1 KB) per rank per poll;
-* rank 0 (the judge) reads every rank's record at each poll where its own record changed: one ``check``
-  and one ``multi_get`` of ``world size`` keys.
+* rank 0 (the judge) reads every rank's record at a poll where its own record changed, at most every
+  :data:`JUDGE_S` s: one ``check`` and one ``multi_get`` of ``world size`` keys, then the test (about
+  0.3 ms of its watchdog thread at 2-4 ranks, 1 ms at 64).
 
 Rank 0 exports a ``straggler_verdict`` span (in the trace of the newest step judged) and one stderr line each
 time the answer changes: a rank named ``straggler``, or a named rank ``recovered`` (the same test over the
@@ -45,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -61,7 +63,10 @@ MAX_KEPT_STEPS = 64  # steps per published record at most (Progress.busy keeps a
 WINDOW_STEPS = 32  # steps every rank reported, judged together: the noise's sample and the late steps'
 RECOVER_STEPS = 12  # a named rank the test no longer finds over this many last steps has recovered
 ONSET_GAP_STEPS = 6  # a late step this many steps before the next is not part of its episode
-WARMUP_STEPS = 2  # the first steps (compilation, allocator warm-up, start-up skew) are not judged
+WARMUP_STEPS = 8  # the first steps (compilation, allocator warm-up, start-up skew) are not judged
+MIN_STEPS_JUDGED = 16  # nobody is named before the window holds this many steps (a noise sample, not a few steps)
+FLOOR_FRACTION = 0.2  # the least lateness that counts: this share of the median busy time (at least NOISE_FLOOR_S)
+JUDGE_S = 0.1  # rank 0 reads the records and judges at most this often
 KIND_STRAGGLER = semconv.VERDICT_KIND_STRAGGLER
 KIND_RECOVERED = semconv.VERDICT_KIND_RECOVERED
 
@@ -174,6 +179,17 @@ def _onset(late_steps: list[int]) -> int:
     return since
 
 
+def noise_floor_s(busy: Mapping[int, Mapping[int, int]]) -> float:
+    """The least lateness (seconds) that counts in ``busy`` (``{step: {rank: busy ns}}``): :data:`FLOOR_FRACTION` of
+    the median over steps of the fastest rank's busy time (the job's own work, which one slow rank does not
+    raise), at least the offline model's resolution (``NOISE_FLOOR_S``). A rank a few percent slower than the
+    others (the one that shares its core with another process, or hosts the store) is consistent, but no
+    straggler worth naming while the job runs."""
+    values = sorted(min(times.values()) for times in busy.values() if times)
+    median_s = values[len(values) // 2] / 1e9 if values else 0.0
+    return max(stragglers.NOISE_FLOOR_S, FLOOR_FRACTION * median_s)
+
+
 class StragglerJudge:
     """The judging rank's state: busy times of recent steps, and the ranks named. Torch-free, no I/O.
 
@@ -214,8 +230,10 @@ class StragglerJudge:
         for step in [step for step in self._busy if step <= max(self._since, newest - WINDOW_STEPS)]:
             del self._busy[step]
         window = {step: self._busy[step] for step in complete if step in self._busy}
-        records, seen = late_from_busy(window, self.world_size)
-        rows = {row["rank"]: row for row in stragglers.judge(records, seen, alpha=self.alpha)}
+        floor_s = noise_floor_s(window)
+        records, seen = late_from_busy(window, self.world_size, floor_s)
+        rows = {row["rank"]: row for row in stragglers.judge(records, seen, floor_s, self.alpha)} \
+            if len(window) >= MIN_STEPS_JUDGED else {}
         out = []
         for rank, row in sorted(rows.items()):
             if rank not in self._named and row["late_steps"][-1] > newest - ONSET_GAP_STEPS:
@@ -225,15 +243,15 @@ class StragglerJudge:
                 self._named[rank] = row  # its numbers, updated
             if rank in self._named:
                 self._lost[rank] = row["lost_s"] / row["steps_late"]
-        recovered = False
         recent = sorted(window)[-RECOVER_STEPS:]
-        still: set[int] = set()
-        if self._named and len(recent) == RECOVER_STEPS:
-            records, seen = late_from_busy({step: window[step] for step in recent}, self.world_size)
-            still = {row["rank"] for row in stragglers.judge(records, seen, alpha=self.alpha)}
+        if not self._named or len(recent) < RECOVER_STEPS:
+            return out
+        records, seen = late_from_busy({step: window[step] for step in recent}, self.world_size, floor_s)
+        still = {row["rank"] for row in stragglers.judge(records, seen, floor_s, self.alpha)}
+        recovered = False
         for rank in sorted(self._named):
             row = self._named[rank]
-            if rank not in still and recent and recent[0] > self._named_at[rank]:
+            if rank not in still and recent[0] > self._named_at[rank]:
                 del self._named[rank]
                 self._lost[rank] = 0.0
                 out.append(self._verdict(KIND_RECOVERED, newest, rank, row, self._onsets.pop(rank)))
@@ -282,6 +300,7 @@ class StragglerExchange:
         self._export = export
         self._alpha = alpha
         self._published = -1  # the newest step published
+        self._judged_at = -JUDGE_S  # monotonic time of rank 0's last judgement
         self._judge: StragglerJudge | None = None
         self._off = False
         # Verdicts exported, each with the newest step this rank had ended then (tests, the benchmark).
@@ -312,8 +331,10 @@ class StragglerExchange:
             record = BusyRecord(info.rank, tuple(steps[-min(MAX_KEPT_STEPS, new + OVERLAP_STEPS):]))
             store.set(f"{prefix}r/{info.rank}", record.to_json())
             self._published = steps[-1][0]
-            if info.rank != 0:
+            now = time.monotonic()
+            if info.rank != 0 or now < self._judged_at + JUDGE_S:
                 return
+            self._judged_at = now
             if self._judge is None:
                 self._judge = StragglerJudge(info.world_size, self._alpha)
             keys = [f"{prefix}r/{rank}" for rank in range(info.world_size)]
