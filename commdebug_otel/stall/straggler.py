@@ -67,6 +67,7 @@ WARMUP_STEPS = 8  # the first steps (compilation, allocator warm-up, start-up sk
 MIN_STEPS_JUDGED = 16  # nobody is named before the window holds this many steps (a noise sample, not a few steps)
 FLOOR_FRACTION = 0.2  # the least lateness that counts: this share of the median busy time (at least NOISE_FLOOR_S)
 JUDGE_S = 0.1  # rank 0 reads the records and judges at most this often
+PERSISTENT_SHARE = 0.75  # named only when late in this share of the steps judged since its episode began
 KIND_STRAGGLER = semconv.VERDICT_KIND_STRAGGLER
 KIND_RECOVERED = semconv.VERDICT_KIND_RECOVERED
 
@@ -237,8 +238,12 @@ class StragglerJudge:
         out = []
         for rank, row in sorted(rows.items()):
             if rank not in self._named and row["late_steps"][-1] > newest - ONSET_GAP_STEPS:
-                self._named[rank] = row
-                out.append(self._verdict(KIND_STRAGGLER, newest, rank, row, _onset(row["late_steps"])))
+                since = _onset(row["late_steps"])
+                late = sum(1 for step in row["late_steps"] if step >= since)
+                steps = sum(1 for step in window if step >= since)
+                if late >= max(stragglers.MIN_STEPS_LATE, PERSISTENT_SHARE * steps):  # persistent: a fail-slow
+                    self._named[rank] = row
+                    out.append(self._verdict(KIND_STRAGGLER, newest, rank, row, since))
             elif rank in self._named:
                 self._named[rank] = row  # its numbers, updated
             if rank in self._named:
