@@ -9,7 +9,10 @@ busy time is the last one, late by its busy time less the next highest (:func:`l
 :data:`~commdebug_otel.offline.stragglers.TRAIN_STEP` (untraced steps know no module). The significance test is
 the offline model's own, :func:`commdebug_otel.offline.stragglers.judge`, over the last :data:`WINDOW_STEPS`
 steps every rank reported: a rank is a straggler when it was late beyond the other ranks' noise in at least
-``MIN_STEPS_LATE`` steps, more often than the noise explains (binomial, Bonferroni, ``ALPHA``).
+``MIN_STEPS_LATE`` steps, more often than the noise explains (binomial, Bonferroni, ``ALPHA``). Live, its
+resolution floor is :data:`FLOOR_FRACTION` of the job's busy time (:func:`noise_floor_s`), and the verdict names
+only a *persistent* straggler: one late in :data:`PERSISTENT_SHARE` of the steps since its episode began
+(intermittent lateness is left to ``diagnose``).
 
 The exchange runs on the stall watchdog's thread (``stall/watchdog.py``), through the job's c10d store client
 of the stall verdict (``StoreExchange.store``), never a collective. Keys, under the job's prefix
@@ -134,7 +137,7 @@ class StragglerVerdict:
     """A change of the live answer; field names follow the ``commdebug.verdict.*`` attributes.
 
     ``step``: the newest step judged (``torch.step``); ``lost_s``: seconds per late step the other ranks
-    waited on the behind ranks (the mean over their late steps); ``since_step``: the first late step of the
+    waited on the behind ranks (the mean over its late steps since the onset); ``since_step``: the first late step of the
     episode; ``steps_late`` of ``steps_seen``: the behind ranks' late steps, of their steps judged.
     """
 
@@ -191,6 +194,14 @@ def noise_floor_s(busy: Mapping[int, Mapping[int, int]]) -> float:
     return max(stragglers.NOISE_FLOOR_S, FLOOR_FRACTION * median_s)
 
 
+def _episode_lost_s(records: Iterable[Late], rank: int, since: int, cut_s: float) -> float:
+    """Seconds per late step ``rank`` cost the others since step ``since``: the mean of its records there beyond
+    ``cut_s`` (0.0 when none)."""
+    lost = [record.lost_ns for record in records if record.rank == rank and record.step >= since
+            and record.lost_ns > cut_s * 1e9]
+    return sum(lost) / len(lost) / 1e9 if lost else 0.0
+
+
 class StragglerJudge:
     """The judging rank's state: busy times of recent steps, and the ranks named. Torch-free, no I/O.
 
@@ -243,11 +254,13 @@ class StragglerJudge:
                 steps = sum(1 for step in window if step >= since)
                 if late >= max(stragglers.MIN_STEPS_LATE, PERSISTENT_SHARE * steps):  # persistent: a fail-slow
                     self._named[rank] = row
+                    row["episode_lost_s"] = _episode_lost_s(records, rank, since, row["noise_cut_s"])
                     out.append(self._verdict(KIND_STRAGGLER, newest, rank, row, since))
-            elif rank in self._named:
-                self._named[rank] = row  # its numbers, updated
+            elif rank in self._named:  # its numbers, updated
+                self._named[rank] = row | {"episode_lost_s": _episode_lost_s(
+                    records, rank, self._onsets[rank], row["noise_cut_s"]) or self._named[rank]["episode_lost_s"]}
             if rank in self._named:
-                self._lost[rank] = row["lost_s"] / row["steps_late"]
+                self._lost[rank] = self._named[rank]["episode_lost_s"]
         recent = sorted(window)[-RECOVER_STEPS:]
         if not self._named or len(recent) < RECOVER_STEPS:
             return out
@@ -269,7 +282,7 @@ class StragglerJudge:
     def _verdict(self, kind: str, step: int, rank: int, row: dict[str, Any], since: int) -> StragglerVerdict:
         if kind == KIND_STRAGGLER:
             self._onsets[rank], self._named_at[rank] = since, step
-        lost_s = row["lost_s"] / row["steps_late"]
+        lost_s = row["episode_lost_s"]
         spread = _ms(row["late_min_s"]) if row["late_min_s"] == row["late_max_s"] else \
             f"{_ms(row['late_min_s'])}-{_ms(row['late_max_s'])}"
         how = (f"late beyond the noise in {row['steps_late']} of {row['steps_seen']} steps judged, {spread} ms "
