@@ -137,8 +137,8 @@ class StragglerVerdict:
     """A change of the live answer; field names follow the ``commdebug.verdict.*`` attributes.
 
     ``step``: the newest step judged (``torch.step``); ``lost_s``: seconds per late step the other ranks
-    waited on the behind ranks (the mean over its late steps since the onset); ``since_step``: the first late step of the
-    episode; ``steps_late`` of ``steps_seen``: the behind ranks' late steps, of their steps judged.
+    waited on the behind rank (the mean over its late steps since the onset); ``since_step``: the first late
+    step of the episode; ``steps_late`` of ``steps_seen``: the behind rank's late steps, of its steps judged.
     """
 
     kind: str
