@@ -37,7 +37,7 @@ UNTIL = 55  # ...up to this one
 STEPS = 90
 HEALTHY_STEPS = 70
 SLOW_S = 0.05
-WORK_S = 0.01  # every rank's own work in each step, in Net.layers.0 forward (its compute)
+WORK_S = 0.03  # every rank's own work in each step, in Net.layers.0 forward (its compute)
 STEP_S = 0.01  # between steps (a data loader's)
 DETECT_STEPS = 6  # the verdict names the slow rank within this many steps of the onset
 

@@ -163,15 +163,22 @@ class StallWatch:
             thread.join(timeout_s)
 
     def _poll_s(self) -> float:
+        """Seconds between the stall watchdog's looks (None setting: an hour, no look does anything)."""
         if self._setting is None:
-            return POLL_S
-        poll_s = min(1.0, max(0.05, self._recorder.progress.threshold_s(self._setting) / 4))
-        return min(poll_s, POLL_S) if self.stragglers is not None else poll_s
+            return 3600.0
+        return min(1.0, max(0.05, self._recorder.progress.threshold_s(self._setting) / 4))
 
     def _run(self) -> None:
         failures = 0
         exchange = self.exchange
-        while not self._stop.wait(self._poll_s()):
+        look_at = time.monotonic() + self._poll_s()
+        # The straggler exchange wakes the thread every POLL_S; the stall looks keep their own cadence.
+        while not self._stop.wait(min(max(0.0, look_at - time.monotonic()),
+                                      POLL_S if self.stragglers is not None else 3600.0)):
+            if self.stragglers is not None:
+                self.stragglers.poll()  # (never raises)
+            if time.monotonic() < look_at:
+                continue
             try:
                 self.check()
                 failures = 0
@@ -182,8 +189,7 @@ class StallWatch:
                     break  # gives up: training goes on unwatched
             exchange.heartbeat()  # (the exchange's calls never raise: a failure turns it off)
             exchange.poll()
-            if self.stragglers is not None:
-                self.stragglers.poll()  # (never raises either)
+            look_at = time.monotonic() + self._poll_s()
         exchange.stop()  # on this thread too: its keys go with the tracer
 
     def _export_verdict(self, verdict: Verdict, start_ns: int) -> None:
