@@ -36,9 +36,9 @@ training the demo transformer of ``commdebug_otel._demo_model`` at the size in `
 11. stall watchdog (``--only stall``): always-on with the stall watchdog (``STALL_AFTER=auto``, the
    default) and the cross-rank verdict's store exchange armed, against the same with ``STALL_AFTER=off``,
    on healthy steps, interleaved (tensor parallel on 2 ranks; the live straggler verdict off in both);
-12. straggler verdict (``--only straggler``): always-on with the live straggler verdict (``STRAGGLER=on``, the
-   default: every rank publishes its steps' busy times through the job's store, rank 0 judges), against
-   ``STRAGGLER=off``, the stall watchdog armed in both, on healthy steps, interleaved (tensor parallel on 2 ranks).
+12. straggler verdict (``--only straggler``): always-on with the live straggler verdict (``STRAGGLER=on``: every
+   rank publishes its steps' busy times through the job's store, rank 0 judges), against ``STRAGGLER=off``, the
+   stall watchdog armed in both, on healthy steps, interleaved (tensor parallel on 2 ranks).
 
 It prints a results table and a PASS/FAIL line per target (docs/performance.md explains
 every number). ``--profile`` instead runs cProfile on rank 0 of a traced TP job and prints
@@ -707,7 +707,7 @@ def straggler_worker(rank: int, world_size: int, workload: str, rounds: int, ste
     job = Job(workload)
     for _ in range(3):
         job.timed_step()
-    on = _tracer({"trace_every": 100}, "straggler-on")
+    on = _tracer({"trace_every": 100, "straggler": True}, "straggler-on")
     on_block = _tracer_block(on)
     start, connected = on_block.enter, []
 

@@ -88,7 +88,8 @@ def _burning_a_core():
 
 
 def _run(tmp_path, world_size: int, slow_rank: int, steps: int) -> tuple[list[dict], list[dict], list[dict]]:
-    env = {"OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR": str(tmp_path), "OTEL_PYTHON_COMMDEBUG_TRACE_EVERY": "100"}
+    env = {"OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR": str(tmp_path), "OTEL_PYTHON_COMMDEBUG_TRACE_EVERY": "100",
+           "OTEL_PYTHON_COMMDEBUG_STRAGGLER": "on"}
     with _burning_a_core():
         results = run_ranks(_train, world_size, slow_rank, steps, env=env)
     [run] = glob.glob(os.path.join(tmp_path, "run-*"))
@@ -205,10 +206,10 @@ def test_a_record_round_trips_in_microseconds_and_another_format_is_skipped():
     assert BusyRecord.from_json('{"format": 2, "rank": 0}') is None
 
 
-def test_the_setting_is_on_by_default_and_a_bad_value_costs_one_message(caplog):
-    assert Settings().straggler is True
-    assert Settings.from_env({"OTEL_PYTHON_COMMDEBUG_STRAGGLER": "off"}).straggler is False
-    assert Settings.from_env({"OTEL_PYTHON_COMMDEBUG_STRAGGLER": "sometimes"}).straggler is True
+def test_the_setting_is_off_by_default_and_a_bad_value_costs_one_message(caplog):
+    assert Settings().straggler is False
+    assert Settings.from_env({"OTEL_PYTHON_COMMDEBUG_STRAGGLER": "on"}).straggler is True
+    assert Settings.from_env({"OTEL_PYTHON_COMMDEBUG_STRAGGLER": "sometimes"}).straggler is False
     messages = [record.getMessage() for record in caplog.records]
     assert len(messages) == 1 and "OTEL_PYTHON_COMMDEBUG_STRAGGLER" in messages[0] and "true, 1, yes" in messages[0]
 
