@@ -35,7 +35,7 @@ training the demo transformer of ``commdebug_otel._demo_model`` at the size in `
    time of a process that imports torch and never joins a process group, and which heavy modules it loads;
 11. stall watchdog (``--only stall``): always-on with the stall watchdog (``STALL_AFTER=auto``, the
    default) and the cross-rank verdict's store exchange armed, against the same with ``STALL_AFTER=off``,
-   on healthy steps, interleaved (tensor parallel on 2 ranks);
+   on healthy steps, interleaved (tensor parallel on 2 ranks; the live straggler verdict off in both);
 12. unit costs (``--only units``): one process, one gloo rank: a chain of 200 blocks (401 module calls a
    step) and a step of 200 one-element all_reduces, uninstrumented, ours untraced, ours traced every step,
    torch's ``ModTracker`` and torch's ``CommDebugMode``, interleaved, in the training thread's CPU time (a
@@ -45,7 +45,10 @@ training the demo transformer of ``commdebug_otel._demo_model`` at the size in `
    module calls and 200 collectives;
 13. accuracy (``--only accuracy``, ``--reps N``; not in the default set, it takes about 25 minutes): the
    fault-injection matrix of ``benchmarks/accuracy.py`` (straggler top-1, false blames on healthy runs,
-   hang verdicts right and their latency), which also runs on its own.
+   hang verdicts right and their latency), which also runs on its own;
+14. straggler verdict (``--only straggler``): always-on with the live straggler verdict (``STRAGGLER=on``: every
+   rank publishes its steps' busy times through the job's store, rank 0 judges), against ``STRAGGLER=off``, the
+   stall watchdog armed in both, on healthy steps, interleaved (tensor parallel on 2 ranks).
 
 It prints a results table and a PASS/FAIL line per target (docs/performance.md explains
 every number). ``--profile`` instead runs cProfile on rank 0 of a traced TP job and prints
@@ -92,6 +95,7 @@ TARGET_ALWAYS_BYTES = 2048  # always-on, per rank per step on the wire, amortize
 TARGET_SCALE_TRACED = 1.15  # traced overhead (ratio - 1) at 1,024 ranks <= 1.15 x that at 8
 TARGET_DEPTH = 1.3  # per-span traced cost at the deepest chain <= 1.3 x that at the shallowest
 TARGET_STALL_WATCH = 1.01  # healthy steps: watchdog + verdict exchange armed / STALL_AFTER=off, ratio of medians
+TARGET_STRAGGLER = 1.01  # healthy steps: live straggler verdict on / off, ratio of medians
 # The depth phase: a chain of nested modules (each a Linear, then its child; one output tensor shared by
 # the whole chain in backward), traced every step against untraced, with these exporters.
 DEPTHS = (50, 300)
@@ -128,6 +132,8 @@ DROPIN_CONFIGS = (BASELINE, CONFIGS[1], DROPIN)
 TRACED_SERVICE = "traced"  # the overhead phase's every-step tracer, as its spans name their service
 STALL_ARMED = "always-on, watchdog armed"  # the stall phase's configurations
 STALL_OFF = "always-on, STALL_AFTER=off"
+STRAGGLER_ON = "always-on, STRAGGLER=on"  # the straggler phase's configurations
+STRAGGLER_OFF = "always-on, STRAGGLER=off"
 
 
 # ============================================================== parent-side helpers
@@ -681,7 +687,7 @@ def stall_watch_worker(rank: int, world_size: int, workload: str, rounds: int, s
     job = Job(workload)
     for _ in range(3):
         job.timed_step()
-    armed = _tracer({"trace_every": 100}, "stall-armed")
+    armed = _tracer({"trace_every": 100, "straggler": False}, "stall-armed")
     armed_block = _tracer_block(armed)
     start, connected = armed_block.enter, []
 
@@ -691,11 +697,51 @@ def stall_watch_worker(rank: int, world_size: int, workload: str, rounds: int, s
         return started
 
     armed_block.enter = enter_connected
-    blocks = {STALL_OFF: _tracer_block(_tracer({"trace_every": 100, "stall_after_s": None}, "stall-off")),
+    blocks = {STALL_OFF: _tracer_block(_tracer({"trace_every": 100, "stall_after_s": None, "straggler": False},
+                                               "stall-off")),
               STALL_ARMED: armed_block}
     times = _run_interleaved(job, blocks, rounds, steps_per_block, warmup_blocks=1)
     _remove_collective_kernels()
     return {"times": times, "exchange_connected": all(connected)}
+
+
+def straggler_worker(rank: int, world_size: int, workload: str, rounds: int, steps_per_block: int,
+                     log_path: str) -> dict[str, Any]:
+    """Always-on with the live straggler verdict on and off (the stall watchdog armed in both), interleaved.
+
+    Each block starts its tracer's watchdog thread; the ``on`` blocks wait for its store connection before
+    their timed steps (as the stall phase does), so what is timed is the exchange's steady state: a rewrite
+    of this rank's record per poll with a step ended, and on rank 0 the read of every record and the test.
+    Returns the times, whether every ``on`` block connected, and the verdicts said (a healthy job: none).
+    """
+    job = Job(workload)
+    for _ in range(3):
+        job.timed_step()
+    on = _tracer({"trace_every": 100, "straggler": True}, "straggler-on")
+    on_block = _tracer_block(on)
+    start, connected = on_block.enter, []
+
+    def enter_connected() -> Any:
+        started = start()
+        connected.append(_exchange_connected(on))
+        return started
+
+    on_block.enter = enter_connected
+    blocks = {STRAGGLER_OFF: _tracer_block(_tracer({"trace_every": 100, "straggler": False}, "straggler-off")),
+              STRAGGLER_ON: on_block}
+    said: list[str] = []
+    watch_stop = on_block.exit
+
+    def exit_counting(*args: Any) -> Any:
+        watch = on._stall_watch
+        if watch is not None and watch.stragglers is not None:
+            said.extend(verdict.summary for verdict, _ in watch.stragglers.said)
+        return watch_stop(*args)
+
+    on_block.exit = exit_counting
+    times = _run_interleaved(job, blocks, rounds, steps_per_block, warmup_blocks=1)
+    _remove_collective_kernels()
+    return {"times": times, "exchange_connected": all(connected), "verdicts": said}
 
 
 def _exchange_connected(tracer, timeout_s: float = 30.0) -> bool:
@@ -1073,6 +1119,21 @@ def phase_stall_watch(rx, workload: str, world_size: int, rounds: int, steps_per
                   f"; every rank's exchange connected: {stats['exchange_connected']}", "", began)
     report[f"stall_watch_{workload}"] = {"ranks": world_size, "rounds": rounds,
                                          "steps_per_block": steps_per_block, **stats}
+
+
+def phase_straggler(rx, workload: str, world_size: int, rounds: int, steps_per_block: int,
+                    report: dict[str, Any]) -> None:
+    began = time.perf_counter()
+    results, stats = _paired_phase("live straggler verdict on vs STRAGGLER=off, always-on, healthy steps",
+                                   straggler_worker, rx, workload, world_size, rounds, steps_per_block,
+                                   (STRAGGLER_ON, STRAGGLER_OFF))
+    stats["exchange_connected"] = all(result["exchange_connected"] for result in results)
+    stats["verdicts"] = [line for result in results for line in result["verdicts"]]
+    _print_paired(stats, ("STRAGGLER=off", "on"), f"; every rank's exchange connected: "
+                  f"{stats['exchange_connected']}; verdicts on this healthy job: {len(stats['verdicts'])}", "",
+                  began)
+    report[f"straggler_{workload}"] = {"ranks": world_size, "rounds": rounds,
+                                       "steps_per_block": steps_per_block, **stats}
 
 
 def phase_memory_and_rate(rx, steps: int, warmup: int, rate_steps: int, report: dict[str, Any]) -> None:
@@ -1823,7 +1884,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="only cProfile rank 0 of a traced TP job and print our hot spots")
     parser.add_argument("--profile-workload", default="tp", choices=("tp", "demo"),
                         help="the workload --profile runs (default tp)")
-    parser.add_argument("--only", default="overhead,dropin,always,stall,memory,blackhole,depth,units,import,"
+    parser.add_argument("--only", default="overhead,dropin,always,stall,straggler,memory,blackhole,depth,units,import,"
                                           "torchimport,scale",
                         help="comma list of phases to run (default: all)")
     parser.add_argument("--reps", type=int, default=0, metavar="N",
@@ -1878,6 +1939,8 @@ def main(argv: list[str] | None = None) -> int:
                     phase_always_on(rx, "fsdp_tp", 4, rounds=60, steps_per_block=6, report=report)
             if "stall" in phases:
                 phase_stall_watch(rx, "tp", 2, rounds=8 if q else 20, steps_per_block=20, report=report)
+            if "straggler" in phases:
+                phase_straggler(rx, "tp", 2, rounds=8 if q else 20, steps_per_block=40, report=report)
             if "memory" in phases:
                 phase_memory_and_rate(rx, steps=300 if q else 1000, warmup=100,
                                       rate_steps=10 if q else 30, report=report)
@@ -1940,6 +2003,14 @@ def print_targets(report: dict[str, Any]) -> None:
                           f"{stall['median']:.3f}x (95% CI {stall['ci_low']:.3f}..{stall['ci_high']:.3f}; mean "
                           f"{stall['mean_ratio']:.3f}x; exchange connected: {stall['exchange_connected']})",
                           stall["exchange_connected"] and stall["median"] <= TARGET_STALL_WATCH))
+        straggler = report.get(f"straggler_{workload}")
+        if straggler is not None:
+            lines.append((f"[{workload}] straggler verdict on / off <= {TARGET_STRAGGLER:.2f}x, no verdict",
+                          f"{straggler['median']:.3f}x (95% CI {straggler['ci_low']:.3f}..{straggler['ci_high']:.3f}; "
+                          f"mean {straggler['mean_ratio']:.3f}x; exchange connected: "
+                          f"{straggler['exchange_connected']}; verdicts: {len(straggler['verdicts'])})",
+                          straggler["exchange_connected"] and straggler["median"] <= TARGET_STRAGGLER
+                          and not straggler["verdicts"]))
     if "rss" in report:
         rss = report["rss"]
         trimmed = ", heap trimmed" if rss.get("heap_trimmed") else ""

@@ -387,6 +387,14 @@ OPTIONS: tuple[Option, ...] = (
            "first step has ended: set-up (imports, compilation) is a stall only past 300 s unless the rank waits "
            "in a collective for a peer. off: no watchdog. Keep it below the process group's timeout, "
            "or a hang may end in that timeout before a snapshot (docs/diagnosis.md)."),
+    Option("straggler", "STRAGGLER", parse_bool, False, BOOL_ACCEPTED,
+           "The live straggler verdict: rank 0 names a rank that becomes persistently slow, from every step's "
+           "busy time (wall time less collective waits), with the offline straggler model's significance test; a "
+           "`straggler_verdict` span, one stderr line per change and the commdebug.straggler.lost metric. The "
+           "ranks exchange under 200 bytes per step each through the job's c10d store, on the watchdog thread, "
+           "never a collective (docs/diagnosis.md). Runs with the exporting ranks' watchdog, also when "
+           "STALL_AFTER is off. Off by default until its cost on healthy steps is shown within the always-on "
+           "budget (docs/performance.md)."),
     Option("module_include", "MODULE_INCLUDE", _parse_patterns, (), "comma list of fnmatch patterns",
            "Only modules whose FQN matches get spans (empty = all)."),
     Option("module_exclude", "MODULE_EXCLUDE", _parse_patterns, (), "comma list of fnmatch patterns",
@@ -425,6 +433,7 @@ class Settings:
     max_spans_per_step: int = 50_000
     exception_messages: str = "redacted"
     stall_after_s: float | str | None = STALL_AUTO
+    straggler: bool = False
     module_include: tuple[str, ...] = ()
     module_exclude: tuple[str, ...] = ()
 

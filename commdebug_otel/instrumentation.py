@@ -152,7 +152,7 @@ class CommTracer:
             self.telemetry = Telemetry(self.settings, self._rank, tracer_provider, meter_provider)
         metrics = LazyCollectiveMetrics(self.telemetry.meter, self.settings.metric_module_depth, self._rank,
                                         self.settings.metric_rank_label_on, self._progress,
-                                        getattr(self.telemetry, "metrics_ready", None))
+                                        getattr(self.telemetry, "metrics_ready", None), lambda: _lost(self))
         self._metrics = metrics
         observers = (_ModeSwitch(self),) if observer is None else (_ModeSwitch(self), observer)
         self.recorder = Recorder(self.settings, self.telemetry.spans, metrics, observers)
@@ -222,11 +222,11 @@ class CommTracer:
             self._mode = None  # detail "collectives": no dispatch mode at all
         self._optimizer_handle = register_optimizer_step_post_hook(self._optimizer_step_post_hook)
         OPTIMIZERS.watch(True)  # an optimizer made but not yet stepped: its first step stays whole
-        if self.settings.stall_after_s is not None and self._exports:
+        if (self.settings.stall_after_s is not None or self.settings.straggler) and self._exports:
             flight_recorder_enabled()  # a bad buffer size is said at start, not at the first stall
             self._stall_watch = StallWatch(self.recorder, self.settings.stall_after_s,
                                            self.telemetry.flush_from_watchdog, self._tracker.known_fqn,
-                                           self._dump_flight_recorder)
+                                           self._dump_flight_recorder, straggler=self.settings.straggler)
             self._stall_watch.start()
         atexit.register(self._stop_at_exit)
         self.telemetry.before_shutdown.append(self._stop_at_exit)
@@ -469,6 +469,12 @@ def _leave_job_if_last() -> None:
     """The process's last running tracer stopped: its keys in the job's store go (``steps.leave_job``)."""
     if not _STARTED:
         leave_job()
+
+
+def _lost(tracer: CommTracer) -> dict[int, float]:
+    """``{rank: s per step}`` the live straggler verdict reports (rank 0; else empty): the metric's values."""
+    watch = tracer._stall_watch
+    return watch.stragglers.lost_by_rank() if watch is not None and watch.stragglers is not None else {}
 
 
 def debug_state(tracer: CommTracer) -> dict[str, Any]:

@@ -74,6 +74,16 @@ VERDICT_REPORTED_RANKS = "commdebug.verdict.reported_ranks"
 # Of the ranks that published nothing: process gone / alive but silent (told on the forming rank's host only).
 VERDICT_DEAD_RANKS = "commdebug.verdict.dead_ranks"
 VERDICT_SILENT_RANKS = "commdebug.verdict.silent_ranks"
+# The live straggler verdict (stall/straggler.py): one span per change, exported by rank 0, in the trace of the
+# newest step judged; with VERDICT_KIND, VERDICT_BEHIND_RANKS, VERDICT_MODULE, VERDICT_SUMMARY and STEP.
+SPAN_STRAGGLER_VERDICT = "straggler_verdict"
+VERDICT_KIND_STRAGGLER = "straggler"
+VERDICT_KIND_RECOVERED = "recovered"  # a rank named before is no longer late beyond the noise
+VERDICT_PASS = "commdebug.verdict.pass"
+VERDICT_LOST = "commdebug.verdict.lost_s"  # seconds per late step the other ranks waited on the behind ranks
+VERDICT_SINCE_STEP = "commdebug.verdict.since_step"  # the first late step of the episode
+VERDICT_STEPS_LATE = "commdebug.verdict.steps_late"
+VERDICT_STEPS_SEEN = "commdebug.verdict.steps_seen"
 # Trace scope job, a job of more than RANKS_PER_TRACE ranks: the trace block (rank // RANKS_PER_TRACE) whose
 # trace holds this train_step or outside_step.
 TRACE_BLOCK = "commdebug.trace.block"
@@ -138,6 +148,7 @@ METRIC_STEP_WAIT = "torch.step.collective_wait"
 METRIC_STEP_AGE = "torch.step.age"
 METRIC_SEQ_ISSUED = "torch.collective.seq.issued"
 METRIC_SEQ_COMPLETED = "torch.collective.seq.completed"
+METRIC_STRAGGLER_LOST = "commdebug.straggler.lost"  # s per step the others wait on a rank named slow (rank 0)
 DROPPED_KIND = "commdebug.dropped.kind"
 DROPPED_KIND_EVENT = "event"
 DROPPED_KIND_SPAN = "span"  # export queue full, export failed, or a span over the request size

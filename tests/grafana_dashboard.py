@@ -35,6 +35,8 @@ PROMETHEUS_METRICS = (
     "torch_collective_seq_issued",
     "torch_collective_seq_completed",
 )
+# Series that exist only once the live straggler verdict named a rank (a healthy scrape holds none).
+ON_VERDICT_METRICS = ("commdebug_straggler_lost_seconds",)
 # Labels on the collective series (the device-mesh dim label only when the group is a mesh dim;
 # torch_module_fqn only with OTEL_PYTHON_COMMDEBUG_METRIC_MODULE_DEPTH > 0).
 COLLECTIVE_LABELS = (

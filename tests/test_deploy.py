@@ -39,6 +39,7 @@ DEPRECATED_EXPORTERS = {"otlp", "otlphttp", "logging"}
 PANELS = (
     "Collective rate by op", "Bytes/s by op", "Collective rate per rank",
     "Collective duration p50 / p99 by op", "Forward vs backward", "Dropped telemetry",
+    "Straggler: time lost per step",
 )
 
 
@@ -289,12 +290,12 @@ def test_dashboard_names_are_the_names_prometheus_held():
     """tests/test_prometheus.py asserts PROMETHEUS_METRICS against a real server's names."""
     dashboard = dash.load()
     names = dash.all_metric_names(dashboard)
-    assert names <= set(dash.PROMETHEUS_METRICS)
+    assert names <= set(dash.PROMETHEUS_METRICS + dash.ON_VERDICT_METRICS)
     assert {"torch_collective_operations_total", "torch_collective_io_bytes_total",
             "torch_collective_duration_seconds_bucket", "commdebug_telemetry_dropped_total"} <= names
     # Every other Prometheus-style name in the dashboard is a label that exists.
     used = set(re.findall(r"\b(?:torch|commdebug)_\w+", dash.DASHBOARD.read_text()))
-    known = (set(dash.PROMETHEUS_METRICS) | set(dash.COLLECTIVE_LABELS)
+    known = (set(dash.PROMETHEUS_METRICS + dash.ON_VERDICT_METRICS) | set(dash.COLLECTIVE_LABELS)
              | set(dash.OPTIONAL_COLLECTIVE_LABELS) | set(dash.DROPPED_LABELS))
     assert used <= known, used - known
 
@@ -364,7 +365,7 @@ def test_readme_walks_from_compose_to_the_dashboard():
 
 def test_dashboards_doc_names_every_metric_and_panel():
     text = (ROOT / "docs" / "dashboards.md").read_text()
-    for name in dash.PROMETHEUS_METRICS + dash.COLLECTIVE_LABELS + dash.DROPPED_LABELS:
+    for name in dash.PROMETHEUS_METRICS + dash.ON_VERDICT_METRICS + dash.COLLECTIVE_LABELS + dash.DROPPED_LABELS:
         assert name in text, name
     for panel in dash.panels(dash.load()):
         assert panel["title"] in text, panel["title"]

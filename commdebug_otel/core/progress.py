@@ -42,6 +42,7 @@ RING_SIZE = 64  # recent collectives kept per rank, exported with each snapshot
 SLOW_STEP_FACTOR = 2.0  # commdebug.step.slow: longer than this times the recent median...
 SLOW_AFTER_STEPS = 8  # ...once this many steps have ended
 MAX_PENDING_WAITS = 4096  # issued collectives whose wait has not been seen (cleared at each step end)
+BUSY_KEPT = 64  # recent training steps' busy times kept for the live straggler verdict (stall/straggler.py)
 
 
 class Progress:
@@ -54,6 +55,8 @@ class Progress:
         since_ns: ``time.time_ns()`` when the current step began, or the last one ended.
         in_step: whether a step is open.
         wait_ns: nanoseconds the training thread waited in collectives since the step began.
+        busy: the last :data:`BUSY_KEPT` training steps as ``(step index, busy ns)``: the step's wall time less
+            the time the training thread waited in collectives (read by the watchdog thread).
     """
 
     def __init__(self, dim_name: Callable[[str], str] = lambda group: "") -> None:
@@ -67,6 +70,7 @@ class Progress:
         self.step_index = 0
         self.wait_ns = 0
         self.durations: collections.deque = collections.deque(maxlen=RECENT_STEPS)
+        self.busy: collections.deque = collections.deque(maxlen=BUSY_KEPT)
         self._pending: dict[int, tuple[str, int]] = {}  # id(functional output) -> (group, seq)
 
     def remember(self, fact: CollectiveFact, out: Any) -> None:
@@ -103,6 +107,7 @@ class Progress:
         if training:
             slow = self.slow(duration_s)
             self.durations.append(duration_s)
+            self.busy.append((self.step_index, max(0, now - self.since_ns - self.wait_ns)))
         for group, following in self.next_seq.items():
             self.complete(group, following - 1)
         self._pending.clear()

@@ -111,7 +111,8 @@ class StallSource(FailureSink, Protocol):
 
     def job_id(self, store: Any = None) -> str: ...
 
-    def stall_verdict(self, step_index: int, start_ns: int, now: int, attrs: dict[str, Any]) -> bool: ...
+    def stall_verdict(self, step_index: int, start_ns: int, now: int, attrs: dict[str, Any],
+                      name: str = ...) -> bool: ...
 
 
 class CollectiveHost(FailureSink, Protocol):

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from commdebug_otel import semconv
 from commdebug_otel.capture.observer import RecorderObserver, SpanSink
 from commdebug_otel.config import Settings
 from commdebug_otel.core.collectives import Why
@@ -207,13 +208,15 @@ class Recorder:
         thread's own clone of it); ask once settled."""
         return self._steps.exports.job_id(store)
 
-    def stall_verdict(self, step_index: int, start_ns: int, now: int, attrs: dict[str, Any]) -> bool:
-        """Export the cross-rank verdict (stall/verdict.py) from the watchdog's thread: a ``stall_verdict`` root
-        span in step ``step_index``'s trace (trace scope ``job``; else a trace of its own) from ``start_ns``
-        (the earliest stall's start) to ``now``. True if handed to the span sink."""
+    def stall_verdict(self, step_index: int, start_ns: int, now: int, attrs: dict[str, Any],
+                      name: str = semconv.SPAN_STALL_VERDICT) -> bool:
+        """Export a cross-rank verdict from the watchdog's thread: a root span ``name`` (``stall_verdict``,
+        stall/verdict.py; ``straggler_verdict``, stall/straggler.py) in step ``step_index``'s trace (trace scope
+        ``job``; else a trace of its own) from ``start_ns`` (the earliest stall's start) to ``now``. True if
+        handed to the span sink."""
         if self._spans is None or not self.active:
             return False
-        return self._steps.exports.stall_verdict(step_index, start_ns, now, attrs)
+        return self._steps.exports.stall_verdict(step_index, start_ns, now, attrs, name)
 
 
 def _listens(observer: RecorderObserver) -> bool:

@@ -109,11 +109,12 @@ class StepExport:
         self.emit_tree(roots, children, step.trace_id, step)
         return True
 
-    def stall_verdict(self, step_index: int, start_ns: int, now: int, attrs: dict[str, Any]) -> bool:
-        """Export the cross-rank verdict (``Recorder.stall_verdict``): in the stalled step's trace."""
+    def stall_verdict(self, step_index: int, start_ns: int, now: int, attrs: dict[str, Any],
+                      name: str = semconv.SPAN_STALL_VERDICT) -> bool:
+        """Export a cross-rank verdict (``Recorder.stall_verdict``): in step ``step_index``'s trace."""
         if self._spans is None:
             return False
-        verdict = Record(SpanKind.MODULE, semconv.SPAN_STALL_VERDICT, start_ns)
+        verdict = Record(SpanKind.MODULE, name, start_ns)
         verdict.end_ns = max(now, start_ns)  # start_ns: another host's clock may run ahead of ours
         verdict.attrs.update(attrs)
         step = self._steps.current_step

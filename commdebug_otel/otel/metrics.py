@@ -24,6 +24,9 @@ Instruments (OTel name -> Prometheus name after the Collector's translation):
   between steps, the gap since the last one) has lasted, read at each export: a stuck rank's grows.
 * ``torch.collective.seq.issued`` / ``torch.collective.seq.completed`` Gauges, per process group:
   the last seq this rank issued / knows complete (stall/watchdog.py); a stuck rank's line stays flat and behind.
+* ``commdebug.straggler.lost`` Gauge ``s`` -> ``commdebug_straggler_lost_seconds``: from rank 0 only, per rank
+  the live straggler verdict named (``torch.distributed.rank`` is the slow rank's, whatever
+  ``metric_rank_label``), seconds per step the other ranks wait on it; 0 once it recovered (stall/straggler.py).
 
 Labels are low-cardinality only: op, pass, process group name and size, mesh
 dimension name, rank, and the module FQN cut to ``metric_module_depth``
@@ -191,8 +194,11 @@ class CollectiveMetrics:
     """Records collective metrics on ``meter``; label dicts are cached per label tuple."""
 
     def __init__(self, meter: Meter, module_depth: int = 0, on_dropped: Any = None,
-                 rank_label: bool = True, progress: Any = None) -> None:
+                 rank_label: bool = True, progress: Any = None, straggler_lost: Any = None) -> None:
+        """``progress``: ``() -> (rank, step age s, Progress.seqs())`` for the progress gauges;
+        ``straggler_lost``: ``() -> {rank: s per step}`` for ``commdebug.straggler.lost`` (None: no points)."""
         self._module_depth = module_depth
+        self._straggler_lost = straggler_lost or dict
         self._rank_label = rank_label
         # Exemplars only where offering one leaves the script's random numbers alone (an injected provider's
         # default reservoir for sums draws from the global random): else the points go without their context.
@@ -256,6 +262,9 @@ class CollectiveMetrics:
 
     def _observe_completed(self, _options: CallbackOptions) -> list[Observation]:
         return self._observe_seq(2)
+
+    def _observe_straggler(self, _options: CallbackOptions) -> list[Observation]:
+        return [Observation(lost_s, {semconv.RANK: rank}) for rank, lost_s in sorted(self._straggler_lost().items())]
 
     def _observe_seq(self, which: int) -> list[Observation]:
         rank, _, seqs = self._progress()
@@ -386,6 +395,9 @@ class _ProgressGauges:
         meter.create_observable_gauge(
             semconv.METRIC_SEQ_COMPLETED, [self._observe_completed], unit="{collective}",
             description="Seq of the last collective this rank knows complete, per process group.")
+        meter.create_observable_gauge(
+            semconv.METRIC_STRAGGLER_LOST, [self._observe_straggler], unit="s",
+            description="Seconds per step the other ranks wait on a rank the live straggler verdict named.")
 
     @classmethod
     def on(cls, meter: Meter) -> _ProgressGauges:
@@ -414,6 +426,10 @@ class _ProgressGauges:
         metrics = self._source()
         return [] if metrics is None else metrics._observe_completed(options)
 
+    def _observe_straggler(self, options: CallbackOptions) -> list[Observation]:
+        metrics = self._source()
+        return [] if metrics is None else metrics._observe_straggler(options)
+
 
 class LazyCollectiveMetrics:
     """Creates :class:`CollectiveMetrics` at the first record, when the rank is known.
@@ -428,11 +444,12 @@ class LazyCollectiveMetrics:
 
     def __init__(self, meter_factory: Any, module_depth: int, rank: Any,
                  rank_label: Any = lambda world_size: True, progress: Any = None,
-                 ready: Any = None) -> None:
+                 ready: Any = None, straggler_lost: Any = None) -> None:
         self._meter_factory = meter_factory
         self._rank = rank
         self._rank_label = rank_label
         self._progress = progress
+        self._straggler_lost = straggler_lost
         self._module_depth = module_depth
         self._ready = ready
         self._metrics: CollectiveMetrics | None = None
@@ -463,7 +480,8 @@ class LazyCollectiveMetrics:
                 _logger.warning("commdebug-otel: metrics are off: %s", describe(error, values=False))
                 meter = NoOpMeter("commdebug_otel")
             self._metrics = CollectiveMetrics(meter, self._module_depth, self.dropped,
-                                              self._rank_label(self._rank().world_size), self._progress)
+                                              self._rank_label(self._rank().world_size), self._progress,
+                                              self._straggler_lost)
             metrics = self._metrics
             held, self._held = self._held, []
             for method, args, kwargs in held:  # what came before the meter could start, in order

@@ -623,6 +623,11 @@ class StoreExchange:
         _logger.warning("commdebug-otel: the cross-rank stall verdict is off for this rank: %s failed (%s: %s); "
                         "the per-rank stall snapshots go on", what, type(error).__name__, error)
 
+    def store(self) -> tuple[Any, str] | None:
+        """``(store client, key root of the job)`` once connected (:meth:`ready`), else None: for the other
+        exchanges of this thread (``stall/straggler.py``)."""
+        return (self._store, self._root) if self.ready() else None
+
     def heartbeat(self) -> None:
         """At each watchdog poll: connect and write the alive key once the default group exists (cheap after)."""
         self.ready()

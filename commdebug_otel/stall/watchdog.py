@@ -32,6 +32,7 @@ from commdebug_otel.capture._torch import MODULE_CALL_CODE, default_store_client
 from commdebug_otel.config import SETUP_FLOOR_S
 from commdebug_otel.core.fact import stall_step_text
 from commdebug_otel.core.protocols import StallSource
+from commdebug_otel.stall.straggler import POLL_S, StragglerExchange, StragglerVerdict
 from commdebug_otel.stall.verdict import StoreExchange, Verdict, progress_record
 
 _logger = logging.getLogger(__name__)
@@ -113,18 +114,22 @@ class StallWatch:
 
     Args:
         recorder: the rank's ``Recorder`` (``progress``, ``thread_id``, ``stall_snapshot``, ``hook_failed``).
-        setting: ``Settings.stall_after_s``: seconds, or ``"auto"``.
+        setting: ``Settings.stall_after_s``: seconds, or ``"auto"``; None: no stall snapshots (the thread
+            runs for the straggler verdict alone).
         flush: ``flush()``, exporting what the providers buffer (called on this thread, bounded).
         fqn_of: ``fqn_of(module)``, the module tracker's name of a module, or None.
         on_snapshot: called on this thread after each snapshot, before the flush (torch's Flight Recorder dump).
         exchange: the cross-rank verdict's store exchange (stall/verdict.py); by default one through the
             job's c10d store, exporting with ``recorder.stall_verdict``. Its store calls run on this
             thread only.
+        straggler: whether this thread also runs the live straggler verdict's exchange (stall/straggler.py,
+            :attr:`stragglers`), waking every ``straggler.POLL_S`` seconds at least.
     """
 
-    def __init__(self, recorder: StallSource, setting: float | str, flush: Callable[[], Any],
+    def __init__(self, recorder: StallSource, setting: float | str | None, flush: Callable[[], Any],
                  fqn_of: Callable[[torch.nn.Module], str | None],
-                 on_snapshot: Callable[[], Any] = lambda: None, exchange: StoreExchange | None = None) -> None:
+                 on_snapshot: Callable[[], Any] = lambda: None, exchange: StoreExchange | None = None,
+                 straggler: bool = False) -> None:
         self._recorder = recorder
         self._on_snapshot = on_snapshot
         self._setting = setting
@@ -132,6 +137,9 @@ class StallWatch:
         self._fqn_of = fqn_of
         self.exchange = exchange if exchange is not None else StoreExchange(
             lambda: recorder.rank(), lambda store: recorder.job_id(store), self._export_verdict, default_store_client)
+        self.stragglers: StragglerExchange | None = StragglerExchange(
+            lambda: recorder.rank(), lambda: list(recorder.progress.busy), self.exchange.store,
+            self._export_straggler) if straggler else None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._stall_since = 0  # since_ns of the stall being reported
@@ -155,12 +163,22 @@ class StallWatch:
             thread.join(timeout_s)
 
     def _poll_s(self) -> float:
+        """Seconds between the stall watchdog's looks (None setting: an hour, no look does anything)."""
+        if self._setting is None:
+            return 3600.0
         return min(1.0, max(0.05, self._recorder.progress.threshold_s(self._setting) / 4))
 
     def _run(self) -> None:
         failures = 0
         exchange = self.exchange
-        while not self._stop.wait(self._poll_s()):
+        look_at = time.monotonic() + self._poll_s()
+        # The straggler exchange wakes the thread every POLL_S; the stall looks keep their own cadence.
+        while not self._stop.wait(min(max(0.0, look_at - time.monotonic()),
+                                      POLL_S if self.stragglers is not None else 3600.0)):
+            if self.stragglers is not None:
+                self.stragglers.poll()  # (never raises)
+            if time.monotonic() < look_at:
+                continue
             try:
                 self.check()
                 failures = 0
@@ -171,12 +189,21 @@ class StallWatch:
                     break  # gives up: training goes on unwatched
             exchange.heartbeat()  # (the exchange's calls never raise: a failure turns it off)
             exchange.poll()
+            look_at = time.monotonic() + self._poll_s()
         exchange.stop()  # on this thread too: its keys go with the tracer
 
     def _export_verdict(self, verdict: Verdict, start_ns: int) -> None:
         """The exchange formed a verdict on this rank: its span, then the flush."""
         self.last_verdict = verdict.summary
         if self._recorder.stall_verdict(verdict.step, start_ns, time.time_ns(), verdict.attributes()):
+            self._flush()
+
+    def _export_straggler(self, verdict: StragglerVerdict) -> None:
+        """This rank judged a change of the straggler answer: its span, then the flush."""
+        self.last_verdict = verdict.summary
+        now = time.time_ns()
+        if self._recorder.stall_verdict(verdict.step, now, now, verdict.attributes(),
+                                        semconv.SPAN_STRAGGLER_VERDICT):
             self._flush()
 
     def _publish(self, now: int, age_s: float, snapshot: int, where: tuple[str, str, list[str]]) -> None:
@@ -196,6 +223,8 @@ class StallWatch:
 
     def check(self, now: int | None = None) -> bool:
         """Export a snapshot if one is due now. True if one was exported."""
+        if self._setting is None:
+            return False
         progress = self._recorder.progress
         now = now or time.time_ns()
         since = progress.since_ns

@@ -1,0 +1,374 @@
+"""The live fail-slow verdict: a rank that becomes persistently slow is named while the job runs.
+
+What every step measures, traced or not (``core/progress.py``): each rank's *busy time* per training step, its
+wall time less the time its training thread waited in collectives (``Work.wait()``, ``wait_tensor``, the
+wait of a blocking c10d call). The ranks a straggler holds back wait for it, so their busy time stays flat
+while its own grows: a clock-free measure (no cross-host clock is compared). Per step, the rank with the most
+busy time is the last one, late by its busy time less the next highest (:func:`late_from_busy`): one
+:class:`~commdebug_otel.offline.stragglers.Late` record per step, at the place
+:data:`~commdebug_otel.offline.stragglers.TRAIN_STEP` (untraced steps know no module). The significance test is
+the offline model's own, :func:`commdebug_otel.offline.stragglers.judge`, over the last :data:`WINDOW_STEPS`
+steps every rank reported: a rank is a straggler when it was late beyond the other ranks' noise in at least
+``MIN_STEPS_LATE`` steps, more often than the noise explains (binomial, Bonferroni, ``ALPHA``). Live, its
+resolution floor is :data:`FLOOR_FRACTION` of the job's busy time (:func:`noise_floor_s`), and the verdict names
+only a *persistent* straggler: one late in :data:`PERSISTENT_SHARE` of the steps since its episode began
+(intermittent lateness is left to ``diagnose``).
+
+The exchange runs on the stall watchdog's thread (``stall/watchdog.py``), through the job's c10d store client
+of the stall verdict (``StoreExchange.store``), never a collective. Keys, under the job's prefix
+``commdebug_otel/verdict/<nonce>/straggler/``:
+
+* ``r/<rank>``: each rank's record (:class:`BusyRecord`): the busy times of its steps ended since its last
+  record and of the :data:`OVERLAP_STEPS` before (so a judge that read every other rewrite, or ranks polling
+  out of phase, still share steps), at most :data:`MAX_KEPT_STEPS`; rewritten at a watchdog poll (every
+  :data:`POLL_S` s) when a step ended since the last one. A step costs about 15 bytes, a rewrite about 160 of
+  framing and overlap: at most about 175 bytes per step per rank (one step per poll), about 20 at fast steps
+  (several per poll), and never more than one rewrite (about 1 KB) per rank per poll;
+* rank 0 (the judge) reads every rank's record at a poll where its own record changed, at most every
+  :data:`JUDGE_S` s: one ``check`` and one ``multi_get`` of ``world size`` keys, then the test (about
+  0.3 ms of its watchdog thread at 2-4 ranks, 1 ms at 64).
+
+Rank 0 exports a ``straggler_verdict`` span (in the trace of the newest step judged) and one stderr line each
+time the answer changes: a rank named ``straggler``, or a named rank ``recovered`` (the same test over the
+last :data:`RECOVER_STEPS` steps, all after it was named, finds it no more; the steps before are then no
+evidence for or against anyone). Steps are matched by their index, so ranks that count steps
+differently (pipeline stages) are never compared.
+
+On CUDA, collectives are asynchronous: the host waits only where it synchronises (``Work.wait()`` of an
+asynchronous op returns at once; ``.item()``, ``cuda.synchronize`` wait for everything). Busy time then
+holds the host's own work (data loading, Python, the launch of kernels) and a rank slow on its host is found;
+a rank whose GPU is slow while its host is not makes every rank wait alike at the synchronisation and is not
+told apart here (``diagnose`` over traced steps does, by arrival times). DDP waits for its buckets inside its
+C++ reducer, which no Python wait sees: there too only a slow host shows.
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from commdebug_otel import semconv
+from commdebug_otel.offline import stragglers
+from commdebug_otel.offline.stragglers import Late
+
+_logger = logging.getLogger(__name__)
+
+RECORD_FORMAT = 1
+POLL_S = 0.05  # the watchdog wakes at least this often while the detector is on
+OVERLAP_STEPS = 8  # steps published again in the next record: a judge that missed a rewrite still sees them
+MAX_KEPT_STEPS = 64  # steps per published record at most (Progress.busy keeps as many)
+WINDOW_STEPS = 32  # steps every rank reported, judged together: the noise's sample and the late steps'
+RECOVER_STEPS = 12  # a named rank the test no longer finds over this many last steps has recovered
+ONSET_GAP_STEPS = 6  # a late step this many steps before the next is not part of its episode
+WARMUP_STEPS = 8  # the first steps (compilation, allocator warm-up, start-up skew) are not judged
+MIN_STEPS_JUDGED = 16  # nobody is named before the window holds this many steps (a noise sample, not a few steps)
+FLOOR_FRACTION = 0.5  # the least lateness that counts: this share of the median busy time (at least NOISE_FLOOR_S)
+JUDGE_S = 0.1  # rank 0 reads the records and judges at most this often
+PERSISTENT_SHARE = 0.75  # named only when late in this share of the steps judged since its episode began
+KIND_STRAGGLER = semconv.VERDICT_KIND_STRAGGLER
+KIND_RECOVERED = semconv.VERDICT_KIND_RECOVERED
+
+
+@dataclasses.dataclass(frozen=True)
+class BusyRecord:
+    """One rank's published busy times: ``steps`` as ``(step index, busy ns)``, oldest first."""
+
+    rank: int
+    steps: tuple[tuple[int, int], ...]
+
+    def to_json(self) -> str:
+        """Compact JSON, busy times in microseconds, with ``"format": RECORD_FORMAT``."""
+        return json.dumps({"format": RECORD_FORMAT, "rank": self.rank,
+                           "steps": [[step, busy_ns // 1000] for step, busy_ns in self.steps]}, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> BusyRecord | None:
+        """The record in ``text``; None when it is of another format.
+
+        Raises:
+            ValueError, KeyError, TypeError: ``text`` is not a record of this format.
+        """
+        data = json.loads(text)
+        if not isinstance(data, dict) or data.get("format") != RECORD_FORMAT:
+            return None
+        return cls(int(data["rank"]), tuple((int(step), int(busy_us) * 1000) for step, busy_us in data["steps"]))
+
+
+def late_from_busy(busy: Mapping[int, Mapping[int, int]], world_size: int,
+                   noise_floor_s: float = stragglers.NOISE_FLOOR_S) -> tuple[list[Late], dict[int, set[int]]]:
+    """The lateness records of steps every rank reported, from busy times.
+
+    Args:
+        busy: ``{step: {rank: busy ns}}``; a step missing a rank of ``0 .. world_size - 1`` is left out.
+        world_size: ranks in the job (at least 2).
+        noise_floor_s: a lateness under this is no record (as offline).
+
+    Returns:
+        ``(records, {rank: steps seen})`` for :func:`~commdebug_otel.offline.stragglers.judge`: per step, the
+        rank with the most busy time, late by that less the next highest, at the place ``TRAIN_STEP``.
+    """
+    records: list[Late] = []
+    seen: dict[int, set[int]] = {rank: set() for rank in range(world_size)}
+    floor_ns = noise_floor_s * 1e9
+    for step in sorted(busy):
+        times = busy[step]
+        if len(times) < world_size or any(rank not in times for rank in range(world_size)):
+            continue
+        for rank in range(world_size):
+            seen[rank].add(step)
+        last = max(range(world_size), key=lambda rank: (times[rank], -rank))
+        others = [times[rank] for rank in range(world_size) if rank != last]
+        late = times[last] - max(others)
+        if late < floor_ns:
+            continue
+        records.append(Late(last, step, stragglers.TRAIN_STEP, "", late,
+                            sum(min(times[last] - other, late) for other in others), late))
+    return records, seen
+
+
+@dataclasses.dataclass(frozen=True)
+class StragglerVerdict:
+    """A change of the live answer; field names follow the ``commdebug.verdict.*`` attributes.
+
+    ``step``: the newest step judged (``torch.step``); ``lost_s``: seconds per late step the other ranks
+    waited on the behind rank (the mean over its late steps since the onset); ``since_step``: the first late
+    step of the episode; ``steps_late`` of ``steps_seen``: the behind rank's late steps, of its steps judged.
+    """
+
+    kind: str
+    step: int
+    behind: tuple[int, ...]
+    module: str
+    pass_: str
+    lost_s: float
+    since_step: int
+    steps_late: int
+    steps_seen: int
+    summary: str
+
+    def attributes(self) -> dict[str, Any]:
+        """The ``straggler_verdict`` span's attributes."""
+        return {
+            semconv.STEP: self.step,
+            semconv.VERDICT_KIND: self.kind,
+            semconv.VERDICT_BEHIND_RANKS: list(self.behind),
+            semconv.VERDICT_MODULE: self.module,
+            semconv.VERDICT_PASS: self.pass_,
+            semconv.VERDICT_LOST: self.lost_s,
+            semconv.VERDICT_SINCE_STEP: self.since_step,
+            semconv.VERDICT_STEPS_LATE: self.steps_late,
+            semconv.VERDICT_STEPS_SEEN: self.steps_seen,
+            semconv.VERDICT_SUMMARY: self.summary,
+        }
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f}" if seconds >= 0.01 else f"{seconds * 1e3:.1f}"
+
+
+def _onset(late_steps: list[int]) -> int:
+    """The first late step of the last run of ``late_steps`` (sorted) with no gap of :data:`ONSET_GAP_STEPS`
+    steps or more: where the episode began (an earlier late step beyond that gap was noise, or a past episode)."""
+    since = late_steps[-1]
+    for step in reversed(late_steps[:-1]):
+        if since - step >= ONSET_GAP_STEPS:
+            break
+        since = step
+    return since
+
+
+def noise_floor_s(busy: Mapping[int, Mapping[int, int]]) -> float:
+    """The least lateness (seconds) that counts in ``busy`` (``{step: {rank: busy ns}}``): :data:`FLOOR_FRACTION` of
+    the median over steps of the fastest rank's busy time (the job's own work, which one slow rank does not
+    raise), at least the offline model's resolution (``NOISE_FLOOR_S``). A rank a few percent slower than the
+    others (the one that shares its core with another process, or hosts the store) is consistent, but no
+    straggler worth naming while the job runs."""
+    values = sorted(min(times.values()) for times in busy.values() if times)
+    median_s = values[len(values) // 2] / 1e9 if values else 0.0
+    return max(stragglers.NOISE_FLOOR_S, FLOOR_FRACTION * median_s)
+
+
+def _episode_lost_s(records: Iterable[Late], rank: int, since: int, cut_s: float) -> float:
+    """Seconds per late step ``rank`` cost the others since step ``since``: the mean of its records there beyond
+    ``cut_s`` (0.0 when none)."""
+    lost = [record.lost_ns for record in records if record.rank == rank and record.step >= since
+            and record.lost_ns > cut_s * 1e9]
+    return sum(lost) / len(lost) / 1e9 if lost else 0.0
+
+
+class StragglerJudge:
+    """The judging rank's state: busy times of recent steps, and the ranks named. Torch-free, no I/O.
+
+    Args:
+        world_size: ranks in the job.
+        alpha: the family-wise false-blame rate of each judgement (:data:`stragglers.ALPHA`).
+    """
+
+    def __init__(self, world_size: int, alpha: float = stragglers.ALPHA) -> None:
+        self.world_size = world_size
+        self.alpha = alpha
+        self._busy: dict[int, dict[int, int]] = {}  # step -> rank -> busy ns
+        self._named: dict[int, dict[str, Any]] = {}  # rank -> its judge row when named
+        self._lost: dict[int, float] = {}  # rank -> s per late step (0.0 once recovered): the metric
+        self._judged = -1  # the newest complete step judged
+        self._onsets: dict[int, int] = {}  # rank -> the first late step of its episode, when named
+        self._named_at: dict[int, int] = {}  # rank -> the step judged when it was named
+        self._since = -1  # steps up to this one are not judged again (a recovery ends the evidence before it)
+
+    def add(self, record: BusyRecord) -> None:
+        """A rank's record: its steps past the warm-up, kept while within the window."""
+        for step, busy_ns in record.steps:
+            if step >= WARMUP_STEPS and step > max(self._since, self._judged - WINDOW_STEPS):
+                self._busy.setdefault(step, {})[record.rank] = busy_ns
+
+    def lost_by_rank(self) -> dict[int, float]:
+        """Seconds per late step the others waited on each named rank (the metric's values)."""
+        return dict(self._lost)
+
+    def judge(self) -> list[StragglerVerdict]:
+        """The changes since the last call, if a step every rank reported is new: each newly slow rank's
+        ``straggler`` verdict, then each named rank's ``recovered`` one."""
+        complete = sorted(step for step, times in self._busy.items() if len(times) >= self.world_size)
+        if not complete or complete[-1] <= self._judged:
+            return []
+        newest = complete[-1]
+        self._judged = newest
+        for step in [step for step in self._busy if step <= max(self._since, newest - WINDOW_STEPS)]:
+            del self._busy[step]
+        window = {step: self._busy[step] for step in complete if step in self._busy}
+        floor_s = noise_floor_s(window)
+        records, seen = late_from_busy(window, self.world_size, floor_s)
+        rows = {row["rank"]: row for row in stragglers.judge(records, seen, floor_s, self.alpha)} \
+            if len(window) >= MIN_STEPS_JUDGED else {}
+        out = []
+        for rank, row in sorted(rows.items()):
+            if rank not in self._named and row["late_steps"][-1] > newest - ONSET_GAP_STEPS:
+                since = _onset(row["late_steps"])
+                late = sum(1 for step in row["late_steps"] if step >= since)
+                steps = sum(1 for step in window if step >= since)
+                if late >= max(stragglers.MIN_STEPS_LATE, PERSISTENT_SHARE * steps):  # persistent: a fail-slow
+                    self._named[rank] = row
+                    row["episode_lost_s"] = _episode_lost_s(records, rank, since, row["noise_cut_s"])
+                    out.append(self._verdict(KIND_STRAGGLER, newest, rank, row, since))
+            elif rank in self._named:  # its numbers, updated
+                self._named[rank] = row | {"episode_lost_s": _episode_lost_s(
+                    records, rank, self._onsets[rank], row["noise_cut_s"]) or self._named[rank]["episode_lost_s"]}
+            if rank in self._named:
+                self._lost[rank] = self._named[rank]["episode_lost_s"]
+        recent = sorted(window)[-RECOVER_STEPS:]
+        if not self._named or len(recent) < RECOVER_STEPS:
+            return out
+        records, seen = late_from_busy({step: window[step] for step in recent}, self.world_size, floor_s)
+        still = {row["rank"] for row in stragglers.judge(records, seen, floor_s, self.alpha)}
+        recovered = False
+        for rank in sorted(self._named):
+            row = self._named[rank]
+            if rank not in still and recent[0] > self._named_at[rank]:
+                del self._named[rank]
+                self._lost[rank] = 0.0
+                out.append(self._verdict(KIND_RECOVERED, newest, rank, row, self._onsets.pop(rank)))
+                recovered = True
+        if recovered:  # its late steps are no evidence any more, nor the noise they hid: judged afresh from here
+            self._since = newest
+            self._busy = {step: times for step, times in self._busy.items() if step > newest}
+        return out
+
+    def _verdict(self, kind: str, step: int, rank: int, row: dict[str, Any], since: int) -> StragglerVerdict:
+        if kind == KIND_STRAGGLER:
+            self._onsets[rank], self._named_at[rank] = since, step
+        lost_s = row["episode_lost_s"]
+        spread = _ms(row["late_min_s"]) if row["late_min_s"] == row["late_max_s"] else \
+            f"{_ms(row['late_min_s'])}-{_ms(row['late_max_s'])}"
+        how = (f"late beyond the noise in {row['steps_late']} of {row['steps_seen']} steps judged, {spread} ms "
+               f"(noise cut {_ms(row['noise_cut_s'])} ms, p={row['p_value']:.0e})")
+        if kind == KIND_STRAGGLER:
+            summary = (f"rank {rank} is slow since step {since}: the other ranks wait {_ms(lost_s)} ms per step "
+                       f"for it, {how}; step {step}")
+        else:
+            summary = (f"rank {rank} is no longer slow: the test finds it no more over the last {RECOVER_STEPS} "
+                       f"steps (it was since step {since}, {_ms(lost_s)} ms per step); step {step}")
+        return StragglerVerdict(kind, step, (rank,), "", "", round(lost_s, 6), since, row["steps_late"],
+                                row["steps_seen"], summary)
+
+
+class StragglerExchange:
+    """One rank's side of the live straggler verdict. Used by the watchdog thread only; no method raises.
+
+    Args:
+        rank_of: ``() -> RankInfo`` (rank, world size, whether distributed).
+        busy: ``() -> iterable of (step, busy ns)``: the rank's recent steps (``Progress.busy``).
+        store: ``() -> (store client, key root) or None``: the stall exchange's connection
+            (``StoreExchange.store``), None until it is connected.
+        export: ``export(verdict)``: the span and the flush (the watchdog's), on rank 0 only.
+        alpha: each judgement's false-blame rate.
+    """
+
+    def __init__(self, rank_of: Callable[[], Any], busy: Callable[[], Iterable[tuple[int, int]]],
+                 store: Callable[[], tuple[Any, str] | None], export: Callable[[StragglerVerdict], Any],
+                 alpha: float = stragglers.ALPHA) -> None:
+        self._rank_of = rank_of
+        self._busy = busy
+        self._store = store
+        self._export = export
+        self._alpha = alpha
+        self._published = -1  # the newest step published
+        self._judged_at = -JUDGE_S  # monotonic time of rank 0's last judgement
+        self._judge: StragglerJudge | None = None
+        self._off = False
+        # Verdicts exported, each with the newest step this rank had ended then (tests, the benchmark).
+        self.said: list[tuple[StragglerVerdict, int]] = []
+
+    def lost_by_rank(self) -> dict[int, float]:
+        """The metric's values: seconds per step the others wait on each rank named slow (rank 0 only)."""
+        judge = self._judge
+        return judge.lost_by_rank() if judge is not None else {}
+
+    def poll(self) -> None:
+        """Publish this rank's new steps; on rank 0, judge. Cheap when no step ended since the last poll."""
+        if self._off:
+            return
+        try:
+            steps = list(self._busy())
+            if not steps or steps[-1][0] <= self._published:
+                return
+            connected = self._store()
+            if connected is None:
+                return
+            store, root = connected
+            info = self._rank_of()
+            if info.world_size <= 1:
+                return
+            prefix = f"{root}straggler/"
+            new = sum(1 for step, _ in steps if step > self._published)
+            record = BusyRecord(info.rank, tuple(steps[-min(MAX_KEPT_STEPS, new + OVERLAP_STEPS):]))
+            store.set(f"{prefix}r/{info.rank}", record.to_json())
+            self._published = steps[-1][0]
+            now = time.monotonic()
+            if info.rank != 0 or now < self._judged_at + JUDGE_S:
+                return
+            self._judged_at = now
+            if self._judge is None:
+                self._judge = StragglerJudge(info.world_size, self._alpha)
+            keys = [f"{prefix}r/{rank}" for rank in range(info.world_size)]
+            if not store.check(keys):  # multi_get would wait for a rank that has not published yet
+                return
+            for value in store.multi_get(keys):
+                found = BusyRecord.from_json(value.decode() if isinstance(value, bytes) else str(value))
+                if found is not None:
+                    self._judge.add(found)
+            verdicts = self._judge.judge()
+        except Exception as error:
+            self._off = True
+            _logger.warning("commdebug-otel: the live straggler verdict is off for this rank (%s: %s)",
+                            type(error).__name__, error)
+            return
+        for verdict in verdicts:
+            _logger.warning("commdebug-otel: straggler verdict: %s", verdict.summary)
+            self.said.append((verdict, self._published))
+            self._export(verdict)
