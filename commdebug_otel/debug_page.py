@@ -158,10 +158,12 @@ def _row(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def answer_line(states: list[dict[str, Any]]) -> str:
-    """The page's first line: a stall verdict a rank formed, else who waits and who does not, else all is well."""
+    """The page's first line: a stall verdict a rank formed, else who waits and who does not, else a live straggler
+    verdict that stands, else all is well."""
     verdicts = [state["verdict"] for state in states if state.get("verdict")]
     if verdicts:
         return f"Stall verdict: {verdicts[-1]}"
+    slow = [state["straggler"] for state in states if state.get("straggler")]
     silent = [state["rank"] for state in states if not state.get("answered", True)]
     if silent:
         return f"{_ranks(silent)} did not answer: stuck holding the GIL, or gone."
@@ -173,6 +175,8 @@ def answer_line(states: list[dict[str, Any]]) -> str:
                   for state in traced if not state["communicating"]]
         return f"{_ranks(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in a collective; not communicating: " \
                f"{', '.join(others)}."
+    if slow:
+        return f"Straggler verdict: {slow[-1]}"
     return "No stall verdict; every answering rank is making progress or waiting together."
 
 

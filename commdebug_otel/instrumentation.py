@@ -25,6 +25,7 @@ from typing import Any
 
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from commdebug_otel import semconv
 from commdebug_otel.capture._torch import in_backward, is_data_worker
 from commdebug_otel.capture.intercept import interceptor
 from commdebug_otel.capture.mode import (
@@ -484,7 +485,8 @@ def debug_state(tracer: CommTracer) -> dict[str, Any]:
     (seconds since the step began or the last ended), ``module`` and ``pass`` (the training thread's innermost
     module call, "" outside any), ``communicating`` (blocked in a collective or a c10d call), ``groups`` (per
     process group: ``group``, ``mesh_dim``, ``issued`` and ``completed`` seq, -1 for none), ``stall`` (the
-    last stall snapshot's place, "" when none) and ``verdict`` (the last stall verdict this rank formed).
+    last stall snapshot's place, "" when none), ``verdict`` (the last stall verdict this rank formed) and
+    ``straggler`` (the live straggler verdict this rank judged, while it names a rank slow; "" otherwise).
     """
     recorder, progress, watch = tracer.recorder, tracer.recorder.progress, tracer._stall_watch
     module, pass_, _ = training_thread_location(recorder.thread_id, tracer._tracker.known_fqn)
@@ -498,7 +500,15 @@ def debug_state(tracer: CommTracer) -> dict[str, Any]:
                    for group, issued, completed, dim in progress.seqs()],
         "stall": watch.last_stall if watch is not None else "",
         "verdict": watch.last_verdict if watch is not None else "",
+        "straggler": _current_straggler(watch),
     }
+
+
+def _current_straggler(watch: Any) -> str:
+    """The last live straggler verdict judged here (rank 0) while it stands (not ``recovered``), else ""."""
+    exchange = getattr(watch, "stragglers", None)
+    said = exchange.said if exchange is not None else []
+    return said[-1][0].summary if said and said[-1][0].kind == semconv.VERDICT_KIND_STRAGGLER else ""
 
 
 class _TeardownWatch:

@@ -137,3 +137,12 @@ def test_a_rank_that_does_not_answer_is_said():
     assert answer_line(states) == "Rank 1 did not answer: stuck holding the GIL, or gone."
     states[1] = {"rank": 1, "tracing": True, "verdict": "rank 1 is stuck in Net.layers.1 forward"}
     assert answer_line(states) == "Stall verdict: rank 1 is stuck in Net.layers.1 forward"
+
+
+def test_a_standing_straggler_verdict_is_the_answer_when_nothing_hangs():
+    slow = "rank 1 is slow since step 30: the other ranks wait 49 ms per step for it"
+    states = [{"rank": 0, "tracing": True, "communicating": False, "module": "", "pass": "", "straggler": slow},
+              {"rank": 1, "tracing": True, "communicating": False, "module": "", "pass": "", "straggler": ""}]
+    assert answer_line(states) == f"Straggler verdict: {slow}"
+    states[1]["verdict"] = "rank 1 is stuck in Net.layers.1 forward"  # a hang comes first
+    assert answer_line(states) == "Stall verdict: rank 1 is stuck in Net.layers.1 forward"

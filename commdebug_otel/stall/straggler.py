@@ -54,6 +54,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from commdebug_otel import semconv
+from commdebug_otel.core.redact import describe
 from commdebug_otel.offline import stragglers
 from commdebug_otel.offline.stragglers import Late
 
@@ -365,8 +366,7 @@ class StragglerExchange:
             verdicts = self._judge.judge()
         except Exception as error:
             self._off = True
-            _logger.warning("commdebug-otel: the live straggler verdict is off for this rank (%s: %s)",
-                            type(error).__name__, error)
+            _logger.warning("commdebug-otel: the live straggler verdict is off for this rank (%s)", describe(error))
             return
         for verdict in verdicts:
             _logger.warning("commdebug-otel: straggler verdict: %s", verdict.summary)
