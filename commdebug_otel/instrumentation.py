@@ -338,28 +338,18 @@ class CommTracer:
                             # Before the process group goes (at exit, when the script never destroyed it).
                             ("backend callbacks", lambda: wait_for_backend_callbacks(
                                 min(self.settings.shutdown_timeout_s, METRICS_DRAIN_S))),
-                            # The metrics worker records what the closed step left, then its thread ends:
-                            # in-memory SDK calls, so a short bound (an SDK that hangs must not double the
-                            # exit budget).
+                            # The metrics worker records what the closed step left, then its thread ends (in-memory
+                            # SDK calls: a short bound, so an SDK that hangs does not double the exit budget).
                             ("metrics", lambda: self._metrics.close(
                                 min(self.settings.shutdown_timeout_s, METRICS_DRAIN_S))),
                             ("removing hooks", self._remove_hooks),
-                            # Flushed, and our providers shut down: no export thread or file of ours
-                            # outlives tracing (a script that joins every thread at its end); the next
-                            # start makes new ones.
-                            ("flush", self._end_telemetry if flush else None),
+                            # Providers shut down: no thread or file of ours outlives tracing (remade at a start).
+                            ("flush", (lambda: _end_telemetry(self.telemetry, self._metrics)) if flush else None),
                             # After the flush (the run folder's name may still read the nonce).
                             ("job's store keys", None if getattr(self, "_at_exit", False) else _leave_job_if_last),
                             # Last: a signal during the flush still flushes and ends the process as before.
                             ("signal handlers", self.telemetry.release_signals if self._exports else None)):
             self._run_step("CommTracer.stop", where, undo)
-
-    def _end_telemetry(self) -> None:
-        end = getattr(self.telemetry, "end", None)
-        if end is None:  # a telemetry of the script's own making (tests): a flush is all it offers
-            self.telemetry.force_flush()
-        elif end():
-            self._metrics.reset()  # its instruments were the ended meter's
 
     def _run_step(self, caller: str, where: str, call: Any) -> None:
         """One step of a teardown sequence: skipped when ``call`` is None; a failure is counted, never raised."""
@@ -376,13 +366,9 @@ class CommTracer:
             self.telemetry.before_shutdown.remove(self._stop_at_exit)
 
     def _before_teardown(self, whole_job: bool) -> None:
-        """Before ``destroy_process_group``: our callbacks off the backend's threads, finished steps exported.
-
-        A rank that hangs or is killed in the group's teardown has delivered them. ``whole_job`` (the default
-        group goes): the signal handlers are given back too, since a teardown that hangs holding the GIL (a
-        destructor joining gloo's threads) runs neither our handler nor our rescue thread, and must end at
-        SIGTERM as without us. Never raises.
-        """
+        """Before ``destroy_process_group``: our callbacks off the backend's threads, finished steps exported (a rank
+        killed in the teardown has delivered them). ``whole_job``: the signal handlers are given back too (a teardown
+        hanging with the GIL held runs neither our handler nor our rescue thread: SIGTERM must end it). Never raises."""
         bound_s = min(self.settings.shutdown_timeout_s, METRICS_DRAIN_S)
         for where, call in (("backend callbacks", lambda: wait_for_backend_callbacks(bound_s)),
                             ("metrics", lambda: self.flush_metrics(bound_s)),
@@ -423,11 +409,9 @@ class CommTracer:
     def flush_metrics(self, timeout_s: float | None = None) -> bool:
         """Record every metric point so far in the SDK's instruments, waiting at most ``timeout_s`` seconds.
 
-        Points reach the SDK on a worker thread at each step end, so a reader
-        collecting mid-run (a test, an in-process check) may see the last step
-        late; a periodic exporter simply sends it next time. :meth:`stop` does
-        this itself. Defaults to ``OTEL_PYTHON_COMMDEBUG_SHUTDOWN_TIMEOUT``.
-        Returns False if the worker did not finish in time; never raises.
+        Points reach the SDK on a worker thread, so a reader collecting mid-run may see the last step late (a
+        periodic exporter sends it next time); :meth:`stop` does this itself. Defaults to
+        ``OTEL_PYTHON_COMMDEBUG_SHUTDOWN_TIMEOUT``. Returns False if the worker did not finish in time; never raises.
         """
         try:
             return self._metrics.drain(self.settings.shutdown_timeout_s if timeout_s is None else timeout_s)
@@ -442,8 +426,7 @@ class CommTracer:
         if traced:
             self._enter_mode()
         elif not in_backward():
-            # Inside backward (optimizer-in-backward) the engine restores this thread's modes
-            # when the pass ends: the next step's opening takes the mode off instead.
+            # Inside backward (optimizer-in-backward) the engine restores the modes: the next step takes it off.
             self._exit_mode()
 
     def _enter_mode(self) -> None:
@@ -464,6 +447,15 @@ class CommTracer:
             self.stop()
         except Exception as error:  # stop() never raises; should it, the script's own exit still wins
             self.recorder.hook_failed("CommTracer.stop", error)
+
+
+def _end_telemetry(telemetry: Any, metrics: Any) -> None:
+    """Flush and end our providers (``Telemetry.end``); the metrics' instruments are remade if the meter ended."""
+    end = getattr(telemetry, "end", None)
+    if end is None:  # a telemetry of the script's own making (tests): a flush is all it offers
+        telemetry.force_flush()
+    elif end():
+        metrics.reset()  # its instruments were the ended meter's
 
 
 def _leave_job_if_last() -> None:

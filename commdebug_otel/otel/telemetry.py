@@ -332,8 +332,7 @@ class Telemetry:
         return provider
 
     def hold_signals(self) -> None:
-        """Flush on SIGTERM, SIGHUP and SIGQUIT, then hand the signal on (``signals.SignalFlush.hold``).
-        Does nothing before our own providers exist (nothing of ours to flush)."""
+        """Flush on SIGTERM, SIGHUP and SIGQUIT, then hand the signal on (``SignalFlush.hold``; not before ours)."""
         self._signals.hold()
 
     def keep_signals(self) -> None:
@@ -343,10 +342,6 @@ class Telemetry:
     def release_signals(self) -> None:
         """Undo :meth:`hold_signals` (main thread only; never raises)."""
         self._signals.release()
-
-    def rescues(self, signum: int) -> bool:
-        """Whether the rescue thread may end the process for ``signum`` now (``SignalFlush.rescues``)."""
-        return self._signals.rescues(signum)
 
     # ------------------------------------------------------------- exporters
     # The exporters' own state (exporters.Exporters), read here by name.
@@ -369,8 +364,7 @@ class Telemetry:
         return self._exporters.run_directory()
 
     def reset_after_fork(self) -> None:
-        """In a forked child: forget the parent's providers (their rank and pid are the parent's), and end the
-        threads the SDK starts again for them, exporting nothing."""
+        """In a forked child: forget the parent's providers (its rank and pid) and end the SDK's restarted threads."""
         silence_inherited(self._own_span_processors, self._own_metric_readers)
         self._own_metric_readers = []
         self._tracer = self._meter = self._tracer_setup = self._dropped = None
@@ -438,15 +432,11 @@ class Telemetry:
                       None if metrics is None else lambda: metrics.shutdown(timeout_millis=timeout_ms))
 
     def end(self) -> bool:
-        """Tracing stopped for now (``CommTracer.stop``): flush and shut our own providers down within the
-        budget (:meth:`force_flush`, then as :meth:`shutdown`), so that their export threads and files are gone,
-        and forget them: the next tracer's first span or point starts new ones, as in a new process (the rank
-        read again, the same run folder, its files appended to; counters start again from zero with a new start
-        time, which OTLP backends read as a reset). A meter provider with a Prometheus pull endpoint stays, and
-        its endpoint serves the last values until exit. Injected providers are left to their owner.
-
-        Returns True if our meter provider ended (instruments made on it are dead: make new ones). Never raises.
-        """
+        """Tracing stopped (``CommTracer.stop``): flush, shut our own providers down within the budget (their threads
+        and files go) and forget them; the next span or point starts new ones as in a new process (rank read again,
+        the same run folder appended to, counters from zero: a reset to OTLP backends). A Prometheus pull endpoint's
+        meter provider stays until exit; injected providers are their owner's. Returns True if our meter provider
+        ended (make new instruments). Never raises."""
         traces = metrics = None
         try:
             self.settle_now()  # spans held for the process group: to our providers, with what is known now
