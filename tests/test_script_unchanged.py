@@ -73,7 +73,8 @@ def test_the_scripts_environment_under_commdebug_otel_run_is_its_own_but_for_pyt
     differ = {name for name in {*seen_plain["environ"], *seen_run["environ"]}
               if seen_plain["environ"].get(name) != seen_run["environ"].get(name)}
     assert differ == {"PYTHONPATH", "OTEL_PYTHON_COMMDEBUG_ENABLED"}
-    assert seen_run["environ"]["PYTHONPATH"] == os.pathsep.join([BOOTSTRAP_DIR, env["PYTHONPATH"]])
+    theirs = [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []  # (none in a fresh venv with the package installed)
+    assert seen_run["environ"]["PYTHONPATH"] == os.pathsep.join([BOOTSTRAP_DIR, *theirs])
     assert seen_run["environ"]["OTEL_PYTHON_COMMDEBUG_ENABLED"] == "true"
     assert (seen_plain["interval_ms"], seen_run["interval_ms"]) == (60000, 5000)
 
