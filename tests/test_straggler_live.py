@@ -14,7 +14,6 @@ import time
 
 import pytest
 import torch
-from torch import nn
 
 from commdebug_otel import semconv
 from commdebug_otel.config import Settings
@@ -30,7 +29,8 @@ from commdebug_otel.stall.straggler import (
     late_from_busy,
 )
 from tests.distributed import run_ranks
-from tests.models import AllReduceLinear, Net
+from tests.models import Net
+from tests.test_stall import Layer  # the same sleeping layer as the stall tests
 
 ONSET = 30  # the slow rank sleeps SLOW_S in Net.layers.1 forward from this step...
 UNTIL = 55  # ...up to this one
@@ -40,18 +40,6 @@ SLOW_S = 0.05
 WORK_S = 0.03  # every rank's own work in each step, in Net.layers.0 forward (its compute)
 STEP_S = 0.01  # between steps (a data loader's)
 DETECT_STEPS = 6  # the verdict names the slow rank within this many steps of the onset
-
-
-class Layer(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = AllReduceLinear(8)
-        self.sleep_s = 0.0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sleep_s:
-            time.sleep(self.sleep_s)
-        return self.proj(x)
 
 
 def _train(rank: int, world_size: int, slow_rank: int, steps: int) -> dict:
