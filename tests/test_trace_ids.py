@@ -204,7 +204,9 @@ def _forked_child_leaves_nothing(rank, world_size):
         kept = store.check([NONCE_KEY]), store.check([f"{NONCE_KEY}/left"])
         dist.barrier()  # both ranks looked before either stops
     dist.barrier()
-    return os.waitstatus_to_exitcode(status), kept, store.check([NONCE_KEY])
+    after = store.check([NONCE_KEY])
+    dist.barrier()  # rank 0 hosts the store: it stays until both have read it
+    return os.waitstatus_to_exitcode(status), kept, after
 
 
 def test_a_forked_child_counts_nothing_for_its_parent():
