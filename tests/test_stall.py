@@ -399,8 +399,9 @@ def test_diagnose_names_the_stuck_rank_its_module_and_the_collective_the_other_w
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     found = json.loads(out.stdout)
-    [stall] = found["stalls"]
-    assert (stall["rank"], stall["step"], stall["module"], stall["pass"]) == (1, STUCK_STEP, "Net.layers.1", "forward")
+    # A loaded machine can hold a rank past the threshold in another step too: that is a stall of its own.
+    [stall] = [stall for stall in found["stalls"] if stall["step"] == STUCK_STEP]
+    assert (stall["rank"], stall["module"], stall["pass"]) == (1, "Net.layers.1", "forward")
     # The rank went on and its step was exported whole: the stall is over, and lasted about STUCK_S.
     assert stall["ended"] is True and STUCK_S <= stall["duration_s"] < job_s, stall  # no wall-clock bound
     assert abs(stall["duration_s"] - stall["age_s"] - stall["ended_after_s"]) < 0.01

@@ -128,7 +128,7 @@ def _store_keys_per_session(rank, world_size):
             during = store.num_keys()
         dist.barrier()  # every rank stopped: the last one out has deleted the keys
         sessions.append((nonce, during - before, store.num_keys() - before, store.check([NONCE_KEY])))
-    dist.barrier()  # rank 0 hosts the store: it stays until every rank has counted
+        dist.barrier()  # every rank counted before the next session writes its nonce (rank 0 hosts the store)
     return sessions
 
 
