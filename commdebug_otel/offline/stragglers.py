@@ -60,7 +60,7 @@ from commdebug_otel.offline.model import (
 )
 
 __all__ = ["ALPHA", "BETWEEN_STEPS", "MIN_STEPS_LATE", "NOISE_FLOOR_S", "NOISE_MADS", "TRAIN_STEP", "UNATTRIBUTED",
-           "Late", "RankTimes", "Timeline", "find", "format_lines", "judge", "late_records", "lateness_rows",
+           "Late", "RankTimes", "Timeline", "blame", "find", "format_lines", "judge", "late_records", "lateness_rows",
            "rank_times", "row_text", "span_label"]
 
 #: Resolution: a collective held back less than this (seconds) is not recorded, nor a place with less extra time.
@@ -248,7 +248,7 @@ def _latest_other(times: _Latest, rank: int) -> int:
     return second_time if first == rank else first_time
 
 
-def _blame(late: dict[Label, int], others: list[dict[Label, int]]) -> tuple[Label, int, int]:
+def blame(late: dict[Label, int], others: list[dict[Label, int]]) -> tuple[Label, int, int]:
     """The label where ``late`` spent most more time than the others' median, that excess, and the
     excesses summed over every label where it spent more (ns)."""
     labels = set(late).union(*others)
@@ -306,7 +306,7 @@ def late_records(times: dict[int, RankTimes], warmup: int | None, noise_floor_s:
         late = issued[last] - max(others)
         if late < floor_ns:
             continue
-        (module, pass_), excess, extra = _blame(
+        (module, pass_), excess, extra = blame(
             self_times(last, members[last], step),
             [self_times(rank, i, step) for rank, i in members.items() if rank != last])
         # Lateness it carried from its previous collective was counted there; unless it spent more time
