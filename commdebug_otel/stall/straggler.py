@@ -318,7 +318,7 @@ class StragglerJudge:
                 if late >= max(stragglers.MIN_STEPS_LATE, PERSISTENT_SHARE * steps):  # persistent: a fail-slow
                     self._named[rank] = row
                     row["episode_lost_s"] = _episode_lost_s(records, rank, since, row["noise_cut_s"])
-                    place = self._place(rank, window, records, floor_s)
+                    place = self._place(rank, since, window, records, floor_s)
                     if place is not None:
                         self._placed[rank] = place
                     out.append(self._verdict(KIND_STRAGGLER, newest, rank, row, since))
@@ -329,7 +329,7 @@ class StragglerJudge:
                 self._lost[rank] = self._named[rank]["episode_lost_s"]
         for rank in sorted(self._named):  # traced steps came since it was named: where it is slow is a change
             if rank not in self._placed:
-                place = self._place(rank, window, records, floor_s)
+                place = self._place(rank, self._onsets[rank], window, records, floor_s)
                 if place is not None:
                     self._placed[rank] = place
                     out.append(self._verdict(KIND_STRAGGLER, newest, rank, self._named[rank], self._onsets[rank]))
@@ -359,13 +359,15 @@ class StragglerJudge:
             self._places = {step: times for step, times in self._places.items() if step > newest}
         return out
 
-    def _place(self, rank: int, window: Mapping[int, Mapping[int, int]], records: list[Late],
+    def _place(self, rank: int, since: int, window: Mapping[int, Mapping[int, int]], records: list[Late],
                floor_s: float) -> tuple[str, str] | None:
         """Where ``rank`` is slow: the offline test (:func:`~commdebug_otel.offline.stragglers.judge`) over the
-        steps of ``window`` every rank traced, each late record at its place (:func:`placed_records`); its
-        first row of ``rank``, else None (too few traced steps, or no place beyond the noise)."""
+        steps of ``window`` from its episode's first late step ``since`` that every rank traced, each late
+        record at its place (:func:`placed_records`); its first row of ``rank``, else None (too few such
+        steps, or no place beyond the noise). Steps before the episode are left out: the busy test found the
+        rank slow since then, the question here is where, and a noisy past would only hide the answer."""
         traced = {step: times for step, times in self._places.items()
-                  if step in window and len(times) >= self.world_size}
+                  if step >= since and step in window and len(times) >= self.world_size}
         if len(traced) < stragglers.MIN_STEPS_LATE:
             return None
         placed = placed_records([record for record in records if record.step in traced], traced)
