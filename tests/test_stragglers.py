@@ -125,3 +125,22 @@ def test_a_pipeline_stage_that_sends_late_is_the_straggler_where_it_spent_the_ti
 def test_a_pipeline_whose_sends_meet_posted_recvs_has_no_straggler():
     answer = stragglers.find(_pipeline_steps(slow_ms=0))
     assert answer["lateness"] == [] and answer["stragglers"] == [] and answer["steps"] == [1, 2, 3, 4, 5]
+
+
+def test_a_recv_posted_in_the_step_before_waits_out_the_pipelines_fill_not_a_straggler():
+    # Stage 1 ends each step at 90 ms and posts its recv of the next step's data in that step's train_step_tail;
+    # stage 0 sends it 21 ms later, after its optimizer step and its next forward: the fill, every step.
+    spans = [span(1, "outside_step", "o", "", 0, 11 * MS, [_p2p(semconv.RECV, 0, 11, 11)], world_size=2)]
+    for step in range(6):
+        t0 = step * 100
+        spans += [
+            span(0, "train_step", f"s{step}", "", t0 * MS, (t0 + 100) * MS, [_p2p(semconv.SEND, 1, t0 + 11)],
+                 world_size=2, **{semconv.STEP: step}),
+            span(0, "M.l0 forward", f"a{step}", f"s{step}", (t0 + 1) * MS, (t0 + 11) * MS, world_size=2,
+                 **{semconv.MODULE_FQN: "M.l0", semconv.MODULE_PASS: "forward"}),
+            span(1, "train_step", f"s{step}", "", t0 * MS, (t0 + 90) * MS, world_size=2, **{semconv.STEP: step}),
+            span(1, "train_step_tail", f"t{step}", f"s{step}", (t0 + 90) * MS, (t0 + 111) * MS,
+                 [_p2p(semconv.RECV, 0, t0 + 111, 21)], world_size=2, **{semconv.STEP: step}),
+        ]
+    answer = stragglers.find(spans)
+    assert answer["lateness"] == [] and answer["stragglers"] == []
