@@ -329,3 +329,46 @@ def test_traced_steps_keep_no_self_times_while_the_verdict_is_off(telemetry, tra
             model(torch.ones(2, 4)).sum().backward()
             optimizer.step()
         assert list(tracer.recorder.progress.places) == []
+
+
+class _Store:
+    """The few c10d store calls the exchange makes, on a dict."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, str] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.values[key] = value
+
+    def get(self, key: str) -> bytes:
+        return self.values[key].encode()
+
+    def check(self, keys: list[str]) -> bool:
+        return all(key in self.values for key in keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.get(key) for key in keys]
+
+
+def test_rank_0_asks_for_steps_traced_a_few_times_in_a_row_and_the_others_read_the_request(monkeypatch):
+    # Rank 1 is slow from step 40 and no rank ever traces a step (its spans go nowhere): rank 0 asks for 4 steps
+    # at a time, 3 times in a row, then no more while the suspicion stays open.
+    from types import SimpleNamespace
+
+    import commdebug_otel.stall.straggler as straggler
+
+    monkeypatch.setattr(straggler, "JUDGE_S", 0.0)
+    store = _Store()
+    busy: dict[int, list] = {0: [], 1: []}
+    asked: dict[int, list] = {0: [], 1: []}
+    exchanges = {rank: straggler.StragglerExchange(
+        lambda rank=rank: SimpleNamespace(rank=rank, world_size=2), lambda rank=rank: busy[rank],
+        lambda: (store, "root/"), lambda verdict: None, trace=asked[rank].append) for rank in (1, 0)}
+    for step in range(WARMUP_STEPS, 70):
+        for rank in (1, 0):  # rank 1 publishes first: rank 0 judges the step complete
+            busy[rank].append((step, _busy(range(step, step + 1), {1: 30_000_000} if step >= 40 else {})[step][rank]))
+            exchanges[rank].poll()
+    # Suspicion at step 41 (late in 40 and 41): 43-46 asked then, 48-51 once step 46 ended, 53-56 after 51.
+    assert asked[0] == [(43, 46), (48, 51), (53, 56)]
+    assert asked[1] == asked[0]  # each read at rank 1's next poll, before the steps it names
+    assert store.values["root/straggler/trace"] == "53,56"

@@ -20,7 +20,9 @@ rank traced, each late record is put at the (module, pass) where its rank spent 
 ranks' median (:func:`~commdebug_otel.offline.stragglers.blame`, the offline choice), and the same test names
 the place (:meth:`StragglerJudge._place`). At the default 1-in-100 tracing such steps are rare, so while a
 suspicion is open (a rank late in :data:`SUSPECT_STEPS` of the last steps, or named with no place yet) rank 0
-asks every rank to trace the next :data:`TRACE_STEPS` steps: it sets the key ``trace`` to ``"first,last"``;
+asks every rank to trace the next :data:`TRACE_STEPS` steps (at most :data:`MAX_TRACE_REQUESTS` times in a row
+while the suspicion stays open, so a rank whose spans go nowhere costs the others no endless tracing): it sets
+the key ``trace`` to ``"first,last"``;
 each rank reads it at a poll (at most every :data:`JUDGE_S` s) and its training thread traces those steps
 as they open (one tuple read per step, nothing per module call). The place comes with the verdict, or in a
 second ``straggler`` verdict once at least ``MIN_STEPS_LATE`` such steps are judged.
@@ -89,6 +91,7 @@ PERSISTENT_SHARE = 0.75  # named only when late in this share of the steps judge
 TRACE_STEPS = 4  # steps traced per request while a suspicion is open (a rank late twice of late, or unplaced)
 SUSPECT_STEPS = 2  # a rank busy-late in this many of the last ONSET_GAP_STEPS steps opens a suspicion
 MAX_PLACES = 32  # (module, pass) self times published per traced step at most, the largest
+MAX_TRACE_REQUESTS = 3  # requests in a row while one suspicion stays open (a rank never traced: TRACE_RANKS)
 KIND_STRAGGLER = semconv.VERDICT_KIND_STRAGGLER
 KIND_RECOVERED = semconv.VERDICT_KIND_RECOVERED
 
@@ -429,6 +432,7 @@ class StragglerExchange:
         self._read_at = -JUDGE_S  # monotonic time this rank last read the trace request
         self._request = ""  # the trace request last read or made
         self._requested = (0, -1)  # rank 0: the steps it last asked to be traced
+        self._requests = 0  # rank 0: requests made since the judge last wanted none
         self._judge: StragglerJudge | None = None
         self._off = False
         # Verdicts exported, each with the newest step this rank had ended then (tests, the benchmark).
@@ -480,8 +484,11 @@ class StragglerExchange:
                 if found is not None:
                     self._judge.add(found)
             verdicts = self._judge.judge()
-            if self._judge.trace_wanted and self._published >= self._requested[1]:
+            if not self._judge.trace_wanted:
+                self._requests = 0
+            elif self._published >= self._requested[1] and self._requests < MAX_TRACE_REQUESTS:
                 # The next steps traced on every rank: each reads this at its next poll, before they begin.
+                self._requests += 1
                 self._requested = (self._published + 2, self._published + 1 + TRACE_STEPS)
                 self._request = f"{self._requested[0]},{self._requested[1]}"
                 store.set(f"{prefix}trace", self._request)
