@@ -120,7 +120,8 @@ def test_a_rank_slow_from_a_step_is_named_within_six_steps_and_said_recovered_af
         assert attrs[semconv.VERDICT_BEHIND_RANKS] == [slow_rank]
         # The onset: a late step of the slow rank up to ONSET_GAP_STEPS before it may be noise counted in.
         assert ONSET - ONSET_GAP_STEPS < attrs[semconv.VERDICT_SINCE_STEP] <= ONSET
-        assert 0.045 <= attrs[semconv.VERDICT_LOST] < 2 * SLOW_S, attrs
+        # The others' busy time rises on the steps traced on rank 0's request: up to a few ms less per late step.
+        assert 0.8 * SLOW_S <= attrs[semconv.VERDICT_LOST] < 2 * SLOW_S, attrs
         assert 3 <= attrs[semconv.VERDICT_STEPS_LATE] <= attrs[semconv.VERDICT_STEPS_SEEN]
     since = named[semconv.VERDICT_SINCE_STEP]
     assert named[semconv.VERDICT_SINCE_STEP] == recovered[semconv.VERDICT_SINCE_STEP]
