@@ -15,11 +15,15 @@ training the demo transformer (``commdebug_otel._demo_model``, hand-written atte
   (its ``stragglers`` key: the significant (rank, module, pass) rows): ``healthy`` (no fault),
   ``fwd`` (every step, :data:`SLOW_S` in ``layers.1.feed_forward`` forward), ``bwd`` (every step, in
   ``layers.0.attention`` backward), ``intermittent`` (:data:`INTERMITTENT_S` in that forward module in
-  :data:`INTERMITTENT_STEPS` only) and ``failslow`` (the forward fault from step ``STEPS // 2`` on). Top-1
+  :data:`INTERMITTENT_STEPS` only) and ``failslow`` (the forward fault from step :data:`FAILSLOW_ONSET` of
+  :data:`FAILSLOW_STEPS` on). Top-1
   is right when the first row is the injected (rank, module, pass); a healthy run's every row is a
-  false blame; a fault run's rows other than the injected one are counted as extra rows. Where a
-  ``straggler_verdict`` span (the live fail-slow verdict) exists it is read too: whether its first
-  ``straggler`` verdict names the slow rank, and steps from the onset to it ("n/a" when no such span);
+  false blame; a fault run's rows other than the injected one are counted as extra rows. The live
+  fail-slow verdict is on (``OTEL_PYTHON_COMMDEBUG_STRAGGLER=on``) and its ``straggler_verdict`` spans are
+  read too: whether its first ``straggler`` verdict names the slow rank, steps from the onset to it, and
+  whether the first verdict naming a module names the injected (module, pass), with its steps from the onset
+  ("n/a" for runs shorter than the verdict's warm-up and window, 24 steps: of the straggler scenarios only
+  ``failslow`` runs as many; ``tests/test_straggler_live.py`` holds healthy runs beside a busy core to it);
 * hang faults, answered live by the ``stall_verdict`` span (``STALL_AFTER`` = :data:`STALL_AFTER_S`):
   ``hang_module`` (sleeps :data:`STUCK_S` in ``layers.1.feed_forward`` forward at :data:`STUCK_STEP`),
   ``hang_between`` (before that step's forward), ``hang_behind`` (after its backward, before the
@@ -60,6 +64,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 
 STEPS = 16  # per straggler run; the first traced step is warm-up (left out by the model)
+# failslow: the live verdict judges after its warm-up (8 steps) once 16 steps are in its window: the onset after.
+FAILSLOW_ONSET = 26
+FAILSLOW_STEPS = 36
 SLOW_S = 0.05  # the persistent straggler's sleep per step
 INTERMITTENT_S = 0.15
 INTERMITTENT_STEPS = (4, 8, 11, 14)
@@ -71,6 +78,7 @@ STUCK_S = 10.0  # a stuck rank's sleep: the verdict comes well before it ends
 PG_TIMEOUT_S = 14  # gloo gives up on a collective that never completes (desync, a dead peer) after this
 RUN_DEADLINE_S = 150.0  # one run, start-up on a loaded machine included
 TARGET_TOP1 = 0.95
+TARGET_LIVE_STEPS = 6  # a fail-slow named live within this many steps of its onset
 
 STRAGGLER_FAULTS = ("healthy", "fwd", "bwd", "intermittent", "failslow")
 HANG_FAULTS = ("hang_module", "hang_between", "hang_behind", "hang_subgroup", "desync", "dead")
@@ -108,7 +116,11 @@ class Scenario:
 
     @property
     def onset(self) -> int:
-        return STEPS // 2 if self.fault == "failslow" else 0
+        return FAILSLOW_ONSET if self.fault == "failslow" else 0
+
+    @property
+    def steps(self) -> int:
+        return HANG_STEPS if self.fault in HANG_FAULTS else FAILSLOW_STEPS if self.fault == "failslow" else STEPS
 
 
 def matrix(quick: bool) -> list[Scenario]:
@@ -247,7 +259,7 @@ def rank_main(spec: dict[str, Any]) -> None:
             schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=_loss)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
         pair = dist.new_group([2, 3]) if fault == "hang_subgroup" else None  # every rank makes it
-        steps = HANG_STEPS if fault in HANG_FAULTS else STEPS
+        steps = scenario.steps
         with CommTracer() as tracer:
             if fault == "dead":
                 # A rank gone before its watchdog's first look is "unknown" (documented): let it look first.
@@ -307,6 +319,8 @@ def _rank_env(scenario: Scenario, rank: int, port: int, trace_dir: str) -> dict[
                OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR=trace_dir, OTEL_PYTHON_COMMDEBUG_TRACE_EVERY="1",
                OTEL_METRIC_EXPORT_INTERVAL="60000", OTEL_PYTHON_COMMDEBUG_STALL_AFTER=(
                    str(STALL_AFTER_S) if scenario.fault in HANG_FAULTS else "auto"))
+    if scenario.fault not in HANG_FAULTS:  # the live fail-slow verdict, read from its straggler_verdict spans
+        env["OTEL_PYTHON_COMMDEBUG_STRAGGLER"] = "on"
     return env
 
 
@@ -407,9 +421,29 @@ def _straggler_answer(scenario: Scenario, trace_dir: str) -> dict[str, Any]:
             first = named[0]["attributes"]
             result["live_rank_right"] = list(first.get("commdebug.verdict.behind_ranks", [])) == [scenario.rank]
             result["live_steps"] = first.get(semconv.STEP, 0) - scenario.onset
+            # Where: the first verdict that names a module (with the rank, or in a second verdict).
+            placed = [span["attributes"] for span in named if span["attributes"].get(semconv.VERDICT_MODULE)]
+            result["live_place_right"] = bool(placed) and _same(
+                (next(iter(placed[0][semconv.VERDICT_BEHIND_RANKS])), placed[0][semconv.VERDICT_MODULE],
+                 placed[0][semconv.VERDICT_PASS]), expected)
+            if placed:
+                result["live_place"] = [placed[0][semconv.VERDICT_MODULE], placed[0][semconv.VERDICT_PASS]]
+                result["live_place_steps"] = placed[0].get(semconv.STEP, 0) - scenario.onset
+        else:
+            result["live_rank_right"] = False
+    elif scenario.steps >= _live_first_step():  # a run too short for the live verdict reports "n/a"
+        if expected is None:
+            result["live_false"] = 0
         else:
             result["live_rank_right"] = False
     return result
+
+
+def _live_first_step() -> int:
+    """The first step the live verdict can name a rank at: its warm-up, then a full window."""
+    from commdebug_otel.stall import straggler
+
+    return straggler.WARMUP_STEPS + straggler.MIN_STEPS_JUDGED
 
 
 def _same(row: tuple[int, str, str], expected: tuple[int, str, str]) -> bool:
@@ -479,22 +513,31 @@ def table_rows(results: list[dict[str, Any]]) -> list[dict[str, str]]:
             steps = [run["live_steps"] for run in answered if run.get("live_rank_right")]
             live_seen = [run for run in answered if "live_rank_right" in run]
             extra = [run["extra_rows"] for run in answered]
+            placed = [run for run in live_seen if "live_place_right" in run]
+            where = ""
+            if placed:
+                place_steps = [run["live_place_steps"] for run in placed if run["live_place_right"]]
+                where = f"; module and pass right {len(place_steps)}/{len(placed)}" + (
+                    f", median {statistics.median(place_steps)} steps" if place_steps else "")
             row.update(answer=_pct(sum(run["top1"] for run in answered), len(runs)),
                        detail=f"{sum(extra) / max(1, len(extra)):.2f} extra rows/run{_wrong(answered)}",
-                       live=(f"{len(steps)}/{len(live_seen)} named, median {statistics.median(steps)} steps"
+                       live=(f"{len(steps)}/{len(live_seen)} named, median {statistics.median(steps)} steps{where}"
                              if steps else (f"0/{len(live_seen)} named" if live_seen else "n/a")))
         rows.append(row)
     return rows
 
 
 def targets(results: list[dict[str, Any]]) -> list[tuple[str, str, bool]]:
-    """The three targets over every run: (what, measured, met). A run without an answer is a miss."""
+    """The four targets over every run: (what, measured, met). A run without an answer is a miss."""
     faults = [run for run in results if run["scenario"].split("/")[0] not in ("healthy", *HANG_FAULTS)]
     healthy = [run for run in results if run["scenario"].startswith("healthy/") and "error" not in run]
     hangs = [run for run in results if run["scenario"].split("/")[0] in HANG_FAULTS]
     hits = sum(run.get("top1", False) for run in faults)
     blamed = sum(run["false_blames"] for run in healthy)
     right = sum(run.get("hang_right", False) for run in hangs)
+    failslow = [run for run in results if run["scenario"].startswith("failslow/")]
+    live = sum(run.get("live_rank_right", False) and run.get("live_steps", TARGET_LIVE_STEPS + 1) <= TARGET_LIVE_STEPS
+               for run in failslow)
     return [
         (f"straggler top-1 over all fault runs >= {TARGET_TOP1:.0%}", _pct(hits, len(faults)),
          bool(faults) and hits / len(faults) >= TARGET_TOP1),
@@ -502,6 +545,8 @@ def targets(results: list[dict[str, Any]]) -> list[tuple[str, str, bool]]:
          f"{sum(run['false_blames'] > 0 for run in healthy)}/{len(healthy)} ({blamed} row{'' if blamed == 1 else 's'})",
          bool(healthy) and blamed == 0),
         ("hang verdicts right: all", _pct(right, len(hangs)), bool(hangs) and right == len(hangs)),
+        (f"fail-slows named live within {TARGET_LIVE_STEPS} steps of the onset: all", _pct(live, len(failslow)),
+         bool(failslow) and live == len(failslow)),
     ]
 
 

@@ -390,8 +390,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("straggler", "STRAGGLER", parse_bool, False, BOOL_ACCEPTED,
            "The live straggler verdict: rank 0 names a rank that becomes persistently slow, from every step's "
            "busy time (wall time less collective waits), with the offline straggler model's significance test; a "
-           "`straggler_verdict` span, one stderr line per change and the commdebug.straggler.lost metric. The "
-           "ranks exchange under 200 bytes per step each through the job's c10d store, on the watchdog thread, "
+           "`straggler_verdict` span, one stderr line per change and the commdebug.straggler.lost metric; the module "
+           "and pass where traced steps show it (while a suspicion is open, rank 0 asks for the next 4 steps "
+           "traced, at most 3 times in a row). The ranks exchange under 200 bytes per step each (and traced "
+           "steps' module times) through the job's c10d store, on the watchdog thread, "
            "never a collective (docs/diagnosis.md). Runs with the exporting ranks' watchdog, also when "
            "STALL_AFTER is off. Off by default until its cost on healthy steps is shown within the always-on "
            "budget (docs/performance.md)."),

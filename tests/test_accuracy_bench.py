@@ -41,6 +41,10 @@ def test_the_table_counts_each_kind_of_answer(accuracy, capsys):
         {"scenario": "fwd/tp/2r/quiet", "top1": True, "extra_rows": 0, "live_rank_right": True, "live_steps": 3},
         {"scenario": "fwd/tp/2r/quiet", "top1": False, "extra_rows": 1},
         {"scenario": "fwd/tp/2r/quiet", "error": "RuntimeError: x"},
+        {"scenario": "failslow/tp/2r/quiet", "top1": True, "extra_rows": 0, "live_rank_right": True,
+         "live_steps": 2, "live_place_right": True, "live_place_steps": 2},
+        {"scenario": "failslow/tp/2r/quiet", "top1": True, "extra_rows": 0, "live_rank_right": True,
+         "live_steps": 9, "live_place_right": False},
         {"scenario": "hang_module/tp/2r/quiet", "hang_right": True, "rank_right": True, "kind_right": True,
          "latency_s": 0.5},
         {"scenario": "hang_module/tp/2r/quiet", "hang_right": False, "rank_right": True, "kind_right": False,
@@ -51,13 +55,17 @@ def test_the_table_counts_each_kind_of_answer(accuracy, capsys):
          "detail": "1.00 false blames/run", "live": "n/a"},
         {"scenario": "fwd/tp/2r/quiet", "runs": "3", "errors": "1", "answer": "1/3 (33%)",
          "detail": "0.50 extra rows/run", "live": "1/1 named, median 3 steps"},
+        {"scenario": "failslow/tp/2r/quiet", "runs": "2", "errors": "0", "answer": "2/2 (100%)",
+         "detail": "0.00 extra rows/run",
+         "live": "2/2 named, median 5.5 steps; module and pass right 1/2, median 2 steps"},
         {"scenario": "hang_module/tp/2r/quiet", "runs": "2", "errors": "0", "answer": "1/2 (50%)",
          "detail": "rank 2/2, kind 1/2", "live": "1.0 s (max 1.5)"},
     ]
     accuracy.print_table(results)
     out = capsys.readouterr().out
-    assert out.splitlines()[-3:] == [
-        "straggler top-1 over all fault runs >= 95%: 1/3 (33%): FAIL",
+    assert out.splitlines()[-4:] == [
+        "straggler top-1 over all fault runs >= 95%: 3/5 (60%): FAIL",
         "healthy runs with a false blame: none: 1/2 (2 rows): FAIL",
         "hang verdicts right: all: 1/2 (50%): FAIL",
+        "fail-slows named live within 6 steps of the onset: all: 1/2 (50%): FAIL",
     ]

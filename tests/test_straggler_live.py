@@ -20,6 +20,7 @@ from commdebug_otel.config import Settings
 from commdebug_otel.offline import stragglers
 from commdebug_otel.offline.otlp_json import metrics_from_otlp_json, spans_from_otlp_json
 from commdebug_otel.stall.straggler import (
+    MAX_PLACES,
     MIN_STEPS_JUDGED,
     ONSET_GAP_STEPS,
     RECOVER_STEPS,
@@ -27,6 +28,8 @@ from commdebug_otel.stall.straggler import (
     BusyRecord,
     StragglerJudge,
     late_from_busy,
+    placed_records,
+    top_places,
 )
 from tests.distributed import run_ranks
 from tests.models import Net
@@ -40,6 +43,7 @@ SLOW_S = 0.05
 WORK_S = 0.03  # every rank's own work in each step, in Net.layers.0 forward (its compute)
 STEP_S = 0.01  # between steps (a data loader's)
 DETECT_STEPS = 6  # the verdict names the slow rank within this many steps of the onset
+PLACE_STEPS = 6  # ...and its module within this many more (the steps traced on request, then judged)
 
 
 def _train(rank: int, world_size: int, slow_rank: int, steps: int) -> dict:
@@ -101,31 +105,43 @@ def test_a_rank_slow_from_a_step_is_named_within_six_steps_and_said_recovered_af
     slow_rank = world_size - 1
     results, verdicts, points = _run(tmp_path, world_size, slow_rank, STEPS)
     assert {span["file"] for span in verdicts} == {"traces-rank0.jsonl"}  # exported by one rank
-    named, recovered = [span["attributes"] for span in verdicts]
-    assert named[semconv.VERDICT_KIND] == "straggler" and recovered[semconv.VERDICT_KIND] == "recovered"
-    for attrs in (named, recovered):
+    # Named from busy times; where it is slow comes with it, or in a second verdict once the steps traced on
+    # rank 0's request (1 in 100 traced otherwise) show it.
+    *changes, recovered = [span["attributes"] for span in verdicts]
+    named, placed = changes[0], changes[-1]
+    assert [attrs[semconv.VERDICT_KIND] for attrs in changes] == ["straggler"] * len(changes) and len(changes) <= 2
+    assert recovered[semconv.VERDICT_KIND] == "recovered"
+    if len(changes) == 2:
+        assert named[semconv.VERDICT_MODULE] == "" and named[semconv.VERDICT_PASS] == ""
+    for attrs in (placed, recovered):
+        assert attrs[semconv.VERDICT_MODULE] == "Net.layers.1" and attrs[semconv.VERDICT_PASS] == "forward", attrs
+    assert ONSET <= placed[semconv.STEP] <= ONSET + DETECT_STEPS + PLACE_STEPS, placed
+    for attrs in (*changes, recovered):
         assert attrs[semconv.VERDICT_BEHIND_RANKS] == [slow_rank]
-        assert attrs[semconv.VERDICT_MODULE] == "" and attrs[semconv.VERDICT_PASS] == ""
         # The onset: a late step of the slow rank up to ONSET_GAP_STEPS before it may be noise counted in.
         assert ONSET - ONSET_GAP_STEPS < attrs[semconv.VERDICT_SINCE_STEP] <= ONSET
-        assert 0.045 <= attrs[semconv.VERDICT_LOST] < 2 * SLOW_S, attrs
+        # The others' busy time rises on the steps traced on rank 0's request: up to a few ms less per late step.
+        assert 0.8 * SLOW_S <= attrs[semconv.VERDICT_LOST] < 2 * SLOW_S, attrs
         assert 3 <= attrs[semconv.VERDICT_STEPS_LATE] <= attrs[semconv.VERDICT_STEPS_SEEN]
     since = named[semconv.VERDICT_SINCE_STEP]
     assert named[semconv.VERDICT_SINCE_STEP] == recovered[semconv.VERDICT_SINCE_STEP]
     step = named[semconv.STEP]
     assert ONSET <= step <= ONSET + DETECT_STEPS, named  # the newest step judged: the deciding step
     assert UNTIL < recovered[semconv.STEP] <= UNTIL + RECOVER_STEPS + DETECT_STEPS, recovered
+    where = " in Net.layers.1 forward" if len(changes) == 1 else ""
     assert named[semconv.VERDICT_SUMMARY].startswith(
-        f"rank {slow_rank} is slow since step {since}: the other ranks wait ")
+        f"rank {slow_rank} is slow{where} since step {since}: the other ranks wait ")
     assert named[semconv.VERDICT_SUMMARY].endswith(f"; step {step}")
+    assert placed[semconv.VERDICT_SUMMARY].startswith(
+        f"rank {slow_rank} is slow in Net.layers.1 forward since step {since}: the other ranks wait ")
     assert recovered[semconv.VERDICT_SUMMARY].startswith(
-        f"rank {slow_rank} is no longer slow: the test finds it no more over the last {RECOVER_STEPS} steps "
-        f"(it was since step {since}, ")
+        f"rank {slow_rank} is no longer slow in Net.layers.1 forward: the test finds it no more over the last "
+        f"{RECOVER_STEPS} steps (it was since step {since}, ")
     # One stderr line per change, on the judging rank only.
     assert results[0]["lines"] == [f"commdebug-otel: straggler verdict: {span['attributes'][semconv.VERDICT_SUMMARY]}"
                                    for span in verdicts]
     assert all(result["lines"] == [] for result in results[1:])
-    [(_, _, named_at), (_, _, _)] = results[0]["said"]
+    [(_, _, named_at), *_] = results[0]["said"]
     assert named_at - ONSET <= DETECT_STEPS + 2  # rank 0's own step then (the others may run a step ahead)
     # The metric: the seconds per step the others wait on the slow rank while named, 0 once recovered.
     by_rank = {point["attributes"][semconv.RANK] for point in points}
@@ -222,3 +238,138 @@ def test_one_rank_recovering_leaves_another_named_until_its_own_recovery():
             judge.add(BusyRecord(rank, ((step, busy_ns),)))
         said += [(verdict.kind, verdict.behind) for verdict in judge.judge()]
     assert said == [("straggler", (1,)), ("straggler", (2,)), ("recovered", (1,)), ("recovered", (2,))]
+
+
+def _places(step: int, slow: dict[int, int], world_size: int = 2) -> dict[int, dict[tuple[str, str], int]]:
+    """One traced step's self times: every rank 5 ms (and a few µs) in ``M.a`` forward, 40 ms in ``M.b``
+    forward, 1 ms outside modules; a slow rank ``slow[rank]`` ns more in ``M.a`` forward, and the others as much
+    more in ``M.b`` forward (where they wait for it)."""
+    waited = max(slow.values(), default=0)
+    return {rank: {("M.a", "forward"): 5_000_000 + slow.get(rank, 0) + (step + rank) % 7 * 1000,
+                   ("M.b", "forward"): 40_000_000 + (0 if rank in slow else waited),
+                   (stragglers.TRAIN_STEP, ""): 1_000_000}
+            for rank in range(world_size)}
+
+
+def test_the_judge_names_the_module_once_enough_steps_every_rank_traced_show_it():
+    judge = StragglerJudge(2)
+    said = []
+    wanted = []
+    traced = {44, 45, 46}  # the steps traced on rank 0's request (the first suspicion at 41)
+    for step in range(WARMUP_STEPS, 60):
+        slow = {1: 30_000_000} if step >= 40 else {}
+        places = _places(step, slow)
+        for rank, busy_ns in _busy(range(step, step + 1), slow)[step].items():
+            labels = tuple((module, pass_, ns) for (module, pass_), ns in places[rank].items())
+            judge.add(BusyRecord(rank, ((step, busy_ns),), ((step, labels),) if step in traced else ()))
+        said += [(verdict.kind, verdict.step, verdict.behind, verdict.module, verdict.pass_)
+                 for verdict in judge.judge()]
+        wanted.append((step, judge.trace_wanted))
+    # Named from busy times at 43 (no step traced yet), placed once 3 traced steps are judged (46).
+    assert said == [("straggler", 43, (1,), "", ""), ("straggler", 46, (1,), "M.a", "forward")]
+    # A suspicion from the second late step (41) until the place is known.
+    assert [step for step, want in wanted if want] == list(range(41, 46))
+
+
+def test_placed_records_put_each_late_step_where_its_rank_spent_most_over_the_others():
+    records = [stragglers.Late(1, 10, stragglers.TRAIN_STEP, "", 30_000_000, 30_000_000, 30_000_000),
+               stragglers.Late(0, 11, stragglers.TRAIN_STEP, "", 2_000_000, 2_000_000, 2_000_000)]
+    places = {10: _places(10, {1: 30_000_000})}  # step 11 was not traced: left out
+    assert placed_records(records, places) == [
+        stragglers.Late(1, 10, "M.a", "forward", 30_000_000, 30_000_000, 30_000_000 + 1000)]
+
+
+def test_a_record_with_places_round_trips_and_keeps_the_largest_places():
+    times = {(f"M.l{i}", "forward"): i * 1_000_000 for i in range(MAX_PLACES + 5)}
+    top = top_places(times)
+    assert len(top) == MAX_PLACES and top[0] == (f"M.l{MAX_PLACES + 4}", "forward", (MAX_PLACES + 4) * 1_000_000)
+    record = BusyRecord(1, ((7, 2_000_000),), ((7, (("M.a", "backward", 1_234_567),)),))
+    assert json.loads(record.to_json())["places"] == [[7, [["M.a", "backward", 1234]]]]
+    assert BusyRecord.from_json(record.to_json()) == BusyRecord(
+        1, ((7, 2_000_000),), ((7, (("M.a", "backward", 1_234_000),)),))
+
+
+def test_steps_asked_for_are_traced_and_each_traced_step_keeps_its_module_self_times(telemetry, tracer_factory):
+    from torch import nn
+
+    class Sleepy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.02)
+            return self.lin(x)
+
+    model = nn.Sequential(Sleepy(), nn.Linear(4, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    tracer = tracer_factory(trace_every=100, straggler=True)
+    with tracer:
+        progress = tracer.recorder.progress
+        for step in range(8):
+            if step == 2:
+                progress.trace_steps = (4, 5)  # as the watchdog thread sets it on rank 0's request
+            model(torch.ones(2, 4)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        places = list(progress.places)
+    steps = sorted(span.attributes[semconv.STEP] for span in telemetry.spans() if span.name == "train_step")
+    assert steps == [0, 4, 5] == [step for step, _ in places]
+    for _, times in places:
+        assert set(times) >= {("Sequential", "forward"), ("Sequential.0", "forward"), ("Sequential.0.lin", "forward"),
+                              ("Sequential.1", "forward"), ("Sequential", "backward"), (stragglers.TRAIN_STEP, "")}
+        # Sleepy's own time holds its sleep; its parent's own time does not (it is Sleepy's).
+        assert times[("Sequential.0", "forward")] >= 20_000_000 > times[("Sequential", "forward")]
+
+
+def test_traced_steps_keep_no_self_times_while_the_verdict_is_off(telemetry, tracer_factory):
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with tracer_factory(trace_every=1) as tracer:
+        for _ in range(3):
+            model(torch.ones(2, 4)).sum().backward()
+            optimizer.step()
+        assert list(tracer.recorder.progress.places) == []
+
+
+class _Store:
+    """The few c10d store calls the exchange makes, on a dict."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, str] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.values[key] = value
+
+    def get(self, key: str) -> bytes:
+        return self.values[key].encode()
+
+    def check(self, keys: list[str]) -> bool:
+        return all(key in self.values for key in keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.get(key) for key in keys]
+
+
+def test_rank_0_asks_for_steps_traced_a_few_times_in_a_row_and_the_others_read_the_request(monkeypatch):
+    # Rank 1 is slow from step 40 and no rank ever traces a step (its spans go nowhere): rank 0 asks for 4 steps
+    # at a time, 3 times in a row, then no more while the suspicion stays open.
+    from types import SimpleNamespace
+
+    import commdebug_otel.stall.straggler as straggler
+
+    monkeypatch.setattr(straggler, "JUDGE_S", 0.0)
+    store = _Store()
+    busy: dict[int, list] = {0: [], 1: []}
+    asked: dict[int, list] = {0: [], 1: []}
+    exchanges = {rank: straggler.StragglerExchange(
+        lambda rank=rank: SimpleNamespace(rank=rank, world_size=2), lambda rank=rank: busy[rank],
+        lambda: (store, "root/"), lambda verdict: None, trace=asked[rank].append) for rank in (1, 0)}
+    for step in range(WARMUP_STEPS, 70):
+        for rank in (1, 0):  # rank 1 publishes first: rank 0 judges the step complete
+            busy[rank].append((step, _busy(range(step, step + 1), {1: 30_000_000} if step >= 40 else {})[step][rank]))
+            exchanges[rank].poll()
+    # Suspicion at step 41 (late in 40 and 41): 43-46 asked then, 48-51 once step 46 ended, 53-56 after 51.
+    assert asked[0] == [(43, 46), (48, 51), (53, 56)]
+    assert asked[1] == asked[0]  # each read at rank 1's next poll, before the steps it names
+    assert store.values["root/straggler/trace"] == "53,56"

@@ -6,8 +6,10 @@ import statistics
 
 import pytest
 
+from commdebug_otel import semconv
 from commdebug_otel.offline import stragglers
 from commdebug_otel.offline.stragglers import Late
+from tests.otlp_files import span
 
 MS = 1_000_000
 
@@ -73,3 +75,72 @@ def test_a_straggler_among_1024_ranks():
     found = stragglers.judge(records, {rank: set(range(20)) for rank in range(1024)})
     assert [(row["rank"], row["module"], row["pass"], row["steps_late"]) for row in found] == [
         (77, "M.layers.3", "forward", 20)]
+
+
+def _p2p(op, peer, returned_ms, waited_ms=0.0):
+    """A send or recv event on group "0" of 2 ranks, stamped when it returned, ``waited_ms`` after it was issued."""
+    return round(returned_ms * MS), {
+        semconv.COLLECTIVE_OP: op, semconv.COLLECTIVE_PEER: peer, semconv.PROCESS_GROUP_NAME: "0",
+        semconv.PROCESS_GROUP_SIZE: 2, semconv.COLLECTIVE_DURATION: waited_ms / 1e3}
+
+
+def _pipeline_steps(slow_ms: float, steps: int = 6) -> list[dict]:
+    """Two pipeline stages, steps of 100 ms. Stage 0 runs M.l0 forward (1-11 ms), sends to stage 1 at 11 ms and
+    posts its recv of the gradient at 21 ms; stage 1 posts its recv at 11 ms, runs M.l1 forward (11-21 ms, plus
+    ``slow_ms``) and sends back as that ends. No collective: only send/recv link the stages."""
+    spans = []
+    for step in range(steps):
+        t0 = step * 100
+        back = 21 + slow_ms
+        spans += [
+            span(0, "train_step", f"s{step}", "", t0 * MS, (t0 + 100) * MS,
+                 [_p2p(semconv.SEND, 1, t0 + 11), _p2p(semconv.RECV, 1, t0 + back, back - 21)], world_size=2,
+                 **{semconv.STEP: step}),
+            span(0, "M.l0 forward", f"a{step}", f"s{step}", (t0 + 1) * MS, (t0 + 11) * MS, world_size=2,
+                 **{semconv.MODULE_FQN: "M.l0", semconv.MODULE_PASS: "forward"}),
+            span(1, "train_step", f"s{step}", "", t0 * MS, (t0 + 100) * MS,
+                 [_p2p(semconv.RECV, 0, t0 + 11), _p2p(semconv.SEND, 0, t0 + back)], world_size=2,
+                 **{semconv.STEP: step}),
+            span(1, "M.l1 forward", f"b{step}", f"s{step}", (t0 + 11) * MS, (t0 + back) * MS, world_size=2,
+                 **{semconv.MODULE_FQN: "M.l1", semconv.MODULE_PASS: "forward"}),
+        ]
+    return spans
+
+
+def test_a_pipeline_stage_that_sends_late_is_the_straggler_where_it_spent_the_time():
+    # Stage 0 waits 20 ms in its recv for stage 1's send: stage 1's lateness, in M.l1 forward (its 30 ms
+    # there, against none on stage 0 between its send and its recv). Step 0 is the warm-up.
+    answer = stragglers.find(_pipeline_steps(slow_ms=20))
+    assert answer["lateness"] == [
+        {"rank": 1, "module": "M.l1", "pass": "forward", "lost_s": 0.1, "waited_s": 0.1, "collectives": 5,
+         "steps": [1, 2, 3, 4, 5], "excess_s": 0.15}]
+    [row] = answer["stragglers"]
+    # 5 late of 5 steps; q = 1 / (2 ranks x 5 steps x 1 place - its own 5 + 1) = 1/6.
+    assert (row["rank"], row["module"], row["pass"], row["steps_late"], row["steps_seen"]) == (
+        1, "M.l1", "forward", 5, 5)
+    assert row["null_rate"] == pytest.approx(1 / 6) and row["p_value"] == pytest.approx(6**-5)
+    assert answer["steps"] == [1, 2, 3, 4, 5]
+
+
+def test_a_pipeline_whose_sends_meet_posted_recvs_has_no_straggler():
+    answer = stragglers.find(_pipeline_steps(slow_ms=0))
+    assert answer["lateness"] == [] and answer["stragglers"] == [] and answer["steps"] == [1, 2, 3, 4, 5]
+
+
+def test_a_recv_posted_in_the_step_before_waits_out_the_pipelines_fill_not_a_straggler():
+    # Stage 1 ends each step at 90 ms and posts its recv of the next step's data in that step's train_step_tail;
+    # stage 0 sends it 21 ms later, after its optimizer step and its next forward: the fill, every step.
+    spans = [span(1, "outside_step", "o", "", 0, 11 * MS, [_p2p(semconv.RECV, 0, 11, 11)], world_size=2)]
+    for step in range(6):
+        t0 = step * 100
+        spans += [
+            span(0, "train_step", f"s{step}", "", t0 * MS, (t0 + 100) * MS, [_p2p(semconv.SEND, 1, t0 + 11)],
+                 world_size=2, **{semconv.STEP: step}),
+            span(0, "M.l0 forward", f"a{step}", f"s{step}", (t0 + 1) * MS, (t0 + 11) * MS, world_size=2,
+                 **{semconv.MODULE_FQN: "M.l0", semconv.MODULE_PASS: "forward"}),
+            span(1, "train_step", f"s{step}", "", t0 * MS, (t0 + 90) * MS, world_size=2, **{semconv.STEP: step}),
+            span(1, "train_step_tail", f"t{step}", f"s{step}", (t0 + 90) * MS, (t0 + 111) * MS,
+                 [_p2p(semconv.RECV, 0, t0 + 111, 21)], world_size=2, **{semconv.STEP: step}),
+        ]
+    answer = stragglers.find(spans)
+    assert answer["lateness"] == [] and answer["stragglers"] == []

@@ -43,6 +43,7 @@ SLOW_STEP_FACTOR = 2.0  # commdebug.step.slow: longer than this times the recent
 SLOW_AFTER_STEPS = 8  # ...once this many steps have ended
 MAX_PENDING_WAITS = 4096  # issued collectives whose wait has not been seen (cleared at each step end)
 BUSY_KEPT = 64  # recent training steps' busy times kept for the live straggler verdict (stall/straggler.py)
+PLACES_KEPT = 8  # recent traced steps' module self times kept for the live straggler verdict
 
 
 class Progress:
@@ -57,6 +58,10 @@ class Progress:
         wait_ns: nanoseconds the training thread waited in collectives since the step began.
         busy: the last :data:`BUSY_KEPT` training steps as ``(step index, busy ns)``: the step's wall time less
             the time the training thread waited in collectives (read by the watchdog thread).
+        places: the last :data:`PLACES_KEPT` traced training steps as ``(step index, {(module FQN or
+            "(train_step)", pass): self ns})``, kept only while the live straggler verdict is on.
+        trace_steps: ``(first, last)`` step indexes traced whatever ``trace_every`` says (the live straggler
+            verdict's request, set by the watchdog thread; ``(0, -1)``: none).
     """
 
     def __init__(self, dim_name: Callable[[str], str] = lambda group: "") -> None:
@@ -71,6 +76,8 @@ class Progress:
         self.wait_ns = 0
         self.durations: collections.deque = collections.deque(maxlen=RECENT_STEPS)
         self.busy: collections.deque = collections.deque(maxlen=BUSY_KEPT)
+        self.places: collections.deque = collections.deque(maxlen=PLACES_KEPT)
+        self.trace_steps: tuple[int, int] = (0, -1)
         self._pending: dict[int, tuple[str, int]] = {}  # id(functional output) -> (group, seq)
 
     def remember(self, fact: CollectiveFact, out: Any) -> None:

@@ -289,6 +289,27 @@ def backward_records(forward: Record) -> Iterator[Record]:
         record = record.prev_bw
 
 
+def self_times(step: Step, end_ns: int) -> dict[tuple[str, str], int]:
+    """ns each ``(module FQN, pass)`` of the closing ``step`` spent in its own code, not its shown children's
+    (several calls summed; hidden records count in their parent); ``("(train_step)", "")``: the step's time
+    outside every module. ``end_ns``: the step's end. Open records are left out. Read before
+    :func:`span_tree`, which it does not change."""
+    root = step.root
+    times: dict[tuple[str, str], int] = {}
+    own = f"({semconv.SPAN_TRAIN_STEP})", ""
+    times[own] = end_ns - root.start_ns
+    for record in step.records:
+        if record.hidden or record.kind is not SpanKind.MODULE or record.end_ns < record.start_ns:
+            continue
+        duration = record.end_ns - record.start_ns
+        label = record.fqn, record.pass_
+        times[label] = times.get(label, 0) + duration
+        parent = _parent_of(record, root)
+        above = own if parent is root else (parent.fqn, parent.pass_)
+        times[above] = times.get(above, 0) - duration
+    return {label: max(0, ns) for label, ns in times.items()}
+
+
 def _parent_of(record: Record, root: Record) -> Record:
     if record.pass_ == semconv.PASS_BACKWARD:
         ancestor = record.fwd.parent if record.fwd is not None else None

@@ -32,7 +32,7 @@ from commdebug_otel.core.failures import Failures
 from commdebug_otel.core.ownership import NO_OPTIMIZER_CYCLES, ModuleOwnership
 from commdebug_otel.core.progress import Progress
 from commdebug_otel.core.record_pool import RecordPool
-from commdebug_otel.core.records import Record, SpanKind, Step
+from commdebug_otel.core.records import Record, SpanKind, Step, self_times
 from commdebug_otel.core.step_export import StepExport
 from commdebug_otel.core.step_signals import keep_hook, remove_hooks, step_signals
 from commdebug_otel.core.steps import RankCache, settled
@@ -219,7 +219,8 @@ class StepLifecycle:
             self._tail_of = None
         # Inference/evaluation forwards are counted apart, so torch.step stays the optimizer step.
         index = self._next_inference if inference else self._next_step
-        sampled = index % self.settings.trace_every == 0
+        first, last = self.progress.trace_steps  # the live straggler verdict's request (one tuple read)
+        sampled = index % self.settings.trace_every == 0 or first <= index <= last
         traced = sampled and self._traces_this_rank()
         root = Record(SpanKind.STEP, semconv.SPAN_TRAIN_STEP, now)
         root.attrs[semconv.STEP] = index
@@ -313,6 +314,11 @@ class StepLifecycle:
             step.kind = SpanKind.INFERENCE  # no train_step span: each top-level forward is a root
         else:
             self._tail_of = self.exports.tail_facts(step)
+        if step.traced and step.kind is SpanKind.STEP and not step.part and self.settings.straggler:
+            try:  # where its time went, for the live straggler verdict to name a module (stall/straggler.py)
+                self.progress.places.append((step.index, self_times(step, now)))
+            except Exception as error:
+                self._failures.hook_failed("straggler places", error)
         step_signals(step, now, self.progress, self._metrics, self._path.exemplar_span, self._failures.hook_failed)
         self._close(step, now)
         self.want_why(step.traced)  # between steps as the step before (_outside_step)

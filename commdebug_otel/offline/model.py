@@ -29,7 +29,7 @@ from commdebug_otel import semconv
 
 __all__ = ["P2P", "Arrivals", "SpanIndex", "arrival_matches", "collective_events", "column", "counted_seqs",
            "finished_spans", "group_size", "index_of", "is_complete", "is_snapshot", "issued_ns", "once", "own_step",
-           "reusing", "warmup_step"]
+           "p2p_pairs", "reusing", "warmup_step"]
 
 _T = TypeVar("_T")
 _REUSED: ContextVar[dict | None] = ContextVar("commdebug_otel_offline_reused", default=None)
@@ -291,19 +291,23 @@ class Arrivals:
 
     ``groups``, ``seqs`` (the seq counted without send/recv, :func:`counted_seqs`; None for
     send/recv and events without a seq), ``issued`` (:func:`issued_ns`), ``returned`` (the event's
-    time), ``steps`` (of its span; None outside steps), ``sizes`` (its group's size).
+    time), ``steps`` (of its span; None outside steps), ``sizes`` (its group's size), ``peers``
+    (``(op, peer's group rank)`` of a ``send`` or ``recv`` with a peer, else None: :func:`p2p_pairs`).
     """
 
     def __init__(self, events: list[dict], steps: SpanIndex, step_starts: dict[int, int]) -> None:
-        groups, seqs, issued, returned, in_steps, sizes = [], [], [], [], [], []
+        groups, seqs, issued, returned, in_steps, sizes, peers = [], [], [], [], [], [], []
         for event, group, seq in counted_seqs(events):
+            peer = event["attributes"].get(semconv.COLLECTIVE_PEER)
+            peers.append((event["name"], int(peer)) if event["name"] in (semconv.SEND, semconv.RECV)
+                         and peer is not None else None)
             groups.append(group)
             seqs.append(seq)
             issued.append(issued_ns(event))
             returned.append(event["time_ns"])
             in_steps.append(steps.step(event["span"]))
             sizes.append(group_size(event))
-        self.groups, self.seqs, self.steps, self.sizes = groups, seqs, in_steps, sizes
+        self.groups, self.seqs, self.steps, self.sizes, self.peers = groups, seqs, in_steps, sizes, peers
         #: Its sends and recvs (pipeline waits pair them).
         self.p2p = sum(event["name"] in (semconv.SEND, semconv.RECV) for event in events)
         self.issued, self.returned = column(issued), column(returned)
@@ -341,6 +345,40 @@ def arrival_matches(tables: dict[int, Arrivals], skip: Callable[[int | None], bo
             seen.add((group, seq))
             matches[(group, seq)].append((table.returned[i], rank, i))
     return list(matches.values())
+
+
+def p2p_pairs(tables: dict[int, Arrivals]) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Each ``send`` with its ``recv``, from the ranks' columns: the n-th send from rank A to rank B on a process
+    group and the n-th recv on B from A on it (as :func:`.summary.pipeline_waits` pairs them). A peer is a
+    group rank: a group is mapped to global ranks where every member is in ``tables`` (torch sorts a group's
+    ranks), or it is as large as ``tables`` (the world); sends and recvs of other groups are not paired.
+
+    Returns:
+        ``[((sender, index in its columns), (receiver, index in its columns))]``, in no particular order.
+    """
+    seen: dict[str, set[int]] = defaultdict(set)
+    sizes: dict[str, int] = {}
+    for rank, table in tables.items():
+        for group, size in zip(table.groups, table.sizes, strict=True):
+            seen[group].add(rank)
+            sizes[group] = size
+    members = {group: sorted(ranks) if len(ranks) == sizes[group] else
+               sorted(tables) if sizes[group] == len(tables) else None for group, ranks in seen.items()}
+    queues: dict[tuple[str, int, int], tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
+    for rank, table in tables.items():
+        for i, peer in enumerate(table.peers):
+            if peer is None:
+                continue
+            op, peer_rank = peer
+            ranks = members.get(table.groups[i])
+            if ranks is None or not 0 <= peer_rank < len(ranks):
+                continue
+            if op == semconv.SEND:
+                queues[(table.groups[i], rank, ranks[peer_rank])][0].append(i)
+            else:
+                queues[(table.groups[i], ranks[peer_rank], rank)][1].append(i)
+    return [((sender, send), (receiver, recv)) for (_, sender, receiver), (sends, recvs) in queues.items()
+            for send, recv in zip(sends, recvs, strict=False)]
 
 
 def column(values: list[int]) -> Sequence[int]:

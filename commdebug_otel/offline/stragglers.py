@@ -55,12 +55,13 @@ from commdebug_otel.offline.model import (
     column,
     finished_spans,
     index_of,
+    p2p_pairs,
     reusing,
     warmup_step,
 )
 
 __all__ = ["ALPHA", "BETWEEN_STEPS", "MIN_STEPS_LATE", "NOISE_FLOOR_S", "NOISE_MADS", "TRAIN_STEP", "UNATTRIBUTED",
-           "Late", "RankTimes", "Timeline", "find", "format_lines", "judge", "late_records", "lateness_rows",
+           "Late", "RankTimes", "Timeline", "blame", "find", "format_lines", "judge", "late_records", "lateness_rows",
            "rank_times", "row_text", "span_label"]
 
 #: Resolution: a collective held back less than this (seconds) is not recorded, nor a place with less extra time.
@@ -227,7 +228,10 @@ class _Carried:
 
     def before(self, rank: int, arrival: int, step: int | None) -> int:
         """ns of lateness ``rank`` carried from its previous collective (in this step or the one before)."""
-        i = bisect.bisect_left(self._times[rank], arrival)
+        times = self._times.get(rank)
+        if times is None:  # in no complete match (a pipeline stage that only sends and receives)
+            return 0
+        i = bisect.bisect_left(times, arrival)
         if i == 0:
             return 0
         return self._carried[rank][i - 1] if step is not None and self._steps[rank][i - 1] in (step, step - 1) else 0
@@ -248,7 +252,7 @@ def _latest_other(times: _Latest, rank: int) -> int:
     return second_time if first == rank else first_time
 
 
-def _blame(late: dict[Label, int], others: list[dict[Label, int]]) -> tuple[Label, int, int]:
+def blame(late: dict[Label, int], others: list[dict[Label, int]]) -> tuple[Label, int, int]:
     """The label where ``late`` spent most more time than the others' median, that excess, and the
     excesses summed over every label where it spent more (ns)."""
     labels = set(late).union(*others)
@@ -306,7 +310,7 @@ def late_records(times: dict[int, RankTimes], warmup: int | None, noise_floor_s:
         late = issued[last] - max(others)
         if late < floor_ns:
             continue
-        (module, pass_), excess, extra = _blame(
+        (module, pass_), excess, extra = blame(
             self_times(last, members[last], step),
             [self_times(rank, i, step) for rank, i in members.items() if rank != last])
         # Lateness it carried from its previous collective was counted there; unless it spent more time
@@ -318,6 +322,26 @@ def late_records(times: dict[int, RankTimes], warmup: int | None, noise_floor_s:
             (module, pass_), excess = (UNATTRIBUTED, ""), 0
         records.append(Late(last, step, module, pass_, lost, sum(min(issued[last] - time, lost) for time in others),
                             excess))
+    # Point-to-point: a receiver that posted its recv before the send began waits for the sender (a pipeline
+    # stage for the stage before it in forward, after it in backward): that wait is the sender's lateness.
+    # A recv posted in another step (a later stage's first recv, in the step before's tail) waits out the
+    # pipeline's fill, everything the earlier stage does between steps: no step's lateness.
+    for (sender, send), (receiver, recv) in p2p_pairs(tables):
+        step = tables[sender].steps[send]
+        if step is None or step == warmup or tables[receiver].steps[recv] != step:
+            continue
+        seen[sender].add(step)
+        seen[receiver].add(step)
+        late = tables[sender].issued[send] - tables[receiver].issued[recv]
+        if late < floor_ns:
+            continue
+        (module, pass_), excess, extra = blame(self_times(sender, send, step), [self_times(receiver, recv, step)])
+        lost = min(late, max(late - carried.before(sender, tables[sender].issued[send], step), extra))
+        if lost < floor_ns:
+            continue
+        if excess < floor_ns:
+            (module, pass_), excess = (UNATTRIBUTED, ""), 0
+        records.append(Late(sender, step, module, pass_, lost, lost, excess))
     return records, dict(seen)
 
 

@@ -14,6 +14,19 @@ resolution floor is :data:`FLOOR_FRACTION` of the job's busy time (:func:`noise_
 only a *persistent* straggler: one late in :data:`PERSISTENT_SHARE` of the steps since its episode began
 (intermittent lateness is left to ``diagnose``).
 
+Where it is slow comes from traced steps: each rank keeps, per traced step, each (module, pass)'s self time
+(``Progress.places``, only while the verdict is on) and publishes it with its busy times. On the steps every
+rank traced, each late record is put at the (module, pass) where its rank spent most more time than the other
+ranks' median (:func:`~commdebug_otel.offline.stragglers.blame`, the offline choice), and the same test names
+the place (:meth:`StragglerJudge._place`). At the default 1-in-100 tracing such steps are rare, so while a
+suspicion is open (a rank late in :data:`SUSPECT_STEPS` of the last steps, or named with no place yet) rank 0
+asks every rank to trace the next :data:`TRACE_STEPS` steps (at most :data:`MAX_TRACE_REQUESTS` times in a row
+while the suspicion stays open, so a rank whose spans go nowhere costs the others no endless tracing): it sets
+the key ``trace`` to ``"first,last"``;
+each rank reads it at a poll (at most every :data:`JUDGE_S` s) and its training thread traces those steps
+as they open (one tuple read per step, nothing per module call). The place comes with the verdict, or in a
+second ``straggler`` verdict once at least ``MIN_STEPS_LATE`` such steps are judged.
+
 The exchange runs on the stall watchdog's thread (``stall/watchdog.py``), through the job's c10d store client
 of the stall verdict (``StoreExchange.store``), never a collective. Keys, under the job's prefix
 ``commdebug_otel/verdict/<nonce>/straggler/``:
@@ -23,7 +36,10 @@ of the stall verdict (``StoreExchange.store``), never a collective. Keys, under 
   out of phase, still share steps), at most :data:`MAX_KEPT_STEPS`; rewritten at a watchdog poll (every
   :data:`POLL_S` s) when a step ended since the last one. A step costs about 15 bytes, a rewrite about 160 of
   framing and overlap: at most about 175 bytes per step per rank (one step per poll), about 20 at fast steps
-  (several per poll), and never more than one rewrite (about 1 KB) per rank per poll;
+  (several per poll), and never more than one rewrite (about 1 KB) per rank per poll; a traced step's places
+  add up to :data:`MAX_PLACES` x about 40 bytes to the records that still hold the step;
+* ``trace``: rank 0's request ``"first,last"`` (above); every other rank reads it with one ``check`` (and a
+  ``get`` when set) at most every :data:`JUDGE_S` s;
 * rank 0 (the judge) reads every rank's record at a poll where its own record changed, at most every
   :data:`JUDGE_S` s: one ``check`` and one ``multi_get`` of ``world size`` keys, then the test (about
   0.3 ms of its watchdog thread at 2-4 ranks, 1 ms at 64).
@@ -72,21 +88,34 @@ MIN_STEPS_JUDGED = 16  # nobody is named before the window holds this many steps
 FLOOR_FRACTION = 0.5  # the least lateness that counts: this share of the median busy time (at least NOISE_FLOOR_S)
 JUDGE_S = 0.1  # rank 0 reads the records and judges at most this often
 PERSISTENT_SHARE = 0.75  # named only when late in this share of the steps judged since its episode began
+TRACE_STEPS = 4  # steps traced per request while a suspicion is open (a rank late twice of late, or unplaced)
+SUSPECT_STEPS = 2  # a rank busy-late in this many of the last ONSET_GAP_STEPS steps opens a suspicion
+MAX_PLACES = 32  # (module, pass) self times published per traced step at most, the largest
+MAX_TRACE_REQUESTS = 3  # requests in a row while one suspicion stays open (a rank never traced: TRACE_RANKS)
 KIND_STRAGGLER = semconv.VERDICT_KIND_STRAGGLER
 KIND_RECOVERED = semconv.VERDICT_KIND_RECOVERED
 
 
+Places = tuple[tuple[str, str, int], ...]  # (module FQN or "(train_step)", pass, self ns) of one traced step
+
+
 @dataclasses.dataclass(frozen=True)
 class BusyRecord:
-    """One rank's published busy times: ``steps`` as ``(step index, busy ns)``, oldest first."""
+    """One rank's published busy times: ``steps`` as ``(step index, busy ns)``, oldest first; ``places``: its
+    traced steps among them as ``(step index, ((module, pass, self ns), ...))`` (``Progress.places``)."""
 
     rank: int
     steps: tuple[tuple[int, int], ...]
+    places: tuple[tuple[int, Places], ...] = ()
 
     def to_json(self) -> str:
-        """Compact JSON, busy times in microseconds, with ``"format": RECORD_FORMAT``."""
-        return json.dumps({"format": RECORD_FORMAT, "rank": self.rank,
-                           "steps": [[step, busy_ns // 1000] for step, busy_ns in self.steps]}, separators=(",", ":"))
+        """Compact JSON, times in microseconds, with ``"format": RECORD_FORMAT`` (``"places"`` only when some)."""
+        data: dict[str, Any] = {"format": RECORD_FORMAT, "rank": self.rank,
+                                "steps": [[step, busy_ns // 1000] for step, busy_ns in self.steps]}
+        if self.places:
+            data["places"] = [[step, [[module, pass_, ns // 1000] for module, pass_, ns in labels]]
+                              for step, labels in self.places]
+        return json.dumps(data, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> BusyRecord | None:
@@ -98,7 +127,32 @@ class BusyRecord:
         data = json.loads(text)
         if not isinstance(data, dict) or data.get("format") != RECORD_FORMAT:
             return None
-        return cls(int(data["rank"]), tuple((int(step), int(busy_us) * 1000) for step, busy_us in data["steps"]))
+        places = tuple((int(step), tuple((str(module), str(pass_), int(us) * 1000) for module, pass_, us in labels))
+                       for step, labels in data.get("places", ()))
+        return cls(int(data["rank"]), tuple((int(step), int(busy_us) * 1000) for step, busy_us in data["steps"]),
+                   places)
+
+
+def top_places(times: Mapping[tuple[str, str], int]) -> Places:
+    """The :data:`MAX_PLACES` largest of one traced step's ``{(module, pass): self ns}``, largest first."""
+    ranked = sorted(times.items(), key=lambda item: (-item[1], item[0]))[:MAX_PLACES]
+    return tuple((module, pass_, ns) for (module, pass_), ns in ranked)
+
+
+def placed_records(records: Iterable[Late], places: Mapping[int, Mapping[int, Mapping[tuple[str, str], int]]]
+                   ) -> list[Late]:
+    """``records`` (:func:`late_from_busy`) of steps in ``places`` (``{step: {rank: {(module, pass): self
+    ns}}}``, every rank's), each at the (module, pass) where its late rank spent most more time than the
+    other ranks' median: the offline model's choice (:func:`~commdebug_otel.offline.stragglers.blame`)."""
+    out = []
+    for record in records:
+        times = places.get(record.step)
+        if times is None:
+            continue
+        (module, pass_), excess, _ = stragglers.blame(
+            times[record.rank], [times[rank] for rank in sorted(times) if rank != record.rank])
+        out.append(record._replace(module=module, pass_=pass_, excess_ns=excess))
+    return out
 
 
 def late_from_busy(busy: Mapping[int, Mapping[int, int]], world_size: int,
@@ -221,12 +275,20 @@ class StragglerJudge:
         self._onsets: dict[int, int] = {}  # rank -> the first late step of its episode, when named
         self._named_at: dict[int, int] = {}  # rank -> the step judged when it was named
         self._since = -1  # steps up to this one are not judged again (a recovery ends the evidence before it)
+        self._places: dict[int, dict[int, dict[tuple[str, str], int]]] = {}  # step -> rank -> self ns by place
+        self._placed: dict[int, tuple[str, str]] = {}  # rank -> (module, pass) named, while named
+        # Whether the last judgement left a suspicion open that traced steps could settle: a rank late in
+        # SUSPECT_STEPS of the last steps and not named, or named without a module.
+        self.trace_wanted = False
 
     def add(self, record: BusyRecord) -> None:
         """A rank's record: its steps past the warm-up, kept while within the window."""
         for step, busy_ns in record.steps:
             if step >= WARMUP_STEPS and step > max(self._since, self._judged - WINDOW_STEPS):
                 self._busy.setdefault(step, {})[record.rank] = busy_ns
+        for step, labels in record.places:
+            if step >= WARMUP_STEPS and step > max(self._since, self._judged - WINDOW_STEPS):
+                self._places.setdefault(step, {})[record.rank] = {(module, pass_): ns for module, pass_, ns in labels}
 
     def lost_by_rank(self) -> dict[int, float]:
         """Seconds per late step the others waited on each named rank (the metric's values)."""
@@ -240,8 +302,11 @@ class StragglerJudge:
             return []
         newest = complete[-1]
         self._judged = newest
-        for step in [step for step in self._busy if step <= max(self._since, newest - WINDOW_STEPS)]:
+        cut = max(self._since, newest - WINDOW_STEPS)
+        for step in [step for step in self._busy if step <= cut]:
             del self._busy[step]
+        for step in [step for step in self._places if step <= cut]:
+            del self._places[step]
         window = {step: self._busy[step] for step in complete if step in self._busy}
         floor_s = noise_floor_s(window)
         records, seen = late_from_busy(window, self.world_size, floor_s)
@@ -256,12 +321,27 @@ class StragglerJudge:
                 if late >= max(stragglers.MIN_STEPS_LATE, PERSISTENT_SHARE * steps):  # persistent: a fail-slow
                     self._named[rank] = row
                     row["episode_lost_s"] = _episode_lost_s(records, rank, since, row["noise_cut_s"])
+                    place = self._place(rank, since, window, records, floor_s)
+                    if place is not None:
+                        self._placed[rank] = place
                     out.append(self._verdict(KIND_STRAGGLER, newest, rank, row, since))
             elif rank in self._named:  # its numbers, updated
                 self._named[rank] = row | {"episode_lost_s": _episode_lost_s(
                     records, rank, self._onsets[rank], row["noise_cut_s"]) or self._named[rank]["episode_lost_s"]}
             if rank in self._named:
                 self._lost[rank] = self._named[rank]["episode_lost_s"]
+        for rank in sorted(self._named):  # traced steps came since it was named: where it is slow is a change
+            if rank not in self._placed:
+                place = self._place(rank, self._onsets[rank], window, records, floor_s)
+                if place is not None:
+                    self._placed[rank] = place
+                    out.append(self._verdict(KIND_STRAGGLER, newest, rank, self._named[rank], self._onsets[rank]))
+        recent_late: dict[int, int] = {}
+        for record in records:
+            if record.step > newest - ONSET_GAP_STEPS:
+                recent_late[record.rank] = recent_late.get(record.rank, 0) + 1
+        self.trace_wanted = any(rank not in self._placed for rank in self._named) or any(
+            count >= SUSPECT_STEPS and rank not in self._named for rank, count in recent_late.items())
         recent = sorted(window)[-RECOVER_STEPS:]
         if not self._named or len(recent) < RECOVER_STEPS:
             return out
@@ -274,11 +354,31 @@ class StragglerJudge:
                 del self._named[rank]
                 self._lost[rank] = 0.0
                 out.append(self._verdict(KIND_RECOVERED, newest, rank, row, self._onsets.pop(rank)))
+                self._placed.pop(rank, None)
                 recovered = True
         if recovered:  # its late steps are no evidence any more, nor the noise they hid: judged afresh from here
             self._since = newest
             self._busy = {step: times for step, times in self._busy.items() if step > newest}
+            self._places = {step: times for step, times in self._places.items() if step > newest}
         return out
+
+    def _place(self, rank: int, since: int, window: Mapping[int, Mapping[int, int]], records: list[Late],
+               floor_s: float) -> tuple[str, str] | None:
+        """Where ``rank`` is slow: the offline test (:func:`~commdebug_otel.offline.stragglers.judge`) over the
+        steps of ``window`` from its episode's first late step ``since`` that every rank traced, each late
+        record at its place (:func:`placed_records`); its first row of ``rank``, else None (too few such
+        steps, or no place beyond the noise). Steps before the episode are left out: the busy test found the
+        rank slow since then, the question here is where, and a noisy past would only hide the answer."""
+        traced = {step: times for step, times in self._places.items()
+                  if step >= since and step in window and len(times) >= self.world_size}
+        if len(traced) < stragglers.MIN_STEPS_LATE:
+            return None
+        placed = placed_records([record for record in records if record.step in traced], traced)
+        seen = {other: set(traced) for other in range(self.world_size)}
+        for row in stragglers.judge(placed, seen, floor_s, self.alpha):
+            if row["rank"] == rank and row["module"] != stragglers.UNATTRIBUTED:
+                return row["module"], row["pass"]
+        return None
 
     def _verdict(self, kind: str, step: int, rank: int, row: dict[str, Any], since: int) -> StragglerVerdict:
         if kind == KIND_STRAGGLER:
@@ -288,13 +388,15 @@ class StragglerJudge:
             f"{_ms(row['late_min_s'])}-{_ms(row['late_max_s'])}"
         how = (f"late beyond the noise in {row['steps_late']} of {row['steps_seen']} steps judged, {spread} ms "
                f"(noise cut {_ms(row['noise_cut_s'])} ms, p={row['p_value']:.0e})")
+        module, pass_ = self._placed.get(rank, ("", ""))
+        where = f" in {module} {pass_}".rstrip() if module else ""
         if kind == KIND_STRAGGLER:
-            summary = (f"rank {rank} is slow since step {since}: the other ranks wait {_ms(lost_s)} ms per step "
-                       f"for it, {how}; step {step}")
+            summary = (f"rank {rank} is slow{where} since step {since}: the other ranks wait {_ms(lost_s)} ms per "
+                       f"step for it, {how}; step {step}")
         else:
-            summary = (f"rank {rank} is no longer slow: the test finds it no more over the last {RECOVER_STEPS} "
-                       f"steps (it was since step {since}, {_ms(lost_s)} ms per step); step {step}")
-        return StragglerVerdict(kind, step, (rank,), "", "", round(lost_s, 6), since, row["steps_late"],
+            summary = (f"rank {rank} is no longer slow{where}: the test finds it no more over the last "
+                       f"{RECOVER_STEPS} steps (it was since step {since}, {_ms(lost_s)} ms per step); step {step}")
+        return StragglerVerdict(kind, step, (rank,), module, pass_, round(lost_s, 6), since, row["steps_late"],
                                 row["steps_seen"], summary)
 
 
@@ -308,18 +410,29 @@ class StragglerExchange:
             (``StoreExchange.store``), None until it is connected.
         export: ``export(verdict)``: the span and the flush (the watchdog's), on rank 0 only.
         alpha: each judgement's false-blame rate.
+        places: ``() -> iterable of (step, {(module, pass): self ns})``: the rank's recent traced steps
+            (``Progress.places``).
+        trace: ``trace((first, last))``: have this rank trace steps ``first`` to ``last`` (``Progress.trace_steps``).
     """
 
     def __init__(self, rank_of: Callable[[], Any], busy: Callable[[], Iterable[tuple[int, int]]],
                  store: Callable[[], tuple[Any, str] | None], export: Callable[[StragglerVerdict], Any],
-                 alpha: float = stragglers.ALPHA) -> None:
+                 alpha: float = stragglers.ALPHA,
+                 places: Callable[[], Iterable[tuple[int, Mapping[tuple[str, str], int]]]] = tuple,
+                 trace: Callable[[tuple[int, int]], Any] = lambda steps: None) -> None:
         self._rank_of = rank_of
         self._busy = busy
         self._store = store
         self._export = export
         self._alpha = alpha
+        self._places = places
+        self._trace = trace
         self._published = -1  # the newest step published
         self._judged_at = -JUDGE_S  # monotonic time of rank 0's last judgement
+        self._read_at = -JUDGE_S  # monotonic time this rank last read the trace request
+        self._request = ""  # the trace request last read or made
+        self._requested = (0, -1)  # rank 0: the steps it last asked to be traced
+        self._requests = 0  # rank 0: requests made since the judge last wanted none
         self._judge: StragglerJudge | None = None
         self._off = False
         # Verdicts exported, each with the newest step this rank had ended then (tests, the benchmark).
@@ -347,11 +460,18 @@ class StragglerExchange:
                 return
             prefix = f"{root}straggler/"
             new = sum(1 for step, _ in steps if step > self._published)
-            record = BusyRecord(info.rank, tuple(steps[-min(MAX_KEPT_STEPS, new + OVERLAP_STEPS):]))
+            kept = tuple(steps[-min(MAX_KEPT_STEPS, new + OVERLAP_STEPS):])
+            places = tuple((step, top_places(times)) for step, times in list(self._places()) if step >= kept[0][0])
+            record = BusyRecord(info.rank, kept, places)
             store.set(f"{prefix}r/{info.rank}", record.to_json())
             self._published = steps[-1][0]
             now = time.monotonic()
-            if info.rank != 0 or now < self._judged_at + JUDGE_S:
+            if info.rank != 0:
+                if now >= self._read_at + JUDGE_S:  # rank 0's request to trace the next steps (a suspicion)
+                    self._read_at = now
+                    self._read_request(store, f"{prefix}trace")
+                return
+            if now < self._judged_at + JUDGE_S:
                 return
             self._judged_at = now
             if self._judge is None:
@@ -364,6 +484,15 @@ class StragglerExchange:
                 if found is not None:
                     self._judge.add(found)
             verdicts = self._judge.judge()
+            if not self._judge.trace_wanted:
+                self._requests = 0
+            elif self._published >= self._requested[1] and self._requests < MAX_TRACE_REQUESTS:
+                # The next steps traced on every rank: each reads this at its next poll, before they begin.
+                self._requests += 1
+                self._requested = (self._published + 2, self._published + 1 + TRACE_STEPS)
+                self._request = f"{self._requested[0]},{self._requested[1]}"
+                store.set(f"{prefix}trace", self._request)
+                self._trace(self._requested)
         except Exception as error:
             self._off = True
             _logger.warning("commdebug-otel: the live straggler verdict is off for this rank (%s)", describe(error))
@@ -372,3 +501,14 @@ class StragglerExchange:
             _logger.warning("commdebug-otel: straggler verdict: %s", verdict.summary)
             self.said.append((verdict, self._published))
             self._export(verdict)
+
+    def _read_request(self, store: Any, key: str) -> None:
+        """Trace the steps rank 0 last asked for, if that request is new (one ``check``, a ``get`` if set)."""
+        if not store.check([key]):
+            return
+        value = store.get(key)
+        text = value.decode() if isinstance(value, bytes) else str(value)
+        if text != self._request:
+            self._request = text
+            first, last = (int(part) for part in text.split(","))
+            self._trace((first, last))

@@ -139,7 +139,8 @@ class StallWatch:
             lambda: recorder.rank(), lambda store: recorder.job_id(store), self._export_verdict, default_store_client)
         self.stragglers: StragglerExchange | None = StragglerExchange(
             lambda: recorder.rank(), lambda: list(recorder.progress.busy), self.exchange.store,
-            self._export_straggler) if straggler else None
+            self._export_straggler, places=lambda: list(recorder.progress.places),
+            trace=self._trace_steps) if straggler else None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._stall_since = 0  # since_ns of the stall being reported
@@ -197,6 +198,11 @@ class StallWatch:
         self.last_verdict = verdict.summary
         if self._recorder.stall_verdict(verdict.step, start_ns, time.time_ns(), verdict.attributes()):
             self._flush()
+
+    def _trace_steps(self, steps: tuple[int, int]) -> None:
+        """The straggler verdict asks for steps ``first`` to ``last`` traced: the training thread reads this
+        tuple as each step opens (``StepLifecycle.open_step``)."""
+        self._recorder.progress.trace_steps = steps
 
     def _export_straggler(self, verdict: StragglerVerdict) -> None:
         """This rank judged a change of the straggler answer: its span, then the flush."""
