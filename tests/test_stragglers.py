@@ -60,6 +60,21 @@ def test_a_consistent_and_an_intermittent_straggler_among_noise():
     assert all(row["p_value"] * row["tested"] <= stragglers.ALPHA for row in found)
 
 
+def test_a_rank_starved_just_past_the_noise_cut_is_its_tail_and_a_real_delay_is_not():
+    """A loaded host holds one rank's work between steps just past the cut in a few steps: significant by count,
+    but under MIN_EFFECT cuts. The same steps at three cuts are a straggler."""
+    steps = {rank: set(range(8)) for rank in range(2)}
+    noise = _healthy(8, 2, random.Random(4))
+    [cut_row] = stragglers.judge(noise + [Late(0, step, "(between steps)", "", 40 * MS, 0, 0) for step in (2, 4, 5)],
+                                 steps)
+    cut = cut_row["noise_cut_s"] * 1e9
+    just_past = [Late(0, step, "(between steps)", "", int(1.2 * cut), 0, 0) for step in (2, 4, 5)]
+    assert stragglers.judge(noise + just_past, steps) == []
+    [row] = stragglers.judge(noise + [Late(0, step, "(between steps)", "", int(3 * cut), 0, 0) for step in (2, 4, 5)],
+                             steps)
+    assert (row["rank"], row["module"], row["late_steps"]) == (0, "(between steps)", [2, 4, 5])
+
+
 def test_one_slow_step_is_no_straggler():
     records = [Late(1, 4, "M.a", "forward", 500 * MS, 0, 0)]
     assert stragglers.judge(records, {0: set(range(10)), 1: set(range(10))}) == []

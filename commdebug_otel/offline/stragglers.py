@@ -18,8 +18,10 @@ Two layers, so that a live detector can use the second without spans:
   other ranks' rate at the row's place (per counted step: a place where every rank is often late, such as
   the optimizer step on a busy machine, is noise there). A row late beyond the noise in ``k`` of its
   ``n`` steps gets the one-sided binomial ``p = P(Binomial(n, q) >= k)``; it is a straggler when
-  ``k >= MIN_STEPS_LATE`` (3) and ``p x m <= alpha`` (Bonferroni over the ``m`` rows with a step beyond the
-  noise). Rows found are left out of the noise and the test is run again, until no new row is found.
+  ``k >= MIN_STEPS_LATE`` (3), ``p x m <= alpha`` (Bonferroni over the ``m`` rows with a step beyond the
+  noise) and its median late cell is at least :data:`MIN_EFFECT` (1.5) cuts (an effect size: a rank starved
+  just past the cut for a stretch is the noise's tail). Rows found are left out of the noise and the test is
+  run again, until no new row is found.
 
 Assumptions: steps are independent trials; the other ranks' lateness is the job's noise (wrong when most
 ranks are slow in the same place, then nobody stands out); one or two slow steps are events, not a straggler.
@@ -60,9 +62,9 @@ from commdebug_otel.offline.model import (
     warmup_step,
 )
 
-__all__ = ["ALPHA", "BETWEEN_STEPS", "MIN_STEPS_LATE", "NOISE_FLOOR_S", "NOISE_MADS", "TRAIN_STEP", "UNATTRIBUTED",
-           "Late", "RankTimes", "Timeline", "blame", "find", "format_lines", "judge", "late_records", "lateness_rows",
-           "rank_times", "row_text", "span_label"]
+__all__ = ["ALPHA", "BETWEEN_STEPS", "MIN_EFFECT", "MIN_STEPS_LATE", "NOISE_FLOOR_S", "NOISE_MADS", "TRAIN_STEP",
+           "UNATTRIBUTED", "Late", "RankTimes", "Timeline", "blame", "find", "format_lines", "judge", "late_records",
+           "lateness_rows", "rank_times", "row_text", "span_label"]
 
 #: Resolution: a collective held back less than this (seconds) is not recorded, nor a place with less extra time.
 NOISE_FLOOR_S = 0.001
@@ -72,6 +74,9 @@ NOISE_MADS = 3.0
 ALPHA = 0.05
 #: A row late beyond the noise in fewer steps than this is events, not a straggler.
 MIN_STEPS_LATE = 3
+#: A row whose typical late step (the median of its late cells) is under this many noise cuts is the noise's tail,
+#: not a straggler: on a starved host one rank's steps run just past the cut for a stretch.
+MIN_EFFECT = 1.5
 #: Where L's extra time lay outside every module span: in ``train_step`` itself (loss, optimizer, backward
 #: outside modules) or between one step's end and the next's first module (data loading, host work).
 TRAIN_STEP = f"({semconv.SPAN_TRAIN_STEP})"
@@ -469,6 +474,8 @@ def _test(cells: dict[tuple[int, str, str], dict[int, int]], steps_seen: dict[in
         n = len(steps_seen.get(rank, ())) or len(late)
         p = _binomial_sf(len(late), n, rate)
         if len(late) < MIN_STEPS_LATE or p * len(tested) > alpha:
+            continue
+        if statistics.median(late.values()) < MIN_EFFECT * cut:
             continue
         found[(rank, module, pass_)] = {
             "rank": rank, "module": module, "pass": pass_, "lost_s": sum(late.values()) / 1e9,
