@@ -21,7 +21,7 @@ import contextlib
 import gc
 from array import array
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any, TypeVar
 
@@ -321,11 +321,12 @@ class Arrivals:
         return min(self._step_starts.get(step, arrival), arrival)
 
 
-def arrival_matches(tables: dict[int, Arrivals], skip: Callable[[int | None], bool]
-                    ) -> list[list[tuple[int, int, int]]]:
+def arrival_matches(tables: dict[int, Arrivals], skip: Callable[[int | None], bool],
+                    steps: Mapping[int, Sequence[int | None]] | None = None) -> list[list[tuple[int, int, int]]]:
     """The same collective on every rank, from the ranks' columns: by (group, seq counted without send/recv,
     :func:`counted_seqs`), a rank's first event of each; send/recv, events
-    without a seq and those whose step ``skip(step)`` says are left out.
+    without a seq and those whose step ``skip(step)`` says are left out. ``steps``: each rank's step of each
+    collective, in place of its table's ``steps``.
 
     Returns:
         each match as ``[(time returned, rank, index in its columns)]``, unordered (sorted, a match's events and
@@ -335,7 +336,8 @@ def arrival_matches(tables: dict[int, Arrivals], skip: Callable[[int | None], bo
     matches: dict[tuple[str, int], list[tuple[int, int, int]]] = defaultdict(list)
     for rank, table in tables.items():
         seen: set[tuple[str, int]] = set()
-        for i, (group, seq, step) in enumerate(zip(table.groups, table.seqs, table.steps, strict=True)):
+        in_steps = table.steps if steps is None else steps[rank]
+        for i, (group, seq, step) in enumerate(zip(table.groups, table.seqs, in_steps, strict=True)):
             if seq is None or (group, seq) in seen or skip(step):
                 continue
             seen.add((group, seq))
