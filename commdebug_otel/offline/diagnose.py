@@ -147,7 +147,7 @@ class Reads:
         return (span["name"] in _ROOTS or is_snapshot(span)
                 or span.get("status_code") == _STATUS_ERROR or attributes.get(semconv.SPAN_UNMATCHED) is True
                 or semconv.SPAN_DROPPED_EVENTS in attributes or bool(span.get("dropped_events_count"))
-                or any(event["name"] == "exception" or semconv.COLLECTIVE_OP in event["attributes"]
+                or any(event["name"] == semconv.EVENT_EXCEPTION or semconv.COLLECTIVE_OP in event["attributes"]
                        for event in span["events"]))
 
     def digest(self, spans: list[dict]) -> dict[int, RankRead]:
@@ -435,7 +435,7 @@ def _raised_in(spans: list[dict]) -> dict[tuple[int, int | None], tuple[tuple[in
     steps = index_of(finished)
     first: dict[tuple[int, int | None], tuple[tuple[int, int], dict]] = {}
     for span in finished:
-        event = next((event for event in span["events"] if event["name"] == "exception"), None)
+        event = next((event for event in span["events"] if event["name"] == semconv.EVENT_EXCEPTION), None)
         if span.get("status_code") != _STATUS_ERROR and event is None:
             continue
         attrs = event["attributes"] if event is not None else {}
@@ -446,9 +446,9 @@ def _raised_in(spans: list[dict]) -> dict[tuple[int, int | None], tuple[tuple[in
         if key not in first or order < first[key][0]:
             first[key] = (order, {
                 "rank": span["rank"], "step": steps.step(span), "module": module, "pass": pass_,
-                "type": str(attrs.get("exception.type", span.get("status_message", ""))),
-                "message": str(attrs.get("exception.message", "")),
-                "stacktrace": str(attrs.get("exception.stacktrace", "")), "_time_ns": time_ns})
+                "type": str(attrs.get(semconv.EXCEPTION_TYPE, span.get("status_message", ""))),
+                "message": str(attrs.get(semconv.EXCEPTION_MESSAGE, "")),
+                "stacktrace": str(attrs.get(semconv.EXCEPTION_STACKTRACE, "")), "_time_ns": time_ns})
     return first
 
 

@@ -107,6 +107,12 @@ def _root_step(span: dict) -> int | None:
     return known[0] if known else own_step(span)
 
 
+def process_of(resource: dict) -> tuple[str, str]:
+    """The process a span's ``resource`` names: ``(host.name, process.pid)`` as text ("None" where missing); a rank
+    with spans of two processes holds two runs."""
+    return str(resource.get(semconv.HOST_NAME)), str(resource.get(semconv.PROCESS_PID))
+
+
 def is_snapshot(span: dict) -> bool:
     """A span of a stall snapshot: the ``stalled`` span, or a copy of a step's spans so far
     (the step's own export, if it ever ended, has them all again)."""

@@ -53,6 +53,7 @@ from commdebug_otel.offline.model import (
     is_snapshot,
     issued_ns,
     own_step,
+    process_of,
     reusing,
     warmup_step,
 )
@@ -595,7 +596,7 @@ def span_warnings(spans: list[dict]) -> list[str]:
         if lost:
             dropped[span["rank"]] += lost
     for (rank, _), resource in resources.items():
-        processes[rank].add((str(resource.get("host.name")), str(resource.get("process.pid"))))
+        processes[rank].add(process_of(resource))
     for rank, seen in sorted(processes.items()):
         if len(seen) > 1:
             notes.append(f"warning: rank {rank} has spans from {len(seen)} processes: "
