@@ -589,6 +589,7 @@ class StoreExchange:
         self._round = 0  # this rank's snapshot number in the stall (the others' of the same number are awaited)
         self._last: str | None = None  # what the last verdict exported for this stall said
         self.exported = 0  # verdicts exported (tests)
+        self.ignored = 0  # records of another format, or damaged, left out of a verdict
 
     @property
     def on(self) -> bool:
@@ -730,10 +731,22 @@ class StoreExchange:
             values = [store.get(key) for key in keys if store.check([key])]
         records = {}
         for value in values:
-            record = StallRecord.from_json(_text(value))
-            if record is not None:  # (a rank of another version publishes another format)
-                records[record.rank] = record
+            try:
+                record = StallRecord.from_json(_text(value))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                record = None  # a damaged record: that rank reads as absent, the verdict goes on
+            if record is None:  # (or a rank of another version publishes another format)
+                self._ignore()
+                continue
+            records[record.rank] = record
         return records
+
+    def _ignore(self) -> None:
+        """Count a record of another format (or damaged) left out of the verdict; say so once."""
+        if not self.ignored:
+            _logger.warning("commdebug-otel: stall verdict: a rank's record is not of format %d (another "
+                            "commdebug-otel version, or damaged): that rank reads as absent", RECORD_FORMAT)
+        self.ignored += 1
 
     def _absent(self, ranks: set[int]) -> dict[int, str]:
         """What is known of ranks that published nothing, from their alive keys (one check each)."""
