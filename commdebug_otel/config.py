@@ -677,7 +677,7 @@ class ExportEnv:
 
     Values are kept as given; the methods apply OTel's rules (per-signal variables
     beat the generic ones) and our embedded default, warning once per bad value when
-    asked, that is when an exporter is built, as before.
+    asked, that is when an exporter is built.
     """
 
     traces: SignalEnv = SignalEnv()

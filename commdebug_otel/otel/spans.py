@@ -217,7 +217,7 @@ class SpanBuilder:
                              record.span_id or own.generate_span_id())
         else:
             chosen = contextlib.nullcontext()  # type: ignore[assignment]
-        if parent_span is not None:  # processors and samplers see the live parent, as before
+        if parent_span is not None:  # processors and samplers see the live parent span
             parent_context = otel_trace.set_span_in_context(parent_span)
         elif parent is not None:
             parent_context = otel_trace.set_span_in_context(NonRecordingSpan(parent))
