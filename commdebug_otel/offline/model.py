@@ -26,6 +26,7 @@ from contextvars import ContextVar
 from typing import Any, TypeVar
 
 from commdebug_otel import semconv
+from commdebug_otel.core.fact import P2P
 
 __all__ = ["P2P", "Arrivals", "SpanIndex", "arrival_matches", "collective_events", "column", "counted_seqs",
            "finished_spans", "group_size", "index_of", "is_complete", "is_snapshot", "issued_ns", "once", "own_step",
@@ -72,9 +73,6 @@ def once(name: str, spans: list, compute: Callable[[], _T]) -> _T:
 def index_of(spans: list[dict]) -> SpanIndex:
     """``SpanIndex(spans)``, built once per list within :func:`reusing`."""
     return once("index", spans, lambda: SpanIndex(spans))
-
-#: Point-to-point ops: paired by (group, sender, receiver), never matched as collectives.
-P2P = frozenset({semconv.SEND, semconv.RECV, semconv.BATCH_P2P})
 
 
 def own_step(span: dict) -> int | None:

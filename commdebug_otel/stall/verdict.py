@@ -61,7 +61,7 @@ from collections.abc import Set as AbstractSet
 from typing import Any
 
 from commdebug_otel import semconv
-from commdebug_otel.core.fact import CollectiveFact, ranges_text
+from commdebug_otel.core.fact import P2P, CollectiveFact, ranges_text
 
 _logger = logging.getLogger(__name__)
 
@@ -75,7 +75,6 @@ MAX_RANKS_LISTED = 8  # the summary sentence lists at most this many ranks one b
 MAX_ROUNDS = 12  # snapshots per stall (stall.MAX_SNAPSHOTS): a round key each
 
 BETWEEN_STEPS = "(between steps)"
-_P2P = frozenset({semconv.SEND, semconv.RECV, semconv.BATCH_P2P})
 KIND_HANG = semconv.VERDICT_KIND_HANG
 KIND_DESYNC = semconv.VERDICT_KIND_DESYNC
 KIND_MISSING = semconv.VERDICT_KIND_MISSING
@@ -333,7 +332,7 @@ def _desync(records: Mapping[int, StallRecord]) -> tuple[str, int, dict[str, lis
             for entry in facts.in_flight:
                 ops.setdefault((group, entry.seq), {}).setdefault(entry.op, []).append(rank)
     # A send and a recv at one seq are the two ends of one transfer (pipeline stages), not a disagreement.
-    split = sorted(key for key, by_op in ops.items() if len(by_op) > 1 and not set(by_op) <= _P2P)
+    split = sorted(key for key, by_op in ops.items() if len(by_op) > 1 and not set(by_op) <= P2P)
     if not split:
         return None
     group, seq = split[0]
