@@ -628,7 +628,12 @@ class _StalledRecorder:
     def job_id(self, store=None):
         return "job-1"
 
-    def stall_snapshot(self, now, age_s, threshold_s, snapshot, where):
+    def stall_place(self, where):
+        from commdebug_otel.core.stall_snapshot import stall_place
+
+        return stall_place(self.progress, where, None, self.steps_taken)
+
+    def stall_snapshot(self, now, age_s, threshold_s, snapshot, place):
         self.snapshots.append(snapshot)
         return True
 
