@@ -145,7 +145,7 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         os.execvpe(command[0], command, env)
     except OSError as error:
-        for signum in restored:  # no exec: ours again (a closed stderr raises BrokenPipeError, as before)
+        for signum in restored:  # no exec: ours again, so a closed stderr raises BrokenPipeError
             signal.signal(signum, signal.SIG_IGN)
         print(f"commdebug-otel run: cannot run {command[0]!r}: {error.strerror}", file=sys.stderr)
         return 126

@@ -88,6 +88,7 @@ from opentelemetry.sdk.environment_variables import (
     OTEL_SPAN_LINK_COUNT_LIMIT,
 )
 
+from commdebug_otel import semconv
 from commdebug_otel.core.redact import hide_credentials
 from commdebug_otel.detail import Detail
 
@@ -678,7 +679,7 @@ class ExportEnv:
 
     Values are kept as given; the methods apply OTel's rules (per-signal variables
     beat the generic ones) and our embedded default, warning once per bad value when
-    asked, that is when an exporter is built, as before.
+    asked, that is when an exporter is built.
     """
 
     traces: SignalEnv = SignalEnv()
@@ -719,7 +720,7 @@ class ExportEnv:
                                            OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED),
             batch_size_set=bool(environ.get(OTEL_BSP_MAX_EXPORT_BATCH_SIZE)),
             service_name_set=bool(environ.get(OTEL_SERVICE_NAME))
-            or "service.name" in environ.get(OTEL_RESOURCE_ATTRIBUTES, ""),
+            or semconv.SERVICE_NAME in environ.get(OTEL_RESOURCE_ATTRIBUTES, ""),
             prometheus_host=environ.get(OTEL_EXPORTER_PROMETHEUS_HOST, "localhost"),
             prometheus_port_text=environ.get(OTEL_EXPORTER_PROMETHEUS_PORT),
             span_queue_text=environ.get(OTEL_BSP_MAX_QUEUE_SIZE),

@@ -12,6 +12,16 @@ SPAN_OUTSIDE_STEP = "outside_step"
 # a child of that step's train_step, in its trace, until the next step begins.
 SPAN_TRAIN_STEP_TAIL = "train_step_tail"
 
+# OpenTelemetry's own names that we write and read back: resource attributes and the exception event.
+SERVICE_NAME = "service.name"
+HOST_NAME = "host.name"
+PROCESS_PID = "process.pid"
+EVENT_EXCEPTION = "exception"
+EXCEPTION_TYPE = "exception.type"
+EXCEPTION_MESSAGE = "exception.message"
+EXCEPTION_STACKTRACE = "exception.stacktrace"
+EXCEPTION_ESCAPED = "exception.escaped"
+
 # Span attributes.
 STEP = "torch.step"
 MODULE_FQN = "torch.module.fqn"

@@ -9,7 +9,7 @@ import pytest
 
 from commdebug_otel import semconv
 from commdebug_otel.cli import main
-from commdebug_otel.offline import diagnose, otlp_json, summary
+from commdebug_otel.offline import diagnose, otlp_json, rank_read, summary
 
 from otlp_files import span, write_otlp
 
@@ -91,8 +91,9 @@ def test_fold_keeps_what_summarize_reads_and_counts_the_rest(job):
     read = reader.digests[2]
     assert read.totals[summary.ALL] == [_STEPS, _STEPS * 1024, {"all_reduce": _STEPS}]
     assert [read.totals[step][0] for step in range(_STEPS)] == [1] * _STEPS
-    assert (list(read.arrivals.seqs), list(read.arrivals.steps)) == (list(range(_STEPS)), list(range(_STEPS)))
-    assert list(read.arrivals.issued) == [step * 10**9 + 25 * 10**7 + 5_000_000 - 1_000_000 for step in range(_STEPS)]
+    arrivals = read.times.arrivals
+    assert (list(arrivals.seqs), list(arrivals.steps), read.steps) == (list(range(_STEPS)),) * 3
+    assert list(arrivals.issued) == [step * 10**9 + 25 * 10**7 + 5_000_000 - 1_000_000 for step in range(_STEPS)]
     apart = otlp_json.SpanReader([job], workers=2, fold=summary._Needs(0))
     assert list(apart) == spans and not apart.unfoldable
 
@@ -268,3 +269,23 @@ def test_a_stalled_steps_empty_tail_does_not_make_it_traced_read_folded(job, cap
     folded = _diagnose(capsys, job)
     assert folded == _diagnose_unfolded(capsys, monkeypatch, job)
     assert folded.out.startswith(f"{_RANKS} rank(s), finished traced steps: 0-1\n")
+
+
+def test_summarize_and_diagnose_digest_one_rank_read_and_stall_rings_are_no_collectives():
+    """One :class:`.rank_read.RankRead` for both commands; a stall snapshot's ring events (a copy of what the
+    rank issued) are not matched as collectives, read folded or whole (read whole, lateness once matched them)."""
+    spans = [one for rank in range(_RANKS) for one in _rank_spans(rank)]
+    ring = {**_collective(0, _STEPS)[1], semconv.COLLECTIVE_STATE: semconv.STATE_IN_FLIGHT}
+    spans += [span(rank, semconv.SPAN_STALLED, "stall", start=5 * 10**9, end=5 * 10**9 + 1,
+                   events=[(5 * 10**9 - rank, ring)], **{semconv.STEP: _STEPS}) for rank in range(_RANKS)]
+    folded = {rank: one for part in (summary._Needs(0).digest([s for s in spans if s["rank"] == rank])
+                                     for rank in range(_RANKS)) for rank, one in part.items()}
+    checked = {rank: one for part in (diagnose.Reads().digest([s for s in spans if s["rank"] == rank])
+                                      for rank in range(_RANKS)) for rank, one in part.items()}
+    assert type(folded[2]) is type(checked[2]) is rank_read.RankRead
+    assert (folded[2].totals, folded[2].groups) == (checked[2].totals, checked[2].groups)
+    assert folded[2].steps == checked[2].steps == list(folded[2].times.arrivals.steps) == list(range(_STEPS))
+    assert (folded[2].prints, checked[2].whole) == ({}, frozenset(range(_STEPS)))
+    whole = summary.lateness(spans, include_warmup=True)
+    assert (whole["matched"], whole["incomplete"]) == (_STEPS, 0)
+    assert summary.lateness(spans, include_warmup=True, reads=folded) == whole

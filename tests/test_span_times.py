@@ -127,7 +127,8 @@ def _hung_in_backward(rank: int, world_size: int) -> dict:
                 _HANG["seconds"] = HANG_S
                 before = time.time_ns()
                 snapshot = threading.Thread(target=lambda now=before: _HANG["hung"].wait(10) and (
-                    tracer.recorder.stall_snapshot(now, 2.0, 1.0, DIRECT_SNAPSHOT, ("", "", []))))
+                    tracer.recorder.stall_snapshot(now, 2.0, 1.0, DIRECT_SNAPSHOT,
+                                                   tracer.recorder.stall_place(("", "", [])))))
                 snapshot.start()
             loss.backward()
             if snapshot is not None:

@@ -331,13 +331,19 @@ class _OneProcessRecorder:
 
     thread_id = -1
 
-    def __init__(self, snapshot, progress: Progress | None = None, steps_taken: int = 0):
+    def __init__(self, snapshot, progress: Progress | None = None, steps_taken: int = 0, open_record=None):
         self.progress = progress or Progress()
         self.steps_taken = steps_taken
         self._snapshot = snapshot
+        self._open = open_record
 
-    def stall_snapshot(self, now, age_s, threshold_s, snapshot, where):
-        self._snapshot(now, age_s, threshold_s, snapshot, where)
+    def stall_place(self, where):
+        from commdebug_otel.core.stall_snapshot import stall_place
+
+        return stall_place(self.progress, where, self._open, self.steps_taken)
+
+    def stall_snapshot(self, now, age_s, threshold_s, snapshot, place):
+        self._snapshot(now, age_s, threshold_s, snapshot, place)
         return True
 
     def rank(self):
@@ -473,7 +479,7 @@ def test_a_snapshot_copies_the_stuck_steps_records_even_if_the_step_ends_meanwhi
         optimizer.step()  # step 0: its records are spare for the next steps
         loss = stuck(torch.ones(2, 4)).sum()  # step 1, open
         watchdog = threading.Thread(target=tracer.recorder.stall_snapshot,
-                                    args=(time.time_ns(), 60.0, 30.0, 1, ("", "", [])))
+                                    args=(time.time_ns(), 60.0, 30.0, 1, tracer.recorder.stall_place(("", "", []))))
         watchdog.start()
         assert copying.wait(5)
         loss.backward()
@@ -555,8 +561,8 @@ def test_the_stall_line_and_diagnose_say_the_same_place(monkeypatch, caplog, in_
         progress.step_ended(progress.since_ns, training=True)
     spans = []
 
-    def snapshot(now, age_s, threshold_s, number, where):
-        spans.append(stalled_record(progress, where, None, now, age_s, threshold_s, number, steps_taken, 64))
+    def snapshot(now, age_s, threshold_s, number, place):
+        spans.append(stalled_record(progress, place, now, age_s, threshold_s, number, 64))
 
     monkeypatch.setattr(watchdog, "training_thread_location", lambda thread_id, fqn_of: where)
     monkeypatch.setattr(watchdog, "communicating", lambda thread_id: True)  # before step 0: waiting for a peer
@@ -569,6 +575,37 @@ def test_the_stall_line_and_diagnose_say_the_same_place(monkeypatch, caplog, in_
     stall = {"between_steps": attrs.get(semconv.STALL_BETWEEN_STEPS, False), "step": attrs[semconv.STEP],
              "module": attrs[semconv.STALL_MODULE], "pass": attrs[semconv.STALL_PASS]}
     assert _stall_where(stall) == expected.removesuffix(", outside any module")
+
+
+def test_a_module_named_by_the_open_record_is_the_one_the_span_the_line_and_the_verdict_record_say(
+        monkeypatch, caplog):
+    """In a backward pass no module is on the Python stack: the innermost open record names it. The ``stalled``
+    span said it while the stderr line said "outside any module" and the verdict's record named none (the verdict
+    then told the train_step): the place is worked out once, for all three."""
+    from commdebug_otel.core.records import Record, SpanKind
+    from commdebug_otel.core.stall_snapshot import stalled_record
+    from commdebug_otel.stall import watchdog
+
+    progress = Progress()
+    progress.step_began(progress.since_ns, 3)
+    open_record = Record(SpanKind.MODULE, "Net.layers.0 backward", progress.since_ns)
+    open_record.fqn, open_record.pass_ = "Net.layers.0", "backward"
+    spans, published = [], []
+    recorder = _OneProcessRecorder(
+        lambda now, age_s, threshold_s, number, place: spans.append(
+            stalled_record(progress, place, now, age_s, threshold_s, number, 64)), progress, 3, open_record)
+    monkeypatch.setattr(watchdog, "training_thread_location", lambda thread_id, fqn_of: ("", "backward", ["a.py:1"]))
+    watch = StallWatch(recorder, 2.0, lambda: None, lambda module: None)
+    monkeypatch.setattr(watch.exchange, "ready", lambda: True)
+    monkeypatch.setattr(watch.exchange, "publish", lambda record, since_ns: published.append(record))
+    with caplog.at_level("WARNING", logger=watchdog.__name__):
+        assert watch.check(progress.since_ns + 3 * 10**9)
+    [message] = [record.getMessage() for record in caplog.records]
+    assert "(in step 3 at Net.layers.0 backward)" in message
+    assert (spans[0].attrs[semconv.STALL_MODULE], spans[0].attrs[semconv.STALL_PASS]) == ("Net.layers.0", "backward")
+    [record] = published
+    assert (record.step, record.between_steps, record.module, record.pass_, record.stack) == (
+        3, False, "Net.layers.0", "backward", ("a.py:1",))
 
 
 def test_progress_gauges_read_the_latest_tracer_and_keep_no_old_one():

@@ -628,7 +628,12 @@ class _StalledRecorder:
     def job_id(self, store=None):
         return "job-1"
 
-    def stall_snapshot(self, now, age_s, threshold_s, snapshot, where):
+    def stall_place(self, where):
+        from commdebug_otel.core.stall_snapshot import stall_place
+
+        return stall_place(self.progress, where, None, self.steps_taken)
+
+    def stall_snapshot(self, now, age_s, threshold_s, snapshot, place):
         self.snapshots.append(snapshot)
         return True
 
@@ -777,3 +782,31 @@ def test_a_lower_rank_that_publishes_late_does_not_say_the_same_verdict_again():
     exchanges[0].poll()
     exchanges[1].poll()
     assert exported == [(1, "hang", (2,), (1,))]
+
+
+def test_a_record_of_another_format_or_damaged_is_counted_and_its_rank_read_as_absent(caplog):
+    """Rank 2 runs another version (format 1's positional lists), rank 3's record is damaged: both are left out
+    and counted, said once, and the verdict is formed from the others (it names them missing), not turned off."""
+    import torch.distributed as dist
+
+    from commdebug_otel.stall.verdict import KEY_ROOT, StoreExchange
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    exported = []
+    exchange = StoreExchange(lambda: _info(0, 4), lambda own: "job-9", lambda v, s: exported.append(v),
+                             lambda timeout_s: store, wait_s=0.0)
+    prefix = f"{KEY_ROOT}/job-9/stall/"
+    store.set(f"{prefix}r/2", json.dumps({"format": 1, "rank": 2, "groups": {"0": [4, 3, "", [[4, "all_reduce"]]]}}))
+    store.set(f"{prefix}r/3", '{"format": 2, "rank": 3}')
+    store.append(f"{prefix}index", "2,3,")
+    waiting = {"groups": {"0": (4, 3, "", 4)}, "ring": [("all_reduce", "0", 4, "A")]}
+    with caplog.at_level("WARNING", logger="commdebug_otel.stall.verdict"):
+        exchange.publish(_record(0, **waiting), since_ns=1)
+        exchange.poll()
+    assert exchange.on and exchange.ignored == 2
+    assert [(v.kind, v.behind) for v in exported] == [("missing", (1, 2, 3))]
+    assert [record.getMessage() for record in caplog.records if "not of format" in record.getMessage()] == [
+        "commdebug-otel: stall verdict: a rank's record is not of format 2 (another commdebug-otel version, or "
+        "damaged): that rank reads as absent"]
+    exchange.stop()

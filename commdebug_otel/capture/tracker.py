@@ -481,7 +481,7 @@ class ModuleTracker:
         where a positional input was modified in place since the call began, and where
         the module's own pre-hooks may have replaced the keyword inputs (FSDP2, TP's
         ``PrepareModuleInput``: their backward, the unit's reduce-scatter, belongs inside
-        the span): then the backward ends at the end of the pass, as before.
+        the span): then the backward ends at the end of the pass.
         """
         grads = self._grad_tensors(kwargs)
         if not grads:

@@ -41,7 +41,7 @@ from commdebug_otel.core.protocols import CollectiveHost
 from commdebug_otel.core.records import Record, SpanKind, Step, dtensor_facts
 from commdebug_otel.core.thread_role import one_role_holder
 
-_logger = logging.getLogger("commdebug_otel.core.recorder")
+_logger = logging.getLogger(__name__)
 
 
 class CollectivePath:

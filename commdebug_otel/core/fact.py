@@ -24,6 +24,8 @@ from commdebug_otel import semconv
 
 PASS_NONE = "none"  # a collective outside any module pass (set-up, optimizer, logging)
 NOT_COUNTED = -1  # an element count, seq or peer not known (untraced steps count no elements)
+#: Point-to-point ops: paired by (group, sender, receiver), never matched as collectives (live and offline).
+P2P = frozenset({semconv.SEND, semconv.RECV, semconv.BATCH_P2P})
 
 
 @dataclasses.dataclass(frozen=True)

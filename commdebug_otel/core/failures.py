@@ -11,7 +11,7 @@ from commdebug_otel import semconv
 from commdebug_otel.core.fact import MetricsSink
 from commdebug_otel.core.redact import code_locations, describe
 
-_logger = logging.getLogger("commdebug_otel.core.recorder")  # the recorder's own log, as before the split
+_logger = logging.getLogger(__name__)
 
 
 class Failures:

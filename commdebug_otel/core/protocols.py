@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # type names only: this module imports nothing of the recorde
     from commdebug_otel.core.collectives import Why
     from commdebug_otel.core.progress import Progress
     from commdebug_otel.core.records import Record, Step
+    from commdebug_otel.core.stall_snapshot import StallPlace
     from commdebug_otel.core.steps import RankInfo
     from commdebug_otel.core.thread_role import ThreadRole
 
@@ -106,8 +107,10 @@ class StallSource(FailureSink, Protocol):
 
     def rank(self) -> RankInfo: ...
 
-    def stall_snapshot(self, now: int, age_s: float, threshold_s: float, snapshot: int,
-                       where: tuple[str, str, list[str]]) -> bool: ...
+    def stall_place(self, where: tuple[str, str, list[str]]) -> StallPlace: ...
+
+    def stall_snapshot(self, now: int, age_s: float, threshold_s: float, snapshot: int, place: StallPlace) -> bool:
+        ...
 
     def job_id(self, store: Any = None) -> str: ...
 

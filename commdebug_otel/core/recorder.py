@@ -35,6 +35,7 @@ from commdebug_otel.core.ownership import NO_OPTIMIZER_CYCLES
 from commdebug_otel.core.progress import Progress
 from commdebug_otel.core.record_pool import RecordPool
 from commdebug_otel.core.records import Record, Step
+from commdebug_otel.core.stall_snapshot import StallPlace, stall_place
 from commdebug_otel.core.step_lifecycle import StepLifecycle
 from commdebug_otel.core.steps import RankCache
 
@@ -191,17 +192,21 @@ class Recorder:
         }
 
     # ------------------------------------------------------------------ stalls
-    def stall_snapshot(self, now: int, age_s: float, threshold_s: float, snapshot: int,
-                       where: tuple[str, str, list[str]]) -> bool:
-        """Export, from the watchdog's thread, what this rank is doing now (stall/watchdog.py). True if exported.
+    def stall_place(self, where: tuple[str, str, list[str]]) -> StallPlace:
+        """Where this rank is stalled (``core/stall_snapshot.py:stall_place``), from the watchdog's thread:
+        ``where`` is ``(module FQN, pass, code locations)`` of the training thread
+        (``stall.training_thread_location``), the innermost open module record naming the module where it
+        names none."""
+        return stall_place(self.progress, where, self._steps.innermost_open(), self._steps.steps_taken)
 
-        ``where``: ``(module FQN, pass, code locations)`` of the training thread
-        (``stall.training_thread_location``). The step's records are copied, never
-        changed: the training thread may still be running it.
+    def stall_snapshot(self, now: int, age_s: float, threshold_s: float, snapshot: int, place: StallPlace) -> bool:
+        """Export, from the watchdog's thread, what this rank is doing now (stall/watchdog.py) at ``place``
+        (:meth:`stall_place`). True if exported. The step's records are copied, never changed: the training
+        thread may still be running it.
         """
         if self._spans is None or not self.active:
             return False
-        return self._steps.exports.stall_snapshot(now, age_s, threshold_s, snapshot, where)
+        return self._steps.exports.stall_snapshot(now, age_s, threshold_s, snapshot, place)
 
     def job_id(self, store: Any = None) -> str:
         """The job nonce every rank agrees on (``steps.job_nonce``, through ``store``: the default group's, or a

@@ -24,6 +24,8 @@ import re
 import traceback
 from typing import Any
 
+from commdebug_otel import semconv
+
 REDACTED = "<values>"
 
 # A repr that opens with one of these names and a parenthesis is a value dump to its closing parenthesis.
@@ -130,14 +132,14 @@ def exception_attributes(error: BaseException, messages: str = "redacted") -> di
     ``messages``: ``redacted`` (tensor and array reprs removed), ``full`` or ``none``.
     Values are not cut here: the span limits cut long strings.
     """
-    attributes: dict[str, Any] = {"exception.type": type(error).__name__}
+    attributes: dict[str, Any] = {semconv.EXCEPTION_TYPE: type(error).__name__}
     if messages != "none":
         text = message_of(error)
         message = valid_text(text if messages == "full" else redact_message(text))
         if message:
-            attributes["exception.message"] = message
-    attributes["exception.stacktrace"] = valid_text(code_locations(error))  # file names may hold surrogates
-    attributes["exception.escaped"] = "False"
+            attributes[semconv.EXCEPTION_MESSAGE] = message
+    attributes[semconv.EXCEPTION_STACKTRACE] = valid_text(code_locations(error))  # file names may hold surrogates
+    attributes[semconv.EXCEPTION_ESCAPED] = "False"
     return attributes
 
 

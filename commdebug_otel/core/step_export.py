@@ -21,7 +21,7 @@ from commdebug_otel.core.failures import Failures
 from commdebug_otel.core.protocols import ExportHost
 from commdebug_otel.core.record_pool import RecordPool
 from commdebug_otel.core.records import Record, SpanKind, Step, snapshot_tree, span_tree
-from commdebug_otel.core.stall_snapshot import stalled_record
+from commdebug_otel.core.stall_snapshot import StallPlace, stalled_record
 from commdebug_otel.core.steps import RankInfo
 from commdebug_otel.core.trace_ids import StepTraceIds
 
@@ -83,8 +83,7 @@ class StepExport:
         else:
             self._spans.emit(roots, children, trace_id)
 
-    def stall_snapshot(self, now: int, age_s: float, threshold_s: float, snapshot: int,
-                       where: tuple[str, str, list[str]]) -> bool:
+    def stall_snapshot(self, now: int, age_s: float, threshold_s: float, snapshot: int, place: StallPlace) -> bool:
         """Export what this rank is doing now (``Recorder.stall_snapshot``). True if exported.
 
         The step's records are copied, never changed: the training thread may still be running it.
@@ -92,8 +91,7 @@ class StepExport:
         if self._spans is None:
             return False
         steps = self._steps
-        stalled = stalled_record(steps.progress, where, steps.innermost_open(), now, age_s, threshold_s,
-                                 snapshot, steps.steps_taken, self._max_events)
+        stalled = stalled_record(steps.progress, place, now, age_s, threshold_s, snapshot, self._max_events)
         step = steps.open_segment
         if step is None:  # between steps, no collective since the last one: the stalled span alone
             gap = Step(-1, True, Record(SpanKind.OUTSIDE_STEP, semconv.SPAN_OUTSIDE_STEP, now), SpanKind.OUTSIDE_STEP)

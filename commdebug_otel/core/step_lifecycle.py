@@ -38,7 +38,7 @@ from commdebug_otel.core.step_signals import keep_hook, remove_hooks, step_signa
 from commdebug_otel.core.steps import RankCache, settled
 from commdebug_otel.core.thread_role import ThreadRole, one_role_holder
 
-_logger = logging.getLogger("commdebug_otel.core.recorder")
+_logger = logging.getLogger(__name__)
 # An untraced step's metric points are handed to the metrics worker at its close only if this long (ns) has
 # passed since the last hand-over; else the worker takes them itself once idle for a second (``IDLE_TAKE_S``).
 # Waking it costs a fast step tens of microseconds of its own thread, more than the rest of its close.

@@ -54,7 +54,6 @@ from commdebug_otel.offline import EXIT_DONE, EXIT_UNREADABLE, flight_recorder, 
 from commdebug_otel.offline.backends import DEADLINE_S, MAX_RESPONSE_BYTES
 from commdebug_otel.offline.load import load_for_command
 from commdebug_otel.offline.model import (
-    Arrivals,
     SpanIndex,
     collective_events,
     counted_seqs,
@@ -66,15 +65,12 @@ from commdebug_otel.offline.model import (
     reusing,
     warmup_step,
 )
+from commdebug_otel.offline.rank_read import RankRead, rank_reads
 from commdebug_otel.offline.stragglers import (
     BETWEEN_STEPS,
     NOISE_FLOOR_S,
     TRAIN_STEP,
     UNATTRIBUTED,
-    Label,
-    RankTimes,
-    Timeline,
-    rank_times,
     span_label,
 )
 
@@ -108,49 +104,24 @@ def _group(attrs: dict) -> str:
     return str(attrs.get(semconv.PROCESS_GROUP_NAME, ""))
 
 
-class RankRead(NamedTuple):
-    """What :class:`Reads` keeps of one rank's spans where its file is read.
-
-    ``times``: what the straggler model reads of it (:class:`.stragglers.RankTimes`: its module timeline and
-    its collectives, :class:`.model.Arrivals`); ``prints``:
-    ``{step: {group: print}}``, a 64-bit print of each record :func:`_issued_collectives` makes of what it
-    issued (equal records, equal prints: :func:`desyncs` compares the collectives only where ranks' prints
-    differ); ``whole``: the steps whose record is whole; ``raised``: ``[(order, first exception)]`` per
-    step that raised (:func:`_raised`); ``closed``: ``{step: label of the innermost span left open}`` of a step
-    ended at exit (:func:`_closed_at_exit`)."""
-
-    times: RankTimes
-    prints: dict[int, dict[str, int]]
-    whole: frozenset[int]
-    raised: list[tuple[tuple[int, int], dict]]
-    closed: dict[int, Label]
-
-
-def rank_reads(spans: list[dict]) -> dict[int, RankRead]:
-    """:class:`RankRead` of each rank, from ``spans`` holding every span of each of their ranks."""
-    spans = sorted(spans, key=lambda span: (span["rank"], span["start_ns"]))  # the order load_spans gives
-    with reusing(own=True):  # its own results: one file's, dropped when done
-        finished = finished_spans(spans)
-        steps = index_of(finished)
-        times = rank_times(spans)
-        firsts = _raised_in(spans)
-        issued, whole = _issued_collectives(spans, {key: item["_time_ns"] for key, (_, item) in firsts.items()})
-        raised: dict[int, list] = defaultdict(list)
-        for (rank, _), found in firsts.items():
-            raised[rank].append(found)
-        closed: dict[int, dict[int, Label]] = defaultdict(dict)
-        for (rank, step), span in _closed_at_exit(finished, steps).items():
-            closed[rank][step] = span_label(span)
-    prints: dict[int, dict[int, dict[str, int]]] = defaultdict(dict)
+def _checks(spans: list[dict]) -> dict[int, dict[str, Any]]:
+    """What ``diagnose``'s checks keep of each rank in its :class:`.rank_read.RankRead`: ``prints`` (a 64-bit
+    print of each record :func:`_issued_collectives` makes of what it issued: equal records, equal prints, so
+    :func:`desyncs` compares the collectives only where ranks' prints differ), ``whole``, ``raised``
+    (:func:`_raised`) and ``closed`` (:func:`_closed_at_exit`)."""
+    finished = finished_spans(spans)
+    firsts = _raised_in(spans)
+    issued, whole = _issued_collectives(spans, {key: item["_time_ns"] for key, (_, item) in firsts.items()})
+    out: dict[int, dict[str, Any]] = defaultdict(lambda: {"prints": {}, "whole": set(), "raised": [], "closed": {}})
+    for (rank, _), found in firsts.items():
+        out[rank]["raised"].append(found)
+    for (rank, step), span in _closed_at_exit(finished, index_of(finished)).items():
+        out[rank]["closed"][step] = span_label(span)
     for (rank, step), groups in issued.items():
-        prints[rank][step] = {group: _print(records) for group, records in groups.items()}
-    whole_steps: dict[int, set[int]] = defaultdict(set)
+        out[rank]["prints"][step] = {group: _print(records) for group, records in groups.items()}
     for rank, step in whole:
-        whole_steps[rank].add(step)
-    return {rank: RankRead(times.get(rank) or RankTimes(Timeline([]), Arrivals([], steps, {})),
-                           prints.get(rank, {}), frozenset(whole_steps.get(rank, ())), raised.get(rank, []),
-                           closed.get(rank, {}))
-            for rank in sorted({*times, *prints, *whole_steps, *raised})}
+        out[rank]["whole"].add(step)
+    return {rank: {**fields, "whole": frozenset(fields["whole"])} for rank, fields in out.items()}
 
 
 def _print(records: dict[int, _Issued]) -> int:
@@ -176,12 +147,13 @@ class Reads:
         return (span["name"] in _ROOTS or is_snapshot(span)
                 or span.get("status_code") == _STATUS_ERROR or attributes.get(semconv.SPAN_UNMATCHED) is True
                 or semconv.SPAN_DROPPED_EVENTS in attributes or bool(span.get("dropped_events_count"))
-                or any(event["name"] == "exception" or semconv.COLLECTIVE_OP in event["attributes"]
+                or any(event["name"] == semconv.EVENT_EXCEPTION or semconv.COLLECTIVE_OP in event["attributes"]
                        for event in span["events"]))
 
     def digest(self, spans: list[dict]) -> dict[int, RankRead]:
-        """Each rank's :class:`RankRead` from one file's spans (:func:`rank_reads`)."""
-        return rank_reads(spans)
+        """Each rank's :class:`.rank_read.RankRead` from one file's spans, with what the checks keep
+        (:func:`_checks`)."""
+        return rank_reads(spans, _checks)
 
 
 # -------------------------------------------------------------------- stalls
@@ -463,7 +435,7 @@ def _raised_in(spans: list[dict]) -> dict[tuple[int, int | None], tuple[tuple[in
     steps = index_of(finished)
     first: dict[tuple[int, int | None], tuple[tuple[int, int], dict]] = {}
     for span in finished:
-        event = next((event for event in span["events"] if event["name"] == "exception"), None)
+        event = next((event for event in span["events"] if event["name"] == semconv.EVENT_EXCEPTION), None)
         if span.get("status_code") != _STATUS_ERROR and event is None:
             continue
         attrs = event["attributes"] if event is not None else {}
@@ -474,9 +446,9 @@ def _raised_in(spans: list[dict]) -> dict[tuple[int, int | None], tuple[tuple[in
         if key not in first or order < first[key][0]:
             first[key] = (order, {
                 "rank": span["rank"], "step": steps.step(span), "module": module, "pass": pass_,
-                "type": str(attrs.get("exception.type", span.get("status_message", ""))),
-                "message": str(attrs.get("exception.message", "")),
-                "stacktrace": str(attrs.get("exception.stacktrace", "")), "_time_ns": time_ns})
+                "type": str(attrs.get(semconv.EXCEPTION_TYPE, span.get("status_message", ""))),
+                "message": str(attrs.get(semconv.EXCEPTION_MESSAGE, "")),
+                "stacktrace": str(attrs.get(semconv.EXCEPTION_STACKTRACE, "")), "_time_ns": time_ns})
     return first
 
 

@@ -21,11 +21,12 @@ import contextlib
 import gc
 from array import array
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any, TypeVar
 
 from commdebug_otel import semconv
+from commdebug_otel.core.fact import P2P
 
 __all__ = ["P2P", "Arrivals", "SpanIndex", "arrival_matches", "collective_events", "column", "counted_seqs",
            "finished_spans", "group_size", "index_of", "is_complete", "is_snapshot", "issued_ns", "once", "own_step",
@@ -73,9 +74,6 @@ def index_of(spans: list[dict]) -> SpanIndex:
     """``SpanIndex(spans)``, built once per list within :func:`reusing`."""
     return once("index", spans, lambda: SpanIndex(spans))
 
-#: Point-to-point ops: paired by (group, sender, receiver), never matched as collectives.
-P2P = frozenset({semconv.SEND, semconv.RECV, semconv.BATCH_P2P})
-
 
 def own_step(span: dict) -> int | None:
     """The ``torch.step`` of a ``train_step`` span; None for any other span."""
@@ -105,6 +103,12 @@ def _root_step(span: dict) -> int | None:
     away, :class:`.otlp_json.SpanReader`), else its own."""
     known = span.get("root_step")
     return known[0] if known else own_step(span)
+
+
+def process_of(resource: dict) -> tuple[str, str]:
+    """The process a span's ``resource`` names: ``(host.name, process.pid)`` as text ("None" where missing); a rank
+    with spans of two processes holds two runs."""
+    return str(resource.get(semconv.HOST_NAME)), str(resource.get(semconv.PROCESS_PID))
 
 
 def is_snapshot(span: dict) -> bool:
@@ -325,11 +329,12 @@ class Arrivals:
         return min(self._step_starts.get(step, arrival), arrival)
 
 
-def arrival_matches(tables: dict[int, Arrivals], skip: Callable[[int | None], bool]
-                    ) -> list[list[tuple[int, int, int]]]:
+def arrival_matches(tables: dict[int, Arrivals], skip: Callable[[int | None], bool],
+                    steps: Mapping[int, Sequence[int | None]] | None = None) -> list[list[tuple[int, int, int]]]:
     """The same collective on every rank, from the ranks' columns: by (group, seq counted without send/recv,
     :func:`counted_seqs`), a rank's first event of each; send/recv, events
-    without a seq and those whose step ``skip(step)`` says are left out.
+    without a seq and those whose step ``skip(step)`` says are left out. ``steps``: each rank's step of each
+    collective, in place of its table's ``steps``.
 
     Returns:
         each match as ``[(time returned, rank, index in its columns)]``, unordered (sorted, a match's events and
@@ -339,7 +344,8 @@ def arrival_matches(tables: dict[int, Arrivals], skip: Callable[[int | None], bo
     matches: dict[tuple[str, int], list[tuple[int, int, int]]] = defaultdict(list)
     for rank, table in tables.items():
         seen: set[tuple[str, int]] = set()
-        for i, (group, seq, step) in enumerate(zip(table.groups, table.seqs, table.steps, strict=True)):
+        in_steps = table.steps if steps is None else steps[rank]
+        for i, (group, seq, step) in enumerate(zip(table.groups, table.seqs, in_steps, strict=True)):
             if seq is None or (group, seq) in seen or skip(step):
                 continue
             seen.add((group, seq))

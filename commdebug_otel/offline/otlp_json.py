@@ -36,6 +36,7 @@ from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2 as _mpb
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as _tpb
 
 from commdebug_otel import semconv
+from commdebug_otel.offline.model import process_of
 
 try:  # faster than json; json reads what it refuses (see SpanReader._decode)
     import orjson as _orjson
@@ -1079,7 +1080,7 @@ def _fold(spans: list[dict], keep: Callable[[dict], bool]) -> tuple[list[dict], 
     processes = set()
     for span in spans:
         resource = span["resource"]
-        process = (span["rank"], str(resource.get("host.name")), str(resource.get("process.pid")))
+        process = (span["rank"], *process_of(resource))
         if process in processes and not keep(span):
             continue
         processes.add(process)

@@ -102,8 +102,8 @@ class RunFolders:
         self.totals = Totals()
 
     def _run_for(self, attributes: dict[str, Any], rank: int) -> _Run:
-        key = (str(attributes.get("service.name", "unknown_service")), str(attributes.get(semconv.RUN_ID, "")))
-        process = (str(attributes.get("host.name", "")), str(attributes.get("process.pid", "")))
+        key = (str(attributes.get(semconv.SERVICE_NAME, "unknown_service")), str(attributes.get(semconv.RUN_ID, "")))
+        process = (str(attributes.get(semconv.HOST_NAME, "")), str(attributes.get(semconv.PROCESS_PID, "")))
         runs = self._runs.setdefault(key, [])
         for run in reversed(runs):
             if run.processes.get(rank) == process:

@@ -76,7 +76,7 @@ from typing import Any
 from commdebug_otel import semconv
 from commdebug_otel.core.fact import PASS_NONE, ranges_text
 from commdebug_otel.offline import EXIT_DONE, EXIT_UNREADABLE, write_output
-from commdebug_otel.offline.model import SpanIndex, collective_events, is_snapshot
+from commdebug_otel.offline.model import SpanIndex, collective_events, is_snapshot, process_of
 from commdebug_otel.offline.otlp_json import SpanReader
 
 __all__ = ["EDGES", "FORMAT", "KEY_FIELDS", "MAX_SIGNATURE_BYTES", "SignatureError", "Tally", "TypicalStep", "build",
@@ -337,7 +337,7 @@ def mixed_runs(spans: list[dict]) -> str | None:
     processes: dict[int, set[tuple[str, str]]] = defaultdict(set)
     for span in spans:
         resource = span["resource"]
-        processes[span["rank"]].add((str(resource.get("host.name")), str(resource.get("process.pid"))))
+        processes[span["rank"]].add(process_of(resource))
     rank, seen = max(processes.items(), key=lambda item: (len(item[1]), -item[0]), default=(0, set()))
     if len(seen) < 2:
         return None

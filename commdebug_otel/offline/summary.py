@@ -38,7 +38,7 @@ import statistics
 import sys
 from collections import Counter, defaultdict
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 from commdebug_otel import semconv
 from commdebug_otel.compat.report import GLOBAL, CommReport, Operation, render_json, render_table
@@ -46,20 +46,20 @@ from commdebug_otel.offline import EXIT_DONE, EXIT_NOT_THERE, EXIT_UNREADABLE
 from commdebug_otel.offline.load import load_for_command, load_spans, ranked_spans
 from commdebug_otel.offline.model import P2P as _P2P
 from commdebug_otel.offline.model import (
-    Arrivals,
     SpanIndex,
     arrival_matches,
     collective_events,
-    group_size,
     index_of,
     is_snapshot,
     issued_ns,
     own_step,
+    process_of,
     reusing,
     warmup_step,
 )
 from commdebug_otel.offline.otlp_json import trace_files
-from commdebug_otel.offline.stragglers import ALPHA, RankTimes, find, format_lines, rank_times
+from commdebug_otel.offline.rank_read import ALL, RankRead, rank_reads
+from commdebug_otel.offline.stragglers import ALPHA, find, format_lines
 
 __all__ = [
     "GLOBAL",
@@ -343,49 +343,6 @@ def _operation(event: dict, span_pass: str | None) -> Operation:
 # ---------------------------------------------------------------- across ranks
 
 
-class RankRead(NamedTuple):
-    """What ``summarize`` keeps of one rank's spans where its file is read.
-
-    ``arrivals``: its collectives (:class:`.model.Arrivals`); ``totals``: ``{step: [events, bytes, {op: n}]}``
-    of its collective events by the step of their span (None: outside steps), and under the key ``ALL``
-    all of them, each ``{op: n}`` in the order the ops first came; ``groups``: ``{group: (index in arrivals
-    of its last event there, the group's size, the world size)}`` (pipeline waits place peers by them);
-    ``times``: what the straggler model reads of it (:class:`.stragglers.RankTimes`)."""
-
-    arrivals: Arrivals
-    totals: dict[Any, list]
-    groups: dict[str, tuple[int, int, int]]
-    times: RankTimes
-
-
-ALL = "all"
-
-
-def rank_reads(spans: list[dict]) -> dict[int, RankRead]:
-    """:class:`RankRead` of each rank, from ``spans`` holding every span of each of their ranks."""
-    spans = sorted(spans, key=lambda span: (span["rank"], span["start_ns"]))  # the order load_spans gives
-    with reusing(own=True):  # its own results: one file's, dropped when done
-        steps = index_of(spans)
-        events: dict[int, list[dict]] = defaultdict(list)
-        totals: dict[int, dict[Any, list]] = defaultdict(dict)
-        groups: dict[int, dict[str, tuple[int, int, int]]] = defaultdict(dict)
-        for event in collective_events(spans):
-            world = int(event["span"]["resource"].get(semconv.WORLD_SIZE, 0))
-            groups[event["rank"]][str(event["attributes"].get(semconv.PROCESS_GROUP_NAME, ""))] = (
-                len(events[event["rank"]]), group_size(event), world)
-            events[event["rank"]].append(event)
-            nbytes = int(event["attributes"].get(semconv.COLLECTIVE_BYTES, 0))
-            for key in (ALL, steps.step(event["span"])):
-                total = totals[event["rank"]].setdefault(key, [0, 0, Counter()])
-                total[0] += 1
-                total[1] += nbytes
-                total[2][event["name"]] += 1
-        times = rank_times(spans)
-        return {rank: RankRead(Arrivals(events.get(rank, []), steps, {}), totals.get(rank, {}), groups.get(rank, {}),
-                               times[rank])
-                for rank in sorted({span["rank"] for span in spans})}
-
-
 def rank_totals(spans: list[dict], reads: dict[int, RankRead] | None = None,
                 step: Any = ALL) -> dict[int, dict[str, Any]]:
     """Per rank: ``{"events": n, "bytes": total payload bytes, "by_op": {op: n}, "odd": bool}``.
@@ -444,9 +401,12 @@ def lateness(spans: list[dict], step: int | None = None, include_warmup: bool = 
     ``reads``: each rank's :class:`RankRead` (``summarize``'s reading: the same answer); None: made from ``spans``.
     """
     warmup = None if include_warmup or step is not None else warmup_step(spans)
-    tables = {rank: read.arrivals for rank, read in (rank_reads(spans) if reads is None else reads).items()}
+    reads = rank_reads(spans) if reads is None else reads
+    tables = {rank: read.times.arrivals for rank, read in reads.items()}
+    # A train_step_tail's collectives count in their step here, as step_spans takes them.
     matches = arrival_matches(
-        tables, lambda number: number != step if step is not None else warmup is not None and number == warmup)
+        tables, lambda number: number != step if step is not None else warmup is not None and number == warmup,
+        {rank: read.steps for rank, read in reads.items()})
     late: dict[int, list[int]] = {rank: [] for rank in _ranks(spans)}
     last: Counter = Counter()
     complete = 0
@@ -503,7 +463,7 @@ def _members_read(reads: dict[int, RankRead]) -> dict[str, Sequence[int] | None]
     for rank, read in reads.items():
         for group, (i, size, world) in read.groups.items():
             seen[group].add(rank)
-            found = (read.arrivals.returned[i], rank, i, size, world)
+            found = (read.times.arrivals.returned[i], rank, i, size, world)
             if group not in last or found[:3] > last[group][:3]:
                 last[group] = found
     return _members(seen, {group: found[3] for group, found in last.items()},
@@ -636,7 +596,7 @@ def span_warnings(spans: list[dict]) -> list[str]:
         if lost:
             dropped[span["rank"]] += lost
     for (rank, _), resource in resources.items():
-        processes[rank].add((str(resource.get("host.name")), str(resource.get("process.pid"))))
+        processes[rank].add(process_of(resource))
     for rank, seen in sorted(processes.items()):
         if len(seen) > 1:
             notes.append(f"warning: rank {rank} has spans from {len(seen)} processes: "
@@ -783,9 +743,9 @@ class _Needs:
                        for event in span["events"]))
 
     def digest(self, spans: list[dict]) -> dict[int, RankRead]:
-        """Each rank's :class:`RankRead` from one file's spans (:func:`rank_reads`), stall snapshots aside
-        (``summarize`` leaves them out)."""
-        return rank_reads([span for span in spans if not is_snapshot(span)])
+        """Each rank's :class:`.rank_read.RankRead` from one file's spans (:func:`.rank_read.rank_reads`: stall
+        snapshots aside, as ``summarize`` leaves them out)."""
+        return rank_reads(spans)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -22,7 +22,7 @@ from commdebug_otel.otel.export_guard import (
     fold_exporter_logs,
 )
 
-_logger = logging.getLogger("commdebug_otel.otel.telemetry")  # the telemetry's own log, as before the split
+_logger = logging.getLogger(__name__)
 
 
 # Metric requests: at most this many data points (a few hundred bytes each) per request.

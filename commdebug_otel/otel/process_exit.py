@@ -20,7 +20,7 @@ from commdebug_otel.core.redact import describe, hide_credentials
 from commdebug_otel.otel.export_guard import claim_warning
 from commdebug_otel.otel.signals import SignalFlush
 
-_logger = logging.getLogger("commdebug_otel.otel.telemetry")  # the telemetry's own log, as before the split
+_logger = logging.getLogger(__name__)
 
 
 class ExitHost(Protocol):

@@ -24,7 +24,7 @@ from typing import Any
 from commdebug_otel.core.frames import without_frames_of
 from commdebug_otel.core.redact import describe
 
-_logger = logging.getLogger("commdebug_otel.otel.telemetry")  # the telemetry's own log, as before the split
+_logger = logging.getLogger(__name__)
 
 
 class SignalFlush:

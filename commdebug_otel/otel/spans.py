@@ -32,6 +32,7 @@ from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits
 from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
 
+from commdebug_otel import semconv
 from commdebug_otel.core.ids import span_id as _new_span_id
 from commdebug_otel.core.ids import trace_id as _new_trace_id
 from commdebug_otel.core.records import span_attributes
@@ -216,7 +217,7 @@ class SpanBuilder:
                              record.span_id or own.generate_span_id())
         else:
             chosen = contextlib.nullcontext()  # type: ignore[assignment]
-        if parent_span is not None:  # processors and samplers see the live parent, as before
+        if parent_span is not None:  # processors and samplers see the live parent span
             parent_context = otel_trace.set_span_in_context(parent_span)
         elif parent is not None:
             parent_context = otel_trace.set_span_in_context(NonRecordingSpan(parent))
@@ -230,7 +231,7 @@ class SpanBuilder:
         if record.error is not None:
             span.set_status(Status(StatusCode.ERROR, type(record.error).__name__))
             # Not Span.record_exception: its message and stack trace can hold tensor values.
-            span.add_event("exception", exception_attributes(record.error, self._exception_messages),
+            span.add_event(semconv.EVENT_EXCEPTION, exception_attributes(record.error, self._exception_messages),
                            record.end_ns)
         context = span.get_span_context()
         for child in children.get(id(record), ()):

@@ -115,13 +115,13 @@ def build_resource(rank: RankInfo, export: ExportEnv | None = None) -> Resource:
         semconv.LOCAL_RANK: rank.local_rank,
         semconv.NODE_RANK: rank.node_rank,
         semconv.RUN_ID: rank.run_id,
-        "host.name": socket.gethostname(),
-        "process.pid": os.getpid(),
+        semconv.HOST_NAME: socket.gethostname(),
+        semconv.PROCESS_PID: os.getpid(),
     }
     if rank.backend:
         attributes[semconv.BACKEND] = rank.backend
     if not (export if export is not None else ExportEnv.from_env()).service_name_set:
-        attributes["service.name"] = "torch-training"
+        attributes[semconv.SERVICE_NAME] = "torch-training"
     resource = Resource.create(attributes)
     return _HashedResource(resource.attributes, resource.schema_url)
 

@@ -61,7 +61,7 @@ from collections.abc import Set as AbstractSet
 from typing import Any
 
 from commdebug_otel import semconv
-from commdebug_otel.core.fact import CollectiveFact, ranges_text
+from commdebug_otel.core.fact import P2P, CollectiveFact, ranges_text
 
 _logger = logging.getLogger(__name__)
 
@@ -75,7 +75,6 @@ MAX_RANKS_LISTED = 8  # the summary sentence lists at most this many ranks one b
 MAX_ROUNDS = 12  # snapshots per stall (stall.MAX_SNAPSHOTS): a round key each
 
 BETWEEN_STEPS = "(between steps)"
-_P2P = frozenset({semconv.SEND, semconv.RECV, semconv.BATCH_P2P})
 KIND_HANG = semconv.VERDICT_KIND_HANG
 KIND_DESYNC = semconv.VERDICT_KIND_DESYNC
 KIND_MISSING = semconv.VERDICT_KIND_MISSING
@@ -333,7 +332,7 @@ def _desync(records: Mapping[int, StallRecord]) -> tuple[str, int, dict[str, lis
             for entry in facts.in_flight:
                 ops.setdefault((group, entry.seq), {}).setdefault(entry.op, []).append(rank)
     # A send and a recv at one seq are the two ends of one transfer (pipeline stages), not a disagreement.
-    split = sorted(key for key, by_op in ops.items() if len(by_op) > 1 and not set(by_op) <= _P2P)
+    split = sorted(key for key, by_op in ops.items() if len(by_op) > 1 and not set(by_op) <= P2P)
     if not split:
         return None
     group, seq = split[0]
@@ -589,6 +588,7 @@ class StoreExchange:
         self._round = 0  # this rank's snapshot number in the stall (the others' of the same number are awaited)
         self._last: str | None = None  # what the last verdict exported for this stall said
         self.exported = 0  # verdicts exported (tests)
+        self.ignored = 0  # records of another format, or damaged, left out of a verdict
 
     @property
     def on(self) -> bool:
@@ -730,10 +730,22 @@ class StoreExchange:
             values = [store.get(key) for key in keys if store.check([key])]
         records = {}
         for value in values:
-            record = StallRecord.from_json(_text(value))
-            if record is not None:  # (a rank of another version publishes another format)
-                records[record.rank] = record
+            try:
+                record = StallRecord.from_json(_text(value))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                record = None  # a damaged record: that rank reads as absent, the verdict goes on
+            if record is None:  # (or a rank of another version publishes another format)
+                self._ignore()
+                continue
+            records[record.rank] = record
         return records
+
+    def _ignore(self) -> None:
+        """Count a record of another format (or damaged) left out of the verdict; say so once."""
+        if not self.ignored:
+            _logger.warning("commdebug-otel: stall verdict: a rank's record is not of format %d (another "
+                            "commdebug-otel version, or damaged): that rank reads as absent", RECORD_FORMAT)
+        self.ignored += 1
 
     def _absent(self, ranks: set[int]) -> dict[int, str]:
         """What is known of ranks that published nothing, from their alive keys (one check each)."""

@@ -32,6 +32,7 @@ from commdebug_otel.capture._torch import MODULE_CALL_CODE, default_store_client
 from commdebug_otel.config import SETUP_FLOOR_S
 from commdebug_otel.core.fact import stall_step_text
 from commdebug_otel.core.protocols import StallSource
+from commdebug_otel.core.stall_snapshot import StallPlace
 from commdebug_otel.stall.straggler import POLL_S, StragglerExchange, StragglerVerdict
 from commdebug_otel.stall.verdict import StoreExchange, Verdict, progress_record
 
@@ -212,20 +213,14 @@ class StallWatch:
                                         semconv.SPAN_STRAGGLER_VERDICT):
             self._flush()
 
-    def _publish(self, now: int, age_s: float, snapshot: int, where: tuple[str, str, list[str]]) -> None:
+    def _publish(self, now: int, age_s: float, snapshot: int, place: StallPlace) -> None:
         """This rank's record for the cross-rank verdict (stall/verdict.py), before its own snapshot is exported."""
         if not self.exchange.ready():
             return
         progress = self._recorder.progress
-        in_step = progress.in_step
-        record = progress_record(self._recorder.rank().rank, self._step(), now, age_s, snapshot, in_step, where,
-                                 progress.seqs(), progress.ring)
+        record = progress_record(self._recorder.rank().rank, place.step, now, age_s, snapshot, not place.between_steps,
+                                 (place.module, place.pass_, place.stack), progress.seqs(), progress.ring)
         self.exchange.publish(record, progress.since_ns)
-
-    def _step(self) -> int:
-        """The stalled step (the ``stalled`` span's ``torch.step``): the open one, or between steps the next."""
-        progress = self._recorder.progress
-        return progress.step_index if progress.in_step else self._recorder.steps_taken
 
     def check(self, now: int | None = None) -> bool:
         """Export a snapshot if one is due now. True if one was exported."""
@@ -246,23 +241,23 @@ class StallWatch:
             return False  # setting up (imports, compilation), not waiting for a peer
         if age_s < self._due_s or self._snapshots >= MAX_SNAPSHOTS:
             return False
-        where = training_thread_location(self._recorder.thread_id, self._fqn_of)
-        self._publish(now, age_s, self._snapshots + 1, where)
-        if not self._recorder.stall_snapshot(now, age_s, threshold_s, self._snapshots + 1, where):
+        # Worked out once: the span, the verdict's record and the line below say the same step and module.
+        place = self._recorder.stall_place(training_thread_location(self._recorder.thread_id, self._fqn_of))
+        self._publish(now, age_s, self._snapshots + 1, place)
+        if not self._recorder.stall_snapshot(now, age_s, threshold_s, self._snapshots + 1, place):
             return False
         self._snapshots += 1  # only once exported: a failed snapshot is tried again at the next poll
         self._due_s = next_due_s(age_s, threshold_s)
         # The place as diagnose words it (core/fact.py): "in step 2 at M forward", "before step 0, ...".
-        place = stall_step_text(not progress.in_step, self._step())
-        self.last_stall = (f"no progress for {age_s:.1f} s ({place}"
-                           f"{f' at {where[0]} {where[1]}'.rstrip() if where[0] else ', outside any module'})")
+        at = f" at {place.module} {place.pass_}".rstrip() if place.module else ", outside any module"
+        text = stall_step_text(place.between_steps, place.step)
+        self.last_stall = f"no progress for {age_s:.1f} s ({text}{at})"
         if self._snapshots == 1:
             # Every rank of a hung job says this (the ones waiting too): diagnose tells which one is behind.
             _logger.warning("commdebug-otel: rank %d made no progress for %.1f s (%s%s); a stall snapshot "
                             "(span `stalled`) was exported with the metrics, again at 2, 4, 8... times the "
                             "threshold while it lasts; `commdebug-otel diagnose` on the traces names the rank the "
-                            "others wait for", self._recorder.rank().rank, age_s, place,
-                            f" at {where[0]} {where[1]}".rstrip() if where[0] else ", outside any module")
+                            "others wait for", self._recorder.rank().rank, age_s, text, at)
         self._on_snapshot()
         self._flush()
         return True
