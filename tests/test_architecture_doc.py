@@ -128,7 +128,7 @@ CHAINS = {
            "offline/diagnose.py:diagnose", "offline/diagnose.py:_straggler_answer", "offline/stragglers.py:find",
            "offline/stragglers.py:late_records", "offline/model.py:arrival_matches",
            "offline/model.py:Arrivals.window_start", "offline/stragglers.py:Timeline.self_times",
-           "offline/stragglers.py:_blame", "offline/stragglers.py:judge",
+           "offline/stragglers.py:blame", "offline/stragglers.py:judge",
            "offline/stragglers.py:format_lines"],
           ["offline/summary.py:report_dict", "offline/summary.py:straggler_answer", "offline/stragglers.py:find"]],
     "g": [["core/step_lifecycle.py:StepLifecycle.open_step", "core/step_export.py:StepExport.trace_id",

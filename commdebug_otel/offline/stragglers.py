@@ -45,7 +45,7 @@ import math
 import statistics
 from array import array
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from commdebug_otel import semconv
@@ -257,7 +257,7 @@ def _latest_other(times: _Latest, rank: int) -> int:
     return second_time if first == rank else first_time
 
 
-def blame(late: dict[Label, int], others: list[dict[Label, int]]) -> tuple[Label, int, int]:
+def blame(late: Mapping[Label, int], others: Sequence[Mapping[Label, int]]) -> tuple[Label, int, int]:
     """The label where ``late`` spent most more time than the others' median, that excess, and the
     excesses summed over every label where it spent more (ns)."""
     labels = set(late).union(*others)
