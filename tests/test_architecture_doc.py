@@ -145,7 +145,9 @@ CHAINS = {
 NOT_RUN = {
     "f": ["core/progress.py:Progress.step_ended", "stall/straggler.py:StragglerExchange.poll",
           "stall/straggler.py:StragglerJudge.judge", "stall/straggler.py:late_from_busy",
-          "stall/watchdog.py:StallWatch._export_straggler", "core/recorder.py:Recorder.stall_verdict"],
+          "stall/watchdog.py:StallWatch._export_straggler", "core/recorder.py:Recorder.stall_verdict",
+          "core/step_lifecycle.py:StepLifecycle.close_step", "core/records.py:self_times",
+          "stall/straggler.py:placed_records", "stall/watchdog.py:StallWatch._trace_steps"],
     "g": ["otel/spans.py:StepIdGenerator.ids"],
     "h": ["offline/compare.py:run", "offline/signature.py:load", "offline/signature.py:compare",
           "offline/signature.py:format_diff", "pytest_plugin.py:comm_signature",
