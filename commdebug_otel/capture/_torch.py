@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import types
+from collections import OrderedDict
 from types import FrameType
 from typing import Any
 
@@ -137,18 +138,41 @@ def set_compiled_call(module: torch.nn.Module, call: Any) -> None:
     module._compiled_call_impl = call
 
 
+def add_tensor_hook(tensor: torch.Tensor, hook: Any) -> Any:
+    """``tensor.register_hook(hook)``; for a tensor no ``__torch_function__`` sees (no subclass that overrides
+    it, no torch function mode on), what it does without its handle object: returns ``(hooks dict, key)``,
+    the entry that the handle's ``remove()`` pops (:func:`tensor_hook_key`), else the handle. Raises
+    ``RuntimeError`` as ``register_hook`` does for a tensor that does not require grad.
+    """
+    if _has_torch_function_unary(tensor) or not tensor.requires_grad:
+        return tensor.register_hook(hook)
+    hooks = tensor._backward_hooks
+    if hooks is None:  # (Tensor.register_hook, torch/_tensor.py)
+        hooks = tensor._backward_hooks = OrderedDict()
+        if tensor.grad_fn is not None:
+            tensor.grad_fn._register_hook_dict(tensor)
+    key = RemovableHandle.next_id  # the id a handle would take: unique among every handle's
+    RemovableHandle.next_id = key + 1
+    hooks[key] = hook
+    return hooks, key
+
+
+_has_torch_function_unary = torch._C._has_torch_function_unary
+
+
 def run_tensor_hook_first(tensor: torch.Tensor, handle: Any) -> None:
-    """Run the tensor hook ``handle`` (``Tensor.register_hook``) before the hooks registered earlier.
+    """Run the tensor hook ``handle`` (``Tensor.register_hook``'s handle, or :func:`add_tensor_hook`'s
+    ``(hooks dict, key)``) before the hooks registered earlier.
 
     Autograd calls ``Tensor._backward_hooks`` in the order of the underlying dict
     (``PyDict_Next``), which ``OrderedDict.move_to_end`` does not change: the
     entries are inserted again, in the same dict object the handles refer to.
     """
     hooks: Any = tensor._backward_hooks
-    ours = hooks.pop(handle.id)
+    ours = hooks.pop(handle[1] if type(handle) is tuple else handle.id)
     rest = list(hooks.items())
     hooks.clear()
-    hooks[handle.id] = ours
+    hooks[handle[1] if type(handle) is tuple else handle.id] = ours
     hooks.update(rest)
 
 

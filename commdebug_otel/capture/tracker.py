@@ -62,6 +62,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from commdebug_otel import semconv
 from commdebug_otel.capture._torch import (
     add_forward_hook_last,
+    add_tensor_hook,
     compiled_call,
     compiled_original,
     disown_global_hooks,
@@ -466,7 +467,7 @@ class ModuleTracker:
             end = record.end_hook = _BackwardEnd(self._recorder, record)
         # One input (the common case): its own hook is "all" grads, at a third of the cost.
         if len(inputs) == 1:
-            handle = inputs[0].register_hook(end)
+            handle = add_tensor_hook(inputs[0], end)
         else:
             handle = register_multi_grad_hook(inputs, end)
             mark_unserializable(handle)
@@ -561,7 +562,7 @@ class ModuleTracker:
             # hook: no object more per call, alive through the step (docs/performance.md).
             record.backward_hook = self._began
             for tensor in outputs:
-                handle = tensor.register_hook(record)
+                handle = add_tensor_hook(tensor, record)
                 self._recorder.keep_hook(handle)
                 if first:
                     run_tensor_hook_first(tensor, handle)
