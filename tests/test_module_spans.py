@@ -322,3 +322,28 @@ def test_tensor_hooks_added_without_handles_behave_as_register_hooks():
     assert type(handle) is RemovableHandle and seen == [torch.Tensor.register_hook]
     with pytest.raises(RuntimeError, match="doesn't require gradient"):
         add_tensor_hook(torch.ones(1), lambda grad: None)
+
+
+@pytest.mark.parametrize("patterns", [{}, {"module_include": ("TwoBlocks", "TwoBlocks.l0*")},
+                                      {"module_exclude": ("*.act",)}])
+def test_module_include_and_exclude_hide_spans_and_keep_the_tree(telemetry, tracer_factory, patterns):
+    """Hidden modules (``module_include``/``module_exclude``) get no span; their children go to the nearest shown
+    ancestor; call indexes count every call of a shown module."""
+    with tracer_factory(**patterns):
+        train(TwoBlocks())
+    names = sorted({span.name.rsplit(" ", 1)[0] for span in telemetry.spans() if span.name != "train_step"})
+    every = ["TwoBlocks", "TwoBlocks.l0", "TwoBlocks.l0.a", "TwoBlocks.l0.act", "TwoBlocks.l0.b",
+             "TwoBlocks.l1", "TwoBlocks.l1.a", "TwoBlocks.l1.act", "TwoBlocks.l1.b"]
+    if not patterns:
+        assert names == every
+    elif "module_include" in patterns:
+        assert names == ["TwoBlocks", "TwoBlocks.l0", "TwoBlocks.l0.a", "TwoBlocks.l0.act", "TwoBlocks.l0.b"]
+    else:
+        assert names == [name for name in every if not name.endswith(".act")]
+        root = telemetry.one("TwoBlocks forward")
+        assert telemetry.one("TwoBlocks.l1.b forward").parent.span_id == telemetry.one(
+            "TwoBlocks.l1 forward").context.span_id
+        assert telemetry.one("TwoBlocks.l1 forward").parent.span_id == root.context.span_id
+    if "module_exclude" not in patterns:
+        assert [s.attributes[semconv.MODULE_CALL_INDEX] for s in telemetry.by_name("TwoBlocks.l0.act forward")] \
+            == [0, 1]

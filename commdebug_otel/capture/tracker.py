@@ -52,6 +52,7 @@ import copy
 import dataclasses
 import weakref
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -201,7 +202,7 @@ def _hooked_inputs(grads: list) -> list:
 _HOOKED_PASSES = frozenset({semconv.PASS_FORWARD, semconv.PASS_RECOMPUTE})
 # Hooks that check which thread trains and then record: the check and the records hold together. Called
 # only outside compiled code (after _compiled()).
-_tracker_hook = one_role_holder(lambda tracker: tracker._recorder.role)
+_tracker_hook = one_role_holder(attrgetter("_recorder.role"))
 
 
 class ModuleNames:
