@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch._ops import HigherOrderOperator  # noqa: F401  (re-exported: the mode skips these)
+from torch.compiler import is_compiling
 from torch.utils import _pytree
 from torch.utils._python_dispatch import (  # noqa: F401  (TorchDispatchMode re-exported)
     TorchDispatchMode,
@@ -35,14 +36,19 @@ def in_backward() -> bool:
     return graph_task_id() != -1
 
 
-def in_compiled_autograd() -> bool:
-    """Whether compiled autograd's backward graph is running now (``torch._dynamo.compiled_autograd``).
-
-    Its module calls and tensor-hook calls are the compiled backward's own (a ``GraphModule``,
-    the hooks it captured), not the model's; it is never imported here.
+def in_compiled_code() -> bool:
+    """Whether a hook runs inside compiled code: traced by dynamo (``torch.compiler.is_compiling()``, first:
+    nothing after it goes into a graph) or compiled autograd's backward graph running now
+    (``torch._dynamo.compiled_autograd``, never imported here), whose module calls and tensor-hook calls are
+    the compiled backward's own (a ``GraphModule``, the hooks it captured), not the model's.
     """
-    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    if is_compiling():
+        return True
+    module = _modules.get("torch._dynamo.compiled_autograd")  # (one call a hook: no helper function)
     return module is not None and getattr(module, "in_compiled_autograd_region", False) is True
+
+
+_modules = sys.modules
 
 
 def queue_engine_callback(callback: Any) -> None:

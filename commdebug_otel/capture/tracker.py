@@ -57,7 +57,6 @@ from typing import Any
 
 import torch
 from torch.autograd.graph import register_multi_grad_hook
-from torch.compiler import is_compiling
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from commdebug_otel import semconv
@@ -68,7 +67,7 @@ from commdebug_otel.capture._torch import (
     compiled_original,
     disown_global_hooks,
     has_forward_hook,
-    in_compiled_autograd,
+    in_compiled_code,
     mark_unserializable,
     new_hook_id,
     own_global_hooks,
@@ -612,10 +611,9 @@ class ModuleTracker:
             recorder.hook_failed("module forward hook", error)
 
 
-def _compiled() -> bool:
-    """Whether a hook runs inside compiled code: traced by dynamo (nothing of ours may go into a graph)
-    or compiled autograd's backward graph running (its modules and hooks are its own, not the model's)."""
-    return is_compiling() or in_compiled_autograd()
+# Whether a hook runs inside compiled code: traced by dynamo (nothing of ours may go into a graph) or compiled
+# autograd's backward graph running (its modules and hooks are its own, not the model's).
+_compiled = in_compiled_code
 
 
 class _PostHook:
