@@ -263,3 +263,50 @@ def test_direct_path_keeps_attributes_as_bounded_attributes_does():
     for unplain in ([1, "a"], [1, True], [None], {"a": 1}, None, b"bytes", [[1]]):
         assert _plain({"key": unplain}, 12, 128) is None, unplain  # the SDK's path converts or drops it
     assert _plain({"a": 1, "b": 2}, 12, 1) is None  # over the count limit: the SDK's path drops and counts
+
+
+def test_direct_module_spans_from_the_memo_are_the_records_own():
+    """A module span's name and attributes come from a memo per module and pass: on every call they equal
+    what ``_plain(span_attributes(record))`` gives that record, in the same order, whatever its module type,
+    flags or call index, and within the limits (cut strings, surrogates made valid, the count limit)."""
+    from types import SimpleNamespace
+
+    from commdebug_otel.core.records import Record, SpanKind, span_attributes
+    from commdebug_otel.otel.spans import _DirectSpans, _plain
+    from commdebug_otel.otel.spans import valid_text as valid
+
+    def direct(chars, count):
+        spans = _DirectSpans.__new__(_DirectSpans)
+        spans._span_chars, spans._span_attributes, spans._events, spans._modules = chars, count, 128, {}
+        return spans
+
+    def record(fqn, pass_, module_type, call_index, **flags):
+        made = Record(SpanKind.MODULE, f"{fqn} {pass_}", 1)
+        made.fqn, made.pass_, made.module_type, made.call_index = fqn, pass_, module_type, call_index
+        for name, value in flags.items():
+            setattr(made, name, value)
+        return made
+
+    def expected(made, chars, count):
+        return valid(made.name), _plain(span_attributes(made), chars, count), ()
+
+    records = [record("Net.blocks.0", "forward", "m.Block", 0), record("Net.blocks.0", "forward", "m.Block", 1),
+               record("Net.blocks.0", "backward", "m.Block", 0), record("Net.blocks.0", "forward", "m.Other", 2),
+               record("Net.blocks.0", "forward", "m.Block", 3, unmatched=True),
+               record("Net.blocks.0", "forward", "m.Block", 4, compiled=True, params=["weight [8, 8]"]),
+               record("Net.\udc80.layer_with_a_long_name", "forward", "m.Block", 0),
+               record("Net.\udc80.layer_with_a_long_name", "forward", "m.Block", 1),
+               record("Net.blocks.0", "forward", "m.Block", 5, dropped_events=2)]
+    records[-1].attrs["user.key"] = "v"
+    for chars, count in ((None, None), (12, 128), (None, 5), (None, 4)):
+        spans = direct(chars, count)
+        for made in records:
+            got, want = spans.prepare(made), expected(made, chars, count)
+            if want[1] is None:  # over the count limit: the SDK's path
+                assert got is None
+                continue
+            assert got == want and list(got[1]) == list(want[1]), (chars, count, made.name, made.call_index)
+    spans = direct(None, None)
+    spans.prepare(records[0])
+    assert spans.prepare(SimpleNamespace(**{**{name: getattr(records[0], name) for name in Record.__slots__},
+                                            "error": ValueError()})) is None  # an error: the SDK's path

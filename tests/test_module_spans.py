@@ -271,3 +271,79 @@ def test_a_retry_inside_except_is_ok_and_a_reraise_there_is_error(telemetry, tra
     assert _status(telemetry.one("MaybeBoom backward")) == "UNSET"
     failed = telemetry.one("Reraise forward")
     assert _status(failed) == "ERROR" and [e.name for e in failed.events] == ["exception"]
+
+
+def test_tensor_hooks_added_without_handles_behave_as_register_hooks():
+    """``_torch.add_tensor_hook`` (the tracker's hooks on call outputs and inputs): the same dict entry, key
+    and firing order as ``Tensor.register_hook``, removed by popping it; under a torch function mode (or a
+    tensor subclass that overrides it) ``register_hook`` itself, which the mode sees."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils.hooks import RemovableHandle
+
+    from commdebug_otel.capture._torch import add_tensor_hook, run_tensor_hook_first
+
+    calls = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2  # no hooks dict yet: the autograd node must learn the one made
+    next_id = RemovableHandle.next_id
+    hooks, key = add_tensor_hook(y, lambda grad: calls.append("ours"))
+    assert hooks is y._backward_hooks and key == next_id and RemovableHandle.next_id == next_id + 1
+    y.register_hook(lambda grad: calls.append("torch's"))
+    y.sum().backward()
+    assert calls == ["ours", "torch's"]
+
+    calls.clear()
+    y = x * 2
+    y.register_hook(lambda grad: calls.append("torch's"))
+    added = add_tensor_hook(y, lambda grad: calls.append("ours"))
+    run_tensor_hook_first(y, added)
+    y.sum().backward()
+    assert calls == ["ours", "torch's"]
+    calls.clear()
+    y = x * 2
+    hooks, key = add_tensor_hook(y, lambda grad: calls.append("ours"))
+    hooks.pop(key)  # what the step's close does
+    y.sum().backward()
+    assert calls == []
+    hooks, key = add_tensor_hook(x, lambda grad: calls.append("leaf"))  # a leaf: no node
+    (x * 2).sum().backward()
+    assert calls == ["leaf"] and hooks is x._backward_hooks
+
+    seen = []
+
+    class Seen(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    y = x * 2
+    with Seen():
+        handle = add_tensor_hook(y, lambda grad: None)
+    assert type(handle) is RemovableHandle and seen == [torch.Tensor.register_hook]
+    with pytest.raises(RuntimeError, match="doesn't require gradient"):
+        add_tensor_hook(torch.ones(1), lambda grad: None)
+
+
+@pytest.mark.parametrize("patterns", [{}, {"module_include": ("TwoBlocks", "TwoBlocks.l0*")},
+                                      {"module_exclude": ("*.act",)}])
+def test_module_include_and_exclude_hide_spans_and_keep_the_tree(telemetry, tracer_factory, patterns):
+    """Hidden modules (``module_include``/``module_exclude``) get no span; their children go to the nearest shown
+    ancestor; call indexes count every call of a shown module."""
+    with tracer_factory(**patterns):
+        train(TwoBlocks())
+    names = sorted({span.name.rsplit(" ", 1)[0] for span in telemetry.spans() if span.name != "train_step"})
+    every = ["TwoBlocks", "TwoBlocks.l0", "TwoBlocks.l0.a", "TwoBlocks.l0.act", "TwoBlocks.l0.b",
+             "TwoBlocks.l1", "TwoBlocks.l1.a", "TwoBlocks.l1.act", "TwoBlocks.l1.b"]
+    if not patterns:
+        assert names == every
+    elif "module_include" in patterns:
+        assert names == ["TwoBlocks", "TwoBlocks.l0", "TwoBlocks.l0.a", "TwoBlocks.l0.act", "TwoBlocks.l0.b"]
+    else:
+        assert names == [name for name in every if not name.endswith(".act")]
+        root = telemetry.one("TwoBlocks forward")
+        assert telemetry.one("TwoBlocks.l1.b forward").parent.span_id == telemetry.one(
+            "TwoBlocks.l1 forward").context.span_id
+        assert telemetry.one("TwoBlocks.l1 forward").parent.span_id == root.context.span_id
+    if "module_exclude" not in patterns:
+        assert [s.attributes[semconv.MODULE_CALL_INDEX] for s in telemetry.by_name("TwoBlocks.l0.act forward")] \
+            == [0, 1]

@@ -662,3 +662,59 @@ print("ALIVE", os.WIFSIGNALED(status) and os.WTERMSIG(status), flush=True)
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["ALIVE", str(int(signal.SIGTERM))]
+
+
+def test_span_hand_over_at_once_queues_as_on_end_does_and_counts_drops():
+    """Our processors take a step's spans at once (``on_end_all``): the queue ends as ``on_end`` one by one
+    leaves it (order, the export thread woken once a batch waits); where they do not all fit, or the
+    processor is shut down, each goes through ``on_end`` (drops counted, as before)."""
+    from opentelemetry.sdk.trace import ReadableSpan
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+    from opentelemetry.trace import SpanContext, TraceFlags
+
+    from commdebug_otel.otel.export_guard import CountingBatchSpanProcessor
+
+    class Held(SpanExporter):
+        def export(self, spans):
+            return SpanExportResult.SUCCESS
+
+    def spans(first, count):
+        return [ReadableSpan(f"span {index}", SpanContext(1, index + 1, False, TraceFlags(TraceFlags.SAMPLED)))
+                for index in range(first, first + count)]
+
+    drops = []
+    made = []
+
+    def processor():
+        made.append(CountingBatchSpanProcessor(Held(), lambda kind, n: drops.append((kind, n)), max_queue_size=8,
+                                               max_export_batch_size=4, schedule_delay_millis=60_000))
+        return made[-1]
+
+    try:
+        one_by_one, at_once, full = processor(), processor(), processor()
+        held = [p._batch_processor._export_lock for p in made]  # the export threads take nothing meanwhile
+        for lock in held:
+            lock.acquire()
+        try:
+            for span in spans(0, 3):
+                one_by_one.on_end(span)
+            at_once.on_end_all(spans(0, 3))
+            queues = [p._batch_processor._queue for p in (one_by_one, at_once)]
+            assert [[s.name for s in q] for q in queues] == [["span 2", "span 1", "span 0"]] * 2
+            assert not at_once._batch_processor._worker_awaken.is_set()  # under a batch: the thread sleeps on
+            at_once.on_end_all(spans(3, 2))
+            assert at_once._batch_processor._worker_awaken.is_set()
+            assert drops == []
+            full.on_end_all(spans(0, 6))
+            full.on_end_all(spans(6, 5))  # 11 > 8: one by one, the 3 oldest dropped and counted
+            assert [s.name for s in full._batch_processor._queue] == [f"span {i}" for i in range(10, 2, -1)]
+            assert drops == [("span", 1)] * 3
+        finally:
+            for lock in held:
+                lock.release()
+        full.shutdown()
+        full.on_end_all(spans(0, 2))  # shut down: on_end's path, which queues nothing
+        assert len(full._batch_processor._queue) == 0 and drops == [("span", 1)] * 3
+    finally:
+        for made_one in made:
+            made_one.shutdown()

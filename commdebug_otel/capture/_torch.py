@@ -10,11 +10,13 @@ from __future__ import annotations
 import os
 import sys
 import types
+from collections import OrderedDict
 from types import FrameType
 from typing import Any
 
 import torch
 from torch._ops import HigherOrderOperator  # noqa: F401  (re-exported: the mode skips these)
+from torch.compiler import is_compiling
 from torch.utils import _pytree
 from torch.utils._python_dispatch import (  # noqa: F401  (TorchDispatchMode re-exported)
     TorchDispatchMode,
@@ -34,14 +36,19 @@ def in_backward() -> bool:
     return graph_task_id() != -1
 
 
-def in_compiled_autograd() -> bool:
-    """Whether compiled autograd's backward graph is running now (``torch._dynamo.compiled_autograd``).
-
-    Its module calls and tensor-hook calls are the compiled backward's own (a ``GraphModule``,
-    the hooks it captured), not the model's; it is never imported here.
+def in_compiled_code() -> bool:
+    """Whether a hook runs inside compiled code: traced by dynamo (``torch.compiler.is_compiling()``, first:
+    nothing after it goes into a graph) or compiled autograd's backward graph running now
+    (``torch._dynamo.compiled_autograd``, never imported here), whose module calls and tensor-hook calls are
+    the compiled backward's own (a ``GraphModule``, the hooks it captured), not the model's.
     """
-    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    if is_compiling():
+        return True
+    module = _modules.get("torch._dynamo.compiled_autograd")  # (one call a hook: no helper function)
     return module is not None and getattr(module, "in_compiled_autograd_region", False) is True
+
+
+_modules = sys.modules
 
 
 def queue_engine_callback(callback: Any) -> None:
@@ -137,18 +144,41 @@ def set_compiled_call(module: torch.nn.Module, call: Any) -> None:
     module._compiled_call_impl = call
 
 
+def add_tensor_hook(tensor: torch.Tensor, hook: Any) -> Any:
+    """``tensor.register_hook(hook)``; for a tensor no ``__torch_function__`` sees (no subclass that overrides
+    it, no torch function mode on), what it does without its handle object: returns ``(hooks dict, key)``,
+    the entry that the handle's ``remove()`` pops (:func:`tensor_hook_key`), else the handle. Raises
+    ``RuntimeError`` as ``register_hook`` does for a tensor that does not require grad.
+    """
+    if _has_torch_function_unary(tensor) or not tensor.requires_grad:
+        return tensor.register_hook(hook)
+    hooks = tensor._backward_hooks
+    if hooks is None:  # (Tensor.register_hook, torch/_tensor.py)
+        hooks = tensor._backward_hooks = OrderedDict()
+        if tensor.grad_fn is not None:
+            tensor.grad_fn._register_hook_dict(tensor)
+    key = RemovableHandle.next_id  # the id a handle would take: unique among every handle's
+    RemovableHandle.next_id = key + 1
+    hooks[key] = hook
+    return hooks, key
+
+
+_has_torch_function_unary = torch._C._has_torch_function_unary
+
+
 def run_tensor_hook_first(tensor: torch.Tensor, handle: Any) -> None:
-    """Run the tensor hook ``handle`` (``Tensor.register_hook``) before the hooks registered earlier.
+    """Run the tensor hook ``handle`` (``Tensor.register_hook``'s handle, or :func:`add_tensor_hook`'s
+    ``(hooks dict, key)``) before the hooks registered earlier.
 
     Autograd calls ``Tensor._backward_hooks`` in the order of the underlying dict
     (``PyDict_Next``), which ``OrderedDict.move_to_end`` does not change: the
     entries are inserted again, in the same dict object the handles refer to.
     """
     hooks: Any = tensor._backward_hooks
-    ours = hooks.pop(handle.id)
+    ours = hooks.pop(handle[1] if type(handle) is tuple else handle.id)
     rest = list(hooks.items())
     hooks.clear()
-    hooks[handle.id] = ours
+    hooks[handle[1] if type(handle) is tuple else handle.id] = ours
     hooks.update(rest)
 
 

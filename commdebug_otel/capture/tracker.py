@@ -52,21 +52,22 @@ import copy
 import dataclasses
 import weakref
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
 
 import torch
 from torch.autograd.graph import register_multi_grad_hook
-from torch.compiler import is_compiling
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from commdebug_otel import semconv
 from commdebug_otel.capture._torch import (
     add_forward_hook_last,
+    add_tensor_hook,
     compiled_call,
     compiled_original,
     disown_global_hooks,
     has_forward_hook,
-    in_compiled_autograd,
+    in_compiled_code,
     mark_unserializable,
     new_hook_id,
     own_global_hooks,
@@ -200,7 +201,7 @@ def _hooked_inputs(grads: list) -> list:
 _HOOKED_PASSES = frozenset({semconv.PASS_FORWARD, semconv.PASS_RECOMPUTE})
 # Hooks that check which thread trains and then record: the check and the records hold together. Called
 # only outside compiled code (after _compiled()).
-_tracker_hook = one_role_holder(lambda tracker: tracker._recorder.role)
+_tracker_hook = one_role_holder(attrgetter("_recorder.role"))
 
 
 class ModuleNames:
@@ -466,7 +467,7 @@ class ModuleTracker:
             end = record.end_hook = _BackwardEnd(self._recorder, record)
         # One input (the common case): its own hook is "all" grads, at a third of the cost.
         if len(inputs) == 1:
-            handle = inputs[0].register_hook(end)
+            handle = add_tensor_hook(inputs[0], end)
         else:
             handle = register_multi_grad_hook(inputs, end)
             mark_unserializable(handle)
@@ -561,7 +562,7 @@ class ModuleTracker:
             # hook: no object more per call, alive through the step (docs/performance.md).
             record.backward_hook = self._began
             for tensor in outputs:
-                handle = tensor.register_hook(record)
+                handle = add_tensor_hook(tensor, record)
                 self._recorder.keep_hook(handle)
                 if first:
                     run_tensor_hook_first(tensor, handle)
@@ -610,10 +611,9 @@ class ModuleTracker:
             recorder.hook_failed("module forward hook", error)
 
 
-def _compiled() -> bool:
-    """Whether a hook runs inside compiled code: traced by dynamo (nothing of ours may go into a graph)
-    or compiled autograd's backward graph running (its modules and hooks are its own, not the model's)."""
-    return is_compiling() or in_compiled_autograd()
+# Whether a hook runs inside compiled code: traced by dynamo (nothing of ours may go into a graph) or compiled
+# autograd's backward graph running (its modules and hooks are its own, not the model's).
+_compiled = in_compiled_code
 
 
 class _PostHook:

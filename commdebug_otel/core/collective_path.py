@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -80,7 +81,7 @@ class CollectivePath:
         """A step (or segment) closed: what was kept for its records goes."""
         self.awaiting_source.clear()
 
-    @one_role_holder(lambda path: path._host.role)
+    @one_role_holder(attrgetter("_host.role"))
     def collective(self, spec: CollectiveSpec, args: tuple, duration_ns: int, out: Any = None,
                    start_ns: int = 0) -> None:
         """A collective was issued (``duration_ns``: issue time on the CPU, in nanoseconds).

@@ -20,6 +20,7 @@ import functools
 import sys
 import time
 import weakref
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -38,6 +39,8 @@ from commdebug_otel.core.thread_role import one_role_holder
 # Where no optimizer exists (none alive, none stepped), a step ends at the top-level forward
 # after this many completed backward passes (scripts that never step an optimizer).
 NO_OPTIMIZER_CYCLES = 8
+# The hooks' ThreadRole (thread_role.one_role_holder): a getter that is no Python call per hook.
+_ROLE = attrgetter("_host.role")
 # Raised by torch.utils.checkpoint to stop a recompute early: control flow, not a failure.
 _CONTROL_FLOW_ERRORS = frozenset({"_StopRecomputationError"})
 
@@ -63,6 +66,7 @@ class ModuleOwnership:
         self._pool = pool
         self._failures = failures
         self._max_records = settings.max_spans_per_step  # per step part (Recorder.step_full)
+        self._filtered = bool(settings.module_include or settings.module_exclude)  # else no record is hidden
         self._params_seen: weakref.WeakSet = weakref.WeakSet()
         self.resume_module_hooks: Any = None
         self.reset()
@@ -170,8 +174,10 @@ class ModuleOwnership:
         record.fqn = fqn
         record.pass_ = pass_
         record.module_type = user_class_name(type(module))  # Net, not fully_shard's FSDPNet
-        record.call_index = self._next_call_index(record.name)
-        record.hidden = self._hidden(fqn)
+        counts = self._call_counts  # the calls of this span name so far this step, then one more
+        record.call_index = index = counts.get(record.name, 0)
+        counts[record.name] = index + 1
+        record.hidden = self._filtered and self._hidden(fqn)
         handled = sys.exc_info()[1]
         if handled is not None:  # called inside an ``except`` block (a fallback, a retry)
             record.handling = (handled, handled.__traceback__)
@@ -192,12 +198,6 @@ class ModuleOwnership:
         self.fwd_stack.append(record)
         step.records.append(record)
         return record
-
-    def _next_call_index(self, name: str) -> int:
-        """The calls of the span name ``name`` (``"{fqn} {pass}"``) so far this step (then one more)."""
-        index = self._call_counts.get(name, 0)
-        self._call_counts[name] = index + 1
-        return index
 
     def _hidden(self, fqn: str) -> bool:
         include, exclude = self._settings.module_include, self._settings.module_exclude
@@ -236,7 +236,7 @@ class ModuleOwnership:
             self._host.close_step(now)
 
     # --------------------------------------------------------------- backward
-    @one_role_holder(lambda ownership: ownership._host.role)
+    @one_role_holder(_ROLE)
     def backward_began(self, forward: Record) -> None:
         """Gradients w.r.t. a module call's outputs are ready: its backward begins."""
         now = time.time_ns()
@@ -258,7 +258,9 @@ class ModuleOwnership:
         record.pass_ = semconv.PASS_BACKWARD
         record.fwd, record.graph_task, record.hidden = forward, task, forward.hidden
         record.depth = forward.depth
-        record.call_index = self._next_call_index(record.name)
+        counts = self._call_counts  # as in module_pre
+        record.call_index = index = counts.get(record.name, 0)
+        counts[record.name] = index + 1
         forward.open_bw = record
         record.prev_bw, forward.last_bw = forward.last_bw, record
         self._begin_backward(record)
@@ -287,7 +289,7 @@ class ModuleOwnership:
         open_bw.insert(index, record)
         self._bw_hint = (record, index)
 
-    @one_role_holder(lambda ownership: ownership._host.role)
+    @one_role_holder(_ROLE)
     def backward_ended(self, forward: Record) -> None:
         """Gradients w.r.t. a module call's inputs are computed: its backward ends."""
         record = forward.open_bw
@@ -304,7 +306,7 @@ class ModuleOwnership:
                     del open_bw[index]
                     break
 
-    @one_role_holder(lambda ownership: ownership._host.role)
+    @one_role_holder(_ROLE)
     def backward_done(self, task: int) -> None:
         """The autograd engine finished computing backward pass ``task`` (an engine final callback).
 
@@ -326,7 +328,7 @@ class ModuleOwnership:
         except Exception as error:
             self._failures.hook_failed("backward end", error)
 
-    @one_role_holder(lambda ownership: ownership._host.role)
+    @one_role_holder(_ROLE)
     def _backward_finally(self, task: int) -> None:
         try:
             _end_backward_records([r for r in self.open_bw if r.graph_task == task], time.time_ns())

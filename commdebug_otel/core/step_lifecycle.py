@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from operator import attrgetter
 from typing import Any
 
 from commdebug_otel import semconv
@@ -278,7 +279,7 @@ class StepLifecycle:
                 outside.trace_id, outside.parent_span_id = trace_id, span_id
         return self._outside
 
-    @one_role_holder(lambda steps: steps.role)
+    @one_role_holder(attrgetter("role"))
     def optimizer_step_done(self) -> None:
         """``optimizer.step()`` returned: the step ends (if a module ran since the last one).
 

@@ -43,9 +43,10 @@ def step_signals(step: Step, now: int, progress: Progress, metrics: MetricsSink 
 def keep_hook(step: Step | None, handle: Any) -> None:
     """Remember a tensor or multi-grad hook handle on the open ``step`` (None: none open, nothing kept): it is
     removed when the step closes. A hook left on a tensor that outlives the step (a cached activation, a
-    tensor kept by the user) would keep the step's records alive."""
+    tensor kept by the user) would keep the step's records alive. ``handle`` may be the ``(hooks dict, key)``
+    of a tensor hook added without a handle (``_torch.add_tensor_hook``)."""
     if step is not None:
-        key = tensor_hook_key(handle)
+        key = handle if type(handle) is tuple else tensor_hook_key(handle)
         if key is None:
             step.hooks.append(handle)
         else:  # the handle (and its weak reference) goes now: fewer objects alive through the step

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import warnings
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -51,6 +52,22 @@ def batch_queue(processor: Any) -> tuple[Any, collections.deque] | None:
 def replace_batch_queue(holder: Any, queue: collections.deque) -> None:
     """Put ``queue`` where :func:`batch_queue` found the processor's own."""
     holder._queue = queue
+
+
+def batch_takes_spans(holder: Any) -> bool:
+    """Whether the SDK's batch processor (``holder``, from :func:`batch_queue`) queues spans now as its ``emit``
+    does with nothing to do first: not shut down, and in the process that made it (a forked child's resets
+    first). False also where its internals have another shape."""
+    try:
+        return holder._shutdown is False and holder._pid == os.getpid() and holder._worker_awaken is not None
+    except AttributeError:
+        return False
+
+
+def wake_batch_worker(holder: Any) -> None:
+    """What ``emit`` does after queueing: wake the export thread once a full batch waits."""
+    if len(holder._queue) >= holder._max_export_batch_size and not holder._worker_awaken.is_set():
+        holder._worker_awaken.set()
 
 
 def silence_inherited(span_processors: Any, metric_readers: Any) -> None:

@@ -40,8 +40,10 @@ from commdebug_otel.otel._sdk import (
     BATCH_PROCESSOR_LOGGER,
     HTTP_EXPORTER_LOGGER,
     batch_queue,
+    batch_takes_spans,
     exporter_preferences,
     replace_batch_queue,
+    wake_batch_worker,
 )
 
 _logger = logging.getLogger(__name__)
@@ -427,6 +429,15 @@ class _CountingQueue(collections.deque):
         with self._lock:
             return super().pop()
 
+    def appendleft_all(self, items: list) -> bool:
+        """``appendleft`` of each of ``items`` in order, under one lock, where they all fit without a drop;
+        False (nothing added) where they do not."""
+        with self._lock:
+            if self.maxlen is not None and len(self) + len(items) > self.maxlen:
+                return False
+            self.extendleft(items)
+            return True
+
 
 class CountingBatchSpanProcessor(BatchSpanProcessor):
     """A ``BatchSpanProcessor`` that counts the spans it drops when its queue is full.
@@ -438,6 +449,7 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
     def __init__(self, exporter: SpanExporter, count_dropped: DropCounter, **kwargs: Any) -> None:
         super().__init__(exporter, **kwargs)
         found = batch_queue(self)
+        self._queue: _CountingQueue | None = None
         if found is not None:
             holder, queue = found
 
@@ -448,7 +460,20 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
                                     "dropped and counted (raise OTEL_BSP_MAX_QUEUE_SIZE, or trace fewer steps: raise "
                                     "OTEL_PYTHON_COMMDEBUG_TRACE_EVERY)", queue.maxlen)
 
-            replace_batch_queue(holder, _CountingQueue(queue, queue.maxlen, dropped))
+            self._queue = _CountingQueue(queue, queue.maxlen, dropped)
+            replace_batch_queue(holder, self._queue)
+
+    def on_end_all(self, spans: list[ReadableSpan]) -> None:
+        """:meth:`on_end` of each of ``spans``, in order, sampled all (``spans._DirectSpans``' spans): queued
+        under one lock, the export thread woken once, where the queue has room for them all; else one by one
+        (the drops counted, as on_end counts them)."""
+        found = batch_queue(self)  # still our queue (the SDK's fork handling could replace it)
+        if found is not None and found[1] is self._queue and batch_takes_spans(found[0]):
+            if self._queue.appendleft_all(spans):
+                wake_batch_worker(found[0])
+                return
+        for span in spans:
+            self.on_end(span)
 
 
 # In JSON text as json.dumps writes it (ensure_ascii): an escaped backslash, a surrogate pair's escapes, or one

@@ -195,21 +195,25 @@ class SpanBuilder:
                trace_id: int | None, children: dict[int, list], finished: list[ReadableSpan]) -> None:
         """``parent``: the parent's context; ``parent_span``: the parent itself when the SDK built it;
         ``finished``: where the direct path puts its spans (:meth:`_DirectSpans.hand_over`)."""
-        attributes = span_attributes(record)
         direct = self._direct
-        prepared = direct.prepare(record, attributes) if direct is not None else None
+        prepared = direct.prepare(record) if direct is not None else None
         if prepared is not None:
             # Nothing more than needed stays alive down the recursion (a chain of modules nests as
-            # deep): the prepared pair is unpacked, the children are walked by index, not an iterator.
-            attributes, events = prepared
+            # deep): the prepared triple is unpacked, the children are walked by index, not an iterator.
+            name, attributes, events = prepared
             prepared = None
             assert direct is not None  # (prepared says so)
             context = direct.context(record, parent, trace_id)
-            kids = children.get(id(record), ())
-            for index in range(len(kids)):
-                self._start(tracer, kids[index], context, None, None, children, finished)
-            finished.append(direct.end(record, attributes, events, context, parent))
+            kids = children.get(id(record))
+            if kids:
+                for index in range(len(kids)):
+                    self._start(tracer, kids[index], context, None, None, children, finished)
+            finished.append(ReadableSpan(name=name, context=context, parent=parent, resource=direct.provider.resource,
+                                         attributes=attributes, events=events, start_time=record.start_ns,
+                                         end_time=record.end_ns, instrumentation_info=direct.info,
+                                         instrumentation_scope=direct.scope))
             return
+        attributes = span_attributes(record)
         ids = self._ids
         if ids is not None:  # every id ours, also where the provider's generator draws from the global random
             own = ids.own
@@ -271,26 +275,32 @@ class _DirectSpans:
         "_event_chars",
         "_events",
         "_ids",
-        "_info",
+        "_modules",
         "_processors",
-        "_provider",
         "_root_flags",
-        "_scope",
         "_span_attributes",
         "_span_chars",
         "_span_id",
         "_trace_id",
+        "info",
+        "provider",
+        "scope",
     )
 
     def __init__(self, provider: Any, tracer: Any, processors: Sequence[Any], limits: SpanLimits) -> None:
-        self._provider = provider  # its resource is read per span: the SDK replaces it after a fork
+        self.provider = provider  # its resource is read per span: the SDK replaces it after a fork
         self._ids = provider.id_generator
         # Random ids of spans built here: never the global random (no ids are pending on this path).
         own = self._ids.own if isinstance(self._ids, StepIdGenerator) else self._ids
-        self._span_id = own.generate_span_id
-        self._trace_id = own.generate_trace_id
-        self._scope = instrumentation_scope(tracer)
-        self._info = getattr(tracer, "instrumentation_info", None)
+        if type(own) is OwnIdGenerator:  # its draws themselves: one call less per span
+            self._span_id, self._trace_id = _new_span_id, _new_trace_id
+        else:
+            self._span_id, self._trace_id = own.generate_span_id, own.generate_trace_id
+        self.scope = instrumentation_scope(tracer)
+        self.info = getattr(tracer, "instrumentation_info", None)
+        # A module record's name -> (fqn, pass, type, the span's name, its attributes but the call index), as
+        # prepare() keeps them; the attributes None where they are not plain (the SDK's path).
+        self._modules: dict[str, tuple[str, str, str, str, dict[str, Any] | None]] = {}
         self._processors = tuple(processors)
         self._span_chars = limits.max_span_attribute_length
         self._event_chars = limits.max_attribute_length
@@ -317,22 +327,52 @@ class _DirectSpans:
             return None  # another sampler, SDK shape or the SDK's own span metrics: its own path
         return cls(provider, tracer, processors, limits)
 
-    def prepare(self, record: Any, attributes: dict[str, Any]) -> tuple[dict[str, Any], tuple] | None:
-        """The span's attributes and events as the SDK would keep them, or None: use the SDK's path."""
-        if record.error is not None or not _fits(len(record.events), self._events):
+    def prepare(self, record: Any) -> tuple[str, dict[str, Any], tuple] | None:
+        """The span's name, attributes (``records.span_attributes``) and events as the SDK would keep them,
+        or None: use the SDK's path."""
+        if record.error is not None:
             return None
-        attributes = _plain(attributes, self._span_chars, self._span_attributes)  # type: ignore[assignment]
-        if attributes is None:
-            return None
+        attributes: dict[str, Any] | None
+        if record.fqn and not (record.attrs or record.params or record.compiled or record.unmatched
+                               or record.dropped_events):
+            # A module span like every other of its module and pass but for its call index: what the
+            # SDK would keep of the rest is known from the first (the index, an int, is kept as it is).
+            known = self._modules.get(record.name)
+            if (known is None or known[0] != record.fqn or known[1] != record.pass_
+                    or known[2] != record.module_type):
+                known = self._module_entry(record)
+            name, common = known[3], known[4]
+            if common is None:
+                return None
+            attributes = common.copy()
+            attributes[semconv.MODULE_CALL_INDEX] = record.call_index
+        else:
+            name = valid_text(record.name)
+            attributes = _plain(span_attributes(record), self._span_chars, self._span_attributes)
+            if attributes is None:
+                return None
         if not record.events:
-            return attributes, ()
+            return name, attributes, ()
+        if not _fits(len(record.events), self._events):
+            return None
         events = []
-        for name, event_attributes, timestamp in record.events:
+        for event_name, event_attributes, timestamp in record.events:
             event_attributes = _plain(event_attributes, self._event_chars, self._event_attributes)
             if event_attributes is None:
                 return None
-            events.append(Event(name, event_attributes, timestamp))
-        return attributes, tuple(events)
+            events.append(Event(event_name, event_attributes, timestamp))
+        return name, attributes, tuple(events)
+
+    def _module_entry(self, record: Any) -> tuple[str, str, str, str, dict[str, Any] | None]:
+        """:meth:`prepare`'s memo entry for ``record``'s module and pass (bounded: cleared when full)."""
+        common = _plain(span_attributes(record), self._span_chars, self._span_attributes)
+        if common is not None:
+            del common[semconv.MODULE_CALL_INDEX]  # the last key: a copy plus the index keeps the order
+        if len(self._modules) >= _MAX_MODULE_ENTRIES:
+            self._modules.clear()
+        entry = self._modules[record.name] = (record.fqn, record.pass_, record.module_type, valid_text(record.name),
+                                              common)
+        return entry
 
     def context(self, record: Any, parent: SpanContext | None, trace_id: int | None) -> SpanContext:
         """The span's context (ids as the SDK would choose them), known before its children."""
@@ -342,19 +382,19 @@ class _DirectSpans:
             trace_id, flags = parent.trace_id, parent.trace_flags
         return SpanContext(trace_id, record.span_id or self._span_id(), is_remote=False, trace_flags=flags)
 
-    def end(self, record: Any, attributes: dict[str, Any], events: tuple, context: SpanContext,
-            parent: SpanContext | None) -> ReadableSpan:
-        """The finished span (for :meth:`hand_over`), with what :meth:`prepare` returned."""
-        return ReadableSpan(name=valid_text(record.name), context=context, parent=parent,
-                            resource=self._provider.resource, attributes=attributes, events=events,
-                            start_time=record.start_ns, end_time=record.end_ns,
-                            instrumentation_info=self._info, instrumentation_scope=self._scope)
-
     def hand_over(self, spans: list[ReadableSpan]) -> None:
-        """Give finished spans to the processors, in order."""
+        """Give finished spans to the processors, in order (ours take them all at once: ``on_end_all``)."""
         for processor in self._processors:
+            on_end_all = getattr(processor, "on_end_all", None)
+            if on_end_all is not None:
+                on_end_all(spans)
+                continue
             for span in spans:
                 processor.on_end(span)
+
+
+# Entries of _DirectSpans' module memo: a model's module FQNs times passes; past this many, it starts afresh.
+_MAX_MODULE_ENTRIES = 65536
 
 
 def _fits(count: int, limit: int | None) -> bool:
