@@ -316,10 +316,7 @@ class StepLifecycle:
         else:
             self._tail_of = self.exports.tail_facts(step)
         if step.traced and step.kind is SpanKind.STEP and not step.part and self.settings.straggler:
-            try:  # where its time went, for the live straggler verdict to name a module (stall/straggler.py)
-                self.progress.places.append((step.index, self_times(step, now)))
-            except Exception as error:
-                self._failures.hook_failed("straggler places", error)
+            _keep_places(step, now, self.progress, self._failures)
         step_signals(step, now, self.progress, self._metrics, self._path.exemplar_span, self._failures.hook_failed)
         self._close(step, now)
         self.want_why(step.traced)  # between steps as the step before (_outside_step)
@@ -354,13 +351,10 @@ class StepLifecycle:
     def step_full(self, step: Step, now: int, in_backward: bool) -> Step | None:
         """``step`` holds ``max_spans_per_step`` records: cut it, go on, or record no more of this pass.
 
-        At a top-level forward (no pass open) the step so far is closed and exported as
-        one part, its ``train_step`` marked ``commdebug.step.truncated``, its tensor hooks
-        removed (so nothing of it stays alive, and backward spans of its passes are lost),
-        and the step goes on in a fresh part with the same ``torch.step``: returns that
-        part. Inside a pass nothing can be cut: the pass stays whole (returns ``step``)
-        up to twice the bound, past which it is not recorded (returns None). Cuts and
-        passes not recorded are counted on traced steps, and said once.
+        At a top-level forward the step so far is exported as one part (``train_step`` marked truncated, its
+        tensor hooks removed: backward spans of its passes are lost) and a fresh part with the same
+        ``torch.step`` is returned. Inside a pass the pass stays whole (returns ``step``) up to twice the
+        bound, then is not recorded (returns None). Cuts and passes not recorded are counted, and said once.
         """
         top_level = self.ownership.idle and not in_backward
         if not top_level and len(step.records) < 2 * self._max_records:
@@ -403,3 +397,10 @@ class StepLifecycle:
         if self.role.borrowing:  # no other thread came to train: the borrower's steps are the run's
             self.role.settle()
 
+
+def _keep_places(step: Step, now: int, progress: Progress, failures: Failures) -> None:
+    """Where a traced step's time went, for the live straggler verdict to name a module (stall/straggler.py)."""
+    try:
+        progress.places.append((step.index, self_times(step, now)))
+    except Exception as error:
+        failures.hook_failed("straggler places", error)
