@@ -756,7 +756,7 @@ def _wire_run(world_size: int) -> tuple[Job, dict[str, Any]]:
     """Set-up and 3 steps traced with the default settings into in-memory telemetry, with this
     rank's real resource; what one rank sends, as the OTLP exporters encode it."""
     from commdebug_otel import CommTracer, Settings, semconv
-    from commdebug_otel.core.steps import rank_info, trace_block
+    from commdebug_otel.core.job_identity import rank_info, trace_block
     from commdebug_otel.otel.metrics import DURATION_BUCKETS_S, STEP_BUCKETS_S
     from commdebug_otel.otel.telemetry import build_resource
     from commdebug_otel.testing import InMemoryTelemetry
@@ -1761,7 +1761,7 @@ began = time.perf_counter()
 import torch
 json.dump({"import_s": time.perf_counter() - began, "modules": len(sys.modules),
            "heavy": sorted(m for m in ("opentelemetry.sdk", "torch.distributed.tensor", "sympy",
-                                       "commdebug_otel.instrumentation") if m in sys.modules)}, sys.stdout)
+                                       "commdebug_otel.tracer") if m in sys.modules)}, sys.stdout)
 """
 
 

@@ -47,7 +47,7 @@ def traced_steps(steps: int, plain_resource: bool = False) -> list[list]:
     import bench
 
     from commdebug_otel import CommTracer, Settings
-    from commdebug_otel.core.steps import rank_info
+    from commdebug_otel.core.job_identity import rank_info
     from commdebug_otel.otel.telemetry import build_resource
     from commdebug_otel.testing import InMemoryTelemetry
 

@@ -43,7 +43,7 @@ __all__ = ["CommDebugMode", "CommTracer", "Detail", "Settings", "TraceScope", "_
 
 _LAZY = {
     "CommDebugMode": "compat.debug_mode",
-    "CommTracer": "instrumentation",
+    "CommTracer": "tracer",
     "Detail": "config",
     "Settings": "config",
     "TraceScope": "config",
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 
     from commdebug_otel.compat.debug_mode import CommDebugMode
     from commdebug_otel.config import Detail, Settings, TraceScope
-    from commdebug_otel.instrumentation import CommTracer
+    from commdebug_otel.tracer import CommTracer
 
 
 def __getattr__(name: str) -> Any:

@@ -945,7 +945,7 @@ def _warn_endpoint_once(variable: str, endpoint: str, message: str) -> None:
 @dataclasses.dataclass(frozen=True)
 class RankEnv:
     """Where torchrun (or the user) says this process sits; torch.distributed, once initialized, wins
-    (``steps.rank_info``).
+    (``job_identity.rank_info``).
 
     ``local_rank`` is None when ``LOCAL_RANK`` is unset (``torch.multiprocessing.spawn``: one host,
     so callers use the rank).

@@ -47,9 +47,9 @@ FORMAT = 1  # of each rank's answer
 
 
 def rank_state() -> dict[str, Any]:
-    """This rank's answer: :func:`~commdebug_otel.instrumentation.debug_state` of the exporting tracer, with
+    """This rank's answer: :func:`~commdebug_otel.tracer.debug_state` of the exporting tracer, with
     ``format`` and ``tracing``; ``{"rank", "tracing": False}`` when none runs."""
-    from commdebug_otel.instrumentation import debug_state, exporting_tracer
+    from commdebug_otel.tracer import debug_state, exporting_tracer
 
     tracer = exporting_tracer()
     if tracer is None:

@@ -196,7 +196,7 @@ class CommDebugInstrumentor(BaseInstrumentor):
     def _start(self, kwargs: dict) -> None:
         from opentelemetry import metrics, trace
 
-        from commdebug_otel.instrumentation import CommTracer
+        from commdebug_otel.tracer import CommTracer
 
         tracer_provider = kwargs.get("tracer_provider")
         meter_provider = kwargs.get("meter_provider")

@@ -51,7 +51,7 @@ def _no_env_leaks(monkeypatch):
 def _no_tracer_left_running(request):
     """A tracer left started would make every later one in this process a no-op (one exporter per process)."""
     yield
-    from commdebug_otel.instrumentation import exporting_tracer
+    from commdebug_otel.tracer import exporting_tracer
 
     tracer = exporting_tracer()
     if tracer is not None:

@@ -289,7 +289,7 @@ def test_enabled_arms_at_once_when_torch_is_already_imported(tmp_path):
             f"os.environ['OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR'] = {output_dir!r}\n"
             "os.environ['OTEL_PYTHON_COMMDEBUG_ENABLED'] = 'true'\n"
             "import commdebug_otel._autostart\n"
-            "armed = 'commdebug_otel.instrumentation' not in sys.modules\n"
+            "armed = 'commdebug_otel.tracer' not in sys.modules\n"
             "torch.nn.Linear(2, 2)(torch.ones(1, 2))\n"
             "from commdebug_otel.instrumentor import current\n"
             "json.dump({'armed': armed, 'started': current() is not None and current().started,\n"
@@ -331,7 +331,7 @@ JOINS_A_GROUP = """
 import json, os, sys
 import torch
 import torch.distributed as dist
-armed = "commdebug_otel.instrumentation" not in sys.modules
+armed = "commdebug_otel.tracer" not in sys.modules
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
 dist.init_process_group("gloo", rank=0, world_size=1)
 from commdebug_otel.instrumentor import current

@@ -14,7 +14,7 @@ def _backends(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
 
     from commdebug_otel.capture.ops import backend_name
-    from commdebug_otel.core.steps import rank_info
+    from commdebug_otel.core.job_identity import rank_info
     from commdebug_otel.otel.telemetry import build_resource
 
     seen = {"named": (str(dist.get_backend()), rank_info().backend)}

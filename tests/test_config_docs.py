@@ -20,7 +20,7 @@ from commdebug_otel.config import (
     read_option,
     run_environment,
 )
-from commdebug_otel.core.steps import rank_info
+from commdebug_otel.core.job_identity import rank_info
 from commdebug_otel.demo import describe_destination
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"

@@ -231,7 +231,7 @@ def test_grpc_exporter_translates_with_our_encoder():
 
 
 def test_built_resource_hashes_once_and_compares_as_the_sdks():
-    from commdebug_otel.core.steps import RankInfo
+    from commdebug_otel.core.job_identity import RankInfo
     from commdebug_otel.otel.telemetry import build_resource
 
     resource = build_resource(RankInfo(0, 2, 0, 0, "run", "gloo", True))
@@ -275,7 +275,7 @@ def _traced_demo_steps(result):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from commdebug_otel import CommTracer, Settings, _demo_model
-    from commdebug_otel.core.steps import rank_info
+    from commdebug_otel.core.job_identity import rank_info
     from commdebug_otel.otel.telemetry import build_resource
     from commdebug_otel.testing import InMemoryTelemetry
 

@@ -32,7 +32,7 @@ class OpCounter(TorchDispatchMode):
 
 def test_only_started_tracers_are_told_and_the_kernels_stay(single_rank_group):
     from commdebug_otel import CommTracer, Settings
-    from commdebug_otel.capture.observer import RecorderObserver
+    from commdebug_otel.capture.sinks import RecorderObserver
     from commdebug_otel.testing import InMemoryTelemetry
 
     class Seen(RecorderObserver):

@@ -18,7 +18,7 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "commdebug_otel"
 LAYERS = ("capture", "core", "stall", "otel", "compat", "offline", "testing")
 # Command line and start-up: nothing under them imports these (compat's drop-in builds a CommTracer).
-TOP = {"cli", "demo", "instrumentation", "instrumentor", "_autostart", "pytest_plugin", "_demo_model", "debug_page"}
+TOP = {"cli", "demo", "tracer", "instrumentor", "_autostart", "pytest_plugin", "_demo_model", "debug_page"}
 
 
 def _imports(path: pathlib.Path) -> set[str]:
@@ -60,7 +60,7 @@ def test_the_otel_side_names_no_torch():
 
 @pytest.mark.parametrize("layer", ["capture", "core", "stall", "otel", "compat", "offline"])
 def test_no_layer_imports_the_command_line_or_start_up(layer):
-    allowed = {"compat/debug_mode.py": ("commdebug_otel.instrumentation",)}  # the drop-in is a CommTracer
+    allowed = {"compat/debug_mode.py": ("commdebug_otel.tracer",)}  # the drop-in is a CommTracer
     found = [f"{path}: {name}" for path, names in _layer_imports(layer).items() for name in sorted(names)
              if any(_under(name, f"commdebug_otel.{top}") for top in TOP)
              and not _under(name, *allowed.get(path, ()))]
@@ -70,7 +70,7 @@ def test_no_layer_imports_the_command_line_or_start_up(layer):
 def test_the_offline_tools_name_no_live_layer():
     """The offline commands read files: the report model, the fact's names and the settings' rules only."""
     live = ("torch", "commdebug_otel.capture", "commdebug_otel.stall", "commdebug_otel.otel",
-            "commdebug_otel.compat.debug_mode", "commdebug_otel.instrumentation")
+            "commdebug_otel.compat.debug_mode", "commdebug_otel.tracer")
     core = {"commdebug_otel.core.fact"}  # parse: the one reader of the fact's names
     found = _offending("offline", lambda name: _under(name, *live) or (
         _under(name, "commdebug_otel.core") and not any(_under(name, allowed) for allowed in core)))

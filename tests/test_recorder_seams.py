@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from commdebug_otel import CommTracer, Settings, semconv
-from commdebug_otel.capture.observer import RecorderObserver
+from commdebug_otel.capture.sinks import RecorderObserver
 from commdebug_otel.capture.tracker import ModuleTracker
 from commdebug_otel.core.collectives import Why
 from commdebug_otel.core.recorder import Recorder

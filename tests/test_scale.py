@@ -9,7 +9,7 @@ from commdebug_otel import Settings, semconv
 from commdebug_otel.capture.ops import GroupFacts
 from commdebug_otel.config import DEFAULT_RANKS_PER_TRACE, METRIC_RANK_LABEL_AUTO_MAX_WORLD, MetricRankLabel
 from commdebug_otel.core.fact import CollectiveFact
-from commdebug_otel.core.steps import RankInfo, job_trace_id, step_trace_id, trace_block
+from commdebug_otel.core.job_identity import RankInfo, job_trace_id, step_trace_id, trace_block
 from commdebug_otel.otel.metrics import CollectiveMetrics
 from commdebug_otel.testing import InMemoryTelemetry
 

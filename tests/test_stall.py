@@ -347,7 +347,7 @@ class _OneProcessRecorder:
         return True
 
     def rank(self):
-        from commdebug_otel.core.steps import RankInfo
+        from commdebug_otel.core.job_identity import RankInfo
 
         return RankInfo(rank=0, world_size=1, local_rank=0, node_rank=0, run_id="none", backend="gloo",
                         distributed=False)

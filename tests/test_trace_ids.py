@@ -43,7 +43,7 @@ _SEGMENTS = ("outside_step", "train_step", "train_step_tail")
 
 
 def test_outside_step_segments_share_a_trace_id_on_every_rank():
-    from commdebug_otel.core.steps import step_trace_id
+    from commdebug_otel.core.job_identity import step_trace_id
 
     results = run_ranks(_segments, 2, "job")
     assert all(block is None for result in results for _, _, block in result["roots"])  # 2 ranks: one trace
@@ -82,7 +82,7 @@ def test_rank_scope_keeps_outside_step_traces_apart():
 def test_job_scope_cuts_a_larger_job_into_trace_blocks():
     """4 ranks, 2 per trace: ranks 0-1 share a trace per step and segment, ranks 2-3 another; each root names its
     block and keeps torch.step, so a step is found across blocks."""
-    from commdebug_otel.core.steps import step_trace_id
+    from commdebug_otel.core.job_identity import step_trace_id
 
     results = run_ranks(_segments, 4, "job", 2)
     nonce = results[0]["nonce"]
@@ -107,7 +107,7 @@ def _store_keys_per_session(rank, world_size):
     import torch.distributed as dist
 
     from commdebug_otel import CommTracer, Settings
-    from commdebug_otel.core.steps import NONCE_KEY
+    from commdebug_otel.core.job_identity import NONCE_KEY
     from commdebug_otel.testing import InMemoryTelemetry
 
     store = dist.distributed_c10d._get_default_store()
@@ -150,7 +150,7 @@ def _keys_after_destroy(rank, world_size):
     import torch.distributed as dist
 
     from commdebug_otel import CommTracer, Settings
-    from commdebug_otel.core.steps import NONCE_KEY
+    from commdebug_otel.core.job_identity import NONCE_KEY
     from commdebug_otel.testing import InMemoryTelemetry
 
     store = dist.distributed_c10d._get_default_store()  # held: rank 0's server outlives the group
@@ -186,7 +186,7 @@ def _forked_child_leaves_nothing(rank, world_size):
     import torch.distributed as dist
 
     from commdebug_otel import CommTracer, Settings
-    from commdebug_otel.core.steps import NONCE_KEY
+    from commdebug_otel.core.job_identity import NONCE_KEY
     from commdebug_otel.testing import InMemoryTelemetry
 
     store = dist.distributed_c10d._get_default_store()
@@ -196,7 +196,7 @@ def _forked_child_leaves_nothing(rank, world_size):
         tracer.recorder.job_id()
         pid = os.fork()  # a fork DataLoader worker: the parent's group, copied
         if pid == 0:
-            from commdebug_otel.core.steps import leave_job
+            from commdebug_otel.core.job_identity import leave_job
 
             os._exit(0 if leave_job() is False else 1)
         _, status = os.waitpid(pid, 0)

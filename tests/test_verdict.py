@@ -518,7 +518,7 @@ def test_a_desync_between_ranks_at_different_step_numbers_names_each_side_s_step
 
 # ------------------------------------------------------------------ the exchange through a store
 def _info(rank: int, world_size: int, distributed: bool = True):
-    from commdebug_otel.core.steps import RankInfo
+    from commdebug_otel.core.job_identity import RankInfo
 
     return RankInfo(rank=rank, world_size=world_size, local_rank=rank, node_rank=0, run_id="none", backend="gloo",
                     distributed=distributed)

@@ -43,8 +43,8 @@ import torch
 
 from commdebug_otel import semconv
 from commdebug_otel.capture._torch import graph_task_id, in_backward
-from commdebug_otel.capture.observer import RecorderObserver
 from commdebug_otel.capture.ops import CollectiveSpec
+from commdebug_otel.capture.sinks import RecorderObserver
 from commdebug_otel.compat.report import (
     GLOBAL,
     CommReport,
@@ -57,7 +57,7 @@ from commdebug_otel.compat.report import (
 )
 from commdebug_otel.config import Detail, Settings
 from commdebug_otel.core.records import Record, descends_from
-from commdebug_otel.instrumentation import CommTracer, exporting_tracer
+from commdebug_otel.tracer import CommTracer, exporting_tracer
 
 
 def _legacy_packets() -> dict[Any, Any]:

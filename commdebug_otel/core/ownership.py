@@ -27,7 +27,7 @@ import torch
 
 from commdebug_otel import semconv
 from commdebug_otel.capture._torch import graph_task_id, in_module_call, queue_engine_callback, user_class_name
-from commdebug_otel.capture.observer import RecorderObserver
+from commdebug_otel.capture.sinks import RecorderObserver
 from commdebug_otel.config import Settings
 from commdebug_otel.core.fact import PASS_NONE
 from commdebug_otel.core.failures import Failures

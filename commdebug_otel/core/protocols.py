@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:  # type names only: this module imports nothing of the recorder's at run time
     import torch
 
-    from commdebug_otel.capture.observer import RecorderObserver
     from commdebug_otel.capture.ops import CollectiveSpec
+    from commdebug_otel.capture.sinks import RecorderObserver
     from commdebug_otel.config import Settings
     from commdebug_otel.core.collectives import Why
+    from commdebug_otel.core.job_identity import RankInfo
     from commdebug_otel.core.progress import Progress
     from commdebug_otel.core.records import Record, Step
     from commdebug_otel.core.stall_snapshot import StallPlace
-    from commdebug_otel.core.steps import RankInfo
     from commdebug_otel.core.thread_role import ThreadRole
 
 

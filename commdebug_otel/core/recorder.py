@@ -26,18 +26,18 @@ from typing import Any
 import torch
 
 from commdebug_otel import semconv
-from commdebug_otel.capture.observer import RecorderObserver, SpanSink
+from commdebug_otel.capture.sinks import RecorderObserver, SpanSink
 from commdebug_otel.config import Settings
 from commdebug_otel.core.collectives import Why
 from commdebug_otel.core.fact import PASS_NONE, MetricsSink
 from commdebug_otel.core.failures import Failures
+from commdebug_otel.core.job_identity import RankCache
 from commdebug_otel.core.ownership import NO_OPTIMIZER_CYCLES
 from commdebug_otel.core.progress import Progress
 from commdebug_otel.core.record_pool import RecordPool
 from commdebug_otel.core.records import Record, Step
 from commdebug_otel.core.stall_snapshot import StallPlace, stall_place
 from commdebug_otel.core.step_lifecycle import StepLifecycle
-from commdebug_otel.core.steps import RankCache
 
 __all__ = ["NO_OPTIMIZER_CYCLES", "PASS_NONE", "Recorder"]
 
@@ -47,11 +47,11 @@ class Recorder:
 
     Args:
         settings: frozen :class:`Settings`.
-        spans: where finished steps go (:class:`~commdebug_otel.capture.observer.SpanSink`,
+        spans: where finished steps go (:class:`~commdebug_otel.capture.sinks.SpanSink`,
             e.g. ``spans.SpanBuilder``); None: no spans, metrics only.
         metrics: where metric points go (``fact.MetricsSink``: ``metrics.LazyCollectiveMetrics``), or None.
         observers: told what the recorder sees
-            (:class:`~commdebug_otel.capture.observer.RecorderObserver`; its docstring
+            (:class:`~commdebug_otel.capture.sinks.RecorderObserver`; its docstring
             says when each callback runs and what happens if one raises).
 
     Attributes:

@@ -14,15 +14,15 @@ from collections.abc import Callable
 from typing import Any
 
 from commdebug_otel import semconv
-from commdebug_otel.capture.observer import SpanSink
+from commdebug_otel.capture.sinks import SpanSink
 from commdebug_otel.config import Settings
 from commdebug_otel.core import ids
 from commdebug_otel.core.failures import Failures
+from commdebug_otel.core.job_identity import RankInfo
 from commdebug_otel.core.protocols import ExportHost
 from commdebug_otel.core.record_pool import RecordPool
 from commdebug_otel.core.records import Record, SpanKind, Step, snapshot_tree, span_tree
 from commdebug_otel.core.stall_snapshot import StallPlace, stalled_record
-from commdebug_otel.core.steps import RankInfo
 from commdebug_otel.core.trace_ids import StepTraceIds
 
 
@@ -33,8 +33,8 @@ class StepExport:
         steps: the step lifecycle (:class:`~commdebug_otel.core.protocols.ExportHost`: the open
             step or segment, steps taken, progress, the innermost open record).
         settings: frozen :class:`Settings` (``max_events_per_span``; the trace scope).
-        spans: where finished steps go (:class:`~commdebug_otel.capture.observer.SpanSink`); None: no spans.
-        rank: this process's rank facts (``steps.RankCache``).
+        spans: where finished steps go (:class:`~commdebug_otel.capture.sinks.SpanSink`); None: no spans.
+        rank: this process's rank facts (``job_identity.RankCache``).
     """
 
     def __init__(self, steps: ExportHost, settings: Settings, spans: SpanSink | None,

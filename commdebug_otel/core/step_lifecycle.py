@@ -23,20 +23,20 @@ from typing import Any
 
 from commdebug_otel import semconv
 from commdebug_otel.capture._torch import graph_task_id
-from commdebug_otel.capture.observer import RecorderObserver, SpanSink
 from commdebug_otel.capture.optimizers import OPTIMIZERS
+from commdebug_otel.capture.sinks import RecorderObserver, SpanSink
 from commdebug_otel.config import Settings, variable
 from commdebug_otel.core import ids
 from commdebug_otel.core.collective_path import CollectivePath
 from commdebug_otel.core.fact import MetricsSink
 from commdebug_otel.core.failures import Failures
+from commdebug_otel.core.job_identity import RankCache, settled
 from commdebug_otel.core.ownership import NO_OPTIMIZER_CYCLES, ModuleOwnership
 from commdebug_otel.core.progress import Progress
 from commdebug_otel.core.record_pool import RecordPool
 from commdebug_otel.core.records import Record, SpanKind, Step, self_times
 from commdebug_otel.core.step_export import StepExport
 from commdebug_otel.core.step_signals import keep_hook, remove_hooks, step_signals
-from commdebug_otel.core.steps import RankCache, settled
 from commdebug_otel.core.thread_role import ThreadRole, one_role_holder
 
 _logger = logging.getLogger(__name__)
@@ -51,11 +51,11 @@ class StepLifecycle:
 
     Args:
         settings: frozen :class:`Settings`.
-        spans: where finished steps go (:class:`~commdebug_otel.capture.observer.SpanSink`); None: no spans.
+        spans: where finished steps go (:class:`~commdebug_otel.capture.sinks.SpanSink`); None: no spans.
         metrics: where metric points go (``fact.MetricsSink``: ``metrics.LazyCollectiveMetrics``), or None.
-        observers: told what the recorder sees (:class:`~commdebug_otel.capture.observer.RecorderObserver`).
+        observers: told what the recorder sees (:class:`~commdebug_otel.capture.sinks.RecorderObserver`).
         listening: an observer is told of collectives, ops or first calls (sampled steps keep records for it).
-        rank: this process's rank facts (``steps.RankCache``).
+        rank: this process's rank facts (``job_identity.RankCache``).
 
     Attributes:
         ownership, path, role, exports: the parts (module ownership, collective path, thread role, span exports).

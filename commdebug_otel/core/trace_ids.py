@@ -12,8 +12,8 @@ from typing import Any
 
 from commdebug_otel import semconv
 from commdebug_otel.config import Settings, TraceScope
+from commdebug_otel.core.job_identity import RankInfo, job_nonce, job_trace_id, outside_step_label, settled
 from commdebug_otel.core.records import SpanKind, Step
-from commdebug_otel.core.steps import RankInfo, job_nonce, job_trace_id, outside_step_label, settled
 
 
 class StepTraceIds:
@@ -21,7 +21,7 @@ class StepTraceIds:
 
     Args:
         settings: ``trace_scope`` and ``ranks_per_trace``.
-        rank: ``rank() -> RankInfo`` (``steps.RankCache``).
+        rank: ``rank() -> RankInfo`` (``job_identity.RankCache``).
     """
 
     def __init__(self, settings: Settings, rank: Callable[[], RankInfo]) -> None:
@@ -53,7 +53,7 @@ class StepTraceIds:
         if nonce is None:
             if settled(self._rank()):
                 nonce = self.nonce = job_nonce()  # agreed by every rank
-            else:  # before init_process_group: no store to agree through (core/steps.py)
+            else:  # before init_process_group: no store to agree through (core/job_identity.py)
                 nonce = self._provisional_nonce = self._provisional_nonce or job_nonce()
         if step.kind is SpanKind.OUTSIDE_STEP:
             # The count cannot change while an outside_step is open: a step's opening closes it first.

@@ -11,8 +11,8 @@ from typing import Any
 
 from commdebug_otel.config import ExportEnv, Settings, variable
 from commdebug_otel.core.ids import RNG as OWN_RNG
+from commdebug_otel.core.job_identity import RankInfo
 from commdebug_otel.core.redact import describe, hide_credentials
-from commdebug_otel.core.steps import RankInfo
 from commdebug_otel.otel._sdk import jitter_from, json_file_encoder, replace_json_file_encoder, translate_data_with
 from commdebug_otel.otel.export_guard import (
     CountingMetricExporter,
@@ -180,7 +180,7 @@ class Exporters:
     def _run_directory(self) -> str:
         """``OUTPUT_DIR/run-<job id>``, the folder the run's OTLP-JSON files go to (not made here)."""
         if self.file_directory is None:
-            from commdebug_otel.core.steps import job_nonce
+            from commdebug_otel.core.job_identity import job_nonce
 
             self.file_directory = os.path.join(
                 os.path.abspath(os.path.expanduser(self._settings.output_dir)), f"run-{job_nonce()}")

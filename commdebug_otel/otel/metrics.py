@@ -434,7 +434,7 @@ class _ProgressGauges:
 class LazyCollectiveMetrics:
     """Creates :class:`CollectiveMetrics` at the first record, when the rank is known.
 
-    ``rank``: a callable returning this process's ``steps.RankInfo``. ``rank_label``: called
+    ``rank``: a callable returning this process's ``job_identity.RankInfo``. ``rank_label``: called
     with the job's world size at that first record, whether points carry the rank
     (``Settings.metric_rank_label_on``; default: always). ``ready``: whether the meter may
     start now (``Telemetry.metrics_ready``: not before the process group exists, in a job of

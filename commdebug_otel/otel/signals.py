@@ -1,7 +1,7 @@
 """Our flush on SIGTERM, SIGHUP and SIGQUIT: the process lifecycle's signals, apart from the providers.
 
 ``process_exit.ProcessExit`` holds one :class:`SignalFlush` and arms it once its own providers exist
-(nothing of ours to flush before); ``instrumentation.CommTracer`` gives the handlers back when a tracer
+(nothing of ours to flush before); ``tracer.CommTracer`` gives the handlers back when a tracer
 stops or the default group is destroyed. The rescue thread (:class:`_SignalRescue`) ends a process whose
 main thread is stuck in a native wait, as the default action would have.
 """

@@ -53,8 +53,8 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, Tra
 from commdebug_otel import semconv
 from commdebug_otel.config import ExportEnv, Settings
 from commdebug_otel.core.ids import RNG as OWN_RNG
+from commdebug_otel.core.job_identity import RankCache, RankInfo, settled
 from commdebug_otel.core.redact import describe
-from commdebug_otel.core.steps import RankCache, RankInfo, settled
 from commdebug_otel.otel._sdk import (
     batch_queue,
     own_random_views,
@@ -220,7 +220,7 @@ class Telemetry:
 
     def settled(self) -> bool:
         """Whether our own providers may start: the rank, the job nonce and the run folder are final
-        (``steps.settled``: torch.distributed is initialized, or the job is one process), or we
+        (``job_identity.settled``: torch.distributed is initialized, or the job is one process), or we
         export what we have now (exit, a flushing signal, ``CommTracer.stop``). Never raises."""
         if not self._settled:
             try:

@@ -29,11 +29,11 @@ from typing import Any
 import torch.distributed as dist
 
 from commdebug_otel.config import Settings
-from commdebug_otel.instrumentation import CommTracer, exporting_tracer
 from commdebug_otel.offline.otlp_json import spans_from_otlp_json
 from commdebug_otel.offline.signature import Tally, build, tally_spans
 from commdebug_otel.otel.encoding import encode_spans_json
 from commdebug_otel.testing import InMemoryTelemetry
+from commdebug_otel.tracer import CommTracer, exporting_tracer
 
 __all__ = ["SignatureRecording", "record_signature"]
 

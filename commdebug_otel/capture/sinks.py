@@ -7,7 +7,7 @@ nothing is assigned onto the recorder from outside.
   (``telemetry.Telemetry`` is the one we ship).
 * :class:`RecorderObserver` is told what the recorder sees. Subclass it and
   override what you need; every method defaults to doing nothing. The tracer
-  (``instrumentation.py``) observes step changes to switch its dispatch mode;
+  (``tracer.py``) observes step changes to switch its dispatch mode;
   the ``CommDebugMode`` drop-in (``compat/debug_mode.py``) observes every collective,
   module and op to build torch's counts and reports.
 

@@ -1,4 +1,4 @@
-"""Step identity: rank facts, the job nonce agreed by all ranks, and trace ids.
+"""Job identity: rank facts, the job nonce agreed by all ranks, and the trace ids of steps.
 
 With trace scope ``job`` every rank derives the trace id of step N from
 ``(run id, job nonce, N)``, so Jaeger and Tempo show step N of the whole job

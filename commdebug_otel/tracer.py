@@ -35,14 +35,14 @@ from commdebug_otel.capture.mode import (
     exit_from_stack,
     on_stack,
 )
-from commdebug_otel.capture.observer import RecorderObserver
 from commdebug_otel.capture.optimizers import OPTIMIZERS
+from commdebug_otel.capture.sinks import RecorderObserver
 from commdebug_otel.capture.tracker import ModuleTracker
 from commdebug_otel.config import Detail, Settings
 from commdebug_otel.core.collectives import wait_for_backend_callbacks
 from commdebug_otel.core.frames import without_frames_of
+from commdebug_otel.core.job_identity import leave_job
 from commdebug_otel.core.recorder import Recorder
-from commdebug_otel.core.steps import leave_job
 from commdebug_otel.otel.metrics import LazyCollectiveMetrics
 from commdebug_otel.otel.telemetry import Telemetry
 from commdebug_otel.stall.flight_recorder import dump_beside_snapshot
@@ -107,7 +107,7 @@ class CommTracer:
         meter_provider: an OTel ``MeterProvider``; same default.
         telemetry: a ``Telemetry`` to use instead (its providers, exporters and
             span building), e.g. a private one that :meth:`stop` does not share.
-        observer: a :class:`~commdebug_otel.capture.observer.RecorderObserver` told
+        observer: a :class:`~commdebug_otel.capture.sinks.RecorderObserver` told
             what the recorder sees (the ``CommDebugMode`` drop-in's counts).
         exports: False for a tracer that only feeds ``observer`` and exports
             nothing (the drop-in inside a running tracer).
@@ -459,7 +459,7 @@ def _end_telemetry(telemetry: Any, metrics: Any) -> None:
 
 
 def _leave_job_if_last() -> None:
-    """The process's last running tracer stopped: its keys in the job's store go (``steps.leave_job``)."""
+    """The process's last running tracer stopped: its keys in the job's store go (``job_identity.leave_job``)."""
     if not _STARTED:
         leave_job()
 
