@@ -91,10 +91,10 @@ class _RunLock:
     """
 
     def __init__(self, run_id: str) -> None:
-        folder = os.path.join(tempfile.gettempdir(), f"commdebug-otel-tests-{run_id}")
-        os.makedirs(folder, exist_ok=True)
-        self.gate = os.open(os.path.join(folder, "gate"), os.O_RDWR | os.O_CREAT)
-        self.run = os.open(os.path.join(folder, "run"), os.O_RDWR | os.O_CREAT)
+        self.folder = os.path.join(tempfile.gettempdir(), f"commdebug-otel-tests-{run_id}")
+        os.makedirs(self.folder, exist_ok=True)
+        self.gate = os.open(os.path.join(self.folder, "gate"), os.O_RDWR | os.O_CREAT)
+        self.run = os.open(os.path.join(self.folder, "run"), os.O_RDWR | os.O_CREAT)
 
     def acquire(self, serial: bool) -> None:
         fcntl.flock(self.gate, fcntl.LOCK_EX)
@@ -107,6 +107,19 @@ class _RunLock:
         fcntl.flock(self.run, fcntl.LOCK_UN)
         fcntl.flock(self.gate, fcntl.LOCK_UN)
 
+    def remove(self) -> None:
+        """At a worker's end. A worker still running keeps its open files, on which its locks are; none can be
+        waiting for this one's."""
+        for name in ("gate", "run"):
+            try:
+                os.unlink(os.path.join(self.folder, name))
+            except FileNotFoundError:
+                pass
+        try:
+            os.rmdir(self.folder)
+        except OSError:  # the other worker's files are there
+            pass
+
 
 _run_lock: _RunLock | None = None
 
@@ -115,14 +128,20 @@ _run_lock: _RunLock | None = None
 def pytest_runtest_protocol(item, nextitem):
     """Setup (module fixtures that run a job included), call and teardown of a test, under the run's lock."""
     global _run_lock
-    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run_id is None:  # not under xdist: one test at a time anyway
+    # Only in an xdist worker itself: a pytest a test runs inherits the worker's environment, not its config.
+    worker = getattr(item.config, "workerinput", None)
+    if worker is None:  # not under xdist: one test at a time anyway
         yield
         return
     if _run_lock is None:
-        _run_lock = _RunLock(run_id)
+        _run_lock = _RunLock(worker["testrunuid"])
     _run_lock.acquire(serial=item.module.__name__.rpartition(".")[2] in SERIAL_MODULES)
     try:
         yield
     finally:
         _run_lock.release()
+
+
+def pytest_sessionfinish(session):
+    if _run_lock is not None:
+        _run_lock.remove()
