@@ -406,7 +406,8 @@ def _why_with_both_backends(rank, world_size):
 @pytest.fixture(scope="module")
 def why_runs():
     """Per rank of one 2-rank gloo job: ``{backend: [(span name, event name, why)]}``."""
-    return run_ranks(_why_with_both_backends, 2)
+    # Spawned: after the Inductor jobs above, forked ranks compile the blocks' backward without tracing it anew.
+    return run_ranks(_why_with_both_backends, 2, spawn=True)
 
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
