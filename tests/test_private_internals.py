@@ -100,7 +100,9 @@ def private_touches(source: str, filename: str = "<source>") -> list[str]:
 
 # The standard library's private names the package uses (sys, argparse, multiprocessing.Process, urllib's
 # HTTPSHandler): not torch's nor the SDK's.
-STDLIB_PRIVATE = {"_getframe", "_current_frames", "_SubParsersAction", "_target", "_context"}
+STDLIB_PRIVATE = {"_getframe", "_current_frames", "_SubParsersAction", "_target", "_context",
+                  # NamedTuple's public methods, underscored so that they cannot clash with a field
+                  "_replace", "_asdict", "_make", "_fields", "_field_defaults"}
 
 
 def _own_names(trees: list[ast.AST]) -> set[str]:
