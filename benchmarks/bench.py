@@ -687,16 +687,7 @@ def stall_watch_worker(rank: int, world_size: int, workload: str, rounds: int, s
     job = Job(workload)
     for _ in range(3):
         job.timed_step()
-    armed = _tracer({"trace_every": 100, "straggler": False}, "stall-armed")
-    armed_block = _tracer_block(armed)
-    start, connected = armed_block.enter, []
-
-    def enter_connected() -> Any:
-        started = start()
-        connected.append(_exchange_connected(armed))
-        return started
-
-    armed_block.enter = enter_connected
+    armed_block, connected = _connected_block(_tracer({"trace_every": 100, "straggler": False}, "stall-armed"))
     blocks = {STALL_OFF: _tracer_block(_tracer({"trace_every": 100, "stall_after_s": None, "straggler": False},
                                                "stall-off")),
               STALL_ARMED: armed_block}
@@ -718,15 +709,7 @@ def straggler_worker(rank: int, world_size: int, workload: str, rounds: int, ste
     for _ in range(3):
         job.timed_step()
     on = _tracer({"trace_every": 100, "straggler": True}, "straggler-on")
-    on_block = _tracer_block(on)
-    start, connected = on_block.enter, []
-
-    def enter_connected() -> Any:
-        started = start()
-        connected.append(_exchange_connected(on))
-        return started
-
-    on_block.enter = enter_connected
+    on_block, connected = _connected_block(on)
     blocks = {STRAGGLER_OFF: _tracer_block(_tracer({"trace_every": 100, "straggler": False}, "straggler-off")),
               STRAGGLER_ON: on_block}
     said: list[str] = []
@@ -742,6 +725,21 @@ def straggler_worker(rank: int, world_size: int, workload: str, rounds: int, ste
     times = _run_interleaved(job, blocks, rounds, steps_per_block, warmup_blocks=1)
     _remove_collective_kernels()
     return {"times": times, "exchange_connected": all(connected), "verdicts": said}
+
+
+def _connected_block(tracer) -> tuple[Block, list[bool]]:
+    """``tracer``'s block, whose entry waits for its watchdog's store connection (a job pays it once, so the
+    timed steps see the steady state); and the list where each entry says whether it connected."""
+    block = _tracer_block(tracer)
+    start, connected = block.enter, []
+
+    def enter_connected() -> Any:
+        started = start()
+        connected.append(_exchange_connected(tracer))
+        return started
+
+    block.enter = enter_connected
+    return block, connected
 
 
 def _exchange_connected(tracer, timeout_s: float = 30.0) -> bool:
