@@ -33,6 +33,7 @@ import time
 from typing import Any
 
 from commdebug_otel.capture._torch import debug_server_default_handlers, debug_server_store, debug_server_types
+from commdebug_otel.core.thread_signals import start_quiet
 from commdebug_otel.stall.verdict import ranks_text
 
 __all__ = ["ANSWER_TIMEOUT_S", "CommDebugPage", "debug_handlers", "rank_state"]
@@ -101,7 +102,7 @@ def _answer_on_this_rank() -> None:
     with _answerer_lock:
         if _answerer is None:
             _answerer = _Answerer()
-            _answerer.thread.start()
+            start_quiet(_answerer.thread)
 
 
 PAGE_TEMPLATE = """

@@ -301,3 +301,36 @@ def test_faulthandlers_handler_dumps_the_stacks_and_the_process_ends_or_goes_on_
     code, stdout, stderr = _c_handler(tmp_path, mode, traced, signum)
     assert (code, stdout.split()) == (returncode, lines), stderr
     assert stderr.count("most recent call first") >= 1, stderr  # faulthandler's dump: one per thread
+
+
+_MASKS = """
+import signal, threading, time, torch
+from commdebug_otel import CommTracer
+tracer = CommTracer().start()
+model = torch.nn.Linear(4, 4)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+for thread in threading.enumerate():
+    with open(f"/proc/self/task/{thread.native_id}/status") as status:
+        blocked = int(next(line for line in status if line.startswith("SigBlk:")).split()[1], 16)
+    print(thread.name, *sorted(int(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1,
+                                                  signal.SIGSEGV) if blocked >> (s - 1) & 1))
+tracer.stop()
+"""
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/task").exists(), reason="reads the threads' masks from /proc")
+def test_every_thread_tracing_starts_leaves_the_scripts_signals_to_the_scripts_threads(tmp_path):
+    """A launcher's SIGTERM goes to a thread of the script: a C-level handler (faulthandler's) never runs on one of
+    ours mid-bytecode. Ours and the SDK's block the process-directed signals, not those a fault raises."""
+    env = _env(tmp_path, OTEL_METRICS_EXPORTER="otlp", OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9",
+               OTEL_PYTHON_COMMDEBUG_STALL_AFTER="60")
+    done = subprocess.run([sys.executable, "-c", _MASKS], env=env, capture_output=True, text=True, timeout=120)
+    masks = dict((line.split()[0], line.split()[1:]) for line in done.stdout.splitlines())
+    assert masks.pop("MainThread") == [], done.stderr
+    assert {"commdebug-otel-stall-watch", "commdebug-otel-signals", "OtelBatchSpanRecordProcessor",
+            "OtelPeriodicExportingMetricReader"} <= set(masks), done.stdout
+    blocked = [str(s) for s in sorted(int(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1))]
+    assert masks == dict.fromkeys(masks, blocked), done.stdout

@@ -65,6 +65,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_s
 from commdebug_otel import semconv
 from commdebug_otel.core.fact import CollectiveFact, GroupFacts, group_labels, metric_labels
 from commdebug_otel.core.redact import describe, valid_text
+from commdebug_otel.core.thread_signals import start_quiet
 from commdebug_otel.otel._sdk import exemplar_draws
 
 # Collective issue times span microseconds (in-process) to seconds (slow ranks).
@@ -115,7 +116,7 @@ class MetricsWorker:
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="commdebug-otel-metrics", daemon=True)
-                self._thread.start()
+                start_quiet(self._thread)
 
     def submit(self, call: Any) -> None:
         """Queue ``call()``."""

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from commdebug_otel.core.redact import describe, hide_credentials
+from commdebug_otel.core.thread_signals import start_quiet
 from commdebug_otel.otel.export_guard import claim_warning
 from commdebug_otel.otel.signals import SignalFlush
 
@@ -152,5 +153,5 @@ def _start_bounded(what: str, call: Callable[[], Any] | None) -> threading.Threa
             _logger.debug("commdebug-otel: telemetry %s failed: %s", what, describe(error))
 
     worker = threading.Thread(target=run, name=f"commdebug-otel-{what}", daemon=True)
-    worker.start()
+    start_quiet(worker)
     return worker

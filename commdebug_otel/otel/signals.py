@@ -23,6 +23,7 @@ from typing import Any
 
 from commdebug_otel.core.frames import without_frames_of
 from commdebug_otel.core.redact import describe
+from commdebug_otel.core.thread_signals import start_quiet
 
 _logger = logging.getLogger(__name__)
 
@@ -289,7 +290,7 @@ class _SignalRescue:
         _RESCUES.add(self)
         _forget_rescues_in_children()
         self._thread = threading.Thread(target=self._run, args=(reader,), name="commdebug-otel-signals", daemon=True)
-        self._thread.start()
+        start_quiet(self._thread)
         return self
 
     def retake(self) -> bool:

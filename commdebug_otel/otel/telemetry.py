@@ -55,6 +55,7 @@ from commdebug_otel.config import ExportEnv, Settings
 from commdebug_otel.core.ids import RNG as OWN_RNG
 from commdebug_otel.core.job_identity import RankCache, RankInfo, settled
 from commdebug_otel.core.redact import describe
+from commdebug_otel.core.thread_signals import signals_blocked
 from commdebug_otel.otel._sdk import (
     batch_queue,
     own_random_views,
@@ -280,6 +281,7 @@ class Telemetry:
         self.export_env = ExportEnv.from_env(self._environ)
         return self.export_env
 
+    @signals_blocked()  # the SDK's export threads (and gRPC's) start here
     def _make_tracer_provider(self) -> Any:
         if self.disabled:
             return otel_trace.NoOpTracerProvider()
@@ -307,6 +309,7 @@ class Telemetry:
         return SpanLimits(**{**export.span_limit_arguments(), "max_events": self._settings.max_events_per_span,
                              "max_attribute_length": MAX_ATTRIBUTE_CHARS})
 
+    @signals_blocked()  # the SDK's export threads (and gRPC's) start here
     def _make_meter_provider(self) -> Any:
         if self.disabled:
             return otel_metrics.NoOpMeterProvider()

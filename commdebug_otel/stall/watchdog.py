@@ -33,6 +33,7 @@ from commdebug_otel.config import SETUP_FLOOR_S
 from commdebug_otel.core.fact import stall_step_text
 from commdebug_otel.core.protocols import StallSource
 from commdebug_otel.core.stall_snapshot import StallPlace
+from commdebug_otel.core.thread_signals import start_quiet
 from commdebug_otel.stall.straggler import POLL_S, StragglerExchange, StragglerVerdict
 from commdebug_otel.stall.verdict import StoreExchange, Verdict, progress_record
 
@@ -154,7 +155,7 @@ class StallWatch:
     def start(self) -> None:
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="commdebug-otel-stall-watch", daemon=True)
-        self._thread.start()
+        start_quiet(self._thread)
 
     def stop(self, timeout_s: float = 1.0) -> None:
         """Stop watching: the thread wakes at once and ends; waited for at most ``timeout_s``
