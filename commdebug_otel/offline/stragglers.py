@@ -21,7 +21,10 @@ Two layers, so that a live detector can use the second without spans:
   ``k >= MIN_STEPS_LATE`` (3), ``p x m <= alpha`` (Bonferroni over the ``m`` rows with a step beyond the
   noise) and its median late cell is at least :data:`MIN_EFFECT` (1.5) cuts (an effect size: a rank starved
   just past the cut for a stretch is the noise's tail). Rows found are left out of the noise and the test is
-  run again, until no new row is found.
+  run again, until no new row is found. A rank late with no place where it spent more time than the others
+  (:data:`UNATTRIBUTED`) is never blamed: that lateness is not its own work (a pipeline stage's place in the
+  schedule, a wait for its peer on another group); its cells stay in the others' noise and in the lateness
+  table.
 
 Assumptions: steps are independent trials; the other ranks' lateness is the job's noise (wrong when most
 ranks are slow in the same place, then nobody stands out); one or two slow steps are events, not a straggler.
@@ -452,6 +455,8 @@ def _test(cells: dict[tuple[int, str, str], dict[int, int]], steps_seen: dict[in
     pooled = _median_mad(everything, []) if len(everything) >= 3 else None
     tested = []
     for key, row in cells.items():
+        if key[1] == UNATTRIBUTED:  # no place where it spent more: noise for the others, no blame
+            continue
         rank = key[0]
         mine = sorted(row.values()) if key not in apart else []
         cut = floor_ns
