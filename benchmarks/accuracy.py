@@ -376,7 +376,8 @@ def run_once(scenario: Scenario, keep: str | None = None) -> dict[str, Any]:
         result["error"] = f"{type(error).__name__}: {error}"
         result["stderr"] = [Path(out_dir, f"err{rank}").read_text()[-2000:] for rank in range(scenario.world)]
     if keep:
-        shutil.copytree(out_dir, os.path.join(keep, scenario.name.replace("/", "_") + f"-{int(time.time())}"))
+        result["kept"] = os.path.join(keep, scenario.name.replace("/", "_") + f"-{int(time.time())}")
+        shutil.copytree(out_dir, result["kept"])
     shutil.rmtree(out_dir, ignore_errors=True)
     return result
 
@@ -593,6 +594,31 @@ def run_matrix(scenarios: list[Scenario], reps: int, keep: str | None = None, lo
     return results
 
 
+def rescore(results: list[dict[str, Any]], keep: str) -> list[dict[str, Any]]:
+    """Each run of ``results`` answered again from its files kept under ``keep`` (``--keep`` when it ran), by this
+    working tree's ``diagnose`` (its live verdicts are the spans the run exported). A run's folder is its
+    ``"kept"``, else its scenario's folders in time order matched to its runs in order."""
+    folders: dict[str, list[str]] = {}
+    for path in sorted(Path(keep).iterdir(), key=lambda path: int(path.name.rsplit("-", 1)[1])):
+        folders.setdefault(path.name.rsplit("-", 1)[0], []).append(str(path))
+    seen: dict[str, int] = {}
+    out = []
+    for run in results:
+        name = run["scenario"].replace("/", "_")
+        folder = run.get("kept") or folders.get(name, [])[seen.get(name, 0)]
+        seen[name] = seen.get(name, 0) + 1
+        scenario = next(s for s in matrix(False) if s.name == run["scenario"])
+        answer = dict(run)
+        for key in ("rows", "top1", "extra_rows", "false_blames", "live_rank_right", "live_steps", "live_place_right",
+                    "live_place", "live_place_steps", "live_false", "verdicts", "hang_right", "error"):
+            answer.pop(key, None)
+        trace_dir = os.path.join(folder, "traces")
+        answer.update(_hang_answer(scenario, trace_dir) if scenario.fault in HANG_FAULTS else
+                      _straggler_answer(scenario, trace_dir))
+        out.append(answer)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -605,6 +631,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write every run's answer here (rewritten after each run)")
     parser.add_argument("--table", metavar="JSON", help="print the table of a --json file's runs (no runs)")
     parser.add_argument("--keep", help="copy each run's files (traces, rank outcomes) under this folder")
+    parser.add_argument("--rescore", metavar="JSON", help="answer a --json file's runs again from the files --keep "
+                                                          "kept (no runs), print the table; with --json, write them")
     args = parser.parse_args(argv)
     if args.worker:
         rank_main(json.loads(args.worker))
@@ -612,6 +640,14 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO))  # the working tree's package, as the ranks import it (PYTHONPATH)
     if args.table:
         print_table(json.loads(Path(args.table).read_text()))
+        return 0
+    if args.rescore:
+        if not args.keep:
+            parser.error("--rescore needs --keep: the folder the runs' files were kept in")
+        results = rescore(json.loads(Path(args.rescore).read_text()), args.keep)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+        print_table(results)
         return 0
     scenarios = matrix(args.quick)
     if args.only:
