@@ -25,7 +25,8 @@ training the demo transformer (``commdebug_otel._demo_model``, hand-written atte
   ("n/a" for runs shorter than the verdict's warm-up and window, 24 steps: of the straggler scenarios only
   ``failslow`` runs as many; ``tests/test_straggler_live.py`` holds healthy runs beside a busy core to it);
 * hang faults, answered live by the ``stall_verdict`` span (``STALL_AFTER`` = :data:`STALL_AFTER_S`):
-  ``hang_module`` (sleeps :data:`STUCK_S` in ``layers.1.feed_forward`` forward at :data:`STUCK_STEP`),
+  ``hang_module`` (sleeps :data:`STUCK_S` in ``layers.1.feed_forward`` forward at :data:`STUCK_STEP`, once: a
+  pipeline runs it per microbatch),
   ``hang_between`` (before that step's forward), ``hang_behind`` (after its backward, before the
   optimizer step: the others wait in the next step), ``hang_subgroup`` (4 ranks: every step ranks 2-3
   all-reduce on a pair group, then every rank meets at a world barrier; the stuck rank sleeps before
@@ -199,6 +200,7 @@ class _Faults:
         import torch
 
         self.fwd_s = self.bwd_s = 0.0
+        self.once = False  # fwd_s sleeps at the next forward only
         faults = self
 
         class SleepInBackward(torch.autograd.Function):
@@ -218,6 +220,8 @@ class _Faults:
         def fwd(*args, **kwargs):
             if faults.fwd_s:
                 time.sleep(faults.fwd_s)
+                if faults.once:  # a hang is one stall, also where a pipeline runs the module once per microbatch
+                    faults.fwd_s = 0.0
             return fwd_orig(*args, **kwargs)
 
         def bwd(*args, **kwargs):
@@ -281,7 +285,8 @@ def rank_main(spec: dict[str, Any]) -> None:
                 faults.bwd_s = SLOW_S if slow and fault == "bwd" else 0.0
                 if mine and fault == "intermittent" and step in INTERMITTENT_STEPS:
                     faults.fwd_s = INTERMITTENT_S
-                if stuck and fault == "hang_module":
+                faults.once = stuck and fault == "hang_module"
+                if faults.once:
                     faults.fwd_s = STUCK_S
                 tokens, targets = demo.make_batch(demo.ModelArgs(), 2, step)
                 if schedule is None:
