@@ -38,6 +38,7 @@ def test_the_table_counts_each_kind_of_answer(accuracy, capsys):
     results = [
         {"scenario": "healthy/tp/2r/quiet", "false_blames": 0},
         {"scenario": "healthy/tp/2r/quiet", "false_blames": 2},
+        {"scenario": "healthy/tp/2r/quiet", "false_blames": 0, "live_false": 1},
         {"scenario": "fwd/tp/2r/quiet", "top1": True, "extra_rows": 0, "live_rank_right": True, "live_steps": 3},
         {"scenario": "fwd/tp/2r/quiet", "top1": False, "extra_rows": 1},
         {"scenario": "fwd/tp/2r/quiet", "error": "RuntimeError: x"},
@@ -51,8 +52,8 @@ def test_the_table_counts_each_kind_of_answer(accuracy, capsys):
          "latency_s": 1.5},
     ]
     assert accuracy.table_rows(results) == [
-        {"scenario": "healthy/tp/2r/quiet", "runs": "2", "errors": "0", "answer": "1/2 blame nobody",
-         "detail": "1.00 false blames/run", "live": "n/a"},
+        {"scenario": "healthy/tp/2r/quiet", "runs": "3", "errors": "0", "answer": "1/3 blame nobody",
+         "detail": "0.67 false blames/run", "live": "1 false live verdicts"},
         {"scenario": "fwd/tp/2r/quiet", "runs": "3", "errors": "1", "answer": "1/3 (33%)",
          "detail": "0.50 extra rows/run", "live": "1/1 named, median 3 steps"},
         {"scenario": "failslow/tp/2r/quiet", "runs": "2", "errors": "0", "answer": "2/2 (100%)",
@@ -65,7 +66,7 @@ def test_the_table_counts_each_kind_of_answer(accuracy, capsys):
     out = capsys.readouterr().out
     assert out.splitlines()[-4:] == [
         "straggler top-1 over all fault runs >= 95%: 3/5 (60%): FAIL",
-        "healthy runs with a false blame: none: 1/2 (2 rows): FAIL",
+        "healthy runs with a false blame (offline rows or live verdicts): none: 2/3 (3 blames): FAIL",
         "hang verdicts right: all: 1/2 (50%): FAIL",
         "fail-slows named live within 6 steps of the onset: all: 1/2 (50%): FAIL",
     ]

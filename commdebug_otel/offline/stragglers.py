@@ -410,11 +410,13 @@ def _binomial_sf(k: int, n: int, p: float) -> float:
 
 
 def judge(records: Iterable[Late], steps_seen: dict[int, set[int]], noise_floor_s: float = NOISE_FLOOR_S,
-          alpha: float = ALPHA) -> list[dict[str, Any]]:
+          alpha: float = ALPHA, min_effect: float = MIN_EFFECT) -> list[dict[str, Any]]:
     """The (rank, module, pass) rows whose lateness is consistent and beyond the job's noise (module docstring).
 
     ``records``: :class:`Late` of counted steps; ``steps_seen``: each rank's counted steps (each a possible
     cell at every place, late or not: the null rate's denominator). ``noise_floor_s``: the least noise cut.
+    ``min_effect``: the least median late cell, in noise cuts (1.0: none beyond the cut; the live verdict judges
+    the effect over an episode's steps only).
 
     Returns:
         the straggler rows, most ``lost_s`` first: ``{"rank", "module", "pass", "lost_s" (in its late steps),
@@ -427,7 +429,7 @@ def judge(records: Iterable[Late], steps_seen: dict[int, set[int]], noise_floor_
         cells[(record.rank, record.module, record.pass_)][record.step] += record.lost_ns
     found: dict[tuple[int, str, str], dict[str, Any]] = {}
     for _ in range(8):  # rows found are no noise: test again without them until no new row is found
-        again = _test(cells, steps_seen, set(found), noise_floor_s * 1e9, alpha)
+        again = _test(cells, steps_seen, set(found), noise_floor_s * 1e9, alpha, min_effect)
         if set(again) <= set(found):
             break
         found |= again
@@ -436,7 +438,8 @@ def judge(records: Iterable[Late], steps_seen: dict[int, set[int]], noise_floor_
 
 
 def _test(cells: dict[tuple[int, str, str], dict[int, int]], steps_seen: dict[int, set[int]],
-          apart: set[tuple[int, str, str]], floor_ns: float, alpha: float) -> dict[tuple[int, str, str], dict]:
+          apart: set[tuple[int, str, str]], floor_ns: float, alpha: float, min_effect: float
+          ) -> dict[tuple[int, str, str], dict]:
     """One pass of :func:`judge`'s test, the cells of the rows ``apart`` (found before) left out of the noise."""
     places = len({(module, pass_) for _, module, pass_ in cells}) or 1
     everything = sorted(value for key, row in cells.items() if key not in apart for value in row.values())
@@ -480,7 +483,7 @@ def _test(cells: dict[tuple[int, str, str], dict[int, int]], steps_seen: dict[in
         p = _binomial_sf(len(late), n, rate)
         if len(late) < MIN_STEPS_LATE or p * len(tested) > alpha:
             continue
-        if statistics.median(late.values()) < MIN_EFFECT * cut:
+        if statistics.median(late.values()) < min_effect * cut:
             continue
         found[(rank, module, pass_)] = {
             "rank": rank, "module": module, "pass": pass_, "lost_s": sum(late.values()) / 1e9,

@@ -12,7 +12,9 @@ steps every rank reported: a rank is a straggler when it was late beyond the oth
 ``MIN_STEPS_LATE`` steps, more often than the noise explains (binomial, Bonferroni, ``ALPHA``). Live, its
 resolution floor is :data:`FLOOR_FRACTION` of the job's busy time (:func:`noise_floor_s`), and the verdict names
 only a *persistent* straggler: one late in :data:`PERSISTENT_SHARE` of the steps since its episode began
-(intermittent lateness is left to ``diagnose``).
+(intermittent lateness is left to ``diagnose``), by a median of at least ``MIN_EFFECT`` noise cuts over those
+steps (the offline effect size, judged over the episode: a rank a little late before the onset, sharing its core,
+would otherwise hold the fail-slow's median down until the window forgets the steps before).
 
 Where it is slow comes from traced steps: each rank keeps, per traced step, each (module, pass)'s self time
 (``Progress.places``, only while the verdict is on) and publishes it with its busy times. On the steps every
@@ -65,6 +67,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -249,6 +252,14 @@ def noise_floor_s(busy: Mapping[int, Mapping[int, int]]) -> float:
     return max(stragglers.NOISE_FLOOR_S, FLOOR_FRACTION * median_s)
 
 
+def _sized(records: Iterable[Late], rank: int, since: int, cut_s: float) -> bool:
+    """Whether ``rank``'s late steps since ``since`` (beyond ``cut_s``) have a median of at least
+    ``stragglers.MIN_EFFECT`` cuts: the offline model's effect size, over the episode."""
+    lost = [record.lost_ns for record in records if record.rank == rank and record.step >= since
+            and record.lost_ns > cut_s * 1e9]
+    return bool(lost) and statistics.median(lost) >= stragglers.MIN_EFFECT * cut_s * 1e9
+
+
 def _episode_lost_s(records: Iterable[Late], rank: int, since: int, cut_s: float) -> float:
     """Seconds per late step ``rank`` cost the others since step ``since``: the mean of its records there beyond
     ``cut_s`` (0.0 when none)."""
@@ -310,7 +321,9 @@ class StragglerJudge:
         window = {step: self._busy[step] for step in complete if step in self._busy}
         floor_s = noise_floor_s(window)
         records, seen = late_from_busy(window, self.world_size, floor_s)
-        rows = {row["rank"]: row for row in stragglers.judge(records, seen, floor_s, self.alpha)} \
+        # The effect size is judged over the episode (below), not the window: a rank already a little late before
+        # the onset (sharing its core) would hold a fail-slow's median down until the window forgets it.
+        rows = {row["rank"]: row for row in stragglers.judge(records, seen, floor_s, self.alpha, min_effect=1.0)} \
             if len(window) >= MIN_STEPS_JUDGED else {}
         out = []
         for rank, row in sorted(rows.items()):
@@ -318,7 +331,8 @@ class StragglerJudge:
                 since = _onset(row["late_steps"])
                 late = sum(1 for step in row["late_steps"] if step >= since)
                 steps = sum(1 for step in window if step >= since)
-                if late >= max(stragglers.MIN_STEPS_LATE, PERSISTENT_SHARE * steps):  # persistent: a fail-slow
+                if late >= max(stragglers.MIN_STEPS_LATE, PERSISTENT_SHARE * steps) and _sized(
+                        records, rank, since, row["noise_cut_s"]):  # persistent and large: a fail-slow
                     self._named[rank] = row
                     row["episode_lost_s"] = _episode_lost_s(records, rank, since, row["noise_cut_s"])
                     place = self._place(rank, since, window, records, floor_s)
@@ -346,7 +360,7 @@ class StragglerJudge:
         if not self._named or len(recent) < RECOVER_STEPS:
             return out
         records, seen = late_from_busy({step: window[step] for step in recent}, self.world_size, floor_s)
-        still = {row["rank"] for row in stragglers.judge(records, seen, floor_s, self.alpha)}
+        still = {row["rank"] for row in stragglers.judge(records, seen, floor_s, self.alpha, min_effect=1.0)}
         recovered = False
         for rank in sorted(self._named):
             row = self._named[rank]
@@ -375,7 +389,7 @@ class StragglerJudge:
             return None
         placed = placed_records([record for record in records if record.step in traced], traced)
         seen = {other: set(traced) for other in range(self.world_size)}
-        for row in stragglers.judge(placed, seen, floor_s, self.alpha):
+        for row in stragglers.judge(placed, seen, floor_s, self.alpha, min_effect=1.0):
             if row["rank"] == rank and row["module"] != stragglers.UNATTRIBUTED:
                 return row["module"], row["pass"]
         return None
