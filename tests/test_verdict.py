@@ -20,14 +20,8 @@ from torch import nn
 
 from commdebug_otel import semconv
 from commdebug_otel.core.fact import CollectiveFact, GroupFacts
-from commdebug_otel.stall.verdict import (
-    RECORD_FORMAT,
-    InFlight,
-    StallRecord,
-    form_verdict,
-    progress_record,
-    ranks_text,
-)
+from commdebug_otel.offline.hangs import RECORD_FORMAT, InFlight, StallRecord, form_verdict, ranks_text
+from commdebug_otel.stall.verdict import progress_record
 from commdebug_otel.testing.otlp_receiver import OtlpReceiver
 from tests import models
 from tests.distributed import free_port
