@@ -654,6 +654,9 @@ def test_a_stall_names_the_rank_behind_and_who_waits(tmp_path):
         "ahead": [{"rank": 0, "group": "0", "issued_seq": 57, "behind_seq": 56}],
         "waiting_ranks": [{"rank": 0, "step": 3, "module": wo, "pass": "forward", "age_s": 44.95,
                            "in_flight": [in_flight], "issued_by_all": []}],
+        # The live verdict's rule and words (offline/hangs.py), from the same facts.
+        "verdict": {"kind": "hang", "summary": f"rank 1 never entered all_reduce #57 on group 0, issued by {wo}; it "
+                    "is in Model.layers.0.attention forward; rank 0 waits in it (step 3, 2 of 2 ranks reported)"},
     }]
     text = diagnose.format_text(diagnose.diagnose(spans)).splitlines()
     start = text.index("Stalls: 1")
@@ -876,9 +879,18 @@ def test_a_desync_that_hangs_is_found_in_the_stall_rings(tmp_path):
     side = {"dtype": "float32", "shape": [8], "reduce_op": "", "module": "M.a", "pass": "forward", "seq": 20}
     assert diagnose.desyncs(spans) == [{"group": "0", "seq": 20, "step": 5, "ranks": {
         0: side | {"op": "all_reduce"}, 1: side | {"op": "broadcast"}}}]
-    # Every rank waits in a collective at the same seq: no one is behind; both are listed.
-    assert [(stall["rank"], stall["reason"]) for stall in diagnose.stalls(spans)] == [
-        (0, "undetermined"), (1, "undetermined")]
+    # The live verdict's rule: a desync, the smaller side (ties: the higher rank) blamed, the other waiting.
+    summary = ("desync at #20 on group 0 in step 5: rank 0 issued all_reduce from M.a; rank 1 issued broadcast "
+               "from M.a (2 of 2 ranks reported)")
+    (stall,) = diagnose.stalls(spans)
+    assert (stall["rank"], stall["reason"], stall["verdict"], [w["rank"] for w in stall["waiting_ranks"]]) == (
+        1, summary, {"kind": "desync", "summary": summary}, [0])
+    # Every rank waits in the same collective at the same seq: nobody to blame; each is listed, undetermined.
+    same = [*_snapshot(0, 5, 1100, 60.0, 3, "M.a", 20, 19, [_ring(20, "in_flight", 59.0, "M.a")]),
+            *_snapshot(1, 5, 1100, 60.0, 3, "M.a", 20, 19, [_ring(20, "in_flight", 59.0, "M.a")])]
+    assert [(stall["rank"], stall["reason"], stall["waiting_ranks"], stall["verdict"])
+            for stall in diagnose.stalls(_load(same, tmp_path))] == [
+        (0, "undetermined", [], None), (1, "undetermined", [], None)]
 
 
 def test_the_command_line_and_no_torch(tmp_path):
