@@ -178,6 +178,19 @@ def _stalled_step_trace(receiver: OtlpReceiver) -> set[str]:
             and span["attributes"].get(semconv.STEP) == STUCK_STEP}
 
 
+def _offline_agrees(receiver: OtlpReceiver, attrs: dict) -> None:
+    """``diagnose`` over the same job's ``stalled`` spans names what the live verdict ``attrs`` names: one rule
+    (offline/hangs.py) over the same snapshots; its entries of the stuck step (the behind ranks' own step)."""
+    from commdebug_otel.offline import diagnose
+
+    spans = [span | {"rank": span["resource"][semconv.RANK]} for span in receiver.spans()]
+    found = [stall for stall in diagnose.stalls(spans) if stall["step"] == STUCK_STEP]
+    assert found, [stall["step"] for stall in diagnose.stalls(spans)]
+    assert ([stall["rank"] for stall in found], [w["rank"] for w in found[0]["waiting_ranks"]], found[0]["verdict"]) \
+        == (attrs[semconv.VERDICT_BEHIND_RANKS], attrs[semconv.VERDICT_WAITING_RANKS],
+            {"kind": attrs[semconv.VERDICT_KIND], "summary": attrs[semconv.VERDICT_SUMMARY]})
+
+
 @pytest.fixture
 def receiver():
     with OtlpReceiver() as rx:
@@ -305,6 +318,7 @@ def test_two_ranks_issuing_different_collectives_at_one_seq_are_a_desync(receive
     assert attrs[semconv.VERDICT_SUMMARY] == (
         f"desync at #{seq} on group 0 in step {STUCK_STEP}: ranks 0,2-3 issued all_reduce from Net.layers.1; "
         "rank 1 issued broadcast from Net.layers.1 (4 of 4 ranks reported)")
+    _offline_agrees(receiver, attrs)
 
 
 def test_a_rank_one_step_behind_is_named_behind_not_missing(receiver, capfd):
@@ -323,6 +337,7 @@ def test_a_rank_one_step_behind_is_named_behind_not_missing(receiver, capfd):
         f"rank 1 never entered all_reduce #{seq} on group 0, issued by Net.layers.0; it is in train_step; "
         f"ranks 0,2-3 wait in it (rank 1 in step {STUCK_STEP}, ranks 0,2-3 in step {STUCK_STEP + 1}, "
         "4 of 4 ranks reported)")
+    _offline_agrees(receiver, attrs)
 
 
 def test_a_rank_stuck_in_a_subgroup_gets_one_verdict_naming_who_waits_on_each_group(receiver, capfd):
@@ -340,6 +355,7 @@ def test_a_rank_stuck_in_a_subgroup_gets_one_verdict_naming_who_waits_on_each_gr
         f"rank 3 never entered all_reduce #{pair_seq} on group 1, issued by train_step; it is in train_step; "
         f"rank 2 waits in it; ranks 0-1 wait in barrier #{world_seq} on group 0, issued by train_step "
         f"(step {STUCK_STEP}, 4 of 4 ranks reported)")
+    _offline_agrees(receiver, attrs)
 
 
 # ------------------------------------------------------------------ records and verdicts, by hand
