@@ -50,17 +50,8 @@ from typing import Any, NamedTuple
 
 from commdebug_otel import semconv
 from commdebug_otel.core.fact import CollectiveFact, parse, ranges_text, stall_step_text
-from commdebug_otel.offline import EXIT_DONE, EXIT_UNREADABLE, flight_recorder, stragglers, summary
+from commdebug_otel.offline import EXIT_DONE, EXIT_UNREADABLE, flight_recorder, hangs, stragglers, summary
 from commdebug_otel.offline.backends import DEADLINE_S, MAX_RESPONSE_BYTES
-from commdebug_otel.offline.hangs import (
-    KIND_DESYNC,
-    GroupProgress,
-    InFlight,
-    StallRecord,
-    Verdict,
-    cause_text,
-    form_verdict,
-)
 from commdebug_otel.offline.load import load_for_command
 from commdebug_otel.offline.model import (
     SpanIndex,
@@ -207,19 +198,20 @@ def _snapshot(span: dict) -> dict[str, Any]:
 
 
 def _stall_record(snap: dict[str, Any], module: str, in_flight: list[CollectiveFact],
-                  dims: dict[str, str]) -> StallRecord:
+                  dims: dict[str, str]) -> hangs.StallRecord:
     """The snapshot ``snap`` as the record its rank published for the live verdict (:func:`.hangs.form_verdict`
     reads both): per group its issued and completed seqs, mesh dimension, size and collectives in flight.
     ``module``: the training thread's module as the span names it ("" outside every module)."""
-    flying: dict[str, list[InFlight]] = defaultdict(list)
+    flying: dict[str, list[hangs.InFlight]] = defaultdict(list)
     for fact in in_flight:
-        flying[fact.group.name].append(InFlight(fact.seq, fact.op, fact.fqn, fact.pass_, cause_text(fact.why)))
-    groups = {name: GroupProgress(issued, snap["completed_seq"].get(name, -1), dims.get(name, ""),
-                                  snap["_sizes"].get(name, 0), tuple(flying[name]))
+        entry = hangs.InFlight(fact.seq, fact.op, fact.fqn, fact.pass_, hangs.cause_text(fact.why))
+        flying[fact.group.name].append(entry)
+    groups = {name: hangs.GroupProgress(issued, snap["completed_seq"].get(name, -1), dims.get(name, ""),
+                                        snap["_sizes"].get(name, 0), tuple(flying[name]))
               for name, issued in snap["issued_seq"].items()}
     step = snap["step"] if isinstance(snap["step"], int) else -1
-    return StallRecord(snap["rank"], step, snap["_end_ns"], snap["age_s"], snap["snapshot"], snap["between_steps"],
-                       module, snap["pass"], tuple(snap["stack"]), groups)
+    return hangs.StallRecord(snap["rank"], step, snap["_end_ns"], snap["age_s"], snap["snapshot"],
+                             snap["between_steps"], module, snap["pass"], tuple(snap["stack"]), groups)
 
 
 def _episodes(snapshots: list[dict]) -> list[list[dict]]:
@@ -245,12 +237,12 @@ def _episodes(snapshots: list[dict]) -> list[list[dict]]:
     return out
 
 
-def _verdict(episode: list[dict]) -> Verdict | None:
+def _verdict(episode: list[dict]) -> hangs.Verdict | None:
     """The hang rule of the live verdict (:func:`.hangs.form_verdict`) over the episode's records, as the lowest
     rank that published would form it; the world is the resource's world size, at least the highest rank's."""
     records = {snap["rank"]: snap["_record"] for snap in episode}
     world = max(max(snap["world_size"] for snap in episode), max(records) + 1)
-    return form_verdict(records, world, records[min(records)].step)
+    return hangs.form_verdict(records, world, records[min(records)].step)
 
 
 def _behind_on(snap: dict, episode: list[dict]) -> list[dict]:
@@ -261,9 +253,9 @@ def _behind_on(snap: dict, episode: list[dict]) -> list[dict]:
             if other["issued_seq"].get(group, seq) > seq]
 
 
-def _reason(verdict: Verdict, snap: dict | None, ahead: list[dict]) -> str:
+def _reason(verdict: hangs.Verdict, snap: dict | None, ahead: list[dict]) -> str:
     """Why the verdict blames this rank, in a few words (a desync: the verdict's sentence)."""
-    if verdict.kind == KIND_DESYNC:
+    if verdict.kind == hangs.KIND_DESYNC:
         return verdict.summary
     if snap is None:
         return "sent no snapshot while the others are stalled"
