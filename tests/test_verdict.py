@@ -234,6 +234,7 @@ def test_a_rank_stuck_in_a_module_is_named_with_the_collective_the_others_wait_i
     assert attrs[semconv.VERDICT_SUMMARY] == (
         f"rank 2 never entered all_reduce #{seq} on group 0, issued by Net.layers.1; it is in Net.layers.1 "
         f"forward; {ranks_text(waiting)} wait in it (step {STUCK_STEP}, {world_size} of {world_size} ranks reported)")
+    _offline_agrees(receiver, attrs)
 
 
 def test_a_rank_stuck_in_a_module_of_an_untraced_step_is_named_from_its_stack(receiver, capfd):
@@ -281,6 +282,7 @@ def test_a_rank_stuck_between_steps_is_named_between_steps(receiver, capfd):
         "hang", [1], [0, 2, 3], seq, "all_reduce", "(between steps)", "Net.layers.0", STUCK_STEP)
     assert attrs[semconv.VERDICT_SUMMARY].startswith(
         f"rank 1 never entered all_reduce #{seq} on group 0, issued by Net.layers.0; it is in (between steps); ")
+    _offline_agrees(receiver, attrs)
 
 
 @pytest.mark.parametrize("scenario, state", [("killed", "dead"), ("gil", "silent")])
