@@ -230,7 +230,7 @@ def _waiting_for_unpublished(records: Mapping[int, StallRecord]) -> set[int]:
 
 
 def _behind(records: Mapping[int, StallRecord], excused: AbstractSet[int] = frozenset()) -> tuple[list[int], list[str]]:
-    """Ranks behind on a group where others issued more, and not ahead on any (diagnose's rule), ``excused``
+    """Ranks behind on a group where others issued more, and not ahead on any, ``excused``
     ranks aside; the groups where they are behind (by name)."""
     behind: dict[int, list[str]] = {}
     ahead: set[int] = set()
@@ -326,7 +326,7 @@ def form_verdict(records: Mapping[int, StallRecord], world_size: int, step: int,
     """The cross-rank verdict from the published records, or None when nothing is to blame.
 
     Records are matched by per-group seqs only, never by step (ranks may count steps differently).
-    Torch-free: an offline tool can apply the same rule to the same records.
+    Torch-free: ``diagnose`` applies it to the records it reads back from the ``stalled`` spans.
 
     Args:
         records: ``{rank: StallRecord}`` of the ranks that published, whatever step each is in.
