@@ -245,7 +245,7 @@ def _verdict(episode: list[dict]) -> hangs.Verdict | None:
     return hangs.form_verdict(records, world, records[min(records)].step)
 
 
-def _behind_on(snap: dict, episode: list[dict]) -> list[dict]:
+def _ahead_of(snap: dict, episode: list[dict]) -> list[dict]:
     """Who is ahead of ``snap``'s rank: ``[{"rank", "group", "issued_seq", "behind_seq"}]`` on each group where
     others issued more (groups by name, then ranks)."""
     return [{"rank": other["rank"], "group": group, "issued_seq": other["issued_seq"][group], "behind_seq": seq}
@@ -364,8 +364,9 @@ def stalls(spans: list[dict]) -> list[dict[str, Any]]:
         collective while the others wait in one", "sent no snapshot while the others are
         stalled" (a rank with no snapshot: "step" None, empty fields), or for a desync the
         verdict's sentence. When the rule blames nobody (every rank waits in the same
-        collective), every rank of the episode is listed with the reason "undetermined",
-        no waiting ranks and "verdict" None.
+        collective, or a behind rank's snapshot is older than what a waiting rank knows
+        complete), every rank of the episode is listed with the reason "undetermined", no
+        waiting ranks and "verdict" None.
     """
     snapshots = [_snapshot(span) for span in spans if span["name"] == semconv.SPAN_STALLED]
     stalled, starts = _ends(spans)
@@ -381,7 +382,7 @@ def stalls(spans: list[dict]) -> list[dict[str, Any]]:
         said = None if verdict is None else {"kind": verdict.kind, "summary": verdict.summary}
         for rank in ranks:
             snap = by_rank.get(rank)
-            ahead = [] if snap is None else _behind_on(snap, episode)
+            ahead = [] if snap is None else _ahead_of(snap, episode)
             reason = "undetermined" if verdict is None else _reason(verdict, snap, ahead)
             snap = snap or {
                 "rank": rank, "step": None, "module": "", "pass": "", "age_s": 0.0, "threshold_s": 0.0,
