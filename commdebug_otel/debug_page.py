@@ -34,7 +34,7 @@ from typing import Any
 
 from commdebug_otel.capture._torch import debug_server_default_handlers, debug_server_store, debug_server_types
 from commdebug_otel.core.thread_signals import start_quiet
-from commdebug_otel.stall.verdict import ranks_text
+from commdebug_otel.offline.hangs import ranks_text
 
 __all__ = ["ANSWER_TIMEOUT_S", "CommDebugPage", "debug_handlers", "rank_state"]
 

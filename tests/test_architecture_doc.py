@@ -19,7 +19,7 @@ PACKAGE = ROOT / "commdebug_otel"
 DOC = ROOT / "docs" / "architecture.md"
 # `file.py:Qualified.name`: a module-level function or class, or a method of one (nested defs too).
 _NAMED = re.compile(r"`((?:[\w]+/)*[\w]+\.py):([\w.]+)`")
-QUESTIONS = "abcdefgh"
+QUESTIONS = "abcdefghi"
 
 
 def _call_paths() -> str:
@@ -139,6 +139,11 @@ CHAINS = {
            "offline/otlp_json.py:SpanReader", "offline/signature.py:signature_of_spans",
            "offline/signature.py:tally_spans", "offline/signature.py:build",
            "offline/signature.py:typical_step", "offline/signature.py:to_json"]],
+    "i": [["cli.py:main", "offline/diagnose.py:run", "offline/diagnose.py:diagnose", "offline/diagnose.py:stalls",
+           "offline/diagnose.py:_snapshot", "offline/diagnose.py:_stall_record", "offline/diagnose.py:_verdict",
+           "offline/hangs.py:form_verdict"],
+          ["stall/watchdog.py:StallWatch.check", "stall/watchdog.py:StallWatch._publish"],
+          ["stall/watchdog.py:StallWatch._run", "stall/verdict.py:StoreExchange.poll"]],
 }
 # Named on the page, not run by this one-rank job: the live straggler verdict needs ranks exchanging busy times
 # over many steps (tests/test_straggler_live.py runs it), an injected provider's ids (tests/test_own_ids.py), compare
@@ -150,6 +155,10 @@ NOT_RUN = {
           "core/step_lifecycle.py:StepLifecycle.close_step", "core/records.py:self_times",
           "stall/straggler.py:placed_records", "stall/watchdog.py:StallWatch._trace_steps"],
     "g": ["otel/spans.py:StepIdGenerator.ids"],
+    # The live stall verdict needs ranks exchanging records through the store (tests/test_verdict.py runs it).
+    "i": ["stall/verdict.py:progress_record", "stall/verdict.py:StoreExchange.publish",
+          "stall/verdict.py:StoreExchange._records", "stall/watchdog.py:StallWatch._export_verdict",
+          "core/recorder.py:Recorder.stall_verdict"],
     "h": ["offline/compare.py:run", "offline/signature.py:load", "offline/signature.py:compare",
           "offline/signature.py:format_diff", "pytest_plugin.py:comm_signature",
           "testing/signatures.py:record_signature",

@@ -661,6 +661,9 @@ def test_a_stall_names_the_rank_behind_and_who_waits(tmp_path):
         "ahead": [{"rank": 0, "group": "0", "issued_seq": 57, "behind_seq": 56}],
         "waiting_ranks": [{"rank": 0, "step": 3, "module": wo, "pass": "forward", "age_s": 44.95,
                            "in_flight": [in_flight], "issued_by_all": []}],
+        # The live verdict's rule and words (offline/hangs.py), from the same facts.
+        "verdict": {"kind": "hang", "summary": f"rank 1 never entered all_reduce #57 on group 0, issued by {wo}; it "
+                    "is in Model.layers.0.attention forward; rank 0 waits in it (step 3, 2 of 2 ranks reported)"},
     }]
     text = diagnose.format_text(diagnose.diagnose(spans)).splitlines()
     start = text.index("Stalls: 1")
@@ -752,6 +755,37 @@ def test_equal_seqs_blame_the_rank_in_no_collective(tmp_path):
     (stall,) = diagnose.stalls(_load(spans, tmp_path))
     assert (stall["rank"], stall["reason"]) == (1, "in no collective while the others wait in one")
     assert [w["rank"] for w in stall["waiting_ranks"]] == [0, 2]
+
+
+def _world_of_3(spans):
+    for item in spans:
+        item["resource"][semconv.WORLD_SIZE] = 3
+    return spans
+
+
+def test_stalls_follow_the_live_verdict_s_rule(tmp_path):
+    """Where diagnose's own rule said otherwise, the live verdict's (offline/hangs.py) now decides."""
+    waits = _snapshot(0, 4, 1010, 6.0, 1, "M.b", 9, 8, [_ring(9, "in_flight", 5.0, "M.b")])
+    # World of 3, rank 2 sent nothing, rank 1 in no collective: the rank that sent nothing is named (it was rank 1).
+    idle = _snapshot(1, 4, 1010, 6.0, 1, "M.b", 9, 9, [_ring(9, "completed", 5.0, "M.b")])
+    found = diagnose.stalls(_load(_world_of_3(waits + idle), tmp_path))
+    assert [(stall["rank"], stall["reason"], [w["rank"] for w in stall["waiting_ranks"]], stall["verdict"]["kind"])
+            for stall in found] == [(2, "sent no snapshot while the others are stalled", [0], "missing")]
+    # Rank 1's latest snapshot is older than what rank 0 knows: rank 0 saw seq 57 complete, so rank 1 entered it.
+    # Nobody is named from these snapshots (rank 1 was named behind).
+    done = _snapshot(0, 3, 1045, 44.95, 2, "M.a", 57, 57, [_ring(57, "completed", 44.9, "M.a")])
+    stale = _snapshot(1, 3, 1045, 45.0, 2, "M.a", 56, 56, [_ring(56, "completed", 45.5)])
+    assert [(stall["rank"], stall["reason"], stall["verdict"]) for stall in diagnose.stalls(_load(done + stale,
+                                                                                                  tmp_path))] == [
+        (0, "undetermined", None), (1, "undetermined", None)]
+    # Rank 1 behind on group 0, rank 0 waits there; rank 2, on group 1 only and in no collective, waits for nobody:
+    # it is not listed waiting (every other rank was).
+    behind = _snapshot(1, 4, 1010, 6.0, 1, "M.a", 8, 8, [_ring(8, "completed", 5.5)])
+    apart = _snapshot(2, 4, 1010, 6.0, 1, "M.c", 3, 3, [])
+    apart[-1]["attributes"]["commdebug.stall.groups"] = ["1"]
+    (stall,) = diagnose.stalls(_load(_world_of_3(waits + behind + apart), tmp_path))
+    assert (stall["rank"], stall["reason"], [w["rank"] for w in stall["waiting_ranks"]]) == (
+        1, "behind on group 0: issued seq 8, rank 0 9", [0])
 
 
 def test_stalls_of_different_times_are_apart_latest_first(tmp_path):
@@ -883,9 +917,18 @@ def test_a_desync_that_hangs_is_found_in_the_stall_rings(tmp_path):
     side = {"dtype": "float32", "shape": [8], "reduce_op": "", "module": "M.a", "pass": "forward", "seq": 20}
     assert diagnose.desyncs(spans) == [{"group": "0", "seq": 20, "step": 5, "ranks": {
         0: side | {"op": "all_reduce"}, 1: side | {"op": "broadcast"}}}]
-    # Every rank waits in a collective at the same seq: no one is behind; both are listed.
-    assert [(stall["rank"], stall["reason"]) for stall in diagnose.stalls(spans)] == [
-        (0, "undetermined"), (1, "undetermined")]
+    # The live verdict's rule: a desync, the smaller side (ties: the higher rank) blamed, the other waiting.
+    summary = ("desync at #20 on group 0 in step 5: rank 0 issued all_reduce from M.a; rank 1 issued broadcast "
+               "from M.a (2 of 2 ranks reported)")
+    (stall,) = diagnose.stalls(spans)
+    assert (stall["rank"], stall["reason"], stall["verdict"], [w["rank"] for w in stall["waiting_ranks"]]) == (
+        1, summary, {"kind": "desync", "summary": summary}, [0])
+    # Every rank waits in the same collective at the same seq: nobody to blame; each is listed, undetermined.
+    same = [*_snapshot(0, 5, 1100, 60.0, 3, "M.a", 20, 19, [_ring(20, "in_flight", 59.0, "M.a")]),
+            *_snapshot(1, 5, 1100, 60.0, 3, "M.a", 20, 19, [_ring(20, "in_flight", 59.0, "M.a")])]
+    assert [(stall["rank"], stall["reason"], stall["waiting_ranks"], stall["verdict"])
+            for stall in diagnose.stalls(_load(same, tmp_path))] == [
+        (0, "undetermined", [], None), (1, "undetermined", [], None)]
 
 
 def test_the_command_line_and_no_torch(tmp_path):

@@ -126,6 +126,14 @@ def test_a_stall_from_the_snapshots_is_the_answer_without_a_live_verdict(run):
     assert [text for _, text in answers if "verdict" in text or "never entered" in text] == [
         "hang: rank 1 never entered all_reduce #9", "hang (ended): rank 2 never entered all_reduce #0"]
     assert answers[0] == ("bad", "hang: rank 1 never entered all_reduce #9")
+    # The hang rule's kind leads the sentence: a desync's smaller side, a rank that sent no snapshot.
+    desync = stall | {"verdict": {"kind": "desync", "summary": "desync at #9 on group 0 in step 4: ..."}}
+    missing = {"rank": 3, "snapshot": 0, "reason": "sent no snapshot while the others are stalled",
+               "verdict": {"kind": "missing", "summary": "rank 3 published nothing ..."}}
+    answers = html_report._answer(diagnosis | {"stalls": [desync, missing]}, [])
+    assert [text for _, text in answers[:2]] == [
+        "desync: rank 1 is stuck in step 4 at _Net.second forward for 42.0 s; rank(s) 0, 2-3 wait for it",
+        "missing: rank 3 is stuck: it sent no snapshot while the others are stalled"]
 
 
 _STUCK_S = 120.0  # a hung rank's sleep at most: the test ends it once it has read the files

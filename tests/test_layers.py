@@ -91,6 +91,7 @@ def test_every_layer_folder_is_a_documented_package():
     ("commdebug_otel.compat.report", ("torch", "opentelemetry", "commdebug_otel.config")),
     ("commdebug_otel.detail", ("torch", "opentelemetry", "commdebug_otel.config")),
     ("commdebug_otel.core.fact", ("torch", "opentelemetry")),
+    ("commdebug_otel.offline.hangs", ("torch", "opentelemetry")),  # the hang rule, live and offline
     ("commdebug_otel.offline.diagnose", ("torch", "opentelemetry.sdk.trace", "opentelemetry.sdk.metrics")),
 ])
 def test_what_a_module_loads(module, absent):

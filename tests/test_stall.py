@@ -416,6 +416,17 @@ def test_diagnose_names_the_stuck_rank_its_module_and_the_collective_the_other_w
     assert [(c["op"], c["seq"], c["module"]) for c in waiting["in_flight"]] == [
         ("all_reduce", 2 * STUCK_STEP + 1, "Net.layers.1.proj")]
     assert found["desyncs"] == []
+    # The live verdict in the same files (the leader's stall_verdict span) and diagnose apply one rule
+    # (offline/hangs.py) to the same snapshots: the same rank behind, the same waiters, the same sentence.
+    from commdebug_otel.offline.summary import load_spans
+
+    live = [span["attributes"] for span in load_spans([str(run)]) if span["name"] == semconv.SPAN_STALL_VERDICT
+            and span["attributes"][semconv.STEP] == STUCK_STEP]
+    assert len(live) == 1, live
+    assert (live[0][semconv.VERDICT_KIND], live[0][semconv.VERDICT_BEHIND_RANKS],
+            live[0][semconv.VERDICT_WAITING_RANKS], live[0][semconv.VERDICT_SUMMARY]) == (
+        stall["verdict"]["kind"], [stall["rank"]], [waiting["rank"]], stall["verdict"]["summary"])
+    assert stall["verdict"]["kind"] == "hang"
     # The stuck step's final export is one train_step per rank, counted once by summarize too.
     text = subprocess.run([sys.executable, "-m", "commdebug_otel.cli", "summarize", str(run), "--step",
                            str(STUCK_STEP), "--format", "report-json"], capture_output=True, text=True, timeout=120)

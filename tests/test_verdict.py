@@ -20,14 +20,8 @@ from torch import nn
 
 from commdebug_otel import semconv
 from commdebug_otel.core.fact import CollectiveFact, GroupFacts
-from commdebug_otel.stall.verdict import (
-    RECORD_FORMAT,
-    InFlight,
-    StallRecord,
-    form_verdict,
-    progress_record,
-    ranks_text,
-)
+from commdebug_otel.offline.hangs import RECORD_FORMAT, InFlight, StallRecord, form_verdict, ranks_text
+from commdebug_otel.stall.verdict import progress_record
 from commdebug_otel.testing.otlp_receiver import OtlpReceiver
 from tests import models
 from tests.distributed import free_port
@@ -184,6 +178,19 @@ def _stalled_step_trace(receiver: OtlpReceiver) -> set[str]:
             and span["attributes"].get(semconv.STEP) == STUCK_STEP}
 
 
+def _offline_agrees(receiver: OtlpReceiver, attrs: dict) -> None:
+    """``diagnose`` over the same job's ``stalled`` spans names what the live verdict ``attrs`` names: one rule
+    (offline/hangs.py) over the same snapshots; its entries of the stuck step (the behind ranks' own step)."""
+    from commdebug_otel.offline import diagnose
+
+    spans = [span | {"rank": span["resource"][semconv.RANK]} for span in receiver.spans()]
+    found = [stall for stall in diagnose.stalls(spans) if stall["step"] == STUCK_STEP]
+    assert found, [stall["step"] for stall in diagnose.stalls(spans)]
+    assert ([stall["rank"] for stall in found], [w["rank"] for w in found[0]["waiting_ranks"]], found[0]["verdict"]) \
+        == (attrs[semconv.VERDICT_BEHIND_RANKS], attrs[semconv.VERDICT_WAITING_RANKS],
+            {"kind": attrs[semconv.VERDICT_KIND], "summary": attrs[semconv.VERDICT_SUMMARY]})
+
+
 @pytest.fixture
 def receiver():
     with OtlpReceiver() as rx:
@@ -227,6 +234,7 @@ def test_a_rank_stuck_in_a_module_is_named_with_the_collective_the_others_wait_i
     assert attrs[semconv.VERDICT_SUMMARY] == (
         f"rank 2 never entered all_reduce #{seq} on group 0, issued by Net.layers.1; it is in Net.layers.1 "
         f"forward; {ranks_text(waiting)} wait in it (step {STUCK_STEP}, {world_size} of {world_size} ranks reported)")
+    _offline_agrees(receiver, attrs)
 
 
 def test_a_rank_stuck_in_a_module_of_an_untraced_step_is_named_from_its_stack(receiver, capfd):
@@ -274,6 +282,7 @@ def test_a_rank_stuck_between_steps_is_named_between_steps(receiver, capfd):
         "hang", [1], [0, 2, 3], seq, "all_reduce", "(between steps)", "Net.layers.0", STUCK_STEP)
     assert attrs[semconv.VERDICT_SUMMARY].startswith(
         f"rank 1 never entered all_reduce #{seq} on group 0, issued by Net.layers.0; it is in (between steps); ")
+    _offline_agrees(receiver, attrs)
 
 
 @pytest.mark.parametrize("scenario, state", [("killed", "dead"), ("gil", "silent")])
@@ -311,6 +320,7 @@ def test_two_ranks_issuing_different_collectives_at_one_seq_are_a_desync(receive
     assert attrs[semconv.VERDICT_SUMMARY] == (
         f"desync at #{seq} on group 0 in step {STUCK_STEP}: ranks 0,2-3 issued all_reduce from Net.layers.1; "
         "rank 1 issued broadcast from Net.layers.1 (4 of 4 ranks reported)")
+    _offline_agrees(receiver, attrs)
 
 
 def test_a_rank_one_step_behind_is_named_behind_not_missing(receiver, capfd):
@@ -329,6 +339,7 @@ def test_a_rank_one_step_behind_is_named_behind_not_missing(receiver, capfd):
         f"rank 1 never entered all_reduce #{seq} on group 0, issued by Net.layers.0; it is in train_step; "
         f"ranks 0,2-3 wait in it (rank 1 in step {STUCK_STEP}, ranks 0,2-3 in step {STUCK_STEP + 1}, "
         "4 of 4 ranks reported)")
+    _offline_agrees(receiver, attrs)
 
 
 def test_a_rank_stuck_in_a_subgroup_gets_one_verdict_naming_who_waits_on_each_group(receiver, capfd):
@@ -346,6 +357,7 @@ def test_a_rank_stuck_in_a_subgroup_gets_one_verdict_naming_who_waits_on_each_gr
         f"rank 3 never entered all_reduce #{pair_seq} on group 1, issued by train_step; it is in train_step; "
         f"rank 2 waits in it; ranks 0-1 wait in barrier #{world_seq} on group 0, issued by train_step "
         f"(step {STUCK_STEP}, 4 of 4 ranks reported)")
+    _offline_agrees(receiver, attrs)
 
 
 # ------------------------------------------------------------------ records and verdicts, by hand

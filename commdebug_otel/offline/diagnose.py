@@ -49,8 +49,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from commdebug_otel import semconv
-from commdebug_otel.core.fact import parse, ranges_text, stall_step_text
-from commdebug_otel.offline import EXIT_DONE, EXIT_UNREADABLE, flight_recorder, stragglers, summary
+from commdebug_otel.core.fact import CollectiveFact, parse, ranges_text, stall_step_text
+from commdebug_otel.offline import EXIT_DONE, EXIT_UNREADABLE, flight_recorder, hangs, stragglers, summary
 from commdebug_otel.offline.backends import DEADLINE_S, MAX_RESPONSE_BYTES
 from commdebug_otel.offline.load import load_for_command
 from commdebug_otel.offline.model import (
@@ -159,25 +159,24 @@ class Reads:
 # -------------------------------------------------------------------- stalls
 
 
-def _collective(event: dict) -> dict[str, Any] | None:
-    """A ring or in-flight event of a ``stalled`` span as plain data; None for one that names no op (a damaged
-    file's: not a collective)."""
-    attrs = event["attributes"]
-    fact = parse(attrs, event["name"])
-    if fact is None:
-        return None
+def _collective(fact: CollectiveFact, attrs: dict) -> dict[str, Any]:
+    """A ring or in-flight event of a ``stalled`` span (its ``fact`` and attributes) as plain data."""
     return {"op": fact.op, "group": fact.group.name, "seq": fact.seq, "dtype": fact.dtype, "shape": list(fact.shape),
             "bytes": fact.nbytes, "module": fact.fqn, "pass": fact.pass_,
             "age_s": float(attrs.get(semconv.STALL_AGE, 0.0))}
 
 
 def _snapshot(span: dict) -> dict[str, Any]:
+    """A ``stalled`` span as plain data, with ``"_record"``: the same snapshot as the live verdict's record."""
     attrs = span["attributes"]
     between = attrs.get(semconv.STALL_BETWEEN_STEPS) is True
     groups = [str(group) for group in attrs.get(semconv.STALL_GROUPS, [])]
-    in_flight = [event for event in span["events"]
+    # Events that name no op (a damaged file's) are no collective.
+    facts = [(event, fact) for event in span["events"]
+             if (fact := parse(event["attributes"], event["name"])) is not None]
+    in_flight = [(fact, event["attributes"]) for event, fact in facts
                  if event["attributes"].get(semconv.COLLECTIVE_STATE) == semconv.STATE_IN_FLIGHT]
-    return {
+    snap = {
         "rank": span["rank"], "step": attrs.get(semconv.STEP),
         "module": BETWEEN_STEPS if between else str(attrs.get(semconv.STALL_MODULE, "")) or TRAIN_STEP,
         "pass": "" if between else str(attrs.get(semconv.STALL_PASS, "")),
@@ -187,12 +186,32 @@ def _snapshot(span: dict) -> dict[str, Any]:
         "stack": [str(line) for line in attrs.get(semconv.STALL_STACK, [])],
         "issued_seq": dict(zip(groups, map(int, attrs.get(semconv.STALL_ISSUED_SEQ, [])))),
         "completed_seq": dict(zip(groups, map(int, attrs.get(semconv.STALL_COMPLETED_SEQ, [])))),
-        "in_flight": [found for found in map(_collective, in_flight) if found is not None],
+        "in_flight": [_collective(fact, attrs) for fact, attrs in in_flight],
         "_sizes": {_group(event["attributes"]): int(event["attributes"][semconv.PROCESS_GROUP_SIZE])
                    for event in span["events"] if semconv.PROCESS_GROUP_SIZE in event["attributes"]},
         "trace_id": span["trace_id"], "world_size": int(span["resource"].get(semconv.WORLD_SIZE, 0)),
         "_end_ns": span["end_ns"],
     }
+    dims = {fact.group.name: fact.group.dim_name for _, fact in facts}
+    return snap | {"_record": _stall_record(snap, str(attrs.get(semconv.STALL_MODULE, "")),
+                                            [fact for fact, _ in in_flight], dims)}
+
+
+def _stall_record(snap: dict[str, Any], module: str, in_flight: list[CollectiveFact],
+                  dims: dict[str, str]) -> hangs.StallRecord:
+    """The snapshot ``snap`` as the record its rank published for the live verdict (:func:`.hangs.form_verdict`
+    reads both): per group its issued and completed seqs, mesh dimension, size and collectives in flight.
+    ``module``: the training thread's module as the span names it ("" outside every module)."""
+    flying: dict[str, list[hangs.InFlight]] = defaultdict(list)
+    for fact in in_flight:
+        entry = hangs.InFlight(fact.seq, fact.op, fact.fqn, fact.pass_, hangs.cause_text(fact.why))
+        flying[fact.group.name].append(entry)
+    groups = {name: hangs.GroupProgress(issued, snap["completed_seq"].get(name, -1), dims.get(name, ""),
+                                        snap["_sizes"].get(name, 0), tuple(flying[name]))
+              for name, issued in snap["issued_seq"].items()}
+    step = snap["step"] if isinstance(snap["step"], int) else -1
+    return hangs.StallRecord(snap["rank"], step, snap["_end_ns"], snap["age_s"], snap["snapshot"],
+                             snap["between_steps"], module, snap["pass"], tuple(snap["stack"]), groups)
 
 
 def _episodes(snapshots: list[dict]) -> list[list[dict]]:
@@ -218,34 +237,36 @@ def _episodes(snapshots: list[dict]) -> list[list[dict]]:
     return out
 
 
-def _culprits(episode: list[dict]) -> tuple[list[int], dict[int, str], list[dict]]:
-    """Who the others wait for: (ranks, a reason per rank, who is ahead of whom on which group)."""
-    ahead: list[dict] = []
-    behind: dict[int, list[str]] = defaultdict(list)
-    is_ahead: set[int] = set()
-    for group in sorted({group for snap in episode for group in snap["issued_seq"]}):
-        issued = {snap["rank"]: snap["issued_seq"][group] for snap in episode if group in snap["issued_seq"]}
-        low = min(issued.values())
-        if len(issued) < 2 or max(issued.values()) == low:
-            continue
-        for rank, seq in sorted(issued.items()):
-            if seq == low:
-                higher = ", ".join(f"rank {other} {n}" for other, n in sorted(issued.items()) if n > low)
-                behind[rank].append(f"behind on group {group}: issued seq {low}, {higher}")
-            else:
-                is_ahead.add(rank)
-                ahead.append({"rank": rank, "group": group, "issued_seq": seq, "behind_seq": low})
-    ranks = [rank for rank in behind if rank not in is_ahead] or list(behind)
-    if ranks:
-        return sorted(ranks), {rank: "; ".join(behind[rank]) for rank in ranks}, ahead
-    idle = [snap["rank"] for snap in episode if not snap["in_flight"]]
-    if idle and len(idle) < len(episode):
-        return idle, {rank: "in no collective while the others wait in one" for rank in idle}, ahead
-    world = max(snap["world_size"] for snap in episode)
-    missing = sorted(set(range(world)) - {snap["rank"] for snap in episode})
-    if missing:
-        return missing, {rank: "sent no snapshot while the others are stalled" for rank in missing}, ahead
-    return [], {}, ahead
+def _verdict(episode: list[dict]) -> hangs.Verdict | None:
+    """The hang rule of the live verdict (:func:`.hangs.form_verdict`) over the episode's records, as the lowest
+    rank that published would form it; the world is the resource's world size, at least the highest rank's."""
+    records = {snap["rank"]: snap["_record"] for snap in episode}
+    world = max(max(snap["world_size"] for snap in episode), max(records) + 1)
+    return hangs.form_verdict(records, world, records[min(records)].step)
+
+
+def _ahead_of(snap: dict, episode: list[dict]) -> list[dict]:
+    """Who is ahead of ``snap``'s rank: ``[{"rank", "group", "issued_seq", "behind_seq"}]`` on each group where
+    others issued more (groups by name, then ranks)."""
+    return [{"rank": other["rank"], "group": group, "issued_seq": other["issued_seq"][group], "behind_seq": seq}
+            for group, seq in sorted(snap["issued_seq"].items()) for other in episode
+            if other["issued_seq"].get(group, seq) > seq]
+
+
+def _reason(verdict: hangs.Verdict, snap: dict | None, ahead: list[dict]) -> str:
+    """Why the verdict blames this rank, in a few words (a desync: the verdict's sentence)."""
+    if verdict.kind == hangs.KIND_DESYNC:
+        return verdict.summary
+    if snap is None:
+        return "sent no snapshot while the others are stalled"
+    if not ahead:
+        return "in no collective while the others wait in one"
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for item in ahead:
+        groups[item["group"]].append(item)
+    return "; ".join(f"behind on group {group}: issued seq {items[0]['behind_seq']}, "
+                     + ", ".join(f"rank {item['rank']} {item['issued_seq']}" for item in items)
+                     for group, items in groups.items())
 
 
 def _issued_by_all(episode: list[dict]) -> None:
@@ -312,13 +333,16 @@ def stalls(spans: list[dict]) -> list[dict[str, Any]]:
     """The stuck rank of each stall episode, what it was doing, and who waits for it.
 
     Reads the ``stalled`` spans (the live side's stall snapshots). Snapshots whose stalls
-    overlap in time form one episode; each rank's latest snapshot in it is used. The rank
-    the others wait for is the one behind: on a process group where other ranks issued a
-    higher seq, the rank with the lowest (a rank behind on one group but ahead on another
-    only waits further down the chain). With equal seqs everywhere, it is the rank with no
-    collective in flight while the others wait in one; failing that, a rank of the world that
-    sent no snapshot. In-flight collectives that every rank of their group has issued are
-    not what blocks: they are listed apart (``issued_by_all``).
+    overlap in time form one episode; each rank's latest snapshot in it is used, as the
+    record that rank published for the live verdict (:class:`.hangs.StallRecord`), and the
+    live verdict's rule names the ranks (:func:`.hangs.form_verdict`, the one hang rule):
+    a desync (ranks with different collectives in flight at one (group, seq): the smaller
+    side), else the ranks behind (on a process group where others issued a higher seq,
+    the lowest, and not ahead on any group), else the ranks in no collective while the
+    others wait in one, else the ranks of the world that sent no snapshot. The waiting
+    ranks are those the rule finds waiting in the collective the blamed ranks never
+    entered. In-flight collectives that every rank of their group has issued are listed
+    apart (``issued_by_all``).
 
     A stall has ended when the files hold the step's final export on that rank (its
     ``train_step`` with ``commdebug.step.stalled``; for a stall between steps, the next
@@ -333,33 +357,40 @@ def stalls(spans: list[dict]) -> list[dict[str, Any]]:
         "shape", "bytes", "module", "pass", "age_s"}]), "issued_by_all" (as "in_flight"),
         "trace_id", "ended" (bool), "ended_after_s" (seconds after the snapshot the step or gap
         ended, or None), "duration_s" (the whole stall, or None), "reason", "ahead" ([{"rank",
-        "group", "issued_seq", "behind_seq"}]), "waiting_ranks" ([{"rank", "step", "module",
-        "pass", "age_s", "in_flight", "issued_by_all"}])}``. A rank with no snapshot has "step"
-        None and empty fields. When no rank can be told apart, every rank of the episode is
-        listed with the reason "undetermined".
+        "group", "issued_seq", "behind_seq"}]: the ranks that issued more on a group),
+        "waiting_ranks" ([{"rank", "step", "module", "pass", "age_s", "in_flight",
+        "issued_by_all"}]), "verdict" ({"kind" (hang, desync or missing), "summary" (the live
+        verdict's sentence)})}``. "reason": "behind on group G: issued seq N, rank R M", "in no
+        collective while the others wait in one", "sent no snapshot while the others are
+        stalled" (a rank with no snapshot: "step" None, empty fields), or for a desync the
+        verdict's sentence. When the rule blames nobody (every rank waits in the same
+        collective, or a behind rank's snapshot is older than what a waiting rank knows
+        complete), every rank of the episode is listed with the reason "undetermined", no
+        waiting ranks and "verdict" None.
     """
     snapshots = [_snapshot(span) for span in spans if span["name"] == semconv.SPAN_STALLED]
     stalled, starts = _ends(spans)
     out = []
     for episode in sorted(_episodes(snapshots), key=lambda ep: -max(snap["_end_ns"] for snap in ep)):
+        verdict = _verdict(episode)
         _issued_by_all(episode)
-        ranks, reasons, ahead = _culprits(episode)
         by_rank = {snap["rank"]: snap for snap in episode}
-        if not ranks:
-            ranks, reasons = sorted(by_rank), dict.fromkeys(by_rank, "undetermined")
+        ranks = sorted(by_rank) if verdict is None else list(verdict.behind)
+        waiting = [] if verdict is None else [
+            {key: by_rank[rank][key] for key in ("rank", "step", "module", "pass", "age_s", "in_flight",
+                                                 "issued_by_all")} for rank in verdict.waiting if rank in by_rank]
+        said = None if verdict is None else {"kind": verdict.kind, "summary": verdict.summary}
         for rank in ranks:
-            snap = by_rank.get(rank) or {
+            snap = by_rank.get(rank)
+            ahead = [] if snap is None else _ahead_of(snap, episode)
+            reason = "undetermined" if verdict is None else _reason(verdict, snap, ahead)
+            snap = snap or {
                 "rank": rank, "step": None, "module": "", "pass": "", "age_s": 0.0, "threshold_s": 0.0,
                 "snapshot": 0, "between_steps": False, "stack": [], "issued_seq": {}, "completed_seq": {},
                 "in_flight": [], "issued_by_all": [], "trace_id": "", "_end_ns": 0}
-            waiting = [{key: other[key] for key in ("rank", "step", "module", "pass", "age_s", "in_flight",
-                                                    "issued_by_all")}
-                       for other in episode if other["rank"] not in ranks]
-            entry = {key: value for key, value in snap.items() if key not in ("_end_ns", "world_size", "_sizes")}
+            entry = {key: value for key, value in snap.items() if not key.startswith("_") and key != "world_size"}
             out.append(entry | _ended(snap, stalled, starts) | {
-                "reason": reasons[rank],
-                "ahead": [item for item in ahead if snap["issued_seq"].get(item["group"]) == item["behind_seq"]],
-                "waiting_ranks": waiting})
+                "reason": reason, "ahead": ahead, "waiting_ranks": waiting, "verdict": said})
     return out
 
 

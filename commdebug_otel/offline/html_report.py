@@ -191,15 +191,16 @@ def _answer(diagnosis: dict[str, Any], verdicts: list[tuple[str, str, int | None
         else:
             out.append(("bad", f"{kind}: {sentence}"))
     for stall in stalls:
+        kind = (stall.get("verdict") or {}).get("kind", "hang")  # the hang rule's kind (hang, desync, missing)
         if not stall["snapshot"]:
-            out.append(("bad", f"hang: rank {stall['rank']} is stuck: it {stall['reason']}"))
+            out.append(("bad", f"{kind}: rank {stall['rank']} is stuck: it {stall['reason']}"))
             continue
         if stall["ended"]:
             ended.append(("slow", f"stall (ended): {_stall_sentence(stall)}"))
         else:
             waiting = ranges_text([other["rank"] for other in stall["waiting_ranks"]], ", ")
-            out.append(("bad", f"hang: {_stall_sentence(stall)}" + (f"; rank(s) {waiting} wait for it" if waiting
-                                                                    else "")))
+            out.append(("bad", f"{kind}: {_stall_sentence(stall)}" + (f"; rank(s) {waiting} wait for it" if waiting
+                                                                       else "")))
     for error in diagnosis["errors"]:
         where = "outside a step" if error["step"] is None else f"step {error['step']}"
         message = f": {error['message']}" if error["message"] else ""

@@ -74,7 +74,7 @@ def main(out: str, folder: str) -> None:
     late.mkdir()
     for rank in range(_RANKS):
         write_otlp(_rank_spans(rank), late / f"traces-rank{rank}.jsonl")
-    for argv in (["diagnose", str(late)], ["summarize", str(run)], ["signature", str(run)]):
+    for argv in (["diagnose", str(late)], ["diagnose", str(run)], ["summarize", str(run)], ["signature", str(run)]):
         CALLS.append(f"-- {argv[0]}")
         assert cli(argv) == 0, argv
     sys.setprofile(None)
