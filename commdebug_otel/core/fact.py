@@ -239,6 +239,11 @@ WHY_ATTRIBUTES = frozenset({
 })
 
 
+#: The place of time under no span: after one step's end and before the next's first module (data loading,
+#: host work), where a straggler's extra time or a stall can be.
+BETWEEN_STEPS = "(between steps)"
+
+
 def stall_step_text(between_steps: bool, step: int | None) -> str:
     """Where a stalled rank is in the step sequence: ``in step 3``, ``before step 0``, ``between step 2 and
     step 3``, or ``between steps`` (step not known).

@@ -30,7 +30,7 @@ from collections.abc import Set as AbstractSet
 from typing import Any
 
 from commdebug_otel import semconv
-from commdebug_otel.core.fact import P2P, ranges_text
+from commdebug_otel.core.fact import BETWEEN_STEPS, P2P, ranges_text
 
 __all__ = ["BETWEEN_STEPS", "KIND_DESYNC", "KIND_HANG", "KIND_MISSING", "RECORD_FORMAT", "GroupProgress", "InFlight",
            "StallRecord", "Verdict", "cause_text", "form_verdict", "ranks_text"]
@@ -38,7 +38,6 @@ __all__ = ["BETWEEN_STEPS", "KIND_DESYNC", "KIND_HANG", "KIND_MISSING", "RECORD_
 RECORD_FORMAT = 2  # 2: named fields, keyed per job (1: positional in-flight lists, keyed per step)
 MAX_RANKS_LISTED = 8  # the summary sentence lists at most this many ranks one by one
 
-BETWEEN_STEPS = "(between steps)"
 KIND_HANG = semconv.VERDICT_KIND_HANG
 KIND_DESYNC = semconv.VERDICT_KIND_DESYNC
 KIND_MISSING = semconv.VERDICT_KIND_MISSING

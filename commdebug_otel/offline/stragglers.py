@@ -52,6 +52,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from commdebug_otel import semconv
+from commdebug_otel.core.fact import BETWEEN_STEPS
 from commdebug_otel.offline.model import (
     Arrivals,
     SpanIndex,
@@ -81,9 +82,8 @@ MIN_STEPS_LATE = 3
 #: not a straggler: on a starved host one rank's steps run just past the cut for a stretch.
 MIN_EFFECT = 1.5
 #: Where L's extra time lay outside every module span: in ``train_step`` itself (loss, optimizer, backward
-#: outside modules) or between one step's end and the next's first module (data loading, host work).
+#: outside modules), or between one step's end and the next's first module (``BETWEEN_STEPS``, core.fact).
 TRAIN_STEP = f"({semconv.SPAN_TRAIN_STEP})"
-BETWEEN_STEPS = "(between steps)"
 #: A late rank that spent no more time anywhere than the others since their previous collectives.
 UNATTRIBUTED = "(unattributed)"
 STATISTIC = "binomial"
