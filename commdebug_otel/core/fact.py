@@ -17,6 +17,7 @@ or C++ fast path would fill the same record.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple, Protocol
 
@@ -237,6 +238,17 @@ WHY_ATTRIBUTES = frozenset({
     semconv.DTENSOR_OP, semconv.DTENSOR_CAUSE, semconv.DTENSOR_INPUT_PLACEMENTS, semconv.DTENSOR_SOURCE_PLACEMENTS,
     semconv.DTENSOR_TARGET_PLACEMENTS, semconv.DEVICE_MESH_SHAPE, semconv.DEVICE_MESH_DIM_NAMES,
 })
+
+
+def versioned_record(text: str | bytes, record_format: int) -> dict[str, Any] | None:
+    """The JSON object in ``text`` (a rank's record in the job's store) when its ``"format"`` is
+    ``record_format``; None when it is another (a rank of another version).
+
+    Raises:
+        ValueError: ``text`` is not JSON.
+    """
+    data = json.loads(text)
+    return data if isinstance(data, dict) and data.get("format") == record_format else None
 
 
 #: The place of time under no span: after one step's end and before the next's first module (data loading,

@@ -30,7 +30,7 @@ from collections.abc import Set as AbstractSet
 from typing import Any
 
 from commdebug_otel import semconv
-from commdebug_otel.core.fact import BETWEEN_STEPS, P2P, ranges_text
+from commdebug_otel.core.fact import BETWEEN_STEPS, P2P, ranges_text, versioned_record
 
 __all__ = ["BETWEEN_STEPS", "KIND_DESYNC", "KIND_HANG", "KIND_MISSING", "RECORD_FORMAT", "GroupProgress", "InFlight",
            "StallRecord", "Verdict", "cause_text", "form_verdict", "ranks_text"]
@@ -114,8 +114,8 @@ class StallRecord:
         Raises:
             ValueError, KeyError, TypeError: ``text`` is not a record of this format.
         """
-        data = json.loads(text)
-        if not isinstance(data, dict) or data.get("format") != RECORD_FORMAT:
+        data = versioned_record(text, RECORD_FORMAT)
+        if data is None:
             return None
         groups = {str(name): GroupProgress(int(g["issued"]), int(g["completed"]), str(g["mesh_dim"]), int(g["size"]),
                                            tuple(InFlight(int(e["seq"]), str(e["op"]), str(e["module"]),

@@ -74,6 +74,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from commdebug_otel import semconv
+from commdebug_otel.core.fact import versioned_record
 from commdebug_otel.core.redact import describe
 from commdebug_otel.offline import stragglers
 from commdebug_otel.offline.stragglers import Late
@@ -128,8 +129,8 @@ class BusyRecord:
         Raises:
             ValueError, KeyError, TypeError: ``text`` is not a record of this format.
         """
-        data = json.loads(text)
-        if not isinstance(data, dict) or data.get("format") != RECORD_FORMAT:
+        data = versioned_record(text, RECORD_FORMAT)
+        if data is None:
             return None
         places = tuple((int(step), tuple((str(module), str(pass_), int(us) * 1000) for module, pass_, us in labels))
                        for step, labels in data.get("places", ()))
