@@ -389,3 +389,38 @@ def test_rank_0_asks_for_steps_traced_a_few_times_in_a_row_and_the_others_read_t
     assert asked[0] == [(43, 46), (48, 51), (53, 56)]
     assert asked[1] == asked[0]  # each read at rank 1's next poll, before the steps it names
     assert store.values["root/straggler/trace"] == "53,56"
+
+
+def test_commdebug_otel_run_with_torchrun_names_a_fail_slow_rank_then_its_module(tmp_path):
+    """As a user runs it: an unmodified FSDP2 script (tests/scripts/failslow_fsdp.py) under
+    ``commdebug-otel run -- torchrun``, the verdict switched on from the environment, one step in 100 traced. Rank 0
+    says on stderr which rank became slow within 6 steps of the onset, then, from the steps it asked to be traced,
+    where: rank 1's first layer, forward."""
+    import pathlib
+
+    from tests.distributed import free_port
+
+    script = pathlib.Path(__file__).parent / "scripts" / "failslow_fsdp.py"
+    bin_dir = pathlib.Path(sys.executable).parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update(OTEL_PYTHON_COMMDEBUG_STRAGGLER="on", OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR=str(tmp_path))
+    done = subprocess.run([str(bin_dir / "commdebug-otel"), "run", "--", str(bin_dir / "torchrun"),
+                           "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                           str(script), "70", str(ONSET)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    said = [line for line in done.stderr.splitlines() if "straggler verdict:" in line]
+    assert said and "straggler verdict: rank 1 is slow" in said[0], done.stderr[-4000:]
+    verdicts = []
+    for path in glob.glob(str(tmp_path / "run-*" / "traces-rank*.jsonl")):
+        with open(path) as handle:
+            verdicts += [span for line in handle for span in spans_from_otlp_json(line)
+                         if span["name"] == semconv.SPAN_STRAGGLER_VERDICT]
+    verdicts.sort(key=lambda span: span["attributes"][semconv.STEP])
+    first = verdicts[0]["attributes"]
+    assert first[semconv.VERDICT_KIND] == "straggler" and list(first[semconv.VERDICT_BEHIND_RANKS]) == [1]
+    assert ONSET <= first[semconv.STEP] <= ONSET + 6, first
+    placed = [span["attributes"] for span in verdicts if span["attributes"].get(semconv.VERDICT_MODULE)]
+    assert placed and placed[0][semconv.VERDICT_MODULE].endswith(".0") \
+        and placed[0][semconv.VERDICT_PASS] == "forward", [span["attributes"] for span in verdicts]
+    assert all(list(span["attributes"][semconv.VERDICT_BEHIND_RANKS]) == [1] for span in verdicts)
