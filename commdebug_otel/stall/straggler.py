@@ -53,12 +53,11 @@ last :data:`RECOVER_STEPS` steps, all after it was named, finds it no more; the 
 evidence for or against anyone). Steps are matched by their index, so ranks that count steps
 differently (pipeline stages) are never compared.
 
-On CUDA, collectives are asynchronous: the host waits only where it synchronises (``Work.wait()`` of an
-asynchronous op returns at once; ``.item()``, ``cuda.synchronize`` wait for everything). Busy time then
-holds the host's own work (data loading, Python, the launch of kernels) and a rank slow on its host is found;
-a rank whose GPU is slow while its host is not makes every rank wait alike at the synchronisation and is not
-told apart here (``diagnose`` over traced steps does, by arrival times). DDP waits for its buckets inside its
-C++ reducer, which no Python wait sees: there too only a slow host shows.
+Only the waits the training thread makes in Python count as waiting (``Work.wait()``, ``wait_tensor``, a blocking
+c10d call). Where the ranks a straggler holds back wait elsewhere they look as busy as it, and it is not told apart
+here: DDP waits for its gradient buckets inside its C++ reducer, and on CUDA hosts block at a synchronisation
+(``.item()``, ``cuda.synchronize``) while collectives wait on the GPU stream. ``diagnose``, by arrival times over
+traced steps, names those stragglers.
 
 Nothing here imports torch.
 """
