@@ -137,7 +137,7 @@ def matrix(quick: bool) -> list[Scenario]:
     loads = ("quiet", "burn")
     out = [Scenario(fault, "tp", 2, load) for load in loads for fault in STRAGGLER_FAULTS]
     out += [Scenario(fault, parallel, 2, load) for parallel in ("ddp", "fsdp") for load in loads
-            for fault in ("healthy", "fwd", "bwd")]
+            for fault in ("healthy", "fwd", "bwd", "failslow")]
     out += [Scenario(fault, "pp", 2, load) for load in loads for fault in ("healthy", "fwd", "bwd", "hang_module")]
     out += [Scenario(fault, "fsdp_tp", 4, rank=2) for fault in ("healthy", "fwd", "failslow")]
     out += [Scenario("healthy", "fsdp_tp", 4, "burn", rank=2)]

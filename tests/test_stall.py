@@ -325,6 +325,26 @@ def test_auto_holds_the_time_between_steps_to_its_own_floor_unless_a_collective_
     assert progress.threshold_s("auto") == AUTO_BETWEEN_STEPS_S
 
 
+def test_busy_time_leaves_out_a_steps_tail_after_a_collective_no_python_wait_followed():
+    """DDP's reducer waits for its buckets in C++: the tail after the step's last collective is its wait. A wait in
+    Python after the last collective (FSDP2, DTensor, ``dist.*``) is the wait, and no tail is left out."""
+    ms = 1_000_000
+    for waited_ms, tail_left_out in ((None, True), (5, False)):
+        progress = Progress()
+        progress.step_began(0, 7)
+        before = time.perf_counter_ns()
+        progress.remember(object(), None, issued_at=before - 50 * ms)  # its last bucket, issued 50 ms ago
+        if waited_ms is not None:
+            progress.waited(object(), waited_ms * ms)
+        progress.step_ended(100 * ms, True)
+        after = time.perf_counter_ns()
+        (index, busy_ns), = progress.busy
+        if tail_left_out:  # 100 ms less the 50 ms (and the test's own time) since the last bucket
+            assert index == 7 and 50 * ms - (after - before) <= busy_ns <= 50 * ms, busy_ns
+        else:
+            assert (index, busy_ns) == (7, 95 * ms)
+
+
 class _OneProcessRecorder:
     """What ``StallWatch`` reads of a recorder in a one-process job; each snapshot goes to ``snapshot(...)``
     (the ``stall_snapshot`` arguments)."""

@@ -391,23 +391,25 @@ def test_rank_0_asks_for_steps_traced_a_few_times_in_a_row_and_the_others_read_t
     assert store.values["root/straggler/trace"] == "53,56"
 
 
-def test_commdebug_otel_run_with_torchrun_names_a_fail_slow_rank_then_its_module(tmp_path):
-    """As a user runs it: an unmodified FSDP2 script (tests/scripts/failslow_fsdp.py) under
+@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
+def test_commdebug_otel_run_with_torchrun_names_a_fail_slow_rank_then_its_module(tmp_path, parallel):
+    """As a user runs it: an unmodified FSDP2 or DDP script (tests/scripts/failslow.py) under
     ``commdebug-otel run -- torchrun``, the verdict switched on from the environment, one step in 100 traced. Rank 0
     says on stderr which rank became slow within 6 steps of the onset, then, from the steps it asked to be traced,
-    where: rank 1's first layer, forward."""
+    where: rank 1's first layer, forward. (DDP waits for its buckets in C++: the step's tail after its last bucket
+    is its wait.)"""
     import pathlib
 
     from tests.distributed import free_port
 
-    script = pathlib.Path(__file__).parent / "scripts" / "failslow_fsdp.py"
+    script = pathlib.Path(__file__).parent / "scripts" / "failslow.py"
     bin_dir = pathlib.Path(sys.executable).parent
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env.update(OTEL_PYTHON_COMMDEBUG_STRAGGLER="on", OTEL_PYTHON_COMMDEBUG_OUTPUT_DIR=str(tmp_path))
     done = subprocess.run([str(bin_dir / "commdebug-otel"), "run", "--", str(bin_dir / "torchrun"),
                            "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                           str(script), "70", str(ONSET)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+                           str(script), "70", str(ONSET), parallel], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     said = [line for line in done.stderr.splitlines() if "straggler verdict:" in line]
     assert said and "straggler verdict: rank 1 is slow" in said[0], done.stderr[-4000:]

@@ -115,7 +115,7 @@ class CollectivePath:
             # An untraced step (the hot path of always-on tracing), between untraced steps,
             # or a backward outside any step: metric points only.
             fact = quiet_fact(spec, args, out, group, seq, host.pass_by_depth(in_backward), duration_ns, plain)
-            progress.remember(fact, out)
+            progress.remember(fact, out, start_ns + duration_ns if start_ns else 0)
             self._count(fact, spec, out, start_ns)
             return
         self._record(spec, args, out, group, seq, duration_ns, start_ns, in_backward)
@@ -151,7 +151,7 @@ class CollectivePath:
         why = self._why_of(spec, group, msg, target) if traced and target is not None else None
         fact = recorded_fact(spec, args, group, seq, msg, now, duration_ns, owner.fqn if owner is not None else "",
                              pass_, why)
-        host.progress.remember(fact, out)
+        host.progress.remember(fact, out, start_ns + duration_ns if start_ns else 0)
         if not fact.fake:
             span_ref = None
             if step is not None and step.trace_id and owner is not None:

@@ -57,7 +57,8 @@ class Progress:
         in_step: whether a step is open.
         wait_ns: nanoseconds the training thread waited in collectives since the step began.
         busy: the last :data:`BUSY_KEPT` training steps as ``(step index, busy ns)``: the step's wall time less
-            the time the training thread waited in collectives (read by the watchdog thread).
+            the time the training thread waited in collectives, and less the step's tail after a last collective
+            no Python wait followed (DDP's reducer waits in C++: :meth:`_tail_ns`; read by the watchdog thread).
         places: the last :data:`PLACES_KEPT` traced training steps as ``(step index, {(module FQN or
             "(train_step)", pass): self ns})``, kept only while the live straggler verdict is on.
         trace_steps: ``(first, last)`` step indexes traced whatever ``trace_every`` says (the live straggler
@@ -79,10 +80,15 @@ class Progress:
         self.places: collections.deque = collections.deque(maxlen=PLACES_KEPT)
         self.trace_steps: tuple[int, int] = (0, -1)
         self._pending: dict[int, tuple[str, int]] = {}  # id(functional output) -> (group, seq)
+        # perf_counter_ns when the last collective's issue returned, while no Python wait has come since (0: one
+        # has). DDP's reducer waits for its buckets in C++: its wait is in the step's tail after that collective.
+        self._unwaited_at = 0
 
-    def remember(self, fact: CollectiveFact, out: Any) -> None:
-        """A collective was issued on the training thread (every step: kept cheap); ``out``: what the op returned."""
+    def remember(self, fact: CollectiveFact, out: Any, issued_at: int = 0) -> None:
+        """A collective was issued on the training thread (every step: kept cheap); ``out``: what the op returned;
+        ``issued_at``: ``time.perf_counter_ns()`` when its issue returned (0: not known)."""
         self.ring.append(fact)
+        self._unwaited_at = issued_at
         if type(out) is torch.Tensor:  # a functional collective's output: wait_tensor takes this object
             pending = self._pending
             if len(pending) >= MAX_PENDING_WAITS:
@@ -94,6 +100,7 @@ class Progress:
         known here: c10d ones are known complete from their future, on timed steps) or a functional
         collective's output (``wait_tensor``: that collective is complete)."""
         self.wait_ns += duration_ns
+        self._unwaited_at = 0
         found = self._pending.pop(id(handle), None)
         if found is not None:
             self.complete(*found)
@@ -104,7 +111,7 @@ class Progress:
             self.completed[group] = seq
 
     def step_began(self, now: int, index: int) -> None:
-        self.since_ns, self.in_step, self.step_index, self.wait_ns = now, True, index, 0
+        self.since_ns, self.in_step, self.step_index, self.wait_ns, self._unwaited_at = now, True, index, 0, 0
 
     def step_ended(self, now: int, training: bool) -> tuple[float, bool]:
         """The step ended: its collectives are complete. Returns its duration in seconds, and whether
@@ -114,12 +121,18 @@ class Progress:
         if training:
             slow = self.slow(duration_s)
             self.durations.append(duration_s)
-            self.busy.append((self.step_index, max(0, now - self.since_ns - self.wait_ns)))
+            self.busy.append((self.step_index, max(0, now - self.since_ns - self.wait_ns - self._tail_ns())))
         for group, following in self.next_seq.items():
             self.complete(group, following - 1)
         self._pending.clear()
         self.since_ns, self.in_step = now, False
         return duration_s, slow
+
+    def _tail_ns(self) -> int:
+        """ns from the step's last collective to its end when no wait in Python followed it: where DDP waits for
+        its gradient buckets (in its C++ reducer, at the end of backward). The optimizer step and host work after
+        it count too, alike on every rank; 0 when a Python wait came after (FSDP2, DTensor, ``dist.*`` calls)."""
+        return max(0, time.perf_counter_ns() - self._unwaited_at) if self._unwaited_at else 0
 
     def slow(self, duration_s: float) -> bool:
         """Whether a step of ``duration_s`` is slow for this rank (``commdebug.step.slow``)."""
