@@ -227,22 +227,6 @@ def test_a_rank_a_little_slower_every_step_is_below_the_floor_and_not_named():
         assert judge.judge() == []
 
 
-def test_a_rank_sharing_its_core_before_the_onset_is_named_within_four_steps_of_its_fail_slow():
-    # Rank 1 shares its core from step 8: 24 ms late (1.2 floors of the 40 ms job) in every other step, not
-    # persistent, and under the effect size (1.5 cuts). From step 26 it is 60 ms late every step. The episode
-    # starts at the earliest step from which it was late in 3/4 of the steps (23: late in 23, 25, 26 and 27), not
-    # at its first shared-core step (9), and its effect is the median over the episode (60 ms >= 1.5 x 20 ms):
-    # named at step 27, one step after the onset.
-    judge = StragglerJudge(2)
-    said = []
-    for step in range(WARMUP_STEPS, 40):
-        slow = {1: 60_000_000} if step >= 26 else {1: 24_000_000} if step % 2 else {}
-        for rank, busy_ns in _busy(range(step, step + 1), slow, base_ns=40_000_000)[step].items():
-            judge.add(BusyRecord(rank, ((step, busy_ns),)))
-        said += [(verdict.kind, verdict.step, verdict.behind, verdict.since_step) for verdict in judge.judge()]
-    assert said == [("straggler", 27, (1,), 23)]
-
-
 def test_one_rank_recovering_leaves_another_named_until_its_own_recovery():
     judge = StragglerJudge(4)
     said = []

@@ -11,11 +11,10 @@ the offline model's own, :func:`commdebug_otel.offline.stragglers.judge`, over t
 steps every rank reported: a rank is a straggler when it was late beyond the other ranks' noise in at least
 ``MIN_STEPS_LATE`` steps, more often than the noise explains (binomial, Bonferroni, ``ALPHA``). Live, its
 resolution floor is :data:`FLOOR_FRACTION` of the job's busy time (:func:`noise_floor_s`), and the verdict names
-only a *persistent* straggler: one late in :data:`PERSISTENT_SHARE` of the steps since its episode began (the
-earliest late step from which that holds: :func:`_onset`; intermittent lateness is left to ``diagnose``), by a
-median of at least ``MIN_EFFECT`` noise cuts over those steps (the offline effect size, judged over the episode: a
-rank a little late before the onset, sharing its core, would otherwise hold the fail-slow's median down until the
-window forgets the steps before).
+only a *persistent* straggler: one late in :data:`PERSISTENT_SHARE` of the steps since its episode began
+(intermittent lateness is left to ``diagnose``), by a median of at least ``MIN_EFFECT`` noise cuts over those
+steps (the offline effect size, judged over the episode: a rank a little late before the onset, sharing its core,
+would otherwise hold the fail-slow's median down until the window forgets the steps before).
 
 Where it is slow comes from traced steps: each rank keeps, per traced step, each (module, pass)'s self time
 (``Progress.places``, only while the verdict is on) and publishes it with its busy times. On the steps every
@@ -91,7 +90,7 @@ WARMUP_STEPS = 8  # the first steps (compilation, allocator warm-up, start-up sk
 MIN_STEPS_JUDGED = 16  # nobody is named before the window holds this many steps (a noise sample, not a few steps)
 FLOOR_FRACTION = 0.5  # the least lateness that counts: this share of the median busy time (at least NOISE_FLOOR_S)
 JUDGE_S = 0.1  # rank 0 reads the records and judges at most this often
-PERSISTENT_SHARE = 0.75  # named only when late in this share of the steps judged since its episode began (_onset)
+PERSISTENT_SHARE = 0.75  # named only when late in this share of the steps judged since its episode began
 TRACE_STEPS = 4  # steps traced per request while a suspicion is open (a rank late twice of late, or unplaced)
 SUSPECT_STEPS = 2  # a rank busy-late in this many of the last ONSET_GAP_STEPS steps opens a suspicion
 MAX_PLACES = 32  # (module, pass) self times published per traced step at most, the largest
@@ -231,19 +230,14 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.0f}" if seconds >= 0.01 else f"{seconds * 1e3:.1f}"
 
 
-def _onset(late_steps: list[int], steps: Iterable[int]) -> int | None:
-    """Where a persistent episode began: the earliest of ``late_steps`` from which the rank was late in at least
-    :data:`PERSISTENT_SHARE` of ``steps`` (the steps judged, sorted), and in ``MIN_STEPS_LATE`` at least; None
-    when no such step is. Lateness now and then before it (a shared core) is not the episode's start."""
-    late = set(late_steps)
-    since = None
-    count = total = 0
-    for step in sorted(steps, reverse=True):
-        total += 1
-        if step in late:
-            count += 1
-            if count >= stragglers.MIN_STEPS_LATE and count >= PERSISTENT_SHARE * total:
-                since = step
+def _onset(late_steps: list[int]) -> int:
+    """The first late step of the last run of ``late_steps`` (sorted) with no gap of :data:`ONSET_GAP_STEPS`
+    steps or more: where the episode began (an earlier late step beyond that gap was noise, or a past episode)."""
+    since = late_steps[-1]
+    for step in reversed(late_steps[:-1]):
+        if since - step >= ONSET_GAP_STEPS:
+            break
+        since = step
     return since
 
 
@@ -334,8 +328,11 @@ class StragglerJudge:
         out = []
         for rank, row in sorted(rows.items()):
             if rank not in self._named and row["late_steps"][-1] > newest - ONSET_GAP_STEPS:
-                since = _onset(row["late_steps"], window)
-                if since is not None and _sized(records, rank, since, row["noise_cut_s"]):  # persistent, large
+                since = _onset(row["late_steps"])
+                late = sum(1 for step in row["late_steps"] if step >= since)
+                steps = sum(1 for step in window if step >= since)
+                if late >= max(stragglers.MIN_STEPS_LATE, PERSISTENT_SHARE * steps) and _sized(
+                        records, rank, since, row["noise_cut_s"]):  # persistent and large: a fail-slow
                     self._named[rank] = row
                     row["episode_lost_s"] = _episode_lost_s(records, rank, since, row["noise_cut_s"])
                     place = self._place(rank, since, window, records, floor_s)
