@@ -520,9 +520,10 @@ def test_asynchronous_collectives_count_a_delay_once(tmp_path):
     ], rows
 
 
-def test_lateness_spread_thin_is_unattributed(tmp_path):
+def test_lateness_spread_thin_is_its_own_work_in_several_places(tmp_path):
     # Rank 1 is 2 ms late at a blocking seq 1, with 0.6 ms more in M.a, 0.7 ms in M.b and 0.7 ms in train_step:
-    # no place holds a delay above the 1 ms floor.
+    # no place holds a delay above the 1 ms floor, but together they do: "(several places)", which can be blamed
+    # (unlike "(unattributed)", where it spent no more time anywhere).
     spans = []
     for rank, extra_us in enumerate((0, 1)):
         a_end, b_end = 10 * MS + 600_000 * extra_us, 20 * MS + 1_300_000 * extra_us
@@ -531,8 +532,26 @@ def test_lateness_spread_thin_is_unattributed(tmp_path):
                                                    (round(arrival), _collective(1))]),
                   _module(rank, "M.a", "a", "s", 1 * MS, a_end), _module(rank, "M.b", "b", "s", a_end, b_end)]
     assert _lateness(_load(spans, tmp_path)) == [
-        {"rank": 1, "module": diagnose.UNATTRIBUTED, "pass": "", "lost_s": 0.002, "waited_s": 0.002,
+        {"rank": 1, "module": stragglers.SPREAD, "pass": "", "lost_s": 0.002, "waited_s": 0.002,
          "collectives": 1, "steps": [0], "excess_s": 0.0}]
+
+
+def test_a_rank_slower_by_a_little_in_every_module_is_a_straggler_in_several_places(tmp_path):
+    # Rank 1 spends 0.8 ms more in each of 5 modules (under the 1 ms floor each, 4 ms together) before every
+    # step's all_reduce: its own work, spread thin. Blamed as "(several places)" in the 6 counted steps.
+    spans = []
+    for step in range(7):
+        at = step * 100 * MS
+        for rank in (0, 1):
+            extra, start = (800_000 if rank == 1 else 0), at + 5 * MS
+            for i in range(5):
+                spans.append(_module(rank, f"M.l{i}", f"m{step}{i}", f"s{step}", start, start + 5 * MS + extra,
+                                     trace=f"t{step}"))
+                start += 5 * MS + extra
+            event = (at + 60 * MS, _collective(step, **{semconv.COLLECTIVE_DURATION: (at + 60 * MS - start) / 1e9}))
+            spans.append(_step(rank, step, f"s{step}", at, at + 100 * MS, [event], trace=f"t{step}"))
+    (row,) = stragglers.find(_load(spans, tmp_path))["stragglers"]
+    assert (row["rank"], row["module"], row["steps_late"], row["late_min_s"]) == (1, stragglers.SPREAD, 6, 0.004)
 
 
 def _ring(seq, state, age_s, module="", op="all_reduce", shape=(8,)):

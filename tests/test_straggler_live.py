@@ -227,6 +227,22 @@ def test_a_rank_a_little_slower_every_step_is_below_the_floor_and_not_named():
         assert judge.judge() == []
 
 
+def test_a_rank_a_little_late_before_its_fail_slow_is_named_on_the_episodes_effect():
+    # Rank 1 shares its core in steps 9-19: 24 ms late (1.2 floors of the 40 ms job) every other step, not
+    # persistent. Steps 20-25 are clean; from step 26 it is 60 ms late every step. The effect size is the median of
+    # the episode's late steps (60 ms >= 1.5 x 20 ms), not of the window's (24 ms until more than 6 steps of 60):
+    # named at step 28, 3 late steps into the episode (the row is significant over the window, its earlier late
+    # steps included), since step 26.
+    judge = StragglerJudge(2)
+    said = []
+    for step in range(WARMUP_STEPS, 40):
+        slow = {1: 60_000_000} if step >= 26 else {1: 24_000_000} if step % 2 and step < 20 else {}
+        for rank, busy_ns in _busy(range(step, step + 1), slow, base_ns=40_000_000)[step].items():
+            judge.add(BusyRecord(rank, ((step, busy_ns),)))
+        said += [(verdict.kind, verdict.step, verdict.behind, verdict.since_step) for verdict in judge.judge()]
+    assert said == [("straggler", 28, (1,), 26)]
+
+
 def test_one_rank_recovering_leaves_another_named_until_its_own_recovery():
     judge = StragglerJudge(4)
     said = []

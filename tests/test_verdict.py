@@ -386,6 +386,22 @@ def _why(cause: str | None) -> dict | None:
             semconv.DTENSOR_TARGET_PLACEMENTS: target}
 
 
+def test_two_behind_ranks_each_in_its_own_tensor_parallel_group_of_a_2d_mesh():
+    """Mesh (dp=2, tp=2): TP groups a = {0, 1}, b = {2, 3}; DP groups c = {0, 2}, d = {1, 3}. Ranks 0 and 2 are
+    behind, each on its own TP group, which the other is not in: both named, each group's waiter and collective."""
+    records = {rank: _record(rank, groups=groups, ring=ring) for rank, groups, ring in [
+        (0, {"a": (5, 5, "tp", 2), "c": (7, 7, "dp", 2)}, []),
+        (1, {"a": (6, 5, "tp", 2), "d": (7, 7, "dp", 2)}, [("all_reduce", "a", 6, "M")]),
+        (2, {"b": (9, 9, "tp", 2), "c": (7, 7, "dp", 2)}, []),
+        (3, {"b": (10, 9, "tp", 2), "d": (7, 7, "dp", 2)}, [("all_reduce", "b", 10, "M")])]}
+    verdict = form_verdict(records, 4, 5)
+    assert (verdict.kind, verdict.behind, verdict.waiting, verdict.group, verdict.seq) == \
+        ("hang", (0, 2), (1, 3), "a", 6)
+    assert verdict.summary == (
+        "ranks 0,2 never entered all_reduce #6 on group a (tp), issued by M; they are in M forward; rank 1 waits in "
+        "it; rank 3 waits in all_reduce #10 on group b (tp), issued by M (step 5, 4 of 4 ranks reported)")
+
+
 def test_a_record_keeps_the_first_and_last_collectives_in_flight_and_their_why():
     ring = [("all_gather", "3", seq, "layers.12.attention") for seq in range(100, 140)]
     record = _record(5, groups={"3": (139, 99, "dp_shard", 1024)}, ring=ring,

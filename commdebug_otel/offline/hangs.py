@@ -298,7 +298,9 @@ def _first_group(records: Mapping[int, StallRecord], waits: list[_Wait], behind:
         for other in waits:
             if other is wait:
                 continue
-            low = max(records[rank].groups[other.group].issued for rank in behind)
+            # Behind ranks of that group only: on a 2-D mesh each behind rank may be in its own TP group.
+            low = max((records[rank].groups[other.group].issued for rank in behind
+                       if other.group in records[rank].groups), default=-1)
             if any(other.group in records[rank].groups and records[rank].groups[other.group].issued <= low
                    for rank in wait.ranks):
                 count += 1

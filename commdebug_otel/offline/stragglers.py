@@ -24,7 +24,7 @@ Two layers, so that a live detector can use the second without spans:
   run again, until no new row is found. A rank late with no place where it spent more time than the others
   (:data:`UNATTRIBUTED`) is never blamed: that lateness is not its own work (a pipeline stage's place in the
   schedule, a wait for its peer on another group); its cells stay in the others' noise and in the lateness
-  table.
+  table. A rank whose extra time lay in several places, none above the floor, is its own work: :data:`SPREAD`.
 
 Assumptions: steps are independent trials; the other ranks' lateness is the job's noise (wrong when most
 ranks are slow in the same place, then nobody stands out); one or two slow steps are events, not a straggler.
@@ -66,9 +66,9 @@ from commdebug_otel.offline.model import (
     warmup_step,
 )
 
-__all__ = ["ALPHA", "BETWEEN_STEPS", "MIN_EFFECT", "MIN_STEPS_LATE", "NOISE_FLOOR_S", "NOISE_MADS", "TRAIN_STEP",
-           "UNATTRIBUTED", "Late", "RankTimes", "Timeline", "blame", "find", "format_lines", "judge", "late_records",
-           "lateness_rows", "rank_times", "row_text", "span_label"]
+__all__ = ["ALPHA", "BETWEEN_STEPS", "MIN_EFFECT", "MIN_STEPS_LATE", "NOISE_FLOOR_S", "NOISE_MADS", "SPREAD",
+           "TRAIN_STEP", "UNATTRIBUTED", "Late", "RankTimes", "Timeline", "blame", "find", "format_lines", "judge",
+           "late_records", "lateness_rows", "rank_times", "row_text", "span_label"]
 
 #: Resolution: a collective held back less than this (seconds) is not recorded, nor a place with less extra time.
 NOISE_FLOOR_S = 0.001
@@ -86,6 +86,8 @@ MIN_EFFECT = 1.5
 TRAIN_STEP = f"({semconv.SPAN_TRAIN_STEP})"
 #: A late rank that spent no more time anywhere than the others since their previous collectives.
 UNATTRIBUTED = "(unattributed)"
+#: A late rank whose extra time since its previous collective lay in several places, none above the floor.
+SPREAD = "(several places)"
 STATISTIC = "binomial"
 
 Label = tuple[str, str]  # (module FQN or a parenthesised place, pass)
@@ -273,6 +275,15 @@ def blame(late: Mapping[Label, int], others: Sequence[Mapping[Label, int]]) -> t
     return label, round(excess[label]), extra
 
 
+def _placed(label: Label, excess: int, extra: int, floor_ns: float) -> tuple[Label, int]:
+    """Where a late rank's delay goes, and its excess there: ``label`` when that excess reaches the floor;
+    :data:`SPREAD` when only its extra time summed over every place does (its own work, in small pieces);
+    else :data:`UNATTRIBUTED` (it spent no more time anywhere: the lateness is not its own work)."""
+    if excess >= floor_ns:
+        return label, excess
+    return ((SPREAD, "") if extra >= floor_ns else (UNATTRIBUTED, "")), 0
+
+
 def late_records(times: dict[int, RankTimes], warmup: int | None, noise_floor_s: float = NOISE_FLOOR_S
                  ) -> tuple[list[Late], dict[int, set[int]]]:
     """The lateness records of ``times`` (:func:`rank_times`), and each rank's counted steps.
@@ -285,7 +296,8 @@ def late_records(times: dict[int, RankTimes], warmup: int | None, noise_floor_s:
     after an asynchronous one), ``extra`` the time it spent over the others since then. Where: the window on
     each rank from its previous arrival (or its ``train_step``'s start) up to this one is cut by innermost
     span, and the (module, pass) where L spent most over the other ranks' median is named
-    (:data:`TRAIN_STEP`, :data:`BETWEEN_STEPS`; :data:`UNATTRIBUTED` when under ``noise_floor_s``). A
+    (:data:`TRAIN_STEP`, :data:`BETWEEN_STEPS`; :data:`SPREAD` when no place but its summed extra time reaches
+    ``noise_floor_s``, :data:`UNATTRIBUTED` when not even that). A
     ``late`` or ``lost`` under ``noise_floor_s`` is no record.
 
     Returns:
@@ -326,8 +338,7 @@ def late_records(times: dict[int, RankTimes], warmup: int | None, noise_floor_s:
         lost = min(late, max(late - carried.before(last, issued[last], step), extra))
         if lost < floor_ns:
             continue
-        if excess < floor_ns:
-            (module, pass_), excess = (UNATTRIBUTED, ""), 0
+        (module, pass_), excess = _placed((module, pass_), excess, extra, floor_ns)
         records.append(Late(last, step, module, pass_, lost, sum(min(issued[last] - time, lost) for time in others),
                             excess))
     # Point-to-point: a receiver that posted its recv before the send began waits for the sender (a pipeline
@@ -347,8 +358,7 @@ def late_records(times: dict[int, RankTimes], warmup: int | None, noise_floor_s:
         lost = min(late, max(late - carried.before(sender, tables[sender].issued[send], step), extra))
         if lost < floor_ns:
             continue
-        if excess < floor_ns:
-            (module, pass_), excess = (UNATTRIBUTED, ""), 0
+        (module, pass_), excess = _placed((module, pass_), excess, extra, floor_ns)
         records.append(Late(sender, step, module, pass_, lost, lost, excess))
     return records, dict(seen)
 

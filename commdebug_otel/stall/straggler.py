@@ -390,7 +390,7 @@ class StragglerJudge:
         placed = placed_records([record for record in records if record.step in traced], traced)
         seen = {other: set(traced) for other in range(self.world_size)}
         for row in stragglers.judge(placed, seen, floor_s, self.alpha, min_effect=1.0):
-            if row["rank"] == rank and row["module"] != stragglers.UNATTRIBUTED:
+            if row["rank"] == rank and row["module"] != stragglers.SPREAD:  # a module, or no place named
                 return row["module"], row["pass"]
         return None
 
