@@ -316,7 +316,7 @@ for thread in threading.enumerate():
     with open(f"/proc/self/task/{thread.native_id}/status") as status:
         blocked = int(next(line for line in status if line.startswith("SigBlk:")).split()[1], 16)
     print(thread.name, *sorted(int(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1,
-                                                  signal.SIGSEGV) if blocked >> (s - 1) & 1))
+                                                  signal.SIGSEGV, signal.SIGPROF) if blocked >> (s - 1) & 1))
 tracer.stop()
 """
 
@@ -324,7 +324,8 @@ tracer.stop()
 @pytest.mark.skipif(not pathlib.Path("/proc/self/task").exists(), reason="reads the threads' masks from /proc")
 def test_every_thread_tracing_starts_leaves_the_scripts_signals_to_the_scripts_threads(tmp_path):
     """A launcher's SIGTERM goes to a thread of the script: a C-level handler (faulthandler's) never runs on one of
-    ours mid-bytecode. Ours and the SDK's block the process-directed signals, not those a fault raises."""
+    ours mid-bytecode. Ours and the SDK's block the signals sent to the process, not those a fault raises nor a
+    profiler's timer."""
     env = _env(tmp_path, OTEL_METRICS_EXPORTER="otlp", OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9",
                OTEL_PYTHON_COMMDEBUG_STALL_AFTER="60")
     done = subprocess.run([sys.executable, "-c", _MASKS], env=env, capture_output=True, text=True, timeout=120)

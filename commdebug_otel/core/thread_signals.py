@@ -5,8 +5,8 @@ does not block it. Python runs its handlers on the main thread whichever thread 
 handler (``faulthandler.register``, an extension's) runs on the thread that took it: on one of ours while it runs
 bytecode, faulthandler's dump of every thread reads frames that thread is changing, and can crash the process.
 So every thread we start, and the SDK's export threads (started inside :func:`signals_blocked`), block those
-signals: the script's threads take each of them, as they would without us. Signals a fault raises (SIGSEGV,
-SIGBUS, ...) go to the faulting thread whatever its mask, and stay unblocked.
+signals: the script's threads take each of them, as they would without us. Threads the SDK starts again in a
+forked child, or that gRPC starts later from the script's thread, keep that thread's mask.
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ from collections.abc import Iterator
 
 __all__ = ["ASYNC_SIGNALS", "signals_blocked", "start_quiet"]
 
-# Raised by a fault in the thread itself (delivered to it even when blocked), or impossible to block.
-_SYNCHRONOUS = {getattr(signal, name) for name in ("SIGKILL", "SIGSTOP", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL",
-                                                    "SIGABRT", "SIGTRAP", "SIGSYS") if hasattr(signal, name)}
-#: What our threads block: every signal but those a fault raises.
-ASYNC_SIGNALS = frozenset(set(signal.valid_signals()) - _SYNCHRONOUS) if hasattr(signal, "pthread_sigmask") \
-    else frozenset()
+#: What our threads block: the signals a launcher, a scheduler or a user sends to the process (torchrun's SIGTERM,
+#: Ctrl-C, a hangup, ``kill -QUIT`` for faulthandler's dump, SIGUSR1/2 for a script's own handler, an alarm).
+#: Profilers' timers (SIGPROF, SIGVTALRM) go on sampling whichever thread runs, ours too; a signal a fault raises
+#: (SIGSEGV, SIGBUS, ...) must never be blocked: the kernel would end the process without running its handler.
+ASYNC_SIGNALS = frozenset(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGQUIT", "SIGHUP", "SIGUSR1",
+                                                             "SIGUSR2", "SIGALRM") if hasattr(signal, name)) \
+    if hasattr(signal, "pthread_sigmask") else frozenset()
 
 
 @contextlib.contextmanager

@@ -281,7 +281,7 @@ class Telemetry:
         self.export_env = ExportEnv.from_env(self._environ)
         return self.export_env
 
-    @signals_blocked()  # the SDK's export threads (and gRPC's) start here
+    @signals_blocked()  # the SDK's export threads start here
     def _make_tracer_provider(self) -> Any:
         if self.disabled:
             return otel_trace.NoOpTracerProvider()
@@ -309,7 +309,7 @@ class Telemetry:
         return SpanLimits(**{**export.span_limit_arguments(), "max_events": self._settings.max_events_per_span,
                              "max_attribute_length": MAX_ATTRIBUTE_CHARS})
 
-    @signals_blocked()  # the SDK's export threads (and gRPC's) start here
+    @signals_blocked()  # the SDK's export threads start here
     def _make_meter_provider(self) -> Any:
         if self.disabled:
             return otel_metrics.NoOpMeterProvider()
