@@ -608,16 +608,23 @@ def rescore(results: list[dict[str, Any]], keep: str) -> list[dict[str, Any]]:
     """Each run of ``results`` answered again from its files kept under ``keep`` (``--keep`` when it ran), by this
     working tree's ``diagnose`` (its live verdicts are the spans the run exported). A run's folder is its
     ``"kept"``, else its scenario's folders in time order matched to its runs in order."""
+    kept = [path for path in Path(keep).iterdir() if path.name.rsplit("-", 1)[-1].isdigit()]
     folders: dict[str, list[str]] = {}
-    for path in sorted(Path(keep).iterdir(), key=lambda path: int(path.name.rsplit("-", 1)[1])):
+    for path in sorted(kept, key=lambda path: int(path.name.rsplit("-", 1)[1])):
         folders.setdefault(path.name.rsplit("-", 1)[0], []).append(str(path))
+    scenarios = {scenario.name: scenario for scenario in matrix(False)}
     seen: dict[str, int] = {}
     out = []
     for run in results:
         name = run["scenario"].replace("/", "_")
-        folder = run.get("kept") or folders.get(name, [])[seen.get(name, 0)]
-        seen[name] = seen.get(name, 0) + 1
-        scenario = next(s for s in matrix(False) if s.name == run["scenario"])
+        order = seen.get(name, 0)
+        seen[name] = order + 1
+        mine = folders.get(name, [])
+        folder = run.get("kept") or (mine[order] if order < len(mine) else None)
+        scenario = scenarios.get(run["scenario"])
+        if folder is None or scenario is None:
+            out.append(dict(run) | {"error": "no kept files" if scenario else "not a scenario of the matrix"})
+            continue
         answer = dict(run)
         for key in ("rows", "top1", "extra_rows", "false_blames", "live_rank_right", "live_steps", "live_place_right",
                     "live_place", "live_place_steps", "live_false", "verdicts", "hang_right", "error"):

@@ -19,12 +19,12 @@ def accuracy():
     del sys.modules[spec.name]
 
 
-def test_one_healthy_and_one_straggler_run(accuracy):
+def test_one_healthy_and_one_straggler_run(accuracy, tmp_path):
     """Two real 2-rank TP jobs. The straggler (50 ms per step in one forward module, 15 counted steps) is named
     first; the healthy run's blame count is reported, not asserted (the model's false-blame rate is what the
-    benchmark measures, at most its alpha per job)."""
+    benchmark measures, at most its alpha per job). Answered again from their kept files, the same answers."""
     scenarios = [accuracy.Scenario("healthy"), accuracy.Scenario("fwd")]
-    results = accuracy.run_matrix(scenarios, 1, log=lambda line: None)
+    results = accuracy.run_matrix(scenarios, 1, keep=str(tmp_path), log=lambda line: None)
     healthy, fwd = results
     assert "error" not in healthy and "error" not in fwd, results
     assert healthy["scenario"] == "healthy/tp/2r/quiet" and fwd["scenario"] == "fwd/tp/2r/quiet"
@@ -32,6 +32,11 @@ def test_one_healthy_and_one_straggler_run(accuracy):
     assert isinstance(healthy["false_blames"], int) and healthy["false_blames"] == len(healthy["rows"])
     assert fwd["rows"][0] == (1, "Transformer.layers.1.feed_forward", "forward")
     assert fwd["top1"] is True
+    again = accuracy.rescore([*results, {"scenario": "fwd/tp/2r/quiet"}, {"scenario": "fwd/tpp/2r/quiet"}],
+                             str(tmp_path))
+    assert [(run["rows"], run.get("top1"), run.get("false_blames")) for run in again[:2]] == \
+        [(run["rows"], run.get("top1"), run.get("false_blames")) for run in results]
+    assert [run["error"] for run in again[2:]] == ["no kept files", "not a scenario of the matrix"]
 
 
 def test_the_table_counts_each_kind_of_answer(accuracy, capsys):
