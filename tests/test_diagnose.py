@@ -783,22 +783,22 @@ def _world_of_3(spans):
 
 
 def test_stalls_follow_the_live_verdict_s_rule(tmp_path):
-    """Where diagnose's own rule said otherwise, the live verdict's (offline/hangs.py) now decides."""
+    """diagnose names a stall's culprits by the live verdict's rule (offline/hangs.py), in its order of kinds."""
     waits = _snapshot(0, 4, 1010, 6.0, 1, "M.b", 9, 8, [_ring(9, "in_flight", 5.0, "M.b")])
-    # World of 3, rank 2 sent nothing, rank 1 in no collective: the rank that sent nothing is named (it was rank 1).
+    # World of 3, rank 2 sent nothing, rank 1 in no collective: the rank that sent nothing is named, not the idle one.
     idle = _snapshot(1, 4, 1010, 6.0, 1, "M.b", 9, 9, [_ring(9, "completed", 5.0, "M.b")])
     found = diagnose.stalls(_load(_world_of_3(waits + idle), tmp_path))
     assert [(stall["rank"], stall["reason"], [w["rank"] for w in stall["waiting_ranks"]], stall["verdict"]["kind"])
             for stall in found] == [(2, "sent no snapshot while the others are stalled", [0], "missing")]
     # Rank 1's latest snapshot is older than what rank 0 knows: rank 0 saw seq 57 complete, so rank 1 entered it.
-    # Nobody is named from these snapshots (rank 1 was named behind).
+    # Nobody is named from these snapshots, not even rank 1, whose record says behind.
     done = _snapshot(0, 3, 1045, 44.95, 2, "M.a", 57, 57, [_ring(57, "completed", 44.9, "M.a")])
     stale = _snapshot(1, 3, 1045, 45.0, 2, "M.a", 56, 56, [_ring(56, "completed", 45.5)])
     assert [(stall["rank"], stall["reason"], stall["verdict"]) for stall in diagnose.stalls(_load(done + stale,
                                                                                                   tmp_path))] == [
         (0, "undetermined", None), (1, "undetermined", None)]
     # Rank 1 behind on group 0, rank 0 waits there; rank 2, on group 1 only and in no collective, waits for nobody:
-    # it is not listed waiting (every other rank was).
+    # it is not listed waiting.
     behind = _snapshot(1, 4, 1010, 6.0, 1, "M.a", 8, 8, [_ring(8, "completed", 5.5)])
     apart = _snapshot(2, 4, 1010, 6.0, 1, "M.c", 3, 3, [])
     apart[-1]["attributes"]["commdebug.stall.groups"] = ["1"]
