@@ -38,6 +38,8 @@ STEP_TRUNCATED = "commdebug.step.truncated"
 STEP_PART = "commdebug.step.part"  # on the parts after such a cut: 1, 2, ...
 # Per-step signals on train_step (traced steps).
 STEP_COLLECTIVE_WAIT = "torch.step.collective_wait_s"  # seconds the training thread waited in collectives
+# Seconds the training thread was runnable but waited for a CPU (another process had it; Linux schedstat).
+STEP_CPU_WAIT = "commdebug.step.cpu_wait_s"
 STEP_SLOW = "commdebug.step.slow"  # longer than SLOW_STEP_FACTOR x the rank's recent median
 STEP_STALLED = "commdebug.step.stalled"  # a stall snapshot was taken during this step: how many
 # The desync fingerprint: parallel arrays, one entry per process group the step used.

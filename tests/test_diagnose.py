@@ -536,6 +536,31 @@ def test_lateness_spread_thin_is_its_own_work_in_several_places(tmp_path):
          "collectives": 1, "steps": [0], "excess_s": 0.0}]
 
 
+def test_a_rank_late_because_another_process_took_its_cpu_is_host_contention_not_a_straggler(tmp_path):
+    # Rank 1 30 ms late in M.slow on every step. Where its training thread waited 25 ms more than rank 0 for a CPU
+    # in those steps (commdebug.step.cpu_wait_s: 27 ms against 2 ms), another process on its host had the CPU:
+    # listed apart, "stragglers" is []. Where it waited as long as rank 0, its code is slow: a straggler.
+    answers = []
+    for rank_1_wait_s, contended in ((0.027, True), (0.002, False)):
+        spans = _steps_late_by([(1, 30)] * 6)
+        for step_span in spans:
+            if step_span["name"] == "train_step":
+                step_span["attributes"][semconv.STEP_CPU_WAIT] = rank_1_wait_s if step_span["rank"] == 1 else 0.002
+        answer = stragglers.find(_load(spans, tmp_path))
+        rows = answer["contended"] if contended else answer["stragglers"]
+        assert [(row["rank"], row["module"], row["late_steps"]) for row in rows] == [(1, "M.slow", [1, 2, 3, 4, 5])]
+        assert answer["stragglers" if contended else "contended"] == []
+        assert rows[0]["cpu_wait_s"] == pytest.approx(5 * (rank_1_wait_s - 0.002))
+        answers.append(answer)
+    assert stragglers.format_lines(answers[0]) == [
+        "No straggler above the noise (step 0 left out: the first traced step, start-up skew and warm-up; "
+        "--include-warmup counts it).",
+        "Host contention, not a straggler in the code: late as consistently, but waiting for a CPU that another "
+        "process on its host had:",
+        "  rank 1 in M.slow forward: late in 5 of 5 steps, 30 ms (noise cut 1.0 ms), p=1e-04; waited 125 ms more "
+        "than the others for a CPU"]
+
+
 def test_a_rank_slower_by_a_little_in_every_module_is_a_straggler_in_several_places(tmp_path):
     # Rank 1 spends 0.8 ms more in each of 5 modules (under the 1 ms floor each, 4 ms together) before every
     # step's all_reduce: its own work, spread thin. Blamed as "(several places)" in the 6 counted steps.

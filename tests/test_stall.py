@@ -10,7 +10,7 @@ from torch import nn
 
 from commdebug_otel import semconv
 from commdebug_otel.config import AUTO_BETWEEN_STEPS_S, AUTO_FIRST_S, AUTO_FLOOR_S, Settings
-from commdebug_otel.core.progress import Progress
+from commdebug_otel.core.progress import CpuWait, Progress
 from commdebug_otel.stall.watchdog import StallWatch
 from commdebug_otel.testing.otlp_receiver import OtlpReceiver
 from tests.distributed import run_ranks
@@ -207,6 +207,9 @@ def test_every_traced_step_has_a_wait_and_a_fingerprint_equal_across_ranks(stuck
     # Rank 0 waited for rank 1 (a busy machine delays the collective's end for both, not the difference).
     assert waits[1] - waits[0] >= STUCK_S - 1.0
     assert [a[semconv.STEP_COLLECTIVE_FIRST_SEQ] for a in by_step[3]] == [[6], [6]]
+    # Its wait for a CPU: seconds on every traced step (0.0 where the kernel keeps no schedstat), a few ms at most
+    # for the stuck rank, which slept.
+    assert all(0.0 <= a[semconv.STEP_CPU_WAIT] < STUCK_S / 2 for a in by_step[STUCK_STEP])
 
 
 class FunctionalLayer(nn.Module):
@@ -325,12 +328,37 @@ def test_auto_holds_the_time_between_steps_to_its_own_floor_unless_a_collective_
     assert progress.threshold_s("auto") == AUTO_BETWEEN_STEPS_S
 
 
+class _NoCpuWait(CpuWait):
+    """A thread that never waits for a CPU, or one that waits ``waits`` ns more at each read."""
+
+    def __init__(self, waits: int = 0) -> None:
+        super().__init__()
+        self.waits, self.total = waits, 0
+
+    def ns(self) -> int:
+        self.total += self.waits
+        return self.total
+
+    def since(self, before: int) -> int:
+        return self.ns() - before
+
+
+def test_busy_time_leaves_out_the_steps_wait_for_a_cpu():
+    """Another process on the rank's core: the training thread's run-queue wait is no work of its own."""
+    progress = Progress(cpu_wait=_NoCpuWait(waits=30_000_000))
+    progress.step_began(0, 3)
+    progress.step_ended(100_000_000, True)
+    assert (progress.busy[-1], progress.cpu_wait_ns) == ((3, 70_000_000), 30_000_000)
+    reading = CpuWait()  # this machine's: a number, or 0 where the kernel has no schedstat
+    assert reading.since(reading.ns()) >= 0
+
+
 def test_busy_time_leaves_out_a_steps_tail_after_a_collective_no_python_wait_followed():
     """DDP's reducer waits for its buckets in C++: the tail after the step's last collective is its wait. A wait in
     Python after the last collective (FSDP2, DTensor, ``dist.*``) is the wait, and no tail is left out."""
     ms = 1_000_000
     for waited_ms, tail_left_out in ((None, True), (5, False)):
-        progress = Progress()
+        progress = Progress(cpu_wait=_NoCpuWait())  # the machine's load takes nothing off here
         progress.step_began(0, 7)
         before = time.perf_counter_ns()
         progress.remember(object(), None, issued_at=before - 50 * ms)  # its last bucket, issued 50 ms ago

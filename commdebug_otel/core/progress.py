@@ -20,7 +20,9 @@ The watchdog (``stall/watchdog.py``) reads it from its own thread; the metric re
 from __future__ import annotations
 
 import collections
+import os
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -57,16 +59,19 @@ class Progress:
         in_step: whether a step is open.
         wait_ns: nanoseconds the training thread waited in collectives since the step began.
         busy: the last :data:`BUSY_KEPT` training steps as ``(step index, busy ns)``: the step's wall time less
-            the time the training thread waited in collectives, and less the step's tail after a last collective
-            no Python wait followed (DDP's reducer waits in C++: :meth:`_tail_ns`; read by the watchdog thread).
+            the time the training thread waited in collectives, less the step's tail after a last collective
+            no Python wait followed (DDP's reducer waits in C++: :meth:`_tail_ns`), and less its wait for a CPU
+            (``cpu_wait_ns``; read by the watchdog thread).
+        cpu_wait_ns: the last training step's time runnable but not running (:class:`CpuWait`).
         places: the last :data:`PLACES_KEPT` traced training steps as ``(step index, {(module FQN or
             "(train_step)", pass): self ns})``, kept only while the live straggler verdict is on.
         trace_steps: ``(first, last)`` step indexes traced whatever ``trace_every`` says (the live straggler
             verdict's request, set by the watchdog thread; ``(0, -1)``: none).
     """
 
-    def __init__(self, dim_name: Callable[[str], str] = lambda group: "") -> None:
-        """``dim_name(group name)``: the mesh dimensions the group serves (``GroupResolver.dim_name``)."""
+    def __init__(self, dim_name: Callable[[str], str] = lambda group: "", cpu_wait: CpuWait | None = None) -> None:
+        """``dim_name(group name)``: the mesh dimensions the group serves (``GroupResolver.dim_name``);
+        ``cpu_wait``: the training thread's wait for a CPU (default :class:`CpuWait`)."""
         self._dim_name = dim_name
         self.next_seq: dict[str, int] = {}
         self.completed: dict[str, int] = {}
@@ -83,6 +88,9 @@ class Progress:
         # perf_counter_ns when the last collective's issue returned, while no Python wait has come since (0: one
         # has). DDP's reducer waits for its buckets in C++: its wait is in the step's tail after that collective.
         self._unwaited_at = 0
+        self.cpu_wait_ns = 0  # the last training step's wait for a CPU (CpuWait)
+        self._cpu_wait = cpu_wait or CpuWait()
+        self._cpu_wait_at = 0
 
     def remember(self, fact: CollectiveFact, out: Any, issued_at: int = 0) -> None:
         """A collective was issued on the training thread (every step: kept cheap); ``out``: what the op returned;
@@ -112,6 +120,7 @@ class Progress:
 
     def step_began(self, now: int, index: int) -> None:
         self.since_ns, self.in_step, self.step_index, self.wait_ns, self._unwaited_at = now, True, index, 0, 0
+        self._cpu_wait_at = self._cpu_wait.ns()
 
     def step_ended(self, now: int, training: bool) -> tuple[float, bool]:
         """The step ended: its collectives are complete. Returns its duration in seconds, and whether
@@ -121,7 +130,10 @@ class Progress:
         if training:
             slow = self.slow(duration_s)
             self.durations.append(duration_s)
-            self.busy.append((self.step_index, max(0, now - self.since_ns - self.wait_ns - self._tail_ns())))
+            # Waiting for a CPU is not the rank's work either: a process sharing its core is not its code.
+            self.cpu_wait_ns = self._cpu_wait.since(self._cpu_wait_at)
+            self.busy.append((self.step_index, max(0, now - self.since_ns - self.wait_ns - self._tail_ns()
+                                                   - self.cpu_wait_ns)))
         for group, following in self.next_seq.items():
             self.complete(group, following - 1)
         self._pending.clear()
@@ -176,3 +188,46 @@ class Progress:
         completed = dict(self.completed)
         return [(fact.op, ring_event_attributes(fact, fact.seq <= completed.get(fact.group.name, -1), now),
                  fact.time_ns) for fact in list(self.ring) if fact.time_ns <= now]
+
+
+class CpuWait:
+    """The training thread's time runnable but not running: waiting on the run queue while another process (or
+    thread) had its CPU, from Linux's per-thread schedstat (the second number, ns). 0 where there is none.
+
+    The file is opened on the thread that reads it first and kept (a 64-byte ``pread`` per read, about 2 us);
+    another thread's read (the training thread changed) opens its own.
+    """
+
+    PATH = "/proc/thread-self/schedstat"
+
+    def __init__(self) -> None:
+        self._fd = -1
+        self._thread = 0
+        self._off = not os.path.exists(self.PATH)
+
+    def ns(self) -> int:
+        """ns the calling thread has waited for a CPU since it started (0: not known here)."""
+        if self._off:
+            return 0
+        try:
+            thread = threading.get_ident()
+            if thread != self._thread:
+                self.close()
+                self._fd, self._thread = os.open(self.PATH, os.O_RDONLY), thread
+            return int(os.pread(self._fd, 64, 0).split()[1])
+        except (OSError, ValueError, IndexError):
+            self._off = True  # no schedstat here (a kernel without it): no wait is known, none is taken off
+            self.close()
+            return 0
+
+    def since(self, before: int) -> int:
+        """ns the calling thread waited for a CPU since its read of ``before`` (:meth:`ns`); 0 on another thread
+        (a step closed from elsewhere: its wait is not known)."""
+        if self._off or threading.get_ident() != self._thread:
+            return 0
+        return max(0, self.ns() - before)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

@@ -33,6 +33,7 @@ def step_signals(step: Step, now: int, progress: Progress, metrics: MetricsSink 
     attrs = step.root.attrs
     if step.traced:
         attrs[semconv.STEP_COLLECTIVE_WAIT] = round(wait_s, 6)
+        attrs[semconv.STEP_CPU_WAIT] = round(progress.cpu_wait_ns / 1e9, 6)
         attrs.update(step.fingerprint_attributes())
     if slow:
         attrs[semconv.STEP_SLOW] = True

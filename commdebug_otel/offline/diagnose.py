@@ -791,7 +791,8 @@ def diagnose(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_wa
     Returns:
         ``{"errors": errors(spans), "stalls": stalls(spans), "unfinished_steps": unfinished_steps(spans),
         "desyncs": desyncs(spans), "stragglers": the (rank, module, pass) rows found significant
-        (:func:`.stragglers.find`; ``[]`` on a healthy job), "lateness": the raw lateness per (rank, module,
+        (:func:`.stragglers.find`; ``[]`` on a healthy job), "contended": rows of ranks whose lateness is their
+        wait for a CPU (another process on the host), "lateness": the raw lateness per (rank, module,
         pass) (:func:`.stragglers.lateness_rows`), "pipeline_waits": summary.pipeline_waits(finished spans),
         "ranks": [rank...], "missing_ranks": missing_ranks(spans), "steps": [finished traced step...]
         (untraced steps exported because they stalled, steps where a rank raised and unfinished steps left out),
@@ -832,10 +833,11 @@ def diagnose(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_wa
 
 def _straggler_answer(spans: list[dict], noise_floor_s: float, include_warmup: bool,
                       reads: dict[int, RankRead] | None) -> dict[str, Any]:
-    """``{"stragglers", "lateness"}`` of :func:`.stragglers.find`, from ``reads`` where the files were read folded."""
+    """``{"stragglers", "contended", "lateness"}`` of :func:`.stragglers.find`, from ``reads`` where the files
+    were read folded."""
     times = None if reads is None else {rank: read.times for rank, read in reads.items()}
     answer = stragglers.find(spans, noise_floor_s, include_warmup, times)
-    return {"stragglers": answer["stragglers"], "lateness": answer["lateness"]}
+    return {key: answer[key] for key in ("stragglers", "contended", "lateness")}
 
 
 def _ranges(numbers: list[int]) -> str:

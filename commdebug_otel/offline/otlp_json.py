@@ -478,7 +478,7 @@ ATTRIBUTE_TYPES: dict[str, Callable[[Any, str], Any]] = {
     semconv.RANK: _int_in(0, MAX_RANKS - 1),
     semconv.WORLD_SIZE: _int_in(0, MAX_RANKS),
     **dict.fromkeys((semconv.COLLECTIVE_DURATION, semconv.STALL_AGE, semconv.STALL_THRESHOLD,
-                     semconv.STEP_COLLECTIVE_WAIT), _seconds),
+                     semconv.STEP_COLLECTIVE_WAIT, semconv.STEP_CPU_WAIT), _seconds),
     **dict.fromkeys((semconv.STALL_ISSUED_SEQ, semconv.STALL_COMPLETED_SEQ, semconv.STEP_COLLECTIVE_COUNTS,
                      semconv.STEP_COLLECTIVE_FIRST_SEQ, semconv.COLLECTIVE_SHAPE), _int_list),
     **dict.fromkeys((semconv.MODULE_PARAMETERS, semconv.STALL_STACK), _str_list),

@@ -66,9 +66,9 @@ from commdebug_otel.offline.model import (
     warmup_step,
 )
 
-__all__ = ["ALPHA", "BETWEEN_STEPS", "MIN_EFFECT", "MIN_STEPS_LATE", "NOISE_FLOOR_S", "NOISE_MADS", "SPREAD",
-           "TRAIN_STEP", "UNATTRIBUTED", "Late", "RankTimes", "Timeline", "blame", "find", "format_lines", "judge",
-           "late_records", "lateness_rows", "rank_times", "row_text", "span_label"]
+__all__ = ["ALPHA", "BETWEEN_STEPS", "CONTENDED_SHARE", "MIN_EFFECT", "MIN_STEPS_LATE", "NOISE_FLOOR_S",
+           "NOISE_MADS", "SPREAD", "TRAIN_STEP", "UNATTRIBUTED", "Late", "RankTimes", "Timeline", "blame", "find",
+           "format_lines", "judge", "late_records", "lateness_rows", "rank_times", "row_text", "span_label"]
 
 #: Resolution: a collective held back less than this (seconds) is not recorded, nor a place with less extra time.
 NOISE_FLOOR_S = 0.001
@@ -89,6 +89,8 @@ UNATTRIBUTED = "(unattributed)"
 #: A late rank whose extra time since its previous collective lay in several places, none above the floor.
 SPREAD = "(several places)"
 STATISTIC = "binomial"
+#: A row whose rank waited for a CPU (over the others) for at least this share of its lost time is host contention.
+CONTENDED_SHARE = 0.5
 
 Label = tuple[str, str]  # (module FQN or a parenthesised place, pass)
 
@@ -178,11 +180,13 @@ class Timeline:
 
 
 class RankTimes(NamedTuple):
-    """What the model reads of one rank: its :class:`Timeline` and its collectives (:class:`.model.Arrivals`,
-    a ``train_step_tail``'s between steps, :func:`.model.finished_spans`)."""
+    """What the model reads of one rank: its :class:`Timeline`, its collectives (:class:`.model.Arrivals`,
+    a ``train_step_tail``'s between steps, :func:`.model.finished_spans`), and each step's wait for a CPU
+    (``{step: ns}``, ``commdebug.step.cpu_wait_s``; absent where not exported)."""
 
     timeline: Timeline
     arrivals: Arrivals
+    cpu_wait: dict[int, int] = {}
 
 
 def rank_times(spans: list[dict]) -> dict[int, RankTimes]:
@@ -193,16 +197,21 @@ def rank_times(spans: list[dict]) -> dict[int, RankTimes]:
     steps = index_of(finished)
     by_rank: dict[int, list[dict]] = defaultdict(list)
     step_starts: dict[int, dict[int, int]] = defaultdict(dict)
+    cpu_wait: dict[int, dict[int, int]] = defaultdict(dict)
     for span in finished:
         by_rank[span["rank"]].append(span)
         step = steps.step(span)
         if span["name"] == semconv.SPAN_TRAIN_STEP and step is not None:
             starts = step_starts[span["rank"]]
             starts[step] = min(starts.get(step, span["start_ns"]), span["start_ns"])
+            waited = span["attributes"].get(semconv.STEP_CPU_WAIT)
+            if waited is not None:
+                cpu_wait[span["rank"]][step] = cpu_wait[span["rank"]].get(step, 0) + round(float(waited) * 1e9)
     events: dict[int, list[dict]] = defaultdict(list)
     for event in collective_events(finished):
         events[event["rank"]].append(event)
-    return {rank: RankTimes(Timeline(by_rank[rank]), Arrivals(events.get(rank, []), steps, step_starts.get(rank, {})))
+    return {rank: RankTimes(Timeline(by_rank[rank]), Arrivals(events.get(rank, []), steps, step_starts.get(rank, {})),
+                            cpu_wait.get(rank, {}))
             for rank in sorted(by_rank)}
 
 
@@ -531,7 +540,8 @@ def find(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_warmup
     file's spans); None: made from ``spans``. The first traced step is left out unless ``include_warmup``.
 
     Returns:
-        ``{"stragglers": judge(...) (``[]``: no straggler above the noise), "lateness": lateness_rows(...),
+        ``{"stragglers": judge(...)'s rows but those of host contention (``[]``: no straggler above the noise),
+        "contended": those rows, each with ``"cpu_wait_s"`` (:func:`_contended`), "lateness": lateness_rows(...),
         "warmup_step": the step left out or None, "steps": the counted steps (sorted), "noise_floor_s",
         "alpha"}``.
     """
@@ -541,9 +551,26 @@ def find(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_warmup
         with reusing(own=True):
             times = rank_times(ordered)
     records, seen = late_records(times, warmup, noise_floor_s)
-    return {"stragglers": judge(records, seen, noise_floor_s, alpha), "lateness": lateness_rows(records),
-            "warmup_step": warmup, "steps": sorted(set().union(*seen.values())) if seen else [],
-            "noise_floor_s": noise_floor_s, "alpha": alpha}
+    rows = judge(records, seen, noise_floor_s, alpha)
+    contended = [row for row in rows if _contended(row, times)]
+    return {"stragglers": [row for row in rows if row not in contended], "contended": contended,
+            "lateness": lateness_rows(records), "warmup_step": warmup,
+            "steps": sorted(set().union(*seen.values())) if seen else [], "noise_floor_s": noise_floor_s,
+            "alpha": alpha}
+
+
+def _contended(row: dict[str, Any], times: dict[int, RankTimes]) -> bool:
+    """Whether ``row``'s rank waited for a CPU, in its late steps, more than the other ranks' median by at least
+    :data:`CONTENDED_SHARE` of the time it lost there: another process on its host took its CPU, and its code is
+    not what is slow. Adds ``"cpu_wait_s"`` (that extra wait, summed) to the row."""
+    mine = times[row["rank"]].cpu_wait
+    others = [read.cpu_wait for rank, read in times.items() if rank != row["rank"]]
+    if not mine or not others:
+        return False
+    extra = sum(max(0.0, mine.get(step, 0) - statistics.median(other.get(step, 0) for other in others))
+                for step in row["late_steps"])
+    row["cpu_wait_s"] = extra / 1e9
+    return extra / 1e9 >= CONTENDED_SHARE * row["lost_s"]
 
 
 def _where(module: str, pass_: str) -> str:
@@ -565,15 +592,23 @@ def row_text(row: dict[str, Any]) -> str:
 
 
 def format_lines(answer: dict[str, Any]) -> list[str]:
-    """The answer as both commands print it: the verdict, then each straggler row (:func:`row_text`).
+    """The answer as both commands print it: the verdict, then each straggler row (:func:`row_text`), then each
+    row of host contention (``"contended"``, when given).
 
     ``answer``: a dict with :func:`find`'s ``"stragglers"``, ``"warmup_step"`` and ``"alpha"``."""
     rows = answer["stragglers"]
     left_out = (f" (step {answer['warmup_step']} left out: the first traced step, start-up skew and warm-up; "
                 "--include-warmup counts it)" if answer.get("warmup_step") is not None else "")
     if not rows:
-        return [f"No straggler above the noise{left_out}."]
-    out = [f"Stragglers: {len(rows)} (rank, module, pass) late consistently and beyond the other ranks' noise "
-           f"(Bonferroni over {rows[0]['tested']} rows, alpha {answer['alpha']:g}){left_out}:"]
-    out += [f"  {row_text(row)}" for row in rows]
+        out = [f"No straggler above the noise{left_out}."]
+    else:
+        out = [f"Stragglers: {len(rows)} (rank, module, pass) late consistently and beyond the other ranks' noise "
+               f"(Bonferroni over {rows[0]['tested']} rows, alpha {answer['alpha']:g}){left_out}:"]
+        out += [f"  {row_text(row)}" for row in rows]
+    contended = answer.get("contended") or []
+    if contended:
+        out.append("Host contention, not a straggler in the code: late as consistently, but waiting for a CPU that "
+                   "another process on its host had:")
+        out += [f"  {row_text(row)}; waited {_ms(row['cpu_wait_s'])} ms more than the others for a CPU"
+                for row in contended]
     return out

@@ -637,7 +637,8 @@ def report_dict(spans: list[dict], rank: int = 0, top: int = 10, step: int | Non
         "module_counts": module_counts(chosen, rank),
         "rank_totals": rank_totals(chosen, reads, ALL if step is None else step),
         "lateness": lateness(spans, step, include_warmup, reads),
-        "stragglers": straggler_answer(spans, include_warmup, reads)["stragglers"],
+        **{key: answer[key] for answer in [straggler_answer(spans, include_warmup, reads)]
+           for key in ("stragglers", "contended")},
         "alpha": ALPHA,
         "pipeline_waits": pipeline_waits(spans, step, reads),
         "top_collectives": top_collectives(chosen, rank, top),
@@ -679,8 +680,8 @@ def format_report(spans: list[dict], rank: int = 0, top: int = 10, step: int | N
     out += columns(rows)
     out.append("Lateness = when a rank's CPU issued the collective minus the earliest rank, by each "
                "host's wall clock: across hosts, clock skew adds to it.")
-    out += format_lines({"stragglers": report["stragglers"], "alpha": report["alpha"],
-                         "warmup_step": None if include_warmup else warmup_step(spans)})
+    out += format_lines({"stragglers": report["stragglers"], "contended": report["contended"],
+                         "alpha": report["alpha"], "warmup_step": None if include_warmup else warmup_step(spans)})
     if report["stragglers"]:
         out.append("(`commdebug-otel diagnose` adds the raw lateness of every rank and place.)")
 

@@ -52,11 +52,11 @@ last :data:`RECOVER_STEPS` steps, all after it was named, finds it no more; the 
 evidence for or against anyone). Steps are matched by their index, so ranks that count steps
 differently (pipeline stages) are never compared.
 
-Only the waits the training thread makes in Python count as waiting (``Work.wait()``, ``wait_tensor``, a blocking
-c10d call). Where the ranks a straggler holds back wait elsewhere they look as busy as it, and it is not told apart
-here: DDP waits for its gradient buckets inside its C++ reducer, and on CUDA hosts block at a synchronisation
-(``.item()``, ``cuda.synchronize``) while collectives wait on the GPU stream. ``diagnose``, by arrival times over
-traced steps, names those stragglers.
+Busy time (``core/progress.py``) leaves out the waits the training thread makes in Python (``Work.wait()``,
+``wait_tensor``, a blocking c10d call), the step's tail after a last collective no such wait followed (DDP's C++
+reducer waits there), and the thread's wait for a CPU (host contention). Where the ranks a straggler holds back wait
+elsewhere (on CUDA, hosts block at a synchronisation, ``.item()``, while collectives wait on the GPU stream) they
+look as busy as it, and it is not told apart here; ``diagnose``, by arrival times over traced steps, names it.
 
 Nothing here imports torch.
 """
