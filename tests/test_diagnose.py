@@ -271,7 +271,7 @@ def test_diagnose_command(between_steps_spans, capsys):
     code, out, _ = _diagnose_cli([out_dir, "--format", "json"], capsys)
     found = json.loads(out)
     assert code == 0 and found == json.loads(json.dumps(diagnose.diagnose(spans)))
-    assert list(found) == ["errors", "stalls", "unfinished_steps", "desyncs", "stragglers", "lateness",
+    assert list(found) == ["errors", "stalls", "unfinished_steps", "desyncs", "stragglers", "contended", "lateness",
                            "pipeline_waits", "ranks", "missing_ranks", "steps", "noise_floor_s", "alpha",
                            "warmup_step", "watchdog", "warnings"]
     code, out, _ = _diagnose_cli([out_dir], capsys)
