@@ -415,9 +415,12 @@ def _straggler_answer(scenario: Scenario, trace_dir: str) -> dict[str, Any]:
     """Top-1 right or not, false blames, extra rows; the live fail-slow verdict when one exists."""
     from commdebug_otel import semconv
 
-    rows = _diagnose(trace_dir)["stragglers"]
+    found = _diagnose(trace_dir)
+    rows = found["stragglers"]
     answer = [(row["rank"], row["module"], row["pass"]) for row in rows]
-    result: dict[str, Any] = {"rows": answer}
+    # Rows of host contention (a rank waiting for a CPU another process had): kept for the reader, not scored.
+    result: dict[str, Any] = {"rows": answer, "contended": [(row["rank"], row["module"], row["pass"])
+                                                            for row in found.get("contended", [])]}
     expected = scenario.expected
     if expected is None:
         result["false_blames"] = len(rows)
@@ -626,8 +629,9 @@ def rescore(results: list[dict[str, Any]], keep: str) -> list[dict[str, Any]]:
             out.append(dict(run) | {"error": "no kept files" if scenario else "not a scenario of the matrix"})
             continue
         answer = dict(run)
-        for key in ("rows", "top1", "extra_rows", "false_blames", "live_rank_right", "live_steps", "live_place_right",
-                    "live_place", "live_place_steps", "live_false", "verdicts", "hang_right", "error"):
+        for key in ("rows", "contended", "top1", "extra_rows", "false_blames", "live_rank_right", "live_steps",
+                    "live_place_right", "live_place", "live_place_steps", "live_false", "verdicts", "hang_right",
+                    "error"):
             answer.pop(key, None)
         trace_dir = os.path.join(folder, "traces")
         answer.update(_hang_answer(scenario, trace_dir) if scenario.fault in HANG_FAULTS else
