@@ -342,7 +342,8 @@ def run_once(scenario: Scenario, keep: str | None = None) -> dict[str, Any]:
     trace_dir = os.path.join(out_dir, "traces")
     burner = None
     if scenario.load == "burn":
-        burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        # It burns while its parent lives: a matrix stopped midway (SIGTERM, Ctrl-C) leaves no burner behind.
+        burner = subprocess.Popen([sys.executable, "-c", f"import os\nwhile os.getppid() == {os.getpid()}: pass"])
     port = _free_port()
     spec = json.dumps({"scenario": dataclasses.asdict(scenario), "out_dir": out_dir})
     started = time.monotonic()
