@@ -140,6 +140,10 @@ class Progress:
         self.since_ns, self.in_step = now, False
         return duration_s, slow
 
+    def close(self) -> None:
+        """Tracing stops: the file the CPU wait is read from is closed (reopened if a step begins again)."""
+        self._cpu_wait.close()
+
     def _tail_ns(self) -> int:
         """ns from the step's last collective to its end when no wait in Python followed it: where DDP waits for
         its gradient buckets (in its C++ reducer, at the end of backward). The optimizer step and host work after
@@ -228,6 +232,7 @@ class CpuWait:
         return max(0, self.ns() - before)
 
     def close(self) -> None:
+        """Close the file (the next read opens it again, on its thread)."""
         if self._fd >= 0:
             os.close(self._fd)
-            self._fd = -1
+            self._fd, self._thread = -1, 0

@@ -91,7 +91,6 @@ class Recorder:
         self.keep_hook = steps.keep_hook
         self.hook_free_step = self._ownership.hook_free_step
         self.optimizer_step_done = steps.optimizer_step_done
-        self.finish = steps.finish
         self.tracks_thread = steps.role.tracks_thread
         self.role = steps.role  # the hooks hold it still while they record (thread_role.one_role_holder)
         self.hook_failed = self._failures.hook_failed
@@ -107,7 +106,6 @@ class Recorder:
     keep_hook: Callable[[Any], None]
     hook_free_step: Callable[[], bool]
     optimizer_step_done: Callable[[], None]
-    finish: Callable[[BaseException | None], None]
     tracks_thread: Callable[..., bool]
     hook_failed: Callable[[str, BaseException], None]
 
@@ -157,6 +155,12 @@ class Recorder:
     def thread_settled(self) -> bool:
         """Whether the training thread is known (False while another thread borrows the role)."""
         return not self._steps.role.borrowing
+
+    def finish(self, error: BaseException | None = None) -> None:
+        """Tracing stops: every open span closes (``error``: the exception ending the process goes on the open
+        step), and the file the training thread's CPU wait is read from is closed."""
+        self._steps.finish(error)
+        self._steps.progress.close()
 
     @property
     def progress(self) -> Progress:

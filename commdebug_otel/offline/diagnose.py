@@ -215,7 +215,7 @@ def _stall_record(snap: dict[str, Any], module: str, in_flight: list[CollectiveF
 
 
 def _episodes(snapshots: list[dict]) -> list[list[dict]]:
-    """Snapshots whose stalls overlap in time (``[end - age, end]``), each episode with one (the latest) per rank."""
+    """Snapshots whose stalls overlap in time (``[end - age, end]``), each episode with every snapshot of it."""
     intervals = sorted(((snap["_end_ns"] - round(snap["age_s"] * 1e9), snap["_end_ns"], snap) for snap in snapshots),
                        key=lambda item: (item[0], item[1]))
     episodes: list[list[dict]] = []
@@ -226,23 +226,34 @@ def _episodes(snapshots: list[dict]) -> list[list[dict]]:
             reach = end
         episodes[-1].append(snap)
         reach = max(reach, end)
-    out = []
-    for episode in episodes:
-        latest: dict[int, dict] = {}
-        for snap in episode:
-            seen = latest.get(snap["rank"])
-            if seen is None or (snap["_end_ns"], snap["snapshot"]) > (seen["_end_ns"], seen["snapshot"]):
-                latest[snap["rank"]] = snap
-        out.append([latest[rank] for rank in sorted(latest)])
-    return out
+    return episodes
 
 
-def _verdict(episode: list[dict]) -> hangs.Verdict | None:
-    """The hang rule of the live verdict (:func:`.hangs.form_verdict`) over the episode's records, as the lowest
-    rank that published would form it; the world is the resource's world size, at least the highest rank's."""
-    records = {snap["rank"]: snap["_record"] for snap in episode}
-    world = max(max(snap["world_size"] for snap in episode), max(records) + 1)
-    return hangs.form_verdict(records, world, records[min(records)].step)
+def _latest(snapshots: list[dict], number: int) -> list[dict]:
+    """Each rank's latest of ``snapshots`` numbered at most ``number``, by rank."""
+    latest: dict[int, dict] = {}
+    for snap in snapshots:
+        seen = latest.get(snap["rank"])
+        if snap["snapshot"] <= number and (
+                seen is None or (snap["_end_ns"], snap["snapshot"]) > (seen["_end_ns"], seen["snapshot"])):
+            latest[snap["rank"]] = snap
+    return [latest[rank] for rank in sorted(latest)]
+
+
+def _verdict(snapshots: list[dict]) -> tuple[hangs.Verdict | None, list[dict]]:
+    """The hang rule of the live verdict (:func:`.hangs.form_verdict`) over an episode's records, as the lowest
+    rank that published would form it (the world: the resource's world size, at least the highest rank's), and
+    the snapshots it read: each rank's latest; where those say nothing (a rank's latest was taken after the
+    others' and disagrees with them), each rank's latest of the highest snapshot number that does, as the live
+    rounds pair the n-th snapshots of a stall."""
+    for number in sorted({snap["snapshot"] for snap in snapshots}, reverse=True):
+        episode = _latest(snapshots, number)
+        records = {snap["rank"]: snap["_record"] for snap in episode}
+        world = max(max(snap["world_size"] for snap in episode), max(records) + 1)
+        verdict = hangs.form_verdict(records, world, records[min(records)].step)
+        if verdict is not None:
+            return verdict, episode
+    return None, _latest(snapshots, max(snap["snapshot"] for snap in snapshots))
 
 
 def _ahead_of(snap: dict, episode: list[dict]) -> list[dict]:
@@ -333,7 +344,8 @@ def stalls(spans: list[dict]) -> list[dict[str, Any]]:
     """The stuck rank of each stall episode, what it was doing, and who waits for it.
 
     Reads the ``stalled`` spans (the live side's stall snapshots). Snapshots whose stalls
-    overlap in time form one episode; each rank's latest snapshot in it is used, as the
+    overlap in time form one episode; each rank's latest snapshot in it is used (where those
+    name nobody, each rank's latest of the highest snapshot number that does), as the
     record that rank published for the live verdict (:class:`.hangs.StallRecord`), and the
     live verdict's rule names the ranks (:func:`.hangs.form_verdict`, the one hang rule):
     a desync (ranks with different collectives in flight at one (group, seq): the smaller
@@ -372,7 +384,7 @@ def stalls(spans: list[dict]) -> list[dict[str, Any]]:
     stalled, starts = _ends(spans)
     out = []
     for episode in sorted(_episodes(snapshots), key=lambda ep: -max(snap["_end_ns"] for snap in ep)):
-        verdict = _verdict(episode)
+        verdict, episode = _verdict(episode)
         _issued_by_all(episode)
         by_rank = {snap["rank"]: snap for snap in episode}
         ranks = sorted(by_rank) if verdict is None else list(verdict.behind)
