@@ -158,8 +158,9 @@ def _both(out_dir, capsys):
     _, found, _ = _diagnose_cli([str(out_dir), "--format", "json"], capsys)
     _, report = _summarize_cli([str(out_dir), "--format", "report-json"], capsys)
     texts = [_diagnose_cli([str(out_dir)], capsys)[1], _summarize_cli([str(out_dir)], capsys)[1]]
+    # (host contention's rows, a rank waiting for a CPU the busy core took, are no straggler lines)
     lines = [[line for line in text.splitlines() if line.startswith(("Stragglers: ", "No straggler", "  rank "))
-              and ("late in" in line or not line.startswith("  "))] for text in texts]
+              and ("late in" in line or not line.startswith("  ")) and "for a CPU" not in line] for text in texts]
     return json.loads(found), json.loads(report), lines
 
 

@@ -20,6 +20,7 @@ The watchdog (``stall/watchdog.py``) reads it from its own thread; the metric re
 from __future__ import annotations
 
 import collections
+import ctypes
 import os
 import statistics
 import threading
@@ -194,6 +195,19 @@ class Progress:
                  fact.time_ns) for fact in list(self.ring) if fact.time_ns <= now]
 
 
+def _libc_pread() -> Any:
+    try:
+        function = ctypes.PyDLL(None).pread
+    except (OSError, AttributeError):
+        return None
+    function.restype = ctypes.c_ssize_t
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_long]
+    return function
+
+
+_pread = _libc_pread()
+
+
 class CpuWait:
     """The training thread's time runnable but not running: waiting on the run queue while another process (or
     thread) had its CPU, from Linux's per-thread schedstat (the second number, ns). 0 where there is none.
@@ -207,7 +221,8 @@ class CpuWait:
     def __init__(self) -> None:
         self._fd = -1
         self._thread = 0
-        self._off = not os.path.exists(self.PATH)
+        self._off = _pread is None or not os.path.exists(self.PATH)
+        self._buffer = ctypes.create_string_buffer(64)
 
     def ns(self) -> int:
         """ns the calling thread has waited for a CPU since it started (0: not known here)."""
@@ -218,7 +233,10 @@ class CpuWait:
             if thread != self._thread:
                 self.close()
                 self._fd, self._thread = os.open(self.PATH, os.O_RDONLY), thread
-            return int(os.pread(self._fd, 64, 0).split()[1])
+            # libc's pread holding the GIL (PyDLL): a read of ours on the training thread's hook path lets no other
+            # thread run in the middle of a step's bookkeeping.
+            read = _pread(self._fd, self._buffer, 64, 0)
+            return int(self._buffer.raw[:max(read, 0)].split()[1])
         except (OSError, ValueError, IndexError):
             self._off = True  # no schedstat here (a kernel without it): no wait is known, none is taken off
             self.close()
