@@ -212,7 +212,7 @@ class CpuWait:
     """The training thread's time runnable but not running: waiting on the run queue while another process (or
     thread) had its CPU, from Linux's per-thread schedstat (the second number, ns). 0 where there is none.
 
-    The file is opened on the thread that reads it first and kept (a 64-byte ``pread`` per read, about 2 us);
+    The file is opened on the thread that reads it first and kept (a 64-byte ``pread`` per read, about 4 us);
     another thread's read (the training thread changed) opens its own.
     """
 
