@@ -349,6 +349,11 @@ def test_busy_time_leaves_out_the_steps_wait_for_a_cpu():
     progress.step_began(0, 3)
     progress.step_ended(100_000_000, True)
     assert (progress.busy[-1], progress.cpu_wait_ns) == ((3, 70_000_000), 30_000_000)
+    # Not wanted (an untraced step, the live verdict off): not read, nothing taken off.
+    reads = progress._cpu_wait.total
+    progress.step_began(100_000_000, 4, cpu_wait=False)
+    progress.step_ended(200_000_000, True)
+    assert (progress.busy[-1], progress.cpu_wait_ns, progress._cpu_wait.total) == ((4, 100_000_000), 0, reads)
     reading = CpuWait()  # this machine's: a number, or 0 where the kernel has no schedstat
     assert reading.since(reading.ns()) >= 0
 

@@ -63,7 +63,8 @@ class Progress:
             the time the training thread waited in collectives, less the step's tail after a last collective
             no Python wait followed (DDP's reducer waits in C++: :meth:`_tail_ns`), and less its wait for a CPU
             (``cpu_wait_ns``; read by the watchdog thread).
-        cpu_wait_ns: the last training step's time runnable but not running (:class:`CpuWait`).
+        cpu_wait_ns: the last training step's time runnable but not running (:class:`CpuWait`; 0 when not
+            measured, ``step_began``).
         places: the last :data:`PLACES_KEPT` traced training steps as ``(step index, {(module FQN or
             "(train_step)", pass): self ns})``, kept only while the live straggler verdict is on.
         trace_steps: ``(first, last)`` step indexes traced whatever ``trace_every`` says (the live straggler
@@ -119,9 +120,11 @@ class Progress:
         if seq > self.completed.get(group, -1):
             self.completed[group] = seq
 
-    def step_began(self, now: int, index: int) -> None:
+    def step_began(self, now: int, index: int, cpu_wait: bool = True) -> None:
+        """A step opens; ``cpu_wait``: whether its wait for a CPU is wanted (a traced step exports it, the live
+        straggler verdict reads it): two reads of the kernel's count, left off the other steps."""
         self.since_ns, self.in_step, self.step_index, self.wait_ns, self._unwaited_at = now, True, index, 0, 0
-        self._cpu_wait_at = self._cpu_wait.ns()
+        self._cpu_wait_at = self._cpu_wait.ns() if cpu_wait else -1
 
     def step_ended(self, now: int, training: bool) -> tuple[float, bool]:
         """The step ended: its collectives are complete. Returns its duration in seconds, and whether
@@ -132,7 +135,7 @@ class Progress:
             slow = self.slow(duration_s)
             self.durations.append(duration_s)
             # Waiting for a CPU is not the rank's work either: a process sharing its core is not its code.
-            self.cpu_wait_ns = self._cpu_wait.since(self._cpu_wait_at)
+            self.cpu_wait_ns = self._cpu_wait.since(self._cpu_wait_at) if self._cpu_wait_at >= 0 else 0
             self.busy.append((self.step_index, max(0, now - self.since_ns - self.wait_ns - self._tail_ns()
                                                    - self.cpu_wait_ns)))
         for group, following in self.next_seq.items():

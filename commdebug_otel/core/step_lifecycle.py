@@ -226,7 +226,7 @@ class StepLifecycle:
         root = Record(SpanKind.STEP, semconv.SPAN_TRAIN_STEP, now)
         root.attrs[semconv.STEP] = index
         step = self._step = Step(index, traced, root, SpanKind.STEP)
-        self.progress.step_began(now, index)
+        self.progress.step_began(now, index, traced or self.settings.straggler)
         # The same steps on every rank (sampled, not traced): their histograms compare.
         self._path.counter.timed = sampled or index % self.settings.completion_every == 0
         step.inference = inference
