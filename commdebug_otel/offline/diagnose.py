@@ -847,8 +847,7 @@ def _straggler_answer(spans: list[dict], noise_floor_s: float, include_warmup: b
                       reads: dict[int, RankRead] | None) -> dict[str, Any]:
     """``{"stragglers", "contended", "lateness"}`` of :func:`.stragglers.find`, from ``reads`` where the files
     were read folded."""
-    times = None if reads is None else {rank: read.times for rank, read in reads.items()}
-    answer = stragglers.find(spans, noise_floor_s, include_warmup, times)
+    answer = summary.straggler_answer(spans, include_warmup, reads, noise_floor_s)
     return {key: answer[key] for key in ("stragglers", "contended", "lateness")}
 
 

@@ -59,7 +59,7 @@ from commdebug_otel.offline.model import (
 )
 from commdebug_otel.offline.otlp_json import trace_files
 from commdebug_otel.offline.rank_read import ALL, RankRead, rank_reads
-from commdebug_otel.offline.stragglers import ALPHA, find, format_lines
+from commdebug_otel.offline.stragglers import ALPHA, NOISE_FLOOR_S, find, format_lines
 
 __all__ = [
     "GLOBAL",
@@ -432,11 +432,11 @@ def lateness(spans: list[dict], step: int | None = None, include_warmup: bool = 
 
 
 def straggler_answer(spans: list[dict], include_warmup: bool = False,
-                     reads: dict[int, RankRead] | None = None) -> dict[str, Any]:
+                     reads: dict[int, RankRead] | None = None, noise_floor_s: float = NOISE_FLOOR_S) -> dict[str, Any]:
     """:func:`.stragglers.find` of ``spans`` over every counted step, from ``reads`` where the files were read
     folded: the answer ``diagnose`` gives."""
     times = None if reads is None else {rank: read.times for rank, read in reads.items()}
-    return find(spans, include_warmup=include_warmup, times=times)
+    return find(spans, noise_floor_s, include_warmup, times)
 
 
 def _group_members(events: list[dict]) -> dict[str, Sequence[int] | None]:
@@ -623,10 +623,11 @@ def report_dict(spans: list[dict], rank: int = 0, top: int = 10, step: int | Non
         "warnings": [str], "rank": rank, "module_counts": module_counts(...),
         "rank_totals": rank_totals(...), "lateness": lateness(...), "stragglers": the (rank, module, pass)
         rows found significant over every counted step (:func:`.stragglers.find`, as ``diagnose`` gives them;
-        ``[]`` on a healthy job), "alpha": their false-blame rate,
+        ``[]`` on a healthy job), "contended": the rows of host contention, "alpha": their false-blame rate,
         "pipeline_waits": pipeline_waits(...), "top_collectives": top_collectives(...)}``.
     """
     chosen = spans if step is None else step_spans(spans, step)
+    answer = straggler_answer(spans, include_warmup, reads)
     return {
         "spans": sum(1 + span.get("folded", 0) for span in chosen),
         "step": step,
@@ -637,8 +638,8 @@ def report_dict(spans: list[dict], rank: int = 0, top: int = 10, step: int | Non
         "module_counts": module_counts(chosen, rank),
         "rank_totals": rank_totals(chosen, reads, ALL if step is None else step),
         "lateness": lateness(spans, step, include_warmup, reads),
-        **{key: answer[key] for answer in [straggler_answer(spans, include_warmup, reads)]
-           for key in ("stragglers", "contended")},
+        "stragglers": answer["stragglers"],
+        "contended": answer["contended"],
         "alpha": ALPHA,
         "pipeline_waits": pipeline_waits(spans, step, reads),
         "top_collectives": top_collectives(chosen, rank, top),
