@@ -67,8 +67,9 @@ from commdebug_otel.offline.model import (
 )
 
 __all__ = ["ALPHA", "BETWEEN_STEPS", "CONTENDED_SHARE", "MIN_EFFECT", "MIN_STEPS_LATE", "NOISE_FLOOR_S",
-           "NOISE_MADS", "SPREAD", "TRAIN_STEP", "UNATTRIBUTED", "Late", "RankTimes", "Timeline", "blame", "find",
-           "format_lines", "judge", "late_records", "lateness_rows", "rank_times", "row_text", "span_label"]
+           "NOISE_MADS", "SPREAD", "TRAIN_STEP", "UNATTRIBUTED", "Late", "RankTimes", "Tested", "Timeline",
+           "binomial_sf", "blame", "find", "format_lines", "judge", "late_records", "lateness_rows", "rank_times",
+           "row_text", "span_label", "tested_rows"]
 
 #: Resolution: a collective held back less than this (seconds) is not recorded, nor a place with less extra time.
 NOISE_FLOOR_S = 0.001
@@ -411,7 +412,7 @@ def _median_mad(values: Sequence[float], without: Sequence[float]) -> tuple[floa
     return median, (least_within((n - 1) // 2 + 1) + least_within(n // 2 + 1)) / 2
 
 
-def _binomial_sf(k: int, n: int, p: float) -> float:
+def binomial_sf(k: int, n: int, p: float) -> float:
     """``P(Binomial(n, p) >= k)``."""
     if k <= 0:
         return 1.0
@@ -456,10 +457,52 @@ def judge(records: Iterable[Late], steps_seen: dict[int, set[int]], noise_floor_
     return rows
 
 
+class Tested(NamedTuple):
+    """A (rank, module, pass) row with a cell beyond its noise cut: ``late`` ``{step: lost ns}`` of those cells,
+    ``cut_ns`` its noise cut, ``rate`` the null rate ``q`` of a cell beyond it."""
+
+    key: tuple[int, str, str]
+    late: dict[int, int]
+    cut_ns: float
+    rate: float
+
+
+def tested_rows(records: Iterable[Late], steps_seen: dict[int, set[int]],
+                noise_floor_s: float = NOISE_FLOOR_S) -> list[Tested]:
+    """The rows :func:`judge` tests in its first pass (each row's cells beyond its cut, the cut and the null rate),
+    for a test of another shape over the same noise (the live verdict's scan over an episode)."""
+    cells: dict[tuple[int, str, str], dict[int, int]] = defaultdict(lambda: defaultdict(int))
+    for record in records:
+        cells[(record.rank, record.module, record.pass_)][record.step] += record.lost_ns
+    return _tested(cells, steps_seen, set(), noise_floor_s * 1e9)
+
+
 def _test(cells: dict[tuple[int, str, str], dict[int, int]], steps_seen: dict[int, set[int]],
           apart: set[tuple[int, str, str]], floor_ns: float, alpha: float, min_effect: float
           ) -> dict[tuple[int, str, str], dict]:
     """One pass of :func:`judge`'s test, the cells of the rows ``apart`` (found before) left out of the noise."""
+    tested = _tested(cells, steps_seen, apart, floor_ns)
+    found = {}
+    for (rank, module, pass_), late, cut, rate in tested:
+        n = len(steps_seen.get(rank, ())) or len(late)
+        p = binomial_sf(len(late), n, rate)
+        if len(late) < MIN_STEPS_LATE or p * len(tested) > alpha:
+            continue
+        if statistics.median(late.values()) < min_effect * cut:
+            continue
+        found[(rank, module, pass_)] = {
+            "rank": rank, "module": module, "pass": pass_, "lost_s": sum(late.values()) / 1e9,
+            "steps_late": len(late), "steps_seen": n, "late_steps": sorted(late),
+            "late_min_s": min(late.values()) / 1e9, "late_max_s": max(late.values()) / 1e9,
+            "noise_cut_s": cut / 1e9, "null_rate": rate, "p_value": p, "tested": len(tested),
+            "statistic": STATISTIC}
+    return found
+
+
+def _tested(cells: dict[tuple[int, str, str], dict[int, int]], steps_seen: dict[int, set[int]],
+            apart: set[tuple[int, str, str]], floor_ns: float) -> list[Tested]:
+    """Each row of ``cells`` with a cell beyond its noise cut, but ``UNATTRIBUTED`` ones, the cells of the rows
+    ``apart`` left out of the noise."""
     places = len({(module, pass_) for _, module, pass_ in cells}) or 1
     everything = sorted(value for key, row in cells.items() if key not in apart for value in row.values())
     at_place: dict[tuple[str, str], list[int]] = defaultdict(list)  # the noise's cells at each place
@@ -475,7 +518,7 @@ def _test(cells: dict[tuple[int, str, str], dict[int, int]], steps_seen: dict[in
         return (len(values) - bisect.bisect_right(values, cut)) - (len(mine) - bisect.bisect_right(mine, cut))
 
     pooled = _median_mad(everything, []) if len(everything) >= 3 else None
-    tested = []
+    tested: list[Tested] = []
     for key, row in cells.items():
         if key[1] == UNATTRIBUTED:  # no place where it spent more: noise for the others, no blame
             continue
@@ -495,22 +538,8 @@ def _test(cells: dict[tuple[int, str, str], dict[int, int]], steps_seen: dict[in
         others_at_place = seen_all - own_steps  # the other ranks' counted steps, each a cell there
         if others_at_place > 0:
             rate = max(rate, over(at_place.get(key[1:], []), mine, cut) / others_at_place)
-        tested.append((key, late, cut, min(1.0, rate)))
-    found = {}
-    for (rank, module, pass_), late, cut, rate in tested:
-        n = len(steps_seen.get(rank, ())) or len(late)
-        p = _binomial_sf(len(late), n, rate)
-        if len(late) < MIN_STEPS_LATE or p * len(tested) > alpha:
-            continue
-        if statistics.median(late.values()) < min_effect * cut:
-            continue
-        found[(rank, module, pass_)] = {
-            "rank": rank, "module": module, "pass": pass_, "lost_s": sum(late.values()) / 1e9,
-            "steps_late": len(late), "steps_seen": n, "late_steps": sorted(late),
-            "late_min_s": min(late.values()) / 1e9, "late_max_s": max(late.values()) / 1e9,
-            "noise_cut_s": cut / 1e9, "null_rate": rate, "p_value": p, "tested": len(tested),
-            "statistic": STATISTIC}
-    return found
+        tested.append(Tested(key, late, cut, min(1.0, rate)))
+    return tested
 
 
 def lateness_rows(records: Iterable[Late]) -> list[dict[str, Any]]:

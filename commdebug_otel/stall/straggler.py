@@ -13,8 +13,10 @@ steps every rank reported: a rank is a straggler when it was late beyond the oth
 resolution floor is :data:`FLOOR_FRACTION` of the job's busy time (:func:`noise_floor_s`), and the verdict names
 only a *persistent* straggler: one late in :data:`PERSISTENT_SHARE` of the steps since its episode began
 (intermittent lateness is left to ``diagnose``), by a median of at least ``MIN_EFFECT`` noise cuts over those
-steps (the offline effect size, judged over the episode: a rank a little late before the onset, sharing its core,
-would otherwise hold the fail-slow's median down until the window forgets the steps before).
+steps (the offline effect size, judged over the episode). The episode starts at the earliest late step from which
+both hold (:func:`_persistent_since`): a rank a little late now and then before the onset, sharing its core, would
+otherwise stretch the episode back, hold its share and median down, and delay the verdict until the window forgets
+those steps.
 
 Where it is slow comes from traced steps: each rank keeps, per traced step, each (module, pass)'s self time
 (``Progress.places``, only while the verdict is on) and publishes it with its busy times. On the steps every
@@ -241,6 +243,24 @@ def _onset(late_steps: list[int]) -> int:
     return since
 
 
+def _persistent_since(late_steps: list[int], window: Iterable[int], records: list[Late], rank: int,
+                      cut_s: float) -> int | None:
+    """The first step of the longest run of the last episode (:func:`_onset`) in which ``rank`` is a fail-slow:
+    late in at least :data:`PERSISTENT_SHARE` of the steps of ``window`` from there (and ``MIN_STEPS_LATE``), by
+    a median of ``MIN_EFFECT`` cuts (:func:`_sized`); None when no such run. Each late step of the episode is
+    tried as its start, earliest first: a rank already a little late now and then before the onset (sharing its
+    core with another process) would otherwise stretch the episode back over those steps and dilute its share of
+    late steps until the window forgets them."""
+    steps = sorted(window)
+    first = _onset(late_steps)
+    for since in (step for step in late_steps if step >= first):
+        late = sum(1 for step in late_steps if step >= since)
+        seen = sum(1 for step in steps if step >= since)
+        if late >= max(stragglers.MIN_STEPS_LATE, PERSISTENT_SHARE * seen) and _sized(records, rank, since, cut_s):
+            return since
+    return None
+
+
 def noise_floor_s(busy: Mapping[int, Mapping[int, int]]) -> float:
     """The least lateness (seconds) that counts in ``busy`` (``{step: {rank: busy ns}}``): :data:`FLOOR_FRACTION` of
     the median over steps of the fastest rank's busy time (the job's own work, which one slow rank does not
@@ -258,6 +278,36 @@ def _sized(records: Iterable[Late], rank: int, since: int, cut_s: float) -> bool
     lost = [record.lost_ns for record in records if record.rank == rank and record.step >= since
             and record.lost_ns > cut_s * 1e9]
     return bool(lost) and statistics.median(lost) >= stragglers.MIN_EFFECT * cut_s * 1e9
+
+
+def _scan_rows(records: list[Late], seen: dict[int, set[int]], window: Mapping[int, Any], floor_s: float,
+               alpha: float) -> list[dict[str, Any]]:
+    """The ranks found by a scan over the window's steps: one whose persistent run (:func:`_persistent_since`),
+    ``k`` late steps of its ``s``, is unlikely anywhere in the window's ``n`` steps under the null rate ``q`` of
+    the offline test (:func:`~commdebug_otel.offline.stragglers.tested_rows`): ``p = (n - s + 1) x P(Binomial(s,
+    q) >= k)`` (a union bound over the run's start), ``p x m <= alpha``. A fail-slow is a change: its late steps
+    come in a run, which the window's binomial (blind to their order) weighs no more than as many scattered ones
+    until many steps after the onset; rows as :func:`~commdebug_otel.offline.stragglers.judge`'s,
+    ``"statistic": "scan"``."""
+    tested = stragglers.tested_rows(records, seen, floor_s)
+    steps = sorted(window)
+    out = []
+    for row in tested:
+        rank = row.key[0]
+        late_steps = sorted(row.late)
+        since = _persistent_since(late_steps, steps, records, rank, row.cut_ns / 1e9)
+        if since is None:
+            continue
+        late = [row.late[step] for step in late_steps if step >= since]
+        run = sum(1 for step in steps if step >= since)
+        p = min(1.0, (len(steps) - run + 1) * stragglers.binomial_sf(len(late), run, row.rate))
+        if p * len(tested) <= alpha:
+            out.append({"rank": rank, "module": row.key[1], "pass": row.key[2], "lost_s": sum(late) / 1e9,
+                        "steps_late": len(late), "steps_seen": run, "late_steps": late_steps,
+                        "late_min_s": min(late) / 1e9, "late_max_s": max(late) / 1e9,
+                        "noise_cut_s": row.cut_ns / 1e9, "null_rate": row.rate, "p_value": p, "tested": len(tested),
+                        "statistic": "scan"})
+    return out
 
 
 def _episode_lost_s(records: Iterable[Late], rank: int, since: int, cut_s: float) -> float:
@@ -323,16 +373,16 @@ class StragglerJudge:
         records, seen = late_from_busy(window, self.world_size, floor_s)
         # The effect size is judged over the episode (below), not the window: a rank already a little late before
         # the onset (sharing its core) would hold a fail-slow's median down until the window forgets it.
-        rows = {row["rank"]: row for row in stragglers.judge(records, seen, floor_s, self.alpha, min_effect=1.0)} \
-            if len(window) >= MIN_STEPS_JUDGED else {}
+        rows = {}
+        if len(window) >= MIN_STEPS_JUDGED:
+            rows = {row["rank"]: row for row in stragglers.judge(records, seen, floor_s, self.alpha, min_effect=1.0)}
+            for row in _scan_rows(records, seen, window, floor_s, self.alpha):
+                rows.setdefault(row["rank"], row)
         out = []
         for rank, row in sorted(rows.items()):
             if rank not in self._named and row["late_steps"][-1] > newest - ONSET_GAP_STEPS:
-                since = _onset(row["late_steps"])
-                late = sum(1 for step in row["late_steps"] if step >= since)
-                steps = sum(1 for step in window if step >= since)
-                if late >= max(stragglers.MIN_STEPS_LATE, PERSISTENT_SHARE * steps) and _sized(
-                        records, rank, since, row["noise_cut_s"]):  # persistent and large: a fail-slow
+                since = _persistent_since(row["late_steps"], window, records, rank, row["noise_cut_s"])
+                if since is not None:  # persistent and large: a fail-slow
                     self._named[rank] = row
                     row["episode_lost_s"] = _episode_lost_s(records, rank, since, row["noise_cut_s"])
                     place = self._place(rank, since, window, records, floor_s)
@@ -401,7 +451,7 @@ class StragglerJudge:
         spread = _ms(row["late_min_s"]) if row["late_min_s"] == row["late_max_s"] else \
             f"{_ms(row['late_min_s'])}-{_ms(row['late_max_s'])}"
         how = (f"late beyond the noise in {row['steps_late']} of {row['steps_seen']} steps judged, {spread} ms "
-               f"(noise cut {_ms(row['noise_cut_s'])} ms, p={row['p_value']:.0e})")
+               f"(noise cut {_ms(row['noise_cut_s'])} ms, p={row['p_value']:.0e}, {row['statistic']})")
         module, pass_ = self._placed.get(rank, ("", ""))
         where = f" in {module} {pass_}".rstrip() if module else ""
         if kind == KIND_STRAGGLER:
