@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from commdebug_otel import semconv
-from commdebug_otel.offline import backends, diagnose, stragglers, summary
+from commdebug_otel.offline import backends, diagnose, model, stragglers, summary
 
 import test_offline_pipeline
 from distributed import run_ranks
@@ -274,7 +274,7 @@ def test_diagnose_command(between_steps_spans, capsys):
     assert code == 0 and found == json.loads(json.dumps(diagnose.diagnose(spans)))
     assert list(found) == ["errors", "stalls", "unfinished_steps", "desyncs", "stragglers", "contended", "lateness",
                            "pipeline_waits", "ranks", "missing_ranks", "steps", "noise_floor_s", "alpha",
-                           "warmup_step", "watchdog", "warnings"]
+                           "warmup_step", "warmup_steps", "watchdog", "warnings"]
     code, out, _ = _diagnose_cli([out_dir], capsys)
     assert code == 0
     text = out.splitlines()
@@ -452,19 +452,38 @@ def test_one_late_collective_is_lateness_not_a_straggler(tmp_path):
     assert "No straggler above the noise." in diagnose.format_text(diagnose.diagnose(spans)).splitlines()
 
 
-def _steps_late_by(late_ms, place=True):
-    """Steps 0.. of 100 ms on 2 ranks, one blocking all_reduce each; ``late_ms[step]``: ``(rank, ms)`` that rank
-    issued it after the other, having spent those ms in ``M.slow`` forward (``place=False``: in no module)."""
+def _steps_late_by(late_ms, place=True, step_ms=()):
+    """Steps 0.. of 100 ms (``step_ms[step]`` where given) on 2 ranks, one blocking all_reduce each;
+    ``late_ms[step]``: ``(rank, ms)`` that rank issued it after the other, having spent those ms in ``M.slow``
+    forward (``place=False``: in no module)."""
     spans = []
+    at = 0
     for step, (late_rank, ms) in enumerate(late_ms):
-        at = step * 100 * MS
+        at += (step_ms[step - 1] if 0 < step <= len(step_ms) else 100) * MS if step else 0
+        took = (step_ms[step] if step < len(step_ms) else 100) * MS
         for rank in (0, 1):
             issued = at + 10 * MS + (ms * MS if rank == late_rank else 0)
             event = (at + 60 * MS, _collective(step, **{semconv.COLLECTIVE_DURATION: (at + 60 * MS - issued) / 1e9}))
-            spans.append(_step(rank, step, f"s{step}", at, at + 100 * MS, [event], trace=f"t{step}"))
+            spans.append(_step(rank, step, f"s{step}", at, at + took, [event], trace=f"t{step}"))
             if rank == late_rank and place:
                 spans.append(_module(rank, "M.slow", f"m{step}", f"s{step}", at + 10 * MS, issued, trace=f"t{step}"))
     return spans
+
+
+def test_slow_steps_right_after_the_first_are_warm_up_and_left_out(tmp_path, capsys):
+    # FSDP2 on CPU ran its steps 1 and 2 at 2 to 4 times the later ones, rank 1 late there: warm-up. Steps 1-3 take
+    # 300 ms against 100 ms later (over 1.5 x the median), rank 1 30 ms late in M.slow in each; then one rank or the
+    # other a little late. Steps 0-3 are left out: no straggler. Counted (--include-warmup), rank 1 is one.
+    late = [(1, 50), (1, 30), (1, 30), (1, 30)] + [(step % 2, 3) for step in range(4, 16)]
+    spans = _load(_steps_late_by(late, step_ms=(100, 300, 300, 300)), tmp_path)
+    answer = stragglers.find(spans)
+    assert (answer["stragglers"], answer["warmup_step"], answer["warmup_steps"]) == ([], 3, [0, 1, 2, 3])
+    assert [row["rank"] for row in stragglers.find(spans, include_warmup=True)["stragglers"]] == [1]
+    assert ("No straggler above the noise (steps 0-3 left out: the first traced step and the 3 after it that took "
+            "over 1.5 times the median step, start-up skew and warm-up; --include-warmup counts them).") \
+        in summary.format_report(spans)
+    # A slow step later in the run is no warm-up: only the steps right after the first are.
+    assert model.warmup_steps(_load(_steps_late_by([(1, 3)] * 12, step_ms=(100, 100, 300)), tmp_path)) == [0]
 
 
 def test_a_straggler_is_late_consistently_and_beyond_the_other_ranks_noise(tmp_path):

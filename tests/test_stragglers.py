@@ -99,42 +99,68 @@ def _p2p(op, peer, returned_ms, waited_ms=0.0):
         semconv.PROCESS_GROUP_SIZE: 2, semconv.COLLECTIVE_DURATION: waited_ms / 1e3}
 
 
-def _pipeline_steps(slow_ms: float, steps: int = 6) -> list[dict]:
-    """Two pipeline stages, steps of 100 ms. Stage 0 runs M.l0 forward (1-11 ms), sends to stage 1 at 11 ms and
-    posts its recv of the gradient at 21 ms; stage 1 posts its recv at 11 ms, runs M.l1 forward (11-21 ms, plus
-    ``slow_ms``) and sends back as that ends. No collective: only send/recv link the stages."""
+def _pipeline_steps(slow_ms: float, steps: int = 6, output_ms: float = 0.0) -> list[dict]:
+    """Two pipeline stages, steps of 100 ms. Stage 0 runs its block M.layers.0 forward (1-11 ms), sends to stage 1
+    at 11 ms and posts its recv of the gradient at 21 ms; stage 1 posts its recv at 11 ms, runs its block
+    M.layers.1 forward (11-21 ms, plus ``slow_ms``), then M.output forward for ``output_ms`` (a module stage 0 has
+    not), and sends back as that ends. No collective: only send/recv link the stages."""
     spans = []
     for step in range(steps):
         t0 = step * 100
-        back = 21 + slow_ms
+        block_end = 21 + slow_ms
+        back = block_end + output_ms
         spans += [
             span(0, "train_step", f"s{step}", "", t0 * MS, (t0 + 100) * MS,
                  [_p2p(semconv.SEND, 1, t0 + 11), _p2p(semconv.RECV, 1, t0 + back, back - 21)], world_size=2,
                  **{semconv.STEP: step}),
-            span(0, "M.l0 forward", f"a{step}", f"s{step}", (t0 + 1) * MS, (t0 + 11) * MS, world_size=2,
-                 **{semconv.MODULE_FQN: "M.l0", semconv.MODULE_PASS: "forward"}),
+            span(0, "M.layers.0 forward", f"a{step}", f"s{step}", (t0 + 1) * MS, (t0 + 11) * MS, world_size=2,
+                 **{semconv.MODULE_FQN: "M.layers.0", semconv.MODULE_PASS: "forward"}),
             span(1, "train_step", f"s{step}", "", t0 * MS, (t0 + 100) * MS,
                  [_p2p(semconv.RECV, 0, t0 + 11), _p2p(semconv.SEND, 0, t0 + back)], world_size=2,
                  **{semconv.STEP: step}),
-            span(1, "M.l1 forward", f"b{step}", f"s{step}", (t0 + 11) * MS, (t0 + back) * MS, world_size=2,
-                 **{semconv.MODULE_FQN: "M.l1", semconv.MODULE_PASS: "forward"}),
+            span(1, "M.layers.1 forward", f"b{step}", f"s{step}", (t0 + 11) * MS, (t0 + block_end) * MS,
+                 world_size=2, **{semconv.MODULE_FQN: "M.layers.1", semconv.MODULE_PASS: "forward"}),
         ]
+        if output_ms:
+            spans.append(span(1, "M.output forward", f"c{step}", f"s{step}", (t0 + block_end) * MS, (t0 + back) * MS,
+                              world_size=2, **{semconv.MODULE_FQN: "M.output", semconv.MODULE_PASS: "forward"}))
     return spans
 
 
 def test_a_pipeline_stage_that_sends_late_is_the_straggler_where_it_spent_the_time():
-    # Stage 0 waits 20 ms in its recv for stage 1's send: stage 1's lateness, in M.l1 forward (its 30 ms
-    # there, against none on stage 0 between its send and its recv). Step 0 is the warm-up.
+    # Stage 0 waits 20 ms in its recv for stage 1's send: stage 1's lateness, in its block M.layers.1 forward
+    # (30 ms in the step against 10 ms in stage 0's block of the same kind, M.layers.0). Step 0 is the warm-up.
     answer = stragglers.find(_pipeline_steps(slow_ms=20))
     assert answer["lateness"] == [
-        {"rank": 1, "module": "M.l1", "pass": "forward", "lost_s": 0.1, "waited_s": 0.1, "collectives": 5,
-         "steps": [1, 2, 3, 4, 5], "excess_s": 0.15}]
+        {"rank": 1, "module": "M.layers.1", "pass": "forward", "lost_s": 0.1, "waited_s": 0.1, "collectives": 5,
+         "steps": [1, 2, 3, 4, 5], "excess_s": 0.1}]
     [row] = answer["stragglers"]
     # 5 late of 5 steps; q = 1 / (2 ranks x 5 steps x 1 place - its own 5 + 1) = 1/6.
     assert (row["rank"], row["module"], row["pass"], row["steps_late"], row["steps_seen"]) == (
-        1, "M.l1", "forward", 5, 5)
+        1, "M.layers.1", "forward", 5, 5)
     assert row["null_rate"] == pytest.approx(1 / 6) and row["p_value"] == pytest.approx(6**-5)
     assert answer["steps"] == [1, 2, 3, 4, 5]
+
+
+def test_a_pipeline_stage_late_by_a_module_the_other_stage_has_not_is_the_models_split_not_a_straggler():
+    # Stage 1 also runs the output layer (8 ms) before it sends back: stage 0 waits 8 ms every step, by the model's
+    # split. Its block takes what stage 0's does: no place of a kind both run, so "(pipeline stage)", not blamed.
+    answer = stragglers.find(_pipeline_steps(slow_ms=0, output_ms=8))
+    assert [(row["rank"], row["module"], row["steps"], row["excess_s"]) for row in answer["lateness"]] == [
+        (1, stragglers.STAGE, [1, 2, 3, 4, 5], 0.0)]
+    assert answer["stragglers"] == []
+    # The same stage also slow in its block is blamed there, the output layer's share aside: 20 ms over stage 0's.
+    answer = stragglers.find(_pipeline_steps(slow_ms=20, output_ms=8))
+    assert [(row["rank"], row["module"], row["pass"], row["steps_late"]) for row in answer["stragglers"]] == [
+        (1, "M.layers.1", "forward", 5)]
+
+
+def test_module_kinds_replace_layer_indices_and_leave_out_the_parenthesised_places():
+    kinds = stragglers.module_kinds({("Net.layers.12.attention.wq", "forward"): 3, ("Net.layers.4.attention.wq",
+                                     "forward"): 5, ("Net.output", "forward"): 2, (stragglers.TRAIN_STEP, ""): 9})
+    assert kinds == {("Net.layers.*.attention.wq", "forward"): {"Net.layers.12.attention.wq": 3,
+                                                                "Net.layers.4.attention.wq": 5},
+                     ("Net.output", "forward"): {"Net.output": 2}}
 
 
 def test_a_pipeline_whose_sends_meet_posted_recvs_has_no_straggler():

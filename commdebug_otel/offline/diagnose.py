@@ -64,6 +64,7 @@ from commdebug_otel.offline.model import (
     own_step,
     reusing,
     warmup_step,
+    warmup_steps,
 )
 from commdebug_otel.offline.rank_read import RankRead, rank_reads
 from commdebug_otel.offline.stragglers import (
@@ -808,9 +809,9 @@ def diagnose(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_wa
         pass) (:func:`.stragglers.lateness_rows`), "pipeline_waits": summary.pipeline_waits(finished spans),
         "ranks": [rank...], "missing_ranks": missing_ranks(spans), "steps": [finished traced step...]
         (untraced steps exported because they stalled, steps where a rank raised and unfinished steps left out),
-        "noise_floor_s": noise_floor_s, "alpha": the family-wise false-blame rate, "warmup_step": the step left
-        out of stragglers
-        (:func:`.model.warmup_step`; None when ``include_warmup`` or none), "watchdog": :func:`watchdog`
+        "noise_floor_s": noise_floor_s, "alpha": the family-wise false-blame rate, "warmup_step": the last step left
+        out of stragglers, with every one before it (:func:`.model.warmup_step`; None when ``include_warmup`` or
+        none), "warmup_steps": the traced steps left out (:func:`.model.warmup_steps`), "watchdog": :func:`watchdog`
         (when the first stall snapshot is due), "warnings": [str]}``, and "flight_recorder" with ``flight_dumps``.
     """
     finished = finished_spans(spans)
@@ -835,6 +836,7 @@ def diagnose(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_wa
         "noise_floor_s": noise_floor_s,
         "alpha": stragglers.ALPHA,
         "warmup_step": None if include_warmup else warmup_step(finished),
+        "warmup_steps": [] if include_warmup else warmup_steps(finished),
         "watchdog": watchdog(spans),
         "warnings": warnings,
     }

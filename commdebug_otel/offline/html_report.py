@@ -217,7 +217,7 @@ def _answer(diagnosis: dict[str, Any], verdicts: list[tuple[str, str, int | None
         out.append(("slow", straggler))
     out += ended
     if not out:
-        steps = [step for step in diagnosis["steps"] if step != diagnosis.get("warmup_step")]
+        steps = [step for step in diagnosis["steps"] if step not in diagnosis.get("warmup_steps", ())]
         judged = f"steps {ranges_text(steps, ', ')}" if steps else "no step past the warm-up"
         out.append(("ok", f"healthy: no straggler above the noise, no stall, error or desync; judged on {judged}"))
     return out
@@ -294,9 +294,9 @@ def _findings(diagnosis: dict[str, Any]) -> str:
         left = (f"<p class=muted>{len(rows) - TOP_STRAGGLERS} more row(s): "
                 "<code>commdebug-otel diagnose --format json</code> has them all.</p>" if len(rows) > TOP_STRAGGLERS
                 else "")
-        warmup = diagnosis.get("warmup_step")
+        warmup = diagnosis.get("warmup_steps") or ()
         parts.append(f"<h3>Stragglers: {len(rows)}</h3><p class=muted>{_e(legend)}"
-                     + (f"; step {_e(warmup)} (warm-up) left out" if warmup is not None else "") + ".</p>"
+                     + (f"; step {_e(ranges_text(warmup, ', '))} (warm-up) left out" if warmup else "") + ".</p>"
                      + _table(header, rows[:TOP_STRAGGLERS], frozenset({1})) + left)
     else:
         empty.append("stragglers")

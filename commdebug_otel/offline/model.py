@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import gc
+import statistics
 from array import array
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -30,7 +31,7 @@ from commdebug_otel.core.fact import P2P
 
 __all__ = ["P2P", "Arrivals", "SpanIndex", "arrival_matches", "collective_events", "column", "counted_seqs",
            "finished_spans", "group_size", "index_of", "is_complete", "is_snapshot", "issued_ns", "once", "own_step",
-           "p2p_pairs", "reusing", "warmup_step"]
+           "p2p_pairs", "reusing", "warmup_step", "warmup_steps"]
 
 _T = TypeVar("_T")
 _REUSED: ContextVar[dict | None] = ContextVar("commdebug_otel_offline_reused", default=None)
@@ -81,21 +82,55 @@ def own_step(span: dict) -> int | None:
     return value if span["name"] == semconv.SPAN_TRAIN_STEP and isinstance(value, int) else None
 
 
-def warmup_step(spans: list[dict]) -> int | None:
-    """The step both commands leave out of stragglers by default: the first traced step (the lowest
-    ``torch.step`` of a finished ``train_step``), when a later one is in the files; else None.
+#: A traced step right after the first that took more than this many times the median step (its slowest rank's
+#: ``train_step``) is still warming up (FSDP2's lazy init, allocator growth, autotuning, a compile).
+WARMUP_SLOWER = 1.5
 
-    Ranks start it at different times (process start-up, loading) and run it cold (allocator,
+
+def warmup_step(spans: list[dict]) -> int | None:
+    """The last step both commands leave out of stragglers by default, with every traced step before it: the first
+    traced step (the lowest ``torch.step`` of a finished ``train_step``), and the traced steps right after it
+    that took more than :data:`WARMUP_SLOWER` times the median step, at most a quarter of the steps; None when
+    the files hold one step.
+
+    Ranks start the first step at different times (process start-up, loading) and run it cold (allocator,
     autotuning, first exports), so its lateness is start-up skew, not a straggler: torchtitan's
-    healthy runs showed 0.35 to 0.63 s there; DeepSpeed's 0.40 s injected delay read 0.627 s.
-    Collectives before any step are never matched as stragglers either.
+    healthy runs showed 0.35 to 0.63 s there; DeepSpeed's 0.40 s injected delay read 0.627 s. FSDP2 ran its
+    next two steps at 2 to 4 times the later ones on CPU. Collectives before any step are never matched as
+    stragglers either.
     """
     return once("warmup_step", spans, lambda: _warmup_step(spans))
 
 
+def warmup_steps(spans: list[dict]) -> list[int]:
+    """The traced steps :func:`warmup_step` leaves out, sorted (``[]`` when none)."""
+    last = warmup_step(spans)
+    if last is None:
+        return []
+    return sorted({step for span in spans if not is_snapshot(span) and (step := own_step(span)) is not None
+                   and step <= last})
+
+
 def _warmup_step(spans: list[dict]) -> int | None:
-    steps = {step for span in spans if not is_snapshot(span) and (step := own_step(span)) is not None}
-    return min(steps) if len(steps) > 1 else None
+    steps: set[int] = set()
+    took: dict[int, int] = {}  # step -> its slowest rank's train_step (ns)
+    for span in spans:
+        if is_snapshot(span) or (step := own_step(span)) is None:
+            continue
+        steps.add(step)
+        if span["name"] == semconv.SPAN_TRAIN_STEP and span.get("end_ns"):
+            took[step] = max(took.get(step, 0), span["end_ns"] - span["start_ns"])
+    if len(steps) <= 1:
+        return None
+    ordered = sorted(steps)
+    last = ordered[0]
+    if len(took) >= 4:
+        median = statistics.median(took.values())
+        for step in ordered[1:len(ordered) // 4 + 1]:
+            if took.get(step, 0) <= WARMUP_SLOWER * median:
+                break
+            last = step
+    return last
 
 
 def _root_step(span: dict) -> int | None:

@@ -25,10 +25,18 @@ Two layers, so that a live detector can use the second without spans:
   (:data:`UNATTRIBUTED`) is never blamed: that lateness is not its own work (a pipeline stage's place in the
   schedule, a wait for its peer on another group); its cells stay in the others' noise and in the lateness
   table. A rank whose extra time lay in several places, none above the floor, is its own work: :data:`SPREAD`.
+  Pipeline stages (send/recv pairs) run different layers: a stage late to its send is placed where its step
+  spent more than the receiving stage's in modules of the same kind (``layers.5.attention`` against
+  ``layers.1.attention``: :func:`stage_place`), by at least the floor; else it is late by the model's split
+  (the last stage's output layer and loss, a stage with more layers): :data:`STAGE`, never blamed, like
+  ``UNATTRIBUTED``. A stage slow in a module no other stage has, or uniformly slower (a throttled device), is
+  therefore not told apart from a heavier stage over send/recv alone; with data-parallel replicas of each stage,
+  their collectives compare like with like and find it.
 
 Assumptions: steps are independent trials; the other ranks' lateness is the job's noise (wrong when most
 ranks are slow in the same place, then nobody stands out); one or two slow steps are events, not a straggler.
-The first traced step is left out (:func:`.model.warmup_step`), as are collectives outside steps.
+The first traced step, and the slow ones right after it, are left out (:func:`.model.warmup_step`), as are
+collectives outside steps.
 
 Usage::
 
@@ -45,6 +53,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import re
 import statistics
 from array import array
 from collections import defaultdict
@@ -54,6 +63,7 @@ from typing import Any, NamedTuple
 from commdebug_otel import semconv
 from commdebug_otel.core.fact import BETWEEN_STEPS
 from commdebug_otel.offline.model import (
+    WARMUP_SLOWER,
     Arrivals,
     SpanIndex,
     arrival_matches,
@@ -64,12 +74,13 @@ from commdebug_otel.offline.model import (
     p2p_pairs,
     reusing,
     warmup_step,
+    warmup_steps,
 )
 
 __all__ = ["ALPHA", "BETWEEN_STEPS", "CONTENDED_SHARE", "MIN_EFFECT", "MIN_STEPS_LATE", "NOISE_FLOOR_S",
-           "NOISE_MADS", "SPREAD", "TRAIN_STEP", "UNATTRIBUTED", "Late", "RankTimes", "Tested", "Timeline",
-           "binomial_sf", "blame", "find", "format_lines", "judge", "late_records", "lateness_rows", "rank_times",
-           "row_text", "span_label", "tested_rows"]
+           "NOISE_MADS", "SPREAD", "STAGE", "TRAIN_STEP", "UNATTRIBUTED", "Late", "RankTimes", "Tested", "Timeline",
+           "binomial_sf", "blame", "find", "format_lines", "judge", "late_records", "lateness_rows", "module_kinds",
+           "rank_times", "row_text", "span_label", "stage_place", "tested_rows", "warmup_text"]
 
 #: Resolution: a collective held back less than this (seconds) is not recorded, nor a place with less extra time.
 NOISE_FLOOR_S = 0.001
@@ -89,6 +100,9 @@ TRAIN_STEP = f"({semconv.SPAN_TRAIN_STEP})"
 UNATTRIBUTED = "(unattributed)"
 #: A late rank whose extra time since its previous collective lay in several places, none above the floor.
 SPREAD = "(several places)"
+#: A pipeline stage late to its send by work the receiving stage has not (its share of the model spread over its
+#: modules, or the schedule's own code, the loss of the last stage): the model's split, no place to blame.
+STAGE = "(pipeline stage)"
 STATISTIC = "binomial"
 #: A row whose rank waited for a CPU (over the others) for at least this share of its lost time is host contention.
 CONTENDED_SHARE = 0.5
@@ -182,12 +196,14 @@ class Timeline:
 
 class RankTimes(NamedTuple):
     """What the model reads of one rank: its :class:`Timeline`, its collectives (:class:`.model.Arrivals`,
-    a ``train_step_tail``'s between steps, :func:`.model.finished_spans`), and each step's wait for a CPU
-    (``{step: ns}``, ``commdebug.step.cpu_wait_s``; absent where not exported)."""
+    a ``train_step_tail``'s between steps, :func:`.model.finished_spans`), each step's wait for a CPU
+    (``{step: ns}``, ``commdebug.step.cpu_wait_s``; absent where not exported), and each step's
+    ``train_step`` span (``{step: (start ns, end ns)}``)."""
 
     timeline: Timeline
     arrivals: Arrivals
     cpu_wait: dict[int, int] = {}
+    steps: dict[int, tuple[int, int]] = {}
 
 
 def rank_times(spans: list[dict]) -> dict[int, RankTimes]:
@@ -198,6 +214,7 @@ def rank_times(spans: list[dict]) -> dict[int, RankTimes]:
     steps = index_of(finished)
     by_rank: dict[int, list[dict]] = defaultdict(list)
     step_starts: dict[int, dict[int, int]] = defaultdict(dict)
+    step_spans: dict[int, dict[int, tuple[int, int]]] = defaultdict(dict)
     cpu_wait: dict[int, dict[int, int]] = defaultdict(dict)
     for span in finished:
         by_rank[span["rank"]].append(span)
@@ -205,6 +222,8 @@ def rank_times(spans: list[dict]) -> dict[int, RankTimes]:
         if span["name"] == semconv.SPAN_TRAIN_STEP and step is not None:
             starts = step_starts[span["rank"]]
             starts[step] = min(starts.get(step, span["start_ns"]), span["start_ns"])
+            start, end = step_spans[span["rank"]].get(step, (span["start_ns"], span["end_ns"]))
+            step_spans[span["rank"]][step] = (min(start, span["start_ns"]), max(end, span["end_ns"]))
             waited = span["attributes"].get(semconv.STEP_CPU_WAIT)
             if waited is not None:
                 cpu_wait[span["rank"]][step] = cpu_wait[span["rank"]].get(step, 0) + round(float(waited) * 1e9)
@@ -212,7 +231,7 @@ def rank_times(spans: list[dict]) -> dict[int, RankTimes]:
     for event in collective_events(finished):
         events[event["rank"]].append(event)
     return {rank: RankTimes(Timeline(by_rank[rank]), Arrivals(events.get(rank, []), steps, step_starts.get(rank, {})),
-                            cpu_wait.get(rank, {}))
+                            cpu_wait.get(rank, {}), step_spans.get(rank, {}))
             for rank in sorted(by_rank)}
 
 
@@ -294,6 +313,39 @@ def _placed(label: Label, excess: int, extra: int, floor_ns: float) -> tuple[Lab
     return ((SPREAD, "") if extra >= floor_ns else (UNATTRIBUTED, "")), 0
 
 
+_LAYER_INDEX = re.compile(r"\.\d+(?=\.|$)")
+
+
+def module_kinds(times: Mapping[Label, int]) -> dict[Label, dict[str, int]]:
+    """A step's module self times (``{(FQN, pass): ns}``) by kind: each FQN with its layer indices replaced by
+    ``*`` (``Model.layers.5.attention`` -> ``Model.layers.*.attention``), as ``{(kind, pass): {FQN: ns}}``. Two
+    pipeline stages hold different layers of the same kind; the parenthesised places are left out."""
+    kinds: dict[Label, dict[str, int]] = defaultdict(dict)
+    for (module, pass_), ns in times.items():
+        if not module.startswith("("):
+            kinds[(_LAYER_INDEX.sub(".*", module), pass_)][module] = ns
+    return kinds
+
+
+def stage_place(late: Mapping[Label, dict[str, int]], other: Mapping[Label, dict[str, int]], floor_ns: float
+                ) -> tuple[Label, int]:
+    """Where a pipeline stage late to its send spent more than the receiving stage, from each one's step
+    (:func:`module_kinds`): of the kinds both run, the one whose time per module is most above the other
+    stage's, at its slowest module, with that excess (ns), when it reaches ``floor_ns``; else :data:`STAGE` and
+    0 (its extra time is work the other stage has not: the model's split)."""
+    best: tuple[float, Label] | None = None
+    for kind, mine in late.items():
+        theirs = other.get(kind)
+        if theirs:
+            excess = sum(mine.values()) / len(mine) - sum(theirs.values()) / len(theirs)
+            if best is None or excess > best[0]:
+                best = excess, kind
+    if best is None or best[0] < floor_ns:
+        return (STAGE, ""), 0
+    mine = late[best[1]]
+    return (max(sorted(mine), key=lambda module: mine[module]), best[1][1]), round(best[0])
+
+
 def late_records(times: dict[int, RankTimes], warmup: int | None, noise_floor_s: float = NOISE_FLOOR_S
                  ) -> tuple[list[Late], dict[int, set[int]]]:
     """The lateness records of ``times`` (:func:`rank_times`), and each rank's counted steps.
@@ -315,7 +367,7 @@ def late_records(times: dict[int, RankTimes], warmup: int | None, noise_floor_s:
     """
     tables = {rank: read.arrivals for rank, read in times.items()}
     complete = []
-    for events in arrival_matches(tables, lambda step: step is None or step == warmup):
+    for events in arrival_matches(tables, lambda step: step is None or (warmup is not None and step <= warmup)):
         if len(events) >= 2:  # as many ranks as the group's size, as the earliest event says
             _, rank, i = min(events)
             if len(events) == tables[rank].sizes[i]:
@@ -355,20 +407,30 @@ def late_records(times: dict[int, RankTimes], warmup: int | None, noise_floor_s:
     # stage for the stage before it in forward, after it in backward): that wait is the sender's lateness.
     # A recv posted in another step (a later stage's first recv, in the step before's tail) waits out the
     # pipeline's fill, everything the earlier stage does between steps: no step's lateness.
+    # Stages run different layers: the place is where the sender's step spent more than the receiver's in
+    # modules of the same kind (stage_place), not what it ran while the receiver waited.
+    kinds: dict[tuple[int, int], dict[Label, dict[str, int]]] = {}
+
+    def step_kinds(rank: int, step: int) -> dict[Label, dict[str, int]]:
+        if (rank, step) not in kinds:
+            window = times[rank].steps.get(step)
+            kinds[(rank, step)] = module_kinds(times[rank].timeline.self_times(*window)) if window else {}
+        return kinds[(rank, step)]
+
     for (sender, send), (receiver, recv) in p2p_pairs(tables):
         step = tables[sender].steps[send]
-        if step is None or step == warmup or tables[receiver].steps[recv] != step:
+        if step is None or (warmup is not None and step <= warmup) or tables[receiver].steps[recv] != step:
             continue
         seen[sender].add(step)
         seen[receiver].add(step)
         late = tables[sender].issued[send] - tables[receiver].issued[recv]
         if late < floor_ns:
             continue
-        (module, pass_), excess, extra = blame(self_times(sender, send, step), [self_times(receiver, recv, step)])
+        _, _, extra = blame(self_times(sender, send, step), [self_times(receiver, recv, step)])
         lost = min(late, max(late - carried.before(sender, tables[sender].issued[send], step), extra))
         if lost < floor_ns:
             continue
-        (module, pass_), excess = _placed((module, pass_), excess, extra, floor_ns)
+        (module, pass_), excess = stage_place(step_kinds(sender, step), step_kinds(receiver, step), floor_ns)
         records.append(Late(sender, step, module, pass_, lost, lost, excess))
     return records, dict(seen)
 
@@ -501,8 +563,8 @@ def _test(cells: dict[tuple[int, str, str], dict[int, int]], steps_seen: dict[in
 
 def _tested(cells: dict[tuple[int, str, str], dict[int, int]], steps_seen: dict[int, set[int]],
             apart: set[tuple[int, str, str]], floor_ns: float) -> list[Tested]:
-    """Each row of ``cells`` with a cell beyond its noise cut, but ``UNATTRIBUTED`` ones, the cells of the rows
-    ``apart`` left out of the noise."""
+    """Each row of ``cells`` with a cell beyond its noise cut, but ``UNATTRIBUTED`` and ``STAGE`` ones, the cells
+    of the rows ``apart`` left out of the noise."""
     places = len({(module, pass_) for _, module, pass_ in cells}) or 1
     everything = sorted(value for key, row in cells.items() if key not in apart for value in row.values())
     at_place: dict[tuple[str, str], list[int]] = defaultdict(list)  # the noise's cells at each place
@@ -520,7 +582,7 @@ def _tested(cells: dict[tuple[int, str, str], dict[int, int]], steps_seen: dict[
     pooled = _median_mad(everything, []) if len(everything) >= 3 else None
     tested: list[Tested] = []
     for key, row in cells.items():
-        if key[1] == UNATTRIBUTED:  # no place where it spent more: noise for the others, no blame
+        if key[1] in (UNATTRIBUTED, STAGE):  # not the rank's own fault: noise for the others, no blame
             continue
         rank = key[0]
         mine = sorted(row.values()) if key not in apart else []
@@ -566,15 +628,17 @@ def find(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_warmup
     """The straggler answer of ``spans``: what ``summarize``, ``diagnose`` and ``report`` say.
 
     ``times``: each rank's :class:`RankTimes` where the files were read folded (:func:`rank_times` of each
-    file's spans); None: made from ``spans``. The first traced step is left out unless ``include_warmup``.
+    file's spans); None: made from ``spans``. The warm-up steps are left out unless ``include_warmup``.
 
     Returns:
         ``{"stragglers": judge(...)'s rows but those of host contention (``[]``: no straggler above the noise),
         "contended": those rows, each with ``"cpu_wait_s"`` (:func:`_contended`), "lateness": lateness_rows(...),
-        "warmup_step": the step left out or None, "steps": the counted steps (sorted), "noise_floor_s",
+        "warmup_step": the last step left out (with every one before it) or None, "warmup_steps": the traced steps
+        left out (:func:`.model.warmup_steps`), "steps": the counted steps (sorted), "noise_floor_s",
         "alpha"}``.
     """
-    warmup = None if include_warmup else warmup_step(finished_spans(spans))
+    finished = finished_spans(spans)
+    warmup = None if include_warmup else warmup_step(finished)
     if times is None:
         ordered = sorted(spans, key=lambda span: (span["rank"], span["start_ns"]))
         with reusing(own=True):
@@ -584,6 +648,7 @@ def find(spans: list[dict], noise_floor_s: float = NOISE_FLOOR_S, include_warmup
     contended = [row for row in rows if _contended(row, times)]
     return {"stragglers": [row for row in rows if row not in contended], "contended": contended,
             "lateness": lateness_rows(records), "warmup_step": warmup,
+            "warmup_steps": [] if include_warmup else warmup_steps(finished),
             "steps": sorted(set().union(*seen.values())) if seen else [], "noise_floor_s": noise_floor_s,
             "alpha": alpha}
 
@@ -620,14 +685,26 @@ def row_text(row: dict[str, Any]) -> str:
             f"p={row['p_value']:.0e}")
 
 
+def warmup_text(steps: Sequence[int]) -> str:
+    """The words saying which warm-up steps (:func:`.model.warmup_steps`) the answer left out ("" when none)."""
+    if not steps:
+        return ""
+    if len(steps) == 1:
+        return (f" (step {steps[0]} left out: the first traced step, start-up skew and warm-up; "
+                "--include-warmup counts it)")
+    return (f" (steps {steps[0]}-{steps[-1]} left out: the first traced step and the {len(steps) - 1} after it that "
+            f"took over {WARMUP_SLOWER:g} times the median step, start-up skew and warm-up; --include-warmup counts "
+            "them)")
+
+
 def format_lines(answer: dict[str, Any]) -> list[str]:
     """The answer as both commands print it: the verdict, then each straggler row (:func:`row_text`), then each
     row of host contention (``"contended"``, when given).
 
     ``answer``: a dict with :func:`find`'s ``"stragglers"``, ``"warmup_step"`` and ``"alpha"``."""
     rows = answer["stragglers"]
-    left_out = (f" (step {answer['warmup_step']} left out: the first traced step, start-up skew and warm-up; "
-                "--include-warmup counts it)" if answer.get("warmup_step") is not None else "")
+    left_out = warmup_text(answer.get("warmup_steps") or (
+        [answer["warmup_step"]] if answer.get("warmup_step") is not None else []))
     if not rows:
         out = [f"No straggler above the noise{left_out}."]
     else:

@@ -56,6 +56,7 @@ from commdebug_otel.offline.model import (
     process_of,
     reusing,
     warmup_step,
+    warmup_steps,
 )
 from commdebug_otel.offline.otlp_json import trace_files
 from commdebug_otel.offline.rank_read import ALL, RankRead, rank_reads
@@ -386,14 +387,15 @@ def lateness(spans: list[dict], step: int | None = None, include_warmup: bool = 
     arrival (when its CPU began issuing the collective, :func:`.model.issued_ns`) minus the earliest rank's
     (ns): the time the others waited for it. A match is complete when as many ranks as the group's size took
     part. ``step``: only collectives of that training step (matched over all of ``spans``); without it,
-    every collective but those of the first traced step (:func:`.model.warmup_step`: start-up skew and
+    every collective but those of the warm-up steps (:func:`.model.warmup_step`: start-up skew and
     warm-up), unless ``include_warmup``. Collectives outside every step count (a pipeline schedule's loss
     all_reduce can be one).
 
     Returns:
-        ``{"warmup_step": the step left out or None, "matched": complete matches, "incomplete": other matches,
-        "per_rank": {rank: {"matched": complete matches it took part in, "mean_late_ms", "max_late_ms",
-        "last": matches where it was the latest (ties count for all)}}, "most_often_last": rank or None}``.
+        ``{"warmup_step": the last step left out (with every one before it) or None, "matched": complete matches,
+        "incomplete": other matches, "per_rank": {rank: {"matched": complete matches it took part in,
+        "mean_late_ms", "max_late_ms", "last": matches where it was the latest (ties count for all)}},
+        "most_often_last": rank or None}``.
         Matches of one-rank groups are complete but have no latest rank.
 
     The times are each host's wall clock when the CPU issued the collective,
@@ -405,7 +407,8 @@ def lateness(spans: list[dict], step: int | None = None, include_warmup: bool = 
     tables = {rank: read.times.arrivals for rank, read in reads.items()}
     # A train_step_tail's collectives count in their step here, as step_spans takes them.
     matches = arrival_matches(
-        tables, lambda number: number != step if step is not None else warmup is not None and number == warmup,
+        tables, lambda number: number != step if step is not None else (
+            warmup is not None and number is not None and number <= warmup),
         {rank: read.steps for rank, read in reads.items()})
     late: dict[int, list[int]] = {rank: [] for rank in _ranks(spans)}
     last: Counter = Counter()
@@ -682,7 +685,7 @@ def format_report(spans: list[dict], rank: int = 0, top: int = 10, step: int | N
     out.append("Lateness = when a rank's CPU issued the collective minus the earliest rank, by each "
                "host's wall clock: across hosts, clock skew adds to it.")
     out += format_lines({"stragglers": report["stragglers"], "contended": report["contended"],
-                         "alpha": report["alpha"], "warmup_step": None if include_warmup else warmup_step(spans)})
+                         "alpha": report["alpha"], "warmup_steps": [] if include_warmup else warmup_steps(spans)})
     if report["stragglers"]:
         out.append("(`commdebug-otel diagnose` adds the raw lateness of every rank and place.)")
 
