@@ -280,6 +280,12 @@ def _sized(records: Iterable[Late], rank: int, since: int, cut_s: float) -> bool
     return bool(lost) and statistics.median(lost) >= stragglers.MIN_EFFECT * cut_s * 1e9
 
 
+def _judged(records: list[Late], seen: dict[int, set[int]], floor_s: float, alpha: float) -> list[dict[str, Any]]:
+    """The offline test (:func:`~commdebug_otel.offline.stragglers.judge`) with no effect size: the live verdict
+    asks its own, over an episode (:func:`_sized`)."""
+    return stragglers.judge(records, seen, floor_s, alpha, min_effect=1.0, sparse_effect=1.0)
+
+
 def _scan_rows(records: list[Late], seen: dict[int, set[int]], window: Mapping[int, Any], floor_s: float,
                alpha: float) -> list[dict[str, Any]]:
     """The ranks found by a scan over the window's steps: one whose persistent run (:func:`_persistent_since`),
@@ -375,7 +381,7 @@ class StragglerJudge:
         # the onset (sharing its core) would hold a fail-slow's median down until the window forgets it.
         rows = {}
         if len(window) >= MIN_STEPS_JUDGED:
-            rows = {row["rank"]: row for row in stragglers.judge(records, seen, floor_s, self.alpha, min_effect=1.0)}
+            rows = {row["rank"]: row for row in _judged(records, seen, floor_s, self.alpha)}
             for row in _scan_rows(records, seen, window, floor_s, self.alpha):
                 rows.setdefault(row["rank"], row)
         out = []
@@ -410,7 +416,7 @@ class StragglerJudge:
         if not self._named or len(recent) < RECOVER_STEPS:
             return out
         records, seen = late_from_busy({step: window[step] for step in recent}, self.world_size, floor_s)
-        still = {row["rank"] for row in stragglers.judge(records, seen, floor_s, self.alpha, min_effect=1.0)}
+        still = {row["rank"] for row in _judged(records, seen, floor_s, self.alpha)}
         recovered = False
         for rank in sorted(self._named):
             row = self._named[rank]
@@ -439,7 +445,7 @@ class StragglerJudge:
             return None
         placed = placed_records([record for record in records if record.step in traced], traced)
         seen = {other: set(traced) for other in range(self.world_size)}
-        for row in stragglers.judge(placed, seen, floor_s, self.alpha, min_effect=1.0):
+        for row in _judged(placed, seen, floor_s, self.alpha):
             if row["rank"] == rank and row["module"] != stragglers.SPREAD:  # a module, or no place named
                 return row["module"], row["pass"]
         return None
