@@ -27,7 +27,7 @@ from contextvars import ContextVar
 from typing import Any, TypeVar
 
 from commdebug_otel import semconv
-from commdebug_otel.core.fact import P2P, CollectiveFact, parse
+from commdebug_otel.core.fact import P2P
 
 __all__ = ["P2P", "Arrivals", "CollectiveEvent", "SpanIndex", "arrival_matches", "collective_events", "column",
            "counted_seqs", "finished_spans", "index_of", "is_complete", "is_snapshot", "once", "own_step", "p2p_pairs",
@@ -380,11 +380,6 @@ class CollectiveEvent:
         """Its arrival (ns since the epoch): when the CPU began issuing the op. The event is stamped when the call
         returned; ``torch.collective.issue_duration_s`` is taken off."""
         return self.time_ns - round(self.duration_s * 1e9)
-
-    def fact(self) -> CollectiveFact | None:
-        """The :class:`~commdebug_otel.core.fact.CollectiveFact` it tells (``core.fact.parse``), at its time."""
-        fact = parse(self.attributes, self.name)
-        return None if fact is None else fact._replace(time_ns=self.time_ns)
 
 
 def counted_seqs(events: Iterable[CollectiveEvent]) -> Iterator[tuple[CollectiveEvent, str, int | None]]:
