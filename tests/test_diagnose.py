@@ -361,7 +361,7 @@ def test_ddp_buckets_late_after_one_delay_count_it_once(tmp_path):
     run_ranks(_ddp_job, 2, str(tmp_path))
     spans = summary.load_spans([tmp_path])
     buckets = [event for event in summary.collective_events(summary.step_spans(spans, 0), rank=0)]
-    assert [event["name"] for event in buckets].count("all_reduce") == 4, [event["name"] for event in buckets]
+    assert [event.name for event in buckets].count("all_reduce") == 4, [event.name for event in buckets]
     rows = _lateness(spans, noise_floor_s=_NOISE_S)
     top = rows[0]
     assert (top["rank"], top["module"]) == (_SLOW_RANK, diagnose.TRAIN_STEP), rows[:3]

@@ -54,6 +54,7 @@ from commdebug_otel.offline import EXIT_DONE, EXIT_UNREADABLE, flight_recorder, 
 from commdebug_otel.offline.backends import DEADLINE_S, MAX_RESPONSE_BYTES
 from commdebug_otel.offline.load import load_for_command
 from commdebug_otel.offline.model import (
+    CollectiveEvent,
     SpanIndex,
     collective_events,
     counted_seqs,
@@ -652,35 +653,31 @@ def _issued_collectives(spans: list[dict], raised: dict[tuple[int, int | None], 
            or span["attributes"].get(semconv.SPAN_DROPPED_EVENTS, 0)} | set(raised) \
         | set(_closed_at_exit(finished, steps))  # a step cut short at exit cannot say what it never issued
     seen: set[tuple[int, str, int]] = set()
-    taken: list[tuple[dict, int | None]] = []
+    taken: list[tuple[CollectiveEvent, int | None]] = []
     for source, step_of in ((finished, steps), (snapshots, snapshot_steps)):
         for event in collective_events(source):
-            attrs, span = event["attributes"], event["span"]
+            span, seq = event.span, event.seq
             step = step_of.step(span) if span["name"] != semconv.SPAN_STALLED else span["attributes"].get(semconv.STEP)
-            if semconv.COLLECTIVE_SEQ not in attrs or (source is snapshots and (event["rank"], step) in finished_steps):
+            if seq is None or (source is snapshots and (event.rank, step) in finished_steps):
                 continue
-            if event["time_ns"] > raised.get((event["rank"], step), event["time_ns"]):
+            if event.time_ns > raised.get((event.rank, step), event.time_ns):
                 continue
-            key = (event["rank"], _group(attrs), int(attrs[semconv.COLLECTIVE_SEQ]))
+            key = (event.rank, event.group, seq)
             if key not in seen:
                 seen.add(key)
                 taken.append((event, step))
-    taken.sort(key=lambda item: item[0]["time_ns"])
+    taken.sort(key=lambda item: item[0].time_ns)
     out: dict[tuple[int, int], dict[str, dict[int, _Issued]]] = defaultdict(lambda: defaultdict(dict))
     step_of_event = {id(event): step for event, step in taken}
     # Send/recv are counted wherever they are (a pipeline's first recv is outside the step).
     for event, group, counted in counted_seqs(event for event, _ in taken):
-        step = step_of_event[id(event)]
-        if counted is None or step is None:
+        step, own = step_of_event[id(event)], event.seq
+        if counted is None or step is None or own is None:
             continue
-        attrs, span = event["attributes"], event["span"]
-        module, pass_ = (str(attrs[semconv.MODULE_FQN]), str(attrs.get(semconv.MODULE_PASS, ""))) \
-            if semconv.MODULE_FQN in attrs else span_label(span)
-        seq = int(attrs[semconv.COLLECTIVE_SEQ])
-        out[(event["rank"], step)][group][counted] = _Issued(
-            str(attrs.get(semconv.COLLECTIVE_OP, event["name"])), str(attrs.get(semconv.COLLECTIVE_DTYPE, "")),
-            attrs.get(semconv.COLLECTIVE_SHAPE, ()), str(attrs.get(semconv.COLLECTIVE_REDUCE_OP, "")),
-            module, attrs.get(semconv.MODULE_PASS, pass_), seq)
+        module, pass_ = (event.module, event.pass_ or "") if event.module is not None else span_label(event.span)
+        out[(event.rank, step)][group][counted] = _Issued(
+            event.op, event.dtype, event.shape, event.reduce_op, module,
+            event.pass_ if event.pass_ is not None else pass_, own)
     return out, finished_steps - cut
 
 

@@ -29,7 +29,7 @@ from collections import Counter, defaultdict
 from typing import Any
 
 from commdebug_otel import semconv
-from commdebug_otel.offline.model import SpanIndex, collective_events, is_snapshot, issued_ns
+from commdebug_otel.offline.model import CollectiveEvent, SpanIndex, collective_events, is_snapshot
 
 __all__ = ["MAX_DUMP_BYTES", "dump_files", "join", "read_dumps"]
 
@@ -214,18 +214,15 @@ def _why(attrs: dict) -> dict[str, str]:
     return {name: str(attrs[key]) for name, key in keys if key in attrs}
 
 
-def _our_events(spans: list[dict]) -> dict[tuple[int, str], list[tuple[int, int, int, str, dict]]]:
+def _our_events(spans: list[dict]) -> dict[tuple[int, str], list[tuple[int, int, int, str, CollectiveEvent]]]:
     """Per (rank, group): ``(seq, arrival ns, return ns, op, event)`` of our collectives, finished spans'
     events before snapshots' (a snapshot copies a step's spans; its in-flight events have no return)."""
     out: dict[tuple[int, str], list] = defaultdict(list)
     events = collective_events(spans)
-    for event in sorted(events, key=lambda event: is_snapshot(event["span"])):
-        attrs = event["attributes"]
-        seq = attrs.get(semconv.COLLECTIVE_SEQ)
-        if not isinstance(seq, int) or isinstance(seq, bool):
-            continue
-        group = str(attrs.get(semconv.PROCESS_GROUP_NAME, ""))
-        out[(event["rank"], group)].append((seq, issued_ns(event), event["time_ns"], event["name"], event))
+    for event in sorted(events, key=lambda event: is_snapshot(event.span)):
+        seq = event.seq
+        if seq is not None:
+            out[(event.rank, event.group)].append((seq, event.issued_ns, event.time_ns, event.name, event))
     return out
 
 
@@ -299,12 +296,15 @@ def join(spans: list[dict], dumps: list[dict[str, Any]]) -> dict[str, Any]:
                 facts = dict(entry, rank=rank, seq=seq if found else None)
                 if found is not None:
                     joined += 1
-                    attrs, span = found[4]["attributes"], found[4]["span"]
+                    event, span = found[4], found[4].span
+                    module, pass_ = event.module, event.pass_
                     facts |= {"our_op": found[3],
                               "agrees": found[3] == entry["op"] if entry["op"] in _KNOWN_OPS else None,
-                        "module": str(attrs.get(semconv.MODULE_FQN, span["attributes"].get(semconv.MODULE_FQN, ""))),
-                        "pass": str(attrs.get(semconv.MODULE_PASS, span["attributes"].get(semconv.MODULE_PASS, ""))),
-                        "step": steps.step(span), "why": _why(attrs)}
+                              "module": module if module is not None else str(
+                                  span["attributes"].get(semconv.MODULE_FQN, "")),
+                              "pass": pass_ if pass_ is not None else str(
+                                  span["attributes"].get(semconv.MODULE_PASS, "")),
+                              "step": steps.step(span), "why": _why(event.attributes)}
                 out_entries.append(facts)
     last: dict[tuple[int, str], dict] = {}
     for entry in out_entries:

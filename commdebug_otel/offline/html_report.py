@@ -339,10 +339,10 @@ def module_traffic(spans: list[dict]) -> dict[str, dict[str, dict[str, int]]]:
     (then count, then name); ``torch.collective.bytes`` missing counts 0 bytes."""
     table: dict[str, dict[str, dict[str, int]]] = defaultdict(dict)
     for event in summary.collective_events(_finished(spans)):
-        place = event["span"]["attributes"].get(semconv.MODULE_FQN) or event["span"]["name"]
-        cell = table[place].setdefault(event["attributes"][semconv.COLLECTIVE_OP], {"count": 0, "bytes": 0})
+        place = event.span["attributes"].get(semconv.MODULE_FQN) or event.span["name"]
+        cell = table[place].setdefault(event.op, {"count": 0, "bytes": 0})
         cell["count"] += 1
-        cell["bytes"] += int(event["attributes"].get(semconv.COLLECTIVE_BYTES, 0) or 0)
+        cell["bytes"] += event.nbytes
 
     def total(place: str, key: str) -> int:
         return sum(cell[key] for cell in table[place].values())

@@ -9,7 +9,7 @@ Spans are the dicts :class:`.otlp_json.SpanReader` yields (or any dicts with the
   without recursion. A span whose parent is not among the spans is a root; so is a span that
   is its own parent, and where parents form a loop, the span where a walk up the loop first
   comes back (its parent link is dropped): walks always end, whatever the files say.
-* :func:`issued_ns`: a collective's **arrival**, when its rank's CPU began issuing it. The
+* :attr:`CollectiveEvent.issued_ns`: a collective's **arrival**, when its rank's CPU began issuing it. The
   event is stamped when the call returned; the issue duration is taken off. Both commands
   measure lateness on arrivals: the time the others waited for this rank (docs/diagnosis.md).
 """
@@ -29,9 +29,9 @@ from typing import Any, TypeVar
 from commdebug_otel import semconv
 from commdebug_otel.core.fact import P2P
 
-__all__ = ["P2P", "Arrivals", "SpanIndex", "arrival_matches", "collective_events", "column", "counted_seqs",
-           "finished_spans", "group_size", "index_of", "is_complete", "is_snapshot", "issued_ns", "once", "own_step",
-           "p2p_pairs", "reusing", "warmup_step", "warmup_steps"]
+__all__ = ["P2P", "Arrivals", "CollectiveEvent", "SpanIndex", "arrival_matches", "collective_events", "column",
+           "counted_seqs", "finished_spans", "index_of", "is_complete", "is_snapshot", "once", "own_step", "p2p_pairs",
+           "reusing", "warmup_step", "warmup_steps"]
 
 _T = TypeVar("_T")
 _REUSED: ContextVar[dict | None] = ContextVar("commdebug_otel_offline_reused", default=None)
@@ -167,20 +167,9 @@ def _finished_in(spans: list[dict]) -> list[dict]:
             for span in spans if not is_snapshot(span)]
 
 
-def issued_ns(event: dict) -> int:
-    """A collective's arrival (ns since the epoch): when the CPU began issuing the op. The event is
-    stamped when the call returned; ``torch.collective.issue_duration_s`` is taken off."""
-    return event["time_ns"] - round(float(event["attributes"].get(semconv.COLLECTIVE_DURATION, 0.0)) * 1e9)
-
-
-def group_size(event: dict) -> int:
-    """The ``torch.process_group.size`` of a collective event (1 when not recorded)."""
-    return int(event["attributes"].get(semconv.PROCESS_GROUP_SIZE, 1))
-
-
-def is_complete(events: dict[int, dict]) -> bool:
+def is_complete(events: dict[int, CollectiveEvent]) -> bool:
     """A match (``{rank: event}``) that holds as many ranks as its group's size."""
-    return len(events) == group_size(next(iter(events.values())))
+    return len(events) == next(iter(events.values())).group_size
 
 
 class SpanIndex:
@@ -264,19 +253,19 @@ class SpanIndex:
             node = self._parent[id(node)]
 
 
-def collective_events(spans: list[dict], rank: int | None = None) -> list[dict[str, Any]]:
+def collective_events(spans: list[dict], rank: int | None = None) -> list[CollectiveEvent]:
     """Collective events (those with ``torch.collective.op``), oldest first (by the time the call returned).
 
     Returns:
-        ``[{"rank", "time_ns", "name", "attributes", "span"}]``; ``span`` is the owning span dict.
-        Within :func:`reusing`, every rank's are found once per list (do not change the list returned).
+        :class:`CollectiveEvent` of each. Within :func:`reusing`, every rank's are found once per list (do not
+        change the list returned).
     """
     if rank is None:
         return once("collective_events", spans, lambda: _collective_events(spans, None))
     return _collective_events(spans, rank)
 
 
-def _collective_events(spans: list[dict], rank: int | None) -> list[dict[str, Any]]:
+def _collective_events(spans: list[dict], rank: int | None) -> list[CollectiveEvent]:
     found = []
     for order, span in enumerate(spans):
         if rank is not None and span["rank"] != rank:
@@ -285,23 +274,115 @@ def _collective_events(spans: list[dict], rank: int | None) -> list[dict[str, An
             if semconv.COLLECTIVE_OP in event["attributes"]:
                 found.append((event["time_ns"], order, number, event, span))
     found.sort()  # (time, order, number) are never equal: the dicts are never compared
-    return [_Collective(span["rank"], time_ns, event["name"], event["attributes"], span).__dict__
+    return [CollectiveEvent(span["rank"], time_ns, event["name"], event["attributes"], span)
             for time_ns, _, _, event, span in found]
 
 
-class _Collective:
-    """A collective event's fields: the ``__dict__`` of each is a plain dict, which CPython keeps in about
-    half the memory when all got the same keys in the same order (a 1,024-rank job has half a million)."""
+def _integer(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
-    def __init__(self, rank: int, time_ns: int, name: str, attributes: dict, span: dict) -> None:
+
+class CollectiveEvent:
+    """One exported collective event, as every offline command reads it: the one place that decodes its
+    attributes (a 1,024-rank job has half a million: a slotted record, each field read from the exported
+    attributes when asked, holds no copy of them).
+
+    ``rank``; ``time_ns``: when the call returned (the event's time); ``name``: the op (the event's name);
+    ``attributes``: as exported (read back by ``otlp_json``); ``span``: the owning span dict. What an event leaves
+    out reads as unknown: ``""``, ``()``, 0, None.
+    """
+
+    __slots__ = ("attributes", "name", "rank", "span", "time_ns")
+
+    def __init__(self, rank: int, time_ns: int, name: str, attributes: Mapping[str, Any], span: dict) -> None:
         self.rank = rank
         self.time_ns = time_ns
         self.name = name
         self.attributes = attributes
         self.span = span
 
+    @property
+    def op(self) -> str:
+        """``torch.collective.op`` (the event's name where missing)."""
+        return str(self.attributes.get(semconv.COLLECTIVE_OP, self.name))
 
-def counted_seqs(events: Iterable[dict]) -> Iterator[tuple[dict, str, int | None]]:
+    @property
+    def overload(self) -> str:
+        """The dispatcher op (``torch.op.name``; the event's name where missing)."""
+        return str(self.attributes.get(semconv.OP_NAME, self.name))
+
+    @property
+    def group(self) -> str:
+        """Its process group's name ("" when not recorded)."""
+        return str(self.attributes.get(semconv.PROCESS_GROUP_NAME, ""))
+
+    @property
+    def group_size(self) -> int:
+        """``torch.process_group.size`` (1 when not recorded)."""
+        return int(self.attributes.get(semconv.PROCESS_GROUP_SIZE, 1))
+
+    @property
+    def seq(self) -> int | None:
+        """``torch.collective.seq``: collectives the rank issued on the group before (send/recv counted); None
+        when not recorded (or not an integer)."""
+        return _integer(self.attributes.get(semconv.COLLECTIVE_SEQ))
+
+    @property
+    def peer(self) -> int | None:
+        """A send's destination or a recv's source, a rank in the group; None when not recorded (or not an
+        integer)."""
+        return _integer(self.attributes.get(semconv.COLLECTIVE_PEER))
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes (``torch.collective.bytes``; 0 when not recorded)."""
+        return int(self.attributes.get(semconv.COLLECTIVE_BYTES, 0) or 0)
+
+    @property
+    def dtype(self) -> str:
+        """The payload's dtype ("" when not recorded)."""
+        return str(self.attributes.get(semconv.COLLECTIVE_DTYPE, ""))
+
+    @property
+    def shape(self) -> Sequence[int]:
+        """The payload's shape as exported (``()`` when not recorded)."""
+        return self.attributes.get(semconv.COLLECTIVE_SHAPE, ())
+
+    @property
+    def reduce_op(self) -> str:
+        """``sum``... ("" when none)."""
+        return str(self.attributes.get(semconv.COLLECTIVE_REDUCE_OP, ""))
+
+    @property
+    def module(self) -> str | None:
+        """The owning module's FQN as the event says it (None when it says none: its span's, if any)."""
+        fqn = self.attributes.get(semconv.MODULE_FQN)
+        return None if fqn is None else str(fqn)
+
+    @property
+    def pass_(self) -> str | None:
+        """``torch.module.pass`` as the event says it (None when it says none)."""
+        pass_ = self.attributes.get(semconv.MODULE_PASS)
+        return None if pass_ is None else str(pass_)
+
+    @property
+    def fake(self) -> bool:
+        """A FakeTensor or meta-device payload: no traffic."""
+        return self.attributes.get(semconv.COLLECTIVE_FAKE) is True
+
+    @property
+    def duration_s(self) -> float:
+        """The CPU time spent issuing it (``torch.collective.issue_duration_s``; 0.0 when not recorded)."""
+        return float(self.attributes.get(semconv.COLLECTIVE_DURATION, 0.0))
+
+    @property
+    def issued_ns(self) -> int:
+        """Its arrival (ns since the epoch): when the CPU began issuing the op. The event is stamped when the call
+        returned; ``torch.collective.issue_duration_s`` is taken off."""
+        return self.time_ns - round(self.duration_s * 1e9)
+
+
+def counted_seqs(events: Iterable[CollectiveEvent]) -> Iterator[tuple[CollectiveEvent, str, int | None]]:
     """Each of ``events`` (collective events in the order their ranks issued them) with its process group name
     and its seq counted without point-to-point ops: the key that matches one collective across ranks.
 
@@ -311,13 +392,12 @@ def counted_seqs(events: Iterable[dict]) -> Iterator[tuple[dict, str, int | None
     """
     p2p_before: Counter = Counter()  # (rank, group) -> point-to-point ops issued so far
     for event in events:
-        attrs = event["attributes"]
-        group = str(attrs.get(semconv.PROCESS_GROUP_NAME, ""))
-        seq = None
-        if event["name"] in P2P:
-            p2p_before[(event["rank"], group)] += 1
-        elif semconv.COLLECTIVE_SEQ in attrs:
-            seq = int(attrs[semconv.COLLECTIVE_SEQ]) - p2p_before[(event["rank"], group)]
+        group, seq = event.group, event.seq
+        if event.name in P2P:
+            p2p_before[(event.rank, group)] += 1
+            seq = None
+        elif seq is not None:
+            seq -= p2p_before[(event.rank, group)]
         yield event, group, seq
 
 
@@ -329,26 +409,26 @@ class Arrivals:
     ``step_starts``: ``{step: its train_step's start}`` (for :meth:`window_start`).
 
     ``groups``, ``seqs`` (the seq counted without send/recv, :func:`counted_seqs`; None for
-    send/recv and events without a seq), ``issued`` (:func:`issued_ns`), ``returned`` (the event's
+    send/recv and events without a seq), ``issued`` (:attr:`CollectiveEvent.issued_ns`), ``returned`` (the event's
     time), ``steps`` (of its span; None outside steps), ``sizes`` (its group's size), ``peers``
     (``(op, peer's group rank)`` of a ``send`` or ``recv`` with a peer, else None: :func:`p2p_pairs`).
     """
 
-    def __init__(self, events: list[dict], steps: SpanIndex, step_starts: dict[int, int]) -> None:
+    def __init__(self, events: list[CollectiveEvent], steps: SpanIndex, step_starts: dict[int, int]) -> None:
         groups, seqs, issued, returned, in_steps, sizes, peers = [], [], [], [], [], [], []
         for event, group, seq in counted_seqs(events):
-            peer = event["attributes"].get(semconv.COLLECTIVE_PEER)
-            peers.append((event["name"], int(peer)) if event["name"] in (semconv.SEND, semconv.RECV)
-                         and peer is not None else None)
+            peer = event.peer
+            peers.append((event.name, peer) if event.name in (semconv.SEND, semconv.RECV) and peer is not None
+                         else None)
             groups.append(group)
             seqs.append(seq)
-            issued.append(issued_ns(event))
-            returned.append(event["time_ns"])
-            in_steps.append(steps.step(event["span"]))
-            sizes.append(group_size(event))
+            issued.append(event.issued_ns)
+            returned.append(event.time_ns)
+            in_steps.append(steps.step(event.span))
+            sizes.append(event.group_size)
         self.groups, self.seqs, self.steps, self.sizes, self.peers = groups, seqs, in_steps, sizes, peers
         #: Its sends and recvs (pipeline waits pair them).
-        self.p2p = sum(event["name"] in (semconv.SEND, semconv.RECV) for event in events)
+        self.p2p = sum(event.name in (semconv.SEND, semconv.RECV) for event in events)
         self.issued, self.returned = column(issued), column(returned)
         # Arrivals by time (a step None before an int where times tie), to find the window before one.
         order = sorted(range(len(issued)), key=lambda i: (issued[i], in_steps[i] is not None, in_steps[i] or 0))

@@ -17,7 +17,6 @@ from commdebug_otel.offline.model import (
     Arrivals,
     collective_events,
     finished_spans,
-    group_size,
     index_of,
     is_snapshot,
     reusing,
@@ -92,18 +91,17 @@ def _totals(spans: list[dict], finished: list[dict]
     groups: dict[int, dict[str, tuple[int, int, int]]] = defaultdict(dict)
     in_steps: dict[int, list[int | None]] = defaultdict(list)
     for event in collective_events(finished):
-        rank, span = event["rank"], event["span"]
+        rank, span = event.rank, event.span
         if tails:
             span = original[id(span)]
         world = int(span["resource"].get(semconv.WORLD_SIZE, 0))
-        groups[rank][str(event["attributes"].get(semconv.PROCESS_GROUP_NAME, ""))] = (
-            len(in_steps[rank]), group_size(event), world)
+        groups[rank][event.group] = (len(in_steps[rank]), event.group_size, world)
         step = steps.step(span)
         in_steps[rank].append(step)
-        nbytes = int(event["attributes"].get(semconv.COLLECTIVE_BYTES, 0))
+        nbytes = event.nbytes
         for key in (ALL, step):
             total = totals[rank].setdefault(key, [0, 0, Counter()])
             total[0] += 1
             total[1] += nbytes
-            total[2][event["name"]] += 1
+            total[2][event.name] += 1
     return totals, groups, in_steps

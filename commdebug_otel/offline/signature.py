@@ -76,7 +76,7 @@ from typing import Any
 from commdebug_otel import semconv
 from commdebug_otel.core.fact import PASS_NONE, ranges_text
 from commdebug_otel.offline import EXIT_DONE, EXIT_UNREADABLE, write_output
-from commdebug_otel.offline.model import SpanIndex, collective_events, is_snapshot, process_of
+from commdebug_otel.offline.model import CollectiveEvent, SpanIndex, collective_events, is_snapshot, process_of
 from commdebug_otel.offline.otlp_json import SpanReader
 
 __all__ = ["EDGES", "FORMAT", "KEY_FIELDS", "MAX_SIGNATURE_BYTES", "SignatureError", "Tally", "TypicalStep", "build",
@@ -143,17 +143,17 @@ def _text(value: Any) -> str:
     return str(value)
 
 
-def _entry_key(event: dict) -> Key:
-    attributes = event["attributes"]
-    span = event["span"]
+def _entry_key(event: CollectiveEvent) -> Key:
+    attributes = event.attributes
+    span = event.span
     span_attributes = span["attributes"]
     return (
         _text(span_attributes.get(semconv.MODULE_FQN) or span["name"]),
-        _text(attributes.get(semconv.MODULE_PASS) or span_attributes.get(semconv.MODULE_PASS) or PASS_NONE),
-        _text(attributes.get(semconv.COLLECTIVE_OP, event["name"])),
-        _text(attributes.get(semconv.PROCESS_GROUP_NAME)),
+        _text(event.pass_ or span_attributes.get(semconv.MODULE_PASS) or PASS_NONE),
+        event.op,
+        event.group,
         _text(attributes.get(semconv.DEVICE_MESH_DIM_NAME)),
-        _text(attributes.get(semconv.COLLECTIVE_DTYPE)),
+        event.dtype,
         _text(attributes.get(semconv.DTENSOR_CAUSE)),
         _text(attributes.get(semconv.DTENSOR_SOURCE_PLACEMENTS)),
         _text(attributes.get(semconv.DTENSOR_TARGET_PLACEMENTS)),
@@ -182,34 +182,33 @@ def tally_spans(spans: list[dict], whole: bool = False, times: bool = False) -> 
         step = index.step(span)
         if step is not None:
             tallies[span["rank"]].steps.setdefault(step, {})
-    outside: list[tuple[dict, Key]] = []
+    outside: list[tuple[CollectiveEvent, Key]] = []
     for event in collective_events(spans):
-        attributes = event["attributes"]
-        if attributes.get(semconv.COLLECTIVE_FAKE) is True:
+        if event.fake:
             continue
-        step = index.step(event["span"])
+        step = index.step(event.span)
         if step is None and not whole:
             continue
         key = _entry_key(event)
-        tally = tallies[event["rank"]]
+        tally = tallies[event.rank]
         if step is None:
             outside.append((event, key))
         else:
-            _add(tally.steps.setdefault(step, {}), key, attributes)
+            _add(tally.steps.setdefault(step, {}), key, event.nbytes)
         if times:
-            tally.durations_s.setdefault(key, []).append(float(attributes.get(semconv.COLLECTIVE_DURATION, 0.0)))
+            tally.durations_s.setdefault(key, []).append(event.duration_s)
     for event, key in outside:
-        steps = tallies[event["rank"]].steps
-        _add(steps.setdefault(min(steps, default=0), {}), key, event["attributes"])
+        steps = tallies[event.rank].steps
+        _add(steps.setdefault(min(steps, default=0), {}), key, event.nbytes)
     return dict(tallies)
 
 
-def _add(counts: dict[Key, list[int]], key: Key, attributes: dict) -> None:
+def _add(counts: dict[Key, list[int]], key: Key, nbytes: int) -> None:
     total = counts.get(key)
     if total is None:
         total = counts[key] = [0, 0]
     total[0] += 1
-    total[1] += int(attributes.get(semconv.COLLECTIVE_BYTES, 0))
+    total[1] += nbytes
 
 
 def _difference(step: Mapping[Key, Any], typical: StepCounts) -> StepCounts:

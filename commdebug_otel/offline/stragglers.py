@@ -65,6 +65,7 @@ from commdebug_otel.core.fact import BETWEEN_STEPS
 from commdebug_otel.offline.model import (
     WARMUP_SLOWER,
     Arrivals,
+    CollectiveEvent,
     SpanIndex,
     arrival_matches,
     collective_events,
@@ -233,9 +234,9 @@ def rank_times(spans: list[dict]) -> dict[int, RankTimes]:
             waited = span["attributes"].get(semconv.STEP_CPU_WAIT)
             if waited is not None:
                 cpu_wait[span["rank"]][step] = cpu_wait[span["rank"]].get(step, 0) + round(float(waited) * 1e9)
-    events: dict[int, list[dict]] = defaultdict(list)
+    events: dict[int, list[CollectiveEvent]] = defaultdict(list)
     for event in collective_events(finished):
-        events[event["rank"]].append(event)
+        events[event.rank].append(event)
     return {rank: RankTimes(Timeline(by_rank[rank]), Arrivals(events.get(rank, []), steps, step_starts.get(rank, {})),
                             cpu_wait.get(rank, {}), step_spans.get(rank, {}))
             for rank in sorted(by_rank)}
@@ -356,17 +357,16 @@ def late_records(times: dict[int, RankTimes], warmup: int | None, noise_floor_s:
                  ) -> tuple[list[Late], dict[int, set[int]]]:
     """The lateness records of ``times`` (:func:`rank_times`), and each rank's counted steps.
 
-    Each complete match (as many ranks as the group's size, at least two) of a step other than ``warmup``
-    counts. A rank's arrival ``a_r`` is when its CPU began issuing the op (:func:`.model.issued_ns`); the last
+    Each complete match (as many ranks as the group's size, at least two) of a step other than ``warmup`` counts. A
+    rank's arrival ``a_r`` is when its CPU began issuing the op (:attr:`.model.CollectiveEvent.issued_ns`); the last
     rank L is late by ``late = a_L - max(a_r, r != L)``. Its record's ``lost = min(late, max(late - carried,
-    extra))``: ``carried`` is the lateness it left its previous collective (this step or the one before) with
-    (at most how much later than the others that call returned: 0 after a blocking collective, all of it
-    after an asynchronous one), ``extra`` the time it spent over the others since then. Where: the window on
-    each rank from its previous arrival (or its ``train_step``'s start) up to this one is cut by innermost
-    span, and the (module, pass) where L spent most over the other ranks' median is named
-    (:data:`TRAIN_STEP`, :data:`BETWEEN_STEPS`; :data:`SPREAD` when no place but its summed extra time reaches
-    ``noise_floor_s``, :data:`UNATTRIBUTED` when not even that). A
-    ``late`` or ``lost`` under ``noise_floor_s`` is no record.
+    extra))``: ``carried`` is the lateness it left its previous collective (this step or the one before) with (at
+    most how much later than the others that call returned: 0 after a blocking collective, all of it after an
+    asynchronous one), ``extra`` the time it spent over the others since then. Where: the window on each rank from
+    its previous arrival (or its ``train_step``'s start) up to this one is cut by innermost span, and the (module,
+    pass) where L spent most over the other ranks' median is named (:data:`TRAIN_STEP`, :data:`BETWEEN_STEPS`;
+    :data:`SPREAD` when no place but its summed extra time reaches ``noise_floor_s``, :data:`UNATTRIBUTED` when not
+    even that). A ``late`` or ``lost`` under ``noise_floor_s`` is no record.
 
     Returns:
         ``(records, {rank: steps where it took part in a complete match})``.

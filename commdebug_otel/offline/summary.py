@@ -46,12 +46,12 @@ from commdebug_otel.offline import EXIT_DONE, EXIT_NOT_THERE, EXIT_UNREADABLE
 from commdebug_otel.offline.load import load_for_command, load_spans, ranked_spans
 from commdebug_otel.offline.model import P2P as _P2P
 from commdebug_otel.offline.model import (
+    CollectiveEvent,
     SpanIndex,
     arrival_matches,
     collective_events,
     index_of,
     is_snapshot,
-    issued_ns,
     own_step,
     process_of,
     reusing,
@@ -138,10 +138,9 @@ def step_spans(spans: list[dict], step: int) -> list[dict]:
 # -------------------------------------------------------------- module counts
 
 
-def _event_pass(event: dict) -> str:
+def _event_pass(event: CollectiveEvent) -> str:
     """The ``torch.module.pass`` of a collective: the event's own, else its span's (forward if neither)."""
-    return event["attributes"].get(semconv.MODULE_PASS) or event["span"]["attributes"].get(
-        semconv.MODULE_PASS, _FORWARD)
+    return event.pass_ or event.span["attributes"].get(semconv.MODULE_PASS, _FORWARD)
 
 
 def _count_collectives(report: CommReport, spans: list[dict], rank: int, index: SpanIndex) -> None:
@@ -154,10 +153,10 @@ def _count_collectives(report: CommReport, spans: list[dict], rank: int, index: 
     first: dict[int, dict[tuple[str, str], list[int]]] = defaultdict(dict)  # id(span) -> (key, packet) -> [n, order]
     seen: set[int] = set()
     for order, event in enumerate(collective_events(spans, rank)):
-        packet = packet_name(event["attributes"].get(semconv.OP_NAME, event["name"]))
+        packet = packet_name(event.overload)
         pass_ = _event_pass(event)
-        span = event["span"]
-        node = span
+        span = event.span
+        node: dict | None = span
         while node is not None and id(node) not in seen and (fqn := _fqn(node)):  # as the chains meet them
             seen.add(id(node))
             report.counts_of(fqn)
@@ -357,10 +356,10 @@ def rank_totals(spans: list[dict], reads: dict[int, RankRead] | None = None,
         rank: {"events": 0, "bytes": 0, "by_op": Counter()} for rank in _ranks(spans)}
     if reads is None:
         for event in collective_events(spans):
-            total = totals[event["rank"]]
+            total = totals[event.rank]
             total["events"] += 1
-            total["bytes"] += int(event["attributes"].get(semconv.COLLECTIVE_BYTES, 0))
-            total["by_op"][event["name"]] += 1
+            total["bytes"] += event.nbytes
+            total["by_op"][event.name] += 1
     else:
         for rank, total in totals.items():
             found = reads[rank].totals.get(step) if rank in reads else None
@@ -384,10 +383,10 @@ def lateness(spans: list[dict], step: int | None = None, include_warmup: bool = 
 
     Matching is :func:`.model.arrival_matches`'s: by (process group name, seq counted without send/recv);
     point-to-point ops are no collectives (see :func:`pipeline_waits`). A rank's lateness in a match is its
-    arrival (when its CPU began issuing the collective, :func:`.model.issued_ns`) minus the earliest rank's
-    (ns): the time the others waited for it. A match is complete when as many ranks as the group's size took
-    part. ``step``: only collectives of that training step (matched over all of ``spans``); without it,
-    every collective but those of the warm-up steps (:func:`.model.warmup_step`: start-up skew and
+    arrival (when its CPU began issuing the collective, :attr:`.model.CollectiveEvent.issued_ns`) minus the
+    earliest rank's (ns): the time the others waited for it. A match is complete when as many ranks as the
+    group's size took part. ``step``: only collectives of that training step (matched over all of ``spans``);
+    without it, every collective but those of the warm-up steps (:func:`.model.warmup_step`: start-up skew and
     warm-up), unless ``include_warmup``. Collectives outside every step count (a pipeline schedule's loss
     all_reduce can be one).
 
@@ -442,7 +441,7 @@ def straggler_answer(spans: list[dict], include_warmup: bool = False,
     return find(spans, noise_floor_s, include_warmup, times)
 
 
-def _group_members(events: list[dict]) -> dict[str, Sequence[int] | None]:
+def _group_members(events: list[CollectiveEvent]) -> dict[str, Sequence[int] | None]:
     """Process group name -> its global ranks in group-rank order, or None where the files cannot tell.
 
     torch orders a group's ranks ascending (``new_group`` sorts them), so a group whose
@@ -452,10 +451,10 @@ def _group_members(events: list[dict]) -> dict[str, Sequence[int] | None]:
     sizes: dict[str, int] = {}
     worlds: dict[str, int] = {}
     for event in events:
-        group = str(event["attributes"].get(semconv.PROCESS_GROUP_NAME, ""))
-        seen[group].add(event["rank"])
-        sizes[group] = int(event["attributes"].get(semconv.PROCESS_GROUP_SIZE, 1))
-        worlds[group] = int(event["span"]["resource"].get(semconv.WORLD_SIZE, 0))
+        group = event.group
+        seen[group].add(event.rank)
+        sizes[group] = event.group_size
+        worlds[group] = int(event.span["resource"].get(semconv.WORLD_SIZE, 0))
     return _members(seen, sizes, worlds)
 
 
@@ -514,32 +513,32 @@ def pipeline_waits(spans: list[dict], step: int | None = None,
     members = _group_members(events) if reads is None else _members_read(reads)
     index = index_of(spans) if step is not None else None
 
-    def in_step(event: dict, partner: dict | None = None) -> bool:
+    def in_step(event: CollectiveEvent, partner: CollectiveEvent | None = None) -> bool:
         if index is None:
             return True
         # A recv posted before the next step's forward lies in the step before's tail: the next step's data.
-        own = None if event["span"]["name"] == semconv.SPAN_TRAIN_STEP_TAIL else index.step(event["span"])
-        return (own if own is not None or partner is None else index.step(partner["span"])) == step
+        own = None if event.span["name"] == semconv.SPAN_TRAIN_STEP_TAIL else index.step(event.span)
+        return (own if own is not None or partner is None else index.step(partner.span)) == step
 
-    queues: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: {semconv.SEND: [], semconv.RECV: []})
+    queues: dict[tuple, dict[str, list[CollectiveEvent]]] = defaultdict(lambda: {semconv.SEND: [], semconv.RECV: []})
     unmatched = {semconv.SEND: 0, semconv.RECV: 0}
     for event in events:
-        attrs = event["attributes"]
-        if event["name"] not in unmatched or semconv.COLLECTIVE_PEER not in attrs:
+        peer = event.peer
+        if event.name not in unmatched or peer is None:
             continue
-        group = str(attrs.get(semconv.PROCESS_GROUP_NAME, ""))
-        ranks, peer = members.get(group), int(attrs[semconv.COLLECTIVE_PEER])
+        group = event.group
+        ranks = members.get(group)
         if ranks is None or not 0 <= peer < len(ranks):
-            unmatched[event["name"]] += in_step(event)
+            unmatched[event.name] += in_step(event)
             continue
-        ends = (event["rank"], ranks[peer]) if event["name"] == semconv.SEND else (ranks[peer], event["rank"])
-        queues[(group, *ends)][event["name"]].append(event)
+        ends = (event.rank, ranks[peer]) if event.name == semconv.SEND else (ranks[peer], event.rank)
+        queues[(group, *ends)][event.name].append(event)
     rows: dict[tuple[int, str], list[int]] = defaultdict(list)
     for (group, _, _), queue in queues.items():
         sends, recvs = queue[semconv.SEND], queue[semconv.RECV]
         for send, recv in zip(sends, recvs, strict=False):
             if in_step(recv, send):
-                rows[(recv["rank"], group)].append(max(0, issued_ns(send) - issued_ns(recv)))
+                rows[(recv.rank, group)].append(max(0, send.issued_ns - recv.issued_ns))
         for name, left in ((semconv.SEND, sends[len(recvs):]), (semconv.RECV, recvs[len(sends):])):
             unmatched[name] += sum(map(in_step, left))
     per_stage = [{
@@ -560,8 +559,8 @@ def top_collectives(spans: list[dict], rank: int = 0, limit: int = 10) -> list[d
     """
     totals: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
     for event in collective_events(spans, rank):
-        total = totals[(event["name"], event["span"]["name"])]
-        total[0] += int(event["attributes"].get(semconv.COLLECTIVE_BYTES, 0))
+        total = totals[(event.name, event.span["name"])]
+        total[0] += event.nbytes
         total[1] += 1
     ranked = sorted(totals.items(), key=lambda item: (-item[1][0], -item[1][1], item[0]))
     return [{"op": op, "module": module, "bytes": nbytes, "count": count}
