@@ -185,3 +185,19 @@ def test_a_recv_posted_in_the_step_before_waits_out_the_pipelines_fill_not_a_str
         ]
     answer = stragglers.find(spans)
     assert answer["lateness"] == [] and answer["stragglers"] == []
+
+
+def test_a_row_late_in_few_steps_must_stand_far_out_of_the_noise_and_one_late_in_most_need_not():
+    # 2 ranks, 30 steps, a 1 ms floor and no other lateness: the cut is the floor. Rank 0 late in 5 of the 27
+    # steps from its first late one (p = 3e-3 x 1 row, significant): at 2 ms (2 cuts) that is the noise's tail of a
+    # rank with more to do, at 4 ms (4 cuts >= MIN_EFFECT_SPARSE) a straggler. Late in every step from step 20 (a
+    # fail-slow), 2 ms is one (>= MIN_EFFECT): 10 of the 10 steps since its first late one.
+    seen = {rank: set(range(30)) for rank in (0, 1)}
+
+    def rows(steps, ms):
+        return [(row["rank"], row["steps_late"]) for row in stragglers.judge(
+            [Late(0, step, stragglers.BETWEEN_STEPS, "", ms * MS, ms * MS, ms * MS) for step in steps], seen)]
+
+    assert rows((3, 9, 15, 21, 27), 2) == []
+    assert rows((3, 9, 15, 21, 27), 4) == [(0, 5)]
+    assert rows(range(20, 30), 2) == [(0, 10)]

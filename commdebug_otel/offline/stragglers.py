@@ -95,7 +95,8 @@ MIN_STEPS_LATE = 3
 #: A row whose typical late step (the median of its late cells) is under this many noise cuts is the noise's tail,
 #: not a straggler: on a starved host one rank's steps run just past the cut for a stretch.
 MIN_EFFECT = 1.5
-#: A row late in under half its steps (intermittent) needs a median late cell of this many noise cuts: a rare
+#: A row late in under half its steps from its first late one (intermittent; a fail-slow from mid-run is late in
+#: most of them) needs a median late cell of this many noise cuts: a rare
 #: excursion must stand far out to be told from the noise's tail, whose rate ``q`` is estimated from the other
 #: rows (on 2 ranks, one rank's steps), which a rank with more to do between collectives (rank 0, hosting the
 #: store) does not share. Healthy 2-rank jobs had rank 0 late in 3-5 of 35 steps by 1.5-2.8 cuts.
@@ -506,7 +507,7 @@ def judge(records: Iterable[Late], steps_seen: dict[int, set[int]], noise_floor_
     cell at every place, late or not: the null rate's denominator). ``noise_floor_s``: the least noise cut.
     ``min_effect``: the least median late cell, in noise cuts (1.0: none beyond the cut; the live verdict judges
     the effect over an episode's steps only); ``sparse_effect``: the same for a row late in under half its steps
-    (:data:`MIN_EFFECT_SPARSE`; the higher of the two counts).
+    from its first late one (:data:`MIN_EFFECT_SPARSE`; the higher of the two counts).
 
     Returns:
         the straggler rows, most ``lost_s`` first: ``{"rank", "module", "pass", "lost_s" (in its late steps),
@@ -558,7 +559,9 @@ def _test(cells: dict[tuple[int, str, str], dict[int, int]], steps_seen: dict[in
         p = binomial_sf(len(late), n, rate)
         if len(late) < MIN_STEPS_LATE or p * len(tested) > alpha:
             continue
-        effect = min_effect if 2 * len(late) >= n else max(min_effect, sparse_effect)
+        first = min(late)  # from its first late step: a fail-slow from mid-run is late in most steps since
+        since = sum(1 for step in steps_seen.get(rank, ()) if step >= first) or len(late)
+        effect = min_effect if 2 * len(late) >= since else max(min_effect, sparse_effect)
         if statistics.median(late.values()) < effect * cut:
             continue
         found[(rank, module, pass_)] = {
