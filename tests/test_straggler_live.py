@@ -261,6 +261,22 @@ def test_a_rank_a_little_late_every_other_step_up_to_its_fail_slow_is_named_with
     assert said == [("straggler", 31, (1,), 27)]
 
 
+@pytest.mark.parametrize("past, said", [((10, 12, 14, 16, 18), []), ((), [("straggler", 24, (0,), 22)])])
+def test_a_burst_as_late_as_the_rank_s_own_past_is_no_fail_slow(past, said):
+    # Rank 0 (it hosts the store and shares its core with a co-tenant) is 36 ms late in 5 of the 14 steps before
+    # a burst of 5 steps as late (22-26): that is its own noise, not a change (its rate of steps as late, 6/16,
+    # makes 5 of 5 likely enough over the window); with no such past, the same burst is named at its third step.
+    judge = StragglerJudge(2)
+    out = []
+    for step in range(WARMUP_STEPS, 50):
+        slow = {0: 36_000_000} if step in past or 22 <= step < 27 else {}
+        for rank, busy_ns in _busy(range(step, step + 1), slow, base_ns=40_000_000)[step].items():
+            judge.add(BusyRecord(rank, ((step, busy_ns),)))
+        out += [(verdict.kind, verdict.step, verdict.behind, verdict.since_step) for verdict in judge.judge()
+                if verdict.kind == "straggler"]
+    assert out == said
+
+
 def test_one_rank_recovering_leaves_another_named_until_its_own_recovery():
     judge = StragglerJudge(4)
     said = []
@@ -415,7 +431,9 @@ def test_commdebug_otel_run_with_torchrun_names_a_fail_slow_rank_then_its_module
     ``commdebug-otel run -- torchrun``, the verdict switched on from the environment, one step in 100 traced. Rank 0
     says on stderr which rank became slow within 6 steps of the onset, then, from the steps it asked to be traced,
     where: rank 1's first layer, forward. (DDP waits for its buckets in C++: the step's tail after its last bucket
-    is its wait.)"""
+    is its wait.) CI runs two tests at once on two cores: rank 0 may be slowed for a few steps by the other test
+    and named, then said recovered; how often a healthy rank is named is the accuracy benchmark's to measure
+    (docs/performance.md), here only that such a verdict does not last."""
     import pathlib
 
     from tests.distributed import free_port
@@ -429,18 +447,21 @@ def test_commdebug_otel_run_with_torchrun_names_a_fail_slow_rank_then_its_module
                            str(script), "70", str(ONSET), parallel], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    said = [line for line in done.stderr.splitlines() if "straggler verdict:" in line]
-    assert said and "straggler verdict: rank 1 is slow" in said[0], done.stderr[-4000:]
+    said = [line for line in done.stderr.splitlines() if "straggler verdict: rank 1 is slow" in line]
+    assert said, done.stderr[-4000:]
     verdicts = []
     for path in glob.glob(str(tmp_path / "run-*" / "traces-rank*.jsonl")):
         with open(path) as handle:
             verdicts += [span for line in handle for span in spans_from_otlp_json(line)
                          if span["name"] == semconv.SPAN_STRAGGLER_VERDICT]
     verdicts.sort(key=lambda span: span["attributes"][semconv.STEP])
-    first = verdicts[0]["attributes"]
-    assert first[semconv.VERDICT_KIND] == "straggler" and list(first[semconv.VERDICT_BEHIND_RANKS]) == [1]
-    assert ONSET <= first[semconv.STEP] <= ONSET + 6, first
-    placed = [span["attributes"] for span in verdicts if span["attributes"].get(semconv.VERDICT_MODULE)]
+    attrs = [span["attributes"] for span in verdicts]
+    mine = [a for a in attrs if list(a[semconv.VERDICT_BEHIND_RANKS]) == [1]]
+    assert mine and mine[0][semconv.VERDICT_KIND] == "straggler", attrs
+    assert ONSET <= mine[0][semconv.STEP] <= ONSET + 6, attrs
+    placed = [a for a in mine if a.get(semconv.VERDICT_MODULE)]
     assert placed and placed[0][semconv.VERDICT_MODULE].endswith(".0") \
-        and placed[0][semconv.VERDICT_PASS] == "forward", [span["attributes"] for span in verdicts]
-    assert all(list(span["attributes"][semconv.VERDICT_BEHIND_RANKS]) == [1] for span in verdicts)
+        and placed[0][semconv.VERDICT_PASS] == "forward", attrs
+    for named in (a for a in attrs if a not in mine and a[semconv.VERDICT_KIND] == "straggler"):
+        assert any(a[semconv.VERDICT_KIND] == "recovered" and a[semconv.VERDICT_BEHIND_RANKS] ==
+                   named[semconv.VERDICT_BEHIND_RANKS] and a[semconv.STEP] > named[semconv.STEP] for a in attrs), attrs

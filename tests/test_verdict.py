@@ -761,12 +761,45 @@ def test_ranks_publishing_at_different_steps_get_one_verdict_and_a_leader_that_l
         exchange.poll()
     assert exported == [(0, "hang", (1,), (0, 2, 3), 3)]
     exchanges[0].ended()
-    exchanges[1].publish(_record(1, step=3, module="C", groups={"0": (7, 7, "", 4)}), since_ns=2)
+    later = {"snapshot": 2, "time_ns": time.time_ns() + 10**6}  # taken after rank 0's stall ended
+    exchanges[1].publish(dataclasses.replace(_record(1, step=3, module="C", groups={"0": (7, 7, "", 4)}), **later),
+                         since_ns=2)
     for rank in (2, 3):
-        exchanges[rank].publish(dataclasses.replace(_record(rank, **waiting), snapshot=2), since_ns=1)
+        exchanges[rank].publish(dataclasses.replace(_record(rank, **waiting), **later), since_ns=1)
     for exchange in exchanges:
         exchange.poll()
     assert exported[1:] == [(1, "hang", (1,), (2, 3), 3)]
+
+
+def test_no_verdict_from_records_all_taken_before_a_rank_s_stall_ended():
+    """Ranks 0-2 wait in all_reduce #4, rank 3 holds the GIL: "missing". Rank 3's watchdog then runs and publishes
+    its stall (between steps) as the collective completes; rank 0's stall ends, and rank 1, now the lowest with a
+    record, would say rank 3 is behind and rank 0 silent, in a stall that is over: nothing more is said."""
+    import torch.distributed as dist
+
+    from commdebug_otel.stall.verdict import StoreExchange
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    exported = []
+    exchanges = [StoreExchange(lambda rank=rank: _info(rank, 4), lambda own: "job-5",
+                               lambda v, s, rank=rank: exported.append((rank, v.kind, v.behind)),
+                               lambda timeout_s: store, wait_s=0.0) for rank in range(4)]
+    waiting = {"groups": {"0": (4, 3, "", 4)}, "ring": [("all_reduce", "0", 4, "A")]}
+    for rank in (0, 1, 2):
+        exchanges[rank].publish(_record(rank, **waiting), since_ns=1)
+    exchanges[0].poll()
+    assert exported == [(0, "missing", (3,))]
+    now = time.time_ns()
+    exchanges[3].publish(dataclasses.replace(_record(3, between=True, groups={"0": (3, 3, "", 4)}), time_ns=now),
+                         since_ns=2)
+    exchanges[0].ended()
+    for exchange in exchanges:
+        exchange.poll()
+    assert exported == [(0, "missing", (3,))]
+    for exchange in exchanges:
+        exchange.stop()
+    assert store.num_keys() == 0
     for exchange in exchanges:
         exchange.stop()
     assert store.num_keys() == 0

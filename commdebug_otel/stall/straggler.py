@@ -280,6 +280,32 @@ def _sized(records: Iterable[Late], rank: int, since: int, cut_s: float) -> bool
     return bool(lost) and statistics.median(lost) >= stragglers.MIN_EFFECT * cut_s * 1e9
 
 
+def _changed(records: Iterable[Late], rank: int, since: int, steps: Iterable[int], cut_s: float, tested: int,
+             alpha: float) -> bool:
+    """Whether ``rank``'s episode from ``since`` is a change of its own, not more of its past: its ``k`` late
+    steps of the ``s`` from there are unlikely under its own rate ``q`` of steps as late (half the episode's
+    upper quartile or more) before ``since`` in the window: ``p = (n - s + 1) x P(Binomial(s, q) >= k)`` (the scan's
+    union bound), ``p x tested <= alpha``, ``q = (a + 1) / (b + 2)`` for ``a`` such steps of the ``b`` before.
+    The other ranks are the offline test's noise; a rank that shares its core, or hosts the store, is late
+    more often than they are, and a co-tenant's burst of a few steps would otherwise be named a fail-slow
+    (then recovered). A rank a little late now and then (under half the episode's lateness, and the episode may
+    begin with such steps) is not alike."""
+    mine: dict[int, int] = {}
+    for record in records:
+        if record.rank == rank:
+            mine[record.step] = mine.get(record.step, 0) + record.lost_ns
+    episode = [ns for step, ns in mine.items() if step >= since and ns > cut_s * 1e9]
+    if not episode:
+        return False
+    half = sorted(episode)[3 * len(episode) // 4] / 2
+    steps = sorted(steps)
+    before = sum(1 for step in steps if step < since)
+    alike = sum(1 for step, ns in mine.items() if step < since and ns >= half)
+    run = len(steps) - before
+    p = (len(steps) - run + 1) * stragglers.binomial_sf(len(episode), run, (alike + 1) / (before + 2))
+    return p * tested <= alpha
+
+
 def _judged(records: list[Late], seen: dict[int, set[int]], floor_s: float, alpha: float) -> list[dict[str, Any]]:
     """The offline test (:func:`~commdebug_otel.offline.stragglers.judge`) with no effect size: the live verdict
     asks its own, over an episode (:func:`_sized`)."""
@@ -388,7 +414,8 @@ class StragglerJudge:
         for rank, row in sorted(rows.items()):
             if rank not in self._named and row["late_steps"][-1] > newest - ONSET_GAP_STEPS:
                 since = _persistent_since(row["late_steps"], window, records, rank, row["noise_cut_s"])
-                if since is not None:  # persistent and large: a fail-slow
+                if since is not None and _changed(records, rank, since, window, row["noise_cut_s"], row["tested"],
+                                                  self.alpha):  # persistent, large, and new: a fail-slow
                     self._named[rank] = row
                     row["episode_lost_s"] = _episode_lost_s(records, rank, since, row["noise_cut_s"])
                     place = self._place(rank, since, window, records, floor_s)

@@ -19,7 +19,8 @@ the clock they share.
   their n-th snapshot's record: snapshots fall at T, 2T, 4T... of each rank's
   stall, so a round is the records sampled together, whatever step each rank
   is in), ``said`` (the last verdict exported, so a lower rank that publishes
-  late and takes over does not say it again) and ``left`` (cleanup).
+  late and takes over does not say it again), ``ended`` (when a rank's stall
+  last ended) and ``left`` (cleanup).
 
 One rank leads the whole job's stall (a subgroup's stuck rank and a world
 barrier's waiters get one verdict). It forms the verdict with the hang rule
@@ -30,7 +31,9 @@ once every rank published or :data:`VERDICT_WAIT_S` after its own record,
 whichever comes first, and again at each of its later snapshots once every rank
 that published has published that round too, or :data:`VERDICT_WAIT_S` after
 its own (so records of one round are read together); it exports a
-``stall_verdict`` span and one stderr line only when the verdict changed. The
+``stall_verdict`` span and one stderr line only when the verdict changed, and
+none from records all taken before a rank's stall ended (``ended``: the job
+may have moved on since). The
 span's ``torch.step`` is the lowest behind rank's own step (its stuck code runs
 there, and its ``stalled`` span is in that step's trace), else the leader's.
 Each rank deletes its record when its stall ends (or its tracer stops); the last
@@ -47,8 +50,9 @@ after each a look at the leader (a ``compare_set`` that reads it; a rank not
 leading checks that the leader's record is live, and takes over if not);
 the leader reads the round's count once per watchdog poll while it waits, then
 the index and every record in one ``multi_get`` (a check and a get per rank
-instead when a rank's record went since it was indexed). Nothing happens on
-healthy steps.
+instead when a rank's record went since it was indexed) and a check of
+``ended``; a rank whose stall ends makes a set, a delete and an add. Nothing
+happens on healthy steps.
 """
 
 from __future__ import annotations
@@ -286,6 +290,12 @@ class StoreExchange:
                     return
             self._decide_at = 0.0
             records = self._records(prefix)
+            if records and store.check([f"{prefix}ended"]) and \
+                    int(_text(store.get(f"{prefix}ended"))) >= max(record.time_ns for record in records.values()):
+                # A rank's stall ended after every record still up was taken (one published by a rank that held
+                # the GIL until now, say): they describe a stall its progress may have ended, and would call it
+                # silent. The ranks still stuck publish again at their next snapshot.
+                return
             absent = self._absent(set(range(info.world_size)) - set(records))
             verdict = form_verdict(records, info.world_size, self._step, absent)
             if verdict is None:
@@ -355,9 +365,10 @@ class StoreExchange:
             return
         try:
             store, rank = self._store, self._rank_of().rank
+            store.set(f"{prefix}ended", str(time.time_ns()))
             store.delete_key(f"{prefix}r/{rank}")
             if int(store.add(f"{prefix}left", 1)) >= int(store.add(f"{prefix}count", 0)):
-                for name in ("index", "count", "leader", "left", "said",
+                for name in ("index", "count", "leader", "left", "said", "ended",
                              *(f"round/{n}" for n in range(1, MAX_ROUNDS + 1))):
                     store.delete_key(f"{prefix}{name}")
         except Exception as error:
