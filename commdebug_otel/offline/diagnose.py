@@ -102,10 +102,6 @@ class _Issued(NamedTuple):
                 "module": self.module, "pass": self.pass_, "seq": self.seq}
 
 
-def _group(attrs: dict) -> str:
-    return str(attrs.get(semconv.PROCESS_GROUP_NAME, ""))
-
-
 def _checks(spans: list[dict]) -> dict[int, dict[str, Any]]:
     """What ``diagnose``'s checks keep of each rank in its :class:`.rank_read.RankRead`: ``prints`` (a 64-bit
     print of each record :func:`_issued_collectives` makes of what it issued: equal records, equal prints, so
@@ -189,8 +185,7 @@ def _snapshot(span: dict) -> dict[str, Any]:
         "issued_seq": dict(zip(groups, map(int, attrs.get(semconv.STALL_ISSUED_SEQ, [])))),
         "completed_seq": dict(zip(groups, map(int, attrs.get(semconv.STALL_COMPLETED_SEQ, [])))),
         "in_flight": [_collective(fact, attrs) for fact, attrs in in_flight],
-        "_sizes": {_group(event["attributes"]): int(event["attributes"][semconv.PROCESS_GROUP_SIZE])
-                   for event in span["events"] if semconv.PROCESS_GROUP_SIZE in event["attributes"]},
+        "_sizes": {fact.group.name: fact.group.size for _, fact in facts if fact.group.size},
         "trace_id": span["trace_id"], "world_size": int(span["resource"].get(semconv.WORLD_SIZE, 0)),
         "_end_ns": span["end_ns"],
     }

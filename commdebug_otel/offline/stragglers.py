@@ -564,13 +564,21 @@ def _test(cells: dict[tuple[int, str, str], dict[int, int]], steps_seen: dict[in
         effect = min_effect if 2 * len(late) >= since else max(min_effect, sparse_effect)
         if statistics.median(late.values()) < effect * cut:
             continue
-        found[(rank, module, pass_)] = {
-            "rank": rank, "module": module, "pass": pass_, "lost_s": sum(late.values()) / 1e9,
-            "steps_late": len(late), "steps_seen": n, "late_steps": sorted(late),
-            "late_min_s": min(late.values()) / 1e9, "late_max_s": max(late.values()) / 1e9,
-            "noise_cut_s": cut / 1e9, "null_rate": rate, "p_value": p, "tested": len(tested),
-            "statistic": STATISTIC}
+        found[(rank, module, pass_)] = found_row(Tested((rank, module, pass_), late, cut, rate), late, n, p,
+                                                 len(tested), STATISTIC)
     return found
+
+
+def found_row(row: Tested, late: Mapping[int, int], seen: int, p: float, tested: int, statistic: str
+              ) -> dict[str, Any]:
+    """:func:`judge`'s row of a found (rank, module, pass) ``row``: its late cells ``late`` (``{step: lost ns}``, the
+    ones counted) of ``seen`` steps, ``p`` before the correction over ``tested`` rows, by ``statistic``."""
+    rank, module, pass_ = row.key
+    return {"rank": rank, "module": module, "pass": pass_, "lost_s": sum(late.values()) / 1e9,
+            "steps_late": len(late), "steps_seen": seen, "late_steps": sorted(row.late),
+            "late_min_s": min(late.values()) / 1e9, "late_max_s": max(late.values()) / 1e9,
+            "noise_cut_s": row.cut_ns / 1e9, "null_rate": row.rate, "p_value": p, "tested": tested,
+            "statistic": statistic}
 
 
 def _tested(cells: dict[tuple[int, str, str], dict[int, int]], steps_seen: dict[int, set[int]],

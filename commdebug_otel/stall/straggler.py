@@ -320,7 +320,7 @@ def _scan_rows(records: list[Late], seen: dict[int, set[int]], window: Mapping[i
     q) >= k)`` (a union bound over the run's start), ``p x m <= alpha``. A fail-slow is a change: its late steps
     come in a run, which the window's binomial (blind to their order) weighs no more than as many scattered ones
     until many steps after the onset; rows as :func:`~commdebug_otel.offline.stragglers.judge`'s,
-    ``"statistic": "scan"``."""
+    ``"statistic": "scan"``, and ``"since"``: the run's first step."""
     tested = stragglers.tested_rows(records, seen, floor_s)
     steps = sorted(window)
     out = []
@@ -330,15 +330,11 @@ def _scan_rows(records: list[Late], seen: dict[int, set[int]], window: Mapping[i
         since = _persistent_since(late_steps, steps, records, rank, row.cut_ns / 1e9)
         if since is None:
             continue
-        late = [row.late[step] for step in late_steps if step >= since]
+        late = {step: row.late[step] for step in late_steps if step >= since}
         run = sum(1 for step in steps if step >= since)
         p = min(1.0, (len(steps) - run + 1) * stragglers.binomial_sf(len(late), run, row.rate))
         if p * len(tested) <= alpha:
-            out.append({"rank": rank, "module": row.key[1], "pass": row.key[2], "lost_s": sum(late) / 1e9,
-                        "steps_late": len(late), "steps_seen": run, "late_steps": late_steps,
-                        "late_min_s": min(late) / 1e9, "late_max_s": max(late) / 1e9,
-                        "noise_cut_s": row.cut_ns / 1e9, "null_rate": row.rate, "p_value": p, "tested": len(tested),
-                        "statistic": "scan"})
+            out.append(stragglers.found_row(row, late, run, p, len(tested), "scan") | {"since": since})
     return out
 
 
@@ -413,7 +409,8 @@ class StragglerJudge:
         out = []
         for rank, row in sorted(rows.items()):
             if rank not in self._named and row["late_steps"][-1] > newest - ONSET_GAP_STEPS:
-                since = _persistent_since(row["late_steps"], window, records, rank, row["noise_cut_s"])
+                since = row["since"] if "since" in row else _persistent_since(row["late_steps"], window, records,
+                                                                              rank, row["noise_cut_s"])
                 if since is not None and _changed(records, rank, since, window, row["noise_cut_s"], row["tested"],
                                                   self.alpha):  # persistent, large, and new: a fail-slow
                     self._named[rank] = row
