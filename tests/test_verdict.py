@@ -769,6 +769,9 @@ def test_ranks_publishing_at_different_steps_get_one_verdict_and_a_leader_that_l
     for exchange in exchanges:
         exchange.poll()
     assert exported[1:] == [(1, "hang", (1,), (2, 3), 3)]
+    for exchange in exchanges:
+        exchange.stop()
+    assert store.num_keys() == 0
 
 
 def test_no_verdict_from_records_all_taken_before_a_rank_s_stall_ended():
@@ -797,9 +800,6 @@ def test_no_verdict_from_records_all_taken_before_a_rank_s_stall_ended():
     for exchange in exchanges:
         exchange.poll()
     assert exported == [(0, "missing", (3,))]
-    for exchange in exchanges:
-        exchange.stop()
-    assert store.num_keys() == 0
     for exchange in exchanges:
         exchange.stop()
     assert store.num_keys() == 0
