@@ -272,15 +272,21 @@ def noise_floor_s(busy: Mapping[int, Mapping[int, int]]) -> float:
     return max(stragglers.NOISE_FLOOR_S, FLOOR_FRACTION * median_s)
 
 
+def _episode(records: Iterable[Late], rank: int, since: int, cut_s: float) -> list[int]:
+    """The ns ``rank`` cost the others in each of its late steps (beyond ``cut_s``) since step ``since`` (one
+    record per rank and step: :func:`late_from_busy`)."""
+    return [record.lost_ns for record in records if record.rank == rank and record.step >= since
+            and record.lost_ns > cut_s * 1e9]
+
+
 def _sized(records: Iterable[Late], rank: int, since: int, cut_s: float) -> bool:
     """Whether ``rank``'s late steps since ``since`` (beyond ``cut_s``) have a median of at least
     ``stragglers.MIN_EFFECT`` cuts: the offline model's effect size, over the episode."""
-    lost = [record.lost_ns for record in records if record.rank == rank and record.step >= since
-            and record.lost_ns > cut_s * 1e9]
+    lost = _episode(records, rank, since, cut_s)
     return bool(lost) and statistics.median(lost) >= stragglers.MIN_EFFECT * cut_s * 1e9
 
 
-def _changed(records: Iterable[Late], rank: int, since: int, steps: Iterable[int], cut_s: float, tested: int,
+def _changed(records: list[Late], rank: int, since: int, steps: Iterable[int], cut_s: float, tested: int,
              alpha: float) -> bool:
     """Whether ``rank``'s episode from ``since`` is a change of its own, not more of its past: its ``k`` late
     steps of the ``s`` from there are unlikely under its own rate ``q`` of steps as late (half the episode's
@@ -290,17 +296,13 @@ def _changed(records: Iterable[Late], rank: int, since: int, steps: Iterable[int
     more often than they are, and a co-tenant's burst of a few steps would otherwise be named a fail-slow
     (then recovered). A rank a little late now and then (under half the episode's lateness, and the episode may
     begin with such steps) is not alike."""
-    mine: dict[int, int] = {}
-    for record in records:
-        if record.rank == rank:
-            mine[record.step] = mine.get(record.step, 0) + record.lost_ns
-    episode = [ns for step, ns in mine.items() if step >= since and ns > cut_s * 1e9]
+    episode = _episode(records, rank, since, cut_s)
     if not episode:
         return False
     half = sorted(episode)[3 * len(episode) // 4] / 2
     steps = sorted(steps)
     before = sum(1 for step in steps if step < since)
-    alike = sum(1 for step, ns in mine.items() if step < since and ns >= half)
+    alike = sum(1 for record in records if record.rank == rank and record.step < since and record.lost_ns >= half)
     run = len(steps) - before
     p = (len(steps) - run + 1) * stragglers.binomial_sf(len(episode), run, (alike + 1) / (before + 2))
     return p * tested <= alpha
@@ -341,8 +343,7 @@ def _scan_rows(records: list[Late], seen: dict[int, set[int]], window: Mapping[i
 def _episode_lost_s(records: Iterable[Late], rank: int, since: int, cut_s: float) -> float:
     """Seconds per late step ``rank`` cost the others since step ``since``: the mean of its records there beyond
     ``cut_s`` (0.0 when none)."""
-    lost = [record.lost_ns for record in records if record.rank == rank and record.step >= since
-            and record.lost_ns > cut_s * 1e9]
+    lost = _episode(records, rank, since, cut_s)
     return sum(lost) / len(lost) / 1e9 if lost else 0.0
 
 
